@@ -1,0 +1,247 @@
+/*
+ * main.c: the qkeep command.
+ *
+ *   qkeep [-c CONFIG] [--json] COMMAND [ARGS]
+ *     version            the library version and plugin ABI
+ *     plugins            the backends found, their ABI and probe result
+ *     census [CKPT]      load CKPT (default: the config's checkpoint) and count it against the rules
+ *
+ * Exit status: 0 success, 1 failure (or rule violations found by census), 2 usage.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+#ifndef QKEEP_PKGDATADIR
+#define QKEEP_PKGDATADIR "/usr/local/share/qkeep"
+#endif
+
+struct options {
+  const char *config_path;
+  bool json;
+  bool help;
+  const char *command;
+  const char *args[8];
+  int n_args;
+};
+
+static const char usage_main[] =
+    "usage: qkeep [-c CONFIG] [--json] COMMAND [ARGS]\n"
+    "\n"
+    "Loads quantized checkpoints into a backend's kernel layout without losing a loaded param.\n"
+    "\n"
+    "commands:\n"
+    "  version        print the library version and the plugin ABI\n"
+    "  plugins        list the backends found, their ABI versions and whether their device is present\n"
+    "  census [CKPT]  load a checkpoint with the configured backend and count it against the rules\n"
+    "\n"
+    "options:\n"
+    "  -c, --config FILE  the INI config (default: $QKEEP_CONFIG, ./conf/qkeep.ini, " QKEEP_PKGDATADIR
+    "/qkeep.ini)\n"
+    "  --json             machine-readable output\n"
+    "  -h, --help         help (also after a command)\n";
+
+static const char usage_version[] = "usage: qkeep version [--json]\n\nPrints the library version and plugin ABI.\n";
+static const char usage_plugins[] =
+    "usage: qkeep [-c CONFIG] plugins [--json]\n"
+    "\n"
+    "Lists every backend-*.so in $QKEEP_PLUGIN_PATH, the config's plugin_dir and the install\n"
+    "directory, with its ABI version and probe result (is its device present?).\n";
+static const char usage_census[] =
+    "usage: qkeep [-c CONFIG] census [CKPT] [--json]\n"
+    "\n"
+    "Loads CKPT (a .safetensors file; default: [model] checkpoint of the config) with the\n"
+    "configured backend, runs its post-load pass, and prints the census: loader params,\n"
+    "missing, C1 and C2 violations, aliases, retired, released, kept bytes, and the digest.\n"
+    "Exits 1 when a rule is violated (missing, C1 or C2 non-zero).\n";
+
+static void log_to_stderr(void *user, enum qkeep_log_level level, const char *msg) {
+  (void)user;
+  static const char *names[] = {"error", "warning", "info", "debug"};
+  if (level <= QKEEP_LOG_WARN)
+    fprintf(stderr, "qkeep: %s: %s\n", names[level], msg);
+}
+
+static int fail(int code) {
+  const char *detail = qkeep_errmsg();
+  fprintf(stderr, "qkeep: %s%s%s\n", qkeep_strerror(code), *detail ? ": " : "", detail);
+  return 1;
+}
+
+static int parse_args(int argc, char **argv, struct options *o) {
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strcmp(a, "-c") == 0 || strcmp(a, "--config") == 0) {
+      if (++i >= argc) {
+        fprintf(stderr, "qkeep: %s needs a file\n", a);
+        return 2;
+      }
+      o->config_path = argv[i];
+    } else if (strcmp(a, "--json") == 0) {
+      o->json = true;
+    } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      o->help = true;
+    } else if (a[0] == '-' && a[1]) {
+      fprintf(stderr, "qkeep: unknown option '%s'\n", a);
+      return 2;
+    } else if (!o->command) {
+      o->command = a;
+    } else if (o->n_args < 8) {
+      o->args[o->n_args++] = a;
+    } else {
+      fprintf(stderr, "qkeep: too many arguments\n");
+      return 2;
+    }
+  }
+  return 0;
+}
+
+/* The config to use: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
+static int load_config(const struct options *o, qkeep_config **cfg) {
+  const char *path = o->config_path;
+  if (!path)
+    path = getenv("QKEEP_CONFIG");
+  if (!path)
+    path = access("conf/qkeep.ini", R_OK) == 0 ? "conf/qkeep.ini" : QKEEP_PKGDATADIR "/qkeep.ini";
+  return qkeep_config_load(path, cfg);
+}
+
+static int cmd_version(const struct options *o) {
+  if (o->json)
+    printf("{\"version\":\"%s\",\"backend_abi\":\"%d.%d\"}\n", qkeep_version(), QKEEP_BACKEND_ABI_MAJOR,
+           QKEEP_BACKEND_ABI_MINOR);
+  else
+    printf("qkeep %s (plugin ABI %d.%d)\n", qkeep_version(), QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR);
+  return 0;
+}
+
+struct plugin_listing {
+  bool json;
+  int count;
+};
+
+static int list_one(void *user, const char *name, const char *path) {
+  struct plugin_listing *l = user;
+  qkeep_plugin *plugin = NULL;
+  char probe_msg[256] = "";
+  int rc = qkeep_plugin_open_path(path, &plugin);
+  int probe = rc ? rc : qkeep_plugin_probe(plugin, probe_msg, sizeof probe_msg);
+  const struct qkeep_backend *be = plugin ? qkeep_plugin_backend(plugin) : NULL;
+  const char *error = rc ? qkeep_errmsg() : "";
+  if (l->json) {
+    printf("%s{\"name\":", l->count ? "," : "");
+    json_string(stdout, name);
+    printf(",\"path\":");
+    json_string(stdout, path);
+    if (be)
+      printf(",\"abi\":\"%u.%u\",\"probe\":%s,\"probe_message\":", be->abi_major, be->abi_minor,
+             probe == 0 ? "true" : "false");
+    else
+      printf(",\"error\":");
+    json_string(stdout, be ? probe_msg : error);
+    printf("}");
+  } else if (be) {
+    printf("%-16s ABI %u.%u  %-9s %s\n  %s\n", name, be->abi_major, be->abi_minor,
+           probe == 0 ? "device ok" : "no device", probe_msg, path);
+  } else {
+    printf("%-16s failed to load: %s\n  %s\n", name, error, path);
+  }
+  l->count++;
+  qkeep_plugin_close(plugin);
+  return 0;
+}
+
+static int cmd_plugins(const struct options *o) {
+  qkeep_config *cfg = NULL;
+  const char *dir = NULL;
+  /* A config is optional here: without one, the environment and install dir are still searched. */
+  if (load_config(o, &cfg) == 0)
+    dir = qkeep_config_plugin_dir(cfg);
+  else if (o->config_path)
+    return fail(QKEEP_E_CONFIG);
+  struct plugin_listing l = {o->json, 0};
+  if (o->json)
+    printf("{\"core_abi\":\"%d.%d\",\"plugins\":[", QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR);
+  else
+    printf("core plugin ABI %d.%d\n", QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR);
+  int rc = qkeep_plugin_scan(dir, list_one, &l);
+  if (o->json)
+    printf("]}\n");
+  else if (!l.count)
+    printf("no plugins found\n");
+  qkeep_config_free(cfg);
+  return rc ? fail(rc) : 0;
+}
+
+static int cmd_census(const struct options *o) {
+  qkeep_config *cfg = NULL;
+  qkeep_plugin *plugin = NULL;
+  qkeep_model *model = NULL;
+  int rc = load_config(o, &cfg);
+  if (!rc)
+    rc = qkeep_plugin_open_config(cfg, &plugin);
+  const char *ckpt = o->n_args ? o->args[0] : (cfg ? qkeep_config_checkpoint(cfg) : NULL);
+  if (!rc && !ckpt) {
+    fprintf(stderr, "qkeep: census: no checkpoint given and %s has no [model] checkpoint\n",
+            qkeep_config_path(cfg));
+    qkeep_plugin_close(plugin);
+    qkeep_config_free(cfg);
+    return 2;
+  }
+  if (!rc)
+    rc = qkeep_model_new(plugin, &model);
+  if (!rc)
+    rc = qkeep_model_load(model, ckpt);
+  struct qkeep_census c = {.size = sizeof c};
+  struct qkeep_digest d;
+  if (!rc)
+    rc = qkeep_census(model, &c);
+  if (!rc)
+    rc = qkeep_digest(model, &d);
+  int status = rc ? fail(rc) : 0;
+  if (!rc) {
+    report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &c, &d, o->json);
+    if (c.missing || c.c1 || c.c2) {
+      fprintf(stderr, "qkeep: census: rule violations (missing %lld, C1 %lld, C2 %lld)\n", (long long)c.missing,
+              (long long)c.c1, (long long)c.c2);
+      status = 1;
+    }
+  }
+  qkeep_model_free(model);
+  qkeep_plugin_close(plugin);
+  qkeep_config_free(cfg);
+  return status;
+}
+
+int main(int argc, char **argv) {
+  struct options o = {0};
+  int rc = parse_args(argc, argv, &o);
+  if (rc)
+    return rc;
+  qkeep_set_logger(log_to_stderr, NULL);
+  static const struct {
+    const char *name;
+    int (*run)(const struct options *);
+    const char *usage;
+  } commands[] = {
+      {"version", cmd_version, usage_version},
+      {"plugins", cmd_plugins, usage_plugins},
+      {"census", cmd_census, usage_census},
+  };
+  if (!o.command) {
+    fputs(usage_main, o.help ? stdout : stderr);
+    return o.help ? 0 : 2;
+  }
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+    if (strcmp(o.command, commands[i].name) == 0) {
+      if (o.help) {
+        fputs(commands[i].usage, stdout);
+        return 0;
+      }
+      return commands[i].run(&o);
+    }
+  fprintf(stderr, "qkeep: unknown command '%s' (try qkeep --help)\n", o.command);
+  return 2;
+}

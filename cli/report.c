@@ -1,0 +1,75 @@
+/* report.c: how the qkeep command prints a census, as a table or JSON. */
+#include "cli.h"
+
+void json_string(FILE *out, const char *s) {
+  fputc('"', out);
+  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+    if (*p == '"' || *p == '\\')
+      fprintf(out, "\\%c", *p);
+    else if (*p < 0x20)
+      fprintf(out, "\\u%04x", *p);
+    else
+      fputc(*p, out);
+  }
+  fputc('"', out);
+}
+
+const char *human_bytes(double bytes, char *buf, size_t len) {
+  static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 4)
+    bytes /= 1024.0, u++;
+  snprintf(buf, len, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+  return buf;
+}
+
+static void census_json(FILE *out, const char *checkpoint, const char *backend, size_t layers,
+                        const struct qkeep_census *c, const char *hex) {
+  fprintf(out, "{\"checkpoint\":");
+  json_string(out, checkpoint);
+  fprintf(out, ",\"backend\":");
+  json_string(out, backend);
+  fprintf(out,
+          ",\"layers\":%zu,\"loader_params\":%lld,\"registered_same\":%lld,\"missing\":%lld,\"c1\":%lld,"
+          "\"c2\":%lld,\"aliases\":%lld,\"retired\":%lld,\"retired_bytes\":%lld,\"released\":%lld,"
+          "\"released_bytes\":%lld,\"release_reasons\":[",
+          layers, (long long)c->loader_params, (long long)c->registered_same, (long long)c->missing,
+          (long long)c->c1, (long long)c->c2, (long long)c->aliases, (long long)c->retired,
+          (long long)c->retired_bytes, (long long)c->released, (long long)c->released_bytes);
+  for (int i = 0; i < c->reasons; i++) {
+    if (i)
+      fputc(',', out);
+    json_string(out, c->reason[i]);
+  }
+  fprintf(out, "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}\n",
+          (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes, c->kept_share, hex);
+}
+
+void report_census(FILE *out, const char *checkpoint, const char *backend, size_t layers,
+                   const struct qkeep_census *c, const struct qkeep_digest *d, bool json) {
+  char hex[33], b1[32], b2[32], b3[32];
+  qkeep_digest_hex(d, hex);
+  if (json) {
+    census_json(out, checkpoint, backend, layers, c, hex);
+    return;
+  }
+  fprintf(out, "census of %s (backend %s)\n", checkpoint, backend);
+  fprintf(out, "  %-26s %lld\n", "layers", (long long)layers);
+  fprintf(out, "  %-26s %lld\n", "loader params", (long long)c->loader_params);
+  fprintf(out, "  %-26s %lld\n", "registered as same object", (long long)c->registered_same);
+  fprintf(out, "  %-26s %lld\n", "missing", (long long)c->missing);
+  fprintf(out, "  %-26s %lld\n", "C1 violations", (long long)c->c1);
+  fprintf(out, "  %-26s %lld\n", "C2 overlaps", (long long)c->c2);
+  fprintf(out, "  %-26s %lld\n", "aliases", (long long)c->aliases);
+  fprintf(out, "  %-26s %lld (%s)\n", "retired", (long long)c->retired,
+          human_bytes((double)c->retired_bytes, b1, sizeof b1));
+  fprintf(out, "  %-26s %lld\n", "released", (long long)c->released);
+  for (int i = 0; i < c->reasons; i++)
+    fprintf(out, "  %-26s %s\n", "  reason", c->reason[i]);
+  fprintf(out, "  %-26s %lld\n", "buffers", (long long)c->buffers);
+  fprintf(out, "  %-26s %s (%.2f%% of %s)\n", "kept beyond kernel needs",
+          human_bytes((double)c->kept_bytes, b2, sizeof b2), 100.0 * c->kept_share,
+          human_bytes((double)c->total_bytes, b3, sizeof b3));
+  fprintf(out, "  %-26s %lld\n", "total bytes", (long long)c->total_bytes);
+  fprintf(out, "  %-26s %s\n", "digest", hex);
+}

@@ -1,0 +1,375 @@
+/*
+ * config.c: the INI configuration (DESIGN.md, "Config").
+ *
+ *   [qkeep]          backend = NAME (required), plugin_dir = DIR
+ *   [model]          checkpoint = PATH
+ *   [backend.NAME]   any keys, passed to that backend in file order
+ *
+ * inih does the key = value splitting; we feed it one physical line at a time
+ * through our own reader, which lets us count lines exactly, see section
+ * headers even when a section has no keys, and refuse what inih would silently
+ * mangle (over-long lines, indented continuation lines). Every error is
+ * "PATH:LINE: detail", and the first one wins: it is the one to fix.
+ */
+#include <errno.h>
+#include <ini.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+enum section_kind { SECTION_NONE, SECTION_QKEEP, SECTION_MODEL, SECTION_BACKEND };
+
+struct parse_state {
+  qkeep_config *cfg;
+  FILE *file;
+  char *line; /* getline buffer */
+  size_t line_cap;
+  int lineno; /* the physical line the reader last handed to inih */
+
+  enum section_kind section;
+  size_t backend_index; /* into cfg->sections when section is SECTION_BACKEND */
+  bool key_in_section;  /* a key since the last header: an indented line would continue its value */
+  int qkeep_line;       /* line of the first [qkeep] header, 0 when none */
+  int plugin_dir_line, checkpoint_line;
+
+  int err_code; /* first failure, 0 when none; the detail is already in qkeep_errmsg() */
+  int err_line;
+};
+
+/* Backend names go into file names (backend-NAME.so), so keep them to a safe alphabet. */
+static bool valid_backend_name(const char *s) {
+  if (!*s)
+    return false;
+  for (; *s; s++)
+    if (!((*s >= 'a' && *s <= 'z') || (*s >= '0' && *s <= '9') || *s == '_' || *s == '-'))
+      return false;
+  return true;
+}
+
+static bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\f' || c == '\v'; }
+
+static int parse_fail(struct parse_state *st, int code, const char *fmt, ...) PRINTF_LIKE(3, 4);
+
+/* Records the first error of the parse as "PATH:LINE: detail"; later ones are dropped. */
+static int parse_fail(struct parse_state *st, int code, const char *fmt, ...) {
+  char detail[1024];
+  va_list ap;
+  if (st->err_code)
+    return st->err_code;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  st->err_code = code;
+  st->err_line = st->lineno;
+  return set_error(code, "%s:%d: %s", st->cfg->path, st->lineno, detail);
+}
+
+/* A path from the file, resolved against the config file's directory when relative. */
+static char *resolve_path(const char *config_path, const char *value) {
+  const char *slash = strrchr(config_path, '/');
+  if (value[0] == '/' || !slash)
+    return xstrdup(value);
+  size_t dir_len = (size_t)(slash - config_path) + 1; /* keeps the '/' */
+  size_t n = dir_len + strlen(value) + 1;
+  char *p = malloc(n);
+  if (p) {
+    memcpy(p, config_path, dir_len);
+    memcpy(p + dir_len, value, n - dir_len);
+  }
+  return p;
+}
+
+static struct config_backend_section *find_section(const qkeep_config *cfg, const char *name, size_t *index) {
+  for (size_t i = 0; i < cfg->n_sections; i++)
+    if (strcmp(cfg->sections[i].name, name) == 0) {
+      if (index)
+        *index = i;
+      return &cfg->sections[i];
+    }
+  return NULL;
+}
+
+const struct config_backend_section *config_section(const qkeep_config *cfg, const char *backend) {
+  if (!cfg || !backend)
+    return NULL;
+  return find_section(cfg, backend, NULL);
+}
+
+/* [backend.NAME] may appear more than once; its keys then go to one section. */
+static int open_backend_section(struct parse_state *st, const char *name) {
+  qkeep_config *cfg = st->cfg;
+  if (find_section(cfg, name, &st->backend_index))
+    return 0;
+  int rc = grow_array((void **)&cfg->sections, &cfg->cap_sections, cfg->n_sections + 1, sizeof *cfg->sections);
+  if (rc)
+    return parse_fail(st, rc, "out of memory");
+  struct config_backend_section *sec = &cfg->sections[cfg->n_sections];
+  memset(sec, 0, sizeof *sec);
+  if (!(sec->name = xstrdup(name)))
+    return parse_fail(st, QKEEP_E_NOMEM, "out of memory");
+  st->backend_index = cfg->n_sections++;
+  return 0;
+}
+
+/* A "[name]" header, as inih will read it (text after ']' is ignored by both). */
+static int enter_section(struct parse_state *st, const char *name) {
+  st->key_in_section = false;
+  if (strcmp(name, "qkeep") == 0) {
+    st->section = SECTION_QKEEP;
+    if (!st->qkeep_line)
+      st->qkeep_line = st->lineno;
+    return 0;
+  }
+  if (strcmp(name, "model") == 0) {
+    st->section = SECTION_MODEL;
+    return 0;
+  }
+  if (strncmp(name, "backend.", 8) == 0) {
+    if (!valid_backend_name(name + 8))
+      return parse_fail(st, QKEEP_E_CONFIG,
+                        "invalid backend name in section [%s] (use a-z, 0-9, '-' and '_')", name);
+    st->section = SECTION_BACKEND;
+    return open_backend_section(st, name + 8);
+  }
+  return parse_fail(st, QKEEP_E_CONFIG, "unknown section [%s] (expected [qkeep], [model] or [backend.NAME])",
+                    name);
+}
+
+/*
+ * Looks at one physical line before inih does. Catches what inih would accept
+ * but get wrong for us: an indented line after a key (inih appends it to that
+ * key as a continuation, even when it looks like "key = value" or a header),
+ * and section headers (inih calls no handler for a section without keys).
+ * Lines inih rejects outright are left to it.
+ */
+static int inspect_line(struct parse_state *st, char *text) {
+  char *start = text;
+  while (is_blank(*start))
+    start++;
+  if (!*start || *start == ';' || *start == '#')
+    return 0;
+  if (start > text && st->key_in_section)
+    return parse_fail(st, QKEEP_E_CONFIG,
+                      "indented line would continue the previous value; multi-line values are not supported");
+  if (*start != '[') {
+    st->key_in_section = true;
+    return 0;
+  }
+  /* inih ends a header at ']' or at an inline comment (';' after a blank). */
+  char *end = start + 1;
+  while (*end && *end != ']' && !(*end == ';' && is_blank(end[-1])))
+    end++;
+  if (*end != ']')
+    return 0; /* inih reports the syntax error */
+  *end = '\0';
+  int rc = enter_section(st, start + 1);
+  *end = ']';
+  return rc;
+}
+
+/*
+ * inih's fgets-style reader. Hands over exactly one physical line per call, so
+ * st->lineno is the line inih is on, and stops at the first error we found.
+ */
+static char *read_line(char *buf, int buf_len, void *user) {
+  struct parse_state *st = user;
+  if (st->err_code)
+    return NULL;
+  errno = 0;
+  ssize_t n = getline(&st->line, &st->line_cap, st->file);
+  if (n < 0) {
+    if (ferror(st->file)) {
+      const char *why = errno ? strerror(errno) : "read error";
+      st->err_code = set_error(QKEEP_E_IO, "%s: cannot read config: %s", st->cfg->path, why);
+      st->err_line = st->lineno + 1;
+    }
+    return NULL;
+  }
+  st->lineno++;
+  char *text = st->line;
+  if (st->lineno == 1 && strncmp(text, "\xEF\xBB\xBF", 3) == 0) { /* UTF-8 byte order mark */
+    text += 3;
+    n -= 3;
+  }
+  if (strlen(text) != (size_t)n) {
+    parse_fail(st, QKEEP_E_CONFIG, "line contains a NUL byte");
+    return NULL;
+  }
+  /* inih's line buffer holds buf_len - 1 characters; a longer line would be split in two. */
+  if (buf_len < 2 || n > buf_len - 1) {
+    parse_fail(st, QKEEP_E_CONFIG, "line too long (at most %d characters)", buf_len - 2);
+    return NULL;
+  }
+  if (inspect_line(st, text))
+    return NULL;
+  memcpy(buf, text, (size_t)n + 1);
+  return buf;
+}
+
+/* Sets a [qkeep] or [model] value once; a second assignment is an error, not an override. */
+static int set_once(struct parse_state *st, const char *section, const char *key, int *line, char **field,
+                    char *value) {
+  if (!value)
+    return parse_fail(st, QKEEP_E_NOMEM, "out of memory");
+  if (*line) {
+    free(value);
+    return parse_fail(st, QKEEP_E_CONFIG, "[%s] duplicate key '%s' (first set on line %d)", section, key,
+                      *line);
+  }
+  *field = value;
+  *line = st->lineno;
+  return 0;
+}
+
+static int handle_qkeep(struct parse_state *st, const char *key, const char *value) {
+  qkeep_config *cfg = st->cfg;
+  if (strcmp(key, "backend") == 0) {
+    if (!valid_backend_name(value))
+      return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] backend: invalid name '%s' (use a-z, 0-9, '-' and '_')",
+                        value);
+    return set_once(st, "qkeep", key, &cfg->backend_line, &cfg->backend, xstrdup(value));
+  }
+  if (strcmp(key, "plugin_dir") == 0)
+    return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir, resolve_path(cfg->path, value));
+  return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] unknown key '%s' (expected backend or plugin_dir)", key);
+}
+
+static int handle_model(struct parse_state *st, const char *key, const char *value) {
+  qkeep_config *cfg = st->cfg;
+  if (strcmp(key, "checkpoint") == 0)
+    return set_once(st, "model", key, &st->checkpoint_line, &cfg->checkpoint, resolve_path(cfg->path, value));
+  return parse_fail(st, QKEEP_E_CONFIG, "[model] unknown key '%s' (expected checkpoint)", key);
+}
+
+/* Backend keys are the backend's business; we only keep them, in order, with their lines. */
+static int handle_backend(struct parse_state *st, const char *key, const char *value) {
+  struct config_backend_section *sec = &st->cfg->sections[st->backend_index];
+  for (size_t i = 0; i < sec->n_options; i++)
+    if (strcmp(sec->options[i].key, key) == 0)
+      return parse_fail(st, QKEEP_E_CONFIG, "[backend.%s] duplicate key '%s' (first set on line %d)",
+                        sec->name, key, sec->options[i].line);
+  int rc = grow_array((void **)&sec->options, &sec->cap_options, sec->n_options + 1, sizeof *sec->options);
+  if (rc)
+    return parse_fail(st, rc, "out of memory");
+  struct config_option *opt = &sec->options[sec->n_options];
+  opt->key = xstrdup(key);
+  opt->value = xstrdup(value);
+  opt->line = st->lineno;
+  if (!opt->key || !opt->value) {
+    free(opt->key);
+    free(opt->value);
+    return parse_fail(st, QKEEP_E_NOMEM, "out of memory");
+  }
+  sec->n_options++;
+  return 0;
+}
+
+/* inih's callback: returns nonzero to go on. The section comes from our reader, which saw the header. */
+#if INI_HANDLER_LINENO
+static int handle_pair(void *user, const char *section, const char *key, const char *value, int lineno) {
+  (void)lineno; /* equals st->lineno: the reader hands over one physical line per call */
+#else
+static int handle_pair(void *user, const char *section, const char *key, const char *value) {
+#endif
+  struct parse_state *st = user;
+  (void)section;
+  if (st->err_code)
+    return 0;
+  if (st->section == SECTION_NONE)
+    return !parse_fail(st, QKEEP_E_CONFIG, "key '%s' outside any section (put it under [qkeep], [model] or [backend.NAME])", key);
+  if (!*key)
+    return !parse_fail(st, QKEEP_E_CONFIG, "missing key before '='");
+  if (!value || !*value) {
+    const char *backend = st->section == SECTION_BACKEND ? st->cfg->sections[st->backend_index].name : NULL;
+    return !parse_fail(st, QKEEP_E_CONFIG, "[%s%s] %s: empty value",
+                       backend ? "backend." : (st->section == SECTION_QKEEP ? "qkeep" : "model"),
+                       backend ? backend : "", key);
+  }
+  switch (st->section) {
+  case SECTION_QKEEP: return !handle_qkeep(st, key, value);
+  case SECTION_MODEL: return !handle_model(st, key, value);
+  case SECTION_BACKEND: return !handle_backend(st, key, value);
+  case SECTION_NONE: break;
+  }
+  return 0;
+}
+
+/* Runs inih over the open file; returns 0 or the first error, its detail set. */
+static int parse_file(struct parse_state *st) {
+  int bad_line = ini_parse_stream(read_line, st, handle_pair, st);
+  if (bad_line == -2 && !st->err_code)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory parsing the config", st->cfg->path);
+  /* inih reports the first line it rejected; a syntax error before our first error wins. */
+  if (bad_line > 0 && (!st->err_code || bad_line < st->err_line)) {
+    st->lineno = bad_line;
+    st->err_code = 0;
+    return parse_fail(st, QKEEP_E_CONFIG, "syntax error (expected [section], key = value or a comment)");
+  }
+  if (st->err_code)
+    return st->err_code;
+  if (!st->cfg->backend) {
+    if (st->qkeep_line) {
+      st->lineno = st->qkeep_line;
+      return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] has no backend (add backend = NAME)");
+    }
+    /* No [qkeep] at all: point at the end of the file. */
+    return parse_fail(st, QKEEP_E_CONFIG, "missing [qkeep] section with backend = NAME");
+  }
+  return 0;
+}
+
+int qkeep_config_load(const char *path, qkeep_config **out) {
+  if (!path || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_config_load: path and out must not be NULL");
+  *out = NULL;
+  qkeep_config *cfg = calloc(1, sizeof *cfg);
+  if (!cfg || !(cfg->path = xstrdup(path))) {
+    free(cfg);
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
+  }
+  FILE *file = fopen(path, "r");
+  if (!file) {
+    int err = errno;
+    qkeep_config_free(cfg);
+    return set_error(err == ENOENT || err == ENOTDIR ? QKEEP_E_NOTFOUND : QKEEP_E_IO,
+                     "%s: cannot open config: %s", path, strerror(err));
+  }
+  struct parse_state st = {.cfg = cfg, .file = file};
+  int rc = parse_file(&st);
+  free(st.line);
+  fclose(file);
+  if (rc) {
+    qkeep_config_free(cfg);
+    return rc;
+  }
+  *out = cfg;
+  return 0;
+}
+
+void qkeep_config_free(qkeep_config *cfg) {
+  if (!cfg)
+    return;
+  for (size_t i = 0; i < cfg->n_sections; i++) {
+    struct config_backend_section *sec = &cfg->sections[i];
+    for (size_t j = 0; j < sec->n_options; j++) {
+      free(sec->options[j].key);
+      free(sec->options[j].value);
+    }
+    free(sec->options);
+    free(sec->name);
+  }
+  free(cfg->sections);
+  free(cfg->path);
+  free(cfg->backend);
+  free(cfg->plugin_dir);
+  free(cfg->checkpoint);
+  free(cfg);
+}
+
+const char *qkeep_config_backend(const qkeep_config *cfg) { return cfg ? cfg->backend : NULL; }
+const char *qkeep_config_plugin_dir(const qkeep_config *cfg) { return cfg ? cfg->plugin_dir : NULL; }
+const char *qkeep_config_checkpoint(const qkeep_config *cfg) { return cfg ? cfg->checkpoint : NULL; }
+const char *qkeep_config_path(const qkeep_config *cfg) { return cfg ? cfg->path : NULL; }

@@ -1,0 +1,295 @@
+/*
+ * internal.h: the core's private structures and helpers. Not installed.
+ * Everything here is hidden from libqkeep's exported symbols; the test
+ * suites link the core as a convenience library to reach it.
+ */
+#ifndef QKEEP_INTERNAL_H
+#define QKEEP_INTERNAL_H
+
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "qkeep.h"
+
+#if defined(__GNUC__)
+#define PRINTF_LIKE(a, b) __attribute__((format(printf, a, b)))
+#else
+#define PRINTF_LIKE(a, b)
+#endif
+
+/* ---- errors and logging (error.c) ------------------------------------------ */
+
+/* Records the calling thread's error detail and returns `code`. */
+int set_error(int code, const char *fmt, ...) PRINTF_LIKE(2, 3);
+int set_error_v(int code, const char *fmt, va_list ap);
+/* Prefixes the current detail with more context ("layer x: " + detail). */
+int add_error_context(int code, const char *fmt, ...) PRINTF_LIKE(2, 3);
+void log_msg(enum qkeep_log_level level, const char *fmt, ...) PRINTF_LIKE(2, 3);
+void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
+
+/* ---- small utilities (util.c) ---------------------------------------------- */
+
+char *xstrdup(const char *s);                    /* NULL on NULL or no memory */
+int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
+bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
+/* "[3, 4]" into buf; returns buf. */
+const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len);
+
+/* ---- devices and storage (storage.c) ------------------------------------------- */
+
+/* Memory of one device: a backend's ops, or host memory when be is NULL. */
+struct device {
+  const struct qkeep_backend *be;
+  const struct qkeep_memory_ops *ops;
+};
+
+/* The host device (memcpy-based ops). */
+const struct device *host_device(void);
+/* A device for a backend: its memory ops when it has them, else host memory. */
+void device_init(struct device *dev, const struct qkeep_backend *be);
+
+int dev_alloc(const struct device *dev, size_t bytes, void **out);
+void dev_free(const struct device *dev, void *ptr);
+int dev_h2d(const struct device *dev, void *dst, const void *src, size_t n);
+int dev_d2h(const struct device *dev, void *dst, const void *src, size_t n);
+int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n);
+int dev_fill(const struct device *dev, void *dst, int byte, size_t n);
+int dev_sync(const struct device *dev);
+
+/* Refcounted memory on one device. capacity 0 means empty (data NULL). */
+struct storage {
+  int refs;
+  void *data;
+  size_t capacity;
+  const struct device *dev;
+};
+
+/* A new zero-filled storage with one reference. */
+int storage_new(const struct device *dev, size_t bytes, struct storage **out);
+void storage_ref(struct storage *s);
+void storage_unref(struct storage *s);
+
+/* A contiguous row-major view into a storage. */
+struct tensor {
+  struct storage *storage; /* counted reference; NULL for an empty tensor */
+  size_t offset;
+  struct qkeep_spec spec;
+};
+
+static inline void *tensor_ptr(const struct tensor *t) {
+  return t->storage && t->storage->data ? (char *)t->storage->data + t->offset : NULL;
+}
+static inline size_t tensor_capacity(const struct tensor *t) {
+  return t->storage ? t->storage->capacity - t->offset : 0;
+}
+/* Fills a qkeep_view from a tensor and state. */
+void tensor_to_view(const struct tensor *t, enum qkeep_param_state state, struct qkeep_view *out);
+
+/* A replace result handed out by qkeep_tensor_new. */
+struct qkeep_tensor {
+  qkeep_layer *layer;
+  struct tensor t;
+};
+
+/* ---- params, buffers, layers, models (layer.c, model.c) ---------------------------- */
+
+struct qkeep_param {
+  qkeep_layer *layer;
+  char *checkpoint_name;   /* the name it was created under */
+  char *runtime_name;      /* the name kernels know it by (move changes it) */
+  enum qkeep_param_state state;
+  struct qkeep_spec create_spec; /* what the checkpoint defined; reload restores it */
+  size_t create_bytes;
+  struct tensor view;
+  char *release_reason;
+};
+
+struct buffer {
+  char *name;
+  struct tensor view;
+};
+
+/* One registered name: a param (possibly under an alias) or a buffer. */
+struct name_entry {
+  char *name;
+  qkeep_param *param;
+  struct buffer *buffer;
+};
+
+/*
+ * Where one checkpoint tensor lands: the param, a byte offset inside it (a
+ * shard slot of a fused param, an expert's slice), and the spec the
+ * checkpoint must have.
+ */
+struct source {
+  char *checkpoint_name; /* full name in the checkpoint */
+  qkeep_param *param;
+  size_t dst_offset;
+  struct qkeep_spec spec;
+  bool loaded;
+};
+
+struct qkeep_layer {
+  qkeep_model *model;
+  char *name;
+  char *scheme;
+  enum qkeep_layer_kind kind;
+  struct qkeep_layer_info dims; /* name and scheme point at the fields above */
+
+  qkeep_param **params; /* owned, in creation order */
+  size_t n_params, cap_params;
+  struct buffer **buffers; /* owned */
+  size_t n_buffers, cap_buffers;
+  struct name_entry *names; /* registration table */
+  size_t n_names, cap_names;
+  struct source *sources; /* checkpoint tensors that load into this layer */
+  size_t n_sources, cap_sources;
+
+  void *state; /* the backend's, freed by its layer_cleanup */
+};
+
+struct qkeep_model {
+  qkeep_plugin *plugin; /* NULL: host memory, no PWAL */
+  struct device dev;
+  qkeep_layer **layers;
+  size_t n_layers, cap_layers;
+};
+
+struct name_entry *layer_find_name(const qkeep_layer *layer, const char *name);
+/* Registers name for a param or buffer (exactly one non-NULL). */
+int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, struct buffer *buffer);
+/* Records that checkpoint tensor `checkpoint_name` loads into param at dst_offset. */
+int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
+                     size_t dst_offset, const struct qkeep_spec *spec);
+void layer_destroy(qkeep_layer *layer);
+/* Drops every layer (backend state first), leaving the model empty. */
+void model_clear(qkeep_model *model);
+/* The param a full checkpoint name loads into, or NULL. */
+qkeep_param *model_lookup_checkpoint_name(const qkeep_model *model, const char *checkpoint_name,
+                                          qkeep_layer **layer_out);
+
+/* ---- safetensors (safetensors.c) ------------------------------------------------------ */
+
+/* One tensor of a safetensors file as its header describes it. */
+struct st_tensor {
+  char *name;
+  char dtype_name[16];    /* the header's dtype string, e.g. "F8_E4M3" */
+  int dtype;              /* enum qkeep_dtype, or -1 for a valid safetensors dtype qkeep does not use */
+  int ndim;
+  int64_t shape[QKEEP_MAX_DIMS];
+  uint64_t offset;        /* absolute byte offset in the file */
+  uint64_t nbytes;
+};
+
+struct st_file {
+  char *path;
+  int fd;
+  uint64_t file_size;
+  uint64_t header_len;
+  size_t n_tensors;
+  struct st_tensor *tensors; /* sorted by name */
+  size_t n_metadata;
+  char **metadata_keys;      /* __metadata__, in header order */
+  char **metadata_values;
+};
+
+/*
+ * Opens and validates a .safetensors file strictly (formats.md §7): header
+ * length, UTF-8 JSON object, known dtypes, shape x dtype = bytes, offsets
+ * contiguous from 0 without gaps or overlaps, no trailing bytes, no duplicate
+ * names, __metadata__ values strings. Errors name the path and the tensor.
+ * The caller owns *out (st_close).
+ */
+int st_open(const char *path, struct st_file **out);
+void st_close(struct st_file *f);
+/* The tensor of that name, or NULL. */
+const struct st_tensor *st_find(const struct st_file *f, const char *name);
+/* Metadata value for key, or NULL. */
+const char *st_metadata(const struct st_file *f, const char *key);
+/*
+ * Reads a tensor's bytes into dst (nbytes of it) with pread. A file that
+ * shrank or changed since st_open gives QKEEP_E_IO naming path and tensor;
+ * never a signal.
+ */
+int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
+
+/* Builds a safetensors file in memory, then writes it. */
+struct st_writer;
+int st_writer_new(struct st_writer **out);
+void st_writer_free(struct st_writer *w);
+/* Adds a tensor; data (spec's bytes) is copied. Names must be unique. */
+int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec *spec, const void *data);
+/* Adds a __metadata__ entry (both strings copied). */
+int st_writer_set_metadata(struct st_writer *w, const char *key, const char *value);
+/*
+ * Writes the file like the reference serializer: tensors sorted by descending
+ * dtype alignment then name, JSON padded with spaces to a multiple of 8.
+ * Writes to a temporary name and renames, so a failure leaves no partial file.
+ */
+int st_writer_write(struct st_writer *w, const char *path);
+
+/* ---- config (config.c) ------------------------------------------------------------ */
+
+struct config_option {
+  char *key;
+  char *value;
+  int line;
+};
+
+struct qkeep_config {
+  char *path;
+  char *backend;
+  int backend_line;
+  char *plugin_dir;
+  char *checkpoint;
+  /* [backend.NAME] sections: every key, in file order */
+  struct config_backend_section {
+    char *name;
+    struct config_option *options;
+    size_t n_options, cap_options;
+  } *sections;
+  size_t n_sections, cap_sections;
+};
+
+/* The options of [backend.NAME], or NULL when the file has no such section. */
+const struct config_backend_section *config_section(const qkeep_config *cfg, const char *backend);
+
+/* ---- plugins (plugin.c) --------------------------------------------------------------- */
+
+struct qkeep_plugin {
+  char *path;
+  void *handle; /* dlopen */
+  const struct qkeep_backend *be;
+};
+
+/* The host table handed to every backend. */
+const struct qkeep_host *host_table(void);
+
+/* ---- checkpoint loading (load.c) and schemes (scheme_*.c) -------------------------------- */
+
+/*
+ * A scheme turns the tensors of one layer into loader params (create), and
+ * after loading runs its normalisation under the rules (normalize).
+ */
+struct scheme {
+  const char *name;
+  /* Creates the loader params and sources for `layer` from the n checkpoint tensors
+   * whose names are "<layer name>.<local name>" (local names passed alongside). */
+  int (*create)(qkeep_layer *layer, const struct st_tensor *const *tensors, const char *const *local, size_t n);
+  /* After all bytes arrived, before the backend's PWAL. NULL: nothing to do. */
+  int (*normalize)(qkeep_layer *layer);
+};
+
+extern const struct scheme scheme_unquantized;
+
+/* ---- model (model.c) -------------------------------------------------------------------- */
+
+/* The model's backend table, or NULL for a host-only model. */
+const struct qkeep_backend *model_backend(const qkeep_model *model);
+
+#endif

@@ -1,0 +1,192 @@
+/*
+ * layer.c: layers, their params and buffers, the name table, and the
+ * checkpoint sources that load into them.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static bool valid_spec(const struct qkeep_spec *spec) {
+  if ((unsigned)spec->dtype >= QKEEP_DTYPE_COUNT || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS)
+    return false;
+  for (int i = 0; i < spec->ndim; i++)
+    if (spec->shape[i] < 0)
+      return false;
+  return true;
+}
+
+int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind, const char *scheme,
+                    qkeep_layer **out) {
+  if (!model || !name || !*name || (unsigned)kind >= QKEEP_LAYER_KIND_COUNT)
+    return set_error(QKEEP_E_INVAL, "qkeep_layer_add: invalid argument");
+  if (qkeep_model_find_layer(model, name))
+    return set_error(QKEEP_E_EXISTS, "layer '%s' already exists", name);
+  int rc = grow_array((void **)&model->layers, &model->cap_layers, model->n_layers + 1, sizeof *model->layers);
+  if (rc)
+    return rc;
+  qkeep_layer *layer = calloc(1, sizeof *layer);
+  if (!layer)
+    return set_error(QKEEP_E_NOMEM, "out of memory for layer '%s'", name);
+  layer->model = model;
+  layer->kind = kind;
+  layer->name = xstrdup(name);
+  layer->scheme = xstrdup(scheme ? scheme : "unquantized");
+  if (!layer->name || !layer->scheme) {
+    layer_destroy(layer);
+    return set_error(QKEEP_E_NOMEM, "out of memory for layer '%s'", name);
+  }
+  layer->dims.size = sizeof layer->dims;
+  layer->dims.name = layer->name;
+  layer->dims.scheme = layer->scheme;
+  layer->dims.kind = kind;
+  layer->dims.shards = 1;
+  model->layers[model->n_layers++] = layer;
+  if (out)
+    *out = layer;
+  return 0;
+}
+
+int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out) {
+  if (!layer || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_layer_get_info: NULL argument");
+  size_t want = out->size ? out->size : sizeof *out;
+  memcpy(out, &layer->dims, want < sizeof layer->dims ? want : sizeof layer->dims);
+  out->size = want < sizeof layer->dims ? want : sizeof layer->dims;
+  return 0;
+}
+
+int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info) {
+  if (!layer || !info || info->shards < 1 || info->shards > 8)
+    return set_error(QKEEP_E_INVAL, "qkeep_layer_set_dims: invalid dims");
+  layer->dims.n = info->n;
+  layer->dims.k = info->k;
+  layer->dims.experts = info->experts;
+  layer->dims.group_size = info->group_size;
+  layer->dims.shards = info->shards;
+  memcpy(layer->dims.shard_n, info->shard_n, sizeof layer->dims.shard_n);
+  return 0;
+}
+
+struct name_entry *layer_find_name(const qkeep_layer *layer, const char *name) {
+  for (size_t i = 0; i < layer->n_names; i++)
+    if (strcmp(layer->names[i].name, name) == 0)
+      return &layer->names[i];
+  return NULL;
+}
+
+int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, struct buffer *buffer) {
+  if (!param == !buffer)
+    return set_error(QKEEP_E_INVAL, "layer_register: exactly one of param and buffer");
+  if (layer_find_name(layer, name))
+    return set_error(QKEEP_E_EXISTS, "%s: name '%s' is already registered", layer->name, name);
+  int rc = grow_array((void **)&layer->names, &layer->cap_names, layer->n_names + 1, sizeof *layer->names);
+  if (rc)
+    return rc;
+  char *copy = xstrdup(name);
+  if (!copy)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  layer->names[layer->n_names++] = (struct name_entry){copy, param, buffer};
+  return 0;
+}
+
+int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec, qkeep_param **out) {
+  if (!layer || !name || !*name || !spec || !valid_spec(spec))
+    return set_error(QKEEP_E_INVAL, "qkeep_param_create: invalid argument for '%s'", name ? name : "(null)");
+  if (layer_find_name(layer, name))
+    return set_error(QKEEP_E_EXISTS, "%s: param '%s' already exists", layer->name, name);
+  int rc = grow_array((void **)&layer->params, &layer->cap_params, layer->n_params + 1, sizeof *layer->params);
+  if (rc)
+    return rc;
+  qkeep_param *p = calloc(1, sizeof *p);
+  if (!p)
+    return set_error(QKEEP_E_NOMEM, "out of memory for param '%s'", name);
+  p->layer = layer;
+  p->checkpoint_name = xstrdup(name);
+  p->runtime_name = xstrdup(name);
+  p->create_spec = *spec;
+  p->create_bytes = qkeep_spec_bytes(spec);
+  p->view.spec = *spec;
+  if (!p->checkpoint_name || !p->runtime_name)
+    rc = set_error(QKEEP_E_NOMEM, "out of memory for param '%s'", name);
+  if (!rc)
+    rc = storage_new(&layer->model->dev, p->create_bytes, &p->view.storage);
+  if (!rc)
+    rc = layer_register(layer, name, p, NULL);
+  if (rc) {
+    storage_unref(p->view.storage);
+    free(p->checkpoint_name);
+    free(p->runtime_name);
+    free(p);
+    return add_error_context(rc, "%s.%s", layer->name, name);
+  }
+  layer->params[layer->n_params++] = p;
+  if (out)
+    *out = p;
+  return 0;
+}
+
+int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param, size_t dst_offset,
+                     const struct qkeep_spec *spec) {
+  if (dst_offset + qkeep_spec_bytes(spec) > param->create_bytes)
+    return set_error(QKEEP_E_INVAL, "%s: source '%s' (%zu bytes at %zu) does not fit param '%s' (%zu bytes)",
+                     layer->name, checkpoint_name, qkeep_spec_bytes(spec), dst_offset, param->checkpoint_name,
+                     param->create_bytes);
+  int rc =
+      grow_array((void **)&layer->sources, &layer->cap_sources, layer->n_sources + 1, sizeof *layer->sources);
+  if (rc)
+    return rc;
+  char *copy = xstrdup(checkpoint_name);
+  if (!copy)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  layer->sources[layer->n_sources++] = (struct source){copy, param, dst_offset, *spec, false};
+  return 0;
+}
+
+qkeep_param *qkeep_param_lookup(const qkeep_layer *layer, const char *name) {
+  if (!layer || !name)
+    return NULL;
+  struct name_entry *e = layer_find_name(layer, name);
+  return e ? e->param : NULL;
+}
+
+const char *qkeep_param_checkpoint_name(const qkeep_param *param) { return param->checkpoint_name; }
+const char *qkeep_param_runtime_name(const qkeep_param *param) { return param->runtime_name; }
+enum qkeep_param_state qkeep_param_state(const qkeep_param *param) { return param->state; }
+const struct qkeep_spec *qkeep_param_create_spec(const qkeep_param *param) { return &param->create_spec; }
+
+int qkeep_param_view(const qkeep_param *param, struct qkeep_view *out) {
+  if (!param || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_param_view: NULL argument");
+  tensor_to_view(&param->view, param->state, out);
+  return 0;
+}
+
+void layer_destroy(qkeep_layer *layer) {
+  if (!layer)
+    return;
+  for (size_t i = 0; i < layer->n_params; i++) {
+    qkeep_param *p = layer->params[i];
+    storage_unref(p->view.storage);
+    free(p->checkpoint_name);
+    free(p->runtime_name);
+    free(p->release_reason);
+    free(p);
+  }
+  for (size_t i = 0; i < layer->n_buffers; i++) {
+    storage_unref(layer->buffers[i]->view.storage);
+    free(layer->buffers[i]->name);
+    free(layer->buffers[i]);
+  }
+  for (size_t i = 0; i < layer->n_names; i++)
+    free(layer->names[i].name);
+  for (size_t i = 0; i < layer->n_sources; i++)
+    free(layer->sources[i].checkpoint_name);
+  free(layer->params);
+  free(layer->buffers);
+  free(layer->names);
+  free(layer->sources);
+  free(layer->name);
+  free(layer->scheme);
+  free(layer);
+}

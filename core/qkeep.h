@@ -1,0 +1,255 @@
+/*
+ * qkeep.h: the API for engines. Load a quantized checkpoint into layers,
+ * convert it into a backend's kernel layout without losing a loaded param,
+ * and audit the result (census, digest).
+ *
+ * Conventions: functions return 0 or a negative QKEEP_E_* code;
+ * qkeep_strerror() names the code and qkeep_errmsg() gives the detail of the
+ * calling thread's last failure (which file, tensor, layer or plugin). The
+ * library never prints. Strings passed in are copied when kept.
+ */
+#ifndef QKEEP_H
+#define QKEEP_H
+
+#include <stdbool.h>
+
+#include "qkeep_backend.h"
+#include "qkeep_types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct qkeep_config qkeep_config;
+typedef struct qkeep_plugin qkeep_plugin;
+typedef struct qkeep_model qkeep_model;
+typedef struct qkeep_param qkeep_param;
+
+/* ---- basics ------------------------------------------------------------ */
+
+/* The package version, e.g. "0.1.0". Static string. */
+QKEEP_API const char *qkeep_version(void);
+/* A static, human-readable name for an error code ("invalid argument"). */
+QKEEP_API const char *qkeep_strerror(int code);
+/* Detail of the calling thread's last failure; "" when none. Valid until the
+ * next failing qkeep call on this thread. */
+QKEEP_API const char *qkeep_errmsg(void);
+
+/*
+ * Routes the library's log lines (warnings from loading, backends' messages)
+ * to fn; NULL (the default) drops them. Process-wide; set it before loading.
+ */
+QKEEP_API void qkeep_set_logger(void (*fn)(void *user, enum qkeep_log_level level, const char *msg),
+                                void *user);
+
+/* Bytes per element (packed types count their storage element). 0 if invalid. */
+QKEEP_API size_t qkeep_dtype_size(enum qkeep_dtype dtype);
+/* The safetensors name of a dtype ("F8_E4M3"), or "?" when invalid. */
+QKEEP_API const char *qkeep_dtype_name(enum qkeep_dtype dtype);
+/* Parses a safetensors dtype name. QKEEP_E_NOTFOUND when unknown. */
+QKEEP_API int qkeep_dtype_parse(const char *name, enum qkeep_dtype *out);
+/* Elements of a spec (1 for a scalar); bytes = numel * dtype size. */
+QKEEP_API int64_t qkeep_spec_numel(const struct qkeep_spec *spec);
+QKEEP_API size_t qkeep_spec_bytes(const struct qkeep_spec *spec);
+/* A name for a layer kind ("linear"), or "?" */
+QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
+
+/* ---- configuration (INI) ------------------------------------------------- */
+
+/*
+ * Reads an INI config: [qkeep] backend, plugin_dir; [model] checkpoint;
+ * [backend.NAME] keys passed to that backend. Unknown sections or keys and bad
+ * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg().
+ * On success the caller owns *out (qkeep_config_free).
+ */
+QKEEP_API int qkeep_config_load(const char *path, qkeep_config **out);
+QKEEP_API void qkeep_config_free(qkeep_config *cfg);
+/* Borrowed strings, NULL when unset. */
+QKEEP_API const char *qkeep_config_backend(const qkeep_config *cfg);
+QKEEP_API const char *qkeep_config_plugin_dir(const qkeep_config *cfg);
+QKEEP_API const char *qkeep_config_checkpoint(const qkeep_config *cfg);
+QKEEP_API const char *qkeep_config_path(const qkeep_config *cfg);
+
+/* ---- plugins --------------------------------------------------------------- */
+
+/* The directory plugins are installed in ($(pkglibdir)). Static string. */
+QKEEP_API const char *qkeep_plugin_install_dir(void);
+
+/*
+ * Loads the backend NAME from the file "backend-NAME.so", searched in each
+ * directory of $QKEEP_PLUGIN_PATH (colon-separated), then `plugin_dir` (may be
+ * NULL), then the install directory. Checks the ABI (major exact, minor
+ * floor) before anything else runs, then calls the backend's init. Failures
+ * name the path, dlerror() and both ABI versions. The caller owns *out.
+ */
+QKEEP_API int qkeep_plugin_open(const char *name, const char *plugin_dir, qkeep_plugin **out);
+/* Like qkeep_plugin_open for an explicit file path. */
+QKEEP_API int qkeep_plugin_open_path(const char *path, qkeep_plugin **out);
+/* Applies the config's [backend.NAME] keys through backend->configure.
+ * Errors carry the config's file:line. */
+QKEEP_API int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg);
+/* Opens the plugin the config names, from its plugin_dir, and configures it. */
+QKEEP_API int qkeep_plugin_open_config(const qkeep_config *cfg, qkeep_plugin **out);
+/* Asks the backend whether its device is present: 0, or QKEEP_E_NODEV with
+ * a message in msg (always NUL-terminated). */
+QKEEP_API int qkeep_plugin_probe(qkeep_plugin *plugin, char *msg, size_t msg_len);
+/* Calls backend fini and dlclose. Models using the plugin must be freed first. */
+QKEEP_API void qkeep_plugin_close(qkeep_plugin *plugin);
+QKEEP_API const char *qkeep_plugin_name(const qkeep_plugin *plugin);
+QKEEP_API const char *qkeep_plugin_path(const qkeep_plugin *plugin);
+QKEEP_API const struct qkeep_backend *qkeep_plugin_backend(const qkeep_plugin *plugin);
+
+/*
+ * Calls fn for every "backend-*.so" file in the plugin search path (as
+ * qkeep_plugin_open searches it), with the base name of the backend.
+ */
+QKEEP_API int qkeep_plugin_scan(const char *plugin_dir,
+                                int (*fn)(void *user, const char *name, const char *path), void *user);
+
+/* ---- model and layers -------------------------------------------------------- */
+
+/*
+ * A new, empty model whose params live in `plugin`'s device memory, with
+ * plugin's PWAL and kernels; `plugin` NULL means host memory and no PWAL.
+ * The plugin must outlive the model. The caller owns *out.
+ */
+QKEEP_API int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out);
+QKEEP_API void qkeep_model_free(qkeep_model *model);
+
+/*
+ * Cold start: reads the checkpoint (a .safetensors file), builds the layers,
+ * creates every loader param zero-filled with exactly its checkpoint bytes,
+ * streams the tensors in, then per layer runs the scheme's normalisation and
+ * the backend's PWAL. The model must be empty. On failure the model is left
+ * empty and the error names the file, tensor and layer.
+ */
+QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);
+
+QKEEP_API size_t qkeep_model_layer_count(const qkeep_model *model);
+QKEEP_API qkeep_layer *qkeep_model_layer(const qkeep_model *model, size_t index);
+QKEEP_API qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name);
+
+/*
+ * Adds an empty layer (engines that build layers by hand, and tests). The
+ * name must be new. The layer belongs to the model.
+ */
+QKEEP_API int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind,
+                              const char *scheme, qkeep_layer **out);
+QKEEP_API int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out);
+/* Sets the dims of a hand-built layer (info->name and scheme are ignored). */
+QKEEP_API int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info);
+
+/*
+ * Creates a loader param: storage of exactly spec's bytes on the model's
+ * device, zero-filled, registered under `name` (its checkpoint name, and
+ * initial runtime name). The census counts it as a loader param.
+ */
+QKEEP_API int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
+                                 qkeep_param **out);
+/* The param registered under name (checkpoint or runtime name), or NULL. */
+QKEEP_API qkeep_param *qkeep_param_lookup(const qkeep_layer *layer, const char *name);
+QKEEP_API const char *qkeep_param_checkpoint_name(const qkeep_param *param);
+QKEEP_API const char *qkeep_param_runtime_name(const qkeep_param *param);
+QKEEP_API enum qkeep_param_state qkeep_param_state(const qkeep_param *param);
+QKEEP_API int qkeep_param_view(const qkeep_param *param, struct qkeep_view *out);
+/* The spec the param was created with (what reload restores). */
+QKEEP_API const struct qkeep_spec *qkeep_param_create_spec(const qkeep_param *param);
+
+/* ---- the rules (also in struct qkeep_host for backends) ------------------------ */
+
+/* A result tensor on the layer's device; freed by qkeep_tensor_free or consumed by replace. */
+QKEEP_API int qkeep_tensor_new(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out);
+QKEEP_API void *qkeep_tensor_data(qkeep_tensor *tensor);
+QKEEP_API void qkeep_tensor_free(qkeep_tensor *tensor);
+
+/*
+ * Replaces param `name`'s contents with `result`, keeping the object. If the
+ * result fits the param's storage capacity it is copied into a prefix of it
+ * (data pointer unchanged); otherwise the param is rebound to the result's
+ * storage, which is larger, so C1 still holds. Always consumes `result`.
+ * QKEEP_E_STATE for a released param.
+ */
+QKEEP_API int qkeep_replace(qkeep_layer *layer, const char *name, qkeep_tensor *result);
+/* The result already sits in the prefix of the param's own storage: only the
+ * view changes to `spec`. QKEEP_E_RULE if spec does not fit the capacity. */
+QKEEP_API int qkeep_replace_in_place(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec);
+/* Registers the object under `src` also as `dst` and makes dst its runtime
+ * name. A no-op if dst already names it; QKEEP_E_EXISTS if dst names another. */
+QKEEP_API int qkeep_move(qkeep_layer *layer, const char *src, const char *dst);
+/* Keeps object and bytes; no kernel reads it any more. */
+QKEEP_API int qkeep_retire(qkeep_layer *layer, const char *name);
+/* Empties the storage; the census reports the reason. Use only where a
+ * kernel's copy is opaque and keeping the source would double memory. */
+QKEEP_API int qkeep_release(qkeep_layer *layer, const char *name, const char *reason);
+/* A kernel-only buffer; returns the existing one (same storage) when a buffer
+ * of that name and byte size exists. A new buffer is zero-filled. */
+QKEEP_API int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
+                               struct qkeep_view *out);
+/* View of a param or buffer by name, whatever its state. */
+QKEEP_API int qkeep_view_of(const qkeep_layer *layer, const char *name, struct qkeep_view *out);
+/* The live param under name, or NULL when absent, retired or released. */
+QKEEP_API qkeep_param *qkeep_get_live_param(const qkeep_layer *layer, const char *name);
+/* Every live param once, under its runtime name. Stops when fn returns non-zero (returned). */
+QKEEP_API int qkeep_kernel_params(const qkeep_layer *layer,
+                                  int (*fn)(void *user, const char *name, const struct qkeep_view *v),
+                                  void *user);
+/* Every registered name (an alias once per name); is_buffer tells buffers apart. */
+QKEEP_API int qkeep_foreach_name(const qkeep_layer *layer,
+                                 int (*fn)(void *user, const char *name, bool is_buffer,
+                                           const struct qkeep_view *v),
+                                 void *user);
+/* Every distinct storage of the model once (params and buffers): its device
+ * address, capacity and one name that uses it. */
+QKEEP_API int qkeep_foreach_storage(const qkeep_model *model,
+                                    int (*fn)(void *user, const char *layer, const char *name,
+                                              const void *data, size_t capacity),
+                                    void *user);
+
+/* ---- audit ---------------------------------------------------------------------- */
+
+#define QKEEP_CENSUS_MAX_REASONS 8
+
+struct qkeep_census {
+  size_t size;
+  int64_t loader_params;     /* params created from the checkpoint */
+  int64_t registered_same;   /* still registered under their checkpoint name as the same object */
+  int64_t missing;           /* loader_params - registered_same */
+  int64_t c1;                /* storage capacity below checkpoint bytes (released excluded) */
+  int64_t c2;                /* pairs of distinct objects sharing bytes */
+  int64_t aliases;           /* extra names of an object */
+  int64_t retired;
+  int64_t retired_bytes;
+  int64_t released;
+  int64_t released_bytes;    /* checkpoint bytes given up */
+  int reasons;               /* distinct release reasons, up to QKEEP_CENSUS_MAX_REASONS */
+  const char *reason[QKEEP_CENSUS_MAX_REASONS]; /* borrowed from the model */
+  int64_t buffers;
+  int64_t kept_bytes;        /* bytes no kernel reads: retired + slack past live views */
+  int64_t total_bytes;       /* every distinct storage's capacity */
+  double kept_share;         /* kept_bytes / total_bytes */
+};
+
+/* Counts the model against the rules. Never fails on a valid model. */
+QKEEP_API int qkeep_census(const qkeep_model *model, struct qkeep_census *out);
+
+/* 128-bit XXH3 digest of every registered tensor of every layer, in layer
+ * order and by name: name, dtype, shape and bytes of its current view. */
+struct qkeep_digest {
+  uint64_t hi, lo;
+};
+QKEEP_API int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out);
+/* Hex form, 32 characters + NUL. */
+QKEEP_API void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]);
+
+/* ---- kernels ----------------------------------------------------------------- */
+
+/*
+ * y[M, N] = x[M, K] W^T through the backend's kernel for a linear layer; x and
+ * y are host f32 arrays, moved to and from the device by the core.
+ */
+QKEEP_API int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *y);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

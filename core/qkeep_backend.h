@@ -1,0 +1,186 @@
+/*
+ * qkeep_backend.h: the plugin ABI. A backend is a shared object exporting one
+ * symbol, QKEEP_BACKEND_INIT_SYMBOL, that fills in a struct qkeep_backend.
+ *
+ * Versioning: QKEEP_BACKEND_ABI_MAJOR must match exactly; the core's
+ * QKEEP_BACKEND_ABI_MINOR must be at least the minor the backend was built
+ * for. Every struct here starts with its size in bytes and grows only by
+ * appending; a slot past `size` is treated as absent (NULL).
+ *
+ * Ownership: objects a backend creates (its qkeep_backend, its per-layer
+ * state) are destroyed by that backend (fini, layer_cleanup). Strings passed
+ * into a backend are borrowed for the duration of the call.
+ *
+ * A backend never changes a param itself: it calls the host's rule functions
+ * (replace, move, retire, release, add_buffer), which enforce the lifecycle
+ * rules of docs/RULES.md.
+ */
+#ifndef QKEEP_BACKEND_H
+#define QKEEP_BACKEND_H
+
+#include <stdarg.h>
+
+#include "qkeep_types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QKEEP_BACKEND_ABI_MAJOR 1
+#define QKEEP_BACKEND_ABI_MINOR 0
+#define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
+
+typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
+typedef struct qkeep_tensor qkeep_tensor; /* opaque: a result tensor for replace */
+
+struct qkeep_backend;
+
+/* Log levels for host->log. */
+enum qkeep_log_level { QKEEP_LOG_ERROR = 0, QKEEP_LOG_WARN = 1, QKEEP_LOG_INFO = 2, QKEEP_LOG_DEBUG = 3 };
+
+/*
+ * The current view of a param or buffer, as a kernel sees it. `data` is a
+ * pointer in the backend's device memory (host memory for CPU backends).
+ */
+struct qkeep_view {
+  size_t size;       /* sizeof(struct qkeep_view) as the caller knows it */
+  void *data;        /* first byte of the view */
+  size_t nbytes;     /* bytes of the view: numel * dtype size */
+  size_t capacity;   /* bytes of storage from `data` to its end */
+  struct qkeep_spec spec;
+  enum qkeep_param_state state;
+};
+
+/* A layer's scheme and dimensions, as the checkpoint defined them. */
+struct qkeep_layer_info {
+  size_t size;
+  const char *name;   /* e.g. "model.layers.0.self_attn.qkv_proj" */
+  const char *scheme; /* e.g. "unquantized", "w8a8-int8" */
+  enum qkeep_layer_kind kind;
+  int64_t n;          /* output features (sum over fused shards) */
+  int64_t k;          /* input features */
+  int64_t experts;    /* 0 unless kind is MOE */
+  int64_t group_size; /* 0 when the scheme has no groups */
+  int shards;         /* fused logical shards (1 when unfused) */
+  int64_t shard_n[8]; /* output features of each shard */
+};
+
+/*
+ * Memory operations for the backend's device. The core uses them for all of
+ * its own work on params (zero-fill, replace into a prefix, digest, staging
+ * checkpoint bytes). Each returns 0 or a negative QKEEP_E_* code. copy_d2d
+ * must allow overlapping ranges (memmove semantics).
+ */
+struct qkeep_memory_ops {
+  size_t size;
+  int (*alloc)(const struct qkeep_backend *be, size_t bytes, void **out);
+  void (*free)(const struct qkeep_backend *be, void *ptr);
+  int (*copy_h2d)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
+  int (*copy_d2h)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
+  int (*copy_d2d)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
+  int (*fill)(const struct qkeep_backend *be, void *dst, int byte, size_t n);
+  int (*sync)(const struct qkeep_backend *be);
+};
+
+/*
+ * Arguments of apply: y[M, N] = x[M, K] W^T for a linear layer. x and y live
+ * in the backend's device memory, row-major, in the dtypes given.
+ */
+struct qkeep_apply_args {
+  size_t size;
+  int64_t m;
+  const void *x;
+  enum qkeep_dtype x_dtype;
+  void *y;
+  enum qkeep_dtype y_dtype;
+};
+
+/*
+ * What the core offers a backend. Every function returns 0 or a negative
+ * QKEEP_E_* code unless noted. `name` arguments are a layer's param or buffer
+ * names (runtime or checkpoint), e.g. "weight_scale".
+ */
+struct qkeep_host {
+  size_t size;
+  uint32_t abi_major;
+  uint32_t abi_minor;
+  const char *version; /* the core's package version */
+
+  /* Logging through the engine's logger. */
+  void (*log)(enum qkeep_log_level level, const char *fmt, ...);
+  /* Records the detail of an error for the caller; returns `code`. */
+  int (*set_error)(int code, const char *fmt, ...);
+
+  /* Readers. */
+  int (*layer_info)(const qkeep_layer *layer, struct qkeep_layer_info *out);
+  /* The view of a param (live, retired or released) or buffer by name. */
+  int (*view)(const qkeep_layer *layer, const char *name, struct qkeep_view *out);
+  /* Like view, but QKEEP_E_NOTFOUND for a retired or released param. */
+  int (*get_live)(const qkeep_layer *layer, const char *name, struct qkeep_view *out);
+  /* Calls fn once per live param, under its runtime name; stops on non-zero. */
+  int (*kernel_params)(const qkeep_layer *layer,
+                       int (*fn)(void *user, const char *name, const struct qkeep_view *v), void *user);
+  /* The backend's private state for a layer, freed by backend->layer_cleanup. */
+  void *(*get_state)(const qkeep_layer *layer);
+  void (*set_state)(qkeep_layer *layer, void *state);
+
+  /* Result tensors on the layer's device, for replace. */
+  int (*tensor_new)(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out);
+  void *(*tensor_data)(qkeep_tensor *t);
+  void (*tensor_free)(qkeep_tensor *t);
+
+  /* The rules. */
+  int (*replace)(qkeep_layer *layer, const char *name, qkeep_tensor *result);
+  int (*replace_in_place)(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec);
+  int (*move)(qkeep_layer *layer, const char *src, const char *dst);
+  int (*retire)(qkeep_layer *layer, const char *name);
+  int (*release)(qkeep_layer *layer, const char *name, const char *reason);
+  int (*add_buffer)(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
+                    struct qkeep_view *out);
+};
+
+/*
+ * A backend's table, filled in by its init function. The core never writes
+ * to it. Backends that need instance data embed this struct at the start of
+ * a larger one.
+ */
+struct qkeep_backend {
+  size_t size;
+  uint32_t abi_major; /* QKEEP_BACKEND_ABI_MAJOR the backend was built with */
+  uint32_t abi_minor; /* the lowest core ABI minor it needs */
+  const char *name;   /* e.g. "reference": the name configs select it by */
+  const char *description;
+
+  /* 0 when the device is present; QKEEP_E_NODEV (with msg) when not. */
+  int (*probe)(const struct qkeep_backend *be, char *msg, size_t msg_len);
+  /* Applies one [backend.NAME] config key; QKEEP_E_CONFIG for an unknown key or bad value. */
+  int (*configure)(const struct qkeep_backend *be, const char *key, const char *value);
+  /* NULL: params live in host memory. */
+  const struct qkeep_memory_ops *memory;
+  /* 1 when the backend runs this scheme for this kind of layer, else 0. */
+  int (*supports)(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind);
+  /* Post-load pass for one layer, under the rules. Runs again on reload. */
+  int (*pwal)(const struct qkeep_backend *be, qkeep_layer *layer);
+  /* Runs the layer's kernel. */
+  int (*apply)(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *args);
+  /* Frees the state set with host->set_state (may be NULL state). */
+  void (*layer_cleanup)(const struct qkeep_backend *be, qkeep_layer *layer, void *state);
+  /* Destroys the backend; nothing of it is used afterwards. */
+  void (*fini)(const struct qkeep_backend *be);
+};
+
+/*
+ * The one exported entry point. `host` stays valid until fini. Returns 0 and
+ * sets *out, or a negative QKEEP_E_* code (detail through host->set_error).
+ */
+typedef int (*qkeep_backend_init_fn)(const struct qkeep_host *host, const struct qkeep_backend **out);
+
+#define QKEEP_BACKEND_EXPORT __attribute__((visibility("default")))
+
+/* The prototype every backend defines (and exports with QKEEP_BACKEND_EXPORT). */
+QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const struct qkeep_backend **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

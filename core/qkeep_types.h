@@ -1,0 +1,86 @@
+/*
+ * qkeep_types.h: the plain types shared by the engine API (qkeep.h) and the
+ * plugin ABI (qkeep_backend.h): error codes, dtypes, layer kinds, tensor specs.
+ *
+ * Every struct that crosses the plugin ABI starts with its size in bytes and
+ * grows only by appending fields; a reader treats a field past `size` as absent.
+ */
+#ifndef QKEEP_TYPES_H
+#define QKEEP_TYPES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define QKEEP_API __attribute__((visibility("default")))
+#else
+#define QKEEP_API
+#endif
+
+/* Error codes: 0 is success, every failure is negative. Numbers are never reused. */
+enum qkeep_error {
+  QKEEP_OK = 0,
+  QKEEP_E_INVAL = -1,       /* bad argument or malformed input */
+  QKEEP_E_NOMEM = -2,       /* out of host or device memory */
+  QKEEP_E_IO = -3,          /* a read or write failed */
+  QKEEP_E_FORMAT = -4,      /* a file does not follow its format */
+  QKEEP_E_NOTFOUND = -5,    /* a name, file or symbol does not exist */
+  QKEEP_E_EXISTS = -6,      /* a name is already taken by another object */
+  QKEEP_E_ABI = -7,         /* plugin ABI version mismatch */
+  QKEEP_E_PLUGIN = -8,      /* a plugin could not be loaded or initialised */
+  QKEEP_E_NODEV = -9,       /* the backend's device is not present */
+  QKEEP_E_UNSUPPORTED = -10, /* valid request this backend or scheme cannot do */
+  QKEEP_E_DEVICE = -11,     /* a device operation failed */
+  QKEEP_E_RULE = -12,       /* the request would break a lifecycle rule */
+  QKEEP_E_CONFIG = -13,     /* the configuration file is wrong */
+  QKEEP_E_STATE = -14,      /* the object is not in a state that allows this */
+};
+
+/* Element types. Packed e2m1 (FP4) lives in U8, two codes per byte. */
+enum qkeep_dtype {
+  QKEEP_DTYPE_F32 = 0,
+  QKEEP_DTYPE_F16 = 1,
+  QKEEP_DTYPE_BF16 = 2,
+  QKEEP_DTYPE_F8_E4M3 = 3,
+  QKEEP_DTYPE_F8_E8M0 = 4,
+  QKEEP_DTYPE_U8 = 5,
+  QKEEP_DTYPE_I8 = 6,
+  QKEEP_DTYPE_I32 = 7,
+  QKEEP_DTYPE_I64 = 8,
+  QKEEP_DTYPE_COUNT
+};
+
+/* What a layer computes. */
+enum qkeep_layer_kind {
+  QKEEP_LAYER_LINEAR = 0,    /* y = x W^T (+ bias) */
+  QKEEP_LAYER_EMBEDDING = 1, /* a row lookup table; not applied as a GEMM */
+  QKEEP_LAYER_MOE = 2,       /* stacked experts w13 / w2 */
+  QKEEP_LAYER_KV_SCALES = 3, /* attention k/v scales */
+  QKEEP_LAYER_OTHER = 4,     /* norms and anything a kernel reads as-is */
+  QKEEP_LAYER_KIND_COUNT
+};
+
+#define QKEEP_MAX_DIMS 6
+
+/* A tensor's type and shape: contiguous, row-major. A rank-0 spec is a scalar. */
+struct qkeep_spec {
+  enum qkeep_dtype dtype;
+  int ndim;
+  int64_t shape[QKEEP_MAX_DIMS];
+};
+
+/* Lifecycle state of a param. */
+enum qkeep_param_state {
+  QKEEP_PARAM_LIVE = 0,     /* read by a kernel */
+  QKEEP_PARAM_RETIRED = 1,  /* bytes kept, read by no kernel */
+  QKEEP_PARAM_RELEASED = 2, /* storage emptied, with a reason (census shows it) */
+};
+
+#ifdef __cplusplus
+}
+#endif
+#endif

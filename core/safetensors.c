@@ -1,0 +1,584 @@
+/*
+ * safetensors.c: the strict safetensors reader (formats.md §7).
+ *
+ * st_open reads the 8-byte header length and the JSON header with pread,
+ * checks every rule the reference reader checks, plus two it leaves loose
+ * (duplicate names, unknown keys in a tensor entry), and keeps the tensor table
+ * sorted by name. st_read fetches one tensor's bytes on demand.
+ *
+ * The file is never mapped: a checkpoint that shrinks while it is open must
+ * give an error naming the file and tensor, never SIGBUS.
+ */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* The reference reader's MAX_HEADER_SIZE. */
+#define ST_MAX_HEADER_LEN 100000000ULL
+/* Largest single pread; Linux transfers at most about 2 GiB per call anyway. */
+#define ST_READ_CHUNK ((size_t)1 << 30)
+
+/* Every dtype string of the reference's Dtype enum, with its size in bits. */
+static const struct st_dtype {
+  const char *name;
+  unsigned bits;
+} st_dtypes[] = {
+    {"BOOL", 8},         {"F4", 4},           {"F6_E2M3", 6},     {"F6_E3M2", 6},      {"U8", 8},
+    {"I8", 8},           {"F8_E5M2", 8},      {"F8_E4M3", 8},     {"F8_E8M0", 8},      {"F8_E4M3FNUZ", 8},
+    {"F8_E5M2FNUZ", 8},  {"I16", 16},         {"U16", 16},        {"F16", 16},         {"BF16", 16},
+    {"I32", 32},         {"U32", 32},         {"F32", 32},        {"C64", 64},         {"F64", 64},
+    {"I64", 64},         {"U64", 64},
+};
+
+static const struct st_dtype *dtype_lookup(const char *name) {
+  for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0]; i++)
+    if (strcmp(name, st_dtypes[i].name) == 0)
+      return &st_dtypes[i];
+  return NULL;
+}
+
+/* ---- error helpers ---------------------------------------------------------------- */
+
+/* Sets "PATH: detail" and returns code. */
+static int PRINTF_LIKE(3, 4) file_error(int code, const struct st_file *f, const char *fmt, ...) {
+  char detail[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  return set_error(code, "%s: %s", f->path, detail);
+}
+
+/* Sets "PATH: tensor 'NAME': detail" and returns code. */
+static int PRINTF_LIKE(4, 5)
+    tensor_error(int code, const struct st_file *f, const char *name, const char *fmt, ...) {
+  char detail[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(detail, sizeof detail, fmt, ap);
+  va_end(ap);
+  return set_error(code, "%s: tensor '%s': %s", f->path, name, detail);
+}
+
+/* "[3, 4]" for a tensor's shape, into buf. */
+static const char *shape_str(const struct st_tensor *t, char *buf, size_t len) {
+  struct qkeep_spec spec = {.ndim = t->ndim};
+  memcpy(spec.shape, t->shape, sizeof spec.shape);
+  return spec_shape_str(&spec, buf, len);
+}
+
+static const char *json_kind(const json_t *v) {
+  switch (json_typeof(v)) {
+  case JSON_OBJECT: return "an object";
+  case JSON_ARRAY: return "an array";
+  case JSON_STRING: return "a string";
+  case JSON_INTEGER: return json_integer_value(v) < 0 ? "a negative integer" : "an integer";
+  case JSON_REAL: return "a real number";
+  case JSON_TRUE:
+  case JSON_FALSE: return "a boolean";
+  case JSON_NULL: return "null";
+  }
+  return "?";
+}
+
+static bool is_count(const json_t *v) { return json_is_integer(v) && json_integer_value(v) >= 0; }
+
+/* ---- low-level I/O ------------------------------------------------------------------ */
+
+/*
+ * Reads up to n bytes at offset, retrying on EINTR and short reads. Stores the
+ * bytes read in *got (fewer than n only at end of file) and returns 0, or the
+ * errno of a failed read.
+ */
+static int pread_full(int fd, void *dst, size_t n, uint64_t offset, size_t *got) {
+  size_t done = 0;
+  while (done < n) {
+    size_t want = n - done < ST_READ_CHUNK ? n - done : ST_READ_CHUNK;
+    ssize_t r = pread(fd, (char *)dst + done, want, (off_t)(offset + done));
+    if (r < 0) {
+      if (errno == EINTR)
+        continue;
+      *got = done;
+      return errno;
+    }
+    if (r == 0)
+      break;
+    done += (size_t)r;
+  }
+  *got = done;
+  return 0;
+}
+
+/*
+ * Strict UTF-8 (RFC 3629): no overlong forms, no surrogates, nothing above
+ * U+10FFFF. On failure stores the offset of the first bad sequence in *bad_at.
+ */
+static bool utf8_valid(const unsigned char *s, size_t n, size_t *bad_at) {
+  size_t i = 0;
+  while (i < n) {
+    unsigned c = s[i];
+    size_t len;
+    uint32_t cp, min;
+    if (c < 0x80) {
+      i++;
+      continue;
+    }
+    if ((c & 0xE0) == 0xC0) {
+      len = 2, cp = c & 0x1F, min = 0x80;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3, cp = c & 0x0F, min = 0x800;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4, cp = c & 0x07, min = 0x10000;
+    } else {
+      goto bad;
+    }
+    if (n - i < len)
+      goto bad;
+    for (size_t k = 1; k < len; k++) {
+      if ((s[i + k] & 0xC0) != 0x80)
+        goto bad;
+      cp = (cp << 6) | (s[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+      goto bad;
+    i += len;
+  }
+  return true;
+bad:
+  *bad_at = i;
+  return false;
+}
+
+/* ---- opening ---------------------------------------------------------------------- */
+
+/* Opens f->path read-only and records its size. */
+static int open_file(struct st_file *f) {
+  do
+    f->fd = open(f->path, O_RDONLY | O_CLOEXEC);
+  while (f->fd < 0 && errno == EINTR);
+  if (f->fd < 0) {
+    int err = errno;
+    if (err == ENOENT || err == ENOTDIR)
+      return file_error(QKEEP_E_NOTFOUND, f, "no such file");
+    return file_error(QKEEP_E_IO, f, "cannot open: %s", strerror(err));
+  }
+  struct stat sb;
+  if (fstat(f->fd, &sb) != 0)
+    return file_error(QKEEP_E_IO, f, "cannot stat: %s", strerror(errno));
+  if (!S_ISREG(sb.st_mode))
+    return file_error(QKEEP_E_IO, f, "not a regular file");
+  f->file_size = (uint64_t)sb.st_size;
+  return 0;
+}
+
+/*
+ * Reads the header length and the header bytes into *out (malloc'd, N bytes
+ * plus a NUL the parser does not need). Checks the length against the file
+ * size and the 100 MB limit, the UTF-8 encoding and the leading '{'.
+ */
+static int read_header(struct st_file *f, char **out) {
+  unsigned char len_le[8];
+  size_t got;
+  int err;
+
+  *out = NULL;
+  if (f->file_size < 8)
+    return file_error(QKEEP_E_FORMAT, f, "file is %llu bytes, too short for the 8-byte header length",
+                      (unsigned long long)f->file_size);
+  if ((err = pread_full(f->fd, len_le, 8, 0, &got)) != 0)
+    return file_error(QKEEP_E_IO, f, "cannot read the header length: %s", strerror(err));
+  if (got < 8)
+    return file_error(QKEEP_E_IO, f, "unexpected end of file reading the header length");
+
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; i--)
+    n = (n << 8) | len_le[i];
+  f->header_len = n;
+  if (n > ST_MAX_HEADER_LEN)
+    return file_error(QKEEP_E_FORMAT, f, "header length %llu exceeds the limit of %llu bytes",
+                      (unsigned long long)n, ST_MAX_HEADER_LEN);
+  if (n > f->file_size - 8)
+    return file_error(QKEEP_E_FORMAT, f, "header length %llu runs past the end of the file (%llu bytes)",
+                      (unsigned long long)n, (unsigned long long)f->file_size);
+  if (n == 0)
+    return file_error(QKEEP_E_FORMAT, f, "header is empty, expected a JSON object starting with '{'");
+
+  char *header = malloc((size_t)n + 1);
+  if (!header)
+    return file_error(QKEEP_E_NOMEM, f, "out of memory for a %llu-byte header", (unsigned long long)n);
+  err = pread_full(f->fd, header, (size_t)n, 8, &got);
+  if (err != 0 || got < n) {
+    free(header);
+    if (err)
+      return file_error(QKEEP_E_IO, f, "cannot read the header: %s", strerror(err));
+    return file_error(QKEEP_E_IO, f, "unexpected end of file reading the header");
+  }
+  header[n] = '\0';
+
+  size_t bad_at;
+  if (!utf8_valid((const unsigned char *)header, (size_t)n, &bad_at)) {
+    unsigned bad_byte = (unsigned char)header[bad_at];
+    free(header);
+    return file_error(QKEEP_E_FORMAT, f, "header is not valid UTF-8 (bad byte 0x%02x at header offset %zu)",
+                      bad_byte, bad_at);
+  }
+  if (header[0] != '{') {
+    free(header);
+    return file_error(QKEEP_E_FORMAT, f, "header does not begin with '{'");
+  }
+  *out = header;
+  return 0;
+}
+
+/* Copies __metadata__ (an object of strings) into f, in header order. */
+static int parse_metadata(struct st_file *f, json_t *meta) {
+  if (!json_is_object(meta))
+    return file_error(QKEEP_E_FORMAT, f, "__metadata__ is %s, expected an object of strings", json_kind(meta));
+  size_t n = json_object_size(meta);
+  if (n == 0)
+    return 0;
+  f->metadata_keys = calloc(n, sizeof *f->metadata_keys);
+  f->metadata_values = calloc(n, sizeof *f->metadata_values);
+  if (!f->metadata_keys || !f->metadata_values)
+    return file_error(QKEEP_E_NOMEM, f, "out of memory for %zu __metadata__ entries", n);
+
+  const char *key;
+  json_t *value;
+  json_object_foreach(meta, key, value) {
+    if (!json_is_string(value))
+      return file_error(QKEEP_E_FORMAT, f, "__metadata__ value of '%s' is %s, expected a string", key,
+                        json_kind(value));
+    size_t i = f->n_metadata++;
+    f->metadata_keys[i] = xstrdup(key);
+    f->metadata_values[i] = xstrdup(json_string_value(value));
+    if (!f->metadata_keys[i] || !f->metadata_values[i])
+      return file_error(QKEEP_E_NOMEM, f, "out of memory copying __metadata__");
+  }
+  return 0;
+}
+
+/* Fills t's dtype from the entry's "dtype" string; *bits gets its size. */
+static int parse_dtype(const struct st_file *f, struct st_tensor *t, const json_t *v, unsigned *bits) {
+  if (!json_is_string(v))
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "dtype is %s, expected a string", json_kind(v));
+  const char *name = json_string_value(v);
+  const struct st_dtype *dt = dtype_lookup(name);
+  if (!dt)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "unknown dtype '%s'", name);
+  assert(strlen(dt->name) < sizeof t->dtype_name);
+  strcpy(t->dtype_name, dt->name);
+  enum qkeep_dtype qd;
+  t->dtype = qkeep_dtype_parse(dt->name, &qd) == 0 ? (int)qd : -1;
+  assert(t->dtype < 0 || qkeep_dtype_size(qd) * 8 == dt->bits);
+  *bits = dt->bits;
+  return 0;
+}
+
+static int parse_shape(const struct st_file *f, struct st_tensor *t, const json_t *v) {
+  if (!json_is_array(v))
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape is %s, expected an array of integers",
+                        json_kind(v));
+  size_t ndim = json_array_size(v);
+  if (ndim > QKEEP_MAX_DIMS)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape has %zu dimensions, qkeep supports at most %d", ndim,
+                        QKEEP_MAX_DIMS);
+  for (size_t i = 0; i < ndim; i++) {
+    const json_t *dim = json_array_get(v, i);
+    if (!is_count(dim))
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape dimension %zu is %s, expected an integer >= 0",
+                          i, json_kind(dim));
+    t->shape[i] = (int64_t)json_integer_value(dim);
+  }
+  t->ndim = (int)ndim;
+  return 0;
+}
+
+static int parse_offsets(const struct st_file *f, const struct st_tensor *t, const json_t *v, uint64_t *begin,
+                         uint64_t *end) {
+  if (!json_is_array(v))
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets is %s, expected [begin, end]", json_kind(v));
+  if (json_array_size(v) != 2)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets has %zu elements, expected [begin, end]",
+                        json_array_size(v));
+  const json_t *b = json_array_get(v, 0), *e = json_array_get(v, 1);
+  if (!is_count(b) || !is_count(e))
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets [%s, %s]: expected integers >= 0",
+                        json_kind(b), json_kind(e));
+  *begin = (uint64_t)json_integer_value(b);
+  *end = (uint64_t)json_integer_value(e);
+  if (*end < *begin)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets [%llu, %llu] end before they begin",
+                        (unsigned long long)*begin, (unsigned long long)*end);
+  return 0;
+}
+
+/*
+ * Parses one tensor entry {"dtype", "shape", "data_offsets"} into t (whose
+ * name is set) and checks that the offsets hold exactly numel x bits / 8
+ * bytes. Sets t->offset to the absolute file offset; contiguity is checked
+ * later, over all tensors.
+ */
+static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *entry) {
+  if (!json_is_object(entry))
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "entry is %s, expected an object", json_kind(entry));
+
+  const char *key;
+  json_t *value;
+  json_object_foreach(entry, key, value) {
+    if (strcmp(key, "dtype") != 0 && strcmp(key, "shape") != 0 && strcmp(key, "data_offsets") != 0)
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "unknown key '%s' (expected dtype, shape, data_offsets)",
+                          key);
+  }
+  static const char *const required[] = {"dtype", "shape", "data_offsets"};
+  for (size_t i = 0; i < 3; i++)
+    if (!json_object_get(entry, required[i]))
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "missing key '%s'", required[i]);
+
+  unsigned bits = 0;
+  uint64_t begin = 0, end = 0;
+  int rc;
+  if ((rc = parse_dtype(f, t, json_object_get(entry, "dtype"), &bits)) != 0 ||
+      (rc = parse_shape(f, t, json_object_get(entry, "shape"))) != 0 ||
+      (rc = parse_offsets(f, t, json_object_get(entry, "data_offsets"), &begin, &end)) != 0)
+    return rc;
+  assert(bits > 0);
+
+  /* Overflow-checked in the reference's order: the product of the dims, then x bits. */
+  char shape[160];
+  uint64_t numel = 1, total_bits;
+  for (int i = 0; i < t->ndim; i++) {
+    uint64_t dim = (uint64_t)t->shape[i];
+    if (dim != 0 && numel > UINT64_MAX / dim)
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape %s: element count overflows",
+                          shape_str(t, shape, sizeof shape));
+    numel *= dim;
+  }
+  if (numel > UINT64_MAX / bits)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "%s %s: size in bits overflows", t->dtype_name,
+                        shape_str(t, shape, sizeof shape));
+  total_bits = numel * bits;
+  if (total_bits % 8 != 0)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "%s %s is %llu bits, not a whole number of bytes",
+                        t->dtype_name, shape_str(t, shape, sizeof shape), (unsigned long long)total_bits);
+  if (end - begin != total_bits / 8)
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets [%llu, %llu] hold %llu bytes, but %s %s needs %llu",
+                        (unsigned long long)begin, (unsigned long long)end, (unsigned long long)(end - begin),
+                        t->dtype_name, shape_str(t, shape, sizeof shape),
+                        (unsigned long long)(total_bits / 8));
+  t->offset = 8 + f->header_len + begin;
+  t->nbytes = end - begin;
+  return 0;
+}
+
+/* Parses the header JSON into f's tensors and metadata (not yet sorted or laid out). */
+static int parse_header(struct st_file *f, const char *header) {
+  json_error_t jerr;
+  json_t *root = json_loadb(header, (size_t)f->header_len, JSON_REJECT_DUPLICATES, &jerr);
+  if (!root) {
+#if JANSSON_VERSION_HEX >= 0x020b00
+    if (json_error_code(&jerr) == json_error_out_of_memory)
+      return file_error(QKEEP_E_NOMEM, f, "out of memory parsing the header");
+#endif
+    return file_error(QKEEP_E_FORMAT, f, "header is not valid JSON: %s (line %d, column %d)", jerr.text,
+                      jerr.line, jerr.column);
+  }
+
+  int rc = 0;
+  /* The header begins with '{', so a successful parse is an object. */
+  assert(json_is_object(root));
+  size_t n = json_object_size(root);
+  if (n > 0 && !(f->tensors = calloc(n, sizeof *f->tensors)))
+    rc = file_error(QKEEP_E_NOMEM, f, "out of memory for %zu tensors", n);
+
+  const char *key;
+  json_t *value;
+  json_object_foreach(root, key, value) {
+    if (rc != 0)
+      break;
+    if (strcmp(key, "__metadata__") == 0) {
+      rc = parse_metadata(f, value);
+      continue;
+    }
+    struct st_tensor *t = &f->tensors[f->n_tensors];
+    if (!(t->name = xstrdup(key))) {
+      rc = file_error(QKEEP_E_NOMEM, f, "out of memory copying tensor names");
+      break;
+    }
+    f->n_tensors++;
+    rc = parse_tensor(f, t, value);
+  }
+  json_decref(root);
+  return rc;
+}
+
+static int by_offset(const void *a, const void *b) {
+  const struct st_tensor *x = a, *y = b;
+  if (x->offset != y->offset)
+    return x->offset < y->offset ? -1 : 1;
+  if (x->nbytes != y->nbytes)
+    return x->nbytes < y->nbytes ? -1 : 1;
+  return strcmp(x->name, y->name);
+}
+
+static int by_name(const void *a, const void *b) {
+  return strcmp(((const struct st_tensor *)a)->name, ((const struct st_tensor *)b)->name);
+}
+
+/*
+ * Checks the data layout: sorted by offset, each tensor begins where the
+ * previous one ends, starting at 0 (no gaps, no overlaps), and the last one
+ * ends exactly at the end of the file. Leaves the tensors sorted by name.
+ */
+static int check_layout(struct st_file *f) {
+  const uint64_t base = 8 + f->header_len;
+  uint64_t expected = 0; /* relative to the data buffer */
+  if (f->n_tensors > 1)
+    qsort(f->tensors, f->n_tensors, sizeof *f->tensors, by_offset);
+  for (size_t i = 0; i < f->n_tensors; i++) {
+    const struct st_tensor *t = &f->tensors[i];
+    uint64_t begin = t->offset - base, end = begin + t->nbytes;
+    if (begin != expected) {
+      if (i == 0)
+        return tensor_error(QKEEP_E_FORMAT, f, t->name,
+                            "data_offsets [%llu, %llu]: the first tensor must start at 0, the data buffer has a gap",
+                            (unsigned long long)begin, (unsigned long long)end);
+      return tensor_error(QKEEP_E_FORMAT, f, t->name,
+                          "data_offsets [%llu, %llu] begin at %llu, but the previous tensor '%s' ends at %llu (%s)",
+                          (unsigned long long)begin, (unsigned long long)end, (unsigned long long)begin,
+                          f->tensors[i - 1].name, (unsigned long long)expected,
+                          begin > expected ? "a gap" : "an overlap");
+    }
+    expected = end;
+  }
+
+  uint64_t data_size = f->file_size - base;
+  if (expected > data_size) {
+    const struct st_tensor *last = &f->tensors[f->n_tensors - 1];
+    return tensor_error(QKEEP_E_FORMAT, f, last->name,
+                        "data_offsets [%llu, %llu] run past the end of the file (the data buffer holds %llu bytes)",
+                        (unsigned long long)(last->offset - base), (unsigned long long)expected,
+                        (unsigned long long)data_size);
+  }
+  if (expected < data_size)
+    return file_error(QKEEP_E_FORMAT, f, "%llu trailing bytes after the tensor data (the data ends at byte %llu of %llu)",
+                      (unsigned long long)(data_size - expected), (unsigned long long)(base + expected),
+                      (unsigned long long)f->file_size);
+
+  if (f->n_tensors > 1)
+    qsort(f->tensors, f->n_tensors, sizeof *f->tensors, by_name);
+  return 0;
+}
+
+int st_open(const char *path, struct st_file **out) {
+  assert(out);
+  *out = NULL;
+  if (!path)
+    return set_error(QKEEP_E_INVAL, "st_open: no path given");
+
+  struct st_file *f = calloc(1, sizeof *f);
+  if (!f)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
+  f->fd = -1;
+  if (!(f->path = xstrdup(path))) {
+    free(f);
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
+  }
+
+  char *header = NULL;
+  int rc = open_file(f);
+  if (rc == 0)
+    rc = read_header(f, &header);
+  if (rc == 0)
+    rc = parse_header(f, header);
+  free(header);
+  if (rc == 0)
+    rc = check_layout(f);
+  if (rc != 0) {
+    st_close(f);
+    return rc;
+  }
+  *out = f;
+  return 0;
+}
+
+/* Closes the file and frees everything st_open allocated; NULL is a no-op. */
+void st_close(struct st_file *f) {
+  if (!f)
+    return;
+  if (f->fd >= 0)
+    close(f->fd);
+  for (size_t i = 0; i < f->n_tensors; i++)
+    free(f->tensors[i].name);
+  free(f->tensors);
+  for (size_t i = 0; i < f->n_metadata; i++) {
+    free(f->metadata_keys[i]);
+    free(f->metadata_values[i]);
+  }
+  free(f->metadata_keys);
+  free(f->metadata_values);
+  free(f->path);
+  free(f);
+}
+
+static int name_vs_tensor(const void *key, const void *elem) {
+  return strcmp(key, ((const struct st_tensor *)elem)->name);
+}
+
+/* Binary search over the name-sorted table. The result is borrowed from f. */
+const struct st_tensor *st_find(const struct st_file *f, const char *name) {
+  if (!f || !name || f->n_tensors == 0)
+    return NULL;
+  return bsearch(name, f->tensors, f->n_tensors, sizeof *f->tensors, name_vs_tensor);
+}
+
+/* The value is borrowed from f. */
+const char *st_metadata(const struct st_file *f, const char *key) {
+  if (!f || !key)
+    return NULL;
+  for (size_t i = 0; i < f->n_metadata; i++)
+    if (strcmp(f->metadata_keys[i], key) == 0)
+      return f->metadata_values[i];
+  return NULL;
+}
+
+/*
+ * Copies t's nbytes into dst. t must come from f. Before reading, checks with
+ * fstat that the file still has the size st_open validated; a read that hits
+ * end of file anyway (the file shrank in between) is QKEEP_E_IO as well.
+ * A tensor of 0 bytes reads nothing (dst may be NULL).
+ */
+int st_read(const struct st_file *f, const struct st_tensor *t, void *dst) {
+  assert(f && t && t >= f->tensors && t < f->tensors + f->n_tensors);
+  if (t->nbytes == 0)
+    return 0;
+  assert(dst);
+  if (t->nbytes > SIZE_MAX)
+    return tensor_error(QKEEP_E_NOMEM, f, t->name, "%llu bytes do not fit in memory",
+                        (unsigned long long)t->nbytes);
+
+  struct stat sb;
+  if (fstat(f->fd, &sb) != 0)
+    return tensor_error(QKEEP_E_IO, f, t->name, "cannot stat: %s", strerror(errno));
+  if ((uint64_t)sb.st_size != f->file_size)
+    return tensor_error(QKEEP_E_IO, f, t->name, "the file changed size since it was opened (%llu bytes, now %llu)",
+                        (unsigned long long)f->file_size, (unsigned long long)sb.st_size);
+
+  size_t got;
+  int err = pread_full(f->fd, dst, (size_t)t->nbytes, t->offset, &got);
+  if (err)
+    return tensor_error(QKEEP_E_IO, f, t->name, "read failed at byte %llu: %s",
+                        (unsigned long long)(t->offset + got), strerror(err));
+  if (got < t->nbytes)
+    return tensor_error(QKEEP_E_IO, f, t->name,
+                        "unexpected end of file at byte %llu, %llu bytes short (did the file shrink?)",
+                        (unsigned long long)(t->offset + got), (unsigned long long)(t->nbytes - got));
+  return 0;
+}

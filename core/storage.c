@@ -1,0 +1,134 @@
+/*
+ * storage.c: device memory (a backend's memory ops, or host memory) and the
+ * refcounted storage that params and buffers view.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static int host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  (void)be;
+  /* 64-byte alignment suits every SIMD kernel a CPU backend may run over the bytes. */
+  size_t rounded = (bytes + 63) & ~(size_t)63;
+  *out = aligned_alloc(64, rounded ? rounded : 64);
+  return *out ? 0 : QKEEP_E_NOMEM;
+}
+static void host_free(const struct qkeep_backend *be, void *ptr) {
+  (void)be;
+  free(ptr);
+}
+static int host_copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  (void)be;
+  if (n)
+    memmove(dst, src, n);
+  return 0;
+}
+static int host_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
+  (void)be;
+  if (n)
+    memset(dst, byte, n);
+  return 0;
+}
+static int host_sync(const struct qkeep_backend *be) {
+  (void)be;
+  return 0;
+}
+
+static const struct qkeep_memory_ops host_ops = {
+    .size = sizeof(struct qkeep_memory_ops),
+    .alloc = host_alloc,
+    .free = host_free,
+    .copy_h2d = host_copy,
+    .copy_d2h = host_copy,
+    .copy_d2d = host_copy,
+    .fill = host_fill,
+    .sync = host_sync,
+};
+
+static const struct device host_dev = {NULL, &host_ops};
+
+const struct device *host_device(void) { return &host_dev; }
+
+/* A backend's memory table counts only when it provides every slot we call. */
+static bool ops_complete(const struct qkeep_memory_ops *ops) {
+  return ops && ops->size >= offsetof(struct qkeep_memory_ops, sync) + sizeof(ops->sync) && ops->alloc &&
+         ops->free && ops->copy_h2d && ops->copy_d2h && ops->copy_d2d && ops->fill && ops->sync;
+}
+
+void device_init(struct device *dev, const struct qkeep_backend *be) {
+  dev->be = be;
+  dev->ops = (be && ops_complete(be->memory)) ? be->memory : &host_ops;
+}
+
+int dev_alloc(const struct device *dev, size_t bytes, void **out) {
+  int rc = dev->ops->alloc(dev->be, bytes, out);
+  if (rc)
+    return set_error(rc, "cannot allocate %zu bytes of device memory", bytes);
+  return 0;
+}
+void dev_free(const struct device *dev, void *ptr) {
+  if (ptr)
+    dev->ops->free(dev->be, ptr);
+}
+int dev_h2d(const struct device *dev, void *dst, const void *src, size_t n) {
+  int rc = n ? dev->ops->copy_h2d(dev->be, dst, src, n) : 0;
+  return rc ? set_error(rc, "host-to-device copy of %zu bytes failed", n) : 0;
+}
+int dev_d2h(const struct device *dev, void *dst, const void *src, size_t n) {
+  int rc = n ? dev->ops->copy_d2h(dev->be, dst, src, n) : 0;
+  return rc ? set_error(rc, "device-to-host copy of %zu bytes failed", n) : 0;
+}
+int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n) {
+  int rc = (n && dst != src) ? dev->ops->copy_d2d(dev->be, dst, src, n) : 0;
+  return rc ? set_error(rc, "device-to-device copy of %zu bytes failed", n) : 0;
+}
+int dev_fill(const struct device *dev, void *dst, int byte, size_t n) {
+  int rc = n ? dev->ops->fill(dev->be, dst, byte, n) : 0;
+  return rc ? set_error(rc, "device fill of %zu bytes failed", n) : 0;
+}
+int dev_sync(const struct device *dev) {
+  int rc = dev->ops->sync(dev->be);
+  return rc ? set_error(rc, "device synchronisation failed") : 0;
+}
+
+int storage_new(const struct device *dev, size_t bytes, struct storage **out) {
+  struct storage *s = calloc(1, sizeof *s);
+  if (!s)
+    return set_error(QKEEP_E_NOMEM, "out of memory for a storage");
+  s->refs = 1;
+  s->dev = dev;
+  s->capacity = bytes;
+  /* Every storage has an address, even a zero-byte one, so the census can tell storages apart. */
+  int rc = dev_alloc(dev, bytes, &s->data);
+  if (!rc)
+    rc = dev_fill(dev, s->data, 0, bytes);
+  if (rc) {
+    dev_free(dev, s->data);
+    free(s);
+    return rc;
+  }
+  *out = s;
+  return 0;
+}
+
+void storage_ref(struct storage *s) { s->refs++; }
+
+void storage_unref(struct storage *s) {
+  if (!s || --s->refs > 0)
+    return;
+  dev_free(s->dev, s->data);
+  free(s);
+}
+
+void tensor_to_view(const struct tensor *t, enum qkeep_param_state state, struct qkeep_view *out) {
+  size_t want = out->size ? out->size : sizeof *out;
+  struct qkeep_view v = {0};
+  v.size = want < sizeof v ? want : sizeof v;
+  v.data = tensor_ptr(t);
+  v.nbytes = t->storage ? qkeep_spec_bytes(&t->spec) : 0; /* a released param views nothing */
+  v.capacity = tensor_capacity(t);
+  v.spec = t->spec;
+  v.state = state;
+  memcpy(out, &v, v.size);
+}

@@ -1,0 +1,49 @@
+/* util.c: small helpers shared by the core's files. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+char *xstrdup(const char *s) {
+  if (!s)
+    return NULL;
+  size_t n = strlen(s) + 1;
+  char *d = malloc(n);
+  if (d)
+    memcpy(d, s, n);
+  return d;
+}
+
+/* Makes room for `need` elements; doubles the capacity so appends are amortised O(1). */
+int grow_array(void **array, size_t *cap, size_t need, size_t elem_size) {
+  if (need <= *cap)
+    return 0;
+  size_t n = *cap ? *cap : 8;
+  while (n < need)
+    n *= 2;
+  void *p = realloc(*array, n * elem_size);
+  if (!p)
+    return set_error(QKEEP_E_NOMEM, "out of memory growing a table to %zu entries", n);
+  *array = p;
+  *cap = n;
+  return 0;
+}
+
+bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) {
+  if (a->dtype != b->dtype || a->ndim != b->ndim)
+    return false;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->shape[i] != b->shape[i])
+      return false;
+  return true;
+}
+
+const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len) {
+  size_t used = 0;
+  used += (size_t)snprintf(buf, len, "[");
+  for (int i = 0; i < spec->ndim && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%lld", i ? ", " : "", (long long)spec->shape[i]);
+  if (used < len)
+    snprintf(buf + used, len - used, "]");
+  return buf;
+}

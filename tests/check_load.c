@@ -1,0 +1,240 @@
+/*
+ * check_load.c: the whole flow on unquantized checkpoints through the
+ * reference backend: load, census, checkpoint names resolving, apply against
+ * an oracle computed here from the written values, digests, and failures that
+ * leave nothing half-loaded.
+ */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "numeric.h"
+#include "testutil.h"
+
+#define N 24
+#define K 40
+
+static char *dir;
+static qkeep_plugin *plugin;
+
+static void setup(void) {
+  dir = tu_tmpdir("load");
+  ck_assert_ptr_nonnull(dir);
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
+}
+
+static void teardown(void) {
+  qkeep_plugin_close(plugin);
+  tu_rmtree(dir);
+  free(dir);
+}
+
+/* Source values of the test weights, exactly representable in every float dtype. */
+static float weight_value(uint64_t seed, int64_t i) {
+  uint64_t s = seed * 1000003u + (uint64_t)i;
+  return (float)((int)(tu_rand(&s) % 33) - 16) / 64.0f;
+}
+
+static void encode(enum qkeep_dtype dtype, const float *src, void *dst, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (dtype == QKEEP_DTYPE_F32)
+      ((float *)dst)[i] = src[i];
+    else if (dtype == QKEEP_DTYPE_BF16)
+      ((uint16_t *)dst)[i] = qk_f32_to_bf16(src[i]);
+    else
+      ((uint16_t *)dst)[i] = qk_f32_to_f16(src[i]);
+  }
+}
+
+/* Writes a checkpoint with linear layers a (with bias) and b, a norm, and an embedding. */
+static char *write_ckpt(const char *file, enum qkeep_dtype dtype, uint64_t seed) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  float wv[N * K], bv[N];
+  unsigned char buf[N * K * 4];
+  for (int i = 0; i < N * K; i++)
+    wv[i] = weight_value(seed, i);
+  for (int i = 0; i < N; i++)
+    bv[i] = weight_value(seed + 7, i);
+  struct qkeep_spec ws = {dtype, 2, {N, K}}, bs = {dtype, 1, {N}};
+  encode(dtype, wv, buf, N * K);
+  ck_assert_int_eq(st_writer_add(w, "model.layers.0.mlp.a_proj.weight", &ws, buf), 0);
+  ck_assert_int_eq(st_writer_add(w, "model.layers.0.mlp.b_proj.weight", &ws, buf), 0);
+  encode(dtype, bv, buf, N);
+  ck_assert_int_eq(st_writer_add(w, "model.layers.0.mlp.a_proj.bias", &bs, buf), 0);
+  ck_assert_int_eq(st_writer_add(w, "model.norm.weight", &bs, buf), 0);
+  encode(dtype, wv, buf, N * K);
+  ck_assert_int_eq(st_writer_add(w, "model.embed_tokens.weight", &ws, buf), 0);
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+static qkeep_model *load(const char *path) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s", qkeep_errmsg());
+  return m;
+}
+
+static void check_dtype(enum qkeep_dtype dtype) {
+  char *path = write_ckpt("m.safetensors", dtype, 3);
+  qkeep_model *m = load(path);
+  ck_assert_uint_eq(qkeep_model_layer_count(m), 4);
+  struct qkeep_census c = {.size = sizeof c};
+  ck_assert_int_eq(qkeep_census(m, &c), 0);
+  ck_assert_int_eq(c.loader_params, 5);
+  ck_assert_int_eq(c.registered_same, 5);
+  ck_assert_int_eq(c.missing, 0);
+  ck_assert_int_eq(c.c1, 0);
+  ck_assert_int_eq(c.c2, 0);
+  ck_assert_int_eq(c.released, 0);
+  ck_assert_int_eq(c.total_bytes, (int64_t)(3 * N * K + 2 * N) * (int64_t)qkeep_dtype_size(dtype));
+
+  /* Every checkpoint name resolves to its param, and the bytes are the checkpoint's. */
+  qkeep_layer *a = qkeep_model_find_layer(m, "model.layers.0.mlp.a_proj");
+  ck_assert_ptr_nonnull(a);
+  qkeep_layer *found;
+  ck_assert_ptr_eq(model_lookup_checkpoint_name(m, "model.layers.0.mlp.a_proj.bias", &found),
+                   qkeep_param_lookup(a, "bias"));
+  ck_assert_ptr_eq(found, a);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  ck_assert_int_eq(qkeep_layer_get_info(a, &info), 0);
+  ck_assert_int_eq(info.kind, QKEEP_LAYER_LINEAR);
+  ck_assert_int_eq(info.n, N);
+  ck_assert_int_eq(info.k, K);
+  ck_assert_int_eq(qkeep_model_find_layer(m, "model.embed_tokens")->kind, QKEEP_LAYER_EMBEDDING);
+  ck_assert_int_eq(qkeep_model_find_layer(m, "model.norm")->kind, QKEEP_LAYER_OTHER);
+
+  /* apply against y = x W^T + b computed here from the source values. */
+  enum { M = 3 };
+  float x[M * K], y[M * N];
+  uint64_t rng = 99;
+  for (int i = 0; i < M * K; i++)
+    x[i] = tu_randf(&rng);
+  ck_assert_msg(qkeep_layer_apply_f32(a, M, x, y) == 0, "%s", qkeep_errmsg());
+  for (int r = 0; r < M; r++)
+    for (int n = 0; n < N; n++) {
+      double ref = weight_value(3 + 7, n);
+      for (int k = 0; k < K; k++)
+        ref += (double)x[r * K + k] * weight_value(3, n * K + k);
+      ck_assert_double_eq_tol(y[r * N + n], ref, 1e-5);
+    }
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.norm"), 1, x, y), QKEEP_E_UNSUPPORTED);
+  qkeep_model_free(m);
+  free(path);
+}
+
+START_TEST(loads_f32) { check_dtype(QKEEP_DTYPE_F32); }
+END_TEST
+START_TEST(loads_bf16) { check_dtype(QKEEP_DTYPE_BF16); }
+END_TEST
+START_TEST(loads_f16) { check_dtype(QKEEP_DTYPE_F16); }
+END_TEST
+
+START_TEST(digest_is_stable_and_tracks_content) {
+  char *p1 = write_ckpt("a.safetensors", QKEEP_DTYPE_BF16, 1);
+  char *p2 = write_ckpt("b.safetensors", QKEEP_DTYPE_BF16, 2);
+  qkeep_model *m1 = load(p1), *m1b = load(p1), *m2 = load(p2);
+  struct qkeep_digest d1, d1b, d2;
+  ck_assert_int_eq(qkeep_digest(m1, &d1), 0);
+  ck_assert_int_eq(qkeep_digest(m1b, &d1b), 0);
+  ck_assert_int_eq(qkeep_digest(m2, &d2), 0);
+  ck_assert(d1.hi == d1b.hi && d1.lo == d1b.lo);
+  ck_assert(d1.hi != d2.hi || d1.lo != d2.lo);
+  qkeep_model_free(m1);
+  qkeep_model_free(m1b);
+  qkeep_model_free(m2);
+  free(p1);
+  free(p2);
+}
+END_TEST
+
+START_TEST(host_only_model_loads_without_a_backend) {
+  char *path = write_ckpt("h.safetensors", QKEEP_DTYPE_F32, 5);
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(NULL, &m), 0);
+  ck_assert_int_eq(qkeep_model_load(m, path), 0);
+  ck_assert_int_eq(qkeep_model_load(m, path), QKEEP_E_STATE);
+  float x[K] = {0}, y[N];
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_layer(m, 0), 1, x, y), QKEEP_E_UNSUPPORTED);
+  qkeep_model_free(m);
+  free(path);
+}
+END_TEST
+
+/* A failed load leaves the model empty and the error names the file and tensor. */
+static void expect_failure(const char *path, int code, const char *needle) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_int_eq(qkeep_model_load(m, path), code);
+  ck_assert_msg(strstr(qkeep_errmsg(), needle) != NULL, "'%s' not in '%s'", needle, qkeep_errmsg());
+  ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
+  qkeep_model_free(m);
+}
+
+START_TEST(failures_leave_nothing_half_loaded) {
+  char *missing = tu_path(dir, "absent.safetensors");
+  expect_failure(missing, QKEEP_E_NOTFOUND, "absent.safetensors");
+
+  struct st_writer *w;
+  unsigned char bytes[N * K * 4] = {0};
+  struct qkeep_spec int_weight = {QKEEP_DTYPE_I32, 2, {N, K}};
+  struct qkeep_spec f32 = {QKEEP_DTYPE_F32, 2, {N, K}};
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  ck_assert_int_eq(st_writer_add(w, "model.a.weight", &f32, bytes), 0);
+  ck_assert_int_eq(st_writer_add(w, "model.b.weight", &int_weight, bytes), 0);
+  char *bad = tu_path(dir, "int.safetensors");
+  ck_assert_int_eq(st_writer_write(w, bad), 0);
+  st_writer_free(w);
+  expect_failure(bad, QKEEP_E_FORMAT, "model.b.weight");
+
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  ck_assert_int_eq(st_writer_add(w, "toplevel", &f32, bytes), 0);
+  char *noprefix = tu_path(dir, "noprefix.safetensors");
+  ck_assert_int_eq(st_writer_write(w, noprefix), 0);
+  st_writer_free(w);
+  expect_failure(noprefix, QKEEP_E_FORMAT, "toplevel");
+  free(missing);
+  free(bad);
+  free(noprefix);
+}
+END_TEST
+
+START_TEST(bytes_changed_after_open_fail_cleanly) {
+  char *path = write_ckpt("t.safetensors", QKEEP_DTYPE_F32, 4);
+  size_t n;
+  unsigned char *data = tu_read_file(path, &n);
+  ck_assert_ptr_nonnull(data);
+  ck_assert_int_eq(tu_write_file(path, data, n - 100), 0); /* truncated: the header promises more */
+  expect_failure(path, QKEEP_E_FORMAT, "t.safetensors");
+  free(data);
+  free(path);
+}
+END_TEST
+
+static Suite *load_suite(void) {
+  Suite *s = suite_create("load");
+  TCase *tc = tcase_create("load");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_test(tc, loads_f32);
+  tcase_add_test(tc, loads_bf16);
+  tcase_add_test(tc, loads_f16);
+  tcase_add_test(tc, digest_is_stable_and_tracks_content);
+  tcase_add_test(tc, host_only_model_loads_without_a_backend);
+  tcase_add_test(tc, failures_leave_nothing_half_loaded);
+  tcase_add_test(tc, bytes_changed_after_open_fail_cleanly);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  SRunner *sr = srunner_create(load_suite());
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}

@@ -1,0 +1,75 @@
+#!/bin/sh
+# cli.sh: the qkeep command end to end: version, plugins, census (table and
+# JSON) on a checkpoint written by make_tiny, help, and its error paths.
+set -u
+build=${QKEEP_TEST_BUILDDIR:-.}
+qkeep="$build/cli/qkeep"
+tmp="$build/tests/tmp/cli-$$"
+rm -rf "$tmp" && mkdir -p "$tmp"
+fails=0
+pass=0
+
+check() { # check NAME CONDITION-COMMAND...
+  name=$1; shift
+  if "$@"; then pass=$((pass + 1)); else fails=$((fails + 1)); echo "FAIL: $name"; fi
+}
+contains() { grep -q -- "$2" "$1"; }
+line_is() { grep -Eq "^  $2 +$3\$" "$1"; }
+
+"$build/tests/make_tiny" "$tmp/tiny.safetensors" 1 bf16 || { echo "FAIL: make_tiny"; exit 1; }
+cat >"$tmp/qkeep.ini" <<INI
+[qkeep]
+backend = reference
+[model]
+checkpoint = tiny.safetensors
+INI
+
+"$qkeep" version >"$tmp/out" 2>&1; check "version exits 0" test $? -eq 0
+check "version text" contains "$tmp/out" "plugin ABI 1.0"
+
+"$qkeep" -c "$tmp/qkeep.ini" plugins >"$tmp/out" 2>&1; check "plugins exits 0" test $? -eq 0
+check "plugins lists reference" contains "$tmp/out" "reference"
+check "plugins shows the ABI mismatch" contains "$tmp/out" "test-major"
+"$qkeep" -c "$tmp/qkeep.ini" plugins --json >"$tmp/out" 2>&1
+check "plugins --json" contains "$tmp/out" '"name":"reference"'
+
+# census on the config's checkpoint (relative to the config file)
+"$qkeep" -c "$tmp/qkeep.ini" census >"$tmp/out" 2>&1; rc=$?
+cat "$tmp/out"
+check "census exits 0" test $rc -eq 0
+check "census missing 0" line_is "$tmp/out" "missing" 0
+check "census C1 0" line_is "$tmp/out" "C1 violations" 0
+check "census C2 0" line_is "$tmp/out" "C2 overlaps" 0
+check "census released 0" line_is "$tmp/out" "released" 0
+check "census loader params" line_is "$tmp/out" "loader params" 21
+check "census layers" line_is "$tmp/out" "layers" 21
+
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/tiny.safetensors" --json >"$tmp/json" 2>&1
+check "census --json" contains "$tmp/json" '"missing":0,"c1":0,"c2":0'
+digest1=$(sed 's/.*"digest":"\([0-9a-f]*\)".*/\1/' "$tmp/json")
+"$build/tests/make_tiny" "$tmp/other.safetensors" 2 bf16
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/other.safetensors" --json >"$tmp/json2" 2>&1
+digest2=$(sed 's/.*"digest":"\([0-9a-f]*\)".*/\1/' "$tmp/json2")
+check "digest is 32 hex" test ${#digest1} -eq 32
+check "digests differ for different weights" test "$digest1" != "$digest2"
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/tiny.safetensors" --json >"$tmp/json3" 2>&1
+check "digest is deterministic" test "$digest1" = "$(sed 's/.*"digest":"\([0-9a-f]*\)".*/\1/' "$tmp/json3")"
+
+"$qkeep" census --help >"$tmp/out" 2>&1; check "census --help" contains "$tmp/out" "usage: qkeep"
+"$qkeep" plugins --help >"$tmp/out" 2>&1; check "plugins --help" contains "$tmp/out" "usage: qkeep"
+"$qkeep" --help >"$tmp/out" 2>&1; check "--help" contains "$tmp/out" "commands:"
+
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/absent.safetensors" >"$tmp/out" 2>&1; rc=$?
+check "missing checkpoint fails" test $rc -eq 1
+check "missing checkpoint is named" contains "$tmp/out" "absent.safetensors"
+
+printf '[qkeep]\nbackend = nonexistent\n' >"$tmp/bad.ini"
+"$qkeep" -c "$tmp/bad.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1; rc=$?
+check "missing plugin fails" test $rc -eq 1
+check "missing plugin names config line" contains "$tmp/out" "bad.ini:2"
+
+"$qkeep" frobnicate >"$tmp/out" 2>&1; check "unknown command is a usage error" test $? -eq 2
+
+rm -rf "$tmp"
+echo "cli.sh: $pass passed, $fails failed"
+test $fails -eq 0

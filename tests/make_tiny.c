@@ -1,0 +1,95 @@
+/*
+ * make_tiny.c: writes the small unquantized example model, deterministically:
+ * an embedding, DECODER_LAYERS decoder layers (q/k/v/o projections, gate/up/down
+ * MLP, two norms), a final norm and an lm_head.
+ *
+ *   make_tiny OUT.safetensors [SEED] [bf16|f16|f32]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "numeric.h"
+#include "testutil.h"
+
+#define HIDDEN 64
+#define KV 32
+#define INTER 128
+#define VOCAB 256
+#define DECODER_LAYERS 2
+
+static enum qkeep_dtype out_dtype = QKEEP_DTYPE_BF16;
+
+/* Adds one tensor of uniform values in [-scale, scale) (or all `fill` when scale is 0). */
+static int add(struct st_writer *w, uint64_t *rng, const char *name, int64_t rows, int64_t cols, float scale,
+               float fill) {
+  struct qkeep_spec spec = {.dtype = out_dtype, .ndim = cols ? 2 : 1, .shape = {rows, cols}};
+  size_t n = (size_t)rows * (size_t)(cols ? cols : 1);
+  unsigned char *buf = malloc(n * 4);
+  if (!buf)
+    return QKEEP_E_NOMEM;
+  for (size_t i = 0; i < n; i++) {
+    float v = scale ? tu_randf(rng) * scale : fill;
+    if (out_dtype == QKEEP_DTYPE_F32)
+      memcpy(buf + 4 * i, &v, 4);
+    else {
+      uint16_t h = out_dtype == QKEEP_DTYPE_BF16 ? qk_f32_to_bf16(v) : qk_f32_to_f16(v);
+      memcpy(buf + 2 * i, &h, 2);
+    }
+  }
+  int rc = st_writer_add(w, name, &spec, buf);
+  free(buf);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2) {
+    fprintf(stderr, "usage: make_tiny OUT.safetensors [SEED] [bf16|f16|f32]\n");
+    return 2;
+  }
+  uint64_t rng = argc > 2 ? strtoull(argv[2], NULL, 10) : 1;
+  if (argc > 3)
+    out_dtype = strcmp(argv[3], "f32") == 0 ? QKEEP_DTYPE_F32
+                : strcmp(argv[3], "f16") == 0 ? QKEEP_DTYPE_F16
+                                              : QKEEP_DTYPE_BF16;
+  struct st_writer *w;
+  int rc = st_writer_new(&w);
+  char name[128];
+  if (!rc)
+    rc = add(w, &rng, "model.embed_tokens.weight", VOCAB, HIDDEN, 1.0f, 0);
+  for (int l = 0; l < DECODER_LAYERS && !rc; l++) {
+    static const struct {
+      const char *name;
+      int64_t rows, cols;
+    } linears[] = {
+        {"self_attn.q_proj", HIDDEN, HIDDEN}, {"self_attn.k_proj", KV, HIDDEN}, {"self_attn.v_proj", KV, HIDDEN},
+        {"self_attn.o_proj", HIDDEN, HIDDEN}, {"mlp.gate_proj", INTER, HIDDEN},  {"mlp.up_proj", INTER, HIDDEN},
+        {"mlp.down_proj", HIDDEN, INTER},
+    };
+    for (size_t i = 0; i < sizeof linears / sizeof linears[0] && !rc; i++) {
+      snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, linears[i].name);
+      rc = add(w, &rng, name, linears[i].rows, linears[i].cols, 0.125f, 0);
+    }
+    snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+    if (!rc)
+      rc = add(w, &rng, name, HIDDEN, 0, 0, 1.0f);
+    snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+    if (!rc)
+      rc = add(w, &rng, name, HIDDEN, 0, 0, 1.0f);
+  }
+  if (!rc)
+    rc = add(w, &rng, "model.norm.weight", HIDDEN, 0, 0, 1.0f);
+  if (!rc)
+    rc = add(w, &rng, "lm_head.weight", VOCAB, HIDDEN, 0.125f, 0);
+  if (!rc)
+    rc = st_writer_set_metadata(w, "format", "pt");
+  if (!rc)
+    rc = st_writer_write(w, argv[1]);
+  st_writer_free(w);
+  if (rc) {
+    fprintf(stderr, "make_tiny: %s: %s\n", qkeep_strerror(rc), qkeep_errmsg());
+    return 1;
+  }
+  return 0;
+}
