@@ -49,7 +49,9 @@ static bool valid_backend_name(const char *s) {
   return true;
 }
 
-static bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\f' || c == '\v'; }
+static bool is_blank(char c) {
+  return c == ' ' || c == '\t' || c == '\r' || c == '\n' || c == '\f' || c == '\v';
+}
 
 static int parse_fail(struct parse_state *st, int code, const char *fmt, ...) PRINTF_LIKE(3, 4);
 
@@ -103,7 +105,8 @@ static int open_backend_section(struct parse_state *st, const char *name) {
   qkeep_config *cfg = st->cfg;
   if (find_section(cfg, name, &st->backend_index))
     return 0;
-  int rc = grow_array((void **)&cfg->sections, &cfg->cap_sections, cfg->n_sections + 1, sizeof *cfg->sections);
+  int rc =
+      grow_array((void **)&cfg->sections, &cfg->cap_sections, cfg->n_sections + 1, sizeof *cfg->sections);
   if (rc)
     return parse_fail(st, rc, "out of memory");
   struct config_backend_section *sec = &cfg->sections[cfg->n_sections];
@@ -114,7 +117,7 @@ static int open_backend_section(struct parse_state *st, const char *name) {
   return 0;
 }
 
-/* A "[name]" header, as inih will read it (text after ']' is ignored by both). */
+/* Enters the section of a "[name]" header. */
 static int enter_section(struct parse_state *st, const char *name) {
   st->key_in_section = false;
   if (strcmp(name, "qkeep") == 0) {
@@ -158,11 +161,9 @@ static int inspect_line(struct parse_state *st, char *text) {
     st->key_in_section = true;
     return 0;
   }
-  /* inih ends a header at ']' or at an inline comment (';' after a blank). */
-  char *end = start + 1;
-  while (*end && *end != ']' && !(*end == ';' && is_blank(end[-1])))
-    end++;
-  if (*end != ']')
+  /* The header ends at the first ']'; what follows it is ignored, as inih does. */
+  char *end = strchr(start + 1, ']');
+  if (!end)
     return 0; /* inih reports the syntax error */
   *end = '\0';
   int rc = enter_section(st, start + 1);
@@ -279,7 +280,8 @@ static int handle_pair(void *user, const char *section, const char *key, const c
   if (st->err_code)
     return 0;
   if (st->section == SECTION_NONE)
-    return !parse_fail(st, QKEEP_E_CONFIG, "key '%s' outside any section (put it under [qkeep], [model] or [backend.NAME])", key);
+    return !parse_fail(st, QKEEP_E_CONFIG,
+                       "key '%s' outside any section (put it under [qkeep], [model] or [backend.NAME])", key);
   if (!*key)
     return !parse_fail(st, QKEEP_E_CONFIG, "missing key before '='");
   if (!value || !*value) {

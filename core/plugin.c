@@ -5,14 +5,16 @@
  * $QKEEP_PLUGIN_PATH, then the caller's plugin_dir, then the install
  * directory; the first file found is the one loaded, and scan lists what open
  * would load. A plugin is checked right after its init returns and before
- * anything else of it runs: table size, ABI major (exact) and minor (floor),
- * name. Every loading error names the file, dlerror() where there is one, and
- * both ABI versions.
+ * anything else of it runs: ABI major (exact) and minor (floor), table size,
+ * name. A plugin that fails a check gets its fini (when its table has one)
+ * and is closed. Every loading error names the file, dlerror() where there is
+ * one, and both ABI versions.
  */
 #include <dirent.h>
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -128,9 +130,9 @@ static bool is_regular_file(const char *path) {
 /* ---- loading and checking ---------------------------------------------------------------- */
 
 /*
- * Like valgrind's and ASan's users want: with $QKEEP_PLUGIN_NODELETE set, a
- * closed plugin stays mapped, so leak reports from its static constructors
- * (the HIP runtime has one) keep their symbols. See build-notes §7.
+ * For valgrind and ASan runs: with $QKEEP_PLUGIN_NODELETE set, dlclose leaves
+ * the plugin mapped, so a leak in a plugin's static constructors (the HIP
+ * runtime has one) keeps its symbols and can be suppressed (build-notes §7).
  */
 static int dlopen_flags(void) {
   int flags = RTLD_NOW | RTLD_LOCAL;
@@ -151,27 +153,48 @@ static void backend_fini(const struct qkeep_backend *be) {
  */
 static int check_backend(const char *path, const struct qkeep_backend *be, const char *want_name) {
   if (be->size < BACKEND_HEADER_SIZE)
-    return set_error(QKEEP_E_ABI, "%s: backend table is %zu bytes, too small to hold its ABI version (core ABI %d.%d)",
+    return set_error(QKEEP_E_ABI,
+                     "%s: backend table is %zu bytes, too small to hold its ABI version (core ABI %d.%d)",
                      path, be->size, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR);
   unsigned major = be->abi_major, minor = be->abi_minor;
   if (major != QKEEP_BACKEND_ABI_MAJOR)
-    return set_error(QKEEP_E_ABI, "%s: plugin ABI major differs from the core's (core ABI %d.%d, plugin ABI %u.%u)",
-                     path, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
+    return set_error(QKEEP_E_ABI,
+                     "%s: plugin ABI major differs from the core's (core ABI %d.%d, plugin ABI %u.%u)", path,
+                     QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
   if (minor > QKEEP_BACKEND_ABI_MINOR)
     return set_error(QKEEP_E_ABI, "%s: plugin needs a newer core (core ABI %d.%d, plugin ABI %u.%u)", path,
                      QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
   if (be->size < BACKEND_MIN_SIZE)
-    return set_error(QKEEP_E_ABI, "%s: backend table is %zu bytes, ABI %d.%d needs at least %zu (core ABI %d.%d, plugin ABI %u.%u)",
-                     path, be->size, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, BACKEND_MIN_SIZE,
-                     QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
+    return set_error(
+        QKEEP_E_ABI,
+        "%s: backend table is %zu bytes, ABI %d.%d needs at least %zu (core ABI %d.%d, plugin ABI %u.%u)",
+        path, be->size, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, BACKEND_MIN_SIZE,
+        QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
   if (!valid_name(be->name))
     return set_error(QKEEP_E_PLUGIN, "%s: backend has no valid name (core ABI %d.%d, plugin ABI %u.%u)", path,
                      QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
   if (want_name && strcmp(be->name, want_name) != 0)
-    return set_error(QKEEP_E_PLUGIN, "%s: file holds backend '%s', expected '%s' (core ABI %d.%d, plugin ABI %u.%u)",
-                     path, be->name, want_name, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
+    return set_error(QKEEP_E_PLUGIN,
+                     "%s: file holds backend '%s', expected '%s' (core ABI %d.%d, plugin ABI %u.%u)", path,
+                     be->name, want_name, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
   return 0;
 }
+
+/*
+ * Around a call into a backend: clears the detail so that we can tell whether
+ * the backend left one, and puts the caller's last error back when the call
+ * succeeds (qkeep_errmsg() stays valid until the next *failing* call).
+ */
+struct saved_error {
+  char text[2048];
+};
+
+static void error_save(struct saved_error *saved) {
+  snprintf(saved->text, sizeof saved->text, "%s", qkeep_errmsg());
+  set_error(QKEEP_OK, "%s", "");
+}
+
+static void error_restore(const struct saved_error *saved) { set_error(QKEEP_OK, "%s", saved->text); }
 
 /* The code an init failure is reported with: the backend's own when it is one of ours. */
 static int init_error_code(int rc) {
@@ -197,9 +220,13 @@ static int load_plugin(const char *path, const char *want_name, qkeep_plugin **o
     dlclose(handle);
     return QKEEP_E_PLUGIN;
   }
-  qkeep_backend_init_fn init = (qkeep_backend_init_fn)sym; /* POSIX allows this conversion */
+  /* POSIX makes dlsym's object pointer a function pointer; memcpy says so without an ISO C cast. */
+  qkeep_backend_init_fn init;
+  _Static_assert(sizeof init == sizeof sym, "function and object pointers differ in size");
+  memcpy(&init, &sym, sizeof init);
   const struct qkeep_backend *be = NULL;
-  set_error(QKEEP_OK, "%s", ""); /* so that we can tell whether init left a detail */
+  struct saved_error saved;
+  error_save(&saved);
   int rc = init(host_table(), &be);
   if (rc != 0) {
     /* The backend's own detail (host->set_error) stays; we prefix where it came from. */
@@ -228,6 +255,7 @@ static int load_plugin(const char *path, const char *want_name, qkeep_plugin **o
   plugin->handle = handle;
   plugin->be = be;
   *out = plugin;
+  error_restore(&saved);
   return 0;
 }
 
@@ -245,11 +273,12 @@ static int not_found_error(const char *name, const struct strlist *sp) {
   tried[0] = '\0';
   for (size_t i = 0; i < sp->n && used < sizeof tried; i++) {
     char *file = plugin_file(sp->items[i], name);
-    used += (size_t)snprintf(tried + used, sizeof tried - used, "%s%s", i ? ", " : "", file ? file : sp->items[i]);
+    used += (size_t)snprintf(tried + used, sizeof tried - used, "%s%s", i ? ", " : "",
+                             file ? file : sp->items[i]);
     free(file);
   }
-  return set_error(QKEEP_E_NOTFOUND, "backend '%s': no " PLUGIN_PREFIX "%s" PLUGIN_SUFFIX " in the plugin path (core ABI %d.%d); tried %s",
-            name, name, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, tried);
+  return set_error(QKEEP_E_NOTFOUND, PLUGIN_PREFIX "%s" PLUGIN_SUFFIX " not found (core ABI %d.%d); tried %s",
+                   name, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, tried);
 }
 
 int qkeep_plugin_open(const char *name, const char *plugin_dir, qkeep_plugin **out) {
@@ -257,7 +286,8 @@ int qkeep_plugin_open(const char *name, const char *plugin_dir, qkeep_plugin **o
     return set_error(QKEEP_E_INVAL, "qkeep_plugin_open: out must not be NULL");
   *out = NULL;
   if (!valid_name(name))
-    return set_error(QKEEP_E_INVAL, "invalid backend name '%s' (use a-z, 0-9, '-' and '_')", name ? name : "(null)");
+    return set_error(QKEEP_E_INVAL, "invalid backend name '%s' (use a-z, 0-9, '-' and '_')",
+                     name ? name : "(null)");
   struct strlist sp;
   int rc = search_path_build(plugin_dir, &sp);
   if (rc)
@@ -294,7 +324,9 @@ void qkeep_plugin_close(qkeep_plugin *plugin) {
 
 const char *qkeep_plugin_name(const qkeep_plugin *plugin) { return plugin ? plugin->be->name : NULL; }
 const char *qkeep_plugin_path(const qkeep_plugin *plugin) { return plugin ? plugin->path : NULL; }
-const struct qkeep_backend *qkeep_plugin_backend(const qkeep_plugin *plugin) { return plugin ? plugin->be : NULL; }
+const struct qkeep_backend *qkeep_plugin_backend(const qkeep_plugin *plugin) {
+  return plugin ? plugin->be : NULL;
+}
 
 /* ---- configure, probe --------------------------------------------------------------------- */
 
@@ -305,6 +337,8 @@ int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg) {
   const struct config_backend_section *sec = config_section(cfg, be->name);
   if (!sec)
     return 0;
+  struct saved_error saved;
+  error_save(&saved);
   for (size_t i = 0; i < sec->n_options; i++) {
     const struct config_option *opt = &sec->options[i];
     if (!be->configure)
@@ -316,6 +350,7 @@ int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg) {
       return add_error_context(rc < 0 ? rc : QKEEP_E_CONFIG, "%s:%d: [backend.%s] %s", cfg->path, opt->line,
                                sec->name, opt->key);
   }
+  error_restore(&saved);
   return 0;
 }
 
@@ -363,7 +398,8 @@ int qkeep_plugin_probe(qkeep_plugin *plugin, char *msg, size_t msg_len) {
 /* The backend name of a directory entry "backend-NAME.so", copied into name; false if it is not one. */
 static bool entry_backend_name(const char *entry, char *name, size_t name_len) {
   size_t len = strlen(entry), pre = strlen(PLUGIN_PREFIX), suf = strlen(PLUGIN_SUFFIX);
-  if (len <= pre + suf || strncmp(entry, PLUGIN_PREFIX, pre) != 0 || strcmp(entry + len - suf, PLUGIN_SUFFIX) != 0)
+  if (len <= pre + suf || strncmp(entry, PLUGIN_PREFIX, pre) != 0 ||
+      strcmp(entry + len - suf, PLUGIN_SUFFIX) != 0)
     return false;
   size_t n = len - pre - suf;
   if (n >= name_len)
@@ -373,7 +409,9 @@ static bool entry_backend_name(const char *entry, char *name, size_t name_len) {
   return valid_name(name);
 }
 
-static int compare_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+static int compare_names(const void *a, const void *b) {
+  return strcmp(*(char *const *)a, *(char *const *)b);
+}
 
 /* The backend names in one directory, sorted. A directory that cannot be read has none. */
 static int list_dir(const char *dir, struct strlist *names) {

@@ -31,13 +31,13 @@ static const struct st_dtype {
   const char *name;
   unsigned bits;
 } st_dtypes[] = {
-    {"BOOL", 8},         {"F4", 4},           {"F6_E2M3", 6},     {"F6_E3M2", 6},      {"U8", 8},
-    {"I8", 8},           {"F8_E5M2", 8},      {"F8_E4M3", 8},     {"F8_E8M0", 8},      {"F8_E4M3FNUZ", 8},
-    {"F8_E5M2FNUZ", 8},  {"I16", 16},         {"U16", 16},        {"F16", 16},         {"BF16", 16},
-    {"I32", 32},         {"U32", 32},         {"F32", 32},        {"C64", 64},         {"F64", 64},
-    {"I64", 64},         {"U64", 64},
+    {"BOOL", 8},    {"F4", 4},      {"F6_E2M3", 6}, {"F6_E3M2", 6},     {"U8", 8},          {"I8", 8},
+    {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8}, {"F8_E4M3FNUZ", 8}, {"F8_E5M2FNUZ", 8}, {"I16", 16},
+    {"U16", 16},    {"F16", 16},    {"BF16", 16},   {"I32", 32},        {"U32", 32},        {"F32", 32},
+    {"C64", 64},    {"F64", 64},    {"I64", 64},    {"U64", 64},
 };
 
+/* The table entry for a dtype string (case-sensitive, like the reference), or NULL. */
 static const struct st_dtype *dtype_lookup(const char *name) {
   for (size_t i = 0; i < sizeof st_dtypes / sizeof st_dtypes[0]; i++)
     if (strcmp(name, st_dtypes[i].name) == 0)
@@ -75,12 +75,13 @@ static const char *shape_str(const struct st_tensor *t, char *buf, size_t len) {
   return spec_shape_str(&spec, buf, len);
 }
 
+/* "an integer", "a string"...: what a JSON value is, for messages. Static strings. */
 static const char *json_kind(const json_t *v) {
   switch (json_typeof(v)) {
   case JSON_OBJECT: return "an object";
   case JSON_ARRAY: return "an array";
   case JSON_STRING: return "a string";
-  case JSON_INTEGER: return json_integer_value(v) < 0 ? "a negative integer" : "an integer";
+  case JSON_INTEGER: return "an integer";
   case JSON_REAL: return "a real number";
   case JSON_TRUE:
   case JSON_FALSE: return "a boolean";
@@ -88,8 +89,6 @@ static const char *json_kind(const json_t *v) {
   }
   return "?";
 }
-
-static bool is_count(const json_t *v) { return json_is_integer(v) && json_integer_value(v) >= 0; }
 
 /* ---- low-level I/O ------------------------------------------------------------------ */
 
@@ -241,7 +240,8 @@ static int read_header(struct st_file *f, char **out) {
 /* Copies __metadata__ (an object of strings) into f, in header order. */
 static int parse_metadata(struct st_file *f, json_t *meta) {
   if (!json_is_object(meta))
-    return file_error(QKEEP_E_FORMAT, f, "__metadata__ is %s, expected an object of strings", json_kind(meta));
+    return file_error(QKEEP_E_FORMAT, f, "__metadata__ is %s, expected an object of strings",
+                      json_kind(meta));
   size_t n = json_object_size(meta);
   if (n == 0)
     return 0;
@@ -282,17 +282,21 @@ static int parse_dtype(const struct st_file *f, struct st_tensor *t, const json_
   return 0;
 }
 
+/* Fills t's shape from the entry's "shape": at most QKEEP_MAX_DIMS integers >= 0. */
 static int parse_shape(const struct st_file *f, struct st_tensor *t, const json_t *v) {
   if (!json_is_array(v))
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape is %s, expected an array of integers",
                         json_kind(v));
   size_t ndim = json_array_size(v);
   if (ndim > QKEEP_MAX_DIMS)
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape has %zu dimensions, qkeep supports at most %d", ndim,
-                        QKEEP_MAX_DIMS);
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape has %zu dimensions, qkeep supports at most %d",
+                        ndim, QKEEP_MAX_DIMS);
   for (size_t i = 0; i < ndim; i++) {
     const json_t *dim = json_array_get(v, i);
-    if (!is_count(dim))
+    if (json_is_integer(dim) && json_integer_value(dim) < 0)
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape dimension %zu is %lld, expected an integer >= 0",
+                          i, (long long)json_integer_value(dim));
+    if (!json_is_integer(dim))
       return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape dimension %zu is %s, expected an integer >= 0",
                           i, json_kind(dim));
     t->shape[i] = (int64_t)json_integer_value(dim);
@@ -301,17 +305,26 @@ static int parse_shape(const struct st_file *f, struct st_tensor *t, const json_
   return 0;
 }
 
+/* Reads "data_offsets": exactly [begin, end], integers with 0 <= begin <= end. */
 static int parse_offsets(const struct st_file *f, const struct st_tensor *t, const json_t *v, uint64_t *begin,
                          uint64_t *end) {
   if (!json_is_array(v))
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets is %s, expected [begin, end]", json_kind(v));
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets is %s, expected [begin, end]",
+                        json_kind(v));
   if (json_array_size(v) != 2)
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets has %zu elements, expected [begin, end]",
+    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets is an array of %zu, expected [begin, end]",
                         json_array_size(v));
+  static const char *const which[2] = {"begin", "end"};
+  for (size_t i = 0; i < 2; i++) {
+    const json_t *x = json_array_get(v, i);
+    if (json_is_integer(x) && json_integer_value(x) < 0)
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets %s is %lld, expected an integer >= 0",
+                          which[i], (long long)json_integer_value(x));
+    if (!json_is_integer(x))
+      return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets %s is %s, expected an integer >= 0",
+                          which[i], json_kind(x));
+  }
   const json_t *b = json_array_get(v, 0), *e = json_array_get(v, 1);
-  if (!is_count(b) || !is_count(e))
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets [%s, %s]: expected integers >= 0",
-                        json_kind(b), json_kind(e));
   *begin = (uint64_t)json_integer_value(b);
   *end = (uint64_t)json_integer_value(e);
   if (*end < *begin)
@@ -334,8 +347,8 @@ static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *en
   json_t *value;
   json_object_foreach(entry, key, value) {
     if (strcmp(key, "dtype") != 0 && strcmp(key, "shape") != 0 && strcmp(key, "data_offsets") != 0)
-      return tensor_error(QKEEP_E_FORMAT, f, t->name, "unknown key '%s' (expected dtype, shape, data_offsets)",
-                          key);
+      return tensor_error(QKEEP_E_FORMAT, f, t->name,
+                          "unknown key '%s' (expected dtype, shape, data_offsets)", key);
   }
   static const char *const required[] = {"dtype", "shape", "data_offsets"};
   for (size_t i = 0; i < 3; i++)
@@ -369,10 +382,10 @@ static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *en
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "%s %s is %llu bits, not a whole number of bytes",
                         t->dtype_name, shape_str(t, shape, sizeof shape), (unsigned long long)total_bits);
   if (end - begin != total_bits / 8)
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets [%llu, %llu] hold %llu bytes, but %s %s needs %llu",
-                        (unsigned long long)begin, (unsigned long long)end, (unsigned long long)(end - begin),
-                        t->dtype_name, shape_str(t, shape, sizeof shape),
-                        (unsigned long long)(total_bits / 8));
+    return tensor_error(
+        QKEEP_E_FORMAT, f, t->name, "data_offsets [%llu, %llu] hold %llu bytes, but %s %s needs %llu",
+        (unsigned long long)begin, (unsigned long long)end, (unsigned long long)(end - begin), t->dtype_name,
+        shape_str(t, shape, sizeof shape), (unsigned long long)(total_bits / 8));
   t->offset = 8 + f->header_len + begin;
   t->nbytes = end - begin;
   return 0;
@@ -419,6 +432,7 @@ static int parse_header(struct st_file *f, const char *header) {
   return rc;
 }
 
+/* qsort order for the layout check: by offset, then size (empty tensors first), then name. */
 static int by_offset(const void *a, const void *b) {
   const struct st_tensor *x = a, *y = b;
   if (x->offset != y->offset)
@@ -428,6 +442,7 @@ static int by_offset(const void *a, const void *b) {
   return strcmp(x->name, y->name);
 }
 
+/* qsort order of the final table, which st_find searches: bytewise by name. */
 static int by_name(const void *a, const void *b) {
   return strcmp(((const struct st_tensor *)a)->name, ((const struct st_tensor *)b)->name);
 }
@@ -447,28 +462,34 @@ static int check_layout(struct st_file *f) {
     uint64_t begin = t->offset - base, end = begin + t->nbytes;
     if (begin != expected) {
       if (i == 0)
-        return tensor_error(QKEEP_E_FORMAT, f, t->name,
-                            "data_offsets [%llu, %llu]: the first tensor must start at 0, the data buffer has a gap",
-                            (unsigned long long)begin, (unsigned long long)end);
-      return tensor_error(QKEEP_E_FORMAT, f, t->name,
-                          "data_offsets [%llu, %llu] begin at %llu, but the previous tensor '%s' ends at %llu (%s)",
-                          (unsigned long long)begin, (unsigned long long)end, (unsigned long long)begin,
-                          f->tensors[i - 1].name, (unsigned long long)expected,
-                          begin > expected ? "a gap" : "an overlap");
+        return tensor_error(
+            QKEEP_E_FORMAT, f, t->name,
+            "data_offsets [%llu, %llu]: the first tensor must start at 0, the data buffer has a gap",
+            (unsigned long long)begin, (unsigned long long)end);
+      return tensor_error(
+          QKEEP_E_FORMAT, f, t->name,
+          "data_offsets [%llu, %llu] begin at %llu, but the previous tensor '%s' ends at %llu (%s)",
+          (unsigned long long)begin, (unsigned long long)end, (unsigned long long)begin,
+          f->tensors[i - 1].name, (unsigned long long)expected, begin > expected ? "a gap" : "an overlap");
     }
     expected = end;
   }
 
   uint64_t data_size = f->file_size - base;
   if (expected > data_size) {
+    /* Blame the last tensor that holds bytes, not an empty one sitting at its end. */
     const struct st_tensor *last = &f->tensors[f->n_tensors - 1];
-    return tensor_error(QKEEP_E_FORMAT, f, last->name,
-                        "data_offsets [%llu, %llu] run past the end of the file (the data buffer holds %llu bytes)",
-                        (unsigned long long)(last->offset - base), (unsigned long long)expected,
-                        (unsigned long long)data_size);
+    while (last->nbytes == 0)
+      last--;
+    return tensor_error(
+        QKEEP_E_FORMAT, f, last->name,
+        "data_offsets [%llu, %llu] run past the end of the file (the data buffer holds %llu bytes)",
+        (unsigned long long)(last->offset - base), (unsigned long long)expected,
+        (unsigned long long)data_size);
   }
   if (expected < data_size)
-    return file_error(QKEEP_E_FORMAT, f, "%llu trailing bytes after the tensor data (the data ends at byte %llu of %llu)",
+    return file_error(QKEEP_E_FORMAT, f,
+                      "%llu trailing bytes after the tensor data (the data ends at byte %llu of %llu)",
                       (unsigned long long)(data_size - expected), (unsigned long long)(base + expected),
                       (unsigned long long)f->file_size);
 
@@ -477,6 +498,13 @@ static int check_layout(struct st_file *f) {
   return 0;
 }
 
+/*
+ * Opens and validates path (see internal.h). On success *out is the caller's
+ * (st_close); on failure *out is NULL, nothing stays open or allocated, and
+ * the message names the path and, where there is one, the tensor:
+ * QKEEP_E_NOTFOUND (no such file), QKEEP_E_IO (cannot open or read, not a
+ * regular file), QKEEP_E_FORMAT (any rule of formats.md §7), QKEEP_E_NOMEM.
+ */
 int st_open(const char *path, struct st_file **out) {
   assert(out);
   *out = NULL;
@@ -528,6 +556,7 @@ void st_close(struct st_file *f) {
   free(f);
 }
 
+/* bsearch comparison of a name against a table entry. */
 static int name_vs_tensor(const void *key, const void *elem) {
   return strcmp(key, ((const struct st_tensor *)elem)->name);
 }
@@ -568,7 +597,8 @@ int st_read(const struct st_file *f, const struct st_tensor *t, void *dst) {
   if (fstat(f->fd, &sb) != 0)
     return tensor_error(QKEEP_E_IO, f, t->name, "cannot stat: %s", strerror(errno));
   if ((uint64_t)sb.st_size != f->file_size)
-    return tensor_error(QKEEP_E_IO, f, t->name, "the file changed size since it was opened (%llu bytes, now %llu)",
+    return tensor_error(QKEEP_E_IO, f, t->name,
+                        "the file changed size since it was opened (%llu bytes, now %llu)",
                         (unsigned long long)f->file_size, (unsigned long long)sb.st_size);
 
   size_t got;

@@ -142,7 +142,8 @@ static int check_spec(const char *name, const struct qkeep_spec *spec, size_t *n
   uint64_t bytes = qkeep_dtype_size(spec->dtype);
   for (int i = 0; i < spec->ndim; i++) {
     if (spec->shape[i] < 0)
-      return set_error(QKEEP_E_INVAL, "tensor '%s': negative dimension %lld", name, (long long)spec->shape[i]);
+      return set_error(QKEEP_E_INVAL, "tensor '%s': negative dimension %lld", name,
+                       (long long)spec->shape[i]);
     uint64_t dim = (uint64_t)spec->shape[i];
     if (dim != 0 && bytes > limit / dim) {
       char shape[160];
@@ -345,8 +346,8 @@ static int build_header(const struct st_writer *w, struct st_writer_tensor *cons
   if (sb->failed)
     return set_error(QKEEP_E_NOMEM, "out of memory building a safetensors header");
   if (sb->len > ST_MAX_HEADER_LEN)
-    return set_error(QKEEP_E_INVAL, "the safetensors header would be %zu bytes, over the %llu-byte limit", sb->len,
-                     ST_MAX_HEADER_LEN);
+    return set_error(QKEEP_E_INVAL, "the safetensors header would be %zu bytes, over the %llu-byte limit",
+                     sb->len, ST_MAX_HEADER_LEN);
   return 0;
 }
 
@@ -372,8 +373,8 @@ static int write_all(int fd, const void *buf, size_t n) {
  * Writes length, header and tensor data to tmp_path (created or truncated);
  * 0 or an errno. Removes tmp_path again when writing fails.
  */
-static int write_file(const char *tmp_path, const struct strbuf *header, struct st_writer_tensor *const *order,
-                      size_t n_tensors) {
+static int write_file(const char *tmp_path, const struct strbuf *header,
+                      struct st_writer_tensor *const *order, size_t n_tensors) {
   int fd;
   do
     fd = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);

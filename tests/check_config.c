@@ -96,7 +96,8 @@ START_TEST(test_good_file) {
 END_TEST
 
 START_TEST(test_minimal_and_absolute) {
-  char *path = write_config("min.ini", "[qkeep]\nbackend=reference\n[model]\ncheckpoint = /data/m.safetensors\n");
+  char *path =
+      write_config("min.ini", "[qkeep]\nbackend=reference\n[model]\ncheckpoint = /data/m.safetensors\n");
   qkeep_config *cfg = NULL;
   ck_assert_msg(qkeep_config_load(path, &cfg) == 0, "%s", qkeep_errmsg());
   ck_assert_str_eq(qkeep_config_backend(cfg), "reference");
@@ -110,7 +111,8 @@ END_TEST
 
 /* Windows line endings, a byte order mark and no final newline are all fine. */
 START_TEST(test_crlf_bom) {
-  char *path = write_config("crlf.ini", "\xEF\xBB\xBF[qkeep]\r\nbackend = reference\r\n[backend.reference]\r\nk = v");
+  char *path =
+      write_config("crlf.ini", "\xEF\xBB\xBF[qkeep]\r\nbackend = reference\r\n[backend.reference]\r\nk = v");
   qkeep_config *cfg = NULL;
   ck_assert_msg(qkeep_config_load(path, &cfg) == 0, "%s", qkeep_errmsg());
   ck_assert_str_eq(qkeep_config_backend(cfg), "reference");
@@ -128,7 +130,8 @@ END_TEST
 START_TEST(test_relative_config_path) {
   char *cwd = getcwd(NULL, 0);
   ck_assert_ptr_nonnull(cwd);
-  char *path = write_config("here.ini", "[qkeep]\nbackend = reference\nplugin_dir = p\n[model]\ncheckpoint = c\n");
+  char *path =
+      write_config("here.ini", "[qkeep]\nbackend = reference\nplugin_dir = p\n[model]\ncheckpoint = c\n");
   ck_assert_int_eq(chdir(tmpdir), 0);
   qkeep_config *cfg = NULL;
   int rc = qkeep_config_load("here.ini", &cfg);
@@ -154,7 +157,8 @@ START_TEST(test_unknown_section) {
 END_TEST
 
 START_TEST(test_unknown_key) {
-  expect_error("[qkeep]\nbackend = reference\nplugindir = /x\n", QKEEP_E_CONFIG, 3, "[qkeep] unknown key 'plugindir'");
+  expect_error("[qkeep]\nbackend = reference\nplugindir = /x\n", QKEEP_E_CONFIG, 3,
+               "[qkeep] unknown key 'plugindir'");
   expect_error("[qkeep]\nbackend = reference\n[model]\ncheckpoint = a\npath = b\n", QKEEP_E_CONFIG, 5,
                "[model] unknown key 'path'");
   expect_error("backend = reference\n[qkeep]\n", QKEEP_E_CONFIG, 1, "outside any section");
@@ -163,7 +167,8 @@ END_TEST
 
 START_TEST(test_bad_value) {
   expect_error("[qkeep]\nbackend = CPU!\n", QKEEP_E_CONFIG, 2, "invalid name 'CPU!'");
-  expect_error("[qkeep]\nbackend = reference\nplugin_dir =\n", QKEEP_E_CONFIG, 3, "[qkeep] plugin_dir: empty value");
+  expect_error("[qkeep]\nbackend = reference\nplugin_dir =\n", QKEEP_E_CONFIG, 3,
+               "[qkeep] plugin_dir: empty value");
   expect_error("[qkeep]\nbackend = reference\n[model]\ncheckpoint =   ; nothing\n", QKEEP_E_CONFIG, 4,
                "[model] checkpoint: empty value");
   expect_error("[qkeep]\nbackend = reference\n[backend.reference]\nthreads =\n", QKEEP_E_CONFIG, 4,
@@ -175,8 +180,8 @@ END_TEST
 START_TEST(test_duplicate_key) {
   expect_error("[qkeep]\nbackend = reference\n[model]\n[qkeep]\nbackend = cpu-onednn\n", QKEEP_E_CONFIG, 5,
                "duplicate key 'backend' (first set on line 2)");
-  expect_error("[qkeep]\nbackend = reference\n[backend.reference]\na = 1\nb = 2\n\na = 3\n", QKEEP_E_CONFIG, 7,
-               "[backend.reference] duplicate key 'a' (first set on line 4)");
+  expect_error("[qkeep]\nbackend = reference\n[backend.reference]\na = 1\nb = 2\n\na = 3\n", QKEEP_E_CONFIG,
+               7, "[backend.reference] duplicate key 'a' (first set on line 4)");
   /* a key indented under another would be glued to its value by inih: refused */
   expect_error("[qkeep]\nbackend = reference\n[backend.reference]\na = 1\n  b = 2\n", QKEEP_E_CONFIG, 5,
                "multi-line values are not supported");
@@ -194,7 +199,8 @@ START_TEST(test_missing_backend) {
 END_TEST
 
 START_TEST(test_syntax_error) {
-  expect_error("[qkeep]\nbackend = reference\nthis line has no equals sign\n", QKEEP_E_CONFIG, 3, "syntax error");
+  expect_error("[qkeep]\nbackend = reference\nthis line has no equals sign\n", QKEEP_E_CONFIG, 3,
+               "syntax error");
   expect_error("[qkeep\nbackend = reference\n", QKEEP_E_CONFIG, 1, "syntax error");
   /* the first error in the file is the one reported, whichever kind it is */
   expect_error("[qkeep]\nbackend = reference\noops\n[nope]\n", QKEEP_E_CONFIG, 3, "syntax error");

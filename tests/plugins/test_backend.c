@@ -116,19 +116,14 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
     return host->set_error(QKEEP_E_NOMEM, TEST_NAME ": out of memory");
   tb->host = host;
   tb->threads = 1;
-  tb->be = (struct qkeep_backend){
-      .size = sizeof(struct qkeep_backend),
-      .abi_major = QKEEP_BACKEND_ABI_MAJOR,
-      .abi_minor = QKEEP_BACKEND_ABI_MINOR,
-      .name = TEST_NAME,
-      .description = "loader test plugin (" TEST_NAME ")",
-      .probe = test_probe,
+  tb->be = (struct qkeep_backend) {
+    .size = sizeof(struct qkeep_backend), .abi_major = QKEEP_BACKEND_ABI_MAJOR,
+    .abi_minor = QKEEP_BACKEND_ABI_MINOR, .name = TEST_NAME,
+    .description = "loader test plugin (" TEST_NAME ")", .probe = test_probe,
 #if defined(VARIANT_GOOD)
-      .configure = test_configure,
+    .configure = test_configure,
 #endif
-      .supports = test_supports,
-      .pwal = test_pwal,
-      .fini = test_fini,
+    .supports = test_supports, .pwal = test_pwal, .fini = test_fini,
   };
 #if defined(VARIANT_MAJOR)
   tb->be.abi_major = QKEEP_BACKEND_ABI_MAJOR + 1;

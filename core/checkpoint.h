@@ -1,0 +1,85 @@
+/*
+ * checkpoint.h: checkpoint sources (core/checkpoint.c, core/quant_config.c).
+ * A source is one .safetensors file, or a Hugging Face directory with
+ * model.safetensors (or model.safetensors.index.json and its shards),
+ * config.json and, for ModelOpt, hf_quant_config.json. Tensors are read one
+ * at a time with pread, so a model larger than RAM headroom streams.
+ */
+#ifndef QKEEP_CHECKPOINT_H
+#define QKEEP_CHECKPOINT_H
+
+#include <stdbool.h>
+
+#include "internal.h"
+
+/* The quantization method a checkpoint declares. */
+enum quant_method {
+  QM_NONE = 0,       /* unquantized */
+  QM_MODELOPT_NVFP4, /* ModelOpt quant_algo NVFP4 */
+  QM_CT_NVFP4,       /* compressed-tensors nvfp4-pack-quantized */
+  QM_MXFP4,          /* gpt-oss quant_method mxfp4, or compressed-tensors mxfp4-pack-quantized */
+  QM_W8A8_INT8,      /* compressed-tensors int-quantized, 8-bit int weights and activations */
+  QM_GPTQ_INT4,      /* quant_method gptq, bits 4 */
+  QM_AWQ_INT4,       /* quant_method awq, bits 4 (GEMM layout) */
+};
+
+struct quant_config {
+  enum quant_method method;
+  const char *scheme;      /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4", "unquantized" */
+  int64_t group_size;      /* 16 NVFP4, 32 MXFP4, G for GPTQ/AWQ, 0 per-channel int8 */
+  bool weight_sym;         /* GPTQ sym / AWQ !zero_point; int8 weights are symmetric */
+  bool desc_act;           /* GPTQ act order (g_idx meaningful) */
+  bool gptq_v2;            /* GPTQ checkpoint_format gptq_v2 (qzeros store zero, not zero - 1) */
+  bool weight_per_tensor;  /* int8 weight strategy "tensor" (else "channel") */
+  bool input_dynamic;      /* int8 activations quantised per token at run time (else static input_scale) */
+  bool input_sym;          /* int8 activations symmetric (else an input_zero_point) */
+  bool kv_cache_fp8;       /* the checkpoint carries (or expects) k/v scales */
+  bool tie_word_embeddings;
+  char **ignore;           /* modules left unquantized: exact names, or "re:REGEX" */
+  size_t n_ignore;
+};
+
+/* One tensor of the checkpoint and the shard that holds it. */
+struct ckpt_tensor {
+  const struct st_tensor *t; /* name, dtype, shape, bytes */
+  const struct st_file *file;
+};
+
+struct ckpt {
+  char *path;              /* as given */
+  char *dir;               /* the directory (the file's directory for a single file) */
+  struct st_file **files;  /* shards, in index order (or the one file) */
+  size_t n_files;
+  struct ckpt_tensor *tensors; /* every tensor once, sorted by name */
+  size_t n_tensors;
+  struct quant_config qc;
+};
+
+/*
+ * Opens a checkpoint. A directory needs model.safetensors.index.json (its
+ * weight_map names the shard of every tensor; every shard opens strictly, every
+ * mapped tensor must exist in its shard, a tensor in two shards or a shard
+ * tensor missing from the map is an error) or a single model.safetensors.
+ * config.json (quantization_config, tie_word_embeddings) and
+ * hf_quant_config.json are read when present; a config that contradicts
+ * itself (e.g. hf_quant_config NVFP4 but config.json GPTQ) is an error.
+ * A single file has no config: qc.method is QM_NONE unless its tensors say
+ * otherwise (the caller decides). Errors name the file and the tensor.
+ */
+int ckpt_open(const char *path, struct ckpt **out);
+void ckpt_close(struct ckpt *c);
+const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name);
+/* Reads a tensor's bytes (t->nbytes of them) into dst. */
+int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
+
+/* Parses a quantization config: config.json's object (may be NULL) and hf_quant_config.json's
+ * (may be NULL), each as JSON text; `where` names the files for errors. */
+int quant_config_parse(const char *config_json, const char *hf_quant_json, const char *where,
+                       struct quant_config *out);
+void quant_config_free(struct quant_config *qc);
+/* True when the module (a layer name such as "model.layers.0.mlp.down_proj" or "lm_head")
+ * is in the ignore list: exact, a "re:" regex matched in full (POSIX extended), or a
+ * suffix match on a dot boundary ("lm_head" ignores "model.lm_head"). */
+bool quant_config_ignores(const struct quant_config *qc, const char *module);
+
+#endif

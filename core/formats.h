@@ -1,0 +1,45 @@
+/*
+ * formats.h: decoding of the quantized element and scale formats
+ * (../docs and reference/formats.md §1-3, §9), static inline so that the core
+ * and the CPU backends share one copy.
+ *
+ *   e2m1 (FP4): 1 sign, 2 exponent, 1 mantissa bit; packed two per byte,
+ *               element 2i in the low nibble, 2i+1 in the high nibble.
+ *   e4m3 (FP8, OCP "fn"): bias 7, subnormals, max 448, NaN = 0x7f / 0xff, no Inf.
+ *   e8m0: an unsigned exponent, value 2^(b-127); 0xff is NaN.
+ */
+#ifndef QKEEP_FORMATS_H
+#define QKEEP_FORMATS_H
+
+#include <math.h>
+#include <stdint.h>
+
+static const float qk_e2m1_table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* The value of a 4-bit e2m1 code (low 4 bits of `code`). */
+static inline float qk_e2m1_decode(uint8_t code) { return qk_e2m1_table[code & 0xf]; }
+
+/* Element k of a row of packed e2m1 codes. */
+static inline uint8_t qk_fp4_code(const uint8_t *row, int64_t k) {
+  uint8_t b = row[k >> 1];
+  return (k & 1) ? (uint8_t)(b >> 4) : (uint8_t)(b & 0xf);
+}
+
+/* The value of an e4m3fn byte. */
+static inline float qk_e4m3_decode(uint8_t b) {
+  int sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
+  float v;
+  if (exp == 0xf && man == 7)
+    return NAN;
+  if (exp == 0)
+    v = ldexpf((float)man, -9); /* subnormal: man/8 * 2^-6 */
+  else
+    v = ldexpf(1.0f + (float)man / 8.0f, exp - 7);
+  return sign ? -v : v;
+}
+
+/* The value of an e8m0 scale byte. */
+static inline float qk_e8m0_decode(uint8_t b) { return b == 0xff ? NAN : ldexpf(1.0f, (int)b - 127); }
+
+#endif
