@@ -122,15 +122,20 @@ struct name_entry {
 };
 
 /*
- * Where one checkpoint tensor lands: the param, a byte offset inside it (a
- * shard slot of a fused param, an expert's slice), and the spec the
- * checkpoint must have.
+ * Where one checkpoint tensor lands: the param, and the byte layout inside it.
+ * Contiguous sources (a whole param, a shard's rows, an expert's slice, a
+ * scale slot) have rows = 1. A fused param whose last dim carries N (GPTQ's
+ * qweight [K/8, N]) takes each shard as `rows` runs of `row_bytes`, `dst_stride`
+ * apart. A compare_only source (a tensor every shard repeats, e.g. g_idx) must
+ * equal what an earlier source loaded.
  */
 struct source {
   char *checkpoint_name; /* full name in the checkpoint */
   qkeep_param *param;
   size_t dst_offset;
-  struct qkeep_spec spec;
+  size_t rows, row_bytes, dst_stride;
+  bool compare_only;
+  struct qkeep_spec spec; /* what the checkpoint must hold */
   bool loaded;
 };
 
@@ -163,9 +168,13 @@ struct qkeep_model {
 struct name_entry *layer_find_name(const qkeep_layer *layer, const char *name);
 /* Registers name for a param or buffer (exactly one non-NULL). */
 int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, struct buffer *buffer);
-/* Records that checkpoint tensor `checkpoint_name` loads into param at dst_offset. */
+/* Records that checkpoint tensor `checkpoint_name` loads into param at dst_offset (contiguous). */
 int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                      size_t dst_offset, const struct qkeep_spec *spec);
+/* The general form: rows x row_bytes, dst_stride apart; compare_only checks instead of writing. */
+int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
+                             size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
+                             bool compare_only, const struct qkeep_spec *spec);
 void layer_destroy(qkeep_layer *layer);
 /* Drops every layer (backend state first), leaving the model empty. */
 void model_clear(qkeep_model *model);
@@ -269,23 +278,6 @@ struct qkeep_plugin {
 
 /* The host table handed to every backend. */
 const struct qkeep_host *host_table(void);
-
-/* ---- checkpoint loading (load.c) and schemes (scheme_*.c) -------------------------------- */
-
-/*
- * A scheme turns the tensors of one layer into loader params (create), and
- * after loading runs its normalisation under the rules (normalize).
- */
-struct scheme {
-  const char *name;
-  /* Creates the loader params and sources for `layer` from the n checkpoint tensors
-   * whose names are "<layer name>.<local name>" (local names passed alongside). */
-  int (*create)(qkeep_layer *layer, const struct st_tensor *const *tensors, const char *const *local, size_t n);
-  /* After all bytes arrived, before the backend's PWAL. NULL: nothing to do. */
-  int (*normalize)(qkeep_layer *layer);
-};
-
-extern const struct scheme scheme_unquantized;
 
 /* ---- model (model.c) -------------------------------------------------------------------- */
 

@@ -126,9 +126,11 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
   return 0;
 }
 
-int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param, size_t dst_offset,
-                     const struct qkeep_spec *spec) {
-  if (dst_offset + qkeep_spec_bytes(spec) > param->create_bytes)
+int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
+                             size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
+                             bool compare_only, const struct qkeep_spec *spec) {
+  size_t end = rows ? dst_offset + (rows - 1) * dst_stride + row_bytes : dst_offset;
+  if (rows * row_bytes != qkeep_spec_bytes(spec) || end > param->create_bytes || (rows > 1 && dst_stride < row_bytes))
     return set_error(QKEEP_E_INVAL, "%s: source '%s' (%zu bytes at %zu) does not fit param '%s' (%zu bytes)",
                      layer->name, checkpoint_name, qkeep_spec_bytes(spec), dst_offset, param->checkpoint_name,
                      param->create_bytes);
@@ -139,8 +141,15 @@ int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_para
   char *copy = xstrdup(checkpoint_name);
   if (!copy)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  layer->sources[layer->n_sources++] = (struct source){copy, param, dst_offset, *spec, false};
+  layer->sources[layer->n_sources++] =
+      (struct source){copy, param, dst_offset, rows, row_bytes, dst_stride, compare_only, *spec, false};
   return 0;
+}
+
+int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param, size_t dst_offset,
+                     const struct qkeep_spec *spec) {
+  size_t bytes = qkeep_spec_bytes(spec);
+  return layer_add_source_strided(layer, checkpoint_name, param, dst_offset, 1, bytes, bytes, false, spec);
 }
 
 qkeep_param *qkeep_param_lookup(const qkeep_layer *layer, const char *name) {

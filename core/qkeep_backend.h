@@ -63,6 +63,7 @@ struct qkeep_layer_info {
   int64_t group_size; /* 0 when the scheme has no groups */
   int shards;         /* fused logical shards (1 when unfused) */
   int64_t shard_n[8]; /* output features of each shard */
+  uint32_t flags;     /* QKEEP_LAYER_F_* */
 };
 
 /*
@@ -82,9 +83,14 @@ struct qkeep_memory_ops {
   int (*sync)(const struct qkeep_backend *be);
 };
 
+/* Which matrix of an MoE expert apply multiplies with. */
+enum qkeep_moe_matrix { QKEEP_MOE_W13 = 0, QKEEP_MOE_W2 = 1 };
+
 /*
  * Arguments of apply: y[M, N] = x[M, K] W^T for a linear layer. x and y live
- * in the backend's device memory, row-major, in the dtypes given.
+ * in the backend's device memory, row-major, in the dtypes given. For an MoE
+ * layer, W is expert `expert`'s w13 ([2I, H]: gate rows then up rows) or w2
+ * ([H, I]) as `matrix` says, so each expert GEMM can be checked alone.
  */
 struct qkeep_apply_args {
   size_t size;
@@ -93,6 +99,8 @@ struct qkeep_apply_args {
   enum qkeep_dtype x_dtype;
   void *y;
   enum qkeep_dtype y_dtype;
+  int32_t expert;
+  enum qkeep_moe_matrix matrix;
 };
 
 /*

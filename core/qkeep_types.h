@@ -64,6 +64,15 @@ enum qkeep_layer_kind {
   QKEEP_LAYER_KIND_COUNT
 };
 
+/* Layer flags (struct qkeep_layer_info.flags): what the scheme's config implies. */
+#define QKEEP_LAYER_F_WEIGHT_SYM (1u << 0)     /* int weights without zero points */
+#define QKEEP_LAYER_F_ACT_ORDER (1u << 1)      /* GPTQ desc_act: g_idx is a permutation */
+#define QKEEP_LAYER_F_GPTQ_V2 (1u << 2)        /* qzeros store zero, not zero - 1 */
+#define QKEEP_LAYER_F_INPUT_DYNAMIC (1u << 3)  /* activations quantised per token at run time */
+#define QKEEP_LAYER_F_INPUT_ASYM (1u << 4)     /* activations carry a zero point */
+#define QKEEP_LAYER_F_WEIGHT_PER_TENSOR (1u << 5) /* one weight scale per (fused) shard */
+#define QKEEP_LAYER_F_TIED (1u << 6)           /* the weight is another layer's param (tied embedding) */
+
 #define QKEEP_MAX_DIMS 6
 
 /* A tensor's type and shape: contiguous, row-major. A rank-0 spec is a scalar. */

@@ -1,0 +1,327 @@
+/*
+ * scheme.c: the generic engine behind every checkpoint scheme. From a
+ * scheme's templates and a layer's modules (fused shards, experts) it checks
+ * every tensor, creates the loader params with exactly the checkpoint's bytes,
+ * and records where each tensor lands. Also the normalisation helpers the
+ * scheme files share.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "scheme.h"
+
+const struct ckpt_tensor *module_tensor(const struct module *m, const char *local) {
+  for (size_t i = 0; i < m->n; i++)
+    if (strcmp(m->local[i], local) == 0)
+      return m->tensors[i];
+  return NULL;
+}
+
+const struct scheme *scheme_by_name(const char *name) {
+  static const struct scheme *const all[] = {&scheme_unquantized, &scheme_modelopt_nvfp4, &scheme_ct_nvfp4,
+                                             &scheme_mxfp4,       &scheme_w8a8_int8,      &scheme_gptq_int4,
+                                             &scheme_awq_int4};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+    if (strcmp(all[i]->name, name) == 0)
+      return all[i];
+  return NULL;
+}
+
+static int64_t eval_dim(enum dim_expr d, int64_t n, int64_t k, int64_t g) {
+  switch (d) {
+  case D_N: return n;
+  case D_K: return k;
+  case D_K_2: return k / 2;
+  case D_K_8: return k / 8;
+  case D_K_16: return k / 16;
+  case D_K_32: return k / 32;
+  case D_K_G: return g ? k / g : 1;
+  case D_N_8: return n / 8;
+  case D_ONE: return 1;
+  case D_16: return 16;
+  }
+  return 0;
+}
+
+static struct qkeep_spec eval_spec(const struct param_template *t, enum qkeep_dtype dtype, int64_t n, int64_t k,
+                                   int64_t g) {
+  struct qkeep_spec s = {.dtype = dtype, .ndim = t->ndim};
+  for (int i = 0; i < t->ndim; i++)
+    s.shape[i] = eval_dim(t->dims[i], n, k, g);
+  return s;
+}
+
+/* The per-layer facts scheme_create gathers before creating anything. */
+struct layout {
+  const struct scheme *sch;
+  const char *prefix;
+  const struct module *const *modules;
+  int experts; /* 0: a linear layer (no leading expert dim) */
+  int shards;
+  int64_t shard_n[8];
+  int64_t n, k, g;
+};
+
+static const struct module *module_at(const struct layout *L, int e, int s) {
+  return L->modules[(size_t)e * (size_t)L->shards + (size_t)s];
+}
+
+/* Reads N/K/G from every module and checks that they agree. */
+static int gather_dims(struct layout *L, const struct quant_config *qc) {
+  int experts = L->experts ? L->experts : 1;
+  for (int e = 0; e < experts; e++)
+    for (int s = 0; s < L->shards; s++) {
+      const struct module *m = module_at(L, e, s);
+      int64_t n, k, g = 0;
+      int rc = L->sch->dims(m, qc, &n, &k, &g);
+      if (rc == QKEEP_E_NOTFOUND)
+        return set_error(QKEEP_E_FORMAT, "module %s: tensors do not match scheme %s (%s)", m->name, L->sch->name,
+                         qkeep_errmsg());
+      if (rc)
+        return rc;
+      if (e == 0 && s == 0) {
+        L->k = k;
+        L->g = g;
+      } else if (k != L->k || g != L->g) {
+        return set_error(QKEEP_E_FORMAT, "module %s: K %lld / group %lld differ from %s's K %lld / group %lld",
+                         m->name, (long long)k, (long long)g, module_at(L, 0, 0)->name, (long long)L->k,
+                         (long long)L->g);
+      }
+      if (e == 0)
+        L->shard_n[s] = n;
+      else if (n != L->shard_n[s])
+        return set_error(QKEEP_E_FORMAT, "module %s: N %lld differs from expert 0's %lld", m->name, (long long)n,
+                         (long long)L->shard_n[s]);
+    }
+  L->n = 0;
+  for (int s = 0; s < L->shards; s++)
+    L->n += L->shard_n[s];
+  return 0;
+}
+
+/* Checks one checkpoint tensor against its template for shard N n_s; sets *dtype. */
+static int check_tensor(const struct layout *L, const struct param_template *t, const struct ckpt_tensor *ct,
+                        int64_t n_s, enum qkeep_dtype *dtype) {
+  const struct st_tensor *st = ct->t;
+  char want[96], got[96];
+  if (st->dtype != (int)t->dtype && st->dtype != t->alt_dtype)
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': dtype %s in checkpoint, expected %s (scheme %s)",
+                     ct->file->path, st->name, st->dtype_name, qkeep_dtype_name(t->dtype), L->sch->name);
+  *dtype = (enum qkeep_dtype)st->dtype;
+  struct qkeep_spec got_spec = {.dtype = *dtype, .ndim = st->ndim};
+  memcpy(got_spec.shape, st->shape, sizeof got_spec.shape);
+  if (t->fuse == F_SLOT) {
+    if (st->ndim == 0 || (st->ndim == 1 && st->shape[0] == 1))
+      return 0;
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': shape %s, expected a scalar ([] or [1])", ct->file->path,
+                     st->name, spec_shape_str(&got_spec, got, sizeof got));
+  }
+  struct qkeep_spec want_spec = eval_spec(t, *dtype, n_s, L->k, L->g);
+  if (!spec_equal(&want_spec, &got_spec))
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': shape %s, expected %s (N %lld, K %lld, group %lld)",
+                     ct->file->path, st->name, spec_shape_str(&got_spec, got, sizeof got),
+                     spec_shape_str(&want_spec, want, sizeof want), (long long)n_s, (long long)L->k,
+                     (long long)L->g);
+  return 0;
+}
+
+/* The spec of the layer's param for template t (all shards, all experts). */
+static struct qkeep_spec param_spec(const struct layout *L, const struct param_template *t, enum qkeep_dtype dtype,
+                                    const struct ckpt_tensor *first) {
+  struct qkeep_spec s;
+  if (t->fuse == F_SLOT) {
+    s = (struct qkeep_spec){.dtype = dtype, .ndim = 0};
+    if (L->shards > 1)
+      s.shape[s.ndim++] = L->shards;
+    else if (!L->experts) { /* unfused: exactly the checkpoint's own shape ([] or [1]) */
+      s.ndim = first->t->ndim;
+      s.shape[0] = 1;
+    }
+  } else if (t->fuse == F_SHARED) {
+    s = eval_spec(t, dtype, L->shard_n[0], L->k, L->g);
+  } else {
+    s = eval_spec(t, dtype, L->n, L->k, L->g);
+  }
+  if (L->experts) {
+    memmove(s.shape + 1, s.shape, sizeof(int64_t) * (size_t)s.ndim);
+    s.shape[0] = L->experts;
+    s.ndim++;
+  }
+  return s;
+}
+
+/* Records where each module's tensor for template t lands in param p. */
+static int add_sources(qkeep_layer *layer, const struct layout *L, const struct param_template *t, qkeep_param *p) {
+  int experts = L->experts ? L->experts : 1;
+  size_t esize = qkeep_dtype_size(p->create_spec.dtype);
+  size_t per_expert = p->create_bytes / (size_t)experts;
+  for (int e = 0; e < experts; e++) {
+    int64_t n_before = 0;
+    for (int s = 0; s < L->shards; s++) {
+      const struct ckpt_tensor *ct = module_tensor(module_at(L, e, s), t->name);
+      struct qkeep_spec cs = {.dtype = (enum qkeep_dtype)ct->t->dtype, .ndim = ct->t->ndim};
+      memcpy(cs.shape, ct->t->shape, sizeof cs.shape);
+      size_t bytes = qkeep_spec_bytes(&cs), base = (size_t)e * per_expert;
+      int rc = 0;
+      if (t->fuse == F_ROWS) {
+        struct qkeep_spec one_row = eval_spec(t, cs.dtype, 1, L->k, L->g);
+        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)n_before * qkeep_spec_bytes(&one_row), &cs);
+      } else if (t->fuse == F_COLS) {
+        int64_t cols = eval_dim(t->dims[t->ndim - 1], L->shard_n[s], L->k, L->g);
+        int64_t total = eval_dim(t->dims[t->ndim - 1], L->n, L->k, L->g);
+        int64_t col_before = eval_dim(t->dims[t->ndim - 1], n_before, L->k, L->g);
+        size_t rows = bytes / ((size_t)cols * esize);
+        rc = layer_add_source_strided(layer, ct->t->name, p, base + (size_t)col_before * esize, rows,
+                                      (size_t)cols * esize, (size_t)total * esize, false, &cs);
+      } else if (t->fuse == F_SLOT) {
+        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)s * esize, &cs);
+      } else { /* F_SHARED: shard 0 loads, the others must repeat it */
+        rc = layer_add_source_strided(layer, ct->t->name, p, base, 1, bytes, bytes, s > 0, &cs);
+      }
+      if (rc)
+        return rc;
+      n_before += L->shard_n[s];
+    }
+  }
+  return 0;
+}
+
+int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc, const char *prefix,
+                  const struct module *const *modules, int n_experts, int n_shards) {
+  if (n_shards < 1 || n_shards > 8 || n_experts < 0)
+    return set_error(QKEEP_E_INVAL, "%s: %d shards, %d experts", layer->name, n_shards, n_experts);
+  struct layout L = {.sch = sch, .prefix = prefix, .modules = modules, .experts = n_experts, .shards = n_shards};
+  int rc = gather_dims(&L, qc);
+  if (rc)
+    return rc;
+  if (qc && qc->group_size > 0 && L.g > 0 && L.g != qc->group_size && strcmp(sch->name, "unquantized") != 0)
+    return set_error(QKEEP_E_FORMAT, "layer %s: tensors imply group size %lld, the config says %lld", layer->name,
+                     (long long)L.g, (long long)qc->group_size);
+  int experts = n_experts ? n_experts : 1;
+  /* Check every tensor of every template first, so a bad checkpoint creates nothing. */
+  for (size_t i = 0; i < sch->n_params; i++) {
+    const struct param_template *t = &sch->params[i];
+    int present = 0;
+    for (int e = 0; e < experts; e++)
+      for (int s = 0; s < n_shards; s++)
+        present += module_tensor(module_at(&L, e, s), t->name) != NULL;
+    if (present == 0 && t->optional)
+      continue;
+    for (int e = 0; e < experts; e++)
+      for (int s = 0; s < n_shards; s++) {
+        const struct module *m = module_at(&L, e, s);
+        const struct ckpt_tensor *ct = module_tensor(m, t->name);
+        enum qkeep_dtype dtype;
+        if (!ct)
+          return set_error(QKEEP_E_FORMAT, "checkpoint has no tensor '%s.%s' (scheme %s, layer %s)", m->name,
+                           t->name, sch->name, layer->name);
+        if ((rc = check_tensor(&L, t, ct, L.shard_n[s], &dtype)))
+          return rc;
+        if (ct->t->dtype != module_tensor(module_at(&L, 0, 0), t->name)->t->dtype)
+          return set_error(QKEEP_E_FORMAT, "tensor '%s': dtype %s differs from the other shards'", ct->t->name,
+                           ct->t->dtype_name);
+      }
+  }
+  for (size_t i = 0; i < sch->n_params && !rc; i++) {
+    const struct param_template *t = &sch->params[i];
+    const struct ckpt_tensor *first = module_tensor(module_at(&L, 0, 0), t->name);
+    if (!first)
+      continue;
+    char name[128];
+    snprintf(name, sizeof name, "%s%s", prefix, t->name);
+    struct qkeep_spec spec = param_spec(&L, t, (enum qkeep_dtype)first->t->dtype, first);
+    qkeep_param *p;
+    rc = qkeep_param_create(layer, name, &spec, &p);
+    if (!rc)
+      rc = add_sources(layer, &L, t, p);
+  }
+  if (rc)
+    return rc;
+  layer->dims.n = L.n;
+  layer->dims.k = L.k;
+  layer->dims.group_size = L.g;
+  layer->dims.experts = n_experts;
+  layer->dims.shards = n_shards;
+  memcpy(layer->dims.shard_n, L.shard_n, sizeof L.shard_n);
+  layer->dims.flags |= sch->flags ? sch->flags(qc) : 0;
+  return 0;
+}
+
+/* ---- normalisation helpers ---------------------------------------------------------- */
+
+/* Reads a whole f32 param view to host memory (malloc'd). */
+static int read_f32(qkeep_layer *layer, qkeep_param *p, float **out, size_t *count) {
+  size_t bytes = qkeep_spec_bytes(&p->view.spec);
+  float *v = malloc(bytes ? bytes : 1);
+  if (!v)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = dev_d2h(&layer->model->dev, v, tensor_ptr(&p->view), bytes);
+  if (rc) {
+    free(v);
+    return rc;
+  }
+  *out = v;
+  *count = bytes / sizeof(float);
+  return 0;
+}
+
+/* Writes host floats as the param's new contents through the replace rule. */
+static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec, const float *values) {
+  qkeep_tensor *t;
+  int rc = qkeep_tensor_new(layer, spec, &t);
+  if (!rc)
+    rc = dev_h2d(&layer->model->dev, qkeep_tensor_data(t), values, qkeep_spec_bytes(spec));
+  if (rc) {
+    qkeep_tensor_free(t);
+    return rc;
+  }
+  return qkeep_replace(layer, name, t);
+}
+
+int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
+  qkeep_param *p = qkeep_param_lookup(layer, name);
+  if (!p)
+    return 0; /* an optional scale the checkpoint does not carry */
+  int shards = layer->dims.shards;
+  int experts = layer->dims.experts ? (int)layer->dims.experts : 1;
+  if (shards < 2 || !spec_equal(&p->view.spec, &p->create_spec))
+    return 0; /* nothing to merge, or merged already since the bytes were loaded */
+  float *v;
+  size_t count;
+  int rc = read_f32(layer, p, &v, &count);
+  if (rc)
+    return rc;
+  for (int e = 0; e < experts; e++) {
+    float m = v[(size_t)e * (size_t)shards];
+    for (int s = 1; s < shards; s++) {
+      float x = v[(size_t)e * (size_t)shards + (size_t)s];
+      if (x != m)
+        log_msg(QKEEP_LOG_WARN, "%s.%s: shard scales differ (%g vs %g); merged by max without requantising",
+                layer->name, name, (double)m, (double)x);
+      if (x > m)
+        m = x;
+    }
+    v[e] = m;
+  }
+  struct qkeep_spec merged = {.dtype = QKEEP_DTYPE_F32, .ndim = layer->dims.experts ? 1 : 0,
+                              .shape = {layer->dims.experts}};
+  rc = replace_f32(layer, name, &merged, v);
+  free(v);
+  (void)count;
+  return rc;
+}
+
+int fill_f32(qkeep_layer *layer, const char *name, float value) {
+  qkeep_param *p = qkeep_param_lookup(layer, name);
+  if (!p)
+    return set_error(QKEEP_E_NOTFOUND, "%s has no param '%s'", layer->name, name);
+  size_t count = qkeep_spec_bytes(&p->view.spec) / sizeof(float);
+  float *v = malloc((count ? count : 1) * sizeof *v);
+  if (!v)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < count; i++)
+    v[i] = value;
+  int rc = replace_f32(layer, name, &p->view.spec, v);
+  free(v);
+  return rc;
+}

@@ -1,0 +1,92 @@
+/*
+ * scheme.h: checkpoint schemes. A scheme describes, as a table of templates,
+ * the loader params one linear layer (or one MoE expert projection) has in
+ * the checkpoint, with each dimension an expression of the layer's N, K and
+ * group size G. The generic engine (core/scheme.c) turns a layer's modules
+ * (one per fused shard, per expert) into loader params and sources; each
+ * scheme file adds only its templates, how to read N/K/G from a module's
+ * tensors, and its normalisation under the rules.
+ */
+#ifndef QKEEP_SCHEME_H
+#define QKEEP_SCHEME_H
+
+#include "checkpoint.h"
+#include "internal.h"
+
+/* A dimension as a function of the shard's N, the layer's K and group size G. */
+enum dim_expr { D_N, D_K, D_K_2, D_K_8, D_K_16, D_K_32, D_K_G, D_N_8, D_ONE, D_16 };
+
+/* How the shards of a fused layer (q/k/v, gate/up) share one param. */
+enum fuse_mode {
+  F_ROWS,   /* dim 0 carries N: shard s occupies rows [sum N_<s, +N_s) */
+  F_COLS,   /* the last dim carries N (or N/8): shards side by side in every row */
+  F_SLOT,   /* one scalar per shard: the param holds [S]; checkpoint shape [] or [1] */
+  F_SHARED, /* the same tensor for every shard: loaded from shard 0, the others must equal it */
+};
+
+struct param_template {
+  const char *name;         /* local checkpoint name, e.g. "weight_scale_2" */
+  enum qkeep_dtype dtype;
+  int alt_dtype;            /* another accepted dtype (e.g. BF16 scales), or -1 */
+  int ndim;
+  enum dim_expr dims[4];
+  enum fuse_mode fuse;
+  bool optional;            /* absent in some checkpoints (e.g. a static input_scale) */
+};
+
+/* One checkpoint module: tensors sharing a name prefix. */
+struct module {
+  char *name;               /* e.g. "model.layers.0.self_attn.q_proj" */
+  const struct ckpt_tensor **tensors;
+  const char **local;       /* the name after "<module>." */
+  size_t n;
+};
+
+/* The tensor of a module with that local name, or NULL. */
+const struct ckpt_tensor *module_tensor(const struct module *m, const char *local);
+
+struct scheme {
+  const char *name;
+  const struct param_template *params;
+  size_t n_params;
+  /* Reads N, K and G of one module from its tensors; QKEEP_E_NOTFOUND when the module
+   * does not carry this scheme's tensors, QKEEP_E_FORMAT when they disagree. */
+  int (*dims)(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g);
+  /* After all bytes arrived, before the backend's PWAL; NULL: nothing to do. Runs again on reload. */
+  int (*normalize)(qkeep_layer *layer);
+  /* Layer flags (QKEEP_LAYER_F_*) the config implies. */
+  uint32_t (*flags)(const struct quant_config *qc);
+};
+
+extern const struct scheme scheme_unquantized;
+extern const struct scheme scheme_modelopt_nvfp4;
+extern const struct scheme scheme_ct_nvfp4;
+extern const struct scheme scheme_mxfp4;
+extern const struct scheme scheme_w8a8_int8;
+extern const struct scheme scheme_gptq_int4;
+extern const struct scheme scheme_awq_int4;
+
+/* The scheme of that name, or NULL. */
+const struct scheme *scheme_by_name(const char *name);
+
+/*
+ * Creates the loader params of a linear or MoE layer from its modules:
+ * shards[s] for s < n_shards (fused members in order), and for MoE
+ * n_experts x n_shards modules (expert-major; the MoE's w13 has 2 shards,
+ * w2 one) under the param name prefix `prefix` ("" for linear, "w13_" /
+ * "w2_" for MoE). Every tensor is checked against its template (dtype,
+ * shape with the shard's N, the layer's K and G) before any param exists.
+ */
+int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc, const char *prefix,
+                  const struct module *const *modules, int n_experts, int n_shards);
+
+/* ---- normalisation helpers shared by the scheme files (core/scheme.c) ---- */
+
+/* Merges a per-shard scale param [S] (or [E, S]) by max into [] (or [E]), in the prefix,
+ * warning when the shards disagree. A param already merged (reload) is merged again from
+ * its checkpoint bytes, so the result is the same. */
+int merge_shard_scales_max(qkeep_layer *layer, const char *name);
+/* Writes `value` into a f32 param that the checkpoint did not provide (a placeholder). */
+int fill_f32(qkeep_layer *layer, const char *name, float value);
+
+#endif
