@@ -139,8 +139,12 @@ struct source {
   bool loaded;
 };
 
+struct scheme;
+struct ckpt;
+
 struct qkeep_layer {
   qkeep_model *model;
+  const struct scheme *scheme_ops; /* normalisation; NULL for layers kept as loaded */
   char *name;
   char *scheme;
   enum qkeep_layer_kind kind;
@@ -158,8 +162,21 @@ struct qkeep_layer {
   void *state; /* the backend's, freed by its layer_cleanup */
 };
 
+/* A fusion rule: modules <parent>.<member[i]> load as shards of <parent>.<fused>. */
+struct fusion_rule {
+  char *fused;
+  char *members[8];
+  int n_members;
+};
+
 struct qkeep_model {
   qkeep_plugin *plugin; /* NULL: host memory, no PWAL */
+  struct fusion_rule *fusion; /* NULL until set: the default q/k/v and gate/up rules */
+  size_t n_fusion;
+  bool fusion_set;
+  void (*progress)(void *user, size_t done, size_t total, const char *layer);
+  void *progress_user;
+  struct qkeep_load_stats stats;
   struct device dev;
   qkeep_layer **layers;
   size_t n_layers, cap_layers;
@@ -178,9 +195,6 @@ int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qk
 void layer_destroy(qkeep_layer *layer);
 /* Drops every layer (backend state first), leaving the model empty. */
 void model_clear(qkeep_model *model);
-/* The param a full checkpoint name loads into, or NULL. */
-qkeep_param *model_lookup_checkpoint_name(const qkeep_model *model, const char *checkpoint_name,
-                                          qkeep_layer **layer_out);
 
 /* ---- safetensors (safetensors.c) ------------------------------------------------------ */
 
@@ -280,6 +294,12 @@ struct qkeep_plugin {
 const struct qkeep_host *host_table(void);
 
 /* ---- model (model.c) -------------------------------------------------------------------- */
+
+struct staging;
+/* Loads every source of a layer from the checkpoint (strided and compare-only ones too). */
+int load_layer_sources(qkeep_layer *layer, const struct ckpt *ck, struct staging *st);
+/* Normalisation then the backend's PWAL, once a layer has all its bytes. */
+int finish_layer(qkeep_layer *layer);
 
 /* The model's backend table, or NULL for a host-only model. */
 const struct qkeep_backend *model_backend(const qkeep_model *model);

@@ -2,6 +2,7 @@
  * model.c: a model's layers, its device, checkpoint-name lookup, and running
  * a layer's kernel through the backend.
  */
+#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,11 +40,99 @@ void model_clear(qkeep_model *model) {
   model->n_layers = model->cap_layers = 0;
 }
 
+static void free_fusion(qkeep_model *model) {
+  for (size_t i = 0; i < model->n_fusion; i++) {
+    free(model->fusion[i].fused);
+    for (int m = 0; m < model->fusion[i].n_members; m++)
+      free(model->fusion[i].members[m]);
+  }
+  free(model->fusion);
+  model->fusion = NULL;
+  model->n_fusion = 0;
+}
+
 void qkeep_model_free(qkeep_model *model) {
   if (!model)
     return;
   model_clear(model);
+  free_fusion(model);
   free(model);
+}
+
+/* A module or fused name: letters, digits, '_' and '-'; no dots. */
+static bool valid_member(const char *s, size_t n) {
+  if (!n)
+    return false;
+  for (size_t i = 0; i < n; i++)
+    if (!(isalnum((unsigned char)s[i]) || s[i] == '_' || s[i] == '-'))
+      return false;
+  return true;
+}
+
+/* Parses one "fused=a+b+c" rule of length n into r. */
+static int parse_rule(const char *s, size_t n, struct fusion_rule *r) {
+  const char *eq = memchr(s, '=', n);
+  if (!eq || !valid_member(s, (size_t)(eq - s)))
+    return set_error(QKEEP_E_INVAL, "fusion rule '%.*s': expected FUSED=MEMBER+MEMBER...", (int)n, s);
+  r->fused = strndup(s, (size_t)(eq - s));
+  const char *p = eq + 1, *end = s + n;
+  while (p <= end) {
+    const char *plus = memchr(p, '+', (size_t)(end - p));
+    const char *stop = plus ? plus : end;
+    if (r->n_members == 8 || !valid_member(p, (size_t)(stop - p)))
+      return set_error(QKEEP_E_INVAL, "fusion rule '%.*s': bad or too many members (at most 8)", (int)n, s);
+    r->members[r->n_members++] = strndup(p, (size_t)(stop - p));
+    p = stop + 1;
+  }
+  if (r->n_members < 2)
+    return set_error(QKEEP_E_INVAL, "fusion rule '%.*s': a fusion needs two members or more", (int)n, s);
+  return 0;
+}
+
+int qkeep_model_set_fusion(qkeep_model *model, const char *spec) {
+  if (!model || !spec)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_set_fusion: NULL argument");
+  struct qkeep_model parsed = {0};
+  size_t cap = 0;
+  int rc = 0;
+  if (strcmp(spec, "none") != 0) {
+    for (const char *p = spec; *p && !rc;) {
+      size_t n = strcspn(p, ", ");
+      if (n) {
+        rc = grow_array((void **)&parsed.fusion, &cap, parsed.n_fusion + 1,
+                        sizeof *parsed.fusion);
+        if (!rc) {
+          memset(&parsed.fusion[parsed.n_fusion], 0, sizeof *parsed.fusion);
+          rc = parse_rule(p, n, &parsed.fusion[parsed.n_fusion++]);
+        }
+      }
+      p += n + (p[n] != 0);
+    }
+  }
+  if (rc) {
+    free_fusion(&parsed);
+    return rc;
+  }
+  free_fusion(model);
+  model->fusion = parsed.fusion;
+  model->n_fusion = parsed.n_fusion;
+  model->fusion_set = true;
+  return 0;
+}
+
+int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *out) {
+  if (!model || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_load_stats: NULL argument");
+  size_t want = out->size ? out->size : sizeof *out;
+  memcpy(out, &model->stats, want < sizeof model->stats ? want : sizeof model->stats);
+  out->size = want < sizeof model->stats ? want : sizeof model->stats;
+  return 0;
+}
+
+void qkeep_model_set_progress(qkeep_model *model, void (*fn)(void *user, size_t done, size_t total, const char *layer),
+                              void *user) {
+  model->progress = fn;
+  model->progress_user = user;
 }
 
 size_t qkeep_model_layer_count(const qkeep_model *model) { return model ? model->n_layers : 0; }
@@ -61,8 +150,9 @@ qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name) 
   return NULL;
 }
 
-qkeep_param *model_lookup_checkpoint_name(const qkeep_model *model, const char *checkpoint_name,
-                                          qkeep_layer **layer_out) {
+qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name, qkeep_layer **layer_out) {
+  if (!model || !checkpoint_name)
+    return NULL;
   for (size_t l = 0; l < model->n_layers; l++) {
     qkeep_layer *layer = model->layers[l];
     for (size_t i = 0; i < layer->n_sources; i++)
@@ -75,18 +165,14 @@ qkeep_param *model_lookup_checkpoint_name(const qkeep_model *model, const char *
   return NULL;
 }
 
-int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *y) {
-  if (!layer || m < 0 || (m && (!x || !y)))
-    return set_error(QKEEP_E_INVAL, "apply: invalid argument");
+/* Moves x to the device, runs the backend's kernel, and brings y back. */
+static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_t expert,
+                     enum qkeep_moe_matrix matrix, const float *x, float *y) {
   const struct qkeep_backend *be = model_backend(layer->model);
   if (!be || !be->apply)
     return set_error(QKEEP_E_UNSUPPORTED, "apply %s: the model has no backend with kernels", layer->name);
-  if (layer->kind != QKEEP_LAYER_LINEAR)
-    return set_error(QKEEP_E_UNSUPPORTED, "apply %s: layer kind %s has no GEMM", layer->name,
-                     qkeep_layer_kind_name(layer->kind));
   const struct device *dev = &layer->model->dev;
-  size_t x_bytes = (size_t)m * (size_t)layer->dims.k * sizeof(float);
-  size_t y_bytes = (size_t)m * (size_t)layer->dims.n * sizeof(float);
+  size_t x_bytes = (size_t)m * (size_t)k * sizeof(float), y_bytes = (size_t)m * (size_t)n * sizeof(float);
   void *dx = NULL, *dy = NULL;
   int rc = dev_alloc(dev, x_bytes, &dx);
   if (!rc)
@@ -94,7 +180,7 @@ int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *
   if (!rc)
     rc = dev_h2d(dev, dx, x, x_bytes);
   if (!rc) {
-    struct qkeep_apply_args args = {sizeof args, m, dx, QKEEP_DTYPE_F32, dy, QKEEP_DTYPE_F32};
+    struct qkeep_apply_args args = {sizeof args, m, dx, QKEEP_DTYPE_F32, dy, QKEEP_DTYPE_F32, expert, matrix};
     rc = be->apply(be, layer, &args);
   }
   if (!rc)
@@ -104,4 +190,24 @@ int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *
   dev_free(dev, dx);
   dev_free(dev, dy);
   return rc ? add_error_context(rc, "apply %s (backend %s)", layer->name, be->name) : 0;
+}
+
+int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *y) {
+  if (!layer || m < 0 || (m && (!x || !y)))
+    return set_error(QKEEP_E_INVAL, "apply: invalid argument");
+  if (layer->kind != QKEEP_LAYER_LINEAR)
+    return set_error(QKEEP_E_UNSUPPORTED, "apply %s: layer kind %s has no GEMM", layer->name,
+                     qkeep_layer_kind_name(layer->kind));
+  return apply_f32(layer, m, layer->dims.n, layer->dims.k, 0, QKEEP_MOE_W13, x, y);
+}
+
+int qkeep_layer_apply_expert_f32(qkeep_layer *layer, int32_t expert, enum qkeep_moe_matrix matrix, int64_t m,
+                                 const float *x, float *y) {
+  if (!layer || m < 0 || (m && (!x || !y)))
+    return set_error(QKEEP_E_INVAL, "apply: invalid argument");
+  if (layer->kind != QKEEP_LAYER_MOE || expert < 0 || expert >= layer->dims.experts)
+    return set_error(QKEEP_E_INVAL, "apply %s: not an MoE layer with expert %d", layer->name, expert);
+  int64_t inter = layer->dims.n / 2, hidden = layer->dims.k;
+  bool w13 = matrix == QKEEP_MOE_W13;
+  return apply_f32(layer, m, w13 ? layer->dims.n : hidden, w13 ? hidden : inter, expert, matrix, x, y);
 }

@@ -125,6 +125,30 @@ QKEEP_API void qkeep_model_free(qkeep_model *model);
  */
 QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);
 
+/* Where a cold start spent its time, and how many checkpoint bytes it read. */
+struct qkeep_load_stats {
+  size_t size;
+  double open_seconds;    /* opening the checkpoint and creating every layer and param */
+  double read_seconds;    /* streaming tensors into params */
+  double pwal_seconds;    /* scheme normalisation and the backend's PWAL */
+  int64_t checkpoint_bytes;
+};
+/* The stats of the model's last successful load. */
+QKEEP_API int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *out);
+/* Calls fn after each layer of a load (for a progress line). fn NULL: none. */
+QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
+                                        void (*fn)(void *user, size_t done, size_t total, const char *layer),
+                                        void *user);
+/*
+ * Sets the fusion map before a load: "qkv_proj=q_proj+k_proj+v_proj,gate_up_proj=gate_proj+up_proj"
+ * (the default), or "none". Up to 8 members per rule. QKEEP_E_INVAL on a malformed spec.
+ */
+QKEEP_API int qkeep_model_set_fusion(qkeep_model *model, const char *spec);
+/* The param a full checkpoint name loads into (and its layer), or NULL: after PWAL every
+ * checkpoint name still resolves to the same object. */
+QKEEP_API qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name,
+                                          qkeep_layer **layer);
+
 QKEEP_API size_t qkeep_model_layer_count(const qkeep_model *model);
 QKEEP_API qkeep_layer *qkeep_model_layer(const qkeep_model *model, size_t index);
 QKEEP_API qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name);
@@ -248,6 +272,11 @@ QKEEP_API void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]);
  * y are host f32 arrays, moved to and from the device by the core.
  */
 QKEEP_API int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *y);
+
+/* The same for expert `expert` of an MoE layer: W13 gives y[M, 2I] = x[M, H] w13^T, W2 gives
+ * y[M, H] = x[M, I] w2^T. */
+QKEEP_API int qkeep_layer_apply_expert_f32(qkeep_layer *layer, int32_t expert, enum qkeep_moe_matrix matrix,
+                                           int64_t m, const float *x, float *y);
 
 #ifdef __cplusplus
 }

@@ -72,6 +72,7 @@ enum qkeep_layer_kind {
 #define QKEEP_LAYER_F_INPUT_ASYM (1u << 4)     /* activations carry a zero point */
 #define QKEEP_LAYER_F_WEIGHT_PER_TENSOR (1u << 5) /* one weight scale per (fused) shard */
 #define QKEEP_LAYER_F_TIED (1u << 6)           /* the weight is another layer's param (tied embedding) */
+#define QKEEP_LAYER_F_INTERLEAVED_W13 (1u << 7) /* MoE w13 rows alternate gate, up (gpt-oss) */
 
 #define QKEEP_MAX_DIMS 6
 

@@ -104,9 +104,15 @@ static int check_tensor(const struct layout *L, const struct param_template *t, 
                         int64_t n_s, enum qkeep_dtype *dtype) {
   const struct st_tensor *st = ct->t;
   char want[96], got[96];
-  if (st->dtype != (int)t->dtype && st->dtype != t->alt_dtype)
+  if (st->dtype < 0 || !(t->dtypes & (1u << st->dtype))) {
+    char expected[96] = "";
+    for (int d = 0; d < QKEEP_DTYPE_COUNT; d++)
+      if (t->dtypes & (1u << d))
+        snprintf(expected + strlen(expected), sizeof expected - strlen(expected), "%s%s", expected[0] ? " or " : "",
+                 qkeep_dtype_name((enum qkeep_dtype)d));
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': dtype %s in checkpoint, expected %s (scheme %s)",
-                     ct->file->path, st->name, st->dtype_name, qkeep_dtype_name(t->dtype), L->sch->name);
+                     ct->file->path, st->name, st->dtype_name, expected, L->sch->name);
+  }
   *dtype = (enum qkeep_dtype)st->dtype;
   struct qkeep_spec got_spec = {.dtype = *dtype, .ndim = st->ndim};
   memcpy(got_spec.shape, st->shape, sizeof got_spec.shape);
@@ -191,6 +197,8 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
   if (n_shards < 1 || n_shards > 8 || n_experts < 0)
     return set_error(QKEEP_E_INVAL, "%s: %d shards, %d experts", layer->name, n_shards, n_experts);
   struct layout L = {.sch = sch, .prefix = prefix, .modules = modules, .experts = n_experts, .shards = n_shards};
+  size_t n_params = sch->n_params;
+  const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
   int rc = gather_dims(&L, qc);
   if (rc)
     return rc;
@@ -198,9 +206,19 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
     return set_error(QKEEP_E_FORMAT, "layer %s: tensors imply group size %lld, the config says %lld", layer->name,
                      (long long)L.g, (long long)qc->group_size);
   int experts = n_experts ? n_experts : 1;
+  /* A tensor no template names would be silently dropped: refuse it. */
+  for (int i = 0; i < experts * n_shards; i++)
+    for (size_t j = 0; j < modules[i]->n; j++) {
+      size_t t = 0;
+      while (t < n_params && strcmp(params[t].name, modules[i]->local[j]) != 0)
+        t++;
+      if (t == n_params)
+        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is not part of scheme %s (layer %s)",
+                         modules[i]->tensors[j]->file->path, modules[i]->tensors[j]->t->name, sch->name, layer->name);
+    }
   /* Check every tensor of every template first, so a bad checkpoint creates nothing. */
-  for (size_t i = 0; i < sch->n_params; i++) {
-    const struct param_template *t = &sch->params[i];
+  for (size_t i = 0; i < n_params; i++) {
+    const struct param_template *t = &params[i];
     int present = 0;
     for (int e = 0; e < experts; e++)
       for (int s = 0; s < n_shards; s++)
@@ -222,8 +240,8 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
                            ct->t->dtype_name);
       }
   }
-  for (size_t i = 0; i < sch->n_params && !rc; i++) {
-    const struct param_template *t = &sch->params[i];
+  for (size_t i = 0; i < n_params && !rc; i++) {
+    const struct param_template *t = &params[i];
     const struct ckpt_tensor *first = module_tensor(module_at(&L, 0, 0), t->name);
     if (!first)
       continue;
@@ -237,12 +255,15 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
   }
   if (rc)
     return rc;
-  layer->dims.n = L.n;
-  layer->dims.k = L.k;
-  layer->dims.group_size = L.g;
-  layer->dims.experts = n_experts;
-  layer->dims.shards = n_shards;
-  memcpy(layer->dims.shard_n, L.shard_n, sizeof L.shard_n);
+  /* An MoE layer's dims are w13's ([2I, H], shards gate and up); w2 is [H, I]. */
+  if (strcmp(prefix, "w2_") != 0) {
+    layer->dims.n = L.n;
+    layer->dims.k = L.k;
+    layer->dims.group_size = L.g;
+    layer->dims.experts = n_experts;
+    layer->dims.shards = n_shards;
+    memcpy(layer->dims.shard_n, L.shard_n, sizeof L.shard_n);
+  }
   layer->dims.flags |= sch->flags ? sch->flags(qc) : 0;
   return 0;
 }
@@ -282,11 +303,13 @@ int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
   qkeep_param *p = qkeep_param_lookup(layer, name);
   if (!p)
     return 0; /* an optional scale the checkpoint does not carry */
-  int shards = layer->dims.shards;
   int experts = layer->dims.experts ? (int)layer->dims.experts : 1;
-  if (shards < 2 || !spec_equal(&p->view.spec, &p->create_spec))
+  const struct qkeep_spec *cs = &p->create_spec;
+  int slot_dim = layer->dims.experts ? 1 : 0; /* [S] or [E, S] */
+  int shards = cs->ndim == slot_dim + 1 ? (int)cs->shape[slot_dim] : 1;
+  if (shards < 2 || !spec_equal(&p->view.spec, cs))
     return 0; /* nothing to merge, or merged already since the bytes were loaded */
-  float *v;
+  float *v = NULL;
   size_t count;
   int rc = read_f32(layer, p, &v, &count);
   if (rc)
@@ -325,3 +348,60 @@ int fill_f32(qkeep_layer *layer, const char *name, float value) {
   free(v);
   return rc;
 }
+
+int merge_shard_equal_i32(qkeep_layer *layer, const char *name) {
+  qkeep_param *p = qkeep_param_lookup(layer, name);
+  if (!p)
+    return 0;
+  const struct qkeep_spec *cs = &p->create_spec;
+  int shards = cs->ndim == 1 && !layer->dims.experts ? (int)cs->shape[0] : 1;
+  if (shards < 2 || !spec_equal(&p->view.spec, cs))
+    return 0;
+  int32_t v[8];
+  int rc = dev_d2h(&layer->model->dev, v, tensor_ptr(&p->view), sizeof(int32_t) * (size_t)shards);
+  if (rc)
+    return rc;
+  for (int s = 1; s < shards; s++)
+    if (v[s] != v[0])
+      return set_error(QKEEP_E_UNSUPPORTED, "%s.%s: fused shards carry different values (%d vs %d)", layer->name,
+                       name, v[0], v[s]);
+  struct qkeep_spec merged = {.dtype = cs->dtype, .ndim = 0};
+  return qkeep_replace_in_place(layer, name, &merged);
+}
+
+int for_each_matrix(qkeep_layer *layer, int (*fn)(qkeep_layer *layer, const char *prefix)) {
+  if (layer->kind != QKEEP_LAYER_MOE)
+    return fn(layer, "");
+  int rc = fn(layer, "w13_");
+  return rc ? rc : fn(layer, "w2_");
+}
+
+bool param_was_loaded(const qkeep_layer *layer, const char *name) {
+  const qkeep_param *p = qkeep_param_lookup(layer, name);
+  for (size_t i = 0; p && i < layer->n_sources; i++)
+    if (layer->sources[i].param == p && layer->sources[i].loaded)
+      return true;
+  return false;
+}
+
+const char *prefixed(char *buf, size_t len, const char *prefix, const char *name) {
+  snprintf(buf, len, "%s%s", prefix, name);
+  return buf;
+}
+
+/* N and K from the packed weight; the block scales must be e4m3 [N, K/16]. */
+int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int64_t *k, int64_t *g) {
+  const struct ckpt_tensor *w = module_tensor(m, weight_name), *s = module_tensor(m, "weight_scale");
+  if (!w || !s)
+    return set_error(QKEEP_E_NOTFOUND, "no %s and weight_scale", weight_name);
+  if (w->t->ndim != 2 || s->t->ndim != 2)
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path, w->t->name);
+  *n = w->t->shape[0];
+  *k = w->t->shape[1] * 2;
+  *g = 16;
+  if (*k % 16)
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': K = %lld is not a multiple of the NVFP4 block 16",
+                     w->file->path, w->t->name, (long long)*k);
+  return 0;
+}
+

@@ -24,10 +24,12 @@ enum fuse_mode {
   F_SHARED, /* the same tensor for every shard: loaded from shard 0, the others must equal it */
 };
 
+#define DT(d) (1u << QKEEP_DTYPE_##d)
+#define DT_FLOAT (DT(F32) | DT(F16) | DT(BF16))
+
 struct param_template {
   const char *name;         /* local checkpoint name, e.g. "weight_scale_2" */
-  enum qkeep_dtype dtype;
-  int alt_dtype;            /* another accepted dtype (e.g. BF16 scales), or -1 */
+  uint32_t dtypes;          /* accepted checkpoint dtypes, a mask of DT(...) */
   int ndim;
   enum dim_expr dims[4];
   enum fuse_mode fuse;
@@ -49,6 +51,8 @@ struct scheme {
   const char *name;
   const struct param_template *params;
   size_t n_params;
+  /* When set, picks the template table from the config (e.g. per-channel or per-tensor scales). */
+  const struct param_template *(*templates_for)(const struct quant_config *qc, size_t *n);
   /* Reads N, K and G of one module from its tensors; QKEEP_E_NOTFOUND when the module
    * does not carry this scheme's tensors, QKEEP_E_FORMAT when they disagree. */
   int (*dims)(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g);
@@ -65,6 +69,11 @@ extern const struct scheme scheme_mxfp4;
 extern const struct scheme scheme_w8a8_int8;
 extern const struct scheme scheme_gptq_int4;
 extern const struct scheme scheme_awq_int4;
+extern const struct scheme scheme_kv_scales;
+
+/* Builds the model's layers from a checkpoint (core/assemble.c): modules, MoE stacking,
+ * fusion, kv-scales layers, tied embeddings; every layer's loader params and sources. */
+int assemble_model(qkeep_model *model, const struct ckpt *ck);
 
 /* The scheme of that name, or NULL. */
 const struct scheme *scheme_by_name(const char *name);
@@ -80,12 +89,31 @@ const struct scheme *scheme_by_name(const char *name);
 int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc, const char *prefix,
                   const struct module *const *modules, int n_experts, int n_shards);
 
+/* Creates a gpt-oss pre-stacked MXFP4 MoE layer (gate_up_proj_blocks, ... of one module). */
+int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m);
+
+/* G from int4 scales [K/G, N], checked against N % 8 and the config (GPTQ and AWQ). */
+int int4_group_dims(const struct module *m, const struct ckpt_tensor *scales, int64_t n, int64_t k,
+                    const struct quant_config *qc, int64_t *g);
+
+/* N and K of an NVFP4 module from its packed weight (named weight_name) and e4m3 block scales. */
+int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int64_t *k, int64_t *g);
+
 /* ---- normalisation helpers shared by the scheme files (core/scheme.c) ---- */
 
 /* Merges a per-shard scale param [S] (or [E, S]) by max into [] (or [E]), in the prefix,
- * warning when the shards disagree. A param already merged (reload) is merged again from
- * its checkpoint bytes, so the result is the same. */
+ * warning when the shards disagree. Only a param still in its checkpoint view is merged
+ * (reload restores that view before loading), so a second call changes nothing. */
 int merge_shard_scales_max(qkeep_layer *layer, const char *name);
+/* The same for an i32 per-shard value that must agree across shards (a zero point):
+ * the first shard's value, and QKEEP_E_UNSUPPORTED when they differ. */
+int merge_shard_equal_i32(qkeep_layer *layer, const char *name);
+/* Calls fn(layer, prefix) for "" on a linear layer, for "w13_" and "w2_" on an MoE layer. */
+int for_each_matrix(qkeep_layer *layer, int (*fn)(qkeep_layer *layer, const char *prefix));
+/* Whether any checkpoint source landed in the param (false for a placeholder). */
+bool param_was_loaded(const qkeep_layer *layer, const char *name);
+/* "<prefix><name>" into buf. */
+const char *prefixed(char *buf, size_t len, const char *prefix, const char *name);
 /* Writes `value` into a f32 param that the checkpoint did not provide (a placeholder). */
 int fill_f32(qkeep_layer *layer, const char *name, float value);
 

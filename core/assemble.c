@@ -1,0 +1,588 @@
+/*
+ * assemble.c: from a checkpoint's tensor names to the model's layers.
+ *
+ * Tensors group into modules by name prefix. Then: per-expert modules
+ * (<P>.experts.<e>.<proj>) stack into one MoE layer <P> (w13 = gate + up, w2 =
+ * down); a gpt-oss pre-stacked module becomes an MoE layer as it is; members
+ * of a fusion rule under one parent (q/k/v, gate/up) become one fused linear
+ * layer; every other module is a linear layer of the config's scheme (or
+ * unquantized when ignored or plain float), or, when it is not a linear at
+ * all (norms), a layer whose params are its tensors as they are. Each
+ * attention block gets a kv-scales layer (placeholders where the checkpoint
+ * has no scales), and a tied lm_head shares the embedding's param.
+ * Layers are created in name order, so any sharding of the same tensors gives
+ * the same model.
+ */
+#include <ctype.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "scheme.h"
+
+/* One tensor's place: module prefix and local name. */
+struct entry {
+  const char *name; /* the full tensor name */
+  size_t prefix_len;
+  const char *local;
+  const struct ckpt_tensor *t;
+};
+
+enum spec_kind { SPEC_LINEAR, SPEC_MOE, SPEC_GPTOSS_MOE, SPEC_PLAIN, SPEC_KV, SPEC_TIED };
+
+/* A layer to create, gathered before any is created so they can be made in name order. */
+struct layer_spec {
+  enum spec_kind kind;
+  char *name;
+  const struct scheme *sch;
+  const struct module **modules; /* linear: shards; MoE: w13 (E x 2) then w2 (E) */
+  int shards, experts;
+  const struct module *module;   /* plain, gpt-oss */
+  const struct ckpt_tensor *kv[5]; /* k, v, kv, q, prob scales */
+};
+
+struct assembly {
+  qkeep_model *model;
+  const struct ckpt *ck;
+  struct entry *entries;
+  size_t n_entries;
+  struct module *modules;
+  size_t n_modules;
+  bool *used;
+  struct layer_spec *specs;
+  size_t n_specs, cap_specs;
+  struct entry *kv;
+  size_t n_kv;
+};
+
+static const char *const kv_names[5] = {"k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale"};
+
+static int kv_index(const char *local) {
+  for (int i = 0; i < 5; i++)
+    if (strcmp(local, kv_names[i]) == 0)
+      return i;
+  return -1;
+}
+
+static int by_prefix_then_local(const void *a, const void *b) {
+  const struct entry *x = a, *y = b;
+  size_t n = x->prefix_len < y->prefix_len ? x->prefix_len : y->prefix_len;
+  int c = strncmp(x->name, y->name, n);
+  if (c)
+    return c;
+  if (x->prefix_len != y->prefix_len)
+    return x->prefix_len < y->prefix_len ? -1 : 1;
+  return strcmp(x->local, y->local);
+}
+
+static const char *last_component(const char *name) {
+  const char *dot = strrchr(name, '.');
+  return dot ? dot + 1 : name;
+}
+
+/* The attention block a kv scale belongs to: <attn>.k_proj.k_scale and <attn>.k_scale both give <attn>. */
+static size_t attention_prefix_len(const char *name, size_t prefix_len) {
+  static const char *const projections[] = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"};
+  char module[512];
+  snprintf(module, sizeof module, "%.*s", (int)prefix_len, name);
+  const char *last = last_component(module);
+  for (size_t i = 0; i < 5; i++)
+    if (strcmp(last, projections[i]) == 0 && last != module)
+      return (size_t)(last - module) - 1;
+  return prefix_len;
+}
+
+/* Splits names into entries (kv scales aside), sorts them and forms modules. */
+static int build_modules(struct assembly *a) {
+  const struct ckpt *ck = a->ck;
+  a->entries = calloc(ck->n_tensors ? ck->n_tensors : 1, sizeof *a->entries);
+  a->kv = calloc(ck->n_tensors ? ck->n_tensors : 1, sizeof *a->kv);
+  if (!a->entries || !a->kv)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct ckpt_tensor *t = &ck->tensors[i];
+    const char *dot = strrchr(t->t->name, '.');
+    if (!dot || dot == t->t->name || !dot[1])
+      return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' has no module prefix (expected '<module>.<param>')",
+                       t->file->path, t->t->name);
+    struct entry e = {t->t->name, (size_t)(dot - t->t->name), dot + 1, t};
+    if (kv_index(e.local) >= 0) {
+      e.prefix_len = attention_prefix_len(e.name, e.prefix_len);
+      a->kv[a->n_kv++] = e;
+    } else {
+      a->entries[a->n_entries++] = e;
+    }
+  }
+  qsort(a->entries, a->n_entries, sizeof *a->entries, by_prefix_then_local);
+  a->modules = calloc(a->n_entries ? a->n_entries : 1, sizeof *a->modules);
+  if (!a->modules)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < a->n_entries;) {
+    size_t j = i + 1;
+    while (j < a->n_entries && a->entries[j].prefix_len == a->entries[i].prefix_len &&
+           strncmp(a->entries[j].name, a->entries[i].name, a->entries[i].prefix_len) == 0)
+      j++;
+    struct module *m = &a->modules[a->n_modules++];
+    m->name = strndup(a->entries[i].name, a->entries[i].prefix_len);
+    m->n = j - i;
+    m->tensors = calloc(m->n, sizeof *m->tensors);
+    m->local = calloc(m->n, sizeof *m->local);
+    if (!m->name || !m->tensors || !m->local)
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    for (size_t k = i; k < j; k++) {
+      m->tensors[k - i] = a->entries[k].t;
+      m->local[k - i] = a->entries[k].local;
+    }
+    i = j;
+  }
+  a->used = calloc(a->n_modules ? a->n_modules : 1, sizeof *a->used);
+  return a->used ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+}
+
+static struct module *find_module(const struct assembly *a, const char *name) {
+  for (size_t i = 0; i < a->n_modules; i++)
+    if (strcmp(a->modules[i].name, name) == 0)
+      return &a->modules[i];
+  return NULL;
+}
+
+static struct layer_spec *new_spec(struct assembly *a, enum spec_kind kind, const char *name) {
+  if (grow_array((void **)&a->specs, &a->cap_specs, a->n_specs + 1, sizeof *a->specs))
+    return NULL;
+  struct layer_spec *s = &a->specs[a->n_specs];
+  *s = (struct layer_spec){.kind = kind, .name = xstrdup(name)};
+  if (!s->name) {
+    set_error(QKEEP_E_NOMEM, "out of memory");
+    return NULL;
+  }
+  a->n_specs++;
+  return s;
+}
+
+/*
+ * The scheme a module loads with: the config's, unless the module is ignored
+ * or is a plain float linear (a router, an excluded lm_head); NULL when it is
+ * no linear at all (norms). A module carrying some of a quantized scheme's
+ * tensors but not all of them is an error, not a silent fallback.
+ */
+static int resolve_scheme(const struct assembly *a, const struct module *m, const char *layer_name,
+                          const struct scheme **out) {
+  const struct quant_config *qc = &a->ck->qc;
+  int64_t n, k, g;
+  *out = NULL;
+  if (qc->method != QM_NONE && !quant_config_ignores(qc, layer_name) && !quant_config_ignores(qc, m->name)) {
+    const struct scheme *sch = scheme_by_name(qc->scheme);
+    if (!sch)
+      return set_error(QKEEP_E_UNSUPPORTED, "%s: no scheme '%s'", a->ck->path, qc->scheme);
+    int rc = sch->dims(m, qc, &n, &k, &g);
+    if (rc == 0) {
+      *out = sch;
+      return 0;
+    }
+    if (rc != QKEEP_E_NOTFOUND)
+      return rc;
+    if (scheme_unquantized.dims(m, qc, &n, &k, &g) == 0) {
+      *out = &scheme_unquantized;
+      return 0;
+    }
+    size_t n_params = sch->n_params;
+    const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
+    for (size_t i = 0; i < m->n; i++)
+      for (size_t t = 0; t < n_params; t++)
+        if (strcmp(m->local[i], params[t].name) == 0 && strcmp(params[t].name, "bias") != 0)
+          return set_error(QKEEP_E_FORMAT, "%s: module %s has '%s' but not the other tensors of scheme %s (%s)",
+                           m->tensors[i]->file->path, m->name, m->local[i], sch->name, qkeep_errmsg());
+    return 0;
+  }
+  if (scheme_unquantized.dims(m, qc, &n, &k, &g) == 0)
+    *out = &scheme_unquantized;
+  return 0;
+}
+
+/* "<P>.experts.<e>.<proj>": sets *prefix_len (of <P>.experts), *expert and *proj (0 gate, 1 up, 2 down). */
+static bool parse_expert(const char *name, size_t *prefix_len, long *expert, int *proj) {
+  const char *p = strstr(name, ".experts.");
+  while (p) {
+    const char *num = p + 9;
+    char *end;
+    if (isdigit((unsigned char)*num)) {
+      long e = strtol(num, &end, 10);
+      if (*end == '.' && !strchr(end + 1, '.')) {
+        const char *role = end + 1;
+        static const char *const roles[3][2] = {{"gate_proj", "w1"}, {"up_proj", "w3"}, {"down_proj", "w2"}};
+        for (int r = 0; r < 3; r++)
+          if (strcmp(role, roles[r][0]) == 0 || strcmp(role, roles[r][1]) == 0) {
+            *prefix_len = (size_t)(p - name) + 8;
+            *expert = e;
+            *proj = r;
+            return true;
+          }
+      }
+    }
+    p = strstr(p + 1, ".experts.");
+  }
+  return false;
+}
+
+/* Collects the per-expert modules of MoE blocks into MoE specs. */
+static int plan_moe(struct assembly *a) {
+  for (size_t i = 0; i < a->n_modules; i++) {
+    size_t plen;
+    long e;
+    int proj;
+    if (a->used[i] || !parse_expert(a->modules[i].name, &plen, &e, &proj))
+      continue;
+    char block[512];
+    snprintf(block, sizeof block, "%.*s", (int)plen, a->modules[i].name);
+    long experts = 0;
+    for (size_t j = i; j < a->n_modules; j++) { /* the block's modules share its prefix */
+      size_t pl;
+      long ej;
+      int pj;
+      if (parse_expert(a->modules[j].name, &pl, &ej, &pj) && pl == plen &&
+          strncmp(a->modules[j].name, block, plen) == 0 && ej + 1 > experts)
+        experts = ej + 1;
+    }
+    if (experts > 4096)
+      return set_error(QKEEP_E_FORMAT, "%s: MoE block %s claims %ld experts", a->ck->path, block, experts);
+    struct layer_spec *s = new_spec(a, SPEC_MOE, block);
+    if (!s)
+      return QKEEP_E_NOMEM;
+    s->experts = (int)experts;
+    s->modules = calloc((size_t)experts * 3, sizeof *s->modules);
+    if (!s->modules)
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    static const char *const roles[3][2] = {{"gate_proj", "w1"}, {"up_proj", "w3"}, {"down_proj", "w2"}};
+    for (long x = 0; x < experts; x++)
+      for (int r = 0; r < 3; r++) {
+        char name[600];
+        struct module *m = NULL;
+        for (int alt = 0; alt < 2 && !m; alt++) {
+          snprintf(name, sizeof name, "%s.%ld.%s", block, x, roles[r][alt]);
+          m = find_module(a, name);
+        }
+        if (!m)
+          return set_error(QKEEP_E_FORMAT, "%s: MoE block %s: expert %ld has no %s (experts 0..%ld expected)",
+                           a->ck->path, block, x, roles[r][0], experts - 1);
+        a->used[m - a->modules] = true;
+        /* w13 modules expert-major with gate then up; w2 after all of them. */
+        if (r < 2)
+          s->modules[x * 2 + r] = m;
+        else
+          s->modules[experts * 2 + x] = m;
+      }
+    int rc = resolve_scheme(a, s->modules[0], block, &s->sch);
+    if (rc)
+      return rc;
+    if (!s->sch)
+      return set_error(QKEEP_E_FORMAT, "%s: MoE block %s: expert tensors are not a linear of any scheme",
+                       a->ck->path, block);
+  }
+  return 0;
+}
+
+/* gpt-oss: <P>.experts with gate_up_proj_blocks and the rest, already stacked. */
+static int plan_gptoss(struct assembly *a) {
+  for (size_t i = 0; i < a->n_modules; i++) {
+    if (a->used[i] || !module_tensor(&a->modules[i], "gate_up_proj_blocks"))
+      continue;
+    struct layer_spec *s = new_spec(a, SPEC_GPTOSS_MOE, a->modules[i].name);
+    if (!s)
+      return QKEEP_E_NOMEM;
+    s->module = &a->modules[i];
+    s->sch = &scheme_mxfp4;
+    a->used[i] = true;
+  }
+  return 0;
+}
+
+static const struct fusion_rule default_rules[] = {
+    {"qkv_proj", {"q_proj", "k_proj", "v_proj"}, 3},
+    {"gate_up_proj", {"gate_proj", "up_proj"}, 2},
+};
+
+/* Fused linear layers where every member of a rule exists under one parent with one scheme. */
+static int plan_fusion(struct assembly *a) {
+  const struct fusion_rule *rules = a->model->fusion_set ? a->model->fusion : default_rules;
+  size_t n_rules = a->model->fusion_set ? a->model->n_fusion : sizeof default_rules / sizeof default_rules[0];
+  for (size_t i = 0; i < a->n_modules; i++) {
+    const char *member = last_component(a->modules[i].name);
+    if (a->used[i] || member == a->modules[i].name)
+      continue;
+    size_t parent_len = (size_t)(member - a->modules[i].name) - 1;
+    for (size_t r = 0; r < n_rules; r++) {
+      if (strcmp(member, rules[r].members[0]) != 0)
+        continue;
+      const struct module *mods[8];
+      const struct scheme *sch = NULL;
+      bool complete = true;
+      char name[600];
+      for (int m = 0; m < rules[r].n_members && complete; m++) {
+        snprintf(name, sizeof name, "%.*s.%s", (int)parent_len, a->modules[i].name, rules[r].members[m]);
+        mods[m] = find_module(a, name);
+        const struct scheme *ms = NULL;
+        int rc = mods[m] ? resolve_scheme(a, mods[m], mods[m]->name, &ms) : 0;
+        if (rc)
+          return rc;
+        complete = mods[m] && !a->used[mods[m] - a->modules] && ms && (m == 0 || ms == sch);
+        sch = ms;
+      }
+      if (!complete)
+        continue;
+      snprintf(name, sizeof name, "%.*s.%s", (int)parent_len, a->modules[i].name, rules[r].fused);
+      struct layer_spec *s = new_spec(a, SPEC_LINEAR, name);
+      if (!s || !(s->modules = calloc((size_t)rules[r].n_members, sizeof *s->modules)))
+        return set_error(QKEEP_E_NOMEM, "out of memory");
+      s->sch = sch;
+      s->shards = rules[r].n_members;
+      for (int m = 0; m < rules[r].n_members; m++) {
+        s->modules[m] = mods[m];
+        a->used[mods[m] - a->modules] = true;
+      }
+      break;
+    }
+  }
+  return 0;
+}
+
+/* Every module not taken yet: a linear of its scheme, or a plain layer. */
+static int plan_rest(struct assembly *a) {
+  for (size_t i = 0; i < a->n_modules; i++) {
+    if (a->used[i])
+      continue;
+    const struct scheme *sch;
+    int rc = resolve_scheme(a, &a->modules[i], a->modules[i].name, &sch);
+    if (rc)
+      return rc;
+    struct layer_spec *s = new_spec(a, sch ? SPEC_LINEAR : SPEC_PLAIN, a->modules[i].name);
+    if (!s)
+      return QKEEP_E_NOMEM;
+    s->sch = sch;
+    s->module = &a->modules[i];
+    s->shards = 1;
+    if (sch && !(s->modules = calloc(1, sizeof *s->modules)))
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    if (sch)
+      s->modules[0] = &a->modules[i];
+    a->used[i] = true;
+  }
+  return 0;
+}
+
+/* One kv-scales layer per attention block: blocks with q/k/v projections or scale tensors. */
+static int plan_kv(struct assembly *a) {
+  static const char *const attention_members[] = {"q_proj", "k_proj", "v_proj", "qkv_proj"};
+  char name[600];
+  for (size_t i = 0; i < a->n_modules + a->n_kv; i++) {
+    size_t plen;
+    const char *base;
+    if (i < a->n_modules) {
+      const char *last = last_component(a->modules[i].name);
+      bool member = false;
+      for (size_t m = 0; m < 4; m++)
+        member |= strcmp(last, attention_members[m]) == 0;
+      if (!member || last == a->modules[i].name)
+        continue;
+      base = a->modules[i].name;
+      plen = (size_t)(last - base) - 1;
+    } else {
+      base = a->kv[i - a->n_modules].name;
+      plen = a->kv[i - a->n_modules].prefix_len;
+    }
+    snprintf(name, sizeof name, "%.*s.attn", (int)plen, base);
+    bool seen = false;
+    for (size_t s = 0; s < a->n_specs && !seen; s++)
+      seen = a->specs[s].kind == SPEC_KV && strcmp(a->specs[s].name, name) == 0;
+    if (seen)
+      continue;
+    struct layer_spec *s = new_spec(a, SPEC_KV, name);
+    if (!s)
+      return QKEEP_E_NOMEM;
+    for (size_t k = 0; k < a->n_kv; k++)
+      if (a->kv[k].prefix_len == plen && strncmp(a->kv[k].name, base, plen) == 0) {
+        int idx = kv_index(a->kv[k].local);
+        if (s->kv[idx])
+          return set_error(QKEEP_E_FORMAT, "%s: attention block %.*s has two %s tensors ('%s', '%s')", a->ck->path,
+                           (int)plen, base, kv_names[idx], s->kv[idx]->t->name, a->kv[k].name);
+        s->kv[idx] = a->kv[k].t;
+      }
+  }
+  return 0;
+}
+
+/* A tied lm_head: the config says so, the checkpoint has no lm_head, and there is an embedding. */
+static int plan_tied(struct assembly *a) {
+  if (!a->ck->qc.tie_word_embeddings)
+    return 0;
+  const char *embedding = NULL;
+  for (size_t s = 0; s < a->n_specs; s++) {
+    if (strcmp(last_component(a->specs[s].name), "lm_head") == 0)
+      return 0;
+    if (a->specs[s].kind == SPEC_LINEAR && strcmp(last_component(a->specs[s].name), "embed_tokens") == 0)
+      embedding = a->specs[s].name;
+  }
+  if (!embedding)
+    return 0;
+  struct layer_spec *s = new_spec(a, SPEC_TIED, "lm_head");
+  if (!s)
+    return QKEEP_E_NOMEM;
+  s->module = NULL;
+  return (s->modules = calloc(1, sizeof *s->modules)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+}
+
+static int by_spec_name(const void *a, const void *b) {
+  return strcmp(((const struct layer_spec *)a)->name, ((const struct layer_spec *)b)->name);
+}
+
+static bool is_embedding(const char *name) {
+  const char *last = last_component(name);
+  return strstr(last, "embed") != NULL || strcmp(last, "wte") == 0;
+}
+
+/* Params of a plain layer: each tensor as it is. */
+static int create_plain(qkeep_layer *layer, const struct module *m) {
+  for (size_t i = 0; i < m->n; i++) {
+    const struct st_tensor *t = m->tensors[i]->t;
+    if (t->dtype < 0)
+      return set_error(QKEEP_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not supported by qkeep",
+                       m->tensors[i]->file->path, t->name, t->dtype_name);
+    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    qkeep_param *p;
+    int rc = qkeep_param_create(layer, m->local[i], &spec, &p);
+    if (!rc)
+      rc = layer_add_source(layer, t->name, p, 0, &spec);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+/* k_scale and v_scale (placeholders when absent), q_scale and prob_scale when present. */
+static int create_kv(qkeep_layer *layer, const struct layer_spec *s) {
+  for (int i = 0; i < 5; i++) {
+    const struct ckpt_tensor *t = s->kv[i] ? s->kv[i] : (i < 2 ? s->kv[2] : NULL);
+    if (i == 2 || (!t && i >= 2))
+      continue; /* a single kv_scale feeds both k_scale and v_scale */
+    struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_F32, .ndim = 0};
+    if (t) {
+      if (t->t->dtype != QKEEP_DTYPE_F32 || t->t->ndim > 1 || (t->t->ndim == 1 && t->t->shape[0] != 1))
+        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s, expected an F32 scalar kv-cache scale",
+                         t->file->path, t->t->name, t->t->dtype_name);
+      spec.ndim = t->t->ndim;
+      spec.shape[0] = 1;
+    }
+    qkeep_param *p;
+    int rc = qkeep_param_create(layer, kv_names[i], &spec, &p);
+    if (!rc && t)
+      rc = layer_add_source(layer, t->t->name, p, 0, &spec);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+static int create_tied(qkeep_layer *layer) {
+  qkeep_layer *embed = NULL;
+  for (size_t i = 0; i < layer->model->n_layers && !embed; i++)
+    if (strcmp(last_component(layer->model->layers[i]->name), "embed_tokens") == 0)
+      embed = layer->model->layers[i];
+  qkeep_param *w = embed ? qkeep_param_lookup(embed, "weight") : NULL;
+  if (!w)
+    return set_error(QKEEP_E_FORMAT, "tied lm_head: no embedding weight");
+  int rc = layer_register(layer, "weight", w, NULL);
+  if (rc)
+    return rc;
+  layer->dims = embed->dims;
+  layer->dims.name = layer->name;
+  layer->dims.scheme = layer->scheme;
+  layer->dims.kind = QKEEP_LAYER_LINEAR;
+  layer->dims.flags |= QKEEP_LAYER_F_TIED;
+  return 0;
+}
+
+static int create_layer(struct assembly *a, const struct layer_spec *s) {
+  static const enum qkeep_layer_kind kinds[] = {
+      [SPEC_LINEAR] = QKEEP_LAYER_LINEAR, [SPEC_MOE] = QKEEP_LAYER_MOE,       [SPEC_GPTOSS_MOE] = QKEEP_LAYER_MOE,
+      [SPEC_PLAIN] = QKEEP_LAYER_OTHER,   [SPEC_KV] = QKEEP_LAYER_KV_SCALES, [SPEC_TIED] = QKEEP_LAYER_LINEAR};
+  enum qkeep_layer_kind kind = kinds[s->kind];
+  if (s->kind == SPEC_LINEAR && s->sch == &scheme_unquantized && s->shards == 1 && is_embedding(s->name))
+    kind = QKEEP_LAYER_EMBEDDING;
+  const char *scheme = s->kind == SPEC_KV ? "kv-scales" : s->sch ? s->sch->name : "unquantized";
+  qkeep_layer *layer;
+  int rc = qkeep_layer_add(a->model, s->name, kind, scheme, &layer);
+  if (rc)
+    return rc;
+  layer->scheme_ops = s->kind == SPEC_KV ? &scheme_kv_scales : s->sch;
+  const struct quant_config *qc = &a->ck->qc;
+  switch (s->kind) {
+  case SPEC_LINEAR: rc = scheme_create(layer, s->sch, qc, "", s->modules, 0, s->shards); break;
+  case SPEC_MOE:
+    rc = scheme_create(layer, s->sch, qc, "w13_", s->modules, s->experts, 2);
+    if (!rc)
+      rc = scheme_create(layer, s->sch, qc, "w2_", s->modules + (size_t)s->experts * 2, s->experts, 1);
+    break;
+  case SPEC_GPTOSS_MOE: rc = mxfp4_create_gptoss_moe(layer, s->module); break;
+  case SPEC_PLAIN: rc = create_plain(layer, s->module); break;
+  case SPEC_KV: rc = create_kv(layer, s); break;
+  case SPEC_TIED: rc = create_tied(layer); break;
+  }
+  layer->dims.kind = kind;
+  if (rc)
+    return add_error_context(rc, "layer %s", s->name);
+  const struct qkeep_backend *be = model_backend(a->model);
+  if (be && be->supports && (kind == QKEEP_LAYER_LINEAR || kind == QKEEP_LAYER_MOE) &&
+      !be->supports(be, layer->scheme, kind))
+    return set_error(QKEEP_E_UNSUPPORTED, "%s: layer %s: backend %s does not run scheme %s for %s layers",
+                     a->ck->path, layer->name, be->name, layer->scheme, qkeep_layer_kind_name(kind));
+  return 0;
+}
+
+static void assembly_free(struct assembly *a) {
+  for (size_t i = 0; i < a->n_modules; i++) {
+    free(a->modules[i].name);
+    free(a->modules[i].tensors);
+    free(a->modules[i].local);
+  }
+  for (size_t i = 0; i < a->n_specs; i++) {
+    free(a->specs[i].name);
+    free(a->specs[i].modules);
+  }
+  free(a->modules);
+  free(a->specs);
+  free(a->entries);
+  free(a->kv);
+  free(a->used);
+}
+
+int assemble_model(qkeep_model *model, const struct ckpt *ck) {
+  struct assembly a = {.model = model, .ck = ck};
+  int rc = build_modules(&a);
+  if (!rc)
+    rc = plan_moe(&a);
+  if (!rc)
+    rc = plan_gptoss(&a);
+  if (!rc)
+    rc = plan_fusion(&a);
+  if (!rc)
+    rc = plan_rest(&a);
+  if (!rc)
+    rc = plan_kv(&a);
+  if (!rc)
+    rc = plan_tied(&a);
+  if (!rc) {
+    qsort(a.specs, a.n_specs, sizeof *a.specs, by_spec_name);
+    for (size_t i = 0; i + 1 < a.n_specs && !rc; i++)
+      if (strcmp(a.specs[i].name, a.specs[i + 1].name) == 0)
+        rc = set_error(QKEEP_E_FORMAT, "%s: two layers would be named %s (a fused name that also exists?)", ck->path,
+                       a.specs[i].name);
+  }
+  /* The tied lm_head sorts before model.*: create it after everything else. */
+  for (size_t i = 0; i < a.n_specs && !rc; i++)
+    if (a.specs[i].kind != SPEC_TIED)
+      rc = create_layer(&a, &a.specs[i]);
+  for (size_t i = 0; i < a.n_specs && !rc; i++)
+    if (a.specs[i].kind == SPEC_TIED)
+      rc = create_layer(&a, &a.specs[i]);
+  assembly_free(&a);
+  return rc;
+}

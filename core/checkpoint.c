@@ -1,0 +1,448 @@
+/*
+ * checkpoint.c: a checkpoint as one table of tensors, whatever files hold it
+ * (see checkpoint.h).
+ *
+ * A sharded directory is trusted only as far as its files agree: the index's
+ * weight_map and the shards' own headers must describe the same set of
+ * tensors, each in exactly one shard, before anything is loaded. The JSON
+ * files are read whole, with a size cap, since a config is small and an
+ * index large only in proportion to the tensor count.
+ */
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+
+#define INDEX_NAME "model.safetensors.index.json"
+#define SINGLE_NAME "model.safetensors"
+#define CONFIG_NAME "config.json"
+#define HF_QUANT_NAME "hf_quant_config.json"
+
+/* config.json and hf_quant_config.json are a few KiB; 16 MiB is far past any real one. */
+#define CONFIG_MAX_BYTES ((size_t)16 << 20)
+/* An index lists every tensor (about 100 bytes each): 64 MiB covers over half a million. */
+#define INDEX_MAX_BYTES ((size_t)64 << 20)
+
+/* ---- files --------------------------------------------------------------------------- */
+
+static char *join_path(const char *dir, const char *file) {
+  size_t n = strlen(dir) + strlen(file) + 2;
+  char *p = malloc(n);
+  if (p)
+    snprintf(p, n, "%s/%s", dir, file);
+  return p;
+}
+
+/* The directory part of a file path, without trailing slashes ("." when there is none). */
+static char *dir_of(const char *path) {
+  const char *slash = strrchr(path, '/');
+  if (!slash)
+    return xstrdup(".");
+  while (slash > path && slash[-1] == '/')
+    slash--;
+  size_t n = slash == path ? 1 : (size_t)(slash - path);
+  char *d = malloc(n + 1);
+  if (d) {
+    memcpy(d, path, n);
+    d[n] = '\0';
+  }
+  return d;
+}
+
+/* A copy of a directory path without its trailing slashes, so that joined names read cleanly. */
+static char *dir_clean(const char *path) {
+  size_t n = strlen(path);
+  while (n > 1 && path[n - 1] == '/')
+    n--;
+  char *d = malloc(n + 1);
+  if (d) {
+    memcpy(d, path, n);
+    d[n] = '\0';
+  }
+  return d;
+}
+
+/* 1 when path exists, 0 when it does not, or QKEEP_E_IO when stat fails otherwise. */
+static int exists(const char *path) {
+  struct stat st;
+  if (stat(path, &st) == 0)
+    return 1;
+  if (errno == ENOENT || errno == ENOTDIR)
+    return 0;
+  return set_error(QKEEP_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+}
+
+static int read_all(int fd, const char *path, char *buf, size_t n) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = read(fd, buf + done, n - done);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r < 0)
+      return set_error(QKEEP_E_IO, "%s: read failed: %s", path, strerror(errno));
+    if (r == 0)
+      return set_error(QKEEP_E_IO, "%s: file shrank while being read (%zu of %zu bytes)", path, done, n);
+    done += (size_t)r;
+  }
+  return 0;
+}
+
+/*
+ * Reads a whole text file into a malloc'd, NUL-terminated buffer (*out).
+ * A missing file gives *out NULL and 0 when `optional`, QKEEP_E_NOTFOUND
+ * otherwise. NUL bytes are refused: JSON text cannot hold them raw, and the
+ * parsers take C strings.
+ */
+static int read_text(const char *path, size_t max_bytes, bool optional, char **out) {
+  *out = NULL;
+  int fd;
+  do
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    if (errno == ENOENT && optional)
+      return 0;
+    if (errno == ENOENT)
+      return set_error(QKEEP_E_NOTFOUND, "%s: no such file", path);
+    return set_error(QKEEP_E_IO, "%s: cannot open: %s", path, strerror(errno));
+  }
+  struct stat st;
+  int rc = 0;
+  char *buf = NULL;
+  if (fstat(fd, &st) != 0)
+    rc = set_error(QKEEP_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+  else if (!S_ISREG(st.st_mode))
+    rc = set_error(QKEEP_E_IO, "%s: not a regular file", path);
+  else if ((uint64_t)st.st_size > max_bytes)
+    rc = set_error(QKEEP_E_FORMAT, "%s: %lld bytes, larger than the %zu MiB a JSON file may have", path,
+                   (long long)st.st_size, max_bytes >> 20);
+  else if (!(buf = malloc((size_t)st.st_size + 1)))
+    rc = set_error(QKEEP_E_NOMEM, "%s: out of memory for %lld bytes", path, (long long)st.st_size);
+  else
+    rc = read_all(fd, path, buf, (size_t)st.st_size);
+  close(fd);
+  if (rc == 0) {
+    buf[st.st_size] = '\0';
+    if (memchr(buf, '\0', (size_t)st.st_size))
+      rc = set_error(QKEEP_E_FORMAT, "%s: contains a NUL byte, not JSON text", path);
+  }
+  if (rc != 0) {
+    free(buf);
+    return rc;
+  }
+  *out = buf;
+  return 0;
+}
+
+/* ---- the tensor table -------------------------------------------------------------------- */
+
+static int by_tensor_name(const void *a, const void *b) {
+  return strcmp(((const struct ckpt_tensor *)a)->t->name, ((const struct ckpt_tensor *)b)->t->name);
+}
+
+static int name_vs_tensor(const void *key, const void *elem) {
+  return strcmp(key, ((const struct ckpt_tensor *)elem)->t->name);
+}
+
+static int by_string(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* Appends one opened shard to c->files; on failure closes it, so the caller never holds it alone. */
+static int add_file(struct ckpt *c, struct st_file *f, size_t *cap) {
+  int rc = grow_array((void **)&c->files, cap, c->n_files + 1, sizeof *c->files);
+  if (rc != 0) {
+    st_close(f);
+    return rc;
+  }
+  c->files[c->n_files++] = f;
+  return 0;
+}
+
+/* A checkpoint of one safetensors file: its table is already sorted by name. */
+static int open_single(struct ckpt *c, const char *path) {
+  struct st_file *f;
+  size_t cap = 0;
+  int rc = st_open(path, &f);
+  if (rc == 0)
+    rc = add_file(c, f, &cap);
+  if (rc != 0)
+    return rc;
+  if (f->n_tensors > 0 && !(c->tensors = calloc(f->n_tensors, sizeof *c->tensors)))
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory for %zu tensors", path, f->n_tensors);
+  for (size_t i = 0; i < f->n_tensors; i++)
+    c->tensors[i] = (struct ckpt_tensor){.t = &f->tensors[i], .file = f};
+  c->n_tensors = f->n_tensors;
+  return 0;
+}
+
+/* ---- the sharded index ------------------------------------------------------------------ */
+
+/* What an index says, borrowed from its JSON root. */
+struct index {
+  const char *path;
+  const json_t *weight_map;
+  const char **shards; /* distinct shard names, sorted (as c->files) */
+  size_t n_shards;
+};
+
+/* A shard name must be a plain file in the checkpoint's directory, nothing that escapes it. */
+static int check_shard_name(const struct index *ix, const char *tensor, const json_t *v) {
+  if (!json_is_string(v))
+    return set_error(QKEEP_E_FORMAT, "%s: weight_map entry for tensor '%s' is not a string", ix->path,
+                     tensor);
+  const char *shard = json_string_value(v);
+  if (!shard[0] || strchr(shard, '/') || strstr(shard, ".."))
+    return set_error(
+        QKEEP_E_FORMAT,
+        "%s: tensor '%s' names shard '%s'; a shard must be a file name in the checkpoint directory "
+        "(no '/' or '..')",
+        ix->path, tensor, shard);
+  return 0;
+}
+
+/* Parses the index and collects its distinct shard names; *root is the caller's to json_decref. */
+static int read_index(struct index *ix, json_t **root) {
+  char *text;
+  int rc = read_text(ix->path, INDEX_MAX_BYTES, false, &text);
+  if (rc != 0)
+    return rc;
+  json_error_t jerr;
+  /* Duplicate keys would let one tensor silently name two shards. */
+  *root = json_loads(text, JSON_REJECT_DUPLICATES, &jerr);
+  free(text);
+  if (!*root)
+    return set_error(QKEEP_E_FORMAT, "%s: invalid JSON at line %d, column %d: %s", ix->path, jerr.line,
+                     jerr.column, jerr.text);
+  if (!json_is_object(*root))
+    return set_error(QKEEP_E_FORMAT, "%s: the top level is not an object", ix->path);
+  const json_t *meta = json_object_get(*root, "metadata");
+  if (meta && !json_is_object(meta) && !json_is_null(meta))
+    return set_error(QKEEP_E_FORMAT, "%s: metadata is not an object", ix->path);
+  ix->weight_map = json_object_get(*root, "weight_map");
+  if (!ix->weight_map)
+    return set_error(QKEEP_E_FORMAT, "%s: no weight_map", ix->path);
+  if (!json_is_object(ix->weight_map))
+    return set_error(QKEEP_E_FORMAT, "%s: weight_map is not an object", ix->path);
+  size_t n = json_object_size(ix->weight_map);
+  if (n == 0)
+    return set_error(QKEEP_E_FORMAT, "%s: weight_map is empty", ix->path);
+
+  if (!(ix->shards = malloc(n * sizeof *ix->shards)))
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
+  const char *tensor;
+  json_t *v;
+  json_object_foreach((json_t *)ix->weight_map, tensor, v) {
+    if ((rc = check_shard_name(ix, tensor, v)) != 0)
+      return rc;
+    ix->shards[ix->n_shards++] = json_string_value(v);
+  }
+  qsort(ix->shards, ix->n_shards, sizeof *ix->shards, by_string);
+  size_t distinct = 0;
+  for (size_t i = 0; i < ix->n_shards; i++)
+    if (distinct == 0 || strcmp(ix->shards[distinct - 1], ix->shards[i]) != 0)
+      ix->shards[distinct++] = ix->shards[i];
+  ix->n_shards = distinct;
+  return 0;
+}
+
+static int open_shards(struct ckpt *c, const struct index *ix) {
+  size_t cap = 0;
+  for (size_t i = 0; i < ix->n_shards; i++) {
+    char *path = join_path(c->dir, ix->shards[i]);
+    if (!path)
+      return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
+    struct st_file *f;
+    int rc = st_open(path, &f);
+    free(path);
+    if (rc != 0)
+      return add_error_context(rc, "%s: shard '%s'", ix->path, ix->shards[i]);
+    if ((rc = add_file(c, f, &cap)) != 0)
+      return rc;
+  }
+  return 0;
+}
+
+/* The index of a shard name in ix->shards (and c->files). */
+static size_t shard_index(const struct index *ix, const char *shard) {
+  const char **hit = bsearch(&shard, ix->shards, ix->n_shards, sizeof *ix->shards, by_string);
+  assert(hit);
+  return (size_t)(hit - ix->shards);
+}
+
+/*
+ * The index and the shards must describe the same tensors: every mapped
+ * tensor in the shard the map names, and every shard tensor in the map under
+ * its own shard. Together these make the table a bijection with the map.
+ */
+static int build_table(struct ckpt *c, const struct index *ix) {
+  const char *tensor;
+  json_t *v;
+  json_object_foreach((json_t *)ix->weight_map, tensor, v) {
+    const char *shard = json_string_value(v);
+    if (!st_find(c->files[shard_index(ix, shard)], tensor))
+      return set_error(QKEEP_E_FORMAT,
+                       "%s: weight_map puts tensor '%s' in shard '%s', which does not contain it", ix->path,
+                       tensor, shard);
+  }
+  size_t total = json_object_size(ix->weight_map);
+  if (!(c->tensors = calloc(total, sizeof *c->tensors)))
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory for %zu tensors", ix->path, total);
+  for (size_t i = 0; i < c->n_files; i++) {
+    const struct st_file *f = c->files[i];
+    for (size_t j = 0; j < f->n_tensors; j++) {
+      const struct st_tensor *t = &f->tensors[j];
+      const json_t *mapped = json_object_get(ix->weight_map, t->name);
+      if (!mapped)
+        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' of shard '%s' is missing from the weight_map",
+                         ix->path, t->name, ix->shards[i]);
+      if (strcmp(json_string_value(mapped), ix->shards[i]) != 0)
+        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is in two shards, '%s' (as mapped) and '%s'",
+                         ix->path, t->name, json_string_value(mapped), ix->shards[i]);
+      assert(c->n_tensors < total);
+      c->tensors[c->n_tensors++] = (struct ckpt_tensor){.t = t, .file = f};
+    }
+  }
+  assert(c->n_tensors == total);
+  qsort(c->tensors, c->n_tensors, sizeof *c->tensors, by_tensor_name);
+  return 0;
+}
+
+static int open_index(struct ckpt *c, const char *index_path) {
+  struct index ix = {.path = index_path};
+  json_t *root = NULL;
+  int rc = read_index(&ix, &root);
+  if (rc == 0)
+    rc = open_shards(c, &ix);
+  if (rc == 0)
+    rc = build_table(c, &ix);
+  free(ix.shards);
+  json_decref(root);
+  return rc;
+}
+
+/* ---- directories ------------------------------------------------------------------------ */
+
+/* Reads config.json and hf_quant_config.json when present and parses the quantization they declare. */
+static int read_configs(struct ckpt *c) {
+  char *cfg_path = join_path(c->dir, CONFIG_NAME), *hf_path = join_path(c->dir, HF_QUANT_NAME);
+  char *cfg = NULL, *hf = NULL;
+  int rc = 0;
+  if (!cfg_path || !hf_path)
+    rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+  if (rc == 0)
+    rc = read_text(cfg_path, CONFIG_MAX_BYTES, true, &cfg);
+  if (rc == 0)
+    rc = read_text(hf_path, CONFIG_MAX_BYTES, true, &hf);
+  if (rc == 0)
+    rc = quant_config_parse(cfg, hf, c->dir, &c->qc);
+  free(cfg);
+  free(hf);
+  free(cfg_path);
+  free(hf_path);
+  return rc;
+}
+
+/* Opens the index when there is one, else model.safetensors. */
+static int open_weights(struct ckpt *c, const char *index, const char *single) {
+  int rc = exists(index);
+  if (rc != 0)
+    return rc < 0 ? rc : open_index(c, index);
+  if ((rc = exists(single)) != 0)
+    return rc < 0 ? rc : open_single(c, single);
+  return set_error(QKEEP_E_NOTFOUND, "%s: no %s or %s in the directory", c->dir, INDEX_NAME, SINGLE_NAME);
+}
+
+/* The configs first (cheap, and a bad one should not cost opening every shard), then the weights. */
+static int open_dir(struct ckpt *c) {
+  if (!(c->dir = dir_clean(c->path)))
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", c->path);
+  int rc = read_configs(c);
+  if (rc != 0)
+    return rc;
+  char *index = join_path(c->dir, INDEX_NAME), *single = join_path(c->dir, SINGLE_NAME);
+  if (!index || !single)
+    rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+  else
+    rc = open_weights(c, index, single);
+  free(index);
+  free(single);
+  return rc;
+}
+
+/* ---- public ------------------------------------------------------------------------------ */
+
+/*
+ * Opens a checkpoint (see checkpoint.h). On failure *out is NULL, nothing is
+ * left open, and the message names the file and tensor: QKEEP_E_NOTFOUND (a
+ * path or shard that does not exist, a directory without weights),
+ * QKEEP_E_FORMAT (a malformed or inconsistent file), QKEEP_E_UNSUPPORTED (a
+ * quantization qkeep cannot load), QKEEP_E_IO, QKEEP_E_NOMEM.
+ */
+int ckpt_open(const char *path, struct ckpt **out) {
+  assert(out);
+  *out = NULL;
+  if (!path)
+    return set_error(QKEEP_E_INVAL, "ckpt_open: no path given");
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR)
+      return set_error(QKEEP_E_NOTFOUND, "%s: no such file or directory", path);
+    return set_error(QKEEP_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+  }
+  struct ckpt *c = calloc(1, sizeof *c);
+  if (!c)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
+  c->qc = (struct quant_config){.method = QM_NONE, .scheme = "unquantized"};
+  int rc = 0;
+  if (!(c->path = xstrdup(path)))
+    rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
+  else if (S_ISDIR(st.st_mode))
+    rc = open_dir(c);
+  else if (!S_ISREG(st.st_mode))
+    rc = set_error(QKEEP_E_IO, "%s: neither a regular file nor a directory", path);
+  else if (!(c->dir = dir_of(path)))
+    rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
+  else
+    rc = open_single(c, path);
+  if (rc != 0) {
+    ckpt_close(c);
+    return rc;
+  }
+  *out = c;
+  return 0;
+}
+
+/* Closes every shard and frees the checkpoint; NULL is a no-op. */
+void ckpt_close(struct ckpt *c) {
+  if (!c)
+    return;
+  for (size_t i = 0; i < c->n_files; i++)
+    st_close(c->files[i]);
+  free(c->files);
+  free(c->tensors);
+  quant_config_free(&c->qc);
+  free(c->path);
+  free(c->dir);
+  free(c);
+}
+
+/* The tensor of that full name, or NULL; a binary search of the sorted table. */
+const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name) {
+  if (!c || !name || c->n_tensors == 0)
+    return NULL;
+  return bsearch(name, c->tensors, c->n_tensors, sizeof *c->tensors, name_vs_tensor);
+}
+
+/* Reads one tensor's bytes with pread; QKEEP_E_IO names the shard and tensor when the file changed. */
+int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst) {
+  assert(c && t);
+  (void)c;
+  return st_read(t->file, t->t, dst);
+}

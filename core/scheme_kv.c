@@ -1,0 +1,32 @@
+/*
+ * scheme_kv.c: kv-cache scales. Every attention block has k_scale and
+ * v_scale (f32 scalars); a checkpoint without them gets placeholders, which
+ * normalisation sets as vLLM does: 1.0 when neither was loaded, the loaded
+ * one's value for the other when only one was. Loaded bytes are never changed.
+ */
+#include "scheme.h"
+
+static int read_scalar(qkeep_layer *layer, const char *name, float *out) {
+  qkeep_param *p = qkeep_param_lookup(layer, name);
+  return dev_d2h(&layer->model->dev, out, tensor_ptr(&p->view), sizeof *out);
+}
+
+static int kv_normalize(qkeep_layer *layer) {
+  bool k = param_was_loaded(layer, "k_scale"), v = param_was_loaded(layer, "v_scale");
+  float value = 1.0f;
+  int rc = 0;
+  if (k && v)
+    return 0;
+  if (k || v)
+    rc = read_scalar(layer, k ? "k_scale" : "v_scale", &value);
+  if (!rc && !k)
+    rc = fill_f32(layer, "k_scale", value);
+  if (!rc && !v)
+    rc = fill_f32(layer, "v_scale", value);
+  return rc;
+}
+
+const struct scheme scheme_kv_scales = {
+    .name = "kv-scales",
+    .normalize = kv_normalize,
+};
