@@ -48,7 +48,7 @@ struct ckpt_tensor {
 struct ckpt {
   char *path;              /* as given */
   char *dir;               /* the directory (the file's directory for a single file) */
-  struct st_file **files;  /* shards, in index order (or the one file) */
+  struct st_file **files;  /* shards, sorted by shard name (or the one file) */
   size_t n_files;
   struct ckpt_tensor *tensors; /* every tensor once, sorted by name */
   size_t n_tensors;
@@ -72,14 +72,17 @@ const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name);
 /* Reads a tensor's bytes (t->nbytes of them) into dst. */
 int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
 
-/* Parses a quantization config: config.json's object (may be NULL) and hf_quant_config.json's
- * (may be NULL), each as JSON text; `where` names the files for errors. */
+/* Parses a quantization config: config.json's text (may be NULL) and hf_quant_config.json's
+ * (may be NULL). `where` is the directory holding both, so errors read WHERE/config.json
+ * (NULL or "": bare file names). */
 int quant_config_parse(const char *config_json, const char *hf_quant_json, const char *where,
                        struct quant_config *out);
 void quant_config_free(struct quant_config *qc);
 /* True when the module (a layer name such as "model.layers.0.mlp.down_proj" or "lm_head")
- * is in the ignore list: exact, a "re:" regex matched in full (POSIX extended), or a
- * suffix match on a dot boundary ("lm_head" ignores "model.lm_head"). */
+ * is in the ignore list: an entry matches at dot boundaries the module, a suffix of it
+ * ("lm_head" ignores "model.lm_head"), a parent ("model.layers.0.mlp" ignores its
+ * down_proj) or a parent's suffix; "re:REGEX" (POSIX extended) matches the whole name or a
+ * parent's; an entry with *, ? or [ is a glob (fnmatch). */
 bool quant_config_ignores(const struct quant_config *qc, const char *module);
 
 #endif

@@ -12,7 +12,11 @@
 #define QKEEP_FORMATS_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "numeric.h"
 
 static const float qk_e2m1_table[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -41,5 +45,29 @@ static inline float qk_e4m3_decode(uint8_t b) {
 
 /* The value of an e8m0 scale byte. */
 static inline float qk_e8m0_decode(uint8_t b) { return b == 0xff ? NAN : ldexpf(1.0f, (int)b - 127); }
+
+/* The value of an element of a float tensor of the given dtype (F32, F16, BF16). */
+static inline float qk_load_float(const void *data, int dtype, size_t i) {
+  if (dtype == 0)
+    return ((const float *)data)[i];
+  uint16_t h;
+  memcpy(&h, (const char *)data + 2 * i, 2);
+  return dtype == 1 ? qk_f16_to_f32(h) : qk_bf16_to_f32(h);
+}
+
+/* Nibble `j` (0..7) of a packed int4 word. */
+static inline int qk_nibble(int32_t word, int j) { return (int)(((uint32_t)word >> (4 * j)) & 0xf); }
+
+/* AWQ packs columns {0, 2, 4, 6, 1, 3, 5, 7} into nibbles 0..7: column c is in nibble awq_nibble[c]. */
+static const int qk_awq_nibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+/*
+ * Zero point of GPTQ column n in group `group` from qzeros [groups, N/8]:
+ * v1 checkpoints store zero - 1 and readers add 1 back without masking (as
+ * AutoGPTQ and the GPU kernels do); v2 store the zero itself.
+ */
+static inline int qk_gptq_zero(const int32_t *qzeros, int64_t n_cols, int64_t group, int64_t n, int v2) {
+  return qk_nibble(qzeros[group * (n_cols / 8) + n / 8], (int)(n % 8)) + (v2 ? 0 : 1);
+}
 
 #endif

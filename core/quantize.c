@@ -25,7 +25,7 @@
 #define E4M3_MAX 448.0f
 /* 6 * 448: the amax that maps to the largest e2m1 value under the largest e4m3 scale. */
 #define NVFP4_RANGE 2688.0f
-#define E4M3_ONE 0x38   /* 1.0: ModelOpt's scale for an all-zero block */
+#define E4M3_ONE 0x38    /* 1.0: ModelOpt's scale for an all-zero block */
 #define E4M3_EIGHTH 0x20 /* 0.125, torch.finfo(float8_e4m3fn).eps: compressed-tensors' zero-scale fill */
 
 /* ---- scalar encoders -------------------------------------------------------------- */
@@ -146,7 +146,8 @@ static int check_matrix(const char *format, const float *w, int64_t n, int64_t k
     return set_error(QKEEP_E_INVAL, "%s: k = %lld is not a multiple of %lld", format, (long long)k,
                      (long long)multiple);
   if (n > 0 && k > INT64_MAX / n)
-    return set_error(QKEEP_E_INVAL, "%s: shape [%lld, %lld] is too large", format, (long long)n, (long long)k);
+    return set_error(QKEEP_E_INVAL, "%s: shape [%lld, %lld] is too large", format, (long long)n,
+                     (long long)k);
   if (n * k > 0 && !w)
     return set_error(QKEEP_E_INVAL, "%s: no input", format);
   return check_finite(w, n, k);
@@ -228,7 +229,8 @@ int quant_nvfp4(const float *w, int64_t n, int64_t k, bool ct, uint8_t *packed, 
    * blocks (and ct's 2688/amax overflow for smaller amax): refuse rather than
    * write codes divided by zero. */
   if (amax < NVFP4_RANGE * FLT_MIN)
-    return set_error(QKEEP_E_INVAL, "NVFP4: amax %g is below 2688 * FLT_MIN; the global scale would be subnormal",
+    return set_error(QKEEP_E_INVAL,
+                     "NVFP4: amax %g is below 2688 * FLT_MIN; the global scale would be subnormal",
                      (double)amax);
   /* True IEEE divisions, in ModelOpt's order (§9): torch on CUDA would multiply by
    * a reciprocal. ct stores its own quotient, not 1 / weight_scale_2. */
@@ -241,8 +243,8 @@ int quant_nvfp4(const float *w, int64_t n, int64_t k, bool ct, uint8_t *packed, 
   return 0;
 }
 
-void dequant_nvfp4(const uint8_t *packed, const uint8_t *block_scale, float decode_global, int64_t n, int64_t k,
-                   float *w) {
+void dequant_nvfp4(const uint8_t *packed, const uint8_t *block_scale, float decode_global, int64_t n,
+                   int64_t k, float *w) {
   assert(n >= 0 && k >= 0 && k % NVFP4_BLOCK == 0);
   int64_t blocks = k / NVFP4_BLOCK;
   for (int64_t r = 0; r < n; r++) {
@@ -285,7 +287,8 @@ void dequant_mxfp4(const uint8_t *packed, const uint8_t *scales, int64_t n, int6
   for (int64_t r = 0; r < n; r++) {
     const uint8_t *row = packed + r * (k / 2);
     for (int64_t j = 0; j < k; j++)
-      w[r * k + j] = qk_e2m1_decode(qk_fp4_code(row, j)) * qk_e8m0_decode(scales[r * blocks + j / MXFP4_BLOCK]);
+      w[r * k + j] =
+          qk_e2m1_decode(qk_fp4_code(row, j)) * qk_e8m0_decode(scales[r * blocks + j / MXFP4_BLOCK]);
   }
 }
 
@@ -303,8 +306,8 @@ int quant_int8_channel(const float *w, int64_t n, int64_t k, int8_t *q, float *s
     /* vLLM's amax / 127 (not llm-compressor's 127.5), §9. */
     float scale = amax == 0.0f ? 1.0f : amax / 127.0f;
     if (scale == 0.0f)
-      return set_error(QKEEP_E_INVAL, "int8: row %lld: amax %g is too small for a float32 scale", (long long)r,
-                       (double)amax);
+      return set_error(QKEEP_E_INVAL, "int8: row %lld: amax %g is too small for a float32 scale",
+                       (long long)r, (double)amax);
     scales[r] = scale;
     for (int64_t j = 0; j < k; j++)
       q[r * k + j] = (int8_t)fminf(fmaxf(round_half_even(x[j] / scale), -127.0f), 127.0f);
@@ -377,19 +380,20 @@ static void set_group(uint16_t *scales, int32_t *qzeros, int64_t n, int64_t grou
 
 static int gptq_check(int64_t n, int64_t k, int64_t g) {
   if (n < 0 || k < 0 || g <= 0)
-    return set_error(QKEEP_E_INVAL, "GPTQ: bad shape [%lld, %lld] or group size %lld", (long long)n, (long long)k,
-                     (long long)g);
+    return set_error(QKEEP_E_INVAL, "GPTQ: bad shape [%lld, %lld] or group size %lld", (long long)n,
+                     (long long)k, (long long)g);
   if (k % 8 != 0 || n % 8 != 0 || k % g != 0)
-    return set_error(QKEEP_E_INVAL,
-                     "GPTQ: shape [%lld, %lld], group size %lld: n and k must be multiples of 8, k of the group size",
-                     (long long)n, (long long)k, (long long)g);
+    return set_error(
+        QKEEP_E_INVAL,
+        "GPTQ: shape [%lld, %lld], group size %lld: n and k must be multiples of 8, k of the group size",
+        (long long)n, (long long)k, (long long)g);
   if (k > INT32_MAX || (n > 0 && k > INT64_MAX / n))
     return set_error(QKEEP_E_INVAL, "GPTQ: shape [%lld, %lld] is too large", (long long)n, (long long)k);
   return 0;
 }
 
-int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *qweight, uint16_t *scales,
-                    int32_t *qzeros, int32_t *g_idx) {
+int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *qweight,
+                    uint16_t *scales, int32_t *qzeros, int32_t *g_idx) {
   int rc = gptq_check(n, k, g);
   if (!rc)
     rc = check_matrix("GPTQ", w, n, k, 1);
@@ -405,8 +409,8 @@ int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, i
       int zero;
       gptq_params(w + col * k + gi * g, g, sym, &scale, &zero);
       if (isinf(qk_f16_to_f32(qk_f32_to_f16(scale))))
-        return set_error(QKEEP_E_INVAL, "GPTQ: row %lld, group %lld: scale %g overflows float16", (long long)col,
-                         (long long)gi, (double)scale);
+        return set_error(QKEEP_E_INVAL, "GPTQ: row %lld, group %lld: scale %g overflows float16",
+                         (long long)col, (long long)gi, (double)scale);
     }
   if (n * k > 0)
     memset(qzeros, 0, (size_t)(groups * (n / 8)) * sizeof *qzeros);
@@ -436,8 +440,8 @@ int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, i
   return 0;
 }
 
-void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int32_t *qzeros, const int32_t *g_idx,
-                       int64_t n, int64_t k, int64_t g, bool v2_zeros, float *w) {
+void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int32_t *qzeros,
+                       const int32_t *g_idx, int64_t n, int64_t k, int64_t g, bool v2_zeros, float *w) {
   assert(n >= 0 && k >= 0 && g > 0 && k % 8 == 0 && n % 8 == 0 && k % g == 0);
   int64_t groups = k / g;
   for (int64_t kk = 0; kk < k; kk++) {

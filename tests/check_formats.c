@@ -111,16 +111,16 @@ END_TEST
 START_TEST(test_e4m3_points) {
   /* byte = s eeee mmm, bias 7; subnormal value m * 2^-9. */
   ck_assert_uint_eq(qk_e4m3_encode(0.0f), 0x00);
-  ck_assert_uint_eq(qk_e4m3_encode(0x1p-9f), 0x01);        /* smallest subnormal */
-  ck_assert_uint_eq(qk_e4m3_encode(7 * 0x1p-9f), 0x07);    /* largest subnormal */
-  ck_assert_uint_eq(qk_e4m3_encode(0x1p-6f), 0x08);        /* smallest normal: e = 1, m = 0 */
-  ck_assert_uint_eq(qk_e4m3_encode(1.0f), 0x38);           /* e = 7 */
+  ck_assert_uint_eq(qk_e4m3_encode(0x1p-9f), 0x01);     /* smallest subnormal */
+  ck_assert_uint_eq(qk_e4m3_encode(7 * 0x1p-9f), 0x07); /* largest subnormal */
+  ck_assert_uint_eq(qk_e4m3_encode(0x1p-6f), 0x08);     /* smallest normal: e = 1, m = 0 */
+  ck_assert_uint_eq(qk_e4m3_encode(1.0f), 0x38);        /* e = 7 */
   ck_assert_uint_eq(qk_e4m3_encode(-1.0f), 0xb8);
-  ck_assert_uint_eq(qk_e4m3_encode(0.125f), 0x20);         /* e = 4 */
-  ck_assert_uint_eq(qk_e4m3_encode(1.75f * 64.0f), 0x6e);  /* 112: e = 13, m = 6 */
-  ck_assert_uint_eq(qk_e4m3_encode(448.0f), 0x7e);         /* 1.75 * 2^8: e = 15, m = 6 */
+  ck_assert_uint_eq(qk_e4m3_encode(0.125f), 0x20);        /* e = 4 */
+  ck_assert_uint_eq(qk_e4m3_encode(1.75f * 64.0f), 0x6e); /* 112: e = 13, m = 6 */
+  ck_assert_uint_eq(qk_e4m3_encode(448.0f), 0x7e);        /* 1.75 * 2^8: e = 15, m = 6 */
   ck_assert_uint_eq(qk_e4m3_encode(-448.0f), 0xfe);
-  ck_assert_uint_eq(qk_e4m3_encode(464.0f), 0x7e);  /* a cast would give NaN from here; §9 saturates */
+  ck_assert_uint_eq(qk_e4m3_encode(464.0f), 0x7e); /* a cast would give NaN from here; §9 saturates */
   ck_assert_uint_eq(qk_e4m3_encode(500.0f), 0x7e);
   ck_assert_uint_eq(qk_e4m3_encode(-1e30f), 0xfe);
   ck_assert_uint_eq(qk_e4m3_encode(FLT_MAX), 0x7e);
@@ -142,15 +142,15 @@ START_TEST(test_e4m3_ties_to_even) {
     float x;
     uint8_t below, at, above;
   } ties[] = {
-      {0x1p-10f, 0x00, 0x00, 0x01},       /* 0 | 2^-9 */
-      {3 * 0x1p-10f, 0x01, 0x02, 0x02},   /* 2^-9 | 2^-8 */
-      {15 * 0x1p-10f, 0x07, 0x08, 0x08},  /* largest subnormal | smallest normal */
-      {1.0625f, 0x38, 0x38, 0x39},        /* 1 | 1.125 */
-      {1.1875f, 0x39, 0x3a, 0x3a},        /* 1.125 | 1.25 */
-      {1.9375f, 0x3f, 0x40, 0x40},        /* 1.875 | 2: carries into the exponent */
-      {232.0f, 0x76, 0x76, 0x77},         /* 224 | 240 */
-      {248.0f, 0x77, 0x78, 0x78},         /* 240 | 256 */
-      {432.0f, 0x7d, 0x7e, 0x7e},         /* 416 | 448 */
+      {0x1p-10f, 0x00, 0x00, 0x01},      /* 0 | 2^-9 */
+      {3 * 0x1p-10f, 0x01, 0x02, 0x02},  /* 2^-9 | 2^-8 */
+      {15 * 0x1p-10f, 0x07, 0x08, 0x08}, /* largest subnormal | smallest normal */
+      {1.0625f, 0x38, 0x38, 0x39},       /* 1 | 1.125 */
+      {1.1875f, 0x39, 0x3a, 0x3a},       /* 1.125 | 1.25 */
+      {1.9375f, 0x3f, 0x40, 0x40},       /* 1.875 | 2: carries into the exponent */
+      {232.0f, 0x76, 0x76, 0x77},        /* 224 | 240 */
+      {248.0f, 0x77, 0x78, 0x78},        /* 240 | 256 */
+      {432.0f, 0x7d, 0x7e, 0x7e},        /* 416 | 448 */
   };
   for (size_t i = 0; i < sizeof ties / sizeof ties[0]; i++) {
     float x = ties[i].x;
@@ -174,7 +174,8 @@ START_TEST(test_e4m3_round_trip) {
       continue;
     }
     finite++;
-    ck_assert_msg(qk_e4m3_encode(v) == b, "byte 0x%02x (%g) encodes to 0x%02x", b, (double)v, qk_e4m3_encode(v));
+    ck_assert_msg(qk_e4m3_encode(v) == b, "byte 0x%02x (%g) encodes to 0x%02x", b, (double)v,
+                  qk_e4m3_encode(v));
   }
   ck_assert_int_eq(finite, 254);
 }
@@ -227,15 +228,15 @@ END_TEST
  *            (e = 4 + 7 = 11, m = 0); x = W / 16. */
 static const float hand_w[32] = {
     /* block 0, W = 448 x: x = */
-    0.0f, 224.0f, -448.0f, 672.0f,         /* 0, .5, -1, 1.5 */
-    896.0f, 1344.0f, 1792.0f, 2688.0f,     /* 2, 3, 4, 6 */
-    -134.4f, 89.6f, 1120.0f, 1568.0f,      /* -.3, .2, 2.5 (tie down), 3.5 (tie up) */
-    2284.8f, -336.0f, 784.0f, -2688.0f,    /* 5.1, -.75 (tie up), 1.75 (tie up), -6 */
+    0.0f, 224.0f, -448.0f, 672.0f,      /* 0, .5, -1, 1.5 */
+    896.0f, 1344.0f, 1792.0f, 2688.0f,  /* 2, 3, 4, 6 */
+    -134.4f, 89.6f, 1120.0f, 1568.0f,   /* -.3, .2, 2.5 (tie down), 3.5 (tie up) */
+    2284.8f, -336.0f, 784.0f, -2688.0f, /* 5.1, -.75 (tie up), 1.75 (tie up), -6 */
     /* block 1, x = W / 16 */
-    100.0f, -100.0f, 40.0f, 56.0f,         /* 6.25 (sat), -6.25, 2.5, 3.5 */
-    8.0f, 4.0f, -4.0f, 24.0f,              /* .5, .25 (tie down to 0), -.25 (-> 0x8), 1.5 */
-    28.0f, 20.0f, 12.0f, 80.0f,            /* 1.75, 1.25, .75, 5 (tie down) */
-    81.0f, 0.0f, -0.0f, 64.0f,             /* 5.06, 0, -0 (-> 0x0), 4 */
+    100.0f, -100.0f, 40.0f, 56.0f, /* 6.25 (sat), -6.25, 2.5, 3.5 */
+    8.0f, 4.0f, -4.0f, 24.0f,      /* .5, .25 (tie down to 0), -.25 (-> 0x8), 1.5 */
+    28.0f, 20.0f, 12.0f, 80.0f,    /* 1.75, 1.25, .75, 5 (tie down) */
+    81.0f, 0.0f, -0.0f, 64.0f,     /* 5.06, 0, -0 (-> 0x0), 4 */
 };
 /* codes: block 0: 0 1 A 3 | 4 5 6 7 | 9 0 4 6 | 7 A 4 F
  *        block 1: 7 F 4 6 | 1 0 8 3 | 4 2 2 6 | 7 0 0 6 */
@@ -275,10 +276,14 @@ START_TEST(test_nvfp4_hand_global) {
    * Every x is at least 0.01 from a rounding boundary. ct: global = 2688, s_b =
    * 1/6 * 2688 = 448 and 0.25/6 * 2688 = 112, f32(sc) / 2688 the same divisors. */
   static const float w[32] = {
-      1.0f, -1.0f, 0.5f, 0.3f, 0.1f, 0.02f, -0.02f, 0.7f,    /* x 6, -6, 3, 1.8, .6, .12, -.12, 4.2 */
-      0.8f, 0.9f, 0.2f, 0.22f, 0.45f, 0.38f, -0.55f, 0.05f,  /* 4.8, 5.4, 1.2, 1.32, 2.7, 2.28, -3.3, .3 */
-      0.25f, 0.1f, 0.05f, 0.01f, -0.125f, 0.17f, 0.21f, 0.0f, /* 6, 2.4, 1.2, .24, -3, 4.08, 5.04, 0 */
-      -0.25f, 0.03f, 0.07f, 0.12f, 0.02f, -0.04f, 0.09f, 0.15f, /* -6, .72, 1.68, 2.88, .48, -.96, 2.16, 3.6 */
+      1.0f,    -1.0f,  0.5f,   0.3f,
+      0.1f,    0.02f,  -0.02f, 0.7f, /* x 6, -6, 3, 1.8, .6, .12, -.12, 4.2 */
+      0.8f,    0.9f,   0.2f,   0.22f,
+      0.45f,   0.38f,  -0.55f, 0.05f, /* 4.8, 5.4, 1.2, 1.32, 2.7, 2.28, -3.3, .3 */
+      0.25f,   0.1f,   0.05f,  0.01f,
+      -0.125f, 0.17f,  0.21f,  0.0f, /* 6, 2.4, 1.2, .24, -3, 4.08, 5.04, 0 */
+      -0.25f,  0.03f,  0.07f,  0.12f,
+      0.02f,   -0.04f, 0.09f,  0.15f, /* -6, .72, 1.68, 2.88, .48, -.96, 2.16, 3.6 */
   };
   /* codes: 7 F 5 4 1 0 8 6 | 6 7 2 3 5 4 D 1 | 7 4 2 0 D 6 7 0 | F 1 3 5 1 A 4 6 */
   static const uint8_t expect[16] = {0xf7, 0x45, 0x01, 0x68, 0x76, 0x32, 0x45, 0x1d,
@@ -331,6 +336,33 @@ START_TEST(test_nvfp4_division_order) {
   ck_assert_float_ne(2688.0f / w[0], 1.0f / (w[0] / 2688.0f));
   ck_assert_int_eq(quant_nvfp4(w, 1, 16, true, packed, &scale, &global), 0);
   ck_assert_float_eq(global, 2688.0f / w[0]);
+  /* weight_scale_2 is amax / 2688, not amax * (1 / 2688). */
+  w[0] = 0x1.000002p+0f;
+  ck_assert_float_ne(w[0] / 2688.0f, w[0] * (1.0f / 2688.0f));
+  ck_assert_int_eq(quant_nvfp4(w, 1, 16, false, packed, &scale, &global), 0);
+  ck_assert_float_eq(global, w[0] / 2688.0f);
+}
+END_TEST
+
+START_TEST(test_nvfp4_scale_order) {
+  /* The block scale's own rounding order, pinned by amax_b values whose quotient lands
+   * next to an e4m3 tie (found by search). amax 1 in block 0, so ws2 = 1/2688 and
+   * ct's global = 2688. ModelOpt: amax_b / (6 * ws2), 6 * ws2 rounded first. */
+  float w[32] = {0};
+  uint8_t packed[16], scales[2];
+  float global, ws2 = 1.0f / 2688.0f;
+  w[0] = 1.0f;
+  w[16] = 0x1.800002p-6f;
+  uint8_t expect = qk_e4m3_encode(w[16] / (6.0f * ws2));
+  ck_assert_uint_ne(expect, qk_e4m3_encode(w[16] / 6.0f / ws2));
+  ck_assert_int_eq(quant_nvfp4(w, 1, 32, false, packed, scales, &global), 0);
+  ck_assert_uint_eq(scales[1], expect);
+  /* ct: amax_b / 6 * global (calculate_qparams), not amax_b * global / 6. */
+  w[16] = 0x1.1b6db6p-5f;
+  expect = qk_e4m3_encode(w[16] / 6.0f * 2688.0f);
+  ck_assert_uint_ne(expect, qk_e4m3_encode(w[16] * 2688.0f / 6.0f));
+  ck_assert_int_eq(quant_nvfp4(w, 1, 32, true, packed, scales, &global), 0);
+  ck_assert_uint_eq(scales[1], expect);
 }
 END_TEST
 
@@ -421,8 +453,8 @@ END_TEST
 
 /* Uniform random weights in [-1, 1) scaled by 2^tensor_exp, each row by a further
  * 2^-(0..row_spread) and each block of `block` by 2^-(0..block_spread). */
-static float *random_weights(int64_t n, int64_t k, int64_t block, int tensor_exp, int row_spread, int block_spread,
-                             uint64_t seed) {
+static float *random_weights(int64_t n, int64_t k, int64_t block, int tensor_exp, int row_spread,
+                             int block_spread, uint64_t seed) {
   float *w = xcalloc((size_t)(n * k), sizeof *w);
   uint64_t st = seed;
   for (int64_t r = 0; r < n; r++) {
@@ -462,8 +494,8 @@ static void check_nvfp4(const float *w, int64_t n, int64_t k, bool ct) {
       ck_assert(s_b >= 0x1p-6f); /* the data keeps scales normal */
       int e;
       frexpf(fminf(s_b, 448.0f), &e);
-      ck_assert_msg(fabsf(sc - fminf(s_b, 448.0f)) <= ldexpf(1.0f, e - 1 - 4), "scale %g for s_b %g", (double)sc,
-                    (double)s_b);
+      ck_assert_msg(fabsf(sc - fminf(s_b, 448.0f)) <= ldexpf(1.0f, e - 1 - 4), "scale %g for s_b %g",
+                    (double)sc, (double)s_b);
       float divisor = ct ? sc / global : sc * ws2;
       for (int j = 0; j < 16; j++) {
         int64_t i = r * k + b * 16 + j;
@@ -471,7 +503,8 @@ static void check_nvfp4(const float *w, int64_t n, int64_t k, bool ct) {
         float err = fabsf(w[i] - back[i]);
         float bound = e2m1_half_gap[code & 7] * divisor * (1.0f + 1e-5f);
         ck_assert_msg(err <= bound, "row %lld col %lld: w %g dq %g code %x err %g bound %g", (long long)r,
-                      (long long)(b * 16 + j), (double)w[i], (double)back[i], code, (double)err, (double)bound);
+                      (long long)(b * 16 + j), (double)w[i], (double)back[i], code, (double)err,
+                      (double)bound);
         ck_assert(fabsf(w[i]) / divisor <= 6.4f * (1.0f + 1e-6f));
         if (back[i] != 0.0f)
           ck_assert_int_eq(signbit(back[i]) != 0, signbit(w[i]) != 0);
@@ -516,11 +549,11 @@ START_TEST(test_mxfp4_hand) {
    *          to 6 (the recipe's known weakness). Block 1: all zero -> byte 0, codes 0.
    * Block 2: amax 0.3 -> floor(log2) -2 -> shared -4 -> byte 123, X = 1/16. */
   float w[96] = {0};
-  w[0] = 7.5f;  /* 7 */
-  w[1] = 2.5f;  /* tie -> 2: 4 */
-  w[2] = -0.25f; /* tie -> 0, negative: 8 */
-  w[3] = 0.75f; /* tie -> 1: 2 */
-  w[4] = -3.5f; /* tie -> 4: E */
+  w[0] = 7.5f;      /* 7 */
+  w[1] = 2.5f;      /* tie -> 2: 4 */
+  w[2] = -0.25f;    /* tie -> 0, negative: 8 */
+  w[3] = 0.75f;     /* tie -> 1: 2 */
+  w[4] = -3.5f;     /* tie -> 4: E */
   w[64] = 0.3f;     /* 4.8 -> 4: 6 */
   w[65] = -0.1f;    /* -1.6 -> -1.5: B */
   w[66] = 0.15625f; /* 2.5 -> 2: 4 */
@@ -583,8 +616,7 @@ END_TEST
 
 START_TEST(test_int8_channel) {
   /* Row 0: amax 127 -> scale 1 exactly; ties go to even. Row 1: all zero -> scale 1. */
-  static const float w[16] = {127.0f, 2.5f, 3.5f, -2.5f, -126.6f, 0.49f, -0.0f, 1.5f,
-                              0, 0, 0, 0, 0, 0, 0, 0};
+  static const float w[16] = {127.0f, 2.5f, 3.5f, -2.5f, -126.6f, 0.49f, -0.0f, 1.5f, 0, 0, 0, 0, 0, 0, 0, 0};
   static const int8_t expect[8] = {127, 2, 4, -2, -127, 0, 0, 2};
   int8_t q[16];
   float scales[2];
@@ -617,6 +649,13 @@ START_TEST(test_int8_channel) {
   free(rw);
   free(rq);
   free(rs);
+
+  /* amax / 127 underflows to 0 for amax below 64 * 2^-149: refused, not divided by. */
+  float tiny[2] = {10 * FLT_TRUE_MIN, 0.0f};
+  ck_assert_int_eq(quant_int8_channel(tiny, 1, 2, q, scales), QKEEP_E_INVAL);
+  tiny[0] = 1e-40f; /* subnormal, but its scale is not zero */
+  ck_assert_int_eq(quant_int8_channel(tiny, 1, 2, q, scales), 0);
+  ck_assert_int_eq(q[0], 127);
 }
 END_TEST
 
@@ -783,8 +822,8 @@ static void check_gptq(int64_t n, int64_t k, int64_t g, bool sym, uint64_t seed)
       for (int64_t j = 0; j < g; j++) {
         int64_t i = r * k + gi * g + j;
         float clip = clips ? fmaxf(0.0f, w[i] - 7.0f * s16) : 0.0f;
-        ck_assert_msg(fabsf(w[i] - back[i]) <= bound + clip, "w %g dq %g scale %g", (double)w[i], (double)back[i],
-                      (double)scale);
+        ck_assert_msg(fabsf(w[i] - back[i]) <= bound + clip, "w %g dq %g scale %g", (double)w[i],
+                      (double)back[i], (double)scale);
       }
     }
   free(w);
@@ -871,6 +910,7 @@ static Suite *formats_suite(void) {
   tcase_add_test(quant, test_nvfp4_hand_block);
   tcase_add_test(quant, test_nvfp4_hand_global);
   tcase_add_test(quant, test_nvfp4_division_order);
+  tcase_add_test(quant, test_nvfp4_scale_order);
   tcase_add_test(quant, test_nvfp4_zero_block);
   tcase_add_test(quant, test_nvfp4_underflow_block);
   tcase_add_test(quant, test_nvfp4_all_zero);

@@ -1,15 +1,18 @@
 /*
  * reference.c: the `reference` backend. Portable C, every scheme qkeep reads;
  * its PWAL leaves params exactly as loaded (under the rules), and apply
- * dequantises to f32 and multiplies with double accumulation. It is the
+ * dequantises each scheme exactly as reference/formats.md specifies, to f32,
+ * and multiplies with double accumulation. MoE layers apply one expert's w13
+ * or w2 at a time. It is the
  * oracle the other backends are tested against, so it favours clarity over
  * speed.
  */
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "numeric.h"
+#include "formats.h"
 #include "qkeep_backend.h"
 
 struct reference {
@@ -19,6 +22,12 @@ struct reference {
 
 static const struct qkeep_host *host_of(const struct qkeep_backend *be) {
   return ((const struct reference *)be)->host;
+}
+
+/* Bytes per element of a dtype (the reference links no core code). */
+static size_t qkeep_dtype_size_of(enum qkeep_dtype d) {
+  static const size_t sizes[QKEEP_DTYPE_COUNT] = {4, 2, 2, 1, 1, 1, 1, 4, 8};
+  return (unsigned)d < QKEEP_DTYPE_COUNT ? sizes[d] : 0;
 }
 
 static int reference_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
@@ -33,9 +42,16 @@ static int reference_configure(const struct qkeep_backend *be, const char *key, 
   return host_of(be)->set_error(QKEEP_E_CONFIG, "unknown key '%s' (the reference backend takes none)", key);
 }
 
+static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
+                                      "w8a8-int8",   "gptq-int4",      "awq-int4"};
+
 static int reference_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
   (void)be;
-  return strcmp(scheme, "unquantized") == 0 && kind != QKEEP_LAYER_MOE;
+  (void)kind;
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++)
+    if (strcmp(scheme, schemes[i]) == 0)
+      return 1;
+  return 0;
 }
 
 /* The reference kernel reads the checkpoint layout, so PWAL changes nothing. */
@@ -45,45 +61,203 @@ static int reference_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   return 0;
 }
 
-/* Element i of a float tensor as f32. */
-static float load_float(const void *data, enum qkeep_dtype dtype, size_t i) {
-  switch (dtype) {
-  case QKEEP_DTYPE_F32: return ((const float *)data)[i];
-  case QKEEP_DTYPE_F16: return qk_f16_to_f32(((const uint16_t *)data)[i]);
-  case QKEEP_DTYPE_BF16: return qk_bf16_to_f32(((const uint16_t *)data)[i]);
-  default: return 0.0f;
-  }
+/* One matrix to multiply with: rows x cols, expert `expert` of a stacked param, names prefixed. */
+struct matrix {
+  const struct qkeep_host *host;
+  qkeep_layer *layer;
+  const struct qkeep_layer_info *info;
+  const char *prefix; /* "", "w13_" or "w2_" */
+  int64_t rows, cols, expert;
+};
+
+/* The live param `name` (prefixed); *data points at this expert's slice of `slice_bytes`. */
+static int slice(const struct matrix *m, const char *name, size_t slice_bytes, struct qkeep_view *v,
+                 const unsigned char **data) {
+  char full[64];
+  snprintf(full, sizeof full, "%s%s", m->prefix, name);
+  v->size = sizeof *v;
+  int rc = m->host->get_live(m->layer, full, v);
+  if (rc)
+    return rc;
+  size_t offset = (size_t)m->expert * slice_bytes;
+  if (offset + slice_bytes > v->nbytes)
+    return m->host->set_error(QKEEP_E_FORMAT, "%s.%s: %zu bytes, expected %zu per expert", m->info->name, full,
+                              v->nbytes, slice_bytes);
+  *data = (const unsigned char *)v->data + offset;
+  return 0;
 }
 
-static bool float_dtype(enum qkeep_dtype d) {
-  return d == QKEEP_DTYPE_F32 || d == QKEEP_DTYPE_F16 || d == QKEEP_DTYPE_BF16;
+/* A scalar f32 global scale: [] or [1] for a linear layer, element `expert` of [E] for MoE. */
+static int global_scale(const struct matrix *m, const char *name, float *out) {
+  struct qkeep_view v;
+  const unsigned char *p;
+  int rc = slice(m, name, sizeof(float), &v, &p);
+  if (!rc && v.nbytes != sizeof(float) * (size_t)(m->info->experts ? m->info->experts : 1))
+    rc = m->host->set_error(QKEEP_E_FORMAT, "%s.%s%s: expected one merged scale (per expert)", m->info->name,
+                            m->prefix, name);
+  if (!rc)
+    memcpy(out, p, sizeof *out);
+  return rc;
+}
+
+static int dequant_nvfp4(const struct matrix *m, float *w, bool ct) {
+  struct qkeep_view wv, sv;
+  const unsigned char *packed, *scales;
+  float global;
+  int rc = slice(m, "weight", (size_t)(m->rows * m->cols / 2), &wv, &packed);
+  if (!rc)
+    rc = slice(m, "weight_scale", (size_t)(m->rows * m->cols / 16), &sv, &scales);
+  if (!rc)
+    rc = global_scale(m, ct ? "weight_global_scale" : "weight_scale_2", &global);
+  if (rc)
+    return rc;
+  float decode = ct ? 1.0f / global : global; /* compressed-tensors stores the encode factor */
+  for (int64_t r = 0; r < m->rows; r++)
+    for (int64_t k = 0; k < m->cols; k++)
+      w[r * m->cols + k] = qk_e2m1_decode(qk_fp4_code(packed + r * m->cols / 2, k)) *
+                           (qk_e4m3_decode(scales[r * m->cols / 16 + k / 16]) * decode);
+  return 0;
+}
+
+static int dequant_mxfp4(const struct matrix *m, float *w) {
+  struct qkeep_view wv, sv;
+  const unsigned char *packed, *scales;
+  int rc = slice(m, "weight", (size_t)(m->rows * m->cols / 2), &wv, &packed);
+  if (!rc)
+    rc = slice(m, "weight_scale", (size_t)(m->rows * m->cols / 32), &sv, &scales);
+  if (rc)
+    return rc;
+  for (int64_t r = 0; r < m->rows; r++)
+    for (int64_t k = 0; k < m->cols; k++)
+      w[r * m->cols + k] = qk_e2m1_decode(qk_fp4_code(packed + r * m->cols / 2, k)) *
+                           qk_e8m0_decode(scales[r * m->cols / 32 + k / 32]);
+  return 0;
+}
+
+static int dequant_int8(const struct matrix *m, float *w) {
+  struct qkeep_view wv, sv;
+  const unsigned char *q, *s;
+  int rc = slice(m, "weight", (size_t)(m->rows * m->cols), &wv, &q);
+  if (rc)
+    return rc;
+  sv.size = sizeof sv;
+  if ((rc = m->host->get_live(m->layer, "weight_scale", &sv)))
+    return rc;
+  s = sv.data;
+  size_t n_scales = sv.nbytes / qkeep_dtype_size_of(sv.spec.dtype);
+  int shard = 0;
+  int64_t shard_end = m->info->shard_n[0];
+  for (int64_t r = 0; r < m->rows; r++) {
+    while (r >= shard_end && shard + 1 < m->info->shards)
+      shard_end += m->info->shard_n[++shard];
+    /* Per channel [N, 1]; per tensor one per fused shard [S], or [] / [1]. */
+    size_t idx = n_scales == (size_t)m->rows ? (size_t)r : n_scales > 1 ? (size_t)shard : 0;
+    float scale = qk_load_float(s, sv.spec.dtype, idx);
+    for (int64_t k = 0; k < m->cols; k++)
+      w[r * m->cols + k] = (float)(int8_t)q[r * m->cols + k] * scale;
+  }
+  return 0;
+}
+
+/* GPTQ ([K/8, N] words) and AWQ ([K, N/8] words): w[n][k] = (q - zero) * scale. */
+static int dequant_int4(const struct matrix *m, float *w, bool awq) {
+  int64_t n_cols = m->rows, k_rows = m->cols, g = m->info->group_size ? m->info->group_size : k_rows;
+  struct qkeep_view qv, sv, zv = {.size = sizeof zv}, gv = {.size = sizeof gv};
+  const unsigned char *qw, *sc;
+  int rc = slice(m, "qweight", (size_t)(k_rows * n_cols / 2), &qv, &qw);
+  if (!rc)
+    rc = slice(m, "scales", (size_t)(k_rows / g * n_cols * 2), &sv, &sc);
+  if (rc)
+    return rc;
+  bool sym = m->info->flags & QKEEP_LAYER_F_WEIGHT_SYM, v2 = m->info->flags & QKEEP_LAYER_F_GPTQ_V2;
+  const int32_t *zeros = NULL, *g_idx = NULL;
+  if (!sym && (rc = m->host->get_live(m->layer, "qzeros", &zv)))
+    return rc;
+  zeros = sym ? NULL : zv.data;
+  if (!awq && m->host->get_live(m->layer, "g_idx", &gv) == 0)
+    g_idx = gv.data;
+  const int32_t *words = (const int32_t *)qw;
+  for (int64_t n = 0; n < n_cols; n++)
+    for (int64_t k = 0; k < k_rows; k++) {
+      int64_t group = g_idx ? g_idx[k] : k / g;
+      int q, zero;
+      if (awq) {
+        q = qk_nibble(words[k * (n_cols / 8) + n / 8], qk_awq_nibble[n % 8]);
+        zero = sym ? 8 : qk_nibble(zeros[group * (n_cols / 8) + n / 8], qk_awq_nibble[n % 8]);
+      } else {
+        q = qk_nibble(words[(k / 8) * n_cols + n], (int)(k % 8));
+        zero = sym ? 8 : qk_gptq_zero(zeros, n_cols, group, n, v2);
+      }
+      w[n * k_rows + k] = (float)(q - zero) * qk_load_float(sc, sv.spec.dtype, (size_t)(group * n_cols + n));
+    }
+  return 0;
+}
+
+static int dequant_float(const struct matrix *m, float *w) {
+  struct qkeep_view wv;
+  const unsigned char *p;
+  char full[64];
+  snprintf(full, sizeof full, "%sweight", m->prefix);
+  wv.size = sizeof wv;
+  int rc = m->host->get_live(m->layer, full, &wv);
+  if (rc)
+    return rc;
+  size_t esize = qkeep_dtype_size_of(wv.spec.dtype);
+  if ((rc = slice(m, "weight", (size_t)(m->rows * m->cols) * esize, &wv, &p)))
+    return rc;
+  for (int64_t i = 0; i < m->rows * m->cols; i++)
+    w[i] = qk_load_float(p, wv.spec.dtype, (size_t)i);
+  return 0;
+}
+
+/* Dequantises one matrix [rows, cols] of the layer into w as its scheme specifies. */
+static int dequantise(const struct matrix *m, float *w) {
+  const char *s = m->info->scheme;
+  if (strcmp(s, "unquantized") == 0)
+    return dequant_float(m, w);
+  if (strcmp(s, "modelopt-nvfp4") == 0 || strcmp(s, "ct-nvfp4") == 0)
+    return dequant_nvfp4(m, w, s[0] == 'c');
+  if (strcmp(s, "mxfp4") == 0)
+    return dequant_mxfp4(m, w);
+  if (strcmp(s, "w8a8-int8") == 0)
+    return dequant_int8(m, w);
+  if (strcmp(s, "gptq-int4") == 0 || strcmp(s, "awq-int4") == 0)
+    return dequant_int4(m, w, s[0] == 'a');
+  return m->host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference has no kernel for scheme %s", m->info->name, s);
 }
 
 static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
   const struct qkeep_host *host = host_of(be);
   struct qkeep_layer_info info = {.size = sizeof info};
-  struct qkeep_view w = {.size = sizeof w}, bias = {.size = sizeof bias};
   int rc = host->layer_info(layer, &info);
   if (rc)
     return rc;
   if (a->x_dtype != QKEEP_DTYPE_F32 || a->y_dtype != QKEEP_DTYPE_F32)
     return host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference kernel takes f32 activations", info.name);
-  if ((rc = host->get_live(layer, "weight", &w)))
-    return rc;
-  if (!float_dtype(w.spec.dtype) || w.spec.ndim != 2 || w.spec.shape[0] != info.n || w.spec.shape[1] != info.k)
-    return host->set_error(QKEEP_E_UNSUPPORTED, "%s: weight is not a float [%lld, %lld] tensor", info.name,
-                           (long long)info.n, (long long)info.k);
-  bool has_bias = host->view(layer, "bias", &bias) == 0 && bias.state == QKEEP_PARAM_LIVE;
+  bool moe = info.kind == QKEEP_LAYER_MOE, w2 = moe && a->matrix == QKEEP_MOE_W2;
+  struct matrix m = {host, layer, &info, moe ? (w2 ? "w2_" : "w13_") : "", w2 ? info.k : info.n,
+                     w2 ? info.n / 2 : info.k, moe ? a->expert : 0};
+  float *w = malloc((size_t)(m.rows * m.cols) * sizeof *w);
+  if (!w)
+    return host->set_error(QKEEP_E_NOMEM, "%s: out of memory dequantising", info.name);
+  rc = dequantise(&m, w);
+  struct qkeep_view bias = {.size = sizeof bias};
+  const unsigned char *bias_data = NULL;
+  char bias_name[64];
+  snprintf(bias_name, sizeof bias_name, "%sbias", m.prefix);
+  if (!rc && host->view(layer, bias_name, &bias) == 0 && bias.state == QKEEP_PARAM_LIVE)
+    bias_data = (const unsigned char *)bias.data + (size_t)m.expert * (size_t)m.rows * qkeep_dtype_size_of(bias.spec.dtype);
   const float *x = a->x;
   float *y = a->y;
-  for (int64_t m = 0; m < a->m; m++)
-    for (int64_t n = 0; n < info.n; n++) {
-      double acc = has_bias ? load_float(bias.data, bias.spec.dtype, (size_t)n) : 0.0;
-      for (int64_t k = 0; k < info.k; k++)
-        acc += (double)x[m * info.k + k] * load_float(w.data, w.spec.dtype, (size_t)(n * info.k + k));
-      y[m * info.n + n] = (float)acc;
+  for (int64_t r = 0; !rc && r < a->m; r++)
+    for (int64_t n = 0; n < m.rows; n++) {
+      double acc = bias_data ? qk_load_float(bias_data, bias.spec.dtype, (size_t)n) : 0.0;
+      for (int64_t k = 0; k < m.cols; k++)
+        acc += (double)x[r * m.cols + k] * w[n * m.cols + k];
+      y[r * m.rows + n] = (float)acc;
     }
-  return 0;
+  free(w);
+  return rc;
 }
 
 static void reference_fini(const struct qkeep_backend *be) { free((void *)be); }
