@@ -63,11 +63,12 @@ static const int qk_awq_nibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 
 /*
  * Zero point of GPTQ column n in group `group` from qzeros [groups, N/8]:
- * v1 checkpoints store zero - 1 and readers add 1 back without masking (as
- * AutoGPTQ and the GPU kernels do); v2 store the zero itself.
+ * v1 checkpoints store (zero - 1) & 0xf and readers take (stored + 1) & 0xf,
+ * as AutoGPTQ's reader does (so a zero of 0 survives); v2 store the zero itself.
  */
 static inline int qk_gptq_zero(const int32_t *qzeros, int64_t n_cols, int64_t group, int64_t n, int v2) {
-  return qk_nibble(qzeros[group * (n_cols / 8) + n / 8], (int)(n % 8)) + (v2 ? 0 : 1);
+  int stored = qk_nibble(qzeros[group * (n_cols / 8) + n / 8], (int)(n % 8));
+  return v2 ? stored : (stored + 1) & 0xf;
 }
 
 #endif

@@ -265,6 +265,30 @@ QKEEP_API int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out);
 /* Hex form, 32 characters + NUL. */
 QKEEP_API void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]);
 
+/* ---- quantizing checkpoints ------------------------------------------------------ */
+
+struct qkeep_quantize_options {
+  size_t size;
+  const char *scheme;       /* modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4 */
+  int64_t group_size;       /* int4 group (default 128, capped at K) */
+  bool asym_weights;        /* int4 with zero points */
+  bool static_input;        /* w8a8: static per-tensor input scales (else dynamic per token) */
+  bool asym_input;          /* w8a8: activations with a zero point */
+  bool kv_cache_scales;     /* write FP8 k_scale / v_scale for each attention block */
+  float activation_amax;    /* the |x| bound static scales are derived from (no calibration; default 1) */
+  int64_t max_shard_bytes;  /* > 0: shard the output (model-0000i-of-0000n + index) */
+};
+
+/*
+ * Writes out_dir (a new directory) as a checkpoint of opts->scheme from the
+ * unquantized checkpoint `in` (a .safetensors file or a Hugging Face
+ * directory), with the scheme's real tensor names, config.json and, for
+ * ModelOpt, hf_quant_config.json. Fused shards (q/k/v, gate/up, each expert's
+ * gate/up) share one NVFP4 global scale. Deterministic: the same input and
+ * options give the same bytes. On failure nothing is left in out_dir.
+ */
+QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opts);
+
 /* ---- kernels ----------------------------------------------------------------- */
 
 /*

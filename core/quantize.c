@@ -5,9 +5,10 @@
  * decisions so that the bytes are reproducible; the comments say where a
  * reference's order of operations matters.
  *
- * All arithmetic is IEEE float32 with no contraction: the recipes have only
- * divisions and lone products, so FP_CONTRACT cannot change a result, and the
- * rounding helpers below do not depend on the floating-point environment.
+ * All arithmetic is IEEE float32 evaluated in float32 (FLT_EVAL_METHOD 0, as on
+ * x86-64 SSE and AArch64; x87 excess precision would change bytes). The recipes
+ * have only divisions and lone products, so FP_CONTRACT cannot fuse anything, and
+ * the rounding helper below does not depend on the floating-point environment.
  */
 #include <assert.h>
 #include <float.h>
@@ -81,7 +82,7 @@ uint8_t qk_e4m3_encode(float x) {
   float a = fabsf(x);
   if (isnan(x))
     return (uint8_t)(sign | 0x7f);
-  if (a >= E4M3_MAX) /* a cast would give NaN from 464 up; §9 saturates */
+  if (a >= E4M3_MAX) /* a cast would give NaN above 464; §9 saturates */
     return (uint8_t)(sign | 0x7e);
   /* The quantum is 2^(e-3) for a normal with exponent e, and 2^-9 for every
    * subnormal, which is the quantum of e = -6. */
@@ -184,7 +185,9 @@ static void pack_pair(uint8_t *packed, int64_t i, uint8_t code) {
  * f32(sc) * (1 / global) like vLLM (it can differ from the quotient by an ulp, well
  * inside half an e2m1 step).
  * A block whose scale casts to e4m3 zero gets codes 0 (§9), in both flavours: ModelOpt
- * keeps the 0x00 scale (dividing by it would give ±6), ct stores 0.125.
+ * keeps the 0x00 scale (dividing by it would give ±6), ct stores 0.125. For ct that
+ * is also what compressed-tensors writes: s_b <= 2^-10 puts every |x| below
+ * 48 * 2^-10 < 0.25, and its packer takes the sign from the rounded value (-0.0 -> 0x0).
  */
 static void nvfp4_block(const float *x, bool ct, float ws2, float global, uint8_t *packed, int64_t first,
                         uint8_t *scale_byte) {
@@ -333,7 +336,8 @@ static uint32_t word_u32(int32_t s) {
 }
 
 /*
- * GPTQ's Quantizer.find_params for one group of one output row (maxq = 15):
+ * GPTQ's Quantizer.find_params for one group of one output channel (a row of w,
+ * a column of qweight; `out` below), maxq = 15:
  * the range always includes 0; symmetric widens it to ±max|x| only when the
  * group has a negative value (so an all-positive group gets xmax / 15 and
  * zero 8, and clips above 7 * scale: GPTQ's own rule, §9); an all-zero group
@@ -367,15 +371,15 @@ static uint32_t gptq_code(float x, float scale, int zero) {
 }
 
 /* Writes one group's f16 scale and its v1 zero nibble. */
-static void set_group(uint16_t *scales, int32_t *qzeros, int64_t n, int64_t group, int64_t col, float scale,
+static void set_group(uint16_t *scales, int32_t *qzeros, int64_t n, int64_t group, int64_t out, float scale,
                       int zero) {
-  scales[group * n + col] = qk_f32_to_f16(scale);
+  scales[group * n + out] = qk_f32_to_f16(scale);
   /* AutoGPTQ v1 stores zero - 1. Masked to the nibble: AutoGPTQ's own packer lets
    * zero 0's -1 spill into the neighbouring nibbles; its reader computes
    * (stored + 1) & 0xf, so 0xf reads back as 0. */
   uint32_t stored = (uint32_t)(zero - 1) & 0xfu;
-  int32_t *word = &qzeros[group * (n / 8) + col / 8];
-  *word = word_i32(word_u32(*word) | stored << (4 * (col % 8)));
+  int32_t *word = &qzeros[group * (n / 8) + out / 8];
+  *word = word_i32(word_u32(*word) | stored << (4 * (out % 8)));
 }
 
 static int gptq_check(int64_t n, int64_t k, int64_t g) {
@@ -403,23 +407,23 @@ int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, i
     return set_error(QKEEP_E_INVAL, "GPTQ: missing output");
   int64_t groups = k / g;
   /* Check pass: a scale that overflows float16 is refused before anything is written. */
-  for (int64_t col = 0; col < n; col++)
+  for (int64_t out = 0; out < n; out++)
     for (int64_t gi = 0; gi < groups; gi++) {
       float scale;
       int zero;
-      gptq_params(w + col * k + gi * g, g, sym, &scale, &zero);
+      gptq_params(w + out * k + gi * g, g, sym, &scale, &zero);
       if (isinf(qk_f16_to_f32(qk_f32_to_f16(scale))))
         return set_error(QKEEP_E_INVAL, "GPTQ: row %lld, group %lld: scale %g overflows float16",
-                         (long long)col, (long long)gi, (double)scale);
+                         (long long)out, (long long)gi, (double)scale);
     }
   if (n * k > 0)
     memset(qzeros, 0, (size_t)(groups * (n / 8)) * sizeof *qzeros);
-  for (int64_t col = 0; col < n; col++) {
-    const float *x = w + col * k;
+  for (int64_t out = 0; out < n; out++) {
+    const float *x = w + out * k;
     int64_t group = -1;
     float scale = 0.0f;
     int zero = 0;
-    /* qweight [k/8, n]: nibble j of word [kb][col] is k = 8 kb + j (lowest k lowest).
+    /* qweight [k/8, n]: nibble j of word [kb][out] is k = 8 kb + j (lowest k lowest).
      * g need not be a multiple of 8, so a word may span two groups. */
     for (int64_t kb = 0; kb < k / 8; kb++) {
       uint32_t word = 0;
@@ -428,11 +432,11 @@ int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, i
         if (kk / g != group) {
           group = kk / g;
           gptq_params(x + group * g, g, sym, &scale, &zero);
-          set_group(scales, qzeros, n, group, col, scale, zero);
+          set_group(scales, qzeros, n, group, out, scale, zero);
         }
         word |= gptq_code(x[kk], scale, zero) << (4 * j);
       }
-      qweight[kb * n + col] = word_i32(word);
+      qweight[kb * n + out] = word_i32(word);
     }
   }
   for (int64_t kk = 0; kk < k; kk++)
@@ -443,18 +447,16 @@ int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, i
 void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int32_t *qzeros,
                        const int32_t *g_idx, int64_t n, int64_t k, int64_t g, bool v2_zeros, float *w) {
   assert(n >= 0 && k >= 0 && g > 0 && k % 8 == 0 && n % 8 == 0 && k % g == 0);
-  int64_t groups = k / g;
   for (int64_t kk = 0; kk < k; kk++) {
-    /* With act order g_idx is a permutation of groups; without one, k / g. */
+    /* g_idx names each input row's group (in any order with act order); NULL: k / g. */
     int64_t gi = g_idx ? g_idx[kk] : kk / g;
-    assert(gi >= 0 && gi < groups);
-    (void)groups;
-    for (int64_t col = 0; col < n; col++) {
-      int q = (int)((word_u32(qweight[(kk / 8) * n + col]) >> (4 * (kk % 8))) & 0xfu);
-      int zero = (int)((word_u32(qzeros[gi * (n / 8) + col / 8]) >> (4 * (col % 8))) & 0xfu);
+    assert(gi >= 0 && gi < k / g);
+    for (int64_t out = 0; out < n; out++) {
+      int q = (int)((word_u32(qweight[(kk / 8) * n + out]) >> (4 * (kk % 8))) & 0xfu);
+      int zero = (int)((word_u32(qzeros[gi * (n / 8) + out / 8]) >> (4 * (out % 8))) & 0xfu);
       if (!v2_zeros)
         zero = (zero + 1) & 0xf; /* AutoGPTQ v1: stored + 1, masked to 4 bits */
-      w[col * k + kk] = qk_f16_to_f32(scales[gi * n + col]) * (float)(q - zero);
+      w[out * k + kk] = qk_f16_to_f32(scales[gi * n + out]) * (float)(q - zero);
     }
   }
 }

@@ -111,7 +111,8 @@ static int dequant_nvfp4(const struct matrix *m, float *w, bool ct) {
     rc = global_scale(m, ct ? "weight_global_scale" : "weight_scale_2", &global);
   if (rc)
     return rc;
-  float decode = ct ? 1.0f / global : global; /* compressed-tensors stores the encode factor */
+  /* compressed-tensors stores the encode factor; an all-zero tensor stores 0 and decodes to 0. */
+  float decode = ct ? (global == 0.0f ? 0.0f : 1.0f / global) : global;
   for (int64_t r = 0; r < m->rows; r++)
     for (int64_t k = 0; k < m->cols; k++)
       w[r * m->cols + k] = qk_e2m1_decode(qk_fp4_code(packed + r * m->cols / 2, k)) *
