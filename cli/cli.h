@@ -7,11 +7,36 @@
 
 #include "qkeep.h"
 
+/* The parsed command line. values[i] belongs to the i-th value option of main.c. */
+struct options {
+  const char *config_path;
+  bool json;
+  bool help;
+  const char *command;
+  const char *args[8];
+  int n_args;
+  const char *values[8];
+  unsigned flags;
+};
+
+/* The value of --name, or NULL. */
+const char *option_value(const struct options *o, const char *name);
+/* Whether the flag --name was given. */
+bool option_flag(const struct options *o, const char *name);
+/* Loads the config: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
+int load_config(const struct options *o, qkeep_config **cfg);
+/* Prints "qkeep: <error>: <detail>" to stderr; returns 1. */
+int fail(int code);
+
+int cmd_run(const struct options *o);
+int cmd_quantize(const struct options *o);
+extern const char usage_run[], usage_quantize[];
+
 /* Prints a census as an aligned table, or one JSON object, to out. */
 void report_census(FILE *out, const char *checkpoint, const char *backend, size_t layers,
                    const struct qkeep_census *c, const struct qkeep_digest *d, bool json);
 /* Writes s as a JSON string literal (with quotes). */
-void json_string(FILE *out, const char *s);
+void print_json_string(FILE *out, const char *s);
 /* "1.5 MiB" style size into buf. */
 const char *human_bytes(double bytes, char *buf, size_t len);
 

@@ -5,6 +5,8 @@
  *     version            the library version and plugin ABI
  *     plugins            the backends found, their ABI and probe result
  *     census [CKPT]      load CKPT (default: the config's checkpoint) and count it against the rules
+ *     run [CKPT]         load, census, forward check of every layer against the reference
+ *     quantize IN OUT    write a quantized checkpoint
  *
  * Exit status: 0 success, 1 failure (or rule violations found by census), 2 usage.
  */
@@ -18,14 +20,6 @@
 #define QKEEP_PKGDATADIR "/usr/local/share/qkeep"
 #endif
 
-struct options {
-  const char *config_path;
-  bool json;
-  bool help;
-  const char *command;
-  const char *args[8];
-  int n_args;
-};
 
 static const char usage_main[] =
     "usage: qkeep [-c CONFIG] [--json] COMMAND [ARGS]\n"
@@ -36,6 +30,8 @@ static const char usage_main[] =
     "  version        print the library version and the plugin ABI\n"
     "  plugins        list the backends found, their ABI versions and whether their device is present\n"
     "  census [CKPT]  load a checkpoint with the configured backend and count it against the rules\n"
+    "  run [CKPT]     load, census, and check every layer against the reference backend (the main job)\n"
+    "  quantize IN OUT --scheme S   write a quantized checkpoint directory from an unquantized one\n"
     "\n"
     "options:\n"
     "  -c, --config FILE  the INI config (default: $QKEEP_CONFIG, ./conf/qkeep.ini, " QKEEP_PKGDATADIR
@@ -64,11 +60,17 @@ static void log_to_stderr(void *user, enum qkeep_log_level level, const char *ms
     fprintf(stderr, "qkeep: %s: %s\n", names[level], msg);
 }
 
-static int fail(int code) {
+int fail(int code) {
+  fflush(stdout); /* what was printed before the error comes first */
   const char *detail = qkeep_errmsg();
   fprintf(stderr, "qkeep: %s%s%s\n", qkeep_strerror(code), *detail ? ": " : "", detail);
   return 1;
 }
+
+/* Options that take a value, and flags, as "--name" (values also as "--name=value"). */
+static const char *const value_options[] = {"scheme", "group", "activation-amax", "shard-bytes", "rows",
+                                            "tolerance", "seed"};
+static const char *const flag_options[] = {"asym", "static-input", "asym-input", "kv-scales"};
 
 static int parse_args(int argc, char **argv, struct options *o) {
   for (int i = 1; i < argc; i++) {
@@ -83,6 +85,27 @@ static int parse_args(int argc, char **argv, struct options *o) {
       o->json = true;
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       o->help = true;
+    } else if (a[0] == '-' && a[1] == '-') {
+      const char *eq = strchr(a, '=');
+      size_t len = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+      bool known = false;
+      for (size_t v = 0; v < sizeof value_options / sizeof value_options[0] && !known; v++)
+        if (strlen(value_options[v]) == len && strncmp(a + 2, value_options[v], len) == 0) {
+          const char *value = eq ? eq + 1 : (i + 1 < argc ? argv[++i] : NULL);
+          if (!value) {
+            fprintf(stderr, "qkeep: %s needs a value\n", a);
+            return 2;
+          }
+          o->values[v] = value;
+          known = true;
+        }
+      for (size_t f = 0; f < sizeof flag_options / sizeof flag_options[0] && !known; f++)
+        if (!eq && strcmp(a + 2, flag_options[f]) == 0)
+          o->flags |= 1u << f, known = true;
+      if (!known) {
+        fprintf(stderr, "qkeep: unknown option '%s' (try qkeep --help)\n", a);
+        return 2;
+      }
     } else if (a[0] == '-' && a[1]) {
       fprintf(stderr, "qkeep: unknown option '%s'\n", a);
       return 2;
@@ -98,8 +121,22 @@ static int parse_args(int argc, char **argv, struct options *o) {
   return 0;
 }
 
+const char *option_value(const struct options *o, const char *name) {
+  for (size_t v = 0; v < sizeof value_options / sizeof value_options[0]; v++)
+    if (strcmp(value_options[v], name) == 0)
+      return o->values[v];
+  return NULL;
+}
+
+bool option_flag(const struct options *o, const char *name) {
+  for (size_t f = 0; f < sizeof flag_options / sizeof flag_options[0]; f++)
+    if (strcmp(flag_options[f], name) == 0)
+      return o->flags & (1u << f);
+  return false;
+}
+
 /* The config to use: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
-static int load_config(const struct options *o, qkeep_config **cfg) {
+int load_config(const struct options *o, qkeep_config **cfg) {
   const char *path = o->config_path;
   if (!path)
     path = getenv("QKEEP_CONFIG");
@@ -132,15 +169,15 @@ static int list_one(void *user, const char *name, const char *path) {
   const char *error = rc ? qkeep_errmsg() : "";
   if (l->json) {
     printf("%s{\"name\":", l->count ? "," : "");
-    json_string(stdout, name);
+    print_json_string(stdout, name);
     printf(",\"path\":");
-    json_string(stdout, path);
+    print_json_string(stdout, path);
     if (be)
       printf(",\"abi\":\"%u.%u\",\"probe\":%s,\"probe_message\":", be->abi_major, be->abi_minor,
              probe == 0 ? "true" : "false");
     else
       printf(",\"error\":");
-    json_string(stdout, be ? probe_msg : error);
+    print_json_string(stdout, be ? probe_msg : error);
     printf("}");
   } else if (be) {
     printf("%-16s ABI %u.%u  %-9s %s\n  %s\n", name, be->abi_major, be->abi_minor,
@@ -229,6 +266,8 @@ int main(int argc, char **argv) {
       {"version", cmd_version, usage_version},
       {"plugins", cmd_plugins, usage_plugins},
       {"census", cmd_census, usage_census},
+      {"run", cmd_run, usage_run},
+      {"quantize", cmd_quantize, usage_quantize},
   };
   if (!o.command) {
     fputs(usage_main, o.help ? stdout : stderr);

@@ -1,7 +1,7 @@
 /* report.c: how the qkeep command prints a census, as a table or JSON. */
 #include "cli.h"
 
-void json_string(FILE *out, const char *s) {
+void print_json_string(FILE *out, const char *s) {
   fputc('"', out);
   for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
     if (*p == '"' || *p == '\\')
@@ -26,9 +26,9 @@ const char *human_bytes(double bytes, char *buf, size_t len) {
 static void census_json(FILE *out, const char *checkpoint, const char *backend, size_t layers,
                         const struct qkeep_census *c, const char *hex) {
   fprintf(out, "{\"checkpoint\":");
-  json_string(out, checkpoint);
+  print_json_string(out, checkpoint);
   fprintf(out, ",\"backend\":");
-  json_string(out, backend);
+  print_json_string(out, backend);
   fprintf(out,
           ",\"layers\":%zu,\"loader_params\":%lld,\"registered_same\":%lld,\"missing\":%lld,\"c1\":%lld,"
           "\"c2\":%lld,\"aliases\":%lld,\"retired\":%lld,\"retired_bytes\":%lld,\"released\":%lld,"
@@ -39,7 +39,7 @@ static void census_json(FILE *out, const char *checkpoint, const char *backend, 
   for (int i = 0; i < c->reasons; i++) {
     if (i)
       fputc(',', out);
-    json_string(out, c->reason[i]);
+    print_json_string(out, c->reason[i]);
   }
   fprintf(out, "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}\n",
           (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes, c->kept_share, hex);

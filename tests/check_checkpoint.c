@@ -1,6 +1,6 @@
 /*
- * check_checkpoint.c: checkpoint sources (core/checkpoint.c) and the
- * quantization configs they declare (core/quant_config.c).
+ * check_checkpoint.c: checkpoint sources (libqkeep/checkpoint.c) and the
+ * quantization configs they declare (libqkeep/quant_config.c).
  *
  * Checkpoints are real directories: shards written with st_writer, index and
  * config files written as text. A tensor's spec and bytes follow from its

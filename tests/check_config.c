@@ -1,4 +1,4 @@
-/* check_config.c: the INI config reader (core/config.c). */
+/* check_config.c: the INI config reader (libqkeep/config.c). */
 #include <check.h>
 #include <stdio.h>
 #include <stdlib.h>

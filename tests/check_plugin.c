@@ -1,5 +1,5 @@
 /*
- * check_plugin.c: the plugin loader (core/plugin.c) against the test plugins
+ * check_plugin.c: the plugin loader (libqkeep/plugin.c) against the test plugins
  * of tests/plugins/test_backend.c, found through $QKEEP_PLUGIN_PATH (set by
  * make check).
  */

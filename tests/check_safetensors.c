@@ -1,6 +1,6 @@
 /*
- * check_safetensors.c: the safetensors reader (core/safetensors.c) and writer
- * (core/safetensors_write.c).
+ * check_safetensors.c: the safetensors reader (libqkeep/safetensors.c) and writer
+ * (libqkeep/safetensors_write.c).
  *
  * Malformed files are built here byte by byte, never with the writer, so a
  * bug shared by reader and writer cannot hide itself. Every rejection must

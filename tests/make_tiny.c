@@ -1,10 +1,12 @@
 /*
  * make_tiny.c: writes the small unquantized example model, deterministically:
- * an embedding, DECODER_LAYERS decoder layers (q/k/v/o projections, gate/up/down
- * MLP, two norms), a final norm and an lm_head.
+ * an embedding, DECODER_LAYERS decoder layers (q/k/v/o projections, two
+ * norms, and a gate/up/down MLP, or in the last layer an MoE block of EXPERTS
+ * experts with a router), a final norm and an lm_head. About 5 MB in bf16.
  *
  *   make_tiny OUT.safetensors [SEED] [bf16|f16|f32]
  */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,11 +15,13 @@
 #include "numeric.h"
 #include "testutil.h"
 
-#define HIDDEN 64
-#define KV 32
-#define INTER 128
-#define VOCAB 256
-#define DECODER_LAYERS 2
+#define HIDDEN 256
+#define KV 128
+#define INTER 512
+#define MOE_INTER 256
+#define EXPERTS 4
+#define VOCAB 1024
+#define DECODER_LAYERS 3
 
 static enum qkeep_dtype out_dtype = QKEEP_DTYPE_BF16;
 
@@ -67,10 +71,20 @@ int main(int argc, char **argv) {
         {"self_attn.o_proj", HIDDEN, HIDDEN}, {"mlp.gate_proj", INTER, HIDDEN},  {"mlp.up_proj", INTER, HIDDEN},
         {"mlp.down_proj", HIDDEN, INTER},
     };
-    for (size_t i = 0; i < sizeof linears / sizeof linears[0] && !rc; i++) {
+    bool moe = l == DECODER_LAYERS - 1;
+    for (size_t i = 0; i < (moe ? 4 : sizeof linears / sizeof linears[0]) && !rc; i++) {
       snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, linears[i].name);
       rc = add(w, &rng, name, linears[i].rows, linears[i].cols, 0.125f, 0);
     }
+    static const char *const projections[] = {"gate_proj", "up_proj", "down_proj"};
+    for (int e = 0; moe && e < EXPERTS && !rc; e++)
+      for (int p = 0; p < 3 && !rc; p++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, projections[p]);
+        rc = p < 2 ? add(w, &rng, name, MOE_INTER, HIDDEN, 0.125f, 0) : add(w, &rng, name, HIDDEN, MOE_INTER, 0.125f, 0);
+      }
+    snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
+    if (moe && !rc)
+      rc = add(w, &rng, name, EXPERTS, HIDDEN, 0.125f, 0);
     snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
     if (!rc)
       rc = add(w, &rng, name, HIDDEN, 0, 0, 1.0f);

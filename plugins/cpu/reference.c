@@ -141,11 +141,16 @@ static int dequant_int8(const struct matrix *m, float *w) {
   int rc = slice(m, "weight", (size_t)(m->rows * m->cols), &wv, &q);
   if (rc)
     return rc;
+  /* The scales of this expert: per channel [N, 1], or one per fused shard ([S], [] or [1]). */
+  char name[64];
+  snprintf(name, sizeof name, "%sweight_scale", m->prefix);
   sv.size = sizeof sv;
-  if ((rc = m->host->get_live(m->layer, "weight_scale", &sv)))
+  if ((rc = m->host->get_live(m->layer, name, &sv)))
     return rc;
-  s = sv.data;
-  size_t n_scales = sv.nbytes / qkeep_dtype_size_of(sv.spec.dtype);
+  size_t esize = qkeep_dtype_size_of(sv.spec.dtype);
+  size_t n_scales = sv.nbytes / esize / (size_t)(m->info->experts ? m->info->experts : 1);
+  if ((rc = slice(m, "weight_scale", n_scales * esize, &sv, &s)))
+    return rc;
   int shard = 0;
   int64_t shard_end = m->info->shard_n[0];
   for (int64_t r = 0; r < m->rows; r++) {
@@ -171,12 +176,13 @@ static int dequant_int4(const struct matrix *m, float *w, bool awq) {
   if (rc)
     return rc;
   bool sym = m->info->flags & QKEEP_LAYER_F_WEIGHT_SYM, v2 = m->info->flags & QKEEP_LAYER_F_GPTQ_V2;
-  const int32_t *zeros = NULL, *g_idx = NULL;
-  if (!sym && (rc = m->host->get_live(m->layer, "qzeros", &zv)))
+  const unsigned char *zp = NULL, *gp = NULL;
+  /* Symmetric zero points and a trivial g_idx are retired: no kernel reads them. */
+  if (!sym && (rc = slice(m, "qzeros", (size_t)(k_rows / g * n_cols / 8) * 4, &zv, &zp)))
     return rc;
-  zeros = sym ? NULL : zv.data;
-  if (!awq && m->host->get_live(m->layer, "g_idx", &gv) == 0)
-    g_idx = gv.data;
+  if (!awq && (m->info->flags & QKEEP_LAYER_F_ACT_ORDER) && (rc = slice(m, "g_idx", (size_t)k_rows * 4, &gv, &gp)))
+    return rc;
+  const int32_t *zeros = (const int32_t *)zp, *g_idx = (const int32_t *)gp;
   const int32_t *words = (const int32_t *)qw;
   for (int64_t n = 0; n < n_cols; n++)
     for (int64_t k = 0; k < k_rows; k++) {

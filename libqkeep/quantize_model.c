@@ -3,7 +3,7 @@
  * .safetensors file or a Hugging Face directory) and writes a checkpoint
  * directory in one scheme's real tensor names and config files, so that
  * qkeep, vLLM and the original tools read it the same way. The numerics are
- * core/quantize.c's; this file decides what is quantized, groups fused
+ * libqkeep/quantize.c's; this file decides what is quantized, groups fused
  * shards so they share one global scale (as ModelOpt does), and writes.
  *
  * Linear layers are the 2-D float `weight`s of modules other than

@@ -265,6 +265,27 @@ QKEEP_API int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out);
 /* Hex form, 32 characters + NUL. */
 QKEEP_API void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]);
 
+/* One GEMM of the forward check: a linear layer, or an MoE expert's w13 or w2. */
+struct qkeep_layer_error {
+  size_t size;
+  const char *layer;  /* borrowed from the model */
+  const char *scheme;
+  int32_t expert;     /* MoE: the expert; -1 for a linear layer */
+  enum qkeep_moe_matrix matrix;
+  int64_t m, n, k;
+  double max_abs;     /* max |y - y_ref| */
+  double max_rel;     /* max_abs / max |y_ref| */
+};
+
+/*
+ * Runs every linear layer and MoE expert matrix of `model` and of `reference`
+ * (the same checkpoint, loaded with the reference backend) on the same m rows
+ * of uniform random activations in [-1, 1) drawn from `seed`, and calls fn
+ * with the differences. Stops and returns fn's non-zero value.
+ */
+QKEEP_API int qkeep_compare(qkeep_model *model, qkeep_model *reference, int64_t m, uint64_t seed,
+                            int (*fn)(void *user, const struct qkeep_layer_error *e), void *user);
+
 /* ---- quantizing checkpoints ------------------------------------------------------ */
 
 struct qkeep_quantize_options {

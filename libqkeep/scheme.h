@@ -2,7 +2,7 @@
  * scheme.h: checkpoint schemes. A scheme describes, as a table of templates,
  * the loader params one linear layer (or one MoE expert projection) has in
  * the checkpoint, with each dimension an expression of the layer's N, K and
- * group size G. The generic engine (core/scheme.c) turns a layer's modules
+ * group size G. The generic engine (libqkeep/scheme.c) turns a layer's modules
  * (one per fused shard, per expert) into loader params and sources; each
  * scheme file adds only its templates, how to read N/K/G from a module's
  * tensors, and its normalisation under the rules.
@@ -71,7 +71,7 @@ extern const struct scheme scheme_gptq_int4;
 extern const struct scheme scheme_awq_int4;
 extern const struct scheme scheme_kv_scales;
 
-/* Builds the model's layers from a checkpoint (core/assemble.c): modules, MoE stacking,
+/* Builds the model's layers from a checkpoint (libqkeep/assemble.c): modules, MoE stacking,
  * fusion, kv-scales layers, tied embeddings; every layer's loader params and sources. */
 int assemble_model(qkeep_model *model, const struct ckpt *ck);
 
@@ -99,7 +99,7 @@ int int4_group_dims(const struct module *m, const struct ckpt_tensor *scales, in
 /* N and K of an NVFP4 module from its packed weight (named weight_name) and e4m3 block scales. */
 int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int64_t *k, int64_t *g);
 
-/* ---- normalisation helpers shared by the scheme files (core/scheme.c) ---- */
+/* ---- normalisation helpers shared by the scheme files (libqkeep/scheme.c) ---- */
 
 /* Merges a per-shard scale param [S] (or [E, S]) by max into [] (or [E]), in the prefix,
  * warning when the shards disagree. Only a param still in its checkpoint view is merged

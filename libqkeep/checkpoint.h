@@ -1,5 +1,5 @@
 /*
- * checkpoint.h: checkpoint sources (core/checkpoint.c, core/quant_config.c).
+ * checkpoint.h: checkpoint sources (libqkeep/checkpoint.c, libqkeep/quant_config.c).
  * A source is one .safetensors file, or a Hugging Face directory with
  * model.safetensors (or model.safetensors.index.json and its shards),
  * config.json and, for ModelOpt, hf_quant_config.json. Tensors are read one

@@ -46,14 +46,19 @@ static int gptq_dims(const struct module *m, const struct quant_config *qc, int6
   return int4_group_dims(m, s, *n, *k, qc, g);
 }
 
-static int gptq_normalize(qkeep_layer *layer) {
+static int gptq_retire_unread(qkeep_layer *layer, const char *prefix) {
+  char qzeros[64], g_idx[64];
   int rc = 0;
+  prefixed(qzeros, sizeof qzeros, prefix, "qzeros");
+  prefixed(g_idx, sizeof g_idx, prefix, "g_idx");
   if (layer->dims.flags & QKEEP_LAYER_F_WEIGHT_SYM)
-    rc = qkeep_retire(layer, "qzeros");
-  if (!rc && !(layer->dims.flags & QKEEP_LAYER_F_ACT_ORDER) && qkeep_param_lookup(layer, "g_idx"))
-    rc = qkeep_retire(layer, "g_idx");
+    rc = qkeep_retire(layer, qzeros);
+  if (!rc && !(layer->dims.flags & QKEEP_LAYER_F_ACT_ORDER) && qkeep_param_lookup(layer, g_idx))
+    rc = qkeep_retire(layer, g_idx);
   return rc;
 }
+
+static int gptq_normalize(qkeep_layer *layer) { return for_each_matrix(layer, gptq_retire_unread); }
 
 static uint32_t gptq_flags(const struct quant_config *qc) {
   uint32_t f = 0;

@@ -25,9 +25,13 @@ static int awq_dims(const struct module *m, const struct quant_config *qc, int64
   return int4_group_dims(m, s, *n, *k, qc, g);
 }
 
-static int awq_normalize(qkeep_layer *layer) {
-  return (layer->dims.flags & QKEEP_LAYER_F_WEIGHT_SYM) ? qkeep_retire(layer, "qzeros") : 0;
+static int awq_retire_zeros(qkeep_layer *layer, const char *prefix) {
+  char qzeros[64];
+  return (layer->dims.flags & QKEEP_LAYER_F_WEIGHT_SYM) ? qkeep_retire(layer, prefixed(qzeros, sizeof qzeros, prefix, "qzeros"))
+                                                        : 0;
 }
+
+static int awq_normalize(qkeep_layer *layer) { return for_each_matrix(layer, awq_retire_zeros); }
 
 static uint32_t awq_flags(const struct quant_config *qc) {
   return qc && qc->weight_sym ? QKEEP_LAYER_F_WEIGHT_SYM : 0;

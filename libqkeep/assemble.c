@@ -184,13 +184,23 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
       *out = &scheme_unquantized;
       return 0;
     }
+    /* The scheme's own tensors (other than weight and bias), or a non-float 2-D weight, mean a
+     * quantized module with parts missing. */
+    char why[512];
+    snprintf(why, sizeof why, "%s", qkeep_errmsg());
     size_t n_params = sch->n_params;
     const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
-    for (size_t i = 0; i < m->n; i++)
+    for (size_t i = 0; i < m->n; i++) {
+      bool own = false;
       for (size_t t = 0; t < n_params; t++)
-        if (strcmp(m->local[i], params[t].name) == 0 && strcmp(params[t].name, "bias") != 0)
-          return set_error(QKEEP_E_FORMAT, "%s: module %s has '%s' but not the other tensors of scheme %s (%s)",
-                           m->tensors[i]->file->path, m->name, m->local[i], sch->name, qkeep_errmsg());
+        own |= strcmp(m->local[i], params[t].name) == 0 && strcmp(params[t].name, "bias") != 0 &&
+               strcmp(params[t].name, "weight") != 0;
+      const struct st_tensor *st = m->tensors[i]->t;
+      own |= strcmp(m->local[i], "weight") == 0 && st->ndim == 2 && (st->dtype < 0 || !(DT_FLOAT & (1u << st->dtype)));
+      if (own)
+        return set_error(QKEEP_E_FORMAT, "%s: module %s has '%s' but not the other tensors of scheme %s (%s)",
+                         m->tensors[i]->file->path, m->name, m->local[i], sch->name, why);
+    }
     return 0;
   }
   if (scheme_unquantized.dims(m, qc, &n, &k, &g) == 0)

@@ -1,5 +1,5 @@
 /*
- * quant.h: the quantizers that write checkpoints (core/quantize.c), following
+ * quant.h: the quantizers that write checkpoints (libqkeep/quantize.c), following
  * reference/formats.md exactly, including its §9 decisions, so their output is
  * reproducible byte for byte. Weights are row-major f32 [n, k] (n outputs, k
  * inputs). Every function returns 0, or QKEEP_E_INVAL when the input holds
