@@ -483,6 +483,8 @@ static int create_kv(qkeep_layer *layer, const struct layer_spec *s) {
     }
     qkeep_param *p;
     int rc = qkeep_param_create(layer, kv_names[i], &spec, &p);
+    if (!rc)
+      p->scale = true;
     if (!rc && t)
       rc = layer_add_source(layer, t->t->name, p, 0, &spec);
     if (rc)

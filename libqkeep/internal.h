@@ -107,6 +107,7 @@ struct qkeep_param {
   size_t create_bytes;
   struct tensor view;
   char *release_reason;
+  bool scale; /* a scale: every value must be finite and non-negative */
 };
 
 struct buffer {
@@ -298,6 +299,9 @@ const struct qkeep_host *host_table(void);
 struct staging;
 /* Loads every source of a layer from the checkpoint (strided and compare-only ones too). */
 int load_layer_sources(qkeep_layer *layer, const struct ckpt *ck, struct staging *st);
+/* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and
+ * e8m0 not NaN), naming the checkpoint tensor and element of the first bad one. */
+int validate_scales(qkeep_layer *layer);
 /* Normalisation then the backend's PWAL, once a layer has all its bytes. */
 int finish_layer(qkeep_layer *layer);
 

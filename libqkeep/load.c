@@ -8,6 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <math.h>
+
+#include "numeric.h"
 
 #include "scheme.h"
 
@@ -83,6 +86,74 @@ int load_layer_sources(qkeep_layer *layer, const struct ckpt *ck, struct staging
   return 0;
 }
 
+/* Why the element is not a valid scale, or NULL. */
+static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p) {
+  float v;
+  switch (dtype) {
+  case QKEEP_DTYPE_F8_E4M3:
+    if ((*p & 0x7f) == 0x7f)
+      return "NaN";
+    return (*p & 0x80) && (*p & 0x7f) ? "negative" : NULL;
+  case QKEEP_DTYPE_F8_E8M0:
+  case QKEEP_DTYPE_U8: return *p == 0xff ? "NaN (e8m0 0xff)" : NULL;
+  case QKEEP_DTYPE_F32: memcpy(&v, p, 4); break;
+  case QKEEP_DTYPE_F16:
+  case QKEEP_DTYPE_BF16: {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    v = dtype == QKEEP_DTYPE_F16 ? qk_f16_to_f32(h) : qk_bf16_to_f32(h);
+    break;
+  }
+  default: return NULL;
+  }
+  return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : NULL;
+}
+
+/* The checkpoint tensor (and its element) that loaded byte `offset` of param p. */
+static void locate(const qkeep_layer *layer, const qkeep_param *p, size_t offset, const char **name, size_t *elem) {
+  size_t esize = qkeep_dtype_size(p->create_spec.dtype);
+  *name = p->checkpoint_name;
+  *elem = offset / esize;
+  for (size_t i = 0; i < layer->n_sources; i++) {
+    const struct source *s = &layer->sources[i];
+    if (s->param != p || s->compare_only || offset < s->dst_offset)
+      continue;
+    size_t rel = offset - s->dst_offset, row = rel / s->dst_stride, col = rel % s->dst_stride;
+    if (row < s->rows && col < s->row_bytes) {
+      *name = s->checkpoint_name;
+      *elem = (row * s->row_bytes + col) / esize;
+      return;
+    }
+  }
+}
+
+int validate_scales(qkeep_layer *layer) {
+  for (size_t i = 0; i < layer->n_params; i++) {
+    qkeep_param *p = layer->params[i];
+    if (!p->scale || !p->view.storage)
+      continue;
+    size_t bytes = p->create_bytes, esize = qkeep_dtype_size(p->create_spec.dtype);
+    unsigned char *host = malloc(bytes ? bytes : 1);
+    if (!host)
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    int rc = dev_d2h(&layer->model->dev, host, p->view.storage->data, bytes);
+    for (size_t off = 0; !rc && off < bytes; off += esize) {
+      const char *why = bad_scale(p->create_spec.dtype, host + off);
+      if (why) {
+        const char *name;
+        size_t elem;
+        locate(layer, p, off, &name, &elem);
+        rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (scales must be finite and non-negative; layer %s)",
+                       name, elem, why, layer->name);
+      }
+    }
+    free(host);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
 int finish_layer(qkeep_layer *layer) {
   int rc = layer->scheme_ops && layer->scheme_ops->normalize ? layer->scheme_ops->normalize(layer) : 0;
   if (rc)
@@ -110,6 +181,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     double a = now_seconds();
     rc = load_layer_sources(model->layers[i], ck, &st);
     double b = now_seconds();
+    if (!rc)
+      rc = validate_scales(model->layers[i]);
     if (!rc)
       rc = finish_layer(model->layers[i]);
     t_read += b - a;

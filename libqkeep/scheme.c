@@ -250,8 +250,10 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
     struct qkeep_spec spec = param_spec(&L, t, (enum qkeep_dtype)first->t->dtype, first);
     qkeep_param *p;
     rc = qkeep_param_create(layer, name, &spec, &p);
-    if (!rc)
+    if (!rc) {
+      p->scale = t->scale;
       rc = add_sources(layer, &L, t, p);
+    }
   }
   if (rc)
     return rc;

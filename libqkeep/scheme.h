@@ -34,6 +34,7 @@ struct param_template {
   enum dim_expr dims[4];
   enum fuse_mode fuse;
   bool optional;            /* absent in some checkpoints (e.g. a static input_scale) */
+  bool scale;               /* values must be finite and non-negative (checked after loading) */
 };
 
 /* One checkpoint module: tensors sharing a name prefix. */

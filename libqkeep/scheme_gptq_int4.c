@@ -9,11 +9,11 @@
 #include "scheme.h"
 
 static const struct param_template gptq_params[] = {
-    {"qweight", DT(I32), 2, {D_K_8, D_N}, F_COLS, false},
-    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false},
-    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false},
-    {"g_idx", DT(I32), 1, {D_K}, F_SHARED, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true},
+    {"qweight", DT(I32), 2, {D_K_8, D_N}, F_COLS, false, false},
+    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false},
+    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true},
+    {"g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
 /* Reads N, K and G from qweight [K/8, N] and scales [K/G, N]. */

@@ -10,9 +10,9 @@
 #include "scheme.h"
 
 static const struct param_template mxfp4_params[] = {
-    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false},
-    {"weight_scale", DT(U8) | DT(F8_E8M0), 2, {D_N, D_K_32}, F_ROWS, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true},
+    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false},
+    {"weight_scale", DT(U8) | DT(F8_E8M0), 2, {D_N, D_K_32}, F_ROWS, false, true},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
 static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
@@ -122,8 +122,10 @@ int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
     memcpy(spec.shape, t->shape, sizeof spec.shape);
     qkeep_param *p;
     int rc = qkeep_param_create(layer, m->local[j], &spec, &p);
-    if (!rc)
+    if (!rc) {
+      p->scale = strstr(m->local[j], "_scales") != NULL;
       rc = layer_add_source(layer, t->name, p, 0, &spec);
+    }
     if (rc)
       return rc;
   }

@@ -8,19 +8,19 @@
 #include "scheme.h"
 
 static const struct param_template channel_params[] = {
-    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false},
-    {"weight_scale", DT_FLOAT, 2, {D_N, D_ONE}, F_ROWS, false},
-    {"input_scale", DT(F32), 0, {D_ONE}, F_SLOT, true},
-    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true},
+    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false},
+    {"weight_scale", DT_FLOAT, 2, {D_N, D_ONE}, F_ROWS, false, true},
+    {"input_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true},
+    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
 static const struct param_template tensor_params[] = {
-    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false},
-    {"weight_scale", DT(F32), 0, {D_ONE}, F_SLOT, false},
-    {"input_scale", DT(F32), 0, {D_ONE}, F_SLOT, true},
-    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true},
+    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false},
+    {"weight_scale", DT(F32), 0, {D_ONE}, F_SLOT, false, true},
+    {"input_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true},
+    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
 static const struct param_template *w8a8_templates(const struct quant_config *qc, size_t *n) {

@@ -41,8 +41,8 @@ check "census missing 0" line_is "$tmp/out" "missing" 0
 check "census C1 0" line_is "$tmp/out" "C1 violations" 0
 check "census C2 0" line_is "$tmp/out" "C2 overlaps" 0
 check "census released 0" line_is "$tmp/out" "released" 0
-check "census loader params" line_is "$tmp/out" "loader params" 19
-check "census layers" line_is "$tmp/out" "layers" 17
+check "census loader params" line_is "$tmp/out" "loader params" 28
+check "census layers" line_is "$tmp/out" "layers" 24
 
 "$qkeep" -c "$tmp/qkeep.ini" census "$tmp/tiny.safetensors" --json >"$tmp/json" 2>&1
 check "census --json" contains "$tmp/json" '"missing":0,"c1":0,"c2":0'
