@@ -30,7 +30,8 @@ int fail(int code);
 
 int cmd_run(const struct options *o);
 int cmd_quantize(const struct options *o);
-extern const char usage_run[], usage_quantize[];
+int cmd_reload(const struct options *o);
+extern const char usage_run[], usage_quantize[], usage_reload[];
 
 /* Prints a census as an aligned table, or one JSON object, to out. */
 void report_census(FILE *out, const char *checkpoint, const char *backend, size_t layers,

@@ -6,6 +6,7 @@
  *     plugins            the backends found, their ABI and probe result
  *     census [CKPT]      load CKPT (default: the config's checkpoint) and count it against the rules
  *     run [CKPT]         load, census, forward check of every layer against the reference
+ *     reload [W0 W1]     reload in place and compare with a cold start
  *     quantize IN OUT    write a quantized checkpoint
  *
  * Exit status: 0 success, 1 failure (or rule violations found by census), 2 usage.
@@ -31,6 +32,7 @@ static const char usage_main[] =
     "  plugins        list the backends found, their ABI versions and whether their device is present\n"
     "  census [CKPT]  load a checkpoint with the configured backend and count it against the rules\n"
     "  run [CKPT]     load, census, and check every layer against the reference backend (the main job)\n"
+    "  reload [W0 W1] cold start W0, reload W1 in place, compare with a cold start on W1\n"
     "  quantize IN OUT --scheme S   write a quantized checkpoint directory from an unquantized one\n"
     "\n"
     "options:\n"
@@ -268,6 +270,7 @@ int main(int argc, char **argv) {
       {"census", cmd_census, usage_census},
       {"run", cmd_run, usage_run},
       {"quantize", cmd_quantize, usage_quantize},
+      {"reload", cmd_reload, usage_reload},
   };
   if (!o.command) {
     fputs(usage_main, o.help ? stdout : stderr);

@@ -2,7 +2,7 @@
  * config.c: the INI configuration (DESIGN.md, "Config").
  *
  *   [qkeep]          backend = NAME (required), plugin_dir = DIR
- *   [model]          checkpoint = PATH
+ *   [model]          checkpoint = PATH, reload_checkpoint = PATH, fuse = MAP
  *   [backend.NAME]   any keys, passed to that backend in file order
  *
  * inih does the key = value splitting; we feed it one physical line at a time
@@ -33,7 +33,7 @@ struct parse_state {
   size_t backend_index; /* into cfg->sections when section is SECTION_BACKEND */
   bool key_in_section;  /* a key since the last header: an indented line would continue its value */
   int qkeep_line;       /* line of the first [qkeep] header, 0 when none */
-  int plugin_dir_line, checkpoint_line;
+  int plugin_dir_line, checkpoint_line, reload_line, fuse_line;
 
   int err_code; /* first failure, 0 when none; the detail is already in qkeep_errmsg() */
   int err_line;
@@ -242,7 +242,21 @@ static int handle_model(struct parse_state *st, const char *key, const char *val
   qkeep_config *cfg = st->cfg;
   if (strcmp(key, "checkpoint") == 0)
     return set_once(st, "model", key, &st->checkpoint_line, &cfg->checkpoint, resolve_path(cfg->path, value));
-  return parse_fail(st, QKEEP_E_CONFIG, "[model] unknown key '%s' (expected checkpoint)", key);
+  if (strcmp(key, "reload_checkpoint") == 0)
+    return set_once(st, "model", key, &st->reload_line, &cfg->reload_checkpoint, resolve_path(cfg->path, value));
+  if (strcmp(key, "fuse") == 0) {
+    /* Checked now with a scratch model, so a bad map is a config error with its line. */
+    qkeep_model *probe;
+    if (qkeep_model_new(NULL, &probe) != 0)
+      return parse_fail(st, QKEEP_E_NOMEM, "out of memory");
+    int rc = qkeep_model_set_fusion(probe, value);
+    qkeep_model_free(probe);
+    if (rc)
+      return parse_fail(st, QKEEP_E_CONFIG, "[model] fuse: %s", qkeep_errmsg());
+    return set_once(st, "model", key, &st->fuse_line, &cfg->fuse, xstrdup(value));
+  }
+  return parse_fail(st, QKEEP_E_CONFIG, "[model] unknown key '%s' (expected checkpoint, reload_checkpoint or fuse)",
+                    key);
 }
 
 /* Backend keys are the backend's business; we only keep them, in order, with their lines. */
@@ -368,10 +382,14 @@ void qkeep_config_free(qkeep_config *cfg) {
   free(cfg->backend);
   free(cfg->plugin_dir);
   free(cfg->checkpoint);
+  free(cfg->reload_checkpoint);
+  free(cfg->fuse);
   free(cfg);
 }
 
 const char *qkeep_config_backend(const qkeep_config *cfg) { return cfg ? cfg->backend : NULL; }
 const char *qkeep_config_plugin_dir(const qkeep_config *cfg) { return cfg ? cfg->plugin_dir : NULL; }
 const char *qkeep_config_checkpoint(const qkeep_config *cfg) { return cfg ? cfg->checkpoint : NULL; }
+const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg) { return cfg ? cfg->reload_checkpoint : NULL; }
+const char *qkeep_config_fuse(const qkeep_config *cfg) { return cfg ? cfg->fuse : NULL; }
 const char *qkeep_config_path(const qkeep_config *cfg) { return cfg ? cfg->path : NULL; }

@@ -107,7 +107,8 @@ struct qkeep_param {
   size_t create_bytes;
   struct tensor view;
   char *release_reason;
-  bool scale; /* a scale: every value must be finite and non-negative */
+  bool scale;       /* a scale: every value must be finite and non-negative */
+  bool transformed; /* replaced since its bytes were loaded: no longer the checkpoint layout */
 };
 
 struct buffer {
@@ -178,6 +179,10 @@ struct qkeep_model {
   void (*progress)(void *user, size_t done, size_t total, const char *layer);
   void *progress_user;
   struct qkeep_load_stats stats;
+  char *source_path; /* the checkpoint whose bytes the model holds (rollback source), or NULL */
+  bool poisoned;     /* a failed reload could not roll back: kernels refuse until a reload succeeds */
+  long fault_layer;  /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
+  int fault_code;
   struct device dev;
   qkeep_layer **layers;
   size_t n_layers, cap_layers;
@@ -271,6 +276,8 @@ struct qkeep_config {
   int backend_line;
   char *plugin_dir;
   char *checkpoint;
+  char *reload_checkpoint;
+  char *fuse;
   /* [backend.NAME] sections: every key, in file order */
   struct config_backend_section {
     char *name;
@@ -296,14 +303,65 @@ const struct qkeep_host *host_table(void);
 
 /* ---- model (model.c) -------------------------------------------------------------------- */
 
-struct staging;
-/* Loads every source of a layer from the checkpoint (strided and compare-only ones too). */
-int load_layer_sources(qkeep_layer *layer, const struct ckpt *ck, struct staging *st);
+/* One tensor a provider holds. */
+struct provided {
+  const char *name;
+  int dtype;     /* enum qkeep_dtype, or -1 for one qkeep does not use */
+  const char *dtype_name;
+  int ndim;
+  const int64_t *shape;
+  size_t nbytes;
+  const char *where; /* the file (or "in-memory buffers") for errors */
+  const void *handle;
+};
+
+/*
+ * Where tensor bytes come from: a checkpoint (files) or the caller's named
+ * buffers (host or device memory). Cold start and reload use the same path.
+ */
+struct provider {
+  const char *what; /* the checkpoint path, or "in-memory buffers" */
+  const void *ctx;
+  /* Fills *out for the named tensor; false when the provider has no such tensor. */
+  bool (*find)(const struct provider *p, const char *name, struct provided *out);
+  /* Copies the tensor's bytes into host memory at dst. */
+  int (*read)(const struct provider *p, const struct provided *t, void *dst);
+  /* The tensor's bytes in host memory without a copy, or NULL (then read is used). */
+  const void *(*host_bytes)(const struct provider *p, const struct provided *t);
+  /* The tensor's bytes in the model's device memory, or NULL. */
+  const void *(*device_bytes)(const struct provider *p, const struct provided *t);
+  /* Every tensor name, for checking that the provider holds nothing the model lacks. */
+  size_t (*count)(const struct provider *p);
+  const char *(*name_at)(const struct provider *p, size_t i);
+};
+
+/* A provider over an open checkpoint. */
+void ckpt_provider(struct provider *p, const struct ckpt *ck);
+
+/* Host staging for one tensor, grown as needed. */
+struct staging {
+  unsigned char *data, *compare;
+  size_t cap;
+};
+void staging_free(struct staging *s);
+
+/* Lands one tensor in its param as the source describes (checked against the source first). */
+int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);
+/* Loads every source of a layer from the provider (strided and compare-only ones too). */
+int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st);
+/* Checks that the provider's tensor matches what the source expects (name found, dtype, shape). */
+int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                 struct provided *out);
+/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, size_t *index);
 /* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and
  * e8m0 not NaN), naming the checkpoint tensor and element of the first bad one. */
 int validate_scales(qkeep_layer *layer);
 /* Normalisation then the backend's PWAL, once a layer has all its bytes. */
 int finish_layer(qkeep_layer *layer);
+
+/* Records the checkpoint the model's bytes now equal (NULL: none). */
+int model_set_source(qkeep_model *model, const char *path);
 
 /* The model's backend table, or NULL for a host-only model. */
 const struct qkeep_backend *model_backend(const qkeep_model *model);

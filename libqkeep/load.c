@@ -1,17 +1,17 @@
 /*
- * load.c: the cold-start path. The checkpoint is opened (file or directory),
- * every layer and loader param is created (all names, dtypes and shapes
- * checked before a byte is read), then layer by layer the bytes stream in,
- * the scheme normalises and the backend runs its PWAL, so the extra memory
- * at any time is one tensor's staging.
+ * load.c: the cold-start path, and the pieces reload shares with it. The
+ * checkpoint is opened (file or directory), every layer and loader param is
+ * created (all names, dtypes and shapes checked before a byte is read), then
+ * layer by layer the bytes stream in, the scales are checked, the scheme
+ * normalises and the backend runs its PWAL, so the extra memory at any time is
+ * one tensor's staging.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <math.h>
 
 #include "numeric.h"
-
 #include "scheme.h"
 
 static double now_seconds(void) {
@@ -20,11 +20,12 @@ static double now_seconds(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Host staging for one tensor, grown as needed and reused. */
-struct staging {
-  unsigned char *data, *compare;
-  size_t cap;
-};
+void staging_free(struct staging *s) {
+  free(s->data);
+  free(s->compare);
+  s->data = s->compare = NULL;
+  s->cap = 0;
+}
 
 static int staging_reserve(struct staging *s, size_t bytes) {
   if (bytes <= s->cap)
@@ -41,35 +42,82 @@ static int staging_reserve(struct staging *s, size_t bytes) {
   return 0;
 }
 
-/* Lands one checkpoint tensor in its param as the source describes. */
-static int load_source(qkeep_layer *layer, const struct ckpt *ck, struct source *src, struct staging *st) {
-  const struct device *dev = &layer->model->dev;
-  const struct ckpt_tensor *ct = ckpt_find(ck, src->checkpoint_name);
-  if (!ct)
-    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", ck->path, src->checkpoint_name,
+/* ---- the checkpoint provider ---- */
+
+static bool ck_find(const struct provider *p, const char *name, struct provided *out) {
+  const struct ckpt_tensor *t = ckpt_find(p->ctx, name);
+  if (!t)
+    return false;
+  *out = (struct provided){t->t->name, t->t->dtype, t->t->dtype_name, t->t->ndim, t->t->shape,
+                           (size_t)t->t->nbytes, t->file->path, t};
+  return true;
+}
+static int ck_read(const struct provider *p, const struct provided *t, void *dst) {
+  return ckpt_read(p->ctx, t->handle, dst);
+}
+static size_t ck_count(const struct provider *p) { return ((const struct ckpt *)p->ctx)->n_tensors; }
+static const char *ck_name_at(const struct provider *p, size_t i) {
+  return ((const struct ckpt *)p->ctx)->tensors[i].t->name;
+}
+
+void ckpt_provider(struct provider *p, const struct ckpt *ck) {
+  *p = (struct provider){ck->path, ck, ck_find, ck_read, NULL, NULL, ck_count, ck_name_at};
+}
+
+int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src, struct provided *t) {
+  if (!pv->find(pv, src->checkpoint_name, t))
+    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what, src->checkpoint_name,
                      layer->name);
-  struct qkeep_spec got = {.dtype = (enum qkeep_dtype)ct->t->dtype, .ndim = ct->t->ndim};
-  memcpy(got.shape, ct->t->shape, sizeof got.shape);
-  if (ct->t->dtype < 0 || !spec_equal(&got, &src->spec)) {
+  struct qkeep_spec got = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+  memcpy(got.shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim > 0 ? t->ndim : 0));
+  if (t->dtype < 0 || !spec_equal(&got, &src->spec) || t->nbytes != qkeep_spec_bytes(&src->spec)) {
     char a[96], b[96];
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, the model expects %s %s (layer %s)", ct->file->path,
-                     ct->t->name, ct->t->dtype_name, spec_shape_str(&got, a, sizeof a),
-                     qkeep_dtype_name(src->spec.dtype), spec_shape_str(&src->spec, b, sizeof b), layer->name);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, the model expects %s %s (layer %s)", t->where, t->name,
+                     t->dtype_name, spec_shape_str(&got, a, sizeof a), qkeep_dtype_name(src->spec.dtype),
+                     spec_shape_str(&src->spec, b, sizeof b), layer->name);
   }
-  size_t bytes = (size_t)ct->t->nbytes;
+  return 0;
+}
+
+/* A compare-only source: the provider's bytes must equal what an earlier shard loaded. */
+static int compare_source(const struct device *dev, const struct provider *pv, const struct provided *t,
+                          const void *on_device, const void *on_host, const char *dst, struct staging *st) {
+  int rc = staging_reserve(st, t->nbytes);
+  if (!rc && on_device)
+    rc = dev_d2h(dev, st->data, on_device, t->nbytes);
+  else if (!rc && on_host)
+    memcpy(st->data, on_host, t->nbytes);
+  else if (!rc)
+    rc = pv->read(pv, t, st->data);
+  if (!rc)
+    rc = dev_d2h(dev, st->compare, dst, t->nbytes);
+  if (!rc && memcmp(st->compare, st->data, t->nbytes) != 0)
+    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s' differs from the fused shard loaded before it", t->where, t->name);
+  return rc;
+}
+
+int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st) {
+  const struct device *dev = &layer->model->dev;
+  struct provided t;
+  int rc = check_source(layer, pv, src, &t);
+  if (rc)
+    return rc;
   char *dst = (char *)src->param->view.storage->data + src->dst_offset;
-  bool direct = dev->ops == host_device()->ops && src->rows == 1 && !src->compare_only;
-  int rc = direct ? ckpt_read(ck, ct, dst) : staging_reserve(st, bytes);
-  if (!rc && !direct)
-    rc = ckpt_read(ck, ct, st->data);
-  if (!rc && src->compare_only) {
-    rc = dev_d2h(dev, st->compare, dst, bytes);
-    if (!rc && memcmp(st->compare, st->data, bytes) != 0)
-      rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s' differs from the fused shard loaded before it (layer %s)",
-                     ct->file->path, ct->t->name, layer->name);
-  } else if (!rc && !direct) {
-    for (size_t r = 0; r < src->rows && !rc; r++)
-      rc = dev_h2d(dev, dst + r * src->dst_stride, st->data + r * src->row_bytes, src->row_bytes);
+  const void *on_device = pv->device_bytes ? pv->device_bytes(pv, &t) : NULL;
+  const void *on_host = on_device || !pv->host_bytes ? NULL : pv->host_bytes(pv, &t);
+  if (src->compare_only) {
+    rc = compare_source(dev, pv, &t, on_device, on_host, dst, st);
+  } else if (!on_device && !on_host && dev->ops == host_device()->ops && src->rows == 1) {
+    rc = pv->read(pv, &t, dst); /* straight into the param: no staging */
+  } else {
+    const unsigned char *from = on_device ? on_device : on_host;
+    if (!from && !(rc = staging_reserve(st, t.nbytes)) && !(rc = pv->read(pv, &t, st->data)))
+      from = st->data;
+    for (size_t r = 0; !rc && r < src->rows; r++) {
+      char *to = dst + r * src->dst_stride;
+      const unsigned char *row = from + r * src->row_bytes;
+      rc = on_device ? dev_d2d(dev, to, row, src->row_bytes) : dev_h2d(dev, to, row, src->row_bytes);
+    }
   }
   if (rc)
     return add_error_context(rc, "layer %s", layer->name);
@@ -77,9 +125,11 @@ static int load_source(qkeep_layer *layer, const struct ckpt *ck, struct source 
   return 0;
 }
 
-int load_layer_sources(qkeep_layer *layer, const struct ckpt *ck, struct staging *st) {
+int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  for (size_t i = 0; i < layer->n_sources; i++)
+    layer->sources[i].loaded = false;
   for (size_t i = 0; i < layer->n_sources; i++) {
-    int rc = load_source(layer, ck, &layer->sources[i], st);
+    int rc = load_source(layer, pv, &layer->sources[i], st);
     if (rc)
       return rc;
   }
@@ -107,6 +157,18 @@ static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p) {
   default: return NULL;
   }
   return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : NULL;
+}
+
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, size_t *index) {
+  size_t esize = qkeep_dtype_size(dtype);
+  for (size_t i = 0; i < n; i++) {
+    const char *why = bad_scale(dtype, bytes + i * esize);
+    if (why) {
+      *index = i;
+      return why;
+    }
+  }
+  return NULL;
 }
 
 /* The checkpoint tensor (and its element) that loaded byte `offset` of param p. */
@@ -137,15 +199,14 @@ int validate_scales(qkeep_layer *layer) {
     if (!host)
       return set_error(QKEEP_E_NOMEM, "out of memory");
     int rc = dev_d2h(&layer->model->dev, host, p->view.storage->data, bytes);
-    for (size_t off = 0; !rc && off < bytes; off += esize) {
-      const char *why = bad_scale(p->create_spec.dtype, host + off);
-      if (why) {
-        const char *name;
-        size_t elem;
-        locate(layer, p, off, &name, &elem);
-        rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (scales must be finite and non-negative; layer %s)",
-                       name, elem, why, layer->name);
-      }
+    size_t bad;
+    const char *why = rc ? NULL : bad_scales(p->create_spec.dtype, host, bytes / esize, &bad);
+    if (why) {
+      const char *name;
+      size_t elem;
+      locate(layer, p, bad * esize, &name, &elem);
+      rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (scales must be finite and non-negative; layer %s)",
+                     name, elem, why, layer->name);
     }
     free(host);
     if (rc)
@@ -171,15 +232,17 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     return set_error(QKEEP_E_STATE, "qkeep_model_load: the model already holds %zu layers", model->n_layers);
   struct ckpt *ck;
   struct staging st = {0};
+  struct provider pv;
   double t0 = now_seconds();
   int rc = ckpt_open(checkpoint, &ck);
   if (rc)
     return rc;
+  ckpt_provider(&pv, ck);
   rc = assemble_model(model, ck);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     double a = now_seconds();
-    rc = load_layer_sources(model->layers[i], ck, &st);
+    rc = load_layer_sources(model->layers[i], &pv, &st);
     double b = now_seconds();
     if (!rc)
       rc = validate_scales(model->layers[i]);
@@ -192,6 +255,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   }
   if (!rc)
     rc = dev_sync(&model->dev);
+  if (!rc)
+    rc = model_set_source(model, checkpoint);
   if (rc) {
     model_clear(model); /* nothing half-loaded stays behind */
   } else {
@@ -199,8 +264,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     for (size_t f = 0; f < ck->n_files; f++)
       model->stats.checkpoint_bytes += (int64_t)ck->files[f]->file_size;
   }
-  free(st.data);
-  free(st.compare);
+  staging_free(&st);
   ckpt_close(ck);
   return rc;
 }

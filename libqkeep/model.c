@@ -15,6 +15,7 @@ int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out) {
   if (!m)
     return set_error(QKEEP_E_NOMEM, "out of memory for a model");
   m->plugin = plugin;
+  m->fault_layer = -1;
   device_init(&m->dev, plugin ? plugin->be : NULL);
   *out = m;
   return 0;
@@ -56,6 +57,7 @@ void qkeep_model_free(qkeep_model *model) {
     return;
   model_clear(model);
   free_fusion(model);
+  free(model->source_path);
   free(model);
 }
 
@@ -171,6 +173,9 @@ static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_
   const struct qkeep_backend *be = model_backend(layer->model);
   if (!be || !be->apply)
     return set_error(QKEEP_E_UNSUPPORTED, "apply %s: the model has no backend with kernels", layer->name);
+  if (layer->model->poisoned)
+    return set_error(QKEEP_E_STATE, "apply %s: a reload failed and could not roll back; reload before running",
+                     layer->name);
   const struct device *dev = &layer->model->dev;
   size_t x_bytes = (size_t)m * (size_t)k * sizeof(float), y_bytes = (size_t)m * (size_t)n * sizeof(float);
   void *dx = NULL, *dy = NULL;

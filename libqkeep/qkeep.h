@@ -57,7 +57,7 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
 /* ---- configuration (INI) ------------------------------------------------- */
 
 /*
- * Reads an INI config: [qkeep] backend, plugin_dir; [model] checkpoint;
+ * Reads an INI config: [qkeep] backend, plugin_dir; [model] checkpoint, reload_checkpoint, fuse;
  * [backend.NAME] keys passed to that backend. Unknown sections or keys and bad
  * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg().
  * On success the caller owns *out (qkeep_config_free).
@@ -68,6 +68,10 @@ QKEEP_API void qkeep_config_free(qkeep_config *cfg);
 QKEEP_API const char *qkeep_config_backend(const qkeep_config *cfg);
 QKEEP_API const char *qkeep_config_plugin_dir(const qkeep_config *cfg);
 QKEEP_API const char *qkeep_config_checkpoint(const qkeep_config *cfg);
+/* [model] reload_checkpoint: the W1 `qkeep reload` uses by default. */
+QKEEP_API const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg);
+/* [model] fuse: a fusion map for qkeep_model_set_fusion (checked when the config loads). */
+QKEEP_API const char *qkeep_config_fuse(const qkeep_config *cfg);
 QKEEP_API const char *qkeep_config_path(const qkeep_config *cfg);
 
 /* ---- plugins --------------------------------------------------------------- */
@@ -228,6 +232,52 @@ QKEEP_API int qkeep_foreach_storage(const qkeep_model *model,
                                     int (*fn)(void *user, const char *layer, const char *name,
                                               const void *data, size_t capacity),
                                     void *user);
+
+/* ---- reload ------------------------------------------------------------------------ */
+
+/* Reload only the layers the new weights have tensors for (the others keep theirs). */
+#define QKEEP_RELOAD_PARTIAL 1u
+
+/*
+ * Layerwise reload W0 -> W1 in place: validates all of W1 first (every tensor the
+ * model loads, with its dtype, shape and valid scale values; nothing W1 holds is
+ * unknown to the model; a directory's quantization config agrees), so a bad W1
+ * changes nothing and returns the reason. Then per layer: each loader param gets its
+ * checkpoint view back over its own storage, W1's bytes land, normalisation and the
+ * backend's PWAL run again in place. The result equals a cold start on W1 byte for
+ * byte (qkeep_digest) and no kernel data pointer moves. W1 may be sharded differently.
+ * If applying fails part-way, the touched layers are reloaded from the checkpoint the
+ * model held (W0) and the error returned; if that is impossible, the model refuses to
+ * run (QKEEP_E_STATE) until a reload succeeds: it never serves a silent mix.
+ */
+QKEEP_API int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flags);
+
+/* A named tensor in the caller's memory (host, or the model's device when on_device). */
+struct qkeep_named_tensor {
+  const char *name; /* checkpoint name, e.g. "model.layers.0.mlp.down_proj.weight_scale" */
+  struct qkeep_spec spec;
+  const void *data;
+  bool on_device;
+};
+
+/*
+ * The same reload from named buffers (RL weight sync: no files). The buffers are
+ * borrowed for the call. After it, no checkpoint holds the model's weights, so a later
+ * failed reload cannot roll back (the model then refuses to run until one succeeds).
+ */
+QKEEP_API int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n,
+                                         unsigned flags);
+
+/*
+ * Direct load: writes one checkpoint tensor's bytes into the live param it loads into,
+ * when that param still holds the checkpoint layout (neither PWAL nor normalisation
+ * transformed it, it is live, not a shard shared by fused layers). Otherwise
+ * QKEEP_E_STATE, pointing to qkeep_model_reload.
+ */
+QKEEP_API int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor *tensor);
+
+/* Reads every tensor of a checkpoint once (the floor for any load): bytes and seconds. */
+QKEEP_API int qkeep_checkpoint_read_all(const char *path, int64_t *bytes, double *seconds);
 
 /* ---- audit ---------------------------------------------------------------------- */
 

@@ -81,8 +81,10 @@ int qkeep_replace(qkeep_layer *layer, const char *name, qkeep_tensor *result) {
     storage_unref(own);
     p->view.storage = result->t.storage;
   }
-  if (!rc)
+  if (!rc) {
     p->view.spec = result->t.spec;
+    p->transformed = true;
+  }
   qkeep_tensor_free(result);
   return rc ? add_error_context(rc, "replace %s.%s", layer->name, name) : 0;
 }
@@ -100,6 +102,7 @@ int qkeep_replace_in_place(qkeep_layer *layer, const char *name, const struct qk
     return set_error(QKEEP_E_RULE, "replace_in_place: %s.%s: %zu bytes do not fit its %zu-byte storage",
                      layer->name, name, qkeep_spec_bytes(spec), p->view.storage->capacity);
   p->view.spec = *spec;
+  p->transformed = true;
   return 0;
 }
 

@@ -1,0 +1,463 @@
+/*
+ * reload.c: layerwise reload W0 -> W1 in place, and direct loads into live
+ * params.
+ *
+ * A reload validates all of W1 first (every tensor the model loads is there
+ * with its dtype and shape, its scales are valid, W1 holds nothing the model
+ * lacks, its quantization config agrees), so a bad W1 changes nothing. Then,
+ * layer by layer, each loader param gets back its checkpoint view over its
+ * own storage (C1 guarantees it fits; the data pointer does not move), bytes
+ * no source covers are zeroed as a cold start zeroes them, W1's bytes land,
+ * and the scheme's normalisation and the backend's PWAL run again - in place,
+ * by the replace rule. The result equals a cold start on W1 byte for byte.
+ * If applying fails part-way, the layers already changed are reloaded from
+ * the checkpoint the model held before (W0); if that is impossible the model
+ * refuses to run until a reload succeeds, so it never serves a silent mix.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "scheme.h"
+
+int model_set_source(qkeep_model *model, const char *path) {
+  char *copy = NULL;
+  if (path && !(copy = xstrdup(path)))
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  free(model->source_path);
+  model->source_path = copy;
+  return 0;
+}
+
+static double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- the in-memory provider (named buffers from the caller) -------------------------- */
+
+struct buffers {
+  const struct qkeep_named_tensor *tensors;
+  size_t n;
+  size_t *order; /* indices sorted by name, for binary search */
+};
+
+static const struct buffers *buffers_of(const struct provider *p) { return p->ctx; }
+
+static int by_buffer_name(const void *a, const void *b, void *ctx) {
+  const struct qkeep_named_tensor *t = ctx;
+  return strcmp(t[*(const size_t *)a].name, t[*(const size_t *)b].name);
+}
+
+static bool buf_find(const struct provider *p, const char *name, struct provided *out) {
+  const struct buffers *b = buffers_of(p);
+  size_t lo = 0, hi = b->n;
+  while (lo < hi) {
+    size_t mid = (lo + hi) / 2;
+    const struct qkeep_named_tensor *t = &b->tensors[b->order[mid]];
+    int c = strcmp(t->name, name);
+    if (c == 0) {
+      *out = (struct provided){t->name, (int)t->spec.dtype, qkeep_dtype_name(t->spec.dtype), t->spec.ndim,
+                               t->spec.shape, qkeep_spec_bytes(&t->spec), p->what, t};
+      return true;
+    }
+    if (c < 0)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return false;
+}
+
+static int buf_read(const struct provider *p, const struct provided *t, void *dst) {
+  (void)p;
+  const struct qkeep_named_tensor *nt = t->handle;
+  if (nt->on_device)
+    return set_error(QKEEP_E_INVAL, "%s: device buffer read as host memory", nt->name);
+  memcpy(dst, nt->data, t->nbytes);
+  return 0;
+}
+
+static const void *buf_host(const struct provider *p, const struct provided *t) {
+  (void)p;
+  const struct qkeep_named_tensor *nt = t->handle;
+  return nt->on_device ? NULL : nt->data;
+}
+
+static const void *buf_device(const struct provider *p, const struct provided *t) {
+  (void)p;
+  const struct qkeep_named_tensor *nt = t->handle;
+  return nt->on_device ? nt->data : NULL;
+}
+
+static size_t buf_count(const struct provider *p) { return buffers_of(p)->n; }
+static const char *buf_name_at(const struct provider *p, size_t i) { return buffers_of(p)->tensors[i].name; }
+
+/* ---- validation: nothing changes until all of W1 is known good ------------------------- */
+
+/* Reads a provided tensor to host memory (malloc'd) to look at its values. */
+static int provided_bytes(const struct device *dev, const struct provider *pv, const struct provided *t,
+                          unsigned char **out) {
+  unsigned char *buf = malloc(t->nbytes ? t->nbytes : 1);
+  if (!buf)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
+  const void *on_host = pv->host_bytes ? pv->host_bytes(pv, t) : NULL;
+  int rc = on_device ? dev_d2h(dev, buf, on_device, t->nbytes)
+                     : on_host ? (memcpy(buf, on_host, t->nbytes), 0) : pv->read(pv, t, buf);
+  if (rc) {
+    free(buf);
+    return rc;
+  }
+  *out = buf;
+  return 0;
+}
+
+/* A scale tensor's values must be valid before anything is written. */
+static int check_scale_values(const qkeep_layer *layer, const struct provider *pv, const struct provided *t) {
+  unsigned char *bytes = NULL;
+  int rc = provided_bytes(&layer->model->dev, pv, t, &bytes);
+  if (rc)
+    return rc;
+  size_t bad;
+  const char *why = bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype), &bad);
+  if (why)
+    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (scales must be finite and non-negative)",
+                   t->where, t->name, bad, why);
+  free(bytes);
+  return rc;
+}
+
+/* The layer's scheme flags W1's config implies must be the model's (sym, act order, ...). */
+static int check_config(const qkeep_layer *layer, const struct quant_config *qc, const char *where) {
+  const struct scheme *sch = layer->scheme_ops;
+  if (!qc || !sch || sch == &scheme_unquantized || sch == &scheme_kv_scales)
+    return 0;
+  if (qc->method == QM_NONE || strcmp(qc->scheme, layer->scheme) != 0)
+    return set_error(QKEEP_E_FORMAT, "%s: the checkpoint is %s, layer %s of the model is %s", where, qc->scheme,
+                     layer->name, layer->scheme);
+  uint32_t mask = QKEEP_LAYER_F_WEIGHT_SYM | QKEEP_LAYER_F_ACT_ORDER | QKEEP_LAYER_F_GPTQ_V2 |
+                  QKEEP_LAYER_F_INPUT_DYNAMIC | QKEEP_LAYER_F_INPUT_ASYM | QKEEP_LAYER_F_WEIGHT_PER_TENSOR;
+  uint32_t want = sch->flags ? sch->flags(qc) & mask : 0;
+  if ((layer->dims.flags & mask) != want)
+    return set_error(QKEEP_E_FORMAT, "%s: its quantization config (flags 0x%x) differs from the model's (0x%x) at %s",
+                     where, want, layer->dims.flags & mask, layer->name);
+  return 0;
+}
+
+/*
+ * Decides which layers W1 updates (all of them, or with QKEEP_RELOAD_PARTIAL those it
+ * has tensors for) and checks every tensor they load. Changes nothing.
+ */
+static int validate(qkeep_model *model, const struct provider *pv, const struct quant_config *qc, unsigned flags,
+                    bool *selected) {
+  size_t chosen = 0;
+  for (size_t l = 0; l < model->n_layers; l++) {
+    qkeep_layer *layer = model->layers[l];
+    size_t present = 0;
+    struct provided t;
+    for (size_t i = 0; i < layer->n_sources; i++)
+      present += pv->find(pv, layer->sources[i].checkpoint_name, &t);
+    selected[l] = false;
+    if (present == 0 && (flags & QKEEP_RELOAD_PARTIAL))
+      continue;
+    for (size_t i = 0; i < layer->n_sources; i++) {
+      const struct source *src = &layer->sources[i];
+      int rc = check_source(layer, pv, src, &t);
+      if (!rc && src->param->scale)
+        rc = check_scale_values(layer, pv, &t);
+      if (rc)
+        return rc;
+    }
+    int rc = check_config(layer, qc, pv->what);
+    if (rc)
+      return rc;
+    selected[l] = true;
+    chosen++;
+  }
+  for (size_t i = 0; i < pv->count(pv); i++) {
+    const char *name = pv->name_at(pv, i);
+    if (!qkeep_model_lookup(model, name, NULL))
+      return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is not part of this model", pv->what, name);
+  }
+  if (!chosen)
+    return set_error(QKEEP_E_NOTFOUND, "%s: holds no tensor of this model", pv->what);
+  return 0;
+}
+
+/* ---- applying -------------------------------------------------------------------------------- */
+
+/* Bytes of the param that its sources write (compare-only ones excluded). */
+static size_t covered_bytes(const qkeep_layer *layer, const qkeep_param *p) {
+  size_t bytes = 0;
+  for (size_t i = 0; i < layer->n_sources; i++)
+    if (layer->sources[i].param == p && !layer->sources[i].compare_only)
+      bytes += layer->sources[i].rows * layer->sources[i].row_bytes;
+  return bytes;
+}
+
+/*
+ * Gives every loader param of the layer its checkpoint view back, over its own
+ * storage (a released one gets new storage), live, with the bytes no source
+ * covers zeroed as in a cold start.
+ */
+static int restore_layer(qkeep_layer *layer) {
+  for (size_t i = 0; i < layer->n_params; i++) {
+    qkeep_param *p = layer->params[i];
+    int rc = 0;
+    if (!p->view.storage) {
+      rc = storage_new(&layer->model->dev, p->create_bytes, &p->view.storage);
+    } else if (covered_bytes(layer, p) < p->create_bytes) {
+      rc = dev_fill(&layer->model->dev, p->view.storage->data, 0, p->create_bytes);
+    }
+    if (rc)
+      return add_error_context(rc, "restoring %s.%s", layer->name, p->checkpoint_name);
+    p->view.offset = 0;
+    p->view.spec = p->create_spec;
+    p->state = QKEEP_PARAM_LIVE;
+    p->transformed = false;
+    free(p->release_reason);
+    p->release_reason = NULL;
+  }
+  return 0;
+}
+
+/* Restores, loads, checks and re-runs normalisation and PWAL for each selected layer. */
+static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, size_t *failed_at,
+                 double *t_read, double *t_pwal) {
+  struct staging st = {0};
+  int rc = 0;
+  for (size_t l = 0; l < model->n_layers && !rc; l++) {
+    if (!selected[l])
+      continue;
+    qkeep_layer *layer = model->layers[l];
+    *failed_at = l;
+    double a = now_seconds();
+    if ((long)l == model->fault_layer)
+      rc = set_error(model->fault_code, "injected fault at layer %s", layer->name);
+    if (!rc)
+      rc = restore_layer(layer);
+    if (!rc)
+      rc = load_layer_sources(layer, pv, &st);
+    double b = now_seconds();
+    if (!rc)
+      rc = validate_scales(layer);
+    if (!rc)
+      rc = finish_layer(layer);
+    *t_read += b - a;
+    *t_pwal += now_seconds() - b;
+    if (model->progress)
+      model->progress(model->progress_user, l + 1, model->n_layers, layer->name);
+  }
+  if (!rc)
+    rc = dev_sync(&model->dev);
+  staging_free(&st);
+  return rc;
+}
+
+/* Puts the layers [0, failed_at] that W1 touched back to W0, from the checkpoint W0 came from. */
+static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at) {
+  if (!model->source_path)
+    return set_error(QKEEP_E_STATE, "no checkpoint holds the model's previous weights");
+  struct ckpt *ck;
+  int rc = ckpt_open(model->source_path, &ck);
+  if (rc)
+    return rc;
+  struct provider pv;
+  ckpt_provider(&pv, ck);
+  bool *redo = calloc(model->n_layers ? model->n_layers : 1, sizeof *redo);
+  if (!redo)
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t l = 0; !rc && l <= failed_at && l < model->n_layers; l++)
+    redo[l] = selected[l];
+  size_t at;
+  double ignore_read = 0, ignore_pwal = 0;
+  long fault = model->fault_layer;
+  model->fault_layer = -1; /* an injected fault is for the reload, not for its rollback */
+  if (!rc)
+    rc = apply(model, &pv, redo, &at, &ignore_read, &ignore_pwal);
+  model->fault_layer = fault;
+  free(redo);
+  ckpt_close(ck);
+  return rc;
+}
+
+/* The whole reload, from any provider. `path` is W1's checkpoint (NULL for buffers). */
+static int reload(qkeep_model *model, const struct provider *pv, const struct quant_config *qc, unsigned flags,
+                  const char *path) {
+  if (!model->n_layers)
+    return set_error(QKEEP_E_STATE, "reload: the model holds no layers (load a checkpoint first)");
+  if (model->poisoned && (flags & QKEEP_RELOAD_PARTIAL))
+    return set_error(QKEEP_E_STATE, "reload: the model holds a mix of weights after a failed reload; a full reload "
+                                    "is needed, not a partial one");
+  bool *selected = calloc(model->n_layers, sizeof *selected);
+  if (!selected)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = validate(model, pv, qc, flags, selected);
+  if (rc) {
+    free(selected);
+    return rc; /* nothing was touched */
+  }
+  size_t failed_at = 0;
+  double t0 = now_seconds(), t_read = 0, t_pwal = 0;
+  rc = apply(model, pv, selected, &failed_at, &t_read, &t_pwal);
+  if (rc) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", qkeep_errmsg());
+    int back = roll_back(model, selected, failed_at);
+    if (back == 0) {
+      set_error(rc, "%s; the model was rolled back to %s", why, model->source_path);
+    } else {
+      char how[512];
+      snprintf(how, sizeof how, "%s", qkeep_errmsg());
+      model->poisoned = true;
+      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds", why, how);
+    }
+    free(selected);
+    return rc;
+  }
+  bool full = !(flags & QKEEP_RELOAD_PARTIAL);
+  for (size_t l = 0; l < model->n_layers && full; l++)
+    full = selected[l];
+  free(selected);
+  if (full)
+    model->poisoned = false;
+  model->stats = (struct qkeep_load_stats){sizeof model->stats, now_seconds() - t0 - t_read - t_pwal, t_read, t_pwal,
+                                           model->stats.checkpoint_bytes};
+  /* Only a full reload from a file leaves the model equal to a file it can roll back to. */
+  return model_set_source(model, full ? path : NULL);
+}
+
+int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flags) {
+  if (!model || !checkpoint)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_reload: NULL argument");
+  struct ckpt *ck;
+  int rc = ckpt_open(checkpoint, &ck);
+  if (rc)
+    return rc;
+  struct provider pv;
+  ckpt_provider(&pv, ck);
+  /* A bare .safetensors file carries no config: only a directory's config is compared. */
+  struct stat st;
+  bool bare_file = stat(checkpoint, &st) == 0 && S_ISREG(st.st_mode);
+  rc = reload(model, &pv, bare_file ? NULL : &ck->qc, flags, checkpoint);
+  if (!rc) {
+    model->stats.checkpoint_bytes = 0;
+    for (size_t f = 0; f < ck->n_files; f++)
+      model->stats.checkpoint_bytes += (int64_t)ck->files[f]->file_size;
+  }
+  ckpt_close(ck);
+  return rc;
+}
+
+/* Builds the name index of a caller's tensor list, refusing duplicates and bad specs. */
+static int index_buffers(struct buffers *b, const struct qkeep_named_tensor *tensors, size_t n) {
+  b->tensors = tensors;
+  b->n = n;
+  b->order = malloc((n ? n : 1) * sizeof *b->order);
+  if (!b->order)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n; i++) {
+    const struct qkeep_named_tensor *t = &tensors[i];
+    if (!t->name || (!t->data && qkeep_spec_bytes(&t->spec)) || (unsigned)t->spec.dtype >= QKEEP_DTYPE_COUNT ||
+        t->spec.ndim < 0 || t->spec.ndim > QKEEP_MAX_DIMS)
+      return set_error(QKEEP_E_INVAL, "in-memory tensor %zu ('%s'): missing name or data, or a bad spec", i,
+                       t->name ? t->name : "(null)");
+    b->order[i] = i;
+  }
+  qsort_r(b->order, n, sizeof *b->order, by_buffer_name, (void *)tensors);
+  for (size_t i = 1; i < n; i++)
+    if (strcmp(tensors[b->order[i]].name, tensors[b->order[i - 1]].name) == 0)
+      return set_error(QKEEP_E_INVAL, "in-memory tensors: '%s' given twice", tensors[b->order[i]].name);
+  return 0;
+}
+
+int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n,
+                               unsigned flags) {
+  if (!model || (!tensors && n))
+    return set_error(QKEEP_E_INVAL, "qkeep_model_reload_tensors: NULL argument");
+  struct buffers b = {0};
+  int rc = index_buffers(&b, tensors, n);
+  if (!rc) {
+    struct provider pv = {"in-memory tensors", &b,       buf_find,  buf_read,
+                          buf_host,            buf_device, buf_count, buf_name_at};
+    rc = reload(model, &pv, NULL, flags, NULL);
+  }
+  free(b.order);
+  return rc;
+}
+
+int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor *tensor) {
+  if (!model || !tensor || !tensor->name)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_load_tensor: NULL argument");
+  struct buffers b = {0};
+  int rc = index_buffers(&b, tensor, 1);
+  struct provider pv = {"in-memory tensor", &b, buf_find, buf_read, buf_host, buf_device, buf_count, buf_name_at};
+  qkeep_layer *layer = NULL;
+  struct source *src = NULL;
+  for (size_t l = 0; !rc && l < model->n_layers && !src; l++)
+    for (size_t i = 0; i < model->layers[l]->n_sources && !src; i++)
+      if (strcmp(model->layers[l]->sources[i].checkpoint_name, tensor->name) == 0)
+        layer = model->layers[l], src = &layer->sources[i];
+  if (!rc && !src)
+    rc = set_error(QKEEP_E_NOTFOUND, "load_tensor: '%s' is not a checkpoint name of this model", tensor->name);
+  if (!rc && model->poisoned)
+    rc = set_error(QKEEP_E_STATE, "load_tensor: the model needs a full reload after a failed one");
+  if (!rc && (src->param->transformed || src->param->state != QKEEP_PARAM_LIVE || src->compare_only))
+    rc = set_error(QKEEP_E_STATE,
+                   "load_tensor: '%s' lands in %s.%s, which %s; its bytes are not what the kernel reads, so use "
+                   "qkeep_model_reload to load new weights",
+                   tensor->name, layer->name, src->param->checkpoint_name,
+                   src->compare_only                    ? "fused shards share"
+                   : src->param->transformed            ? "PWAL or normalisation transformed"
+                   : src->param->state == QKEEP_PARAM_RETIRED ? "no kernel reads (retired)"
+                                                        : "was released");
+  struct provided t;
+  if (!rc)
+    rc = check_source(layer, &pv, src, &t);
+  if (!rc && src->param->scale)
+    rc = check_scale_values(layer, &pv, &t);
+  struct staging st = {0};
+  if (!rc)
+    rc = load_source(layer, &pv, src, &st); /* only this tensor: the rest of the layer keeps its bytes */
+  if (!rc)
+    rc = dev_sync(&model->dev);
+  if (!rc)
+    rc = model_set_source(model, NULL); /* no file holds these weights now */
+  staging_free(&st);
+  free(b.order);
+  return rc;
+}
+
+int qkeep_checkpoint_read_all(const char *path, int64_t *bytes, double *seconds) {
+  if (!path || !bytes || !seconds)
+    return set_error(QKEEP_E_INVAL, "qkeep_checkpoint_read_all: NULL argument");
+  struct ckpt *ck;
+  double t0 = now_seconds();
+  int rc = ckpt_open(path, &ck);
+  if (rc)
+    return rc;
+  size_t cap = 0;
+  unsigned char *buf = NULL;
+  *bytes = 0;
+  for (size_t i = 0; i < ck->n_tensors && !rc; i++) {
+    size_t n = (size_t)ck->tensors[i].t->nbytes;
+    if (n > cap) {
+      unsigned char *grown = realloc(buf, n);
+      if (!grown) {
+        rc = set_error(QKEEP_E_NOMEM, "out of memory");
+        break;
+      }
+      buf = grown;
+      cap = n;
+    }
+    rc = ckpt_read(ck, &ck->tensors[i], buf);
+    *bytes += (int64_t)n;
+  }
+  *seconds = now_seconds() - t0;
+  free(buf);
+  ckpt_close(ck);
+  return rc;
+}

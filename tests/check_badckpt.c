@@ -1,0 +1,1587 @@
+/*
+ * check_badckpt.c: the bad-checkpoint catalogue, at model-load level.
+ *
+ * One small unquantized model is written here and quantized into every
+ * scheme with qkeep_quantize, once, before the tests run. Each case copies
+ * one of those good checkpoints, breaks exactly one thing (a safetensors
+ * header, an index, a config file, a tensor's presence, dtype, shape or
+ * values), and checks four things:
+ *   (a) qkeep_model_load fails with the code the library documents;
+ *   (b) qkeep_errmsg() names the file and, where there is one, the tensor;
+ *   (c) the model holds no layer and no byte afterwards;
+ *   (d) the same model object then loads a good checkpoint.
+ * A control case loads every good checkpoint first, so that each failure is
+ * the corruption's and nothing else's.
+ */
+#include <check.h>
+#include <dirent.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "numeric.h"
+#include "testutil.h"
+
+/* The source model: sizes every scheme accepts (NVFP4 K % 16, MXFP4 K % 32, int4 N and K % 8). */
+#define HIDDEN 64
+#define INTER 128
+#define KV 32
+#define VOCAB 256
+#define EXPERTS 4
+#define INT4_GROUP 32
+/* embedding, norm, lm_head; per decoder layer: kv scales, two norms, qkv, o, and gate_up + down
+ * (layer 0) or an MoE block and its router (layer 1) */
+#define LAYER_COUNT 17
+
+#define L0 "model.layers.0."
+#define L1 "model.layers.1."
+
+/* ---- the good checkpoints (built once, before the tests) ------------------------------ */
+
+enum variant {
+  V_MODELOPT,   /* modelopt-nvfp4 with kv-cache scales */
+  V_SHARDED,    /* the same, in several shards with an index */
+  V_CT_NVFP4,
+  V_MXFP4,
+  V_W8A8,       /* static symmetric input scales */
+  V_W8A8_ASYM,  /* static input scales with zero points */
+  V_GPTQ,
+  V_AWQ,
+  V_COUNT
+};
+
+static const struct {
+  const char *name;
+  struct qkeep_quantize_options opts;
+} variants[V_COUNT] = {
+    [V_MODELOPT] = {"modelopt", {.scheme = "modelopt-nvfp4", .kv_cache_scales = true}},
+    [V_SHARDED] = {"sharded", {.scheme = "modelopt-nvfp4", .kv_cache_scales = true, .max_shard_bytes = 24000}},
+    [V_CT_NVFP4] = {"ct-nvfp4", {.scheme = "ct-nvfp4"}},
+    [V_MXFP4] = {"mxfp4", {.scheme = "mxfp4"}},
+    [V_W8A8] = {"w8a8", {.scheme = "w8a8-int8", .static_input = true}},
+    [V_W8A8_ASYM] = {"w8a8-asym", {.scheme = "w8a8-int8", .static_input = true, .asym_input = true}},
+    [V_GPTQ] = {"gptq", {.scheme = "gptq-int4", .group_size = INT4_GROUP}},
+    [V_AWQ] = {"awq", {.scheme = "awq-int4", .group_size = INT4_GROUP}},
+};
+
+static char *inputs;                /* the directory holding all of them */
+static char *source;                /* the unquantized model, one .safetensors file */
+static char *variant_dir[V_COUNT];
+static char inputs_error[1024];     /* why building them failed; "" when they are ready */
+
+/* Adds a bf16 tensor: uniform values in [-1/8, 1/8) for a matrix, ones for a vector (cols 0). */
+static int add_source_tensor(struct st_writer *w, uint64_t *rng, const char *name, int64_t rows, int64_t cols) {
+  struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_BF16, .ndim = cols ? 2 : 1, .shape = {rows, cols}};
+  size_t n = (size_t)rows * (size_t)(cols ? cols : 1);
+  uint16_t *values = malloc(n * sizeof *values);
+  if (!values)
+    return QKEEP_E_NOMEM;
+  for (size_t i = 0; i < n; i++)
+    values[i] = qk_f32_to_bf16(cols ? tu_randf(rng) * 0.125f : 1.0f);
+  int rc = st_writer_add(w, name, &spec, values);
+  free(values);
+  return rc;
+}
+
+/* Two decoder layers: q/k/v/o and norms in both, a gate/up/down MLP in layer 0, an MoE block in layer 1. */
+static int write_source(const char *path) {
+  static const struct {
+    const char *name;
+    int64_t rows, cols;
+  } attention[] = {{"self_attn.q_proj", HIDDEN, HIDDEN},
+                   {"self_attn.k_proj", KV, HIDDEN},
+                   {"self_attn.v_proj", KV, HIDDEN},
+                   {"self_attn.o_proj", HIDDEN, HIDDEN}},
+    mlp[] = {{"gate_proj", INTER, HIDDEN}, {"up_proj", INTER, HIDDEN}, {"down_proj", HIDDEN, INTER}};
+  uint64_t rng = 7;
+  char name[160];
+  struct st_writer *w;
+  int rc = st_writer_new(&w);
+  if (rc)
+    return rc;
+  rc = add_source_tensor(w, &rng, "model.embed_tokens.weight", VOCAB, HIDDEN);
+  for (int l = 0; l < 2 && !rc; l++) {
+    for (size_t i = 0; i < 4 && !rc; i++) {
+      snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, attention[i].name);
+      rc = add_source_tensor(w, &rng, name, attention[i].rows, attention[i].cols);
+    }
+    for (int e = -1; e < (l ? EXPERTS : 0) && !rc; e++) /* e = -1: the dense MLP of layer 0 */
+      for (size_t p = 0; p < 3 && !rc; p++) {
+        if (l == 1 && e < 0)
+          break;
+        if (e < 0)
+          snprintf(name, sizeof name, "model.layers.%d.mlp.%s.weight", l, mlp[p].name);
+        else
+          snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, mlp[p].name);
+        rc = add_source_tensor(w, &rng, name, mlp[p].rows, mlp[p].cols);
+      }
+    snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
+    if (l == 1 && !rc)
+      rc = add_source_tensor(w, &rng, name, EXPERTS, HIDDEN);
+    snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+    if (!rc)
+      rc = add_source_tensor(w, &rng, name, HIDDEN, 0);
+    snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+    if (!rc)
+      rc = add_source_tensor(w, &rng, name, HIDDEN, 0);
+  }
+  if (!rc)
+    rc = add_source_tensor(w, &rng, "model.norm.weight", HIDDEN, 0);
+  if (!rc)
+    rc = add_source_tensor(w, &rng, "lm_head.weight", VOCAB, HIDDEN);
+  if (!rc)
+    rc = st_writer_write(w, path);
+  st_writer_free(w);
+  return rc;
+}
+
+/* Unchecked fixture (runs once, in the runner's process): no ck_assert here; a failure is recorded. */
+static void build_inputs(void) {
+  inputs_error[0] = '\0';
+  inputs = tu_tmpdir("badckpt-inputs");
+  source = inputs ? tu_path(inputs, "source.safetensors") : NULL;
+  int rc = source ? write_source(source) : QKEEP_E_NOMEM;
+  if (rc) {
+    snprintf(inputs_error, sizeof inputs_error, "writing the source model: %s", qkeep_errmsg());
+    return;
+  }
+  for (int v = 0; v < V_COUNT && !rc; v++) {
+    variant_dir[v] = tu_path(inputs, variants[v].name);
+    struct qkeep_quantize_options opts = variants[v].opts;
+    opts.size = sizeof opts;
+    if ((rc = qkeep_quantize(source, variant_dir[v], &opts)))
+      snprintf(inputs_error, sizeof inputs_error, "quantizing into %s: %s", variants[v].opts.scheme,
+               qkeep_errmsg());
+  }
+}
+
+static void free_inputs(void) {
+  if (inputs)
+    tu_rmtree(inputs);
+  for (int v = 0; v < V_COUNT; v++) {
+    free(variant_dir[v]);
+    variant_dir[v] = NULL;
+  }
+  free(source);
+  free(inputs);
+  source = inputs = NULL;
+}
+
+/* ---- the per-test fixture ------------------------------------------------------------------ */
+
+static qkeep_plugin *plugin;
+static char *dir; /* this test's scratch directory */
+
+static void setup(void) {
+  ck_assert_msg(inputs_error[0] == '\0' && inputs, "the good checkpoints could not be built: %s", inputs_error);
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
+  dir = tu_tmpdir("badckpt");
+  ck_assert_ptr_nonnull(dir);
+}
+
+static void teardown(void) {
+  qkeep_plugin_close(plugin);
+  plugin = NULL;
+  if (dir)
+    tu_rmtree(dir);
+  free(dir);
+  dir = NULL;
+}
+
+/* ---- the four checks ------------------------------------------------------------------------- */
+
+/*
+ * Loads the bad checkpoint `path` into `model` (empty): the load must fail with `code`,
+ * the message must contain `path` and every needle, and nothing may stay loaded. Then the
+ * same model must load `good`.
+ */
+static void expect_bad_into(qkeep_model *model, const char *path, int code, const char *good, va_list needles) {
+  int rc = qkeep_model_load(model, path);
+  char msg[2048];
+  snprintf(msg, sizeof msg, "%s", qkeep_errmsg());
+  ck_assert_msg(rc == code, "load of %s returned %d (%s), expected %d (%s); message: %s", path, rc,
+                qkeep_strerror(rc), code, qkeep_strerror(code), msg);
+  ck_assert_msg(strstr(msg, path) != NULL, "the message does not name the checkpoint '%s': %s", path, msg);
+  for (const char *needle = va_arg(needles, const char *); needle; needle = va_arg(needles, const char *))
+    ck_assert_msg(strstr(msg, needle) != NULL, "'%s' is not in the message: %s", needle, msg);
+
+  ck_assert_uint_eq(qkeep_model_layer_count(model), 0);
+  ck_assert_ptr_null(qkeep_model_layer(model, 0));
+  struct qkeep_census census = {.size = sizeof census};
+  ck_assert_int_eq(qkeep_census(model, &census), 0);
+  ck_assert_int_eq(census.loader_params, 0);
+  ck_assert_int_eq(census.total_bytes, 0);
+
+  rc = qkeep_model_load(model, good);
+  ck_assert_msg(rc == 0, "the good checkpoint %s did not load after the failure: %s", good, qkeep_errmsg());
+  ck_assert_uint_eq(qkeep_model_layer_count(model), LAYER_COUNT);
+}
+
+/* The same with needles as arguments (NULL-terminated), for a model the caller set up. */
+static void __attribute__((sentinel)) expect_bad_in(qkeep_model *model, const char *path, int code, const char *good,
+                                                    ...) {
+  va_list needles;
+  va_start(needles, good);
+  expect_bad_into(model, path, code, good, needles);
+  va_end(needles);
+}
+
+/* The same with a fresh model of the reference backend. */
+static void __attribute__((sentinel)) expect_bad(const char *path, int code, const char *good, ...) {
+  qkeep_model *model;
+  ck_assert_int_eq(qkeep_model_new(plugin, &model), 0);
+  va_list needles;
+  va_start(needles, good);
+  expect_bad_into(model, path, code, good, needles);
+  va_end(needles);
+  qkeep_model_free(model);
+}
+
+/* ---- files ------------------------------------------------------------------------------------ */
+
+static char *in_dir(const char *file) {
+  char *p = tu_path(dir, file);
+  ck_assert_ptr_nonnull(p);
+  return p;
+}
+
+static void put_file(const char *path, const void *data, size_t n) {
+  ck_assert_msg(tu_write_file(path, data, n) == 0, "cannot write %s", path);
+}
+
+/* The checkpoint directory of a variant, copied to dir/<variant name>; returns its path (malloc'd). */
+static char *copy_variant(enum variant v) {
+  char *to = in_dir(variants[v].name);
+  ck_assert_int_eq(mkdir(to, 0755), 0);
+  DIR *d = opendir(variant_dir[v]);
+  ck_assert_ptr_nonnull(d);
+  for (struct dirent *e; (e = readdir(d));) {
+    if (e->d_name[0] == '.')
+      continue;
+    char *from = tu_path(variant_dir[v], e->d_name), *dst = tu_path(to, e->d_name);
+    size_t n;
+    void *data = tu_read_file(from, &n);
+    ck_assert_ptr_nonnull(data);
+    put_file(dst, data, n);
+    free(data);
+    free(from);
+    free(dst);
+  }
+  closedir(d);
+  return to;
+}
+
+static void remove_file(const char *ckpt, const char *file) {
+  char *p = tu_path(ckpt, file);
+  ck_assert_msg(unlink(p) == 0, "cannot remove %s", p);
+  free(p);
+}
+
+/* JSON written with single quotes, which read better inside C strings. */
+static void put_json(const char *ckpt, const char *file, const char *single_quoted) {
+  char *text = strdup(single_quoted), *p = tu_path(ckpt, file);
+  ck_assert_ptr_nonnull(text);
+  for (char *c = text; *c; c++)
+    if (*c == '\'')
+      *c = '"';
+  put_file(p, text, strlen(text));
+  free(text);
+  free(p);
+}
+
+static json_t *load_json(const char *ckpt, const char *file) {
+  char *p = tu_path(ckpt, file);
+  json_error_t err;
+  json_t *root = json_load_file(p, 0, &err);
+  ck_assert_msg(root != NULL, "%s: %s", p, err.text);
+  free(p);
+  return root;
+}
+
+/* Writes root to ckpt/file and drops the reference. */
+static void store_json(const char *ckpt, const char *file, json_t *root) {
+  char *p = tu_path(ckpt, file);
+  ck_assert_int_eq(json_dump_file(root, p, JSON_INDENT(2)), 0);
+  json_decref(root);
+  free(p);
+}
+
+/* Sets config.json's quantization_config.<key> (value stolen). */
+static void set_quant_key(const char *ckpt, const char *key, json_t *value) {
+  json_t *cfg = load_json(ckpt, "config.json");
+  json_t *qc = json_object_get(cfg, "quantization_config");
+  ck_assert_ptr_nonnull(qc);
+  ck_assert_int_eq(json_object_set_new(qc, key, value), 0);
+  store_json(ckpt, "config.json", cfg);
+}
+
+/* Replaces config.json's whole quantization_config with the (single-quoted) JSON text. */
+static void set_quant_config(const char *ckpt, const char *single_quoted) {
+  char *text = strdup(single_quoted);
+  ck_assert_ptr_nonnull(text);
+  for (char *c = text; *c; c++)
+    if (*c == '\'')
+      *c = '"';
+  json_error_t err;
+  json_t *qc = json_loads(text, 0, &err);
+  ck_assert_msg(qc != NULL, "%s: %s", text, err.text);
+  free(text);
+  json_t *cfg = load_json(ckpt, "config.json");
+  ck_assert_int_eq(json_object_set_new(cfg, "quantization_config", qc), 0);
+  store_json(ckpt, "config.json", cfg);
+}
+
+/* ---- tensors: read every tensor of a file, change some, write the file again ------------------- */
+
+struct item {
+  char *name;
+  struct qkeep_spec spec;
+  unsigned char *data;
+  size_t nbytes;
+};
+
+struct tensors {
+  struct item *items;
+  size_t n;
+};
+
+static struct tensors read_tensors(const char *path) {
+  struct st_file *f;
+  ck_assert_msg(st_open(path, &f) == 0, "%s", qkeep_errmsg());
+  struct tensors ts = {calloc(f->n_tensors ? f->n_tensors : 1, sizeof(struct item)), f->n_tensors};
+  ck_assert_ptr_nonnull(ts.items);
+  for (size_t i = 0; i < f->n_tensors; i++) {
+    const struct st_tensor *t = &f->tensors[i];
+    struct item *it = &ts.items[i];
+    ck_assert_int_ge(t->dtype, 0);
+    it->name = strdup(t->name);
+    it->spec = (struct qkeep_spec){.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(it->spec.shape, t->shape, sizeof it->spec.shape);
+    it->nbytes = (size_t)t->nbytes;
+    it->data = malloc(it->nbytes ? it->nbytes : 1);
+    ck_assert(it->name && it->data);
+    ck_assert_int_eq(st_read(f, t, it->data), 0);
+  }
+  st_close(f);
+  return ts;
+}
+
+/* Writes the tensors to path and frees them. */
+static void write_tensors(struct tensors *ts, const char *path) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  for (size_t i = 0; i < ts->n; i++) {
+    ck_assert_msg(st_writer_add(w, ts->items[i].name, &ts->items[i].spec, ts->items[i].data) == 0, "%s",
+                  qkeep_errmsg());
+    free(ts->items[i].name);
+    free(ts->items[i].data);
+  }
+  ck_assert_msg(st_writer_write(w, path) == 0, "%s", qkeep_errmsg());
+  st_writer_free(w);
+  free(ts->items);
+  *ts = (struct tensors){0};
+}
+
+/* The tensors of ckpt/model.safetensors. */
+static struct tensors weights_of(const char *ckpt) {
+  char *p = tu_path(ckpt, "model.safetensors");
+  struct tensors ts = read_tensors(p);
+  free(p);
+  return ts;
+}
+
+static void save_weights(struct tensors *ts, const char *ckpt) {
+  char *p = tu_path(ckpt, "model.safetensors");
+  write_tensors(ts, p);
+  free(p);
+}
+
+static struct item *find(struct tensors *ts, const char *name) {
+  for (size_t i = 0; i < ts->n; i++)
+    if (strcmp(ts->items[i].name, name) == 0)
+      return &ts->items[i];
+  return NULL;
+}
+
+static struct item *get(struct tensors *ts, const char *name) {
+  struct item *it = find(ts, name);
+  ck_assert_msg(it != NULL, "the good checkpoint has no tensor '%s'", name);
+  return it;
+}
+
+/* Removes the tensor of that name, or with `prefix` true every tensor whose name starts with it (at least one). */
+static void drop_matching(struct tensors *ts, const char *name, bool prefix) {
+  size_t kept = 0, before = ts->n;
+  for (size_t i = 0; i < ts->n; i++) {
+    const char *t = ts->items[i].name;
+    if (prefix ? strncmp(t, name, strlen(name)) == 0 : strcmp(t, name) == 0) {
+      free(ts->items[i].name);
+      free(ts->items[i].data);
+    } else {
+      ts->items[kept++] = ts->items[i];
+    }
+  }
+  ts->n = kept;
+  ck_assert_msg(kept < before, "the good checkpoint has no tensor '%s%s'", name, prefix ? "*" : "");
+}
+
+static void drop(struct tensors *ts, const char *name) { drop_matching(ts, name, false); }
+
+/* Drops a whole module: every tensor named "<module>.*". */
+static void drop_module(struct tensors *ts, const char *module) {
+  char prefix[256];
+  snprintf(prefix, sizeof prefix, "%s.", module);
+  drop_matching(ts, prefix, true);
+}
+
+/* Renames every tensor whose name starts with `from` to start with `to` instead. */
+static void rename_prefix(struct tensors *ts, const char *from, const char *to) {
+  int renamed = 0;
+  for (size_t i = 0; i < ts->n; i++) {
+    char *name = ts->items[i].name;
+    if (strncmp(name, from, strlen(from)) != 0)
+      continue;
+    size_t n = strlen(to) + strlen(name) - strlen(from) + 1;
+    char *renamed_name = malloc(n);
+    ck_assert_ptr_nonnull(renamed_name);
+    snprintf(renamed_name, n, "%s%s", to, name + strlen(from));
+    free(name);
+    ts->items[i].name = renamed_name;
+    renamed++;
+  }
+  ck_assert_int_gt(renamed, 0);
+}
+
+/* Sets (adds or replaces) a tensor of that spec, every byte `fill`. */
+static void put(struct tensors *ts, const char *name, struct qkeep_spec spec, unsigned char fill) {
+  struct item *it = find(ts, name);
+  if (!it) {
+    struct item *grown = realloc(ts->items, (ts->n + 1) * sizeof *ts->items);
+    ck_assert_ptr_nonnull(grown);
+    ts->items = grown;
+    it = &ts->items[ts->n++];
+    *it = (struct item){.name = strdup(name)};
+  } else {
+    free(it->data);
+  }
+  it->spec = spec;
+  it->nbytes = qkeep_spec_bytes(&spec);
+  it->data = malloc(it->nbytes ? it->nbytes : 1);
+  ck_assert(it->name && it->data);
+  memset(it->data, fill, it->nbytes);
+}
+
+static struct qkeep_spec spec1(enum qkeep_dtype dtype, int64_t d0) {
+  return (struct qkeep_spec){.dtype = dtype, .ndim = 1, .shape = {d0}};
+}
+
+static struct qkeep_spec spec2(enum qkeep_dtype dtype, int64_t d0, int64_t d1) {
+  return (struct qkeep_spec){.dtype = dtype, .ndim = 2, .shape = {d0, d1}};
+}
+
+static void set_f32(struct tensors *ts, const char *name, size_t index, float value) {
+  struct item *it = get(ts, name);
+  ck_assert_int_eq(it->spec.dtype, QKEEP_DTYPE_F32);
+  ck_assert_uint_lt(index * 4, it->nbytes);
+  memcpy(it->data + index * 4, &value, 4);
+}
+
+static void set_u16(struct tensors *ts, const char *name, size_t index, uint16_t value) {
+  struct item *it = get(ts, name);
+  ck_assert_uint_eq(qkeep_dtype_size(it->spec.dtype), 2);
+  ck_assert_uint_lt(index * 2, it->nbytes);
+  memcpy(it->data + index * 2, &value, 2);
+}
+
+static void set_byte(struct tensors *ts, const char *name, size_t index, unsigned char value) {
+  struct item *it = get(ts, name);
+  ck_assert_uint_eq(qkeep_dtype_size(it->spec.dtype), 1);
+  ck_assert_uint_lt(index, it->nbytes);
+  it->data[index] = value;
+}
+
+/* ---- raw safetensors bytes ------------------------------------------------------------------------ */
+
+static uint64_t get_le64(const unsigned char *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--)
+    v = (v << 8) | p[i];
+  return v;
+}
+
+static void put_le64(unsigned char *p, uint64_t v) {
+  for (int i = 0; i < 8; i++)
+    p[i] = (unsigned char)(v >> (8 * i));
+}
+
+/* Writes dir/bad.safetensors: an 8-byte length field, the header text, then data_bytes bytes of 0x3c. */
+static char *raw_file_len(uint64_t length_field, const char *header, size_t data_bytes) {
+  size_t hn = strlen(header), n = 8 + hn + data_bytes;
+  unsigned char *buf = malloc(n);
+  ck_assert_ptr_nonnull(buf);
+  put_le64(buf, length_field);
+  memcpy(buf + 8, header, hn);
+  memset(buf + 8 + hn, 0x3c, data_bytes);
+  char *path = in_dir("bad.safetensors");
+  put_file(path, buf, n);
+  free(buf);
+  return path;
+}
+
+static char *raw_file(const char *header, size_t data_bytes) {
+  return raw_file_len(strlen(header), header, data_bytes);
+}
+
+/* The source model's bytes (malloc'd), for cases that change a few of them. */
+static unsigned char *source_bytes(size_t *n) {
+  unsigned char *b = tu_read_file(source, n);
+  ck_assert_ptr_nonnull(b);
+  return b;
+}
+
+/* ---- safetensors structure ------------------------------------------------------------------------- */
+
+START_TEST(st_file_too_short) {
+  char *p = in_dir("bad.safetensors");
+  put_file(p, "{}\0\0", 4);
+  expect_bad(p, QKEEP_E_FORMAT, source, "too short", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_header_length_past_end) {
+  size_t n;
+  unsigned char *b = source_bytes(&n);
+  put_le64(b, n); /* header bytes past the end of the file */
+  char *p = in_dir("bad.safetensors");
+  put_file(p, b, n);
+  expect_bad(p, QKEEP_E_FORMAT, source, "runs past the end of the file", NULL);
+  free(b);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_header_length_cuts_json) {
+  size_t n;
+  unsigned char *b = source_bytes(&n);
+  put_le64(b, get_le64(b) - 8); /* padding is under 8 spaces: the closing brace is cut */
+  char *p = in_dir("bad.safetensors");
+  put_file(p, b, n);
+  expect_bad(p, QKEEP_E_FORMAT, source, "not valid JSON", NULL);
+  free(b);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_header_over_limit) {
+  char *p = raw_file_len(100000001, "{}", 16);
+  expect_bad(p, QKEEP_E_FORMAT, source, "exceeds the limit", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_header_empty) {
+  char *p = raw_file_len(0, "", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "header is empty", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_header_not_object) {
+  char *p = raw_file("[1, 2]  ", 0);
+  expect_bad(p, QKEEP_E_FORMAT, source, "does not begin with '{'", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_header_invalid_json) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "not valid JSON", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_name_not_utf8) {
+  char *p = raw_file("{\"model.norm.w\xff\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "not valid UTF-8", "0xff", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_duplicate_names) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+                     " \"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [8, 16]}}",
+                     16);
+  expect_bad(p, QKEEP_E_FORMAT, source, "duplicate", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_unknown_dtype) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F7\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "unknown dtype 'F7'", NULL);
+  free(p);
+}
+END_TEST
+
+/* A valid safetensors dtype that qkeep has no use for: the file opens, the layer cannot exist. */
+START_TEST(st_dtype_qkeep_does_not_load) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F64\", \"shape\": [2], \"data_offsets\": [0, 16]}}", 16);
+  expect_bad(p, QKEEP_E_UNSUPPORTED, source, "'model.norm.weight'", "F64", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_shape_times_dtype_is_not_bytes) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 12]}}", 12);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "hold 12 bytes", "needs 8", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_offsets_overlap) {
+  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+                     " \"model.b.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}",
+                     12);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.b.weight'", "an overlap", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_offsets_gap) {
+  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+                     " \"model.b.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [12, 20]}}",
+                     20);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.b.weight'", "a gap", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_offsets_not_from_zero) {
+  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}", 12);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.a.weight'", "must start at 0", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_offsets_out_of_bounds) {
+  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+                     " \"model.b.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [8, 16]}}",
+                     12);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.b.weight'", "run past the end of the file", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_offsets_reversed) {
+  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [0], \"data_offsets\": [8, 0]}}", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.a.weight'", "end before they begin", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_trailing_bytes) {
+  size_t n;
+  unsigned char *b = source_bytes(&n), *longer = calloc(n + 3, 1);
+  ck_assert_ptr_nonnull(longer);
+  memcpy(longer, b, n);
+  char *p = in_dir("bad.safetensors");
+  put_file(p, longer, n + 3);
+  expect_bad(p, QKEEP_E_FORMAT, source, "3 trailing bytes", NULL);
+  free(longer);
+  free(b);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_truncated) {
+  size_t n;
+  unsigned char *b = source_bytes(&n);
+  char *p = in_dir("bad.safetensors");
+  put_file(p, b, n - 100);
+  expect_bad(p, QKEEP_E_FORMAT, source, "tensor '", "run past the end of the file", NULL);
+  free(b);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_negative_dimension) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [-2], \"data_offsets\": [0, 8]}}", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "is -2", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_too_many_dimensions) {
+  char *p = raw_file(
+      "{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [1, 1, 1, 1, 1, 1, 2], \"data_offsets\": [0, 8]}}", 8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "7 dimensions", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_unknown_entry_key) {
+  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8],"
+                     " \"offsets\": [0, 8]}}",
+                     8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "unknown key 'offsets'", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_metadata_not_string) {
+  char *p = raw_file("{\"__metadata__\": {\"format\": 1},"
+                     " \"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}",
+                     8);
+  expect_bad(p, QKEEP_E_FORMAT, source, "__metadata__ value of 'format'", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(st_name_without_module_prefix) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, "toplevel", spec1(QKEEP_DTYPE_F32, 2), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'toplevel'", "no module prefix",
+             NULL);
+  free(ck);
+}
+END_TEST
+
+/* ---- checkpoint files and directories -------------------------------------------------------------- */
+
+START_TEST(ckpt_path_missing) {
+  char *p = in_dir("absent");
+  expect_bad(p, QKEEP_E_NOTFOUND, variant_dir[V_MODELOPT], "no such file", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(ckpt_dir_without_weights) {
+  char *ck = copy_variant(V_GPTQ);
+  remove_file(ck, "model.safetensors");
+  expect_bad(ck, QKEEP_E_NOTFOUND, variant_dir[V_GPTQ], "model.safetensors.index.json", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(ckpt_path_is_a_fifo) {
+  char *p = in_dir("fifo");
+  ck_assert_int_eq(mkfifo(p, 0600), 0);
+  expect_bad(p, QKEEP_E_IO, variant_dir[V_MODELOPT], "neither a regular file nor a directory", NULL);
+  free(p);
+}
+END_TEST
+
+START_TEST(ckpt_weights_not_a_regular_file) {
+  char *ck = copy_variant(V_MXFP4), *weights = tu_path(ck, "model.safetensors");
+  remove_file(ck, "model.safetensors");
+  ck_assert_int_eq(mkdir(weights, 0755), 0);
+  expect_bad(ck, QKEEP_E_IO, variant_dir[V_MXFP4], "model.safetensors", "not a regular file", NULL);
+  free(weights);
+  free(ck);
+}
+END_TEST
+
+START_TEST(ckpt_config_not_a_regular_file) {
+  char *ck = copy_variant(V_AWQ), *config = tu_path(ck, "config.json");
+  remove_file(ck, "config.json");
+  ck_assert_int_eq(mkdir(config, 0755), 0);
+  expect_bad(ck, QKEEP_E_IO, variant_dir[V_AWQ], "config.json", "not a regular file", NULL);
+  free(config);
+  free(ck);
+}
+END_TEST
+
+/* The checkpoint shrinks after the first layer has loaded: the next read fails, nothing stays. */
+struct shrink {
+  char *path;
+  bool armed;
+};
+
+static void shrink_after_first_layer(void *user, size_t done, size_t total, const char *layer) {
+  struct shrink *s = user;
+  (void)total;
+  (void)layer;
+  if (s->armed && done == 1) {
+    s->armed = false;
+    ck_assert_int_eq(truncate(s->path, 4096), 0);
+  }
+}
+
+START_TEST(ckpt_file_shrinks_during_load) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct shrink s = {tu_path(ck, "model.safetensors"), true};
+  qkeep_model *model;
+  ck_assert_int_eq(qkeep_model_new(plugin, &model), 0);
+  qkeep_model_set_progress(model, shrink_after_first_layer, &s);
+  expect_bad_in(model, ck, QKEEP_E_IO, variant_dir[V_MODELOPT], "model.safetensors", "tensor '", "changed size",
+                NULL);
+  qkeep_model_free(model);
+  free(s.path);
+  free(ck);
+}
+END_TEST
+
+/* ---- shards and the index ------------------------------------------------------------------------- */
+
+/* The shard the index names for a tensor (malloc'd). */
+static char *shard_of(const char *ck, const char *tensor) {
+  json_t *index = load_json(ck, "model.safetensors.index.json");
+  const char *shard = json_string_value(json_object_get(json_object_get(index, "weight_map"), tensor));
+  ck_assert_msg(shard != NULL, "the index has no '%s'", tensor);
+  char *copy = strdup(shard);
+  json_decref(index);
+  return copy;
+}
+
+/* A shard other than `other`, from the index (malloc'd). */
+static char *another_shard(const char *ck, const char *other) {
+  json_t *index = load_json(ck, "model.safetensors.index.json");
+  const char *key, *found = NULL;
+  json_t *value;
+  json_object_foreach(json_object_get(index, "weight_map"), key, value) {
+    if (strcmp(json_string_value(value), other) != 0)
+      found = json_string_value(value);
+  }
+  ck_assert_msg(found != NULL, "the checkpoint has one shard only");
+  char *copy = strdup(found);
+  json_decref(index);
+  return copy;
+}
+
+#define SHARDED_TENSOR L0 "mlp.down_proj.weight"
+
+START_TEST(shard_file_missing) {
+  char *ck = copy_variant(V_SHARDED), *shard = shard_of(ck, SHARDED_TENSOR);
+  remove_file(ck, shard);
+  expect_bad(ck, QKEEP_E_NOTFOUND, variant_dir[V_SHARDED], "model.safetensors.index.json", shard, "no such file",
+             NULL);
+  free(shard);
+  free(ck);
+}
+END_TEST
+
+START_TEST(shard_file_truncated) {
+  char *ck = copy_variant(V_SHARDED), *shard = shard_of(ck, SHARDED_TENSOR), *p = tu_path(ck, shard);
+  size_t n;
+  unsigned char *b = tu_read_file(p, &n);
+  ck_assert_ptr_nonnull(b);
+  put_file(p, b, n - 10);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", shard,
+             "run past the end of the file", NULL);
+  free(b);
+  free(p);
+  free(shard);
+  free(ck);
+}
+END_TEST
+
+START_TEST(index_names_tensor_its_shard_lacks) {
+  char *ck = copy_variant(V_SHARDED), *shard = shard_of(ck, SHARDED_TENSOR);
+  json_t *index = load_json(ck, "model.safetensors.index.json");
+  json_object_set_new(json_object_get(index, "weight_map"), L0 "mlp.down_proj.bias", json_string(shard));
+  store_json(ck, "model.safetensors.index.json", index);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json",
+             "'" L0 "mlp.down_proj.bias'", "does not contain it", NULL);
+  free(shard);
+  free(ck);
+}
+END_TEST
+
+START_TEST(shard_tensor_missing_from_index) {
+  char *ck = copy_variant(V_SHARDED);
+  json_t *index = load_json(ck, "model.safetensors.index.json");
+  ck_assert_int_eq(json_object_del(json_object_get(index, "weight_map"), SHARDED_TENSOR), 0);
+  store_json(ck, "model.safetensors.index.json", index);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "'" SHARDED_TENSOR "'",
+             "missing from the weight_map", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(tensor_in_two_shards) {
+  char *ck = copy_variant(V_SHARDED), *home = shard_of(ck, SHARDED_TENSOR), *other = another_shard(ck, home);
+  char *home_path = tu_path(ck, home), *other_path = tu_path(ck, other);
+  struct tensors from = read_tensors(home_path), to = read_tensors(other_path);
+  struct item *t = get(&from, SHARDED_TENSOR);
+  put(&to, SHARDED_TENSOR, t->spec, 0);
+  memcpy(get(&to, SHARDED_TENSOR)->data, t->data, t->nbytes);
+  write_tensors(&to, other_path);
+  write_tensors(&from, home_path);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "'" SHARDED_TENSOR "'",
+             "in two shards", NULL);
+  free(home_path);
+  free(other_path);
+  free(home);
+  free(other);
+  free(ck);
+}
+END_TEST
+
+START_TEST(index_shard_outside_directory) {
+  char *ck = copy_variant(V_SHARDED);
+  json_t *index = load_json(ck, "model.safetensors.index.json");
+  json_object_set_new(json_object_get(index, "weight_map"), SHARDED_TENSOR, json_string("../model.safetensors"));
+  store_json(ck, "model.safetensors.index.json", index);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "'" SHARDED_TENSOR "'",
+             "'../model.safetensors'", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(index_invalid_json) {
+  char *ck = copy_variant(V_SHARDED);
+  put_json(ck, "model.safetensors.index.json", "{'weight_map': {'a.weight': 'model-00001-of-00002.safetensors'");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "invalid JSON", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(index_without_weight_map) {
+  char *ck = copy_variant(V_SHARDED);
+  put_json(ck, "model.safetensors.index.json", "{'metadata': {'format': 'pt'}}");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "no weight_map", NULL);
+  free(ck);
+}
+END_TEST
+
+/* ---- config.json and hf_quant_config.json ------------------------------------------------------- */
+
+START_TEST(config_invalid_json) {
+  char *ck = copy_variant(V_GPTQ);
+  put_json(ck, "config.json", "{'quantization_config': {'quant_method': 'gptq',");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "config.json", "invalid JSON", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(config_gptq_contradicts_hf_quant_nvfp4) {
+  char *ck = copy_variant(V_MODELOPT);
+  set_quant_config(ck, "{'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'sym': true, 'desc_act': false}");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "hf_quant_config.json", "config.json", "'gptq'",
+             "contradict", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(config_quant_algo_contradicts_hf_quant) {
+  char *ck = copy_variant(V_MODELOPT);
+  set_quant_key(ck, "quant_algo", json_string("FP8"));
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "hf_quant_config.json", "quant_algo 'FP8'",
+             "contradict", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(hf_quant_algo_unsupported) {
+  char *ck = copy_variant(V_MODELOPT);
+  set_quant_key(ck, "quant_algo", json_string("W4A8_AWQ"));
+  put_json(ck, "hf_quant_config.json", "{'quantization': {'quant_algo': 'W4A8_AWQ', 'group_size': 16}}");
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_MODELOPT], "hf_quant_config.json", "'W4A8_AWQ'", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(hf_quant_group_size_not_16) {
+  char *ck = copy_variant(V_MODELOPT);
+  json_t *hf = load_json(ck, "hf_quant_config.json");
+  json_object_set_new(json_object_get(hf, "quantization"), "group_size", json_integer(32));
+  store_json(ck, "hf_quant_config.json", hf);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "hf_quant_config.json", "group_size 32", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(config_quant_method_unsupported) {
+  char *ck = copy_variant(V_GPTQ);
+  set_quant_key(ck, "quant_method", json_string("bitsandbytes"));
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_GPTQ], "config.json", "'bitsandbytes'", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(config_gptq_bits_8) {
+  char *ck = copy_variant(V_GPTQ);
+  set_quant_key(ck, "bits", json_integer(8));
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_GPTQ], "config.json", "bits 8", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(config_ct_format_unsupported) {
+  char *ck = copy_variant(V_CT_NVFP4);
+  set_quant_key(ck, "format", json_string("pack-quantized"));
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_CT_NVFP4], "config.json", "'pack-quantized'", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(config_tie_word_embeddings_not_boolean) {
+  char *ck = copy_variant(V_AWQ);
+  json_t *cfg = load_json(ck, "config.json");
+  json_object_set_new(cfg, "tie_word_embeddings", json_string("yes"));
+  store_json(ck, "config.json", cfg);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_AWQ], "config.json", "tie_word_embeddings is a string", NULL);
+  free(ck);
+}
+END_TEST
+
+/* config.json says GPTQ, the tensors are ModelOpt NVFP4. */
+START_TEST(config_gptq_tensors_nvfp4) {
+  char *ck = copy_variant(V_MODELOPT);
+  remove_file(ck, "hf_quant_config.json");
+  set_quant_config(ck, "{'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'sym': true, 'desc_act': false}");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "has 'weight'",
+             "scheme gptq-int4", NULL);
+  free(ck);
+}
+END_TEST
+
+/* config.json says ModelOpt, the tensors carry compressed-tensors names. */
+START_TEST(config_modelopt_tensors_compressed_tensors) {
+  char *ck = copy_variant(V_CT_NVFP4);
+  set_quant_config(ck, "{'quant_method': 'modelopt', 'quant_algo': 'NVFP4', 'group_size': 16, 'ignore': ['lm_head']}");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_CT_NVFP4], "model.safetensors", "has 'weight_scale'",
+             "scheme modelopt-nvfp4", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(gptq_config_group_larger_than_scales) {
+  char *ck = copy_variant(V_GPTQ);
+  set_quant_key(ck, "group_size", json_integer(64));
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", ".scales'", "group size 32",
+             "the config says 64", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(gptq_config_group_smaller_than_scales) {
+  char *ck = copy_variant(V_GPTQ);
+  set_quant_key(ck, "group_size", json_integer(16));
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", ".scales'", "group size 32",
+             "the config says 16", NULL);
+  free(ck);
+}
+END_TEST
+
+/* ---- a scheme's tensors: missing, extra, wrong dtype or shape ------------------------------------ */
+
+START_TEST(modelopt_missing_weight_scale) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  drop(&ts, L0 "mlp.down_proj.weight_scale");
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", L0 "mlp.down_proj",
+             "weight_scale", "scheme modelopt-nvfp4", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(gptq_missing_qzeros) {
+  char *ck = copy_variant(V_GPTQ);
+  struct tensors ts = weights_of(ck);
+  drop(&ts, L0 "self_attn.q_proj.qzeros");
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "'" L0 "self_attn.q_proj.qzeros'", "gptq-int4", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(w8a8_missing_weight_scale) {
+  char *ck = copy_variant(V_W8A8);
+  struct tensors ts = weights_of(ck);
+  drop(&ts, L0 "self_attn.o_proj.weight_scale");
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "model.safetensors", L0 "self_attn.o_proj",
+             "weight_scale", "scheme w8a8-int8", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(w8a8_missing_static_input_scale) {
+  char *ck = copy_variant(V_W8A8);
+  struct tensors ts = weights_of(ck);
+  drop(&ts, L0 "self_attn.o_proj.input_scale");
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "model.safetensors", "'" L0 "self_attn.o_proj.input_scale'",
+             "static activations", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(moe_expert_missing_up_proj) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  drop_module(&ts, L1 "mlp.experts.2.up_proj");
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], L1 "mlp.experts", "expert 2 has no up_proj", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(moe_expert_index_too_large) {
+  char *ck = copy_variant(V_MXFP4);
+  struct tensors ts = weights_of(ck);
+  rename_prefix(&ts, L1 "mlp.experts.3.", L1 "mlp.experts.5000.");
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MXFP4], L1 "mlp.experts", "5001 experts", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(w8a8_extra_tensor_in_module) {
+  char *ck = copy_variant(V_W8A8);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.q_proj.weight_zero_point", spec2(QKEEP_DTYPE_I8, HIDDEN, 1), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "model.safetensors",
+             "'" L0 "self_attn.q_proj.weight_zero_point'", "not part of scheme w8a8-int8", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(modelopt_weight_scale_f32) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.weight_scale", spec2(QKEEP_DTYPE_F32, HIDDEN, HIDDEN / 16), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors",
+             "'" L0 "self_attn.o_proj.weight_scale'", "dtype F32 in checkpoint, expected F8_E4M3", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(gptq_scales_i32) {
+  char *ck = copy_variant(V_GPTQ);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.scales", spec2(QKEEP_DTYPE_I32, HIDDEN / INT4_GROUP, HIDDEN), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", "'" L0 "self_attn.o_proj.scales'",
+             "dtype I32", "F16", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(mxfp4_weight_scale_i8) {
+  char *ck = copy_variant(V_MXFP4);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.weight_scale", spec2(QKEEP_DTYPE_I8, HIDDEN, HIDDEN / 32), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MXFP4], "model.safetensors", "'" L0 "self_attn.o_proj.weight_scale'",
+             "dtype I8", NULL);
+  free(ck);
+}
+END_TEST
+
+/* Each dtype is one the scheme accepts, but fused shards must agree. */
+START_TEST(fused_shards_differ_in_dtype) {
+  char *ck = copy_variant(V_W8A8);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.k_proj.weight_scale", spec2(QKEEP_DTYPE_BF16, KV, 1), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "'" L0 "self_attn.k_proj.weight_scale'", "BF16", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(modelopt_weight_scale_wrong_shape) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.weight_scale", spec2(QKEEP_DTYPE_F8_E4M3, HIDDEN, HIDDEN / 8), 0x38);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors",
+             "'" L0 "self_attn.o_proj.weight_scale'", "shape [64, 8], expected [64, 4]", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(modelopt_input_scale_not_scalar) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.input_scale", spec1(QKEEP_DTYPE_F32, 2), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors",
+             "'" L0 "self_attn.o_proj.input_scale'", "expected a scalar", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(awq_qzeros_wrong_shape) {
+  char *ck = copy_variant(V_AWQ);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.qzeros", spec2(QKEEP_DTYPE_I32, HIDDEN / INT4_GROUP, HIDDEN / 4), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_AWQ], "model.safetensors", "'" L0 "self_attn.o_proj.qzeros'",
+             "shape [2, 16], expected [2, 8]", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(gptq_groups_do_not_divide_k) {
+  char *ck = copy_variant(V_GPTQ);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.scales", spec2(QKEEP_DTYPE_F16, 3, HIDDEN), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", "'" L0 "self_attn.o_proj.scales'",
+             "3 groups do not divide K = 64", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(modelopt_bias_wrong_shape) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.o_proj.bias", spec1(QKEEP_DTYPE_BF16, HIDDEN - 1), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'" L0 "self_attn.o_proj.bias'",
+             "shape [63], expected [64]", NULL);
+  free(ck);
+}
+END_TEST
+
+/* k_proj quantized over K = 32 while q_proj and v_proj have K = 64: one fused layer cannot hold both. */
+START_TEST(fused_qkv_shards_differ_in_k) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.k_proj.weight", spec2(QKEEP_DTYPE_U8, KV, 32 / 2), 0);
+  put(&ts, L0 "self_attn.k_proj.weight_scale", spec2(QKEEP_DTYPE_F8_E4M3, KV, 32 / 16), 0x38);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], L0 "self_attn.k_proj", "K 32", NULL);
+  free(ck);
+}
+END_TEST
+
+/* Act order: every fused shard must carry the same permutation. */
+START_TEST(gptq_act_order_g_idx_differs) {
+  char *ck = copy_variant(V_GPTQ);
+  set_quant_key(ck, "desc_act", json_true());
+  struct tensors ts = weights_of(ck);
+  struct item *g_idx = get(&ts, L0 "self_attn.k_proj.g_idx");
+  int32_t first, last;
+  memcpy(&first, g_idx->data, 4);
+  memcpy(&last, g_idx->data + g_idx->nbytes - 4, 4);
+  ck_assert_int_ne(first, last);
+  memcpy(g_idx->data, &last, 4); /* rows 0 and K-1 swap groups */
+  memcpy(g_idx->data + g_idx->nbytes - 4, &first, 4);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", "'" L0 "self_attn.k_proj.g_idx'",
+             "differs from the fused shard", NULL);
+  free(ck);
+}
+END_TEST
+
+/* Static int8 activations with a zero point: fused shards must share it. */
+START_TEST(w8a8_fused_zero_points_differ) {
+  char *ck = copy_variant(V_W8A8_ASYM);
+  struct tensors ts = weights_of(ck);
+  struct item *zp = get(&ts, L0 "self_attn.k_proj.input_zero_point");
+  ck_assert_int_eq(zp->spec.dtype, QKEEP_DTYPE_I32);
+  int32_t three = 3;
+  memcpy(zp->data, &three, 4);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_W8A8_ASYM], L0 "self_attn.qkv_proj", "input_zero_point",
+             "different values", NULL);
+  free(ck);
+}
+END_TEST
+
+/* A fused name that the checkpoint also carries as a module of its own. */
+START_TEST(fused_name_taken_by_a_module) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.qkv_proj.weight", spec2(QKEEP_DTYPE_BF16, HIDDEN + 2 * KV, HIDDEN), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "two layers would be named " L0 "self_attn.qkv_proj",
+             NULL);
+  free(ck);
+}
+END_TEST
+
+/* ---- kv-cache scales ------------------------------------------------------------------------------ */
+
+START_TEST(kv_scale_not_a_scalar) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.k_proj.k_scale", spec1(QKEEP_DTYPE_F32, 2), 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'" L0 "self_attn.k_proj.k_scale'",
+             "expected an F32 scalar", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(kv_scale_bf16) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L1 "self_attn.v_proj.v_scale", (struct qkeep_spec){.dtype = QKEEP_DTYPE_BF16}, 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'" L1 "self_attn.v_proj.v_scale'",
+             "BF16", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(kv_two_k_scales_for_one_block) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  put(&ts, L0 "self_attn.k_scale", (struct qkeep_spec){.dtype = QKEEP_DTYPE_F32}, 0);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "two k_scale tensors", "'" L0 "self_attn.k_scale'",
+             "'" L0 "self_attn.k_proj.k_scale'", NULL);
+  free(ck);
+}
+END_TEST
+
+/* ---- scale values: finite and non-negative, no NaN code ------------------------------------------- */
+
+START_TEST(nan_weight_scale_2) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  set_f32(&ts, L0 "self_attn.k_proj.weight_scale_2", 0, NAN);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L0 "self_attn.k_proj.weight_scale_2'",
+             "element 0 is NaN", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(inf_input_scale) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  set_f32(&ts, L0 "self_attn.v_proj.input_scale", 0, INFINITY);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L0 "self_attn.v_proj.input_scale'",
+             "element 0 is infinite", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(moe_expert_inf_weight_scale_2) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  set_f32(&ts, L1 "mlp.experts.2.down_proj.weight_scale_2", 0, -INFINITY);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L1 "mlp.experts.2.down_proj.weight_scale_2'",
+             "element 0 is infinite", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(w8a8_negative_weight_scale) {
+  char *ck = copy_variant(V_W8A8);
+  struct tensors ts = weights_of(ck);
+  set_f32(&ts, L0 "self_attn.o_proj.weight_scale", 5, -0.5f);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "'" L0 "self_attn.o_proj.weight_scale'",
+             "element 5 is negative", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(e4m3_nan_block_scale) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  set_byte(&ts, L0 "mlp.down_proj.weight_scale", 7, 0x7f);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L0 "mlp.down_proj.weight_scale'",
+             "element 7 is NaN", NULL);
+  free(ck);
+}
+END_TEST
+
+/* In up_proj, the second shard of gate_up_proj: the message names the shard's own tensor and element. */
+START_TEST(e4m3_negative_block_scale) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  set_byte(&ts, L0 "mlp.up_proj.weight_scale", 9, 0xb8);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L0 "mlp.up_proj.weight_scale'",
+             "element 9 is negative", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(e8m0_nan_mxfp4_scale) {
+  char *ck = copy_variant(V_MXFP4);
+  struct tensors ts = weights_of(ck);
+  set_byte(&ts, L0 "self_attn.o_proj.weight_scale", 3, 0xff);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MXFP4], "'" L0 "self_attn.o_proj.weight_scale'",
+             "element 3 is NaN (e8m0 0xff)", NULL);
+  free(ck);
+}
+END_TEST
+
+/* v_proj's scales sit in every row of the fused [K/G, N] param, after q's and k's columns. */
+START_TEST(gptq_nan_f16_scale) {
+  char *ck = copy_variant(V_GPTQ);
+  struct tensors ts = weights_of(ck);
+  set_u16(&ts, L0 "self_attn.v_proj.scales", KV + 1, 0x7e00); /* row 1, column 1 */
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "'" L0 "self_attn.v_proj.scales'", "element 33 is NaN",
+             NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(ct_negative_global_scale) {
+  char *ck = copy_variant(V_CT_NVFP4);
+  struct tensors ts = weights_of(ck);
+  set_f32(&ts, L0 "self_attn.o_proj.weight_global_scale", 0, -1.0f);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_CT_NVFP4], "'" L0 "self_attn.o_proj.weight_global_scale'",
+             "element 0 is negative", NULL);
+  free(ck);
+}
+END_TEST
+
+START_TEST(kv_nan_k_scale) {
+  char *ck = copy_variant(V_MODELOPT);
+  struct tensors ts = weights_of(ck);
+  set_f32(&ts, L1 "self_attn.k_proj.k_scale", 0, NAN);
+  save_weights(&ts, ck);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L1 "self_attn.k_proj.k_scale'", "element 0 is NaN",
+             NULL);
+  free(ck);
+}
+END_TEST
+
+/* ---- the control: every good checkpoint loads ------------------------------------------------------ */
+
+START_TEST(good_checkpoints_load) {
+  for (int v = -1; v < V_COUNT; v++) {
+    const char *path = v < 0 ? source : variant_dir[v];
+    qkeep_model *model;
+    ck_assert_int_eq(qkeep_model_new(plugin, &model), 0);
+    ck_assert_msg(qkeep_model_load(model, path) == 0, "%s: %s", path, qkeep_errmsg());
+    ck_assert_uint_eq(qkeep_model_layer_count(model), LAYER_COUNT);
+    struct qkeep_census census = {.size = sizeof census};
+    ck_assert_int_eq(qkeep_census(model, &census), 0);
+    ck_assert_int_eq(census.missing, 0);
+    ck_assert_int_eq(census.c1, 0);
+    qkeep_model_free(model);
+  }
+  char *index = tu_path(variant_dir[V_SHARDED], "model.safetensors.index.json");
+  ck_assert_msg(access(index, F_OK) == 0, "the sharded variant has no index");
+  free(index);
+}
+END_TEST
+
+static Suite *badckpt_suite(void) {
+  Suite *s = suite_create("badckpt");
+  TCase *tc = tcase_create("badckpt");
+  tcase_add_unchecked_fixture(tc, build_inputs, free_inputs);
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, good_checkpoints_load);
+  /* safetensors structure */
+  tcase_add_test(tc, st_file_too_short);
+  tcase_add_test(tc, st_header_length_past_end);
+  tcase_add_test(tc, st_header_length_cuts_json);
+  tcase_add_test(tc, st_header_over_limit);
+  tcase_add_test(tc, st_header_empty);
+  tcase_add_test(tc, st_header_not_object);
+  tcase_add_test(tc, st_header_invalid_json);
+  tcase_add_test(tc, st_name_not_utf8);
+  tcase_add_test(tc, st_duplicate_names);
+  tcase_add_test(tc, st_unknown_dtype);
+  tcase_add_test(tc, st_dtype_qkeep_does_not_load);
+  tcase_add_test(tc, st_shape_times_dtype_is_not_bytes);
+  tcase_add_test(tc, st_offsets_overlap);
+  tcase_add_test(tc, st_offsets_gap);
+  tcase_add_test(tc, st_offsets_not_from_zero);
+  tcase_add_test(tc, st_offsets_out_of_bounds);
+  tcase_add_test(tc, st_offsets_reversed);
+  tcase_add_test(tc, st_trailing_bytes);
+  tcase_add_test(tc, st_truncated);
+  tcase_add_test(tc, st_negative_dimension);
+  tcase_add_test(tc, st_too_many_dimensions);
+  tcase_add_test(tc, st_unknown_entry_key);
+  tcase_add_test(tc, st_metadata_not_string);
+  tcase_add_test(tc, st_name_without_module_prefix);
+  /* files and directories */
+  tcase_add_test(tc, ckpt_path_missing);
+  tcase_add_test(tc, ckpt_dir_without_weights);
+  tcase_add_test(tc, ckpt_path_is_a_fifo);
+  tcase_add_test(tc, ckpt_weights_not_a_regular_file);
+  tcase_add_test(tc, ckpt_config_not_a_regular_file);
+  tcase_add_test(tc, ckpt_file_shrinks_during_load);
+  /* shards and the index */
+  tcase_add_test(tc, shard_file_missing);
+  tcase_add_test(tc, shard_file_truncated);
+  tcase_add_test(tc, index_names_tensor_its_shard_lacks);
+  tcase_add_test(tc, shard_tensor_missing_from_index);
+  tcase_add_test(tc, tensor_in_two_shards);
+  tcase_add_test(tc, index_shard_outside_directory);
+  tcase_add_test(tc, index_invalid_json);
+  tcase_add_test(tc, index_without_weight_map);
+  /* config files */
+  tcase_add_test(tc, config_invalid_json);
+  tcase_add_test(tc, config_gptq_contradicts_hf_quant_nvfp4);
+  tcase_add_test(tc, config_quant_algo_contradicts_hf_quant);
+  tcase_add_test(tc, hf_quant_algo_unsupported);
+  tcase_add_test(tc, hf_quant_group_size_not_16);
+  tcase_add_test(tc, config_quant_method_unsupported);
+  tcase_add_test(tc, config_gptq_bits_8);
+  tcase_add_test(tc, config_ct_format_unsupported);
+  tcase_add_test(tc, config_tie_word_embeddings_not_boolean);
+  tcase_add_test(tc, config_gptq_tensors_nvfp4);
+  tcase_add_test(tc, config_modelopt_tensors_compressed_tensors);
+  tcase_add_test(tc, gptq_config_group_larger_than_scales);
+  tcase_add_test(tc, gptq_config_group_smaller_than_scales);
+  /* a scheme's tensors */
+  tcase_add_test(tc, modelopt_missing_weight_scale);
+  tcase_add_test(tc, gptq_missing_qzeros);
+  tcase_add_test(tc, w8a8_missing_weight_scale);
+  tcase_add_test(tc, w8a8_missing_static_input_scale);
+  tcase_add_test(tc, moe_expert_missing_up_proj);
+  tcase_add_test(tc, moe_expert_index_too_large);
+  tcase_add_test(tc, w8a8_extra_tensor_in_module);
+  tcase_add_test(tc, modelopt_weight_scale_f32);
+  tcase_add_test(tc, gptq_scales_i32);
+  tcase_add_test(tc, mxfp4_weight_scale_i8);
+  tcase_add_test(tc, fused_shards_differ_in_dtype);
+  tcase_add_test(tc, modelopt_weight_scale_wrong_shape);
+  tcase_add_test(tc, modelopt_input_scale_not_scalar);
+  tcase_add_test(tc, awq_qzeros_wrong_shape);
+  tcase_add_test(tc, gptq_groups_do_not_divide_k);
+  tcase_add_test(tc, modelopt_bias_wrong_shape);
+  tcase_add_test(tc, fused_qkv_shards_differ_in_k);
+  tcase_add_test(tc, gptq_act_order_g_idx_differs);
+  tcase_add_test(tc, w8a8_fused_zero_points_differ);
+  tcase_add_test(tc, fused_name_taken_by_a_module);
+  /* kv-cache scales */
+  tcase_add_test(tc, kv_scale_not_a_scalar);
+  tcase_add_test(tc, kv_scale_bf16);
+  tcase_add_test(tc, kv_two_k_scales_for_one_block);
+  /* scale values */
+  tcase_add_test(tc, nan_weight_scale_2);
+  tcase_add_test(tc, inf_input_scale);
+  tcase_add_test(tc, moe_expert_inf_weight_scale_2);
+  tcase_add_test(tc, w8a8_negative_weight_scale);
+  tcase_add_test(tc, e4m3_nan_block_scale);
+  tcase_add_test(tc, e4m3_negative_block_scale);
+  tcase_add_test(tc, e8m0_nan_mxfp4_scale);
+  tcase_add_test(tc, gptq_nan_f16_scale);
+  tcase_add_test(tc, ct_negative_global_scale);
+  tcase_add_test(tc, kv_nan_k_scale);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  SRunner *sr = srunner_create(badckpt_suite());
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
