@@ -32,7 +32,8 @@ static int add_range(struct range **ranges, size_t *n, size_t *cap, const struct
 /* Pairs of distinct objects whose byte ranges overlap (sort, then sweep). */
 static int64_t count_overlaps(struct range *r, size_t n) {
   int64_t pairs = 0;
-  qsort(r, n, sizeof *r, by_begin);
+  if (n > 1) /* qsort needs a non-NULL base even for 0 elements (an empty model has none) */
+    qsort(r, n, sizeof *r, by_begin);
   for (size_t i = 0; i < n; i++)
     for (size_t j = i + 1; j < n && r[j].begin < r[i].end; j++)
       if (r[j].object != r[i].object)

@@ -45,12 +45,12 @@
 /* ---- the good checkpoints (built once, before the tests) ------------------------------ */
 
 enum variant {
-  V_MODELOPT,   /* modelopt-nvfp4 with kv-cache scales */
-  V_SHARDED,    /* the same, in several shards with an index */
+  V_MODELOPT, /* modelopt-nvfp4 with kv-cache scales */
+  V_SHARDED,  /* the same, in several shards with an index */
   V_CT_NVFP4,
   V_MXFP4,
-  V_W8A8,       /* static symmetric input scales */
-  V_W8A8_ASYM,  /* static input scales with zero points */
+  V_W8A8,      /* static symmetric input scales */
+  V_W8A8_ASYM, /* static input scales with zero points */
   V_GPTQ,
   V_AWQ,
   V_COUNT
@@ -61,7 +61,8 @@ static const struct {
   struct qkeep_quantize_options opts;
 } variants[V_COUNT] = {
     [V_MODELOPT] = {"modelopt", {.scheme = "modelopt-nvfp4", .kv_cache_scales = true}},
-    [V_SHARDED] = {"sharded", {.scheme = "modelopt-nvfp4", .kv_cache_scales = true, .max_shard_bytes = 24000}},
+    [V_SHARDED] = {"sharded",
+                   {.scheme = "modelopt-nvfp4", .kv_cache_scales = true, .max_shard_bytes = 24000}},
     [V_CT_NVFP4] = {"ct-nvfp4", {.scheme = "ct-nvfp4"}},
     [V_MXFP4] = {"mxfp4", {.scheme = "mxfp4"}},
     [V_W8A8] = {"w8a8", {.scheme = "w8a8-int8", .static_input = true}},
@@ -70,13 +71,14 @@ static const struct {
     [V_AWQ] = {"awq", {.scheme = "awq-int4", .group_size = INT4_GROUP}},
 };
 
-static char *inputs;                /* the directory holding all of them */
-static char *source;                /* the unquantized model, one .safetensors file */
+static char *inputs; /* the directory holding all of them */
+static char *source; /* the unquantized model, one .safetensors file */
 static char *variant_dir[V_COUNT];
-static char inputs_error[1024];     /* why building them failed; "" when they are ready */
+static char inputs_error[1024]; /* why building them failed; "" when they are ready */
 
 /* Adds a bf16 tensor: uniform values in [-1/8, 1/8) for a matrix, ones for a vector (cols 0). */
-static int add_source_tensor(struct st_writer *w, uint64_t *rng, const char *name, int64_t rows, int64_t cols) {
+static int add_source_tensor(struct st_writer *w, uint64_t *rng, const char *name, int64_t rows,
+                             int64_t cols) {
   struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_BF16, .ndim = cols ? 2 : 1, .shape = {rows, cols}};
   size_t n = (size_t)rows * (size_t)(cols ? cols : 1);
   uint16_t *values = malloc(n * sizeof *values);
@@ -89,6 +91,24 @@ static int add_source_tensor(struct st_writer *w, uint64_t *rng, const char *nam
   return rc;
 }
 
+/* gate/up/down of layer l: the dense MLP (expert < 0) or one expert of its MoE block. */
+static int add_mlp(struct st_writer *w, uint64_t *rng, int l, int expert) {
+  static const struct {
+    const char *name;
+    int64_t rows, cols;
+  } mlp[] = {{"gate_proj", INTER, HIDDEN}, {"up_proj", INTER, HIDDEN}, {"down_proj", HIDDEN, INTER}};
+  char name[160];
+  int rc = 0;
+  for (size_t p = 0; p < 3 && !rc; p++) {
+    if (expert < 0)
+      snprintf(name, sizeof name, "model.layers.%d.mlp.%s.weight", l, mlp[p].name);
+    else
+      snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, expert, mlp[p].name);
+    rc = add_source_tensor(w, rng, name, mlp[p].rows, mlp[p].cols);
+  }
+  return rc;
+}
+
 /* Two decoder layers: q/k/v/o and norms in both, a gate/up/down MLP in layer 0, an MoE block in layer 1. */
 static int write_source(const char *path) {
   static const struct {
@@ -97,8 +117,7 @@ static int write_source(const char *path) {
   } attention[] = {{"self_attn.q_proj", HIDDEN, HIDDEN},
                    {"self_attn.k_proj", KV, HIDDEN},
                    {"self_attn.v_proj", KV, HIDDEN},
-                   {"self_attn.o_proj", HIDDEN, HIDDEN}},
-    mlp[] = {{"gate_proj", INTER, HIDDEN}, {"up_proj", INTER, HIDDEN}, {"down_proj", HIDDEN, INTER}};
+                   {"self_attn.o_proj", HIDDEN, HIDDEN}};
   uint64_t rng = 7;
   char name[160];
   struct st_writer *w;
@@ -111,17 +130,11 @@ static int write_source(const char *path) {
       snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, attention[i].name);
       rc = add_source_tensor(w, &rng, name, attention[i].rows, attention[i].cols);
     }
-    for (int e = -1; e < (l ? EXPERTS : 0) && !rc; e++) /* e = -1: the dense MLP of layer 0 */
-      for (size_t p = 0; p < 3 && !rc; p++) {
-        if (l == 1 && e < 0)
-          break;
-        if (e < 0)
-          snprintf(name, sizeof name, "model.layers.%d.mlp.%s.weight", l, mlp[p].name);
-        else
-          snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, mlp[p].name);
-        rc = add_source_tensor(w, &rng, name, mlp[p].rows, mlp[p].cols);
-      }
-    snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
+    if (l == 0 && !rc)
+      rc = add_mlp(w, &rng, l, -1);
+    for (int e = 0; l == 1 && e < EXPERTS && !rc; e++)
+      rc = add_mlp(w, &rng, l, e);
+    snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l); /* the MoE router */
     if (l == 1 && !rc)
       rc = add_source_tensor(w, &rng, name, EXPERTS, HIDDEN);
     snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
@@ -179,7 +192,8 @@ static qkeep_plugin *plugin;
 static char *dir; /* this test's scratch directory */
 
 static void setup(void) {
-  ck_assert_msg(inputs_error[0] == '\0' && inputs, "the good checkpoints could not be built: %s", inputs_error);
+  ck_assert_msg(inputs_error[0] == '\0' && inputs, "the good checkpoints could not be built: %s",
+                inputs_error);
   ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
   dir = tu_tmpdir("badckpt");
   ck_assert_ptr_nonnull(dir);
@@ -201,7 +215,8 @@ static void teardown(void) {
  * the message must contain `path` and every needle, and nothing may stay loaded. Then the
  * same model must load `good`.
  */
-static void expect_bad_into(qkeep_model *model, const char *path, int code, const char *good, va_list needles) {
+static void expect_bad_into(qkeep_model *model, const char *path, int code, const char *good,
+                            va_list needles) {
   int rc = qkeep_model_load(model, path);
   char msg[2048];
   snprintf(msg, sizeof msg, "%s", qkeep_errmsg());
@@ -224,8 +239,8 @@ static void expect_bad_into(qkeep_model *model, const char *path, int code, cons
 }
 
 /* The same with needles as arguments (NULL-terminated), for a model the caller set up. */
-static void __attribute__((sentinel)) expect_bad_in(qkeep_model *model, const char *path, int code, const char *good,
-                                                    ...) {
+static void __attribute__((sentinel))
+expect_bad_in(qkeep_model *model, const char *path, int code, const char *good, ...) {
   va_list needles;
   va_start(needles, good);
   expect_bad_into(model, path, code, good, needles);
@@ -283,13 +298,18 @@ static void remove_file(const char *ckpt, const char *file) {
   free(p);
 }
 
-/* JSON written with single quotes, which read better inside C strings. */
-static void put_json(const char *ckpt, const char *file, const char *single_quoted) {
-  char *text = strdup(single_quoted), *p = tu_path(ckpt, file);
+/* JSON written with single quotes, which read better inside C strings: the text with ' as " (malloc'd). */
+static char *dq(const char *single_quoted) {
+  char *text = strdup(single_quoted);
   ck_assert_ptr_nonnull(text);
   for (char *c = text; *c; c++)
     if (*c == '\'')
       *c = '"';
+  return text;
+}
+
+static void put_json(const char *ckpt, const char *file, const char *single_quoted) {
+  char *text = dq(single_quoted), *p = tu_path(ckpt, file);
   put_file(p, text, strlen(text));
   free(text);
   free(p);
@@ -323,11 +343,7 @@ static void set_quant_key(const char *ckpt, const char *key, json_t *value) {
 
 /* Replaces config.json's whole quantization_config with the (single-quoted) JSON text. */
 static void set_quant_config(const char *ckpt, const char *single_quoted) {
-  char *text = strdup(single_quoted);
-  ck_assert_ptr_nonnull(text);
-  for (char *c = text; *c; c++)
-    if (*c == '\'')
-      *c = '"';
+  char *text = dq(single_quoted);
   json_error_t err;
   json_t *qc = json_loads(text, 0, &err);
   ck_assert_msg(qc != NULL, "%s: %s", text, err.text);
@@ -415,7 +431,7 @@ static struct item *get(struct tensors *ts, const char *name) {
   return it;
 }
 
-/* Removes the tensor of that name, or with `prefix` true every tensor whose name starts with it (at least one). */
+/* Removes the tensor `name`, or with `prefix` every tensor starting with it; at least one must go. */
 static void drop_matching(struct tensors *ts, const char *name, bool prefix) {
   size_t kept = 0, before = ts->n;
   for (size_t i = 0; i < ts->n; i++) {
@@ -520,8 +536,12 @@ static void put_le64(unsigned char *p, uint64_t v) {
     p[i] = (unsigned char)(v >> (8 * i));
 }
 
-/* Writes dir/bad.safetensors: an 8-byte length field, the header text, then data_bytes bytes of 0x3c. */
-static char *raw_file_len(uint64_t length_field, const char *header, size_t data_bytes) {
+/*
+ * Writes dir/bad.safetensors: an 8-byte length field, the header (single-quoted JSON, see dq), then
+ * data_bytes bytes of 0x3c.
+ */
+static char *raw_file_len(uint64_t length_field, const char *single_quoted, size_t data_bytes) {
+  char *header = dq(single_quoted);
   size_t hn = strlen(header), n = 8 + hn + data_bytes;
   unsigned char *buf = malloc(n);
   ck_assert_ptr_nonnull(buf);
@@ -531,6 +551,7 @@ static char *raw_file_len(uint64_t length_field, const char *header, size_t data
   char *path = in_dir("bad.safetensors");
   put_file(path, buf, n);
   free(buf);
+  free(header);
   return path;
 }
 
@@ -601,22 +622,22 @@ START_TEST(st_header_not_object) {
 END_TEST
 
 START_TEST(st_header_invalid_json) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]", 8);
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]", 8);
   expect_bad(p, QKEEP_E_FORMAT, source, "not valid JSON", NULL);
   free(p);
 }
 END_TEST
 
 START_TEST(st_name_not_utf8) {
-  char *p = raw_file("{\"model.norm.w\xff\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8);
+  char *p = raw_file("{'model.norm.w\xff': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]}}", 8);
   expect_bad(p, QKEEP_E_FORMAT, source, "not valid UTF-8", "0xff", NULL);
   free(p);
 }
 END_TEST
 
 START_TEST(st_duplicate_names) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
-                     " \"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [8, 16]}}",
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]},"
+                     " 'model.norm.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [8, 16]}}",
                      16);
   expect_bad(p, QKEEP_E_FORMAT, source, "duplicate", NULL);
   free(p);
@@ -624,7 +645,7 @@ START_TEST(st_duplicate_names) {
 END_TEST
 
 START_TEST(st_unknown_dtype) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F7\", \"shape\": [2], \"data_offsets\": [0, 8]}}", 8);
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F7', 'shape': [2], 'data_offsets': [0, 8]}}", 8);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "unknown dtype 'F7'", NULL);
   free(p);
 }
@@ -632,22 +653,22 @@ END_TEST
 
 /* A valid safetensors dtype that qkeep has no use for: the file opens, the layer cannot exist. */
 START_TEST(st_dtype_qkeep_does_not_load) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F64\", \"shape\": [2], \"data_offsets\": [0, 16]}}", 16);
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F64', 'shape': [2], 'data_offsets': [0, 16]}}", 16);
   expect_bad(p, QKEEP_E_UNSUPPORTED, source, "'model.norm.weight'", "F64", NULL);
   free(p);
 }
 END_TEST
 
 START_TEST(st_shape_times_dtype_is_not_bytes) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 12]}}", 12);
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 12]}}", 12);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "hold 12 bytes", "needs 8", NULL);
   free(p);
 }
 END_TEST
 
 START_TEST(st_offsets_overlap) {
-  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
-                     " \"model.b.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}",
+  char *p = raw_file("{'model.a.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]},"
+                     " 'model.b.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [4, 12]}}",
                      12);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.b.weight'", "an overlap", NULL);
   free(p);
@@ -655,8 +676,8 @@ START_TEST(st_offsets_overlap) {
 END_TEST
 
 START_TEST(st_offsets_gap) {
-  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
-                     " \"model.b.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [12, 20]}}",
+  char *p = raw_file("{'model.a.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]},"
+                     " 'model.b.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [12, 20]}}",
                      20);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.b.weight'", "a gap", NULL);
   free(p);
@@ -664,15 +685,15 @@ START_TEST(st_offsets_gap) {
 END_TEST
 
 START_TEST(st_offsets_not_from_zero) {
-  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [4, 12]}}", 12);
+  char *p = raw_file("{'model.a.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [4, 12]}}", 12);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.a.weight'", "must start at 0", NULL);
   free(p);
 }
 END_TEST
 
 START_TEST(st_offsets_out_of_bounds) {
-  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
-                     " \"model.b.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [8, 16]}}",
+  char *p = raw_file("{'model.a.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]},"
+                     " 'model.b.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [8, 16]}}",
                      12);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.b.weight'", "run past the end of the file", NULL);
   free(p);
@@ -680,7 +701,7 @@ START_TEST(st_offsets_out_of_bounds) {
 END_TEST
 
 START_TEST(st_offsets_reversed) {
-  char *p = raw_file("{\"model.a.weight\": {\"dtype\": \"F32\", \"shape\": [0], \"data_offsets\": [8, 0]}}", 8);
+  char *p = raw_file("{'model.a.weight': {'dtype': 'F32', 'shape': [0], 'data_offsets': [8, 0]}}", 8);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.a.weight'", "end before they begin", NULL);
   free(p);
 }
@@ -712,7 +733,7 @@ START_TEST(st_truncated) {
 END_TEST
 
 START_TEST(st_negative_dimension) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [-2], \"data_offsets\": [0, 8]}}", 8);
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F32', 'shape': [-2], 'data_offsets': [0, 8]}}", 8);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "is -2", NULL);
   free(p);
 }
@@ -720,15 +741,15 @@ END_TEST
 
 START_TEST(st_too_many_dimensions) {
   char *p = raw_file(
-      "{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [1, 1, 1, 1, 1, 1, 2], \"data_offsets\": [0, 8]}}", 8);
+      "{'model.norm.weight': {'dtype': 'F32', 'shape': [1, 1, 1, 1, 1, 1, 2], 'data_offsets': [0, 8]}}", 8);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "7 dimensions", NULL);
   free(p);
 }
 END_TEST
 
 START_TEST(st_unknown_entry_key) {
-  char *p = raw_file("{\"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8],"
-                     " \"offsets\": [0, 8]}}",
+  char *p = raw_file("{'model.norm.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8],"
+                     " 'offsets': [0, 8]}}",
                      8);
   expect_bad(p, QKEEP_E_FORMAT, source, "'model.norm.weight'", "unknown key 'offsets'", NULL);
   free(p);
@@ -736,8 +757,8 @@ START_TEST(st_unknown_entry_key) {
 END_TEST
 
 START_TEST(st_metadata_not_string) {
-  char *p = raw_file("{\"__metadata__\": {\"format\": 1},"
-                     " \"model.norm.weight\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}",
+  char *p = raw_file("{'__metadata__': {'format': 1},"
+                     " 'model.norm.weight': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]}}",
                      8);
   expect_bad(p, QKEEP_E_FORMAT, source, "__metadata__ value of 'format'", NULL);
   free(p);
@@ -749,8 +770,8 @@ START_TEST(st_name_without_module_prefix) {
   struct tensors ts = weights_of(ck);
   put(&ts, "toplevel", spec1(QKEEP_DTYPE_F32, 2), 0);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'toplevel'", "no module prefix",
-             NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'toplevel'",
+             "no module prefix", NULL);
   free(ck);
 }
 END_TEST
@@ -822,8 +843,8 @@ START_TEST(ckpt_file_shrinks_during_load) {
   qkeep_model *model;
   ck_assert_int_eq(qkeep_model_new(plugin, &model), 0);
   qkeep_model_set_progress(model, shrink_after_first_layer, &s);
-  expect_bad_in(model, ck, QKEEP_E_IO, variant_dir[V_MODELOPT], "model.safetensors", "tensor '", "changed size",
-                NULL);
+  expect_bad_in(model, ck, QKEEP_E_IO, variant_dir[V_MODELOPT], "model.safetensors", "tensor '",
+                "changed size", NULL);
   qkeep_model_free(model);
   free(s.path);
   free(ck);
@@ -862,8 +883,8 @@ static char *another_shard(const char *ck, const char *other) {
 START_TEST(shard_file_missing) {
   char *ck = copy_variant(V_SHARDED), *shard = shard_of(ck, SHARDED_TENSOR);
   remove_file(ck, shard);
-  expect_bad(ck, QKEEP_E_NOTFOUND, variant_dir[V_SHARDED], "model.safetensors.index.json", shard, "no such file",
-             NULL);
+  expect_bad(ck, QKEEP_E_NOTFOUND, variant_dir[V_SHARDED], "model.safetensors.index.json", shard,
+             "no such file", NULL);
   free(shard);
   free(ck);
 }
@@ -901,8 +922,8 @@ START_TEST(shard_tensor_missing_from_index) {
   json_t *index = load_json(ck, "model.safetensors.index.json");
   ck_assert_int_eq(json_object_del(json_object_get(index, "weight_map"), SHARDED_TENSOR), 0);
   store_json(ck, "model.safetensors.index.json", index);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "'" SHARDED_TENSOR "'",
-             "missing from the weight_map", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json",
+             "'" SHARDED_TENSOR "'", "missing from the weight_map", NULL);
   free(ck);
 }
 END_TEST
@@ -916,8 +937,8 @@ START_TEST(tensor_in_two_shards) {
   memcpy(get(&to, SHARDED_TENSOR)->data, t->data, t->nbytes);
   write_tensors(&to, other_path);
   write_tensors(&from, home_path);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "'" SHARDED_TENSOR "'",
-             "in two shards", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json",
+             "'" SHARDED_TENSOR "'", "in two shards", NULL);
   free(home_path);
   free(other_path);
   free(home);
@@ -929,18 +950,21 @@ END_TEST
 START_TEST(index_shard_outside_directory) {
   char *ck = copy_variant(V_SHARDED);
   json_t *index = load_json(ck, "model.safetensors.index.json");
-  json_object_set_new(json_object_get(index, "weight_map"), SHARDED_TENSOR, json_string("../model.safetensors"));
+  json_object_set_new(json_object_get(index, "weight_map"), SHARDED_TENSOR,
+                      json_string("../model.safetensors"));
   store_json(ck, "model.safetensors.index.json", index);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "'" SHARDED_TENSOR "'",
-             "'../model.safetensors'", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json",
+             "'" SHARDED_TENSOR "'", "'../model.safetensors'", NULL);
   free(ck);
 }
 END_TEST
 
 START_TEST(index_invalid_json) {
   char *ck = copy_variant(V_SHARDED);
-  put_json(ck, "model.safetensors.index.json", "{'weight_map': {'a.weight': 'model-00001-of-00002.safetensors'");
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "invalid JSON", NULL);
+  put_json(ck, "model.safetensors.index.json",
+           "{'weight_map': {'a.weight': 'model-00001-of-00002.safetensors'");
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "invalid JSON",
+             NULL);
   free(ck);
 }
 END_TEST
@@ -948,7 +972,8 @@ END_TEST
 START_TEST(index_without_weight_map) {
   char *ck = copy_variant(V_SHARDED);
   put_json(ck, "model.safetensors.index.json", "{'metadata': {'format': 'pt'}}");
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "no weight_map", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_SHARDED], "model.safetensors.index.json", "no weight_map",
+             NULL);
   free(ck);
 }
 END_TEST
@@ -965,7 +990,8 @@ END_TEST
 
 START_TEST(config_gptq_contradicts_hf_quant_nvfp4) {
   char *ck = copy_variant(V_MODELOPT);
-  set_quant_config(ck, "{'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'sym': true, 'desc_act': false}");
+  set_quant_config(ck,
+                   "{'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'sym': true, 'desc_act': false}");
   expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "hf_quant_config.json", "config.json", "'gptq'",
              "contradict", NULL);
   free(ck);
@@ -1038,7 +1064,8 @@ END_TEST
 START_TEST(config_gptq_tensors_nvfp4) {
   char *ck = copy_variant(V_MODELOPT);
   remove_file(ck, "hf_quant_config.json");
-  set_quant_config(ck, "{'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'sym': true, 'desc_act': false}");
+  set_quant_config(ck,
+                   "{'quant_method': 'gptq', 'bits': 4, 'group_size': 32, 'sym': true, 'desc_act': false}");
   expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "has 'weight'",
              "scheme gptq-int4", NULL);
   free(ck);
@@ -1048,7 +1075,8 @@ END_TEST
 /* config.json says ModelOpt, the tensors carry compressed-tensors names. */
 START_TEST(config_modelopt_tensors_compressed_tensors) {
   char *ck = copy_variant(V_CT_NVFP4);
-  set_quant_config(ck, "{'quant_method': 'modelopt', 'quant_algo': 'NVFP4', 'group_size': 16, 'ignore': ['lm_head']}");
+  set_quant_config(
+      ck, "{'quant_method': 'modelopt', 'quant_algo': 'NVFP4', 'group_size': 16, 'ignore': ['lm_head']}");
   expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_CT_NVFP4], "model.safetensors", "has 'weight_scale'",
              "scheme modelopt-nvfp4", NULL);
   free(ck);
@@ -1112,8 +1140,8 @@ START_TEST(w8a8_missing_static_input_scale) {
   struct tensors ts = weights_of(ck);
   drop(&ts, L0 "self_attn.o_proj.input_scale");
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "model.safetensors", "'" L0 "self_attn.o_proj.input_scale'",
-             "static activations", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_W8A8], "model.safetensors",
+             "'" L0 "self_attn.o_proj.input_scale'", "static activations", NULL);
   free(ck);
 }
 END_TEST
@@ -1176,8 +1204,8 @@ START_TEST(mxfp4_weight_scale_i8) {
   struct tensors ts = weights_of(ck);
   put(&ts, L0 "self_attn.o_proj.weight_scale", spec2(QKEEP_DTYPE_I8, HIDDEN, HIDDEN / 32), 0);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MXFP4], "model.safetensors", "'" L0 "self_attn.o_proj.weight_scale'",
-             "dtype I8", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MXFP4], "model.safetensors",
+             "'" L0 "self_attn.o_proj.weight_scale'", "dtype I8", NULL);
   free(ck);
 }
 END_TEST
@@ -1242,8 +1270,8 @@ START_TEST(modelopt_bias_wrong_shape) {
   struct tensors ts = weights_of(ck);
   put(&ts, L0 "self_attn.o_proj.bias", spec1(QKEEP_DTYPE_BF16, HIDDEN - 1), 0);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'" L0 "self_attn.o_proj.bias'",
-             "shape [63], expected [64]", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors",
+             "'" L0 "self_attn.o_proj.bias'", "shape [63], expected [64]", NULL);
   free(ck);
 }
 END_TEST
@@ -1300,8 +1328,8 @@ START_TEST(fused_name_taken_by_a_module) {
   struct tensors ts = weights_of(ck);
   put(&ts, L0 "self_attn.qkv_proj.weight", spec2(QKEEP_DTYPE_BF16, HIDDEN + 2 * KV, HIDDEN), 0);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "two layers would be named " L0 "self_attn.qkv_proj",
-             NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT],
+             "two layers would be named " L0 "self_attn.qkv_proj", NULL);
   free(ck);
 }
 END_TEST
@@ -1313,8 +1341,8 @@ START_TEST(kv_scale_not_a_scalar) {
   struct tensors ts = weights_of(ck);
   put(&ts, L0 "self_attn.k_proj.k_scale", spec1(QKEEP_DTYPE_F32, 2), 0);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'" L0 "self_attn.k_proj.k_scale'",
-             "expected an F32 scalar", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors",
+             "'" L0 "self_attn.k_proj.k_scale'", "expected an F32 scalar", NULL);
   free(ck);
 }
 END_TEST
@@ -1324,8 +1352,8 @@ START_TEST(kv_scale_bf16) {
   struct tensors ts = weights_of(ck);
   put(&ts, L1 "self_attn.v_proj.v_scale", (struct qkeep_spec){.dtype = QKEEP_DTYPE_BF16}, 0);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors", "'" L1 "self_attn.v_proj.v_scale'",
-             "BF16", NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "model.safetensors",
+             "'" L1 "self_attn.v_proj.v_scale'", "BF16", NULL);
   free(ck);
 }
 END_TEST
@@ -1449,8 +1477,8 @@ START_TEST(kv_nan_k_scale) {
   struct tensors ts = weights_of(ck);
   set_f32(&ts, L1 "self_attn.k_proj.k_scale", 0, NAN);
   save_weights(&ts, ck);
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L1 "self_attn.k_proj.k_scale'", "element 0 is NaN",
-             NULL);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "'" L1 "self_attn.k_proj.k_scale'",
+             "element 0 is NaN", NULL);
   free(ck);
 }
 END_TEST

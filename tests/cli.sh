@@ -70,6 +70,34 @@ check "missing plugin names config line" contains "$tmp/out" "bad.ini:2"
 
 "$qkeep" frobnicate >"$tmp/out" 2>&1; check "unknown command is a usage error" test $? -eq 2
 
+# quantize, run (the main job) and reload, on a model written here
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/w0" --scheme modelopt-nvfp4 --kv-scales >"$tmp/out" 2>&1
+check "quantize exits 0" test $? -eq 0
+"$qkeep" quantize "$tmp/other.safetensors" "$tmp/w1" --scheme modelopt-nvfp4 --kv-scales --shard-bytes 1000000 >/dev/null 2>&1
+check "quantize shards" test -f "$tmp/w1/model.safetensors.index.json"
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/w0" --scheme modelopt-nvfp4 >"$tmp/out" 2>&1
+check "quantize refuses an existing output" test $? -eq 1
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/bad" >"$tmp/out" 2>&1
+check "quantize needs --scheme" test $? -eq 2
+"$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" >"$tmp/out" 2>&1; rc=$?
+check "run exits 0" test $rc -eq 0
+check "run checks every GEMM" contains "$tmp/out" "GEMMs checked, largest relative error 0"
+check "run prints the census" line_is "$tmp/out" "missing" 0
+check "run prints times" contains "$tmp/out" "normalise+PWAL"
+"$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" --json >"$tmp/out" 2>&1
+check "run --json" contains "$tmp/out" '"max_rel":0'
+"$qkeep" -c "$tmp/qkeep.ini" reload "$tmp/w0" "$tmp/w1" >"$tmp/out" 2>&1; rc=$?
+cat "$tmp/out"
+check "reload exits 0" test $rc -eq 0
+check "reload digests identical" contains "$tmp/out" "identical"
+check "reload pointers unchanged" grep -Eq "data pointers +([0-9]+) of \\1 unchanged" "$tmp/out"
+"$qkeep" -c "$tmp/qkeep.ini" reload "$tmp/w0" "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "reload of another scheme fails" test $? -eq 1
+check "reload says what W1 lacks" contains "$tmp/out" "the model expects"
+"$qkeep" reload --help >"$tmp/out" 2>&1; check "reload --help" contains "$tmp/out" "usage: qkeep"
+"$qkeep" run --help >"$tmp/out" 2>&1; check "run --help" contains "$tmp/out" "usage: qkeep"
+"$qkeep" quantize --help >"$tmp/out" 2>&1; check "quantize --help" contains "$tmp/out" "usage: qkeep"
+
 rm -rf "$tmp"
 echo "cli.sh: $pass passed, $fails failed"
 test $fails -eq 0

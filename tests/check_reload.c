@@ -1,0 +1,500 @@
+/*
+ * check_reload.c: layerwise reload W0 -> W1 for every scheme through the
+ * reference backend: equal to a cold start on W1 (digest, and every storage
+ * byte, padding included), no data pointer moves, W0 -> W1 -> W0 returns to
+ * W0, a bad W1 changes nothing, a fault at any layer rolls back, in-memory
+ * tensors, partial updates, and direct loads into live params.
+ */
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "checkpoint.h"
+#include "testutil.h"
+
+#define H 64
+#define I 128
+
+static char *dir;
+static qkeep_plugin *plugin;
+
+static void setup(void) {
+  dir = tu_tmpdir("reload");
+  ck_assert_ptr_nonnull(dir);
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
+}
+
+static void teardown(void) {
+  qkeep_plugin_close(plugin);
+  tu_rmtree(dir);
+  free(dir);
+}
+
+static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed) {
+  size_t n = (size_t)(rows * (cols ? cols : 1));
+  float *v = malloc(n * sizeof *v);
+  uint64_t s = seed;
+  for (const char *p = name; *p; p++)
+    s = s * 31 + (unsigned char)*p;
+  for (size_t i = 0; i < n; i++)
+    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
+  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
+  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
+  free(v);
+}
+
+/* An unquantized model (fused attention and MLP, an MoE block) with weights from `seed`. */
+static char *write_source(const char *file, uint64_t seed) {
+  struct st_writer *w;
+  char name[160];
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.embed_tokens.weight", 96, H, seed);
+  add(w, "model.norm.weight", H, 0, seed);
+  add(w, "lm_head.weight", 96, H, seed);
+  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  for (int p = 0; p < 4; p++) {
+    snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight", proj[p]);
+    add(w, name, p == 1 || p == 2 ? 32 : H, H, seed);
+  }
+  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed);
+  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed);
+  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed);
+  add(w, "model.layers.1.mlp.gate.weight", 2, H, seed);
+  for (int e = 0; e < 2; e++) {
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
+    add(w, name, H, H, seed);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
+    add(w, name, H, H, seed);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
+    add(w, name, H, H, seed);
+  }
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes, bool asym) {
+  char *path = tu_path(dir, out);
+  struct qkeep_quantize_options o = {.size = sizeof o, .scheme = scheme, .group_size = 32, .kv_cache_scales = true,
+                                     .activation_amax = 4, .max_shard_bytes = shard_bytes, .asym_weights = asym};
+  ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
+  return path;
+}
+
+static qkeep_model *load(const char *path) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
+  return m;
+}
+
+static struct qkeep_digest digest(qkeep_model *m) {
+  struct qkeep_digest d;
+  ck_assert_int_eq(qkeep_digest(m, &d), 0);
+  return d;
+}
+
+static bool same(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
+
+/* Every storage (address, capacity, and all its bytes, padding too), in model order. */
+struct storages {
+  const void *data[512];
+  size_t capacity[512];
+  unsigned char *bytes[512];
+  int n;
+};
+
+static int remember(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
+  (void)layer, (void)name;
+  struct storages *s = user;
+  ck_assert_int_lt(s->n, 512);
+  s->data[s->n] = data;
+  s->capacity[s->n] = capacity;
+  s->bytes[s->n] = malloc(capacity + 1);
+  memcpy(s->bytes[s->n], data, capacity); /* host memory: the reference backend */
+  s->n++;
+  return 0;
+}
+
+static void snapshot(qkeep_model *m, struct storages *s) {
+  s->n = 0;
+  ck_assert_int_eq(qkeep_foreach_storage(m, remember, s), 0);
+}
+
+static void release_snapshot(struct storages *s) {
+  for (int i = 0; i < s->n; i++)
+    free(s->bytes[i]);
+  s->n = 0;
+}
+
+/* Same addresses as `before`, and bytes equal to `cold`'s, storage by storage. */
+static void assert_in_place_and_equal(const struct storages *before, const struct storages *after,
+                                      const struct storages *cold) {
+  ck_assert_int_eq(before->n, after->n);
+  ck_assert_int_eq(after->n, cold->n);
+  for (int i = 0; i < after->n; i++) {
+    ck_assert_ptr_eq(before->data[i], after->data[i]);
+    ck_assert_uint_eq(after->capacity[i], cold->capacity[i]);
+    ck_assert_msg(memcmp(after->bytes[i], cold->bytes[i], cold->capacity[i]) == 0,
+                  "storage %d differs from a cold start (padding included)", i);
+  }
+}
+
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4"};
+
+START_TEST(reload_equals_cold_start_in_place) {
+  const char *scheme = schemes[_i];
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, scheme, "q0", 0, false), *w1 = quantize(s1, scheme, "q1", 0, false);
+  char *w1_sharded = quantize(s1, scheme, "q1s", 9000, false);
+  qkeep_model *m = load(w0), *cold = load(w1);
+  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  ck_assert(!same(d0, d1));
+  struct storages before, after, cold_bytes;
+  snapshot(m, &before);
+  snapshot(cold, &cold_bytes);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d1));
+  snapshot(m, &after);
+  assert_in_place_and_equal(&before, &after, &cold_bytes);
+  struct qkeep_census c = {.size = sizeof c};
+  ck_assert_int_eq(qkeep_census(m, &c), 0);
+  ck_assert_int_eq(c.missing + c.c1 + c.c2 + c.released, 0);
+  /* Back to W0, and from a W1 sharded differently. */
+  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
+  ck_assert(same(digest(m), d0));
+  ck_assert_msg(qkeep_model_reload(m, w1_sharded, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d1));
+  release_snapshot(&after);
+  snapshot(m, &after);
+  assert_in_place_and_equal(&before, &after, &cold_bytes);
+  /* The kernels run on the reloaded weights exactly as on the cold start's. */
+  float x[H], y0[H + 64], y1[H + 64];
+  for (int i = 0; i < H; i++)
+    x[i] = (float)i / H - 0.5f;
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj"), 1, x, y0), 0);
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.qkv_proj"), 1, x, y1),
+                   0);
+  ck_assert_int_eq(memcmp(y0, y1, sizeof(float) * (H + 64)), 0);
+  release_snapshot(&before);
+  release_snapshot(&after);
+  release_snapshot(&cold_bytes);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+  free(s0), free(s1), free(w0), free(w1), free(w1_sharded);
+}
+END_TEST
+
+/* Rewrites a checkpoint's model.safetensors with one tensor changed by `edit`. */
+typedef void (*edit_fn)(struct st_writer *w, const struct st_tensor *t, void *bytes);
+
+static char *rewrite(const char *src_dir, const char *out, edit_fn edit) {
+  char *d = tu_path(dir, out);
+  ck_assert_int_eq(mkdir(d, 0755), 0);
+  char *in = tu_path(src_dir, "model.safetensors"), *cfg_in = tu_path(src_dir, "config.json");
+  char *path = tu_path(d, "model.safetensors"), *cfg_out = tu_path(d, "config.json");
+  struct st_file *f;
+  struct st_writer *w;
+  ck_assert_int_eq(st_open(in, &f), 0);
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  for (size_t i = 0; i < f->n_tensors; i++) {
+    const struct st_tensor *t = &f->tensors[i];
+    void *bytes = malloc(t->nbytes + 1);
+    ck_assert_int_eq(st_read(f, t, bytes), 0);
+    edit(w, t, bytes);
+    free(bytes);
+  }
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  st_close(f);
+  size_t n;
+  void *cfg = tu_read_file(cfg_in, &n);
+  ck_assert_int_eq(tu_write_file(cfg_out, cfg, n), 0);
+  free(cfg), free(in), free(cfg_in), free(path), free(cfg_out);
+  return d;
+}
+
+static void add_as_is(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  struct qkeep_spec s = {(enum qkeep_dtype)t->dtype, t->ndim, {0}};
+  memcpy(s.shape, t->shape, sizeof s.shape);
+  ck_assert_int_eq(st_writer_add(w, t->name, &s, bytes), 0);
+}
+
+static bool is(const struct st_tensor *t, const char *name) { return strcmp(t->name, name) == 0; }
+
+static void drop_scale(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  if (!is(t, "model.layers.0.mlp.down_proj.weight_scale"))
+    add_as_is(w, t, bytes);
+}
+static void nan_scale(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  if (is(t, "model.layers.0.self_attn.v_proj.weight_scale_2")) {
+    uint32_t nan = 0x7fc00000u;
+    memcpy(bytes, &nan, 4);
+  }
+  add_as_is(w, t, bytes);
+}
+static void extra_tensor(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  add_as_is(w, t, bytes);
+  if (is(t, "model.norm.weight")) {
+    struct qkeep_spec s = {QKEEP_DTYPE_F32, 1, {H}};
+    ck_assert_int_eq(st_writer_add(w, "model.final_norm.weight", &s, bytes), 0);
+  }
+}
+static void wrong_shape(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  if (is(t, "model.layers.0.self_attn.o_proj.weight")) {
+    struct qkeep_spec s = {QKEEP_DTYPE_U8, 2, {H / 2, H}}; /* same bytes, transposed shape */
+    ck_assert_int_eq(st_writer_add(w, t->name, &s, bytes), 0);
+    return;
+  }
+  add_as_is(w, t, bytes);
+}
+
+START_TEST(bad_w1_changes_nothing) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false), *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
+  char *gptq = quantize(s1, "gptq-int4", "g1", 0, false);
+  struct {
+    char *path;
+    int code;
+    const char *needle;
+  } bad[] = {
+      {rewrite(w1, "missing", drop_scale), QKEEP_E_NOTFOUND, "down_proj.weight_scale"},
+      {rewrite(w1, "nan", nan_scale), QKEEP_E_FORMAT, "v_proj.weight_scale_2"},
+      {rewrite(w1, "extra", extra_tensor), QKEEP_E_NOTFOUND, "model.final_norm.weight"},
+      {rewrite(w1, "shape", wrong_shape), QKEEP_E_FORMAT, "o_proj.weight"},
+      {gptq, QKEEP_E_NOTFOUND, "missing"},
+      {tu_path(dir, "absent"), QKEEP_E_NOTFOUND, "absent"},
+  };
+  qkeep_model *m = load(w0);
+  struct qkeep_digest d0 = digest(m);
+  struct storages before, after;
+  snapshot(m, &before);
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ck_assert_int_eq(qkeep_model_reload(m, bad[i].path, 0), bad[i].code);
+    ck_assert_msg(strstr(qkeep_errmsg(), bad[i].needle), "case %zu: '%s' not in '%s'", i, bad[i].needle,
+                  qkeep_errmsg());
+    ck_assert(same(digest(m), d0));
+    snapshot(m, &after);
+    assert_in_place_and_equal(&before, &after, &before);
+    release_snapshot(&after);
+    free(bad[i].path);
+  }
+  float x[H] = {0}, y[H];
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj"), 1, x, y), 0);
+  /* An asymmetric GPTQ W1 for a symmetric GPTQ model: the config differs. */
+  char *g0 = quantize(s0, "gptq-int4", "g0", 0, false), *g1a = quantize(s1, "gptq-int4", "g1a", 0, true);
+  qkeep_model *g = load(g0);
+  ck_assert_int_eq(qkeep_model_reload(g, g1a, 0), QKEEP_E_FORMAT);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "quantization config"));
+  release_snapshot(&before);
+  qkeep_model_free(m);
+  qkeep_model_free(g);
+  free(s0), free(s1), free(w0), free(w1), free(g0), free(g1a);
+}
+END_TEST
+
+START_TEST(fault_at_every_layer_rolls_back) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "ct-nvfp4", "q0", 0, false), *w1 = quantize(s1, "ct-nvfp4", "q1", 0, false);
+  qkeep_model *m = load(w0), *cold = load(w1);
+  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  struct storages before, after;
+  snapshot(m, &before);
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
+    m->fault_layer = (long)l;
+    m->fault_code = QKEEP_E_IO;
+    ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+    ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "rolled back"));
+    ck_assert_msg(same(digest(m), d0), "fault at layer %zu left a mix", l);
+    snapshot(m, &after);
+    assert_in_place_and_equal(&before, &after, &before);
+    release_snapshot(&after);
+  }
+  m->fault_layer = -1;
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), 0);
+  ck_assert(same(digest(m), d1));
+  release_snapshot(&before);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
+/* Every tensor of a checkpoint in host buffers. */
+struct tensors {
+  struct ckpt *ck;
+  struct qkeep_named_tensor *t;
+  size_t n;
+};
+
+static void read_tensors(const char *path, struct tensors *out, bool on_device) {
+  ck_assert_int_eq(ckpt_open(path, &out->ck), 0);
+  out->n = out->ck->n_tensors;
+  out->t = calloc(out->n, sizeof *out->t);
+  for (size_t i = 0; i < out->n; i++) {
+    const struct ckpt_tensor *ct = &out->ck->tensors[i];
+    void *bytes = malloc(ct->t->nbytes + 1);
+    ck_assert_int_eq(ckpt_read(out->ck, ct, bytes), 0);
+    out->t[i] = (struct qkeep_named_tensor){ct->t->name, {(enum qkeep_dtype)ct->t->dtype, ct->t->ndim, {0}}, bytes,
+                                            on_device};
+    memcpy(out->t[i].spec.shape, ct->t->shape, sizeof out->t[i].spec.shape);
+  }
+}
+
+static void free_tensors(struct tensors *t) {
+  for (size_t i = 0; i < t->n; i++)
+    free((void *)t->t[i].data);
+  free(t->t);
+  ckpt_close(t->ck);
+}
+
+START_TEST(reload_from_memory_buffers) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "w8a8-int8", "q0", 0, false), *w1 = quantize(s1, "w8a8-int8", "q1", 0, false);
+  qkeep_model *m = load(w0), *cold = load(w1);
+  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  struct tensors t1, t0;
+  read_tensors(w1, &t1, false);
+  read_tensors(w0, &t0, true); /* "device" memory: the host for the reference backend */
+  ck_assert_msg(qkeep_model_reload_tensors(m, t1.t, t1.n, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d1));
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, t0.t, t0.n, 0), 0);
+  ck_assert(same(digest(m), d0));
+  /* Duplicate names are refused before anything changes. */
+  struct qkeep_named_tensor dup[2] = {t1.t[0], t1.t[0]};
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, dup, 2, QKEEP_RELOAD_PARTIAL), QKEEP_E_INVAL);
+  ck_assert(same(digest(m), d0));
+  /* After a buffer reload no file holds the weights: a fault cannot roll back, so the model refuses to run. */
+  m->fault_layer = 3;
+  m->fault_code = QKEEP_E_DEVICE;
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, t1.n, 0), QKEEP_E_DEVICE);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "refuses to run"));
+  float x[H] = {0}, y[H];
+  qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), QKEEP_E_STATE);
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, 1, QKEEP_RELOAD_PARTIAL), QKEEP_E_STATE);
+  m->fault_layer = -1;
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, t1.n, 0), 0);
+  ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), 0);
+  ck_assert(same(digest(m), d1));
+  free_tensors(&t0);
+  free_tensors(&t1);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
+START_TEST(partial_update_of_chosen_layers) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "gptq-int4", "q0", 0, false), *w1 = quantize(s1, "gptq-int4", "q1", 0, false);
+  qkeep_model *m = load(w0), *cold1 = load(w1), *cold0 = load(w0);
+  struct tensors t1;
+  read_tensors(w1, &t1, false);
+  /* Only o_proj's tensors. */
+  struct qkeep_named_tensor chosen[8];
+  size_t n = 0;
+  for (size_t i = 0; i < t1.n; i++)
+    if (strstr(t1.t[i].name, "layers.0.self_attn.o_proj."))
+      chosen[n++] = t1.t[i];
+  ck_assert_uint_ge(n, 3);
+  struct qkeep_digest d0 = digest(m);
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, chosen, n, 0), QKEEP_E_NOTFOUND); /* a full reload needs all */
+  ck_assert(same(digest(m), d0));
+  ck_assert_msg(qkeep_model_reload_tensors(m, chosen, n, QKEEP_RELOAD_PARTIAL) == 0, "%s", qkeep_errmsg());
+  /* o_proj now as W1's, every other layer as W0's. */
+  float x[H], ya[H], yb[H];
+  for (int i = 0; i < H; i++)
+    x[i] = (float)(i % 5) - 2.0f;
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
+    qkeep_layer *a = qkeep_model_layer(m, l);
+    if (a->kind != QKEEP_LAYER_LINEAR || a->dims.k != H || a->dims.n > H)
+      continue;
+    bool updated = strcmp(a->name, "model.layers.0.self_attn.o_proj") == 0;
+    qkeep_layer *b = qkeep_model_find_layer(updated ? cold1 : cold0, a->name);
+    ck_assert_int_eq(qkeep_layer_apply_f32(a, 1, x, ya), 0);
+    ck_assert_int_eq(qkeep_layer_apply_f32(b, 1, x, yb), 0);
+    ck_assert_msg(memcmp(ya, yb, sizeof(float) * (size_t)a->dims.n) == 0, "%s", a->name);
+  }
+  free_tensors(&t1);
+  qkeep_model_free(m);
+  qkeep_model_free(cold0);
+  qkeep_model_free(cold1);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
+START_TEST(direct_load_into_live_params) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false), *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
+  qkeep_model *m = load(w0), *cold = load(w1);
+  struct tensors t1;
+  read_tensors(w1, &t1, false);
+  const struct qkeep_named_tensor *find = NULL;
+  /* o_proj's weight and block scales keep the checkpoint layout on the reference backend. */
+  static const char *const direct[] = {"model.layers.0.self_attn.o_proj.weight",
+                                       "model.layers.0.self_attn.o_proj.weight_scale",
+                                       "model.layers.0.self_attn.o_proj.weight_scale_2"};
+  for (size_t d = 0; d < 3; d++) {
+    for (size_t i = 0; i < t1.n; i++)
+      if (strcmp(t1.t[i].name, direct[d]) == 0)
+        find = &t1.t[i];
+    ck_assert_msg(qkeep_model_load_tensor(m, find) == 0, "%s: %s", direct[d], qkeep_errmsg());
+  }
+  float x[H], ya[H], yb[H];
+  for (int i = 0; i < H; i++)
+    x[i] = (float)i / H;
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj"), 1, x, ya), 0);
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.o_proj"), 1, x, yb),
+                   0);
+  ck_assert_int_eq(memcmp(ya, yb, sizeof ya), 0);
+  /* The fused qkv's global scale was merged by normalisation: refused, pointing to reload. */
+  for (size_t i = 0; i < t1.n; i++)
+    if (strcmp(t1.t[i].name, "model.layers.0.self_attn.k_proj.weight_scale_2") == 0)
+      find = &t1.t[i];
+  ck_assert_int_eq(qkeep_model_load_tensor(m, find), QKEEP_E_STATE);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "qkeep_model_reload"));
+  struct qkeep_named_tensor unknown = {"model.nothing.weight", {QKEEP_DTYPE_F32, 1, {1}}, x, false};
+  ck_assert_int_eq(qkeep_model_load_tensor(m, &unknown), QKEEP_E_NOTFOUND);
+  free_tensors(&t1);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
+START_TEST(reload_needs_a_loaded_model) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  char *s0 = write_source("w0.safetensors", 1);
+  ck_assert_int_eq(qkeep_model_reload(m, s0, 0), QKEEP_E_STATE);
+  qkeep_model_free(m);
+  free(s0);
+}
+END_TEST
+
+static Suite *reload_suite(void) {
+  Suite *s = suite_create("reload");
+  TCase *tc = tcase_create("reload");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 120);
+  tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, (int)(sizeof schemes / sizeof schemes[0]));
+  tcase_add_test(tc, bad_w1_changes_nothing);
+  tcase_add_test(tc, fault_at_every_layer_rolls_back);
+  tcase_add_test(tc, reload_from_memory_buffers);
+  tcase_add_test(tc, partial_update_of_chosen_layers);
+  tcase_add_test(tc, direct_load_into_live_params);
+  tcase_add_test(tc, reload_needs_a_loaded_model);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  SRunner *sr = srunner_create(reload_suite());
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
