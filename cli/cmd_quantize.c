@@ -13,7 +13,7 @@ const char usage_quantize[] =
     "file or a Hugging Face directory). Schemes: modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8,\n"
     "gptq-int4, awq-int4. Linear weights are quantized; embeddings, norms, MoE routers and\n"
     "lm_head are copied. Fused shards (q/k/v, gate/up) share one NVFP4 global scale.\n"
-    "  --group G            int4 group size (default 128, capped at K)\n"
+    "  --group G            int4 group size (default 128; at most every linear's K)\n"
     "  --asym               int4 with zero points\n"
     "  --static-input       w8a8: static per-tensor input scales (default: dynamic per token)\n"
     "  --asym-input         w8a8: activations with a zero point\n"

@@ -180,14 +180,14 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
     }
     if (rc != QKEEP_E_NOTFOUND)
       return rc;
+    char why[512];
+    snprintf(why, sizeof why, "%s", qkeep_errmsg()); /* what the scheme found missing */
     if (scheme_unquantized.dims(m, qc, &n, &k, &g) == 0) {
       *out = &scheme_unquantized;
       return 0;
     }
     /* The scheme's own tensors (other than weight and bias), or a non-float 2-D weight, mean a
      * quantized module with parts missing. */
-    char why[512];
-    snprintf(why, sizeof why, "%s", qkeep_errmsg());
     size_t n_params = sch->n_params;
     const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
     for (size_t i = 0; i < m->n; i++) {

@@ -42,10 +42,16 @@ const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len)
 
 /* ---- devices and storage (storage.c) ------------------------------------------- */
 
+/* Bytes held in storages (params, buffers, result tensors) and host staging. */
+struct mem_stats {
+  int64_t storage_bytes, storage_peak, staging_peak;
+};
+
 /* Memory of one device: a backend's ops, or host memory when be is NULL. */
 struct device {
   const struct qkeep_backend *be;
   const struct qkeep_memory_ops *ops;
+  struct mem_stats *stats; /* the owning model's counters; NULL for the shared host device */
 };
 
 /* The host device (memcpy-based ops). */
@@ -179,6 +185,7 @@ struct qkeep_model {
   void (*progress)(void *user, size_t done, size_t total, const char *layer);
   void *progress_user;
   struct qkeep_load_stats stats;
+  struct mem_stats mem;
   char *source_path; /* the checkpoint whose bytes the model holds (rollback source), or NULL */
   bool poisoned;     /* a failed reload could not roll back: kernels refuse until a reload succeeds */
   long fault_layer;  /* tests: inject fault_code when a reload reaches this layer index (-1: none) */

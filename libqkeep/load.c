@@ -102,6 +102,7 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
   int rc = check_source(layer, pv, src, &t);
   if (rc)
     return rc;
+  struct mem_stats *mem = &layer->model->mem;
   char *dst = (char *)src->param->view.storage->data + src->dst_offset;
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, &t) : NULL;
   const void *on_host = on_device || !pv->host_bytes ? NULL : pv->host_bytes(pv, &t);
@@ -119,6 +120,9 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
       rc = on_device ? dev_d2d(dev, to, row, src->row_bytes) : dev_h2d(dev, to, row, src->row_bytes);
     }
   }
+  /* Staging is two buffers of its capacity (data, and compare for shared shards). */
+  if ((int64_t)(2 * st->cap) > mem->staging_peak)
+    mem->staging_peak = (int64_t)(2 * st->cap);
   if (rc)
     return add_error_context(rc, "layer %s", layer->name);
   src->loaded = true;
@@ -258,6 +262,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   if (!rc)
     rc = model_set_source(model, checkpoint);
   if (rc) {
+    if (!strstr(qkeep_errmsg(), ck->path))
+      add_error_context(rc, "%s", ck->path); /* every load error names the checkpoint */
     model_clear(model); /* nothing half-loaded stays behind */
   } else {
     model->stats = (struct qkeep_load_stats){sizeof model->stats, t1 - t0, t_read, t_pwal, 0};

@@ -17,6 +17,7 @@ int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out) {
   m->plugin = plugin;
   m->fault_layer = -1;
   device_init(&m->dev, plugin ? plugin->be : NULL);
+  m->dev.stats = &m->mem;
   *out = m;
   return 0;
 }
@@ -128,6 +129,19 @@ int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *ou
   size_t want = out->size ? out->size : sizeof *out;
   memcpy(out, &model->stats, want < sizeof model->stats ? want : sizeof model->stats);
   out->size = want < sizeof model->stats ? want : sizeof model->stats;
+  return 0;
+}
+
+int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks) {
+  if (!model || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_memory: NULL argument");
+  struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak, model->mem.staging_peak};
+  size_t want = out->size ? out->size : sizeof m;
+  memcpy(out, &m, want < sizeof m ? want : sizeof m);
+  if (reset_peaks) {
+    model->mem.storage_peak = model->mem.storage_bytes;
+    model->mem.staging_peak = 0;
+  }
   return 0;
 }
 

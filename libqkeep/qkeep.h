@@ -139,6 +139,15 @@ struct qkeep_load_stats {
 };
 /* The stats of the model's last successful load. */
 QKEEP_API int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *out);
+/* Memory the model holds in storages (its device), and the peaks since the last reset:
+ * the extra memory a load or reload needs is storage_peak - storage_bytes + staging_peak. */
+struct qkeep_memory_stats {
+  size_t size;
+  int64_t storage_bytes; /* params, buffers and live result tensors, now */
+  int64_t storage_peak;  /* the most at any time */
+  int64_t staging_peak;  /* host staging for tensors that cannot land directly */
+};
+QKEEP_API int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks);
 /* Calls fn after each layer of a load (for a progress line). fn NULL: none. */
 QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
                                         void (*fn)(void *user, size_t done, size_t total, const char *layer),
@@ -341,7 +350,7 @@ QKEEP_API int qkeep_compare(qkeep_model *model, qkeep_model *reference, int64_t 
 struct qkeep_quantize_options {
   size_t size;
   const char *scheme;       /* modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4 */
-  int64_t group_size;       /* int4 group (default 128, capped at K) */
+  int64_t group_size;       /* int4 group (default 128; must not exceed any linear's K) */
   bool asym_weights;        /* int4 with zero points */
   bool static_input;        /* w8a8: static per-tensor input scales (else dynamic per token) */
   bool asym_input;          /* w8a8: activations with a zero point */

@@ -286,8 +286,9 @@ static int write_int8(struct quantizer *q, const char *module, const float *w, i
 static int write_int4(struct quantizer *q, const char *module, const float *w, int64_t n, int64_t k) {
   bool awq = strcmp(q->sch->name, "awq-int4") == 0, sym = !q->opt->asym_weights;
   int64_t g = q->opt->group_size > 0 ? q->opt->group_size : 128;
-  if (g > k)
-    g = k;
+  if (g > k) /* one group size serves the whole checkpoint (config.json says it once) */
+    return set_error(QKEEP_E_INVAL, "module %s: K = %lld is smaller than the group size %lld; pass --group %lld or less",
+                     module, (long long)k, (long long)g, (long long)k);
   if (k % g)
     return set_error(QKEEP_E_INVAL, "module %s: group size %lld does not divide K = %lld", module, (long long)g,
                      (long long)k);

@@ -46,7 +46,7 @@ static const struct qkeep_memory_ops host_ops = {
     .sync = host_sync,
 };
 
-static const struct device host_dev = {NULL, &host_ops};
+static const struct device host_dev = {NULL, &host_ops, NULL};
 
 const struct device *host_device(void) { return &host_dev; }
 
@@ -59,6 +59,7 @@ static bool ops_complete(const struct qkeep_memory_ops *ops) {
 void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->be = be;
   dev->ops = (be && ops_complete(be->memory)) ? be->memory : &host_ops;
+  dev->stats = NULL;
 }
 
 int dev_alloc(const struct device *dev, size_t bytes, void **out) {
@@ -108,6 +109,11 @@ int storage_new(const struct device *dev, size_t bytes, struct storage **out) {
     free(s);
     return rc;
   }
+  if (dev->stats) {
+    dev->stats->storage_bytes += (int64_t)bytes;
+    if (dev->stats->storage_bytes > dev->stats->storage_peak)
+      dev->stats->storage_peak = dev->stats->storage_bytes;
+  }
   *out = s;
   return 0;
 }
@@ -117,6 +123,8 @@ void storage_ref(struct storage *s) { s->refs++; }
 void storage_unref(struct storage *s) {
   if (!s || --s->refs > 0)
     return;
+  if (s->dev->stats)
+    s->dev->stats->storage_bytes -= (int64_t)s->capacity;
   dev_free(s->dev, s->data);
   free(s);
 }

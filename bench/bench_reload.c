@@ -1,0 +1,149 @@
+/*
+ * bench_reload.c: reload W0 -> W1 against a cold start on W1 and a raw read
+ * of W1's bytes (the floor for any load), through the configured CPU backend
+ * (default: reference), with the peak extra memory a reload needs against
+ * the largest layer. One JSON object per line per scheme; medians of RUNS
+ * runs after a warm-up, the three measurements interleaved, files in the
+ * page cache for all three (the same conditions).
+ *
+ *   bench_reload [BACKEND] [LAYERS] [RUNS]
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+#include "testutil.h"
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int by_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, by_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* A Llama-shaped unquantized model: hidden 1024, intermediate 2816, `layers` decoder layers. */
+static int write_source(const char *path, int layers, uint64_t seed) {
+  enum { HID = 1024, KVD = 256, INTER = 2816, VOCAB = 8192 };
+  struct st_writer *w;
+  int rc = st_writer_new(&w);
+  char name[128];
+  float *buf = malloc((size_t)VOCAB * HID * sizeof *buf);
+  struct {
+    const char *fmt;
+    int64_t rows, cols;
+  } t[] = {{"model.layers.%d.self_attn.q_proj.weight", HID, HID}, {"model.layers.%d.self_attn.k_proj.weight", KVD, HID},
+           {"model.layers.%d.self_attn.v_proj.weight", KVD, HID}, {"model.layers.%d.self_attn.o_proj.weight", HID, HID},
+           {"model.layers.%d.mlp.gate_proj.weight", INTER, HID},  {"model.layers.%d.mlp.up_proj.weight", INTER, HID},
+           {"model.layers.%d.mlp.down_proj.weight", HID, INTER},  {"model.layers.%d.input_layernorm.weight", HID, 0}};
+  for (int l = -1; l < layers && !rc && buf; l++)
+    for (size_t i = 0; i < (l < 0 ? 2 : sizeof t / sizeof t[0]) && !rc; i++) {
+      int64_t rows = l < 0 ? VOCAB : t[i].rows, cols = l < 0 ? HID : t[i].cols;
+      snprintf(name, sizeof name, l < 0 ? (i ? "lm_head.weight" : "model.embed_tokens.weight") : t[i].fmt, l);
+      for (int64_t j = 0; j < rows * (cols ? cols : 1); j++)
+        buf[j] = cols ? tu_randf(&seed) * 0.05f : 1.0f;
+      struct qkeep_spec s = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
+      rc = st_writer_add(w, name, &s, buf);
+    }
+  if (!rc)
+    rc = st_writer_write(w, path);
+  st_writer_free(w);
+  free(buf);
+  return rc;
+}
+
+static int64_t largest_layer(const qkeep_model *m) {
+  int64_t best = 0;
+  for (size_t l = 0; l < m->n_layers; l++) {
+    int64_t bytes = 0;
+    for (size_t i = 0; i < m->layers[l]->n_params; i++)
+      bytes += (int64_t)m->layers[l]->params[i]->create_bytes;
+    if (bytes > best)
+      best = bytes;
+  }
+  return best;
+}
+
+static int fail(const char *what) {
+  fprintf(stderr, "bench_reload: %s: %s: %s\n", what, qkeep_strerror(-1), qkeep_errmsg());
+  return 1;
+}
+
+int main(int argc, char **argv) {
+  const char *backend = argc > 1 ? argv[1] : "reference";
+  int layers = argc > 2 ? atoi(argv[2]) : 4, runs = argc > 3 ? atoi(argv[3]) : 5;
+  static const char *const schemes[] = {"w8a8-int8", "modelopt-nvfp4", "gptq-int4"};
+  char *dir = tu_tmpdir("bench-reload");
+  char *s0 = tu_path(dir, "w0.safetensors"), *s1 = tu_path(dir, "w1.safetensors");
+  qkeep_plugin *plugin;
+  if (!dir || write_source(s0, layers, 1) || write_source(s1, layers, 2))
+    return fail("writing the source models");
+  if (qkeep_plugin_open(backend, NULL, &plugin))
+    return fail("opening the backend");
+  for (size_t si = 0; si < sizeof schemes / sizeof schemes[0]; si++) {
+    char q0[64], q1[64];
+    snprintf(q0, sizeof q0, "%s-w0", schemes[si]);
+    snprintf(q1, sizeof q1, "%s-w1", schemes[si]);
+    char *w0 = tu_path(dir, q0), *w1 = tu_path(dir, q1);
+    struct qkeep_quantize_options o = {.size = sizeof o, .scheme = schemes[si], .kv_cache_scales = true};
+    if (qkeep_quantize(s0, w0, &o) || qkeep_quantize(s1, w1, &o))
+      return fail("quantizing");
+    qkeep_model *m;
+    if (qkeep_model_new(plugin, &m) || qkeep_model_load(m, w0))
+      return fail("loading W0");
+    double cold[64], reload[64], raw[64];
+    int64_t raw_bytes = 0, peak_extra = 0;
+    for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
+      qkeep_model *c;
+      double t0 = now();
+      if (qkeep_model_new(plugin, &c) || qkeep_model_load(c, w1))
+        return fail("cold start");
+      double t1 = now();
+      qkeep_model_free(c);
+      struct qkeep_memory_stats mem = {.size = sizeof mem};
+      qkeep_model_memory(m, &mem, true);
+      double t2 = now();
+      if (qkeep_model_reload(m, r % 2 ? w0 : w1, 0))
+        return fail("reload");
+      double t3 = now();
+      struct qkeep_memory_stats after = {.size = sizeof after};
+      qkeep_model_memory(m, &after, false);
+      int64_t extra = after.storage_peak - mem.storage_bytes + after.staging_peak;
+      if (extra > peak_extra)
+        peak_extra = extra;
+      double t_raw;
+      if (qkeep_checkpoint_read_all(w1, &raw_bytes, &t_raw))
+        return fail("raw read");
+      if (r >= 0) {
+        cold[r] = t1 - t0;
+        reload[r] = t3 - t2;
+        raw[r] = t_raw;
+      }
+    }
+    double mc = median(cold, runs), mr = median(reload, runs), mw = median(raw, runs);
+    printf("{\"bench\":\"reload\",\"backend\":\"%s\",\"scheme\":\"%s\",\"layers\":%d,\"checkpoint_bytes\":%lld,"
+           "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"
+           "\"cold_over_reload\":%.2f,\"reload_over_raw\":%.2f,\"peak_extra_bytes\":%lld,\"largest_layer_bytes\":%lld,"
+           "\"extra_over_largest_layer\":%.3f}\n",
+           backend, schemes[si], layers, (long long)raw_bytes, runs, 1e3 * mc, 1e3 * mr, 1e3 * mw, mc / mr, mr / mw,
+           (long long)peak_extra, (long long)largest_layer(m), (double)peak_extra / (double)largest_layer(m));
+    fflush(stdout);
+    qkeep_model_free(m);
+    free(w0);
+    free(w1);
+  }
+  qkeep_plugin_close(plugin);
+  tu_rmtree(dir);
+  free(dir), free(s0), free(s1);
+  return 0;
+}
