@@ -25,6 +25,8 @@ const char *option_value(const struct options *o, const char *name);
 bool option_flag(const struct options *o, const char *name);
 /* Loads the config: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
 int load_config(const struct options *o, qkeep_config **cfg);
+/* A new model on plugin with the config's fusion map ([model] fuse) applied. */
+int new_model(const qkeep_config *cfg, qkeep_plugin *plugin, qkeep_model **out);
 /* Prints "qkeep: <error>: <detail>" to stderr; returns 1. */
 int fail(int code);
 

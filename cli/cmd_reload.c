@@ -83,7 +83,7 @@ int cmd_reload(const struct options *o) {
   double t0 = now(), t_cold0 = 0, t_reload = 0, t_cold1 = 0, t_raw = 0;
   int64_t raw_bytes = 0;
   if (!rc)
-    rc = qkeep_model_new(plugin, &model);
+    rc = new_model(cfg, plugin, &model);
   if (!rc)
     rc = qkeep_model_load(model, w0);
   t_cold0 = now() - t0;
@@ -103,7 +103,7 @@ int cmd_reload(const struct options *o) {
     rc = qkeep_digest(model, &d_reload);
   double t2 = now();
   if (!rc)
-    rc = qkeep_model_new(plugin, &cold);
+    rc = new_model(cfg, plugin, &cold);
   if (!rc)
     rc = qkeep_model_load(cold, w1);
   t_cold1 = now() - t2;

@@ -65,8 +65,9 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
 }
 
 /* Loads ckpt into a new model of plugin; on failure prints and returns 1. */
-static int load(qkeep_plugin *plugin, const char *ckpt, bool show_progress, qkeep_model **out) {
-  int rc = qkeep_model_new(plugin, out);
+static int load(const qkeep_config *cfg, qkeep_plugin *plugin, const char *ckpt, bool show_progress,
+                qkeep_model **out) {
+  int rc = new_model(cfg, plugin, out);
   if (!rc && show_progress)
     qkeep_model_set_progress(*out, progress, NULL);
   if (!rc)
@@ -96,7 +97,7 @@ int cmd_run(const struct options *o) {
   }
   double t_plugin = now();
   if (!rc)
-    rc = load(plugin, ckpt, !o->json && isatty(2), &model);
+    rc = load(cfg, plugin, ckpt, !o->json && isatty(2), &model);
   double t_load = now();
   struct qkeep_census census = {.size = sizeof census};
   struct qkeep_digest digest;
@@ -108,7 +109,7 @@ int cmd_run(const struct options *o) {
   if (!rc)
     rc = qkeep_plugin_open("reference", qkeep_config_plugin_dir(cfg), &ref_plugin);
   if (!rc)
-    rc = load(ref_plugin, ckpt, false, &ref);
+    rc = load(cfg, ref_plugin, ckpt, false, &ref);
   double t_ref = now();
   if (!rc) {
     report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest, false);

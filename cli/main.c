@@ -147,6 +147,14 @@ int load_config(const struct options *o, qkeep_config **cfg) {
   return qkeep_config_load(path, cfg);
 }
 
+int new_model(const qkeep_config *cfg, qkeep_plugin *plugin, qkeep_model **out) {
+  int rc = qkeep_model_new(plugin, out);
+  const char *fuse = cfg ? qkeep_config_fuse(cfg) : NULL;
+  if (!rc && fuse)
+    rc = qkeep_model_set_fusion(*out, fuse);
+  return rc;
+}
+
 static int cmd_version(const struct options *o) {
   if (o->json)
     printf("{\"version\":\"%s\",\"backend_abi\":\"%d.%d\"}\n", qkeep_version(), QKEEP_BACKEND_ABI_MAJOR,
@@ -230,7 +238,7 @@ static int cmd_census(const struct options *o) {
     return 2;
   }
   if (!rc)
-    rc = qkeep_model_new(plugin, &model);
+    rc = new_model(cfg, plugin, &model);
   if (!rc)
     rc = qkeep_model_load(model, ckpt);
   struct qkeep_census c = {.size = sizeof c};

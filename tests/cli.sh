@@ -70,6 +70,14 @@ check "missing plugin names config line" contains "$tmp/out" "bad.ini:2"
 
 "$qkeep" frobnicate >"$tmp/out" 2>&1; check "unknown command is a usage error" test $? -eq 2
 
+# the fusion map from the config
+printf '[qkeep]\nbackend = reference\n[model]\nfuse = none\n' >"$tmp/nofuse.ini"
+"$qkeep" -c "$tmp/nofuse.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "fuse = none keeps q/k/v apart" line_is "$tmp/out" "layers" 32
+printf '[qkeep]\nbackend = reference\n[model]\nfuse = qkv=q_proj\n' >"$tmp/badfuse.ini"
+"$qkeep" -c "$tmp/badfuse.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "a bad fuse map is a config error with its line" contains "$tmp/out" "badfuse.ini:4"
+
 # quantize, run (the main job) and reload, on a model written here
 "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/w0" --scheme modelopt-nvfp4 --kv-scales >"$tmp/out" 2>&1
 check "quantize exits 0" test $? -eq 0
