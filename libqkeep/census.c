@@ -100,9 +100,7 @@ int qkeep_census(const qkeep_model *model, struct qkeep_census *out) {
       if (i == 0 || ranges[i].begin != ranges[i - 1].begin)
         c.total_bytes += (int64_t)(ranges[i].end - ranges[i].begin);
     c.kept_share = c.total_bytes ? (double)c.kept_bytes / (double)c.total_bytes : 0.0;
-    size_t want = out->size ? out->size : sizeof c;
-    memcpy(out, &c, want < sizeof c ? want : sizeof c);
-    out->size = want < sizeof c ? want : sizeof c;
+    copy_sized(out, &c, sizeof c);
   }
   free(ranges);
   return rc;

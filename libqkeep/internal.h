@@ -37,6 +37,14 @@ void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
 char *xstrdup(const char *s);                    /* NULL on NULL or no memory */
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
+/*
+ * Copies a size-prefixed struct out through the ABI: `out` starts with the caller's
+ * size_t size (0 means "mine"); copies min(that, in_size) bytes of `in` and stores the
+ * size copied, so older callers get a prefix and newer ones see what is absent.
+ */
+void copy_sized(void *out, const void *in, size_t in_size);
+/* "an integer", "a string"...: what a JSON value is, for messages (a json_t *). */
+const char *json_kind(const void *json_value);
 /* "[3, 4]" into buf; returns buf. */
 const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len);
 

@@ -50,9 +50,9 @@ int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind 
 int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out) {
   if (!layer || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_layer_get_info: NULL argument");
-  size_t want = out->size ? out->size : sizeof *out;
-  memcpy(out, &layer->dims, want < sizeof layer->dims ? want : sizeof layer->dims);
-  out->size = want < sizeof layer->dims ? want : sizeof layer->dims;
+  struct qkeep_layer_info info = layer->dims;
+  info.size = sizeof info;
+  copy_sized(out, &info, sizeof info);
   return 0;
 }
 

@@ -126,9 +126,7 @@ int qkeep_model_set_fusion(qkeep_model *model, const char *spec) {
 int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *out) {
   if (!model || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_stats: NULL argument");
-  size_t want = out->size ? out->size : sizeof *out;
-  memcpy(out, &model->stats, want < sizeof model->stats ? want : sizeof model->stats);
-  out->size = want < sizeof model->stats ? want : sizeof model->stats;
+  copy_sized(out, &model->stats, sizeof model->stats);
   return 0;
 }
 
@@ -136,8 +134,7 @@ int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool 
   if (!model || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_model_memory: NULL argument");
   struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak, model->mem.staging_peak};
-  size_t want = out->size ? out->size : sizeof m;
-  memcpy(out, &m, want < sizeof m ? want : sizeof m);
+  copy_sized(out, &m, sizeof m);
   if (reset_peaks) {
     model->mem.storage_peak = model->mem.storage_bytes;
     model->mem.staging_peak = 0;

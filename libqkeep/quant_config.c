@@ -37,21 +37,6 @@ struct sub_origin {
   char path[512];
 };
 
-/* "an integer", "a string"...: what a JSON value is, for messages. */
-static const char *json_kind(const json_t *v) {
-  switch (json_typeof(v)) {
-  case JSON_OBJECT: return "an object";
-  case JSON_ARRAY: return "an array";
-  case JSON_STRING: return "a string";
-  case JSON_INTEGER: return "an integer";
-  case JSON_REAL: return "a real number";
-  case JSON_TRUE:
-  case JSON_FALSE: return "a boolean";
-  case JSON_NULL: return "null";
-  }
-  return "?";
-}
-
 /* Sets "FILE: PATH.KEY DETAIL" (key may be NULL) and returns code. */
 static int PRINTF_LIKE(4, 5)
     key_error(int code, const struct origin *o, const char *key, const char *fmt, ...) {

@@ -75,21 +75,6 @@ static const char *shape_str(const struct st_tensor *t, char *buf, size_t len) {
   return spec_shape_str(&spec, buf, len);
 }
 
-/* "an integer", "a string"...: what a JSON value is, for messages. Static strings. */
-static const char *json_kind(const json_t *v) {
-  switch (json_typeof(v)) {
-  case JSON_OBJECT: return "an object";
-  case JSON_ARRAY: return "an array";
-  case JSON_STRING: return "a string";
-  case JSON_INTEGER: return "an integer";
-  case JSON_REAL: return "a real number";
-  case JSON_TRUE:
-  case JSON_FALSE: return "a boolean";
-  case JSON_NULL: return "null";
-  }
-  return "?";
-}
-
 /* ---- low-level I/O ------------------------------------------------------------------ */
 
 /*

@@ -1,4 +1,5 @@
 /* util.c: small helpers shared by the core's files. */
+#include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,4 +47,27 @@ const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len)
   if (used < len)
     snprintf(buf + used, len - used, "]");
   return buf;
+}
+
+void copy_sized(void *out, const void *in, size_t in_size) {
+  size_t want;
+  memcpy(&want, out, sizeof want);
+  if (!want || want > in_size)
+    want = in_size;
+  memcpy(out, in, want);
+  memcpy(out, &want, sizeof want);
+}
+
+const char *json_kind(const void *json_value) {
+  switch (json_typeof((const json_t *)json_value)) {
+  case JSON_OBJECT: return "an object";
+  case JSON_ARRAY: return "an array";
+  case JSON_STRING: return "a string";
+  case JSON_INTEGER: return "an integer";
+  case JSON_REAL: return "a real number";
+  case JSON_TRUE:
+  case JSON_FALSE: return "a boolean";
+  case JSON_NULL: return "null";
+  }
+  return "?";
 }
