@@ -91,6 +91,7 @@ struct od_matrix {
   enum od_store store;
   dnnl_memory_desc_t wmd; /* the weights' layout, the same for every class */
   size_t wbytes;          /* bytes of one expert's weights in that layout */
+  bool scales_in_buffer;  /* int8: f32 scales per channel in "<prefix>weight_scale_channel" (else the param) */
   struct od_prim cls[OD_CLASSES];
 };
 
@@ -104,7 +105,6 @@ struct od_layer {
   int n_mat;
   struct od_matrix mat[2];
   uint32_t flags;        /* QKEEP_LAYER_F_* */
-  bool scales_in_buffer; /* int8: f32 scales per channel in "weight_scale_channel" (else the param) */
   void *src;             /* scratch: one chunk of activations in the kernel's dtype */
   size_t src_cap;
   void *dst;             /* scratch: one padded chunk of output */

@@ -1,0 +1,488 @@
+/*
+ * kernels.c: the oneDNN side of the cpu-onednn backend: the engine and its
+ * ISA, the weights' packed layout and the reorder into it, one matmul
+ * primitive per weight matrix and M class, activation quantisation, and the
+ * epilogue. onednn.h explains the int8 arithmetic.
+ */
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <oneapi/dnnl/dnnl_debug.h>
+
+#include "numeric.h"
+#include "onednn.h"
+
+int od_fail(const struct od_backend *b, int code, dnnl_status_t status, const char *what) {
+  return b->host->set_error(code, "cpu-onednn: %s: oneDNN status %s", what, dnnl_status2str(status));
+}
+
+/* ---- engine and ISA -------------------------------------------------------------------- */
+
+static const struct {
+  const char *name;
+  dnnl_cpu_isa_t isa;
+} isa_names[] = {
+    {"all", dnnl_cpu_isa_all},
+    {"sse41", dnnl_cpu_isa_sse41},
+    {"avx", dnnl_cpu_isa_avx},
+    {"avx2", dnnl_cpu_isa_avx2},
+    {"avx2_vnni", dnnl_cpu_isa_avx2_vnni},
+    {"avx512_core", dnnl_cpu_isa_avx512_core},
+    {"avx512_core_vnni", dnnl_cpu_isa_avx512_core_vnni},
+    {"avx512_core_bf16", dnnl_cpu_isa_avx512_core_bf16},
+    {"avx512_core_amx", dnnl_cpu_isa_avx512_core_amx},
+};
+
+static const char *isa_name(dnnl_cpu_isa_t isa) {
+  for (size_t i = 0; i < sizeof isa_names / sizeof isa_names[0]; i++)
+    if (isa_names[i].isa == isa)
+      return isa_names[i].name;
+  return "other";
+}
+
+/* dnnl_data_type_t of a qkeep dtype (the ones a matmul here reads). */
+static dnnl_data_type_t dnnl_type(enum qkeep_dtype d) {
+  switch (d) {
+  case QKEEP_DTYPE_F32: return dnnl_f32;
+  case QKEEP_DTYPE_BF16: return dnnl_bf16;
+  case QKEEP_DTYPE_F16: return dnnl_f16;
+  case QKEEP_DTYPE_I8: return dnnl_s8;
+  case QKEEP_DTYPE_U8: return dnnl_u8;
+  case QKEEP_DTYPE_I32: return dnnl_s32;
+  default: return dnnl_data_type_undef;
+  }
+}
+
+static const char *dtype_name(enum qkeep_dtype d) {
+  static const char *const names[QKEEP_DTYPE_COUNT] = {"F32", "F16", "BF16", "F8_E4M3", "F8_E8M0",
+                                                        "U8",  "I8",  "I32",  "I64"};
+  return (unsigned)d < QKEEP_DTYPE_COUNT ? names[d] : "?";
+}
+
+/* Source, weight and destination types of each compute kind. */
+static void compute_types(enum od_compute c, dnnl_data_type_t *src, dnnl_data_type_t *wei, dnnl_data_type_t *dst) {
+  *src = c == OD_INT8 ? dnnl_u8 : c == OD_BF16 ? dnnl_bf16 : dnnl_f32;
+  *wei = c == OD_INT8 ? dnnl_s8 : c == OD_BF16 ? dnnl_bf16 : dnnl_f32;
+  *dst = c == OD_INT8 ? dnnl_s32 : dnnl_f32;
+}
+
+/* A matmul primitive descriptor for rows x k times the weights described by wmd (NULL: any layout). */
+static dnnl_status_t matmul_pd(const struct od_backend *b, enum od_compute c, int64_t rows, int64_t k, int64_t n,
+                               const dnnl_memory_desc_t *wmd, dnnl_primitive_desc_t *pd) {
+  dnnl_data_type_t sdt, wdt, ddt;
+  compute_types(c, &sdt, &wdt, &ddt);
+  dnnl_memory_desc_t src, wei, dst;
+  dnnl_matmul_desc_t md;
+  dnnl_status_t s = dnnl_memory_desc_init_by_tag(&src, 2, (dnnl_dims_t){rows, k}, sdt, dnnl_ab);
+  if (s == dnnl_success)
+    s = dnnl_memory_desc_init_by_tag(&dst, 2, (dnnl_dims_t){rows, n}, ddt, dnnl_ab);
+  if (s == dnnl_success && wmd)
+    wei = *wmd;
+  else if (s == dnnl_success)
+    s = dnnl_memory_desc_init_by_tag(&wei, 2, (dnnl_dims_t){k, n}, wdt, dnnl_format_tag_any);
+  if (s == dnnl_success)
+    s = dnnl_matmul_desc_init(&md, &src, &wei, NULL, &dst);
+  if (s == dnnl_success)
+    s = dnnl_primitive_desc_create(pd, &md, NULL, b->engine, NULL);
+  return s;
+}
+
+int od_engine_init(struct od_backend *b) {
+  const char *limit = getenv("QKEEP_ONEDNN_MAX_ISA");
+  if (limit && *limit) {
+    size_t i = 0, n = sizeof isa_names / sizeof isa_names[0];
+    while (i < n && strcmp(isa_names[i].name, limit) != 0)
+      i++;
+    if (i == n)
+      return b->host->set_error(QKEEP_E_CONFIG,
+                                "cpu-onednn: QKEEP_ONEDNN_MAX_ISA=%s: unknown ISA (all, sse41, avx, avx2, "
+                                "avx2_vnni, avx512_core, avx512_core_vnni, avx512_core_bf16, avx512_core_amx)",
+                                limit);
+    dnnl_status_t s = dnnl_set_max_cpu_isa(isa_names[i].isa);
+    /* The limit can be set once, before oneDNN generates code; an earlier instance may have set it already. */
+    if (s != dnnl_success && isa_names[i].isa != dnnl_cpu_isa_all &&
+        (dnnl_get_effective_cpu_isa() & ~isa_names[i].isa) != 0)
+      return b->host->set_error(QKEEP_E_PLUGIN,
+                                "cpu-onednn: QKEEP_ONEDNN_MAX_ISA=%s: oneDNN cannot lower its ISA (%s): it has "
+                                "generated code in this process already",
+                                limit, dnnl_status2str(s));
+  }
+  dnnl_status_t s = dnnl_engine_create(&b->engine, dnnl_cpu, 0);
+  if (s != dnnl_success)
+    return od_fail(b, QKEEP_E_PLUGIN, s, "creating the CPU engine");
+  b->isa = dnnl_get_effective_cpu_isa();
+  snprintf(b->isa_name, sizeof b->isa_name, "%s", isa_name(b->isa));
+  /* Only AVX-512 VNNI is known exact here; avx2_vnni is not verified, so it takes the 7-bit path too. */
+  b->vnni = (b->isa & dnnl_cpu_isa_avx512_core_vnni) == dnnl_cpu_isa_avx512_core_vnni;
+  dnnl_primitive_desc_t pd = NULL;
+  b->bf16 = matmul_pd(b, OD_BF16, 1, 64, 64, NULL, &pd) == dnnl_success;
+  if (pd)
+    dnnl_primitive_desc_destroy(pd);
+  return 0;
+}
+
+void od_engine_fini(struct od_backend *b) {
+  if (b->engine)
+    dnnl_engine_destroy(b->engine);
+  b->engine = NULL;
+}
+
+int od_threads_begin(const struct od_backend *b) {
+  int saved = omp_get_max_threads();
+  if (b->threads > 0)
+    omp_set_num_threads(b->threads);
+  return saved;
+}
+
+void od_threads_end(const struct od_backend *b, int saved) {
+  if (b->threads > 0)
+    omp_set_num_threads(saved);
+}
+
+/* ---- primitives per M class ------------------------------------------------------------ */
+
+static const int64_t class_rows[OD_CLASSES] = {1, 16, 128, OD_CHUNK_ROWS};
+
+static int class_of(int64_t rows) {
+  int c = 0;
+  while (c + 1 < OD_CLASSES && class_rows[c] < rows)
+    c++;
+  return c;
+}
+
+/* Builds class c's primitive and its memory objects from pd (consumed). */
+static int prim_build(struct od_backend *b, struct od_matrix *mt, int c, dnnl_primitive_desc_t pd) {
+  struct od_prim *p = &mt->cls[c];
+  dnnl_status_t s = dnnl_primitive_create(&p->prim, pd);
+  const dnnl_memory_desc_t *src = dnnl_primitive_desc_query_md(pd, dnnl_query_src_md, 0);
+  const dnnl_memory_desc_t *dst = dnnl_primitive_desc_query_md(pd, dnnl_query_dst_md, 0);
+  if (s == dnnl_success)
+    s = dnnl_memory_create(&p->src, src, b->engine, DNNL_MEMORY_NONE);
+  if (s == dnnl_success)
+    s = dnnl_memory_create(&p->wei, &mt->wmd, b->engine, DNNL_MEMORY_NONE);
+  if (s == dnnl_success)
+    s = dnnl_memory_create(&p->dst, dst, b->engine, DNNL_MEMORY_NONE);
+  dnnl_primitive_desc_destroy(pd);
+  if (s != dnnl_success) {
+    char what[96];
+    snprintf(what, sizeof what, "building the %lld-row matmul for %lldx%lld weights", (long long)class_rows[c],
+             (long long)mt->n, (long long)mt->k);
+    return od_fail(b, QKEEP_E_DEVICE, s, what);
+  }
+  return 0;
+}
+
+/* Class c's primitive, built on first use with the weights' layout fixed at PWAL. */
+static int prim_get(struct od_backend *b, struct od_matrix *mt, int c, struct od_prim **out) {
+  if (!mt->cls[c].prim) {
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_status_t s = matmul_pd(b, mt->compute, class_rows[c], mt->k, mt->n, &mt->wmd, &pd);
+    if (s != dnnl_success)
+      return od_fail(b, QKEEP_E_UNSUPPORTED, s, "a matmul with the packed weights' layout");
+    int rc = prim_build(b, mt, c, pd);
+    if (rc)
+      return rc;
+  }
+  *out = &mt->cls[c];
+  return 0;
+}
+
+void od_matrix_release(struct od_matrix *mt) {
+  for (int c = 0; c < OD_CLASSES; c++) {
+    struct od_prim *p = &mt->cls[c];
+    if (p->prim)
+      dnnl_primitive_destroy(p->prim);
+    if (p->src)
+      dnnl_memory_destroy(p->src);
+    if (p->wei)
+      dnnl_memory_destroy(p->wei);
+    if (p->dst)
+      dnnl_memory_destroy(p->dst);
+    *p = (struct od_prim){0};
+  }
+}
+
+int od_matrix_prepare(struct od_backend *b, struct od_matrix *mt, enum qkeep_dtype weight_dtype, bool plain) {
+  od_matrix_release(mt);
+  dnnl_memory_desc_t plain_md;
+  dnnl_status_t s = dnnl_success;
+  if (plain)
+    s = dnnl_memory_desc_init_by_tag(&plain_md, 2, (dnnl_dims_t){mt->k, mt->n}, dnnl_type(weight_dtype), dnnl_ba);
+  dnnl_primitive_desc_t pd = NULL;
+  if (s == dnnl_success)
+    s = matmul_pd(b, mt->compute, 1, mt->k, mt->n, plain ? &plain_md : NULL, &pd);
+  if (s != dnnl_success) {
+    char what[128];
+    snprintf(what, sizeof what, "no %s matmul for %lldx%lld %s weights on %s", dtype_name(weight_dtype),
+             (long long)mt->n, (long long)mt->k, plain ? "plain" : "packed", b->isa_name);
+    return od_fail(b, QKEEP_E_UNSUPPORTED, s, what);
+  }
+  mt->wmd = *dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+  mt->wbytes = dnnl_memory_desc_get_size(&mt->wmd);
+  return prim_build(b, mt, 0, pd);
+}
+
+int od_pack(struct od_backend *b, dnnl_stream_t stream, const struct od_matrix *mt, enum qkeep_dtype dtype,
+            const void *plain, void *packed) {
+  dnnl_memory_desc_t from_md;
+  dnnl_primitive_desc_t pd = NULL;
+  dnnl_primitive_t reorder = NULL;
+  dnnl_memory_t from = NULL, to = NULL;
+  /* The checkpoint's W [N, K] row-major is the matmul's {K, N} weights in "ba" order. */
+  dnnl_status_t s = dnnl_memory_desc_init_by_tag(&from_md, 2, (dnnl_dims_t){mt->k, mt->n}, dnnl_type(dtype), dnnl_ba);
+  if (s == dnnl_success)
+    s = dnnl_reorder_primitive_desc_create(&pd, &from_md, b->engine, &mt->wmd, b->engine, NULL);
+  if (s == dnnl_success)
+    s = dnnl_primitive_create(&reorder, pd);
+  if (s == dnnl_success)
+    s = dnnl_memory_create(&from, &from_md, b->engine, (void *)plain);
+  if (s == dnnl_success)
+    s = dnnl_memory_create(&to, &mt->wmd, b->engine, packed);
+  if (s == dnnl_success)
+    s = dnnl_primitive_execute(reorder, stream, 2, (dnnl_exec_arg_t[]){{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}});
+  if (s == dnnl_success)
+    s = dnnl_stream_wait(stream);
+  if (from)
+    dnnl_memory_destroy(from);
+  if (to)
+    dnnl_memory_destroy(to);
+  if (reorder)
+    dnnl_primitive_destroy(reorder);
+  if (pd)
+    dnnl_primitive_desc_destroy(pd);
+  return s == dnnl_success ? 0 : od_fail(b, QKEEP_E_DEVICE, s, "reordering weights into the packed layout");
+}
+
+/* ---- activations ----------------------------------------------------------------------- */
+
+/*
+ * Round to nearest even of |v| <= 2^22 under the default rounding mode: adding
+ * 1.5 * 2^23 leaves no fraction bits. Unlike nearbyintf (a libm call on
+ * baseline x86-64) it vectorises. Callers clamp v first.
+ */
+static inline float round_even(float v) {
+  const float magic = 12582912.0f;
+  return (v + magic) - magic;
+}
+
+/*
+ * Quantises one row of k activations to u8 codes u with x ~ a * (u - zp), and
+ * returns a and zp. L = act->levels (255, or 127 without VNNI):
+ *   dynamic symmetric:  h = (L - 1) / 2, a = max|x| / h, zp = h + 1 (u in 1..L);
+ *   dynamic asymmetric: the row's [min, max] widened to hold 0 (so zp is in 0..L and the
+ *                       int32 correction cannot overflow), a = (max - min) / L, zp = rne(-min / a);
+ *   static:             a = input_scale, zp = 128 + input_zero_point (0 when symmetric);
+ *                       7 bits: a = 2 * input_scale, zp = rne((128 + input_zero_point) / 2).
+ * Then u = clamp(rne(x / a) + zp, 0, L), with 1 / a as a multiplier. A zero scale
+ * (an all-zero row) gives u = zp, so the row contributes nothing.
+ */
+static void quantize_row(const struct od_act *act, const float *x, int64_t k, uint8_t *u, float *scale,
+                         int32_t *zero) {
+  const float levels = (float)act->levels;
+  float a, zp;
+  if (!act->dynamic) {
+    float z = act->asym ? (float)act->static_zero + 128.0f : 128.0f;
+    a = act->levels == 255 ? act->static_scale : 2.0f * act->static_scale;
+    zp = act->levels == 255 ? z : round_even(z * 0.5f);
+  } else if (!act->asym) {
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < k; i++) {
+      float v = x[i] < 0 ? -x[i] : x[i];
+      amax = v > amax ? v : amax;
+    }
+    float h = (levels - 1.0f) * 0.5f;
+    a = amax / h;
+    zp = h + 1.0f;
+  } else {
+    float lo = 0.0f, hi = 0.0f;
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+    for (int64_t i = 0; i < k; i++) {
+      lo = x[i] < lo ? x[i] : lo;
+      hi = x[i] > hi ? x[i] : hi;
+    }
+    a = (hi - lo) / levels;
+    zp = a > 0.0f ? round_even(-lo / a) : 0.0f;
+  }
+  float inv = a > 0.0f ? 1.0f / a : 0.0f;
+#pragma omp simd
+  for (int64_t i = 0; i < k; i++) {
+    float t = x[i] * inv + zp;
+    t = t > 0.0f ? t : 0.0f; /* also maps NaN to 0 */
+    t = t < levels ? t : levels;
+    u[i] = (uint8_t)(int)round_even(t);
+  }
+  *scale = a;
+  *zero = (int32_t)zp;
+}
+
+/* ---- apply ------------------------------------------------------------------------------- */
+
+/* Grows a scratch allocation to at least `bytes`. */
+static int reserve(const struct od_backend *b, void **buf, size_t *cap, size_t bytes) {
+  if (bytes <= *cap)
+    return 0;
+  void *p = realloc(*buf, bytes);
+  if (!p)
+    return b->host->set_error(QKEEP_E_NOMEM, "cpu-onednn: out of memory for %zu bytes of scratch", bytes);
+  *buf = p;
+  *cap = bytes;
+  return 0;
+}
+
+/*
+ * The int8 epilogue over rows x n: y = a[r] * s[j] * (C - zp[r] * adj[j]) + bias[j].
+ * C is s32 and may be y itself (the chunk was computed in place): each element is
+ * read before it is written, through memcpy so no type punning is involved.
+ */
+static void epilogue_int8(const void *c, float *y, int64_t rows, int64_t n, const float *a, const int32_t *zp,
+                          const struct od_operands *op, const float *bias) {
+  const unsigned char *cb = c;
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; r++) {
+    const float ar = a[r];
+    const int32_t zr = zp[r];
+    const unsigned char *crow = cb + (size_t)(r * n) * sizeof(int32_t);
+    float *yrow = y + r * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) {
+      int32_t acc;
+      memcpy(&acc, crow + (size_t)j * sizeof acc, sizeof acc);
+      float v = (ar * op->scale[j]) * (float)(acc - zr * op->azp_adj[j]);
+      yrow[j] = bias ? v + bias[j] : v;
+    }
+  }
+}
+
+/* y[rows, n] = dst (f32, may be y itself) + bias. */
+static void epilogue_float(const float *dst, float *y, int64_t rows, int64_t n, const float *bias) {
+  if (!bias) {
+    if (dst != y)
+      memcpy(y, dst, (size_t)(rows * n) * sizeof *y);
+    return;
+  }
+#pragma omp parallel for schedule(static) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; r++)
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++)
+      y[r * n + j] = dst[r * n + j] + bias[j];
+}
+
+/* The bias as f32: the param itself, or converted into the layer's scratch. */
+static int bias_f32(const struct od_backend *b, struct od_layer *st, const struct od_operands *op, int64_t n,
+                    const float **out) {
+  *out = NULL;
+  if (!op->bias)
+    return 0;
+  if (op->bias_dtype == QKEEP_DTYPE_F32) {
+    *out = op->bias;
+    return 0;
+  }
+  (void)st;
+  float *conv = malloc((size_t)(n ? n : 1) * sizeof *conv);
+  if (!conv)
+    return b->host->set_error(QKEEP_E_NOMEM, "cpu-onednn: out of memory converting a bias");
+  for (int64_t j = 0; j < n; j++)
+    conv[j] = qk_load_float(op->bias, op->bias_dtype, (size_t)j);
+  *out = conv;
+  return 0;
+}
+
+/* Fills the class-sized source chunk: quantised (int8), converted (bf16) or copied (f32, padded). */
+static void fill_source(const struct od_matrix *mt, const struct od_operands *op, const float *x, int64_t rows,
+                        int64_t padded, void *src, float *a, int32_t *zp) {
+  int64_t k = mt->k;
+  if (mt->compute == OD_INT8) {
+    uint8_t *u = src;
+#pragma omp parallel for schedule(static) if (rows * k >= 65536)
+    for (int64_t r = 0; r < rows; r++)
+      quantize_row(&op->act, x + r * k, k, u + r * k, &a[r], &zp[r]);
+    memset(u + rows * k, 0, (size_t)((padded - rows) * k));
+  } else if (mt->compute == OD_BF16) {
+    uint16_t *h = src;
+#pragma omp parallel for schedule(static) if (rows * k >= 65536)
+    for (int64_t i = 0; i < rows * k; i++)
+      h[i] = qk_f32_to_bf16(x[i]);
+    memset(h + rows * k, 0, (size_t)((padded - rows) * k) * sizeof *h);
+  } else {
+    float *f = src;
+    memcpy(f, x, (size_t)(rows * k) * sizeof *f);
+    memset(f + rows * k, 0, (size_t)((padded - rows) * k) * sizeof *f);
+  }
+}
+
+/* One chunk of at most OD_CHUNK_ROWS rows through the class primitive that holds it. */
+static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op,
+                       const float *bias, int64_t rows, const float *x, float *y) {
+  int c = class_of(rows);
+  int64_t padded = class_rows[c];
+  struct od_prim *p;
+  int rc = prim_get(b, mt, c, &p);
+  if (rc)
+    return rc;
+  size_t src_elem = mt->compute == OD_INT8 ? 1 : mt->compute == OD_BF16 ? 2 : 4;
+  float a[OD_CHUNK_ROWS];
+  int32_t zp[OD_CHUNK_ROWS];
+  /* f32 rows that fill the class are read in place; everything else goes through scratch. */
+  const void *src = x;
+  if (mt->compute != OD_F32 || rows != padded) {
+    if ((rc = reserve(b, &st->src, &st->src_cap, (size_t)(padded * mt->k) * src_elem)))
+      return rc;
+    fill_source(mt, op, x, rows, padded, st->src, a, zp);
+    src = st->src;
+  }
+  /* The output is written straight into y when the class fits the rows exactly (s32 and f32 are both 4 bytes). */
+  void *dst = y;
+  if (rows != padded) {
+    if ((rc = reserve(b, &st->dst, &st->dst_cap, (size_t)(padded * mt->n) * sizeof(float))))
+      return rc;
+    dst = st->dst;
+  }
+  dnnl_status_t s = dnnl_memory_set_data_handle(p->src, (void *)src);
+  if (s == dnnl_success)
+    s = dnnl_memory_set_data_handle(p->wei, (void *)op->weights);
+  if (s == dnnl_success)
+    s = dnnl_memory_set_data_handle(p->dst, dst);
+  if (s == dnnl_success)
+    s = dnnl_primitive_execute(p->prim, st->stream, 3,
+                               (dnnl_exec_arg_t[]){{DNNL_ARG_SRC, p->src}, {DNNL_ARG_WEIGHTS, p->wei},
+                                                   {DNNL_ARG_DST, p->dst}});
+  if (s == dnnl_success)
+    s = dnnl_stream_wait(st->stream);
+  if (s != dnnl_success)
+    return od_fail(b, QKEEP_E_DEVICE, s, "running the matmul");
+  if (mt->compute == OD_INT8)
+    epilogue_int8(dst, y, rows, mt->n, a, zp, op, bias);
+  else
+    epilogue_float(dst, y, rows, mt->n, bias);
+  return 0;
+}
+
+int od_apply(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op, int64_t m,
+             const float *x, float *y) {
+  const float *bias = NULL;
+  int rc = bias_f32(b, st, op, mt->n, &bias);
+  int saved = od_threads_begin(b);
+  for (int64_t r0 = 0; !rc && r0 < m; r0 += OD_CHUNK_ROWS) {
+    int64_t rows = m - r0 < OD_CHUNK_ROWS ? m - r0 : OD_CHUNK_ROWS;
+    rc = apply_chunk(b, st, mt, op, bias, rows, x + r0 * mt->k, y + r0 * mt->n);
+  }
+  od_threads_end(b, saved);
+  if (bias && bias != op->bias)
+    free((void *)bias);
+  return rc;
+}
+
+void od_layer_release(struct od_layer *st) {
+  for (int i = 0; i < 2; i++)
+    od_matrix_release(&st->mat[i]);
+  if (st->stream)
+    dnnl_stream_destroy(st->stream);
+  st->stream = NULL;
+  free(st->src);
+  free(st->dst);
+  st->src = st->dst = NULL;
+  st->src_cap = st->dst_cap = 0;
+}
