@@ -42,10 +42,14 @@ static int write_source(const char *path, int layers, uint64_t seed) {
   struct {
     const char *fmt;
     int64_t rows, cols;
-  } t[] = {{"model.layers.%d.self_attn.q_proj.weight", HID, HID}, {"model.layers.%d.self_attn.k_proj.weight", KVD, HID},
-           {"model.layers.%d.self_attn.v_proj.weight", KVD, HID}, {"model.layers.%d.self_attn.o_proj.weight", HID, HID},
-           {"model.layers.%d.mlp.gate_proj.weight", INTER, HID},  {"model.layers.%d.mlp.up_proj.weight", INTER, HID},
-           {"model.layers.%d.mlp.down_proj.weight", HID, INTER},  {"model.layers.%d.input_layernorm.weight", HID, 0}};
+  } t[] = {{"model.layers.%d.self_attn.q_proj.weight", HID, HID},
+           {"model.layers.%d.self_attn.k_proj.weight", KVD, HID},
+           {"model.layers.%d.self_attn.v_proj.weight", KVD, HID},
+           {"model.layers.%d.self_attn.o_proj.weight", HID, HID},
+           {"model.layers.%d.mlp.gate_proj.weight", INTER, HID},
+           {"model.layers.%d.mlp.up_proj.weight", INTER, HID},
+           {"model.layers.%d.mlp.down_proj.weight", HID, INTER},
+           {"model.layers.%d.input_layernorm.weight", HID, 0}};
   for (int l = -1; l < layers && !rc && buf; l++)
     for (size_t i = 0; i < (l < 0 ? 2 : sizeof t / sizeof t[0]) && !rc; i++) {
       int64_t rows = l < 0 ? VOCAB : t[i].rows, cols = l < 0 ? HID : t[i].cols;
@@ -131,12 +135,15 @@ int main(int argc, char **argv) {
       }
     }
     double mc = median(cold, runs), mr = median(reload, runs), mw = median(raw, runs);
-    printf("{\"bench\":\"reload\",\"backend\":\"%s\",\"scheme\":\"%s\",\"layers\":%d,\"checkpoint_bytes\":%lld,"
-           "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"
-           "\"cold_over_reload\":%.2f,\"reload_over_raw\":%.2f,\"peak_extra_bytes\":%lld,\"largest_layer_bytes\":%lld,"
-           "\"extra_over_largest_layer\":%.3f}\n",
-           backend, schemes[si], layers, (long long)raw_bytes, runs, 1e3 * mc, 1e3 * mr, 1e3 * mw, mc / mr, mr / mw,
-           (long long)peak_extra, (long long)largest_layer(m), (double)peak_extra / (double)largest_layer(m));
+    printf(
+        "{\"bench\":\"reload\",\"backend\":\"%s\",\"scheme\":\"%s\",\"layers\":%d,\"checkpoint_bytes\":%lld,"
+        "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"
+        "\"cold_over_reload\":%.2f,\"reload_over_raw\":%.2f,\"peak_extra_bytes\":%lld,\"largest_layer_"
+        "bytes\":%lld,"
+        "\"extra_over_largest_layer\":%.3f}\n",
+        backend, schemes[si], layers, (long long)raw_bytes, runs, 1e3 * mc, 1e3 * mr, 1e3 * mw, mc / mr,
+        mr / mw, (long long)peak_extra, (long long)largest_layer(m),
+        (double)peak_extra / (double)largest_layer(m));
     fflush(stdout);
     qkeep_model_free(m);
     free(w0);

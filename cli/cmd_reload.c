@@ -128,8 +128,10 @@ int cmd_reload(const struct options *o) {
       print_json_string(stdout, w0);
       printf(",\"w1\":");
       print_json_string(stdout, w1);
-      printf(",\"backend\":\"%s\",\"cold_w0_s\":%.6f,\"reload_s\":%.6f,\"cold_w1_s\":%.6f,\"raw_read_w1_s\":%.6f,"
-             "\"w1_bytes\":%lld,\"digest_reload\":\"%s\",\"digest_cold\":\"%s\",\"identical\":%s,\"pointers\":%zu,"
+      printf(",\"backend\":\"%s\",\"cold_w0_s\":%.6f,\"reload_s\":%.6f,\"cold_w1_s\":%.6f,\"raw_read_w1_s\":%"
+             ".6f,"
+             "\"w1_bytes\":%lld,\"digest_reload\":\"%s\",\"digest_cold\":\"%s\",\"identical\":%s,"
+             "\"pointers\":%zu,"
              "\"moved\":%zu,\"census_unchanged\":%s}\n",
              qkeep_plugin_name(plugin), t_cold0, t_reload, t_cold1, t_raw, (long long)raw_bytes, h1, h2,
              identical ? "true" : "false", before.n, moved, census_ok ? "true" : "false");
@@ -139,7 +141,8 @@ int cmd_reload(const struct options *o) {
       printf("  %-24s %10.2f ms  (%.2fx faster than a cold start)\n", "reload W0 -> W1", 1e3 * t_reload,
              t_reload > 0 ? t_cold1 / t_reload : 0.0);
       printf("  %-24s %10.2f ms  (a separate model)\n", "cold start W1", 1e3 * t_cold1);
-      printf("  %-24s %10.2f ms  (%s)\n", "raw read of W1", 1e3 * t_raw, human_bytes((double)raw_bytes, size, sizeof size));
+      printf("  %-24s %10.2f ms  (%s)\n", "raw read of W1", 1e3 * t_raw,
+             human_bytes((double)raw_bytes, size, sizeof size));
       printf("  %-24s %s\n  %-24s %s  %s\n", "digest after reload", h1, "digest of cold W1", h2,
              identical ? "identical" : "DIFFERENT");
       printf("  %-24s %zu of %zu unchanged\n", "data pointers", before.n - moved, before.n);
@@ -147,8 +150,8 @@ int cmd_reload(const struct options *o) {
              (long long)c1.c1, (long long)c1.c2, (long long)c1.released, census_ok ? "unchanged" : "CHANGED");
     }
     if (!identical || moved || !census_ok) {
-      fprintf(stderr, "qkeep: reload: %s%s%s\n", identical ? "" : "digests differ; ", moved ? "pointers moved; " : "",
-              census_ok ? "" : "census changed");
+      fprintf(stderr, "qkeep: reload: %s%s%s\n", identical ? "" : "digests differ; ",
+              moved ? "pointers moved; " : "", census_ok ? "" : "census changed");
       status = 1;
     }
   }

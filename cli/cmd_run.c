@@ -29,7 +29,8 @@ static double now(void) {
 
 static void progress(void *user, size_t done, size_t total, const char *layer) {
   (void)user;
-  fprintf(stderr, "\r  loading %zu/%zu %-60.60s\033[K%s", done, total, layer, done == total ? "\r\033[K" : "");
+  fprintf(stderr, "\r  loading %zu/%zu %-60.60s\033[K%s", done, total, layer,
+          done == total ? "\r\033[K" : "");
 }
 
 struct check {
@@ -48,7 +49,8 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
   if (c->json) {
     printf("%s{\"layer\":", c->layers > 1 ? "," : "");
     print_json_string(stdout, e->layer);
-    printf(",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":%.6g,"
+    printf(",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":%"
+           ".6g,"
            "\"max_rel\":%.6g}",
            e->scheme, e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13", (long long)e->m, (long long)e->n,
            (long long)e->k, e->max_abs, e->max_rel);
@@ -79,7 +81,8 @@ int cmd_run(const struct options *o) {
   qkeep_config *cfg = NULL;
   qkeep_plugin *plugin = NULL, *ref_plugin = NULL;
   qkeep_model *model = NULL, *ref = NULL;
-  const char *rows_s = option_value(o, "rows"), *tol_s = option_value(o, "tolerance"), *seed_s = option_value(o, "seed");
+  const char *rows_s = option_value(o, "rows"), *tol_s = option_value(o, "tolerance"),
+             *seed_s = option_value(o, "seed");
   int64_t rows = rows_s ? strtoll(rows_s, NULL, 10) : 4;
   struct check c = {.json = o->json, .tolerance = tol_s ? strtod(tol_s, NULL) : 0.05};
   if (rows < 1 || rows > 4096 || !(c.tolerance >= 0)) {
@@ -92,7 +95,8 @@ int cmd_run(const struct options *o) {
     rc = qkeep_plugin_open_config(cfg, &plugin);
   const char *ckpt = o->n_args ? o->args[0] : (cfg ? qkeep_config_checkpoint(cfg) : NULL);
   if (!rc && !ckpt) {
-    fprintf(stderr, "qkeep: run: no checkpoint given and %s has no [model] checkpoint\n", qkeep_config_path(cfg));
+    fprintf(stderr, "qkeep: run: no checkpoint given and %s has no [model] checkpoint\n",
+            qkeep_config_path(cfg));
     rc = -100;
   }
   double t_plugin = now();
@@ -112,7 +116,8 @@ int cmd_run(const struct options *o) {
     rc = load(cfg, ref_plugin, ckpt, false, &ref);
   double t_ref = now();
   if (!rc) {
-    report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest, false);
+    report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest,
+                  false);
     if (o->json)
       printf("{\"layers\":[");
     else
@@ -128,15 +133,18 @@ int cmd_run(const struct options *o) {
     qkeep_model_load_stats(model, &st);
     if (o->json) {
       printf("],\"census\":");
-      report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest, true);
+      report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest,
+                    true);
       printf(",\"max_rel\":%.6g,\"tolerance\":%g,\"seconds\":{\"plugin\":%.6f,\"open\":%.6f,\"read\":%.6f,"
              "\"pwal\":%.6f,\"census\":%.6f,\"reference_load\":%.6f,\"check\":%.6f}}\n",
              c.worst, c.tolerance, t_plugin - t0, st.open_seconds, st.read_seconds, st.pwal_seconds,
              t_census - t_load, t_ref - t_census, t_check - t_ref);
     } else {
       char size[32];
-      printf("%d GEMMs checked, largest relative error %.3g (tolerance %g)\n", c.layers, c.worst, c.tolerance);
-      printf("time: plugin %.1f ms, open %.1f ms, read %.1f ms (%s), normalise+PWAL %.1f ms, census+digest %.1f ms, "
+      printf("%d GEMMs checked, largest relative error %.3g (tolerance %g)\n", c.layers, c.worst,
+             c.tolerance);
+      printf("time: plugin %.1f ms, open %.1f ms, read %.1f ms (%s), normalise+PWAL %.1f ms, census+digest "
+             "%.1f ms, "
              "reference load %.1f ms, check %.1f ms\n",
              1e3 * (t_plugin - t0), 1e3 * st.open_seconds, 1e3 * st.read_seconds,
              human_bytes((double)st.checkpoint_bytes, size, sizeof size), 1e3 * st.pwal_seconds,

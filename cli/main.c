@@ -21,7 +21,6 @@
 #define QKEEP_PKGDATADIR "/usr/local/share/qkeep"
 #endif
 
-
 static const char usage_main[] =
     "usage: qkeep [-c CONFIG] [--json] COMMAND [ARGS]\n"
     "\n"
@@ -41,7 +40,8 @@ static const char usage_main[] =
     "  --json             machine-readable output\n"
     "  -h, --help         help (also after a command)\n";
 
-static const char usage_version[] = "usage: qkeep version [--json]\n\nPrints the library version and plugin ABI.\n";
+static const char usage_version[] =
+    "usage: qkeep version [--json]\n\nPrints the library version and plugin ABI.\n";
 static const char usage_plugins[] =
     "usage: qkeep [-c CONFIG] plugins [--json]\n"
     "\n"
@@ -70,7 +70,7 @@ int fail(int code) {
 }
 
 /* Options that take a value, and flags, as "--name" (values also as "--name=value"). */
-static const char *const value_options[] = {"scheme", "group", "activation-amax", "shard-bytes", "rows",
+static const char *const value_options[] = {"scheme",    "group", "activation-amax", "shard-bytes", "rows",
                                             "tolerance", "seed"};
 static const char *const flag_options[] = {"asym", "static-input", "asym-input", "kv-scales"};
 
@@ -160,7 +160,8 @@ static int cmd_version(const struct options *o) {
     printf("{\"version\":\"%s\",\"backend_abi\":\"%d.%d\"}\n", qkeep_version(), QKEEP_BACKEND_ABI_MAJOR,
            QKEEP_BACKEND_ABI_MINOR);
   else
-    printf("qkeep %s (plugin ABI %d.%d)\n", qkeep_version(), QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR);
+    printf("qkeep %s (plugin ABI %d.%d)\n", qkeep_version(), QKEEP_BACKEND_ABI_MAJOR,
+           QKEEP_BACKEND_ABI_MINOR);
   return 0;
 }
 
@@ -251,8 +252,8 @@ static int cmd_census(const struct options *o) {
   if (!rc) {
     report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &c, &d, o->json);
     if (c.missing || c.c1 || c.c2) {
-      fprintf(stderr, "qkeep: census: rule violations (missing %lld, C1 %lld, C2 %lld)\n", (long long)c.missing,
-              (long long)c.c1, (long long)c.c2);
+      fprintf(stderr, "qkeep: census: rule violations (missing %lld, C1 %lld, C2 %lld)\n",
+              (long long)c.missing, (long long)c.c1, (long long)c.c2);
       status = 1;
     }
   }
@@ -273,12 +274,9 @@ int main(int argc, char **argv) {
     int (*run)(const struct options *);
     const char *usage;
   } commands[] = {
-      {"version", cmd_version, usage_version},
-      {"plugins", cmd_plugins, usage_plugins},
-      {"census", cmd_census, usage_census},
-      {"run", cmd_run, usage_run},
-      {"quantize", cmd_quantize, usage_quantize},
-      {"reload", cmd_reload, usage_reload},
+      {"version", cmd_version, usage_version},    {"plugins", cmd_plugins, usage_plugins},
+      {"census", cmd_census, usage_census},       {"run", cmd_run, usage_run},
+      {"quantize", cmd_quantize, usage_quantize}, {"reload", cmd_reload, usage_reload},
   };
   if (!o.command) {
     fputs(usage_main, o.help ? stdout : stderr);

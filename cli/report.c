@@ -41,8 +41,10 @@ static void census_json(FILE *out, const char *checkpoint, const char *backend, 
       fputc(',', out);
     print_json_string(out, c->reason[i]);
   }
-  fprintf(out, "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}\n",
-          (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes, c->kept_share, hex);
+  fprintf(
+      out,
+      "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}\n",
+      (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes, c->kept_share, hex);
 }
 
 void report_census(FILE *out, const char *checkpoint, const char *backend, size_t layers,

@@ -36,7 +36,7 @@ struct layer_spec {
   const struct scheme *sch;
   const struct module **modules; /* linear: shards; MoE: w13 (E x 2) then w2 (E) */
   int shards, experts;
-  const struct module *module;   /* plain, gpt-oss */
+  const struct module *module;     /* plain, gpt-oss */
   const struct ckpt_tensor *kv[5]; /* k, v, kv, q, prob scales */
 };
 
@@ -189,14 +189,16 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
     /* The scheme's own tensors (other than weight and bias), or a non-float 2-D weight, mean a
      * quantized module with parts missing. */
     size_t n_params = sch->n_params;
-    const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
+    const struct param_template *params =
+        sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
     for (size_t i = 0; i < m->n; i++) {
       bool own = false;
       for (size_t t = 0; t < n_params; t++)
         own |= strcmp(m->local[i], params[t].name) == 0 && strcmp(params[t].name, "bias") != 0 &&
                strcmp(params[t].name, "weight") != 0;
       const struct st_tensor *st = m->tensors[i]->t;
-      own |= strcmp(m->local[i], "weight") == 0 && st->ndim == 2 && (st->dtype < 0 || !(DT_FLOAT & (1u << st->dtype)));
+      own |= strcmp(m->local[i], "weight") == 0 && st->ndim == 2 &&
+             (st->dtype < 0 || !(DT_FLOAT & (1u << st->dtype)));
       if (own)
         return set_error(QKEEP_E_FORMAT, "%s: module %s has '%s' but not the other tensors of scheme %s (%s)",
                          m->tensors[i]->file->path, m->name, m->local[i], sch->name, why);
@@ -411,8 +413,8 @@ static int plan_kv(struct assembly *a) {
       if (a->kv[k].prefix_len == plen && strncmp(a->kv[k].name, base, plen) == 0) {
         int idx = kv_index(a->kv[k].local);
         if (s->kv[idx])
-          return set_error(QKEEP_E_FORMAT, "%s: attention block %.*s has two %s tensors ('%s', '%s')", a->ck->path,
-                           (int)plen, base, kv_names[idx], s->kv[idx]->t->name, a->kv[k].name);
+          return set_error(QKEEP_E_FORMAT, "%s: attention block %.*s has two %s tensors ('%s', '%s')",
+                           a->ck->path, (int)plen, base, kv_names[idx], s->kv[idx]->t->name, a->kv[k].name);
         s->kv[idx] = a->kv[k].t;
       }
   }
@@ -514,8 +516,9 @@ static int create_tied(qkeep_layer *layer) {
 
 static int create_layer(struct assembly *a, const struct layer_spec *s) {
   static const enum qkeep_layer_kind kinds[] = {
-      [SPEC_LINEAR] = QKEEP_LAYER_LINEAR, [SPEC_MOE] = QKEEP_LAYER_MOE,       [SPEC_GPTOSS_MOE] = QKEEP_LAYER_MOE,
-      [SPEC_PLAIN] = QKEEP_LAYER_OTHER,   [SPEC_KV] = QKEEP_LAYER_KV_SCALES, [SPEC_TIED] = QKEEP_LAYER_LINEAR};
+      [SPEC_LINEAR] = QKEEP_LAYER_LINEAR,  [SPEC_MOE] = QKEEP_LAYER_MOE,
+      [SPEC_GPTOSS_MOE] = QKEEP_LAYER_MOE, [SPEC_PLAIN] = QKEEP_LAYER_OTHER,
+      [SPEC_KV] = QKEEP_LAYER_KV_SCALES,   [SPEC_TIED] = QKEEP_LAYER_LINEAR};
   enum qkeep_layer_kind kind = kinds[s->kind];
   if (s->kind == SPEC_LINEAR && s->sch == &scheme_unquantized && s->shards == 1 && is_embedding(s->name))
     kind = QKEEP_LAYER_EMBEDDING;
@@ -585,8 +588,8 @@ int assemble_model(qkeep_model *model, const struct ckpt *ck) {
     qsort(a.specs, a.n_specs, sizeof *a.specs, by_spec_name);
     for (size_t i = 0; i + 1 < a.n_specs && !rc; i++)
       if (strcmp(a.specs[i].name, a.specs[i + 1].name) == 0)
-        rc = set_error(QKEEP_E_FORMAT, "%s: two layers would be named %s (a fused name that also exists?)", ck->path,
-                       a.specs[i].name);
+        rc = set_error(QKEEP_E_FORMAT, "%s: two layers would be named %s (a fused name that also exists?)",
+                       ck->path, a.specs[i].name);
   }
   /* The tied lm_head sorts before model.*: create it after everything else. */
   for (size_t i = 0; i < a.n_specs && !rc; i++)

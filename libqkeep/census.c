@@ -20,7 +20,8 @@ static int by_begin(const void *a, const void *b) {
   return x->begin < y->begin ? -1 : x->begin > y->begin;
 }
 
-static int add_range(struct range **ranges, size_t *n, size_t *cap, const struct storage *s, const void *object) {
+static int add_range(struct range **ranges, size_t *n, size_t *cap, const struct storage *s,
+                     const void *object) {
   if (!s || !s->capacity)
     return 0;
   int rc = grow_array((void **)ranges, cap, *n + 1, sizeof **ranges);

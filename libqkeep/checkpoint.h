@@ -25,17 +25,18 @@ enum quant_method {
 
 struct quant_config {
   enum quant_method method;
-  const char *scheme;      /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4", "unquantized" */
-  int64_t group_size;      /* 16 NVFP4, 32 MXFP4, G for GPTQ/AWQ, 0 per-channel int8 */
-  bool weight_sym;         /* GPTQ sym / AWQ !zero_point; int8 weights are symmetric */
-  bool desc_act;           /* GPTQ act order (g_idx meaningful) */
-  bool gptq_v2;            /* GPTQ checkpoint_format gptq_v2 (qzeros store zero, not zero - 1) */
-  bool weight_per_tensor;  /* int8 weight strategy "tensor" (else "channel") */
-  bool input_dynamic;      /* int8 activations quantised per token at run time (else static input_scale) */
-  bool input_sym;          /* int8 activations symmetric (else an input_zero_point) */
-  bool kv_cache_fp8;       /* the checkpoint carries (or expects) k/v scales */
+  const char *
+      scheme; /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4", "unquantized" */
+  int64_t group_size;     /* 16 NVFP4, 32 MXFP4, G for GPTQ/AWQ, 0 per-channel int8 */
+  bool weight_sym;        /* GPTQ sym / AWQ !zero_point; int8 weights are symmetric */
+  bool desc_act;          /* GPTQ act order (g_idx meaningful) */
+  bool gptq_v2;           /* GPTQ checkpoint_format gptq_v2 (qzeros store zero, not zero - 1) */
+  bool weight_per_tensor; /* int8 weight strategy "tensor" (else "channel") */
+  bool input_dynamic;     /* int8 activations quantised per token at run time (else static input_scale) */
+  bool input_sym;         /* int8 activations symmetric (else an input_zero_point) */
+  bool kv_cache_fp8;      /* the checkpoint carries (or expects) k/v scales */
   bool tie_word_embeddings;
-  char **ignore;           /* modules left unquantized: exact names, or "re:REGEX" */
+  char **ignore; /* modules left unquantized: exact names, or "re:REGEX" */
   size_t n_ignore;
 };
 
@@ -46,9 +47,9 @@ struct ckpt_tensor {
 };
 
 struct ckpt {
-  char *path;              /* as given */
-  char *dir;               /* the directory (the file's directory for a single file) */
-  struct st_file **files;  /* shards, sorted by shard name (or the one file) */
+  char *path;             /* as given */
+  char *dir;              /* the directory (the file's directory for a single file) */
+  struct st_file **files; /* shards, sorted by shard name (or the one file) */
   size_t n_files;
   struct ckpt_tensor *tensors; /* every tensor once, sorted by name */
   size_t n_tensors;

@@ -26,9 +26,11 @@ static int compare_one(qkeep_layer *a, qkeep_layer *b, struct qkeep_layer_error 
     x[i] = (float)((next_random(rng) >> 40) * (2.0 / 16777216.0) - 1.0);
   bool moe = a->kind == QKEEP_LAYER_MOE;
   if (!rc)
-    rc = moe ? qkeep_layer_apply_expert_f32(a, e->expert, e->matrix, e->m, x, ya) : qkeep_layer_apply_f32(a, e->m, x, ya);
+    rc = moe ? qkeep_layer_apply_expert_f32(a, e->expert, e->matrix, e->m, x, ya)
+             : qkeep_layer_apply_f32(a, e->m, x, ya);
   if (!rc)
-    rc = moe ? qkeep_layer_apply_expert_f32(b, e->expert, e->matrix, e->m, x, yb) : qkeep_layer_apply_f32(b, e->m, x, yb);
+    rc = moe ? qkeep_layer_apply_expert_f32(b, e->expert, e->matrix, e->m, x, yb)
+             : qkeep_layer_apply_f32(b, e->m, x, yb);
   double max_abs = 0, max_ref = 0;
   for (size_t i = 0; !rc && i < yn; i++) {
     double d = fabs((double)ya[i] - (double)yb[i]);
@@ -61,9 +63,12 @@ int qkeep_compare(qkeep_model *model, qkeep_model *reference, int64_t m, uint64_
     int experts = a->kind == QKEEP_LAYER_MOE ? (int)a->dims.experts : 1;
     for (int x = 0; x < experts; x++)
       for (int mat = 0; mat < (a->kind == QKEEP_LAYER_MOE ? 2 : 1); mat++) {
-        struct qkeep_layer_error e = {.size = sizeof e, .layer = a->name, .scheme = a->scheme,
+        struct qkeep_layer_error e = {.size = sizeof e,
+                                      .layer = a->name,
+                                      .scheme = a->scheme,
                                       .expert = a->kind == QKEEP_LAYER_MOE ? x : -1,
-                                      .matrix = (enum qkeep_moe_matrix)mat, .m = m};
+                                      .matrix = (enum qkeep_moe_matrix)mat,
+                                      .m = m};
         e.n = mat ? a->dims.k : a->dims.n;
         e.k = mat ? a->dims.n / 2 : a->dims.k;
         int rc = compare_one(a, b, &e, &rng);

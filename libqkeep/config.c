@@ -243,7 +243,8 @@ static int handle_model(struct parse_state *st, const char *key, const char *val
   if (strcmp(key, "checkpoint") == 0)
     return set_once(st, "model", key, &st->checkpoint_line, &cfg->checkpoint, resolve_path(cfg->path, value));
   if (strcmp(key, "reload_checkpoint") == 0)
-    return set_once(st, "model", key, &st->reload_line, &cfg->reload_checkpoint, resolve_path(cfg->path, value));
+    return set_once(st, "model", key, &st->reload_line, &cfg->reload_checkpoint,
+                    resolve_path(cfg->path, value));
   if (strcmp(key, "fuse") == 0) {
     /* Checked now with a scratch model, so a bad map is a config error with its line. */
     qkeep_model *probe;
@@ -255,8 +256,8 @@ static int handle_model(struct parse_state *st, const char *key, const char *val
       return parse_fail(st, QKEEP_E_CONFIG, "[model] fuse: %s", qkeep_errmsg());
     return set_once(st, "model", key, &st->fuse_line, &cfg->fuse, xstrdup(value));
   }
-  return parse_fail(st, QKEEP_E_CONFIG, "[model] unknown key '%s' (expected checkpoint, reload_checkpoint or fuse)",
-                    key);
+  return parse_fail(st, QKEEP_E_CONFIG,
+                    "[model] unknown key '%s' (expected checkpoint, reload_checkpoint or fuse)", key);
 }
 
 /* Backend keys are the backend's business; we only keep them, in order, with their lines. */
@@ -390,6 +391,8 @@ void qkeep_config_free(qkeep_config *cfg) {
 const char *qkeep_config_backend(const qkeep_config *cfg) { return cfg ? cfg->backend : NULL; }
 const char *qkeep_config_plugin_dir(const qkeep_config *cfg) { return cfg ? cfg->plugin_dir : NULL; }
 const char *qkeep_config_checkpoint(const qkeep_config *cfg) { return cfg ? cfg->checkpoint : NULL; }
-const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg) { return cfg ? cfg->reload_checkpoint : NULL; }
+const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg) {
+  return cfg ? cfg->reload_checkpoint : NULL;
+}
 const char *qkeep_config_fuse(const qkeep_config *cfg) { return cfg ? cfg->fuse : NULL; }
 const char *qkeep_config_path(const qkeep_config *cfg) { return cfg ? cfg->path : NULL; }

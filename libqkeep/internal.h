@@ -34,7 +34,7 @@ void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
 
 /* ---- small utilities (util.c) ---------------------------------------------- */
 
-char *xstrdup(const char *s);                    /* NULL on NULL or no memory */
+char *xstrdup(const char *s); /* NULL on NULL or no memory */
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
 /*
@@ -114,8 +114,8 @@ struct qkeep_tensor {
 
 struct qkeep_param {
   qkeep_layer *layer;
-  char *checkpoint_name;   /* the name it was created under */
-  char *runtime_name;      /* the name kernels know it by (move changes it) */
+  char *checkpoint_name; /* the name it was created under */
+  char *runtime_name;    /* the name kernels know it by (move changes it) */
   enum qkeep_param_state state;
   struct qkeep_spec create_spec; /* what the checkpoint defined; reload restores it */
   size_t create_bytes;
@@ -186,7 +186,7 @@ struct fusion_rule {
 };
 
 struct qkeep_model {
-  qkeep_plugin *plugin; /* NULL: host memory, no PWAL */
+  qkeep_plugin *plugin;       /* NULL: host memory, no PWAL */
   struct fusion_rule *fusion; /* NULL until set: the default q/k/v and gate/up rules */
   size_t n_fusion;
   bool fusion_set;
@@ -207,8 +207,8 @@ struct name_entry *layer_find_name(const qkeep_layer *layer, const char *name);
 /* Registers name for a param or buffer (exactly one non-NULL). */
 int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, struct buffer *buffer);
 /* Records that checkpoint tensor `checkpoint_name` loads into param at dst_offset (contiguous). */
-int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
-                     size_t dst_offset, const struct qkeep_spec *spec);
+int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param, size_t dst_offset,
+                     const struct qkeep_spec *spec);
 /* The general form: rows x row_bytes, dst_stride apart; compare_only checks instead of writing. */
 int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                              size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
@@ -222,11 +222,11 @@ void model_clear(qkeep_model *model);
 /* One tensor of a safetensors file as its header describes it. */
 struct st_tensor {
   char *name;
-  char dtype_name[16];    /* the header's dtype string, e.g. "F8_E4M3" */
-  int dtype;              /* enum qkeep_dtype, or -1 for a valid safetensors dtype qkeep does not use */
+  char dtype_name[16]; /* the header's dtype string, e.g. "F8_E4M3" */
+  int dtype;           /* enum qkeep_dtype, or -1 for a valid safetensors dtype qkeep does not use */
   int ndim;
   int64_t shape[QKEEP_MAX_DIMS];
-  uint64_t offset;        /* absolute byte offset in the file */
+  uint64_t offset; /* absolute byte offset in the file */
   uint64_t nbytes;
 };
 
@@ -238,7 +238,7 @@ struct st_file {
   size_t n_tensors;
   struct st_tensor *tensors; /* sorted by name */
   size_t n_metadata;
-  char **metadata_keys;      /* __metadata__, in header order */
+  char **metadata_keys; /* __metadata__, in header order */
   char **metadata_values;
 };
 
@@ -298,7 +298,7 @@ struct qkeep_config {
     char *name;
     struct config_option *options;
     size_t n_options, cap_options;
-  } *sections;
+  } * sections;
   size_t n_sections, cap_sections;
 };
 
@@ -321,7 +321,7 @@ const struct qkeep_host *host_table(void);
 /* One tensor a provider holds. */
 struct provided {
   const char *name;
-  int dtype;     /* enum qkeep_dtype, or -1 for one qkeep does not use */
+  int dtype; /* enum qkeep_dtype, or -1 for one qkeep does not use */
   const char *dtype_name;
   int ndim;
   const int64_t *shape;

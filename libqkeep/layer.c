@@ -22,7 +22,8 @@ int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind 
     return set_error(QKEEP_E_INVAL, "qkeep_layer_add: invalid argument");
   if (qkeep_model_find_layer(model, name))
     return set_error(QKEEP_E_EXISTS, "layer '%s' already exists", name);
-  int rc = grow_array((void **)&model->layers, &model->cap_layers, model->n_layers + 1, sizeof *model->layers);
+  int rc =
+      grow_array((void **)&model->layers, &model->cap_layers, model->n_layers + 1, sizeof *model->layers);
   if (rc)
     return rc;
   qkeep_layer *layer = calloc(1, sizeof *layer);
@@ -90,12 +91,14 @@ int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, str
   return 0;
 }
 
-int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec, qkeep_param **out) {
+int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
+                       qkeep_param **out) {
   if (!layer || !name || !*name || !spec || !valid_spec(spec))
     return set_error(QKEEP_E_INVAL, "qkeep_param_create: invalid argument for '%s'", name ? name : "(null)");
   if (layer_find_name(layer, name))
     return set_error(QKEEP_E_EXISTS, "%s: param '%s' already exists", layer->name, name);
-  int rc = grow_array((void **)&layer->params, &layer->cap_params, layer->n_params + 1, sizeof *layer->params);
+  int rc =
+      grow_array((void **)&layer->params, &layer->cap_params, layer->n_params + 1, sizeof *layer->params);
   if (rc)
     return rc;
   qkeep_param *p = calloc(1, sizeof *p);
@@ -130,7 +133,8 @@ int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qk
                              size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
                              bool compare_only, const struct qkeep_spec *spec) {
   size_t end = rows ? dst_offset + (rows - 1) * dst_stride + row_bytes : dst_offset;
-  if (rows * row_bytes != qkeep_spec_bytes(spec) || end > param->create_bytes || (rows > 1 && dst_stride < row_bytes))
+  if (rows * row_bytes != qkeep_spec_bytes(spec) || end > param->create_bytes ||
+      (rows > 1 && dst_stride < row_bytes))
     return set_error(QKEEP_E_INVAL, "%s: source '%s' (%zu bytes at %zu) does not fit param '%s' (%zu bytes)",
                      layer->name, checkpoint_name, qkeep_spec_bytes(spec), dst_offset, param->checkpoint_name,
                      param->create_bytes);

@@ -48,8 +48,8 @@ static bool ck_find(const struct provider *p, const char *name, struct provided 
   const struct ckpt_tensor *t = ckpt_find(p->ctx, name);
   if (!t)
     return false;
-  *out = (struct provided){t->t->name, t->t->dtype, t->t->dtype_name, t->t->ndim, t->t->shape,
-                           (size_t)t->t->nbytes, t->file->path, t};
+  *out = (struct provided){t->t->name,  t->t->dtype,          t->t->dtype_name, t->t->ndim,
+                           t->t->shape, (size_t)t->t->nbytes, t->file->path,    t};
   return true;
 }
 static int ck_read(const struct provider *p, const struct provided *t, void *dst) {
@@ -64,17 +64,18 @@ void ckpt_provider(struct provider *p, const struct ckpt *ck) {
   *p = (struct provider){ck->path, ck, ck_find, ck_read, NULL, NULL, ck_count, ck_name_at};
 }
 
-int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src, struct provided *t) {
+int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                 struct provided *t) {
   if (!pv->find(pv, src->checkpoint_name, t))
-    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what, src->checkpoint_name,
-                     layer->name);
+    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
+                     src->checkpoint_name, layer->name);
   struct qkeep_spec got = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
   memcpy(got.shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim > 0 ? t->ndim : 0));
   if (t->dtype < 0 || !spec_equal(&got, &src->spec) || t->nbytes != qkeep_spec_bytes(&src->spec)) {
     char a[96], b[96];
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, the model expects %s %s (layer %s)", t->where, t->name,
-                     t->dtype_name, spec_shape_str(&got, a, sizeof a), qkeep_dtype_name(src->spec.dtype),
-                     spec_shape_str(&src->spec, b, sizeof b), layer->name);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, the model expects %s %s (layer %s)", t->where,
+                     t->name, t->dtype_name, spec_shape_str(&got, a, sizeof a),
+                     qkeep_dtype_name(src->spec.dtype), spec_shape_str(&src->spec, b, sizeof b), layer->name);
   }
   return 0;
 }
@@ -92,7 +93,8 @@ static int compare_source(const struct device *dev, const struct provider *pv, c
   if (!rc)
     rc = dev_d2h(dev, st->compare, dst, t->nbytes);
   if (!rc && memcmp(st->compare, st->data, t->nbytes) != 0)
-    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s' differs from the fused shard loaded before it", t->where, t->name);
+    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s' differs from the fused shard loaded before it", t->where,
+                   t->name);
   return rc;
 }
 
@@ -176,7 +178,8 @@ const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_
 }
 
 /* The checkpoint tensor (and its element) that loaded byte `offset` of param p. */
-static void locate(const qkeep_layer *layer, const qkeep_param *p, size_t offset, const char **name, size_t *elem) {
+static void locate(const qkeep_layer *layer, const qkeep_param *p, size_t offset, const char **name,
+                   size_t *elem) {
   size_t esize = qkeep_dtype_size(p->create_spec.dtype);
   *name = p->checkpoint_name;
   *elem = offset / esize;
@@ -209,7 +212,8 @@ int validate_scales(qkeep_layer *layer) {
       const char *name;
       size_t elem;
       locate(layer, p, bad * esize, &name, &elem);
-      rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (scales must be finite and non-negative; layer %s)",
+      rc = set_error(QKEEP_E_FORMAT,
+                     "tensor '%s': element %zu is %s (scales must be finite and non-negative; layer %s)",
                      name, elem, why, layer->name);
     }
     free(host);
@@ -264,7 +268,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   if (rc) {
     if (!strstr(qkeep_errmsg(), ck->path))
       add_error_context(rc, "%s", ck->path); /* every load error names the checkpoint */
-    model_clear(model); /* nothing half-loaded stays behind */
+    model_clear(model);                      /* nothing half-loaded stays behind */
   } else {
     model->stats = (struct qkeep_load_stats){sizeof model->stats, t1 - t0, t_read, t_pwal, 0};
     for (size_t f = 0; f < ck->n_files; f++)

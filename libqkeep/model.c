@@ -102,8 +102,7 @@ int qkeep_model_set_fusion(qkeep_model *model, const char *spec) {
     for (const char *p = spec; *p && !rc;) {
       size_t n = strcspn(p, ", ");
       if (n) {
-        rc = grow_array((void **)&parsed.fusion, &cap, parsed.n_fusion + 1,
-                        sizeof *parsed.fusion);
+        rc = grow_array((void **)&parsed.fusion, &cap, parsed.n_fusion + 1, sizeof *parsed.fusion);
         if (!rc) {
           memset(&parsed.fusion[parsed.n_fusion], 0, sizeof *parsed.fusion);
           rc = parse_rule(p, n, &parsed.fusion[parsed.n_fusion++]);
@@ -133,7 +132,8 @@ int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *ou
 int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks) {
   if (!model || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_model_memory: NULL argument");
-  struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak, model->mem.staging_peak};
+  struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak,
+                                 model->mem.staging_peak};
   copy_sized(out, &m, sizeof m);
   if (reset_peaks) {
     model->mem.storage_peak = model->mem.storage_bytes;
@@ -142,7 +142,8 @@ int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool 
   return 0;
 }
 
-void qkeep_model_set_progress(qkeep_model *model, void (*fn)(void *user, size_t done, size_t total, const char *layer),
+void qkeep_model_set_progress(qkeep_model *model,
+                              void (*fn)(void *user, size_t done, size_t total, const char *layer),
                               void *user) {
   model->progress = fn;
   model->progress_user = user;
@@ -163,7 +164,8 @@ qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name) 
   return NULL;
 }
 
-qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name, qkeep_layer **layer_out) {
+qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name,
+                                qkeep_layer **layer_out) {
   if (!model || !checkpoint_name)
     return NULL;
   for (size_t l = 0; l < model->n_layers; l++) {
@@ -185,8 +187,8 @@ static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_
   if (!be || !be->apply)
     return set_error(QKEEP_E_UNSUPPORTED, "apply %s: the model has no backend with kernels", layer->name);
   if (layer->model->poisoned)
-    return set_error(QKEEP_E_STATE, "apply %s: a reload failed and could not roll back; reload before running",
-                     layer->name);
+    return set_error(QKEEP_E_STATE,
+                     "apply %s: a reload failed and could not roll back; reload before running", layer->name);
   const struct device *dev = &layer->model->dev;
   size_t x_bytes = (size_t)m * (size_t)k * sizeof(float), y_bytes = (size_t)m * (size_t)n * sizeof(float);
   void *dx = NULL, *dy = NULL;

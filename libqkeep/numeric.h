@@ -51,7 +51,7 @@ static inline uint16_t qk_f32_to_f16(float f) {
     return (uint16_t)(sign | 0x7e00);
   if (abs >= 0x477ff000u) /* rounds to >= 65520: infinity */
     return (uint16_t)(sign | 0x7c00);
-  if (abs < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+  if (abs < 0x38800000u) {                    /* below the smallest normal half: subnormal or zero */
     float a = qk_bits_f32(abs) * 16777216.0f; /* in units of 2^-24 */
     uint32_t q = (uint32_t)a;
     float rem = a - (float)q;

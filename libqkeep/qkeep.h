@@ -132,9 +132,9 @@ QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);
 /* Where a cold start spent its time, and how many checkpoint bytes it read. */
 struct qkeep_load_stats {
   size_t size;
-  double open_seconds;    /* opening the checkpoint and creating every layer and param */
-  double read_seconds;    /* streaming tensors into params */
-  double pwal_seconds;    /* scheme normalisation and the backend's PWAL */
+  double open_seconds; /* opening the checkpoint and creating every layer and param */
+  double read_seconds; /* streaming tensors into params */
+  double pwal_seconds; /* scheme normalisation and the backend's PWAL */
   int64_t checkpoint_bytes;
 };
 /* The stats of the model's last successful load. */
@@ -274,8 +274,8 @@ struct qkeep_named_tensor {
  * borrowed for the call. After it, no checkpoint holds the model's weights, so a later
  * failed reload cannot roll back (the model then refuses to run until one succeeds).
  */
-QKEEP_API int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n,
-                                         unsigned flags);
+QKEEP_API int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tensor *tensors,
+                                         size_t n, unsigned flags);
 
 /*
  * Direct load: writes one checkpoint tensor's bytes into the live param it loads into,
@@ -294,22 +294,22 @@ QKEEP_API int qkeep_checkpoint_read_all(const char *path, int64_t *bytes, double
 
 struct qkeep_census {
   size_t size;
-  int64_t loader_params;     /* params created from the checkpoint */
-  int64_t registered_same;   /* still registered under their checkpoint name as the same object */
-  int64_t missing;           /* loader_params - registered_same */
-  int64_t c1;                /* storage capacity below checkpoint bytes (released excluded) */
-  int64_t c2;                /* pairs of distinct objects sharing bytes */
-  int64_t aliases;           /* extra names of an object */
+  int64_t loader_params;   /* params created from the checkpoint */
+  int64_t registered_same; /* still registered under their checkpoint name as the same object */
+  int64_t missing;         /* loader_params - registered_same */
+  int64_t c1;              /* storage capacity below checkpoint bytes (released excluded) */
+  int64_t c2;              /* pairs of distinct objects sharing bytes */
+  int64_t aliases;         /* extra names of an object */
   int64_t retired;
   int64_t retired_bytes;
   int64_t released;
-  int64_t released_bytes;    /* checkpoint bytes given up */
-  int reasons;               /* distinct release reasons, up to QKEEP_CENSUS_MAX_REASONS */
+  int64_t released_bytes;                       /* checkpoint bytes given up */
+  int reasons;                                  /* distinct release reasons, up to QKEEP_CENSUS_MAX_REASONS */
   const char *reason[QKEEP_CENSUS_MAX_REASONS]; /* borrowed from the model */
   int64_t buffers;
-  int64_t kept_bytes;        /* bytes no kernel reads: retired + slack past live views */
-  int64_t total_bytes;       /* every distinct storage's capacity */
-  double kept_share;         /* kept_bytes / total_bytes */
+  int64_t kept_bytes;  /* bytes no kernel reads: retired + slack past live views */
+  int64_t total_bytes; /* every distinct storage's capacity */
+  double kept_share;   /* kept_bytes / total_bytes */
 };
 
 /* Counts the model against the rules. Never fails on a valid model. */
@@ -327,13 +327,13 @@ QKEEP_API void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]);
 /* One GEMM of the forward check: a linear layer, or an MoE expert's w13 or w2. */
 struct qkeep_layer_error {
   size_t size;
-  const char *layer;  /* borrowed from the model */
+  const char *layer; /* borrowed from the model */
   const char *scheme;
-  int32_t expert;     /* MoE: the expert; -1 for a linear layer */
+  int32_t expert; /* MoE: the expert; -1 for a linear layer */
   enum qkeep_moe_matrix matrix;
   int64_t m, n, k;
-  double max_abs;     /* max |y - y_ref| */
-  double max_rel;     /* max_abs / max |y_ref| */
+  double max_abs; /* max |y - y_ref| */
+  double max_rel; /* max_abs / max |y_ref| */
 };
 
 /*
@@ -349,14 +349,14 @@ QKEEP_API int qkeep_compare(qkeep_model *model, qkeep_model *reference, int64_t 
 
 struct qkeep_quantize_options {
   size_t size;
-  const char *scheme;       /* modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4 */
-  int64_t group_size;       /* int4 group (default 128; must not exceed any linear's K) */
-  bool asym_weights;        /* int4 with zero points */
-  bool static_input;        /* w8a8: static per-tensor input scales (else dynamic per token) */
-  bool asym_input;          /* w8a8: activations with a zero point */
-  bool kv_cache_scales;     /* write FP8 k_scale / v_scale for each attention block */
-  float activation_amax;    /* the |x| bound static scales are derived from (no calibration; default 1) */
-  int64_t max_shard_bytes;  /* > 0: shard the output (model-0000i-of-0000n + index) */
+  const char *scheme;      /* modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4 */
+  int64_t group_size;      /* int4 group (default 128; must not exceed any linear's K) */
+  bool asym_weights;       /* int4 with zero points */
+  bool static_input;       /* w8a8: static per-tensor input scales (else dynamic per token) */
+  bool asym_input;         /* w8a8: activations with a zero point */
+  bool kv_cache_scales;    /* write FP8 k_scale / v_scale for each attention block */
+  float activation_amax;   /* the |x| bound static scales are derived from (no calibration; default 1) */
+  int64_t max_shard_bytes; /* > 0: shard the output (model-0000i-of-0000n + index) */
 };
 
 /*

@@ -43,10 +43,10 @@ enum qkeep_log_level { QKEEP_LOG_ERROR = 0, QKEEP_LOG_WARN = 1, QKEEP_LOG_INFO =
  * pointer in the backend's device memory (host memory for CPU backends).
  */
 struct qkeep_view {
-  size_t size;       /* sizeof(struct qkeep_view) as the caller knows it */
-  void *data;        /* first byte of the view */
-  size_t nbytes;     /* bytes of the view: numel * dtype size */
-  size_t capacity;   /* bytes of storage from `data` to its end */
+  size_t size;     /* sizeof(struct qkeep_view) as the caller knows it */
+  void *data;      /* first byte of the view */
+  size_t nbytes;   /* bytes of the view: numel * dtype size */
+  size_t capacity; /* bytes of storage from `data` to its end */
   struct qkeep_spec spec;
   enum qkeep_param_state state;
 };

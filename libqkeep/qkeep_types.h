@@ -24,20 +24,20 @@ extern "C" {
 /* Error codes: 0 is success, every failure is negative. Numbers are never reused. */
 enum qkeep_error {
   QKEEP_OK = 0,
-  QKEEP_E_INVAL = -1,       /* bad argument or malformed input */
-  QKEEP_E_NOMEM = -2,       /* out of host or device memory */
-  QKEEP_E_IO = -3,          /* a read or write failed */
-  QKEEP_E_FORMAT = -4,      /* a file does not follow its format */
-  QKEEP_E_NOTFOUND = -5,    /* a name, file or symbol does not exist */
-  QKEEP_E_EXISTS = -6,      /* a name is already taken by another object */
-  QKEEP_E_ABI = -7,         /* plugin ABI version mismatch */
-  QKEEP_E_PLUGIN = -8,      /* a plugin could not be loaded or initialised */
-  QKEEP_E_NODEV = -9,       /* the backend's device is not present */
+  QKEEP_E_INVAL = -1,        /* bad argument or malformed input */
+  QKEEP_E_NOMEM = -2,        /* out of host or device memory */
+  QKEEP_E_IO = -3,           /* a read or write failed */
+  QKEEP_E_FORMAT = -4,       /* a file does not follow its format */
+  QKEEP_E_NOTFOUND = -5,     /* a name, file or symbol does not exist */
+  QKEEP_E_EXISTS = -6,       /* a name is already taken by another object */
+  QKEEP_E_ABI = -7,          /* plugin ABI version mismatch */
+  QKEEP_E_PLUGIN = -8,       /* a plugin could not be loaded or initialised */
+  QKEEP_E_NODEV = -9,        /* the backend's device is not present */
   QKEEP_E_UNSUPPORTED = -10, /* valid request this backend or scheme cannot do */
-  QKEEP_E_DEVICE = -11,     /* a device operation failed */
-  QKEEP_E_RULE = -12,       /* the request would break a lifecycle rule */
-  QKEEP_E_CONFIG = -13,     /* the configuration file is wrong */
-  QKEEP_E_STATE = -14,      /* the object is not in a state that allows this */
+  QKEEP_E_DEVICE = -11,      /* a device operation failed */
+  QKEEP_E_RULE = -12,        /* the request would break a lifecycle rule */
+  QKEEP_E_CONFIG = -13,      /* the configuration file is wrong */
+  QKEEP_E_STATE = -14,       /* the object is not in a state that allows this */
 };
 
 /* Element types. Packed e2m1 (FP4) lives in U8, two codes per byte. */
@@ -65,14 +65,14 @@ enum qkeep_layer_kind {
 };
 
 /* Layer flags (struct qkeep_layer_info.flags): what the scheme's config implies. */
-#define QKEEP_LAYER_F_WEIGHT_SYM (1u << 0)     /* int weights without zero points */
-#define QKEEP_LAYER_F_ACT_ORDER (1u << 1)      /* GPTQ desc_act: g_idx is a permutation */
-#define QKEEP_LAYER_F_GPTQ_V2 (1u << 2)        /* qzeros store zero, not zero - 1 */
-#define QKEEP_LAYER_F_INPUT_DYNAMIC (1u << 3)  /* activations quantised per token at run time */
-#define QKEEP_LAYER_F_INPUT_ASYM (1u << 4)     /* activations carry a zero point */
+#define QKEEP_LAYER_F_WEIGHT_SYM (1u << 0)        /* int weights without zero points */
+#define QKEEP_LAYER_F_ACT_ORDER (1u << 1)         /* GPTQ desc_act: g_idx is a permutation */
+#define QKEEP_LAYER_F_GPTQ_V2 (1u << 2)           /* qzeros store zero, not zero - 1 */
+#define QKEEP_LAYER_F_INPUT_DYNAMIC (1u << 3)     /* activations quantised per token at run time */
+#define QKEEP_LAYER_F_INPUT_ASYM (1u << 4)        /* activations carry a zero point */
 #define QKEEP_LAYER_F_WEIGHT_PER_TENSOR (1u << 5) /* one weight scale per (fused) shard */
-#define QKEEP_LAYER_F_TIED (1u << 6)           /* the weight is another layer's param (tied embedding) */
-#define QKEEP_LAYER_F_INTERLEAVED_W13 (1u << 7) /* MoE w13 rows alternate gate, up (gpt-oss) */
+#define QKEEP_LAYER_F_TIED (1u << 6)              /* the weight is another layer's param (tied embedding) */
+#define QKEEP_LAYER_F_INTERLEAVED_W13 (1u << 7)   /* MoE w13 rows alternate gate, up (gpt-oss) */
 
 #define QKEEP_MAX_DIMS 6
 

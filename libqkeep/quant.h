@@ -34,8 +34,8 @@ int quant_nvfp4(const float *w, int64_t n, int64_t k, bool ct, uint8_t *packed, 
                 float *global);
 /* Dequantises NVFP4 into w [n, k]: e2m1(q) * (f32(scale) * decode_global), where
  * decode_global is weight_scale_2 (ModelOpt) or 1/global (compressed-tensors). */
-void dequant_nvfp4(const uint8_t *packed, const uint8_t *block_scale, float decode_global, int64_t n, int64_t k,
-                   float *w);
+void dequant_nvfp4(const uint8_t *packed, const uint8_t *block_scale, float decode_global, int64_t n,
+                   int64_t k, float *w);
 
 /* MXFP4 (k % 32 == 0): packed u8 [n, k/2], e8m0 scales [n, k/32], RNE elements. */
 int quant_mxfp4(const float *w, int64_t n, int64_t k, uint8_t *packed, uint8_t *scales);
@@ -51,11 +51,11 @@ int quant_int8_channel(const float *w, int64_t n, int64_t k, int8_t *q, float *s
  * [k/g, n], qzeros i32 [k/g, n/8] packed along n storing zero - 1, g_idx i32 [k] = k/g.
  * sym: zero = 8.
  */
-int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *qweight, uint16_t *scales,
-                    int32_t *qzeros, int32_t *g_idx);
+int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *qweight,
+                    uint16_t *scales, int32_t *qzeros, int32_t *g_idx);
 /* Dequantises GPTQ int4 (v1 qzeros: stored zero + 1; v2: as stored) into w [n, k],
  * honouring g_idx (act order). */
-void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int32_t *qzeros, const int32_t *g_idx,
-                       int64_t n, int64_t k, int64_t g, bool v2_zeros, float *w);
+void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int32_t *qzeros,
+                       const int32_t *g_idx, int64_t n, int64_t k, int64_t g, bool v2_zeros, float *w);
 
 #endif

@@ -101,7 +101,8 @@ static int read_f32(const struct ckpt *ck, const struct ckpt_tensor *t, float **
   size_t n = (size_t)(t->t->nbytes / qkeep_dtype_size((enum qkeep_dtype)t->t->dtype));
   void *raw = malloc(t->t->nbytes ? t->t->nbytes : 1);
   float *f = malloc(n ? n * sizeof *f : 1);
-  int rc = raw && f ? ckpt_read(ck, t, raw) : set_error(QKEEP_E_NOMEM, "out of memory reading %s", t->t->name);
+  int rc =
+      raw && f ? ckpt_read(ck, t, raw) : set_error(QKEEP_E_NOMEM, "out of memory reading %s", t->t->name);
   for (size_t i = 0; !rc && i < n; i++)
     f[i] = qk_load_float(raw, t->t->dtype, i);
   free(raw);
@@ -138,8 +139,8 @@ static bool quantizable(const struct ckpt_tensor *t) {
  * tensor names of the group containing `name`, in order; returns the count.
  */
 static int fusion_group(const struct ckpt *ck, const char *name, const char *group[8]) {
-  static const char *const rules[][4] = {{"q_proj", "k_proj", "v_proj", NULL}, {"gate_proj", "up_proj", NULL},
-                                         {"w1", "w3", NULL}};
+  static const char *const rules[][4] = {
+      {"q_proj", "k_proj", "v_proj", NULL}, {"gate_proj", "up_proj", NULL}, {"w1", "w3", NULL}};
   char module[512], parent[512], member[512];
   snprintf(module, sizeof module, "%.*s", (int)(strlen(name) - 7), name);
   snprintf(member, sizeof member, "%s", last_component(module));
@@ -198,8 +199,8 @@ static int write_nvfp4(struct quantizer *q, const char *const *group, int n_grou
     const struct ckpt_tensor *t = ckpt_find(q->ck, group[g]);
     float *part;
     if (t->t->shape[1] != k)
-      return set_error(QKEEP_E_FORMAT, "tensor '%s': K %lld differs from its fused sibling's %lld", t->t->name,
-                       (long long)t->t->shape[1], (long long)k);
+      return set_error(QKEEP_E_FORMAT, "tensor '%s': K %lld differs from its fused sibling's %lld",
+                       t->t->name, (long long)t->t->shape[1], (long long)k);
     rc = read_f32(q->ck, t, &part);
     if (rc)
       break;
@@ -227,17 +228,20 @@ static int write_nvfp4(struct quantizer *q, const char *const *group, int n_grou
     add_error_context(rc, "tensor '%s'", group[mine]);
   char module[512], name[600];
   snprintf(module, sizeof module, "%.*s", (int)(strlen(group[mine]) - 7), group[mine]);
-  struct qkeep_spec ws = {QKEEP_DTYPE_U8, 2, {n_mine, k / 2}}, ss = {QKEEP_DTYPE_F8_E4M3, 2, {n_mine, k / 16}};
+  struct qkeep_spec ws = {QKEEP_DTYPE_U8, 2, {n_mine, k / 2}},
+                    ss = {QKEEP_DTYPE_F8_E4M3, 2, {n_mine, k / 16}};
   if (!rc)
     rc = out_add(&q->out, tensor_name(name, sizeof name, module, ct ? "weight_packed" : "weight"), &ws,
                  packed + before * k / 2);
   if (!rc)
-    rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_scale"), &ss, scales + before * k / 16);
+    rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_scale"), &ss,
+                 scales + before * k / 16);
   float act = q->opt->activation_amax > 0 ? q->opt->activation_amax : 1.0f;
   if (!rc)
     rc = add_scalar(q, module, ct ? "weight_global_scale" : "weight_scale_2", global, ct);
   if (!rc)
-    rc = add_scalar(q, module, ct ? "input_global_scale" : "input_scale", ct ? 2688.0f / act : act / 2688.0f, ct);
+    rc = add_scalar(q, module, ct ? "input_global_scale" : "input_scale", ct ? 2688.0f / act : act / 2688.0f,
+                    ct);
   free(w);
   free(packed);
   free(scales);
@@ -247,7 +251,8 @@ static int write_nvfp4(struct quantizer *q, const char *const *group, int n_grou
 static int write_mxfp4(struct quantizer *q, const char *module, const float *w, int64_t n, int64_t k) {
   uint8_t *packed = malloc((size_t)(n * k / 2)), *scales = malloc((size_t)(n * k / 32));
   char name[600];
-  int rc = packed && scales ? quant_mxfp4(w, n, k, packed, scales) : set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc =
+      packed && scales ? quant_mxfp4(w, n, k, packed, scales) : set_error(QKEEP_E_NOMEM, "out of memory");
   struct qkeep_spec ws = {QKEEP_DTYPE_U8, 2, {n, k / 2}}, ss = {QKEEP_DTYPE_U8, 2, {n, k / 32}};
   if (!rc)
     rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_packed"), &ws, packed);
@@ -287,17 +292,19 @@ static int write_int4(struct quantizer *q, const char *module, const float *w, i
   bool awq = strcmp(q->sch->name, "awq-int4") == 0, sym = !q->opt->asym_weights;
   int64_t g = q->opt->group_size > 0 ? q->opt->group_size : 128;
   if (g > k) /* one group size serves the whole checkpoint (config.json says it once) */
-    return set_error(QKEEP_E_INVAL, "module %s: K = %lld is smaller than the group size %lld; pass --group %lld or less",
+    return set_error(QKEEP_E_INVAL,
+                     "module %s: K = %lld is smaller than the group size %lld; pass --group %lld or less",
                      module, (long long)k, (long long)g, (long long)k);
   if (k % g)
-    return set_error(QKEEP_E_INVAL, "module %s: group size %lld does not divide K = %lld", module, (long long)g,
-                     (long long)k);
+    return set_error(QKEEP_E_INVAL, "module %s: group size %lld does not divide K = %lld", module,
+                     (long long)g, (long long)k);
   int32_t *qweight = malloc((size_t)(k / 8 * n) * 4), *qzeros = malloc((size_t)(k / g * n / 8) * 4);
   int32_t *g_idx = malloc((size_t)k * 4), *awq_w = NULL, *awq_z = NULL;
   uint16_t *scales = malloc((size_t)(k / g * n) * 2);
   char name[600];
-  int rc = qweight && qzeros && g_idx && scales ? quant_gptq_int4(w, n, k, g, sym, qweight, scales, qzeros, g_idx)
-                                                 : set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = qweight && qzeros && g_idx && scales
+               ? quant_gptq_int4(w, n, k, g, sym, qweight, scales, qzeros, g_idx)
+               : set_error(QKEEP_E_NOMEM, "out of memory");
   if (rc)
     add_error_context(rc, "module %s", module);
   struct qkeep_spec sc = {QKEEP_DTYPE_F16, 2, {k / g, n}};
@@ -363,8 +370,8 @@ static int quantize_weight(struct quantizer *q, const struct ckpt_tensor *t) {
   if (rc)
     return rc;
   if (strcmp(s, "mxfp4") == 0)
-    rc = k % 32 ? set_error(QKEEP_E_INVAL, "tensor '%s': K = %lld is not a multiple of 32 (MXFP4)", t->t->name,
-                            (long long)k)
+    rc = k % 32 ? set_error(QKEEP_E_INVAL, "tensor '%s': K = %lld is not a multiple of 32 (MXFP4)",
+                            t->t->name, (long long)k)
                 : write_mxfp4(q, module, w, n, k);
   else if (strcmp(s, "w8a8-int8") == 0)
     rc = write_int8(q, module, w, n, k);
@@ -382,8 +389,8 @@ static int quantize_weight(struct quantizer *q, const struct ckpt_tensor *t) {
 /* Copies a tensor unchanged. */
 static int copy_tensor(struct quantizer *q, const struct ckpt_tensor *t) {
   if (t->t->dtype < 0)
-    return set_error(QKEEP_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not supported", t->file->path, t->t->name,
-                     t->t->dtype_name);
+    return set_error(QKEEP_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not supported", t->file->path,
+                     t->t->name, t->t->dtype_name);
   struct qkeep_spec s = {.dtype = (enum qkeep_dtype)t->t->dtype, .ndim = t->t->ndim};
   memcpy(s.shape, t->t->shape, sizeof s.shape);
   void *data = malloc(t->t->nbytes ? t->t->nbytes : 1);
@@ -463,7 +470,8 @@ static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant)
     json_object_set_new(producer, "name", json_string("modelopt"));
     json_object_set_new(producer, "version", json_string("qkeep-" PACKAGE_VERSION));
     json_object_set_new(quant, "quant_algo", json_string("NVFP4"));
-    json_object_set_new(quant, "kv_cache_quant_algo", q->opt->kv_cache_scales ? json_string("FP8") : json_null());
+    json_object_set_new(quant, "kv_cache_quant_algo",
+                        q->opt->kv_cache_scales ? json_string("FP8") : json_null());
     json_object_set_new(quant, "group_size", json_integer(16));
     json_object_set_new(quant, "exclude_modules", json_deep_copy(ignore));
     json_object_set_new(h, "producer", producer);
@@ -484,8 +492,9 @@ static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant)
     }
   } else {
     bool nvfp4 = strcmp(s, "ct-nvfp4") == 0;
-    const char *format = nvfp4 ? "nvfp4-pack-quantized" : strcmp(s, "mxfp4") == 0 ? "mxfp4-pack-quantized"
-                                                                                   : "int-quantized";
+    const char *format = nvfp4                     ? "nvfp4-pack-quantized"
+                         : strcmp(s, "mxfp4") == 0 ? "mxfp4-pack-quantized"
+                                                   : "int-quantized";
     json_t *groups = json_object();
     json_object_set_new(groups, "group_0", ct_group(q, nvfp4));
     json_object_set_new(qc, "quant_method", json_string("compressed-tensors"));
@@ -560,8 +569,8 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
                      "unknown scheme '%s' (modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4)",
                      opt->scheme);
   if (mkdir(out_dir, 0755) != 0)
-    return set_error(errno == EEXIST ? QKEEP_E_EXISTS : QKEEP_E_IO, "%s: cannot create the output directory: %s",
-                     out_dir, strerror(errno));
+    return set_error(errno == EEXIST ? QKEEP_E_EXISTS : QKEEP_E_IO,
+                     "%s: cannot create the output directory: %s", out_dir, strerror(errno));
   struct ckpt *ck;
   int rc = ckpt_open(in, &ck);
   if (rc) {
@@ -569,12 +578,15 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
     return rc;
   }
   struct quantizer q = {.ck = ck, .opt = opt, .sch = sch};
-  q.out = (struct output){.dir = out_dir, .max_shard_bytes = opt->max_shard_bytes, .weight_map = json_object()};
+  q.out =
+      (struct output){.dir = out_dir, .max_shard_bytes = opt->max_shard_bytes, .weight_map = json_object()};
   if (ck->qc.method != QM_NONE)
-    rc = set_error(QKEEP_E_INVAL, "%s: already quantized (%s); qkeep quantize needs an unquantized checkpoint", in,
-                   ck->qc.scheme);
+    rc =
+        set_error(QKEEP_E_INVAL, "%s: already quantized (%s); qkeep quantize needs an unquantized checkpoint",
+                  in, ck->qc.scheme);
   for (size_t i = 0; i < ck->n_tensors && !rc; i++)
-    rc = quantizable(&ck->tensors[i]) ? quantize_weight(&q, &ck->tensors[i]) : copy_tensor(&q, &ck->tensors[i]);
+    rc = quantizable(&ck->tensors[i]) ? quantize_weight(&q, &ck->tensors[i])
+                                      : copy_tensor(&q, &ck->tensors[i]);
   if (!rc && opt->kv_cache_scales)
     rc = add_kv_scales(&q);
   if (!rc)

@@ -59,8 +59,14 @@ static bool buf_find(const struct provider *p, const char *name, struct provided
     const struct qkeep_named_tensor *t = &b->tensors[b->order[mid]];
     int c = strcmp(t->name, name);
     if (c == 0) {
-      *out = (struct provided){t->name, (int)t->spec.dtype, qkeep_dtype_name(t->spec.dtype), t->spec.ndim,
-                               t->spec.shape, qkeep_spec_bytes(&t->spec), p->what, t};
+      *out = (struct provided){t->name,
+                               (int)t->spec.dtype,
+                               qkeep_dtype_name(t->spec.dtype),
+                               t->spec.ndim,
+                               t->spec.shape,
+                               qkeep_spec_bytes(&t->spec),
+                               p->what,
+                               t};
       return true;
     }
     if (c < 0)
@@ -106,7 +112,8 @@ static int provided_bytes(const struct device *dev, const struct provider *pv, c
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
   const void *on_host = pv->host_bytes ? pv->host_bytes(pv, t) : NULL;
   int rc = on_device ? dev_d2h(dev, buf, on_device, t->nbytes)
-                     : on_host ? (memcpy(buf, on_host, t->nbytes), 0) : pv->read(pv, t, buf);
+           : on_host ? (memcpy(buf, on_host, t->nbytes), 0)
+                     : pv->read(pv, t, buf);
   if (rc) {
     free(buf);
     return rc;
@@ -122,10 +129,12 @@ static int check_scale_values(const qkeep_layer *layer, const struct provider *p
   if (rc)
     return rc;
   size_t bad;
-  const char *why = bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype), &bad);
+  const char *why =
+      bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype), &bad);
   if (why)
-    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (scales must be finite and non-negative)",
-                   t->where, t->name, bad, why);
+    rc = set_error(QKEEP_E_FORMAT,
+                   "%s: tensor '%s': element %zu is %s (scales must be finite and non-negative)", t->where,
+                   t->name, bad, why);
   free(bytes);
   return rc;
 }
@@ -136,14 +145,15 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   if (!qc || !sch || sch == &scheme_unquantized || sch == &scheme_kv_scales)
     return 0;
   if (qc->method == QM_NONE || strcmp(qc->scheme, layer->scheme) != 0)
-    return set_error(QKEEP_E_FORMAT, "%s: the checkpoint is %s, layer %s of the model is %s", where, qc->scheme,
-                     layer->name, layer->scheme);
+    return set_error(QKEEP_E_FORMAT, "%s: the checkpoint is %s, layer %s of the model is %s", where,
+                     qc->scheme, layer->name, layer->scheme);
   uint32_t mask = QKEEP_LAYER_F_WEIGHT_SYM | QKEEP_LAYER_F_ACT_ORDER | QKEEP_LAYER_F_GPTQ_V2 |
                   QKEEP_LAYER_F_INPUT_DYNAMIC | QKEEP_LAYER_F_INPUT_ASYM | QKEEP_LAYER_F_WEIGHT_PER_TENSOR;
   uint32_t want = sch->flags ? sch->flags(qc) & mask : 0;
   if ((layer->dims.flags & mask) != want)
-    return set_error(QKEEP_E_FORMAT, "%s: its quantization config (flags 0x%x) differs from the model's (0x%x) at %s",
-                     where, want, layer->dims.flags & mask, layer->name);
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: its quantization config (flags 0x%x) differs from the model's (0x%x) at %s", where,
+                     want, layer->dims.flags & mask, layer->name);
   return 0;
 }
 
@@ -151,8 +161,8 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
  * Decides which layers W1 updates (all of them, or with QKEEP_RELOAD_PARTIAL those it
  * has tensors for) and checks every tensor they load. Changes nothing.
  */
-static int validate(qkeep_model *model, const struct provider *pv, const struct quant_config *qc, unsigned flags,
-                    bool *selected) {
+static int validate(qkeep_model *model, const struct provider *pv, const struct quant_config *qc,
+                    unsigned flags, bool *selected) {
   size_t chosen = 0;
   for (size_t l = 0; l < model->n_layers; l++) {
     qkeep_layer *layer = model->layers[l];
@@ -285,13 +295,14 @@ static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at)
 }
 
 /* The whole reload, from any provider. `path` is W1's checkpoint (NULL for buffers). */
-static int reload(qkeep_model *model, const struct provider *pv, const struct quant_config *qc, unsigned flags,
-                  const char *path) {
+static int reload(qkeep_model *model, const struct provider *pv, const struct quant_config *qc,
+                  unsigned flags, const char *path) {
   if (!model->n_layers)
     return set_error(QKEEP_E_STATE, "reload: the model holds no layers (load a checkpoint first)");
   if (model->poisoned && (flags & QKEEP_RELOAD_PARTIAL))
-    return set_error(QKEEP_E_STATE, "reload: the model holds a mix of weights after a failed reload; a full reload "
-                                    "is needed, not a partial one");
+    return set_error(QKEEP_E_STATE,
+                     "reload: the model holds a mix of weights after a failed reload; a full reload "
+                     "is needed, not a partial one");
   bool *selected = calloc(model->n_layers, sizeof *selected);
   if (!selected)
     return set_error(QKEEP_E_NOMEM, "out of memory");
@@ -313,7 +324,8 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
       char how[512];
       snprintf(how, sizeof how, "%s", qkeep_errmsg());
       model->poisoned = true;
-      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds", why, how);
+      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds", why,
+                how);
     }
     free(selected);
     return rc;
@@ -324,8 +336,8 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   free(selected);
   if (full)
     model->poisoned = false;
-  model->stats = (struct qkeep_load_stats){sizeof model->stats, now_seconds() - t0 - t_read - t_pwal, t_read, t_pwal,
-                                           model->stats.checkpoint_bytes};
+  model->stats = (struct qkeep_load_stats){sizeof model->stats, now_seconds() - t0 - t_read - t_pwal, t_read,
+                                           t_pwal, model->stats.checkpoint_bytes};
   /* Only a full reload from a file leaves the model equal to a file it can roll back to. */
   return model_set_source(model, full ? path : NULL);
 }
@@ -361,8 +373,8 @@ static int index_buffers(struct buffers *b, const struct qkeep_named_tensor *ten
     return set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < n; i++) {
     const struct qkeep_named_tensor *t = &tensors[i];
-    if (!t->name || (!t->data && qkeep_spec_bytes(&t->spec)) || (unsigned)t->spec.dtype >= QKEEP_DTYPE_COUNT ||
-        t->spec.ndim < 0 || t->spec.ndim > QKEEP_MAX_DIMS)
+    if (!t->name || (!t->data && qkeep_spec_bytes(&t->spec)) ||
+        (unsigned)t->spec.dtype >= QKEEP_DTYPE_COUNT || t->spec.ndim < 0 || t->spec.ndim > QKEEP_MAX_DIMS)
       return set_error(QKEEP_E_INVAL, "in-memory tensor %zu ('%s'): missing name or data, or a bad spec", i,
                        t->name ? t->name : "(null)");
     b->order[i] = i;
@@ -381,8 +393,8 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   struct buffers b = {0};
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
-    struct provider pv = {"in-memory tensors", &b,       buf_find,  buf_read,
-                          buf_host,            buf_device, buf_count, buf_name_at};
+    struct provider pv = {"in-memory tensors", &b,        buf_find,   buf_read, buf_host,
+                          buf_device,          buf_count, buf_name_at};
     rc = reload(model, &pv, NULL, flags, NULL);
   }
   free(b.order);
@@ -394,7 +406,8 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_tensor: NULL argument");
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
-  struct provider pv = {"in-memory tensor", &b, buf_find, buf_read, buf_host, buf_device, buf_count, buf_name_at};
+  struct provider pv = {"in-memory tensor", &b,         buf_find,  buf_read,
+                        buf_host,           buf_device, buf_count, buf_name_at};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
   for (size_t l = 0; !rc && l < model->n_layers && !src; l++)
@@ -402,18 +415,20 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
       if (strcmp(model->layers[l]->sources[i].checkpoint_name, tensor->name) == 0)
         layer = model->layers[l], src = &layer->sources[i];
   if (!rc && !src)
-    rc = set_error(QKEEP_E_NOTFOUND, "load_tensor: '%s' is not a checkpoint name of this model", tensor->name);
+    rc =
+        set_error(QKEEP_E_NOTFOUND, "load_tensor: '%s' is not a checkpoint name of this model", tensor->name);
   if (!rc && model->poisoned)
     rc = set_error(QKEEP_E_STATE, "load_tensor: the model needs a full reload after a failed one");
   if (!rc && (src->param->transformed || src->param->state != QKEEP_PARAM_LIVE || src->compare_only))
-    rc = set_error(QKEEP_E_STATE,
-                   "load_tensor: '%s' lands in %s.%s, which %s; its bytes are not what the kernel reads, so use "
-                   "qkeep_model_reload to load new weights",
-                   tensor->name, layer->name, src->param->checkpoint_name,
-                   src->compare_only                    ? "fused shards share"
-                   : src->param->transformed            ? "PWAL or normalisation transformed"
-                   : src->param->state == QKEEP_PARAM_RETIRED ? "no kernel reads (retired)"
-                                                        : "was released");
+    rc = set_error(
+        QKEEP_E_STATE,
+        "load_tensor: '%s' lands in %s.%s, which %s; its bytes are not what the kernel reads, so use "
+        "qkeep_model_reload to load new weights",
+        tensor->name, layer->name, src->param->checkpoint_name,
+        src->compare_only                          ? "fused shards share"
+        : src->param->transformed                  ? "PWAL or normalisation transformed"
+        : src->param->state == QKEEP_PARAM_RETIRED ? "no kernel reads (retired)"
+                                                   : "was released");
   struct provided t;
   if (!rc)
     rc = check_source(layer, &pv, src, &t);

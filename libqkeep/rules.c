@@ -70,9 +70,10 @@ int qkeep_replace(qkeep_layer *layer, const char *name, qkeep_tensor *result) {
   struct storage *own = p->view.storage;
   if (result->t.storage == own) {
     /* The result was computed in the param's own storage: only the view changes. */
-    rc = result->t.offset == 0 ? 0
-                               : set_error(QKEEP_E_RULE, "replace: %s.%s: result not at the start of its storage",
-                                           layer->name, name);
+    rc = result->t.offset == 0
+             ? 0
+             : set_error(QKEEP_E_RULE, "replace: %s.%s: result not at the start of its storage", layer->name,
+                         name);
   } else if (bytes <= own->capacity) {
     rc = dev_d2d(&layer->model->dev, own->data, tensor_ptr(&result->t), bytes);
   } else {
@@ -156,7 +157,8 @@ int qkeep_release(qkeep_layer *layer, const char *name, const char *reason) {
   return 0;
 }
 
-int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec, struct qkeep_view *out) {
+int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
+                     struct qkeep_view *out) {
   if (!layer || !name || !*name || !spec || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS ||
       (unsigned)spec->dtype >= QKEEP_DTYPE_COUNT)
     return set_error(QKEEP_E_INVAL, "add_buffer: invalid argument");
@@ -180,7 +182,8 @@ int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_sp
       tensor_to_view(&b->view, QKEEP_PARAM_LIVE, out);
     return 0;
   }
-  int rc = grow_array((void **)&layer->buffers, &layer->cap_buffers, layer->n_buffers + 1, sizeof *layer->buffers);
+  int rc =
+      grow_array((void **)&layer->buffers, &layer->cap_buffers, layer->n_buffers + 1, sizeof *layer->buffers);
   if (rc)
     return rc;
   struct buffer *b = calloc(1, sizeof *b);
@@ -188,7 +191,8 @@ int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_sp
     return set_error(QKEEP_E_NOMEM, "out of memory for buffer %s.%s", layer->name, name);
   b->name = xstrdup(name);
   b->view.spec = *spec;
-  rc = b->name ? storage_new(&layer->model->dev, bytes, &b->view.storage) : set_error(QKEEP_E_NOMEM, "out of memory");
+  rc = b->name ? storage_new(&layer->model->dev, bytes, &b->view.storage)
+               : set_error(QKEEP_E_NOMEM, "out of memory");
   if (!rc)
     rc = layer_register(layer, name, NULL, b);
   if (rc) {
@@ -221,8 +225,8 @@ qkeep_param *qkeep_get_live_param(const qkeep_layer *layer, const char *name) {
   return p && p->state == QKEEP_PARAM_LIVE ? p : NULL;
 }
 
-int qkeep_kernel_params(const qkeep_layer *layer, int (*fn)(void *user, const char *name, const struct qkeep_view *v),
-                        void *user) {
+int qkeep_kernel_params(const qkeep_layer *layer,
+                        int (*fn)(void *user, const char *name, const struct qkeep_view *v), void *user) {
   if (!layer || !fn)
     return set_error(QKEEP_E_INVAL, "kernel_params: NULL argument");
   for (size_t i = 0; i < layer->n_params; i++) {

@@ -43,8 +43,8 @@ static int64_t eval_dim(enum dim_expr d, int64_t n, int64_t k, int64_t g) {
   return 0;
 }
 
-static struct qkeep_spec eval_spec(const struct param_template *t, enum qkeep_dtype dtype, int64_t n, int64_t k,
-                                   int64_t g) {
+static struct qkeep_spec eval_spec(const struct param_template *t, enum qkeep_dtype dtype, int64_t n,
+                                   int64_t k, int64_t g) {
   struct qkeep_spec s = {.dtype = dtype, .ndim = t->ndim};
   for (int i = 0; i < t->ndim; i++)
     s.shape[i] = eval_dim(t->dims[i], n, k, g);
@@ -75,23 +75,23 @@ static int gather_dims(struct layout *L, const struct quant_config *qc) {
       int64_t n, k, g = 0;
       int rc = L->sch->dims(m, qc, &n, &k, &g);
       if (rc == QKEEP_E_NOTFOUND)
-        return set_error(QKEEP_E_FORMAT, "module %s: tensors do not match scheme %s (%s)", m->name, L->sch->name,
-                         qkeep_errmsg());
+        return set_error(QKEEP_E_FORMAT, "module %s: tensors do not match scheme %s (%s)", m->name,
+                         L->sch->name, qkeep_errmsg());
       if (rc)
         return rc;
       if (e == 0 && s == 0) {
         L->k = k;
         L->g = g;
       } else if (k != L->k || g != L->g) {
-        return set_error(QKEEP_E_FORMAT, "module %s: K %lld / group %lld differ from %s's K %lld / group %lld",
-                         m->name, (long long)k, (long long)g, module_at(L, 0, 0)->name, (long long)L->k,
-                         (long long)L->g);
+        return set_error(
+            QKEEP_E_FORMAT, "module %s: K %lld / group %lld differ from %s's K %lld / group %lld", m->name,
+            (long long)k, (long long)g, module_at(L, 0, 0)->name, (long long)L->k, (long long)L->g);
       }
       if (e == 0)
         L->shard_n[s] = n;
       else if (n != L->shard_n[s])
-        return set_error(QKEEP_E_FORMAT, "module %s: N %lld differs from expert 0's %lld", m->name, (long long)n,
-                         (long long)L->shard_n[s]);
+        return set_error(QKEEP_E_FORMAT, "module %s: N %lld differs from expert 0's %lld", m->name,
+                         (long long)n, (long long)L->shard_n[s]);
     }
   L->n = 0;
   for (int s = 0; s < L->shards; s++)
@@ -108,8 +108,8 @@ static int check_tensor(const struct layout *L, const struct param_template *t, 
     char expected[96] = "";
     for (int d = 0; d < QKEEP_DTYPE_COUNT; d++)
       if (t->dtypes & (1u << d))
-        snprintf(expected + strlen(expected), sizeof expected - strlen(expected), "%s%s", expected[0] ? " or " : "",
-                 qkeep_dtype_name((enum qkeep_dtype)d));
+        snprintf(expected + strlen(expected), sizeof expected - strlen(expected), "%s%s",
+                 expected[0] ? " or " : "", qkeep_dtype_name((enum qkeep_dtype)d));
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': dtype %s in checkpoint, expected %s (scheme %s)",
                      ct->file->path, st->name, st->dtype_name, expected, L->sch->name);
   }
@@ -119,8 +119,8 @@ static int check_tensor(const struct layout *L, const struct param_template *t, 
   if (t->fuse == F_SLOT) {
     if (st->ndim == 0 || (st->ndim == 1 && st->shape[0] == 1))
       return 0;
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': shape %s, expected a scalar ([] or [1])", ct->file->path,
-                     st->name, spec_shape_str(&got_spec, got, sizeof got));
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': shape %s, expected a scalar ([] or [1])",
+                     ct->file->path, st->name, spec_shape_str(&got_spec, got, sizeof got));
   }
   struct qkeep_spec want_spec = eval_spec(t, *dtype, n_s, L->k, L->g);
   if (!spec_equal(&want_spec, &got_spec))
@@ -132,8 +132,8 @@ static int check_tensor(const struct layout *L, const struct param_template *t, 
 }
 
 /* The spec of the layer's param for template t (all shards, all experts). */
-static struct qkeep_spec param_spec(const struct layout *L, const struct param_template *t, enum qkeep_dtype dtype,
-                                    const struct ckpt_tensor *first) {
+static struct qkeep_spec param_spec(const struct layout *L, const struct param_template *t,
+                                    enum qkeep_dtype dtype, const struct ckpt_tensor *first) {
   struct qkeep_spec s;
   if (t->fuse == F_SLOT) {
     s = (struct qkeep_spec){.dtype = dtype, .ndim = 0};
@@ -157,7 +157,8 @@ static struct qkeep_spec param_spec(const struct layout *L, const struct param_t
 }
 
 /* Records where each module's tensor for template t lands in param p. */
-static int add_sources(qkeep_layer *layer, const struct layout *L, const struct param_template *t, qkeep_param *p) {
+static int add_sources(qkeep_layer *layer, const struct layout *L, const struct param_template *t,
+                       qkeep_param *p) {
   int experts = L->experts ? L->experts : 1;
   size_t esize = qkeep_dtype_size(p->create_spec.dtype);
   size_t per_expert = p->create_bytes / (size_t)experts;
@@ -171,7 +172,8 @@ static int add_sources(qkeep_layer *layer, const struct layout *L, const struct 
       int rc = 0;
       if (t->fuse == F_ROWS) {
         struct qkeep_spec one_row = eval_spec(t, cs.dtype, 1, L->k, L->g);
-        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)n_before * qkeep_spec_bytes(&one_row), &cs);
+        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)n_before * qkeep_spec_bytes(&one_row),
+                              &cs);
       } else if (t->fuse == F_COLS) {
         int64_t cols = eval_dim(t->dims[t->ndim - 1], L->shard_n[s], L->k, L->g);
         int64_t total = eval_dim(t->dims[t->ndim - 1], L->n, L->k, L->g);
@@ -192,19 +194,20 @@ static int add_sources(qkeep_layer *layer, const struct layout *L, const struct 
   return 0;
 }
 
-int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc, const char *prefix,
-                  const struct module *const *modules, int n_experts, int n_shards) {
+int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc,
+                  const char *prefix, const struct module *const *modules, int n_experts, int n_shards) {
   if (n_shards < 1 || n_shards > 8 || n_experts < 0)
     return set_error(QKEEP_E_INVAL, "%s: %d shards, %d experts", layer->name, n_shards, n_experts);
-  struct layout L = {.sch = sch, .prefix = prefix, .modules = modules, .experts = n_experts, .shards = n_shards};
+  struct layout L = {
+      .sch = sch, .prefix = prefix, .modules = modules, .experts = n_experts, .shards = n_shards};
   size_t n_params = sch->n_params;
   const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
   int rc = gather_dims(&L, qc);
   if (rc)
     return rc;
   if (qc && qc->group_size > 0 && L.g > 0 && L.g != qc->group_size && strcmp(sch->name, "unquantized") != 0)
-    return set_error(QKEEP_E_FORMAT, "layer %s: tensors imply group size %lld, the config says %lld", layer->name,
-                     (long long)L.g, (long long)qc->group_size);
+    return set_error(QKEEP_E_FORMAT, "layer %s: tensors imply group size %lld, the config says %lld",
+                     layer->name, (long long)L.g, (long long)qc->group_size);
   int experts = n_experts ? n_experts : 1;
   /* A tensor no template names would be silently dropped: refuse it. */
   for (int i = 0; i < experts * n_shards; i++)
@@ -214,7 +217,8 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
         t++;
       if (t == n_params)
         return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is not part of scheme %s (layer %s)",
-                         modules[i]->tensors[j]->file->path, modules[i]->tensors[j]->t->name, sch->name, layer->name);
+                         modules[i]->tensors[j]->file->path, modules[i]->tensors[j]->t->name, sch->name,
+                         layer->name);
     }
   /* Check every tensor of every template first, so a bad checkpoint creates nothing. */
   for (size_t i = 0; i < n_params; i++) {
@@ -236,8 +240,8 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
         if ((rc = check_tensor(&L, t, ct, L.shard_n[s], &dtype)))
           return rc;
         if (ct->t->dtype != module_tensor(module_at(&L, 0, 0), t->name)->t->dtype)
-          return set_error(QKEEP_E_FORMAT, "tensor '%s': dtype %s differs from the other shards'", ct->t->name,
-                           ct->t->dtype_name);
+          return set_error(QKEEP_E_FORMAT, "tensor '%s': dtype %s differs from the other shards'",
+                           ct->t->name, ct->t->dtype_name);
       }
   }
   for (size_t i = 0; i < n_params && !rc; i++) {
@@ -289,7 +293,8 @@ static int read_f32(qkeep_layer *layer, qkeep_param *p, float **out, size_t *cou
 }
 
 /* Writes host floats as the param's new contents through the replace rule. */
-static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec, const float *values) {
+static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
+                       const float *values) {
   qkeep_tensor *t;
   int rc = qkeep_tensor_new(layer, spec, &t);
   if (!rc)
@@ -328,8 +333,8 @@ int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
     }
     v[e] = m;
   }
-  struct qkeep_spec merged = {.dtype = QKEEP_DTYPE_F32, .ndim = layer->dims.experts ? 1 : 0,
-                              .shape = {layer->dims.experts}};
+  struct qkeep_spec merged = {
+      .dtype = QKEEP_DTYPE_F32, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
   rc = replace_f32(layer, name, &merged, v);
   free(v);
   (void)count;
@@ -365,8 +370,8 @@ int merge_shard_equal_i32(qkeep_layer *layer, const char *name) {
     return rc;
   for (int s = 1; s < shards; s++)
     if (v[s] != v[0])
-      return set_error(QKEEP_E_UNSUPPORTED, "%s.%s: fused shards carry different values (%d vs %d)", layer->name,
-                       name, v[0], v[s]);
+      return set_error(QKEEP_E_UNSUPPORTED, "%s.%s: fused shards carry different values (%d vs %d)",
+                       layer->name, name, v[0], v[s]);
   struct qkeep_spec merged = {.dtype = cs->dtype, .ndim = 0};
   return qkeep_replace_in_place(layer, name, &merged);
 }
@@ -397,7 +402,8 @@ int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int6
   if (!w || !s)
     return set_error(QKEEP_E_NOTFOUND, "no %s and weight_scale", weight_name);
   if (w->t->ndim != 2 || s->t->ndim != 2)
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path, w->t->name);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path,
+                     w->t->name);
   *n = w->t->shape[0];
   *k = w->t->shape[1] * 2;
   *g = 16;
@@ -406,4 +412,3 @@ int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int6
                      w->file->path, w->t->name, (long long)*k);
   return 0;
 }
-

@@ -28,20 +28,20 @@ enum fuse_mode {
 #define DT_FLOAT (DT(F32) | DT(F16) | DT(BF16))
 
 struct param_template {
-  const char *name;         /* local checkpoint name, e.g. "weight_scale_2" */
-  uint32_t dtypes;          /* accepted checkpoint dtypes, a mask of DT(...) */
+  const char *name; /* local checkpoint name, e.g. "weight_scale_2" */
+  uint32_t dtypes;  /* accepted checkpoint dtypes, a mask of DT(...) */
   int ndim;
   enum dim_expr dims[4];
   enum fuse_mode fuse;
-  bool optional;            /* absent in some checkpoints (e.g. a static input_scale) */
-  bool scale;               /* values must be finite and non-negative (checked after loading) */
+  bool optional; /* absent in some checkpoints (e.g. a static input_scale) */
+  bool scale;    /* values must be finite and non-negative (checked after loading) */
 };
 
 /* One checkpoint module: tensors sharing a name prefix. */
 struct module {
-  char *name;               /* e.g. "model.layers.0.self_attn.q_proj" */
+  char *name; /* e.g. "model.layers.0.self_attn.q_proj" */
   const struct ckpt_tensor **tensors;
-  const char **local;       /* the name after "<module>." */
+  const char **local; /* the name after "<module>." */
   size_t n;
 };
 
@@ -87,8 +87,8 @@ const struct scheme *scheme_by_name(const char *name);
  * "w2_" for MoE). Every tensor is checked against its template (dtype,
  * shape with the shard's N, the layer's K and G) before any param exists.
  */
-int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc, const char *prefix,
-                  const struct module *const *modules, int n_experts, int n_shards);
+int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc,
+                  const char *prefix, const struct module *const *modules, int n_experts, int n_shards);
 
 /* Creates a gpt-oss pre-stacked MXFP4 MoE layer (gate_up_proj_blocks, ... of one module). */
 int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m);

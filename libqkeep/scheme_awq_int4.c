@@ -13,7 +13,8 @@ static const struct param_template awq_params[] = {
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
-static int awq_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
+static int awq_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
+                    int64_t *g) {
   const struct ckpt_tensor *w = module_tensor(m, "qweight"), *s = module_tensor(m, "scales");
   if (!w || !s)
     return set_error(QKEEP_E_NOTFOUND, "no qweight and scales");
@@ -27,8 +28,9 @@ static int awq_dims(const struct module *m, const struct quant_config *qc, int64
 
 static int awq_retire_zeros(qkeep_layer *layer, const char *prefix) {
   char qzeros[64];
-  return (layer->dims.flags & QKEEP_LAYER_F_WEIGHT_SYM) ? qkeep_retire(layer, prefixed(qzeros, sizeof qzeros, prefix, "qzeros"))
-                                                        : 0;
+  return (layer->dims.flags & QKEEP_LAYER_F_WEIGHT_SYM)
+             ? qkeep_retire(layer, prefixed(qzeros, sizeof qzeros, prefix, "qzeros"))
+             : 0;
 }
 
 static int awq_normalize(qkeep_layer *layer) { return for_each_matrix(layer, awq_retire_zeros); }

@@ -15,7 +15,8 @@ static const struct param_template ct_params[] = {
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
-static int ct_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
+static int ct_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
+                   int64_t *g) {
   (void)qc;
   return nvfp4_dims(m, "weight_packed", n, k, g);
 }

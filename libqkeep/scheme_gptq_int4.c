@@ -20,22 +20,23 @@ static const struct param_template gptq_params[] = {
 int int4_group_dims(const struct module *m, const struct ckpt_tensor *scales, int64_t n, int64_t k,
                     const struct quant_config *qc, int64_t *g) {
   if (scales->t->ndim != 2 || scales->t->shape[0] < 1 || k % scales->t->shape[0])
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %lld groups do not divide K = %lld", scales->file->path,
-                     scales->t->name, (long long)scales->t->shape[0], (long long)k);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %lld groups do not divide K = %lld",
+                     scales->file->path, scales->t->name, (long long)scales->t->shape[0], (long long)k);
   *g = k / scales->t->shape[0];
   if (n % 8)
-    return set_error(QKEEP_E_FORMAT, "module %s: N = %lld is not a multiple of 8 (packed zero points)", m->name,
-                     (long long)n);
+    return set_error(QKEEP_E_FORMAT, "module %s: N = %lld is not a multiple of 8 (packed zero points)",
+                     m->name, (long long)n);
   if (qc && qc->group_size > 0 && *g != qc->group_size)
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': group size %lld, the config says %lld", scales->file->path,
-                     scales->t->name, (long long)*g, (long long)qc->group_size);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': group size %lld, the config says %lld",
+                     scales->file->path, scales->t->name, (long long)*g, (long long)qc->group_size);
   if (qc && qc->group_size == 0 && *g != k && qc->method != QM_NONE)
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %lld groups, the config says one group per channel",
                      scales->file->path, scales->t->name, (long long)scales->t->shape[0]);
   return 0;
 }
 
-static int gptq_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
+static int gptq_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
+                     int64_t *g) {
   const struct ckpt_tensor *w = module_tensor(m, "qweight"), *s = module_tensor(m, "scales");
   if (!w || !s)
     return set_error(QKEEP_E_NOTFOUND, "no qweight and scales");

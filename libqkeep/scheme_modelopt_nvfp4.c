@@ -15,7 +15,8 @@ static const struct param_template modelopt_params[] = {
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
-static int modelopt_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
+static int modelopt_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
+                         int64_t *g) {
   (void)qc;
   return nvfp4_dims(m, "weight", n, k, g);
 }

@@ -15,13 +15,15 @@ static const struct param_template mxfp4_params[] = {
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
-static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
+static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
+                      int64_t *g) {
   (void)qc;
   const struct ckpt_tensor *w = module_tensor(m, "weight_packed"), *s = module_tensor(m, "weight_scale");
   if (!w || !s)
     return set_error(QKEEP_E_NOTFOUND, "no weight_packed and weight_scale");
   if (w->t->ndim != 2)
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path, w->t->name);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path,
+                     w->t->name);
   *n = w->t->shape[0];
   *k = w->t->shape[1] * 2;
   *g = 32;
@@ -35,8 +37,8 @@ static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int
 static const struct {
   const char *checkpoint, *runtime;
 } gptoss_names[] = {
-    {"gate_up_proj_blocks", "w13_weight"}, {"gate_up_proj_scales", "w13_weight_scale"},
-    {"gate_up_proj_bias", "w13_bias"},     {"down_proj_blocks", "w2_weight"},
+    {"gate_up_proj_blocks", "w13_weight"},   {"gate_up_proj_scales", "w13_weight_scale"},
+    {"gate_up_proj_bias", "w13_bias"},       {"down_proj_blocks", "w2_weight"},
     {"down_proj_scales", "w2_weight_scale"}, {"down_proj_bias", "w2_bias"},
 };
 
@@ -84,27 +86,30 @@ static int expect(const struct ckpt_tensor *ct, uint32_t dtypes, int ndim, const
     ok = t->shape[i] == shape[i];
   if (ok)
     return 0;
-  struct qkeep_spec want = {.dtype = QKEEP_DTYPE_U8, .ndim = ndim}, got = {.dtype = QKEEP_DTYPE_U8, .ndim = t->ndim};
+  struct qkeep_spec want = {.dtype = QKEEP_DTYPE_U8, .ndim = ndim},
+                    got = {.dtype = QKEEP_DTYPE_U8, .ndim = t->ndim};
   char w[96], g[96];
   memcpy(want.shape, shape, sizeof(int64_t) * (size_t)ndim);
   memcpy(got.shape, t->shape, sizeof got.shape);
   return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, expected %s (gpt-oss MXFP4 MoE)", ct->file->path,
-                   t->name, t->dtype_name, spec_shape_str(&got, g, sizeof g), spec_shape_str(&want, w, sizeof w));
+                   t->name, t->dtype_name, spec_shape_str(&got, g, sizeof g),
+                   spec_shape_str(&want, w, sizeof w));
 }
 
 int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
-  const struct ckpt_tensor *gu = module_tensor(m, "gate_up_proj_blocks"), *dn = module_tensor(m, "down_proj_blocks");
+  const struct ckpt_tensor *gu = module_tensor(m, "gate_up_proj_blocks"),
+                           *dn = module_tensor(m, "down_proj_blocks");
   if (!gu || !dn || gu->t->ndim != 4 || dn->t->ndim != 4)
-    return set_error(QKEEP_E_FORMAT, "module %s: gpt-oss MoE needs 4-D gate_up_proj_blocks and down_proj_blocks",
-                     m->name);
+    return set_error(QKEEP_E_FORMAT,
+                     "module %s: gpt-oss MoE needs 4-D gate_up_proj_blocks and down_proj_blocks", m->name);
   int64_t e = gu->t->shape[0], i2 = gu->t->shape[1], h = gu->t->shape[2] * 32, inter = dn->t->shape[2] * 32;
-  const int64_t shapes[6][4] = {{e, i2, h / 32, 16}, {e, i2, h / 32}, {e, i2}, {e, h, inter / 32, 16}, {e, h, inter / 32},
-                                {e, h}};
+  const int64_t shapes[6][4] = {{e, i2, h / 32, 16},    {e, i2, h / 32},    {e, i2},
+                                {e, h, inter / 32, 16}, {e, h, inter / 32}, {e, h}};
   const uint32_t dtypes[6] = {DT(U8), DT(U8) | DT(F8_E8M0), DT_FLOAT, DT(U8), DT(U8) | DT(F8_E8M0), DT_FLOAT};
   const int ndims[6] = {4, 3, 2, 4, 3, 2};
   if (i2 != 2 * inter)
-    return set_error(QKEEP_E_FORMAT, "module %s: gate_up rows %lld are not twice the down input %lld", m->name,
-                     (long long)i2, (long long)inter);
+    return set_error(QKEEP_E_FORMAT, "module %s: gate_up rows %lld are not twice the down input %lld",
+                     m->name, (long long)i2, (long long)inter);
   for (size_t j = 0; j < m->n; j++) {
     size_t i = 0;
     while (i < 6 && strcmp(m->local[j], gptoss_names[i].checkpoint) != 0)

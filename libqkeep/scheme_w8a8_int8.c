@@ -32,12 +32,14 @@ static const struct param_template *w8a8_templates(const struct quant_config *qc
   return channel_params;
 }
 
-static int w8a8_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k, int64_t *g) {
+static int w8a8_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
+                     int64_t *g) {
   const struct ckpt_tensor *w = module_tensor(m, "weight"), *s = module_tensor(m, "weight_scale");
   if (!w || !s || w->t->dtype != QKEEP_DTYPE_I8)
     return set_error(QKEEP_E_NOTFOUND, "no int8 weight and weight_scale");
   if (w->t->ndim != 2)
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D int8 weight", w->file->path, w->t->name);
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D int8 weight", w->file->path,
+                     w->t->name);
   if (qc && !qc->input_dynamic && !module_tensor(m, "input_scale"))
     return set_error(QKEEP_E_FORMAT, "%s: checkpoint has no tensor '%s.input_scale' (static activations)",
                      w->file->path, m->name);

@@ -123,7 +123,8 @@ static void check_dtype(enum qkeep_dtype dtype) {
         ref += (double)x[r * K + k] * weight_value(3, n * K + k);
       ck_assert_double_eq_tol(y[r * N + n], ref, 1e-5);
     }
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.norm"), 1, x, y), QKEEP_E_UNSUPPORTED);
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.norm"), 1, x, y),
+                   QKEEP_E_UNSUPPORTED);
   qkeep_model_free(m);
   free(path);
 }

@@ -75,10 +75,16 @@ static char *write_source(const char *file, uint64_t seed) {
   return path;
 }
 
-static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes, bool asym) {
+static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
+                      bool asym) {
   char *path = tu_path(dir, out);
-  struct qkeep_quantize_options o = {.size = sizeof o, .scheme = scheme, .group_size = 32, .kv_cache_scales = true,
-                                     .activation_amax = 4, .max_shard_bytes = shard_bytes, .asym_weights = asym};
+  struct qkeep_quantize_options o = {.size = sizeof o,
+                                     .scheme = scheme,
+                                     .group_size = 32,
+                                     .kv_cache_scales = true,
+                                     .activation_amax = 4,
+                                     .max_shard_bytes = shard_bytes,
+                                     .asym_weights = asym};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
   return path;
 }
@@ -142,7 +148,8 @@ static void assert_in_place_and_equal(const struct storages *before, const struc
   }
 }
 
-static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4"};
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
+                                      "w8a8-int8",      "gptq-int4", "awq-int4"};
 
 START_TEST(reload_equals_cold_start_in_place) {
   const char *scheme = schemes[_i];
@@ -174,9 +181,10 @@ START_TEST(reload_equals_cold_start_in_place) {
   float x[H], y0[H + 64], y1[H + 64];
   for (int i = 0; i < H; i++)
     x[i] = (float)i / H - 0.5f;
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj"), 1, x, y0), 0);
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.qkv_proj"), 1, x, y1),
-                   0);
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj"), 1, x, y0), 0);
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.qkv_proj"), 1, x, y1), 0);
   ck_assert_int_eq(memcmp(y0, y1, sizeof(float) * (H + 64)), 0);
   release_snapshot(&before);
   release_snapshot(&after);
@@ -253,7 +261,8 @@ static void wrong_shape(struct st_writer *w, const struct st_tensor *t, void *by
 
 START_TEST(bad_w1_changes_nothing) {
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
-  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false), *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false),
+       *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
   char *gptq = quantize(s1, "gptq-int4", "g1", 0, false);
   struct {
     char *path;
@@ -282,7 +291,8 @@ START_TEST(bad_w1_changes_nothing) {
     free(bad[i].path);
   }
   float x[H] = {0}, y[H];
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj"), 1, x, y), 0);
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj"), 1, x, y), 0);
   /* An asymmetric GPTQ W1 for a symmetric GPTQ model: the config differs. */
   char *g0 = quantize(s0, "gptq-int4", "g0", 0, false), *g1a = quantize(s1, "gptq-int4", "g1a", 0, true);
   qkeep_model *g = load(g0);
@@ -337,8 +347,8 @@ static void read_tensors(const char *path, struct tensors *out, bool on_device) 
     const struct ckpt_tensor *ct = &out->ck->tensors[i];
     void *bytes = malloc(ct->t->nbytes + 1);
     ck_assert_int_eq(ckpt_read(out->ck, ct, bytes), 0);
-    out->t[i] = (struct qkeep_named_tensor){ct->t->name, {(enum qkeep_dtype)ct->t->dtype, ct->t->ndim, {0}}, bytes,
-                                            on_device};
+    out->t[i] = (struct qkeep_named_tensor){
+        ct->t->name, {(enum qkeep_dtype)ct->t->dtype, ct->t->ndim, {0}}, bytes, on_device};
     memcpy(out->t[i].spec.shape, ct->t->shape, sizeof out->t[i].spec.shape);
   }
 }
@@ -366,7 +376,8 @@ START_TEST(reload_from_memory_buffers) {
   struct qkeep_named_tensor dup[2] = {t1.t[0], t1.t[0]};
   ck_assert_int_eq(qkeep_model_reload_tensors(m, dup, 2, QKEEP_RELOAD_PARTIAL), QKEEP_E_INVAL);
   ck_assert(same(digest(m), d0));
-  /* After a buffer reload no file holds the weights: a fault cannot roll back, so the model refuses to run. */
+  /* After a buffer reload no file holds the weights: a fault cannot roll back, so the model refuses to run.
+   */
   m->fault_layer = 3;
   m->fault_code = QKEEP_E_DEVICE;
   ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, t1.n, 0), QKEEP_E_DEVICE);
@@ -401,7 +412,8 @@ START_TEST(partial_update_of_chosen_layers) {
       chosen[n++] = t1.t[i];
   ck_assert_uint_ge(n, 3);
   struct qkeep_digest d0 = digest(m);
-  ck_assert_int_eq(qkeep_model_reload_tensors(m, chosen, n, 0), QKEEP_E_NOTFOUND); /* a full reload needs all */
+  ck_assert_int_eq(qkeep_model_reload_tensors(m, chosen, n, 0),
+                   QKEEP_E_NOTFOUND); /* a full reload needs all */
   ck_assert(same(digest(m), d0));
   ck_assert_msg(qkeep_model_reload_tensors(m, chosen, n, QKEEP_RELOAD_PARTIAL) == 0, "%s", qkeep_errmsg());
   /* o_proj now as W1's, every other layer as W0's. */
@@ -428,7 +440,8 @@ END_TEST
 
 START_TEST(direct_load_into_live_params) {
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
-  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false), *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false),
+       *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
   qkeep_model *m = load(w0), *cold = load(w1);
   struct tensors t1;
   read_tensors(w1, &t1, false);
@@ -446,9 +459,10 @@ START_TEST(direct_load_into_live_params) {
   float x[H], ya[H], yb[H];
   for (int i = 0; i < H; i++)
     x[i] = (float)i / H;
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj"), 1, x, ya), 0);
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.o_proj"), 1, x, yb),
-                   0);
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj"), 1, x, ya), 0);
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.o_proj"), 1, x, yb), 0);
   ck_assert_int_eq(memcmp(ya, yb, sizeof ya), 0);
   /* The fused qkv's global scale was merged by normalisation: refused, pointing to reload. */
   for (size_t i = 0; i < t1.n; i++)

@@ -14,7 +14,8 @@ static qkeep_layer *layer;
 
 static void setup(void) {
   ck_assert_int_eq(qkeep_model_new(NULL, &model), 0);
-  ck_assert_int_eq(qkeep_layer_add(model, "model.layers.0.mlp.down_proj", QKEEP_LAYER_LINEAR, "ct-nvfp4", &layer), 0);
+  ck_assert_int_eq(
+      qkeep_layer_add(model, "model.layers.0.mlp.down_proj", QKEEP_LAYER_LINEAR, "ct-nvfp4", &layer), 0);
 }
 
 static void teardown(void) { qkeep_model_free(model); }
@@ -386,8 +387,8 @@ static int mock_sync(const struct qkeep_backend *be) {
 }
 
 START_TEST(params_live_in_the_backends_memory) {
-  struct qkeep_memory_ops ops = {sizeof ops, mock_alloc, mock_free, mock_copy, mock_copy, mock_copy, mock_fill,
-                                 mock_sync};
+  struct qkeep_memory_ops ops = {sizeof ops, mock_alloc, mock_free, mock_copy,
+                                 mock_copy,  mock_copy,  mock_fill, mock_sync};
   struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
   struct qkeep_plugin plugin = {.path = "mock", .be = &be};
   qkeep_model *m;

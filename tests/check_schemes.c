@@ -103,8 +103,12 @@ static char *write_source(const char *file, bool tied) {
 
 static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes) {
   char *path = tu_path(dir, out);
-  struct qkeep_quantize_options o = {.size = sizeof o, .scheme = scheme, .group_size = 32, .kv_cache_scales = true,
-                                     .activation_amax = 4, .max_shard_bytes = shard_bytes};
+  struct qkeep_quantize_options o = {.size = sizeof o,
+                                     .scheme = scheme,
+                                     .group_size = 32,
+                                     .kv_cache_scales = true,
+                                     .activation_amax = 4,
+                                     .max_shard_bytes = shard_bytes};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
   return path;
 }
@@ -167,11 +171,13 @@ static float read_scalar(const struct ckpt *ck, const char *module, const char *
 }
 
 /* W [n, k] of `module` as its scheme's checkpoint defines it. */
-static float *oracle_weight(const struct ckpt *ck, const char *scheme, const char *module, int64_t n, int64_t k) {
+static float *oracle_weight(const struct ckpt *ck, const char *scheme, const char *module, int64_t n,
+                            int64_t k) {
   float *w = malloc((size_t)(n * k) * sizeof *w);
   if (strcmp(scheme, "modelopt-nvfp4") == 0 || strcmp(scheme, "ct-nvfp4") == 0) {
     bool ct = scheme[0] == 'c';
-    uint8_t *q = read_tensor(ck, module, ct ? "weight_packed" : "weight"), *s = read_tensor(ck, module, "weight_scale");
+    uint8_t *q = read_tensor(ck, module, ct ? "weight_packed" : "weight"),
+            *s = read_tensor(ck, module, "weight_scale");
     float g = read_scalar(ck, module, ct ? "weight_global_scale" : "weight_scale_2");
     dequant_nvfp4(q, s, ct ? 1.0f / g : g, n, k, w);
     free(q);
@@ -246,7 +252,8 @@ static float *source_weight(const char *module, int64_t n, int64_t k) {
   return w;
 }
 
-static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4"};
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
+                                      "w8a8-int8",      "gptq-int4", "awq-int4"};
 /* Relative output error the format allows against the original weights. */
 static const double format_error[] = {0.12, 0.12, 0.2, 0.02, 0.15, 0.15};
 
@@ -349,12 +356,12 @@ START_TEST(fused_slots_land_in_their_rows_and_slots) {
     uint8_t packed[H * H / 2], scales[H * H / 16];
     memset(packed, 0x10 * (p + 1) + (p + 1), sizeof packed);
     memset(scales, 0x38 + p, sizeof scales);
-    struct qkeep_spec ps = {QKEEP_DTYPE_U8, 2, {rows[p], H / 2}}, ss = {QKEEP_DTYPE_F8_E4M3, 2, {rows[p], H / 16}},
-                      scalar = {QKEEP_DTYPE_F32, 0, {0}};
+    struct qkeep_spec ps = {QKEEP_DTYPE_U8, 2, {rows[p], H / 2}},
+                      ss = {QKEEP_DTYPE_F8_E4M3, 2, {rows[p], H / 16}}, scalar = {QKEEP_DTYPE_F32, 0, {0}};
     snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight", parts[p]);
     ck_assert_int_eq(st_writer_add(w, name, &ps, packed), 0);
-    snprintf(index + strlen(index), sizeof index - strlen(index), "%s\"%s\": \"s%d.safetensors\"", p ? ", " : "",
-             name, p);
+    snprintf(index + strlen(index), sizeof index - strlen(index), "%s\"%s\": \"s%d.safetensors\"",
+             p ? ", " : "", name, p);
     snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight_scale", parts[p]);
     ck_assert_int_eq(st_writer_add(w, name, &ss, scales), 0);
     snprintf(index + strlen(index), sizeof index - strlen(index), ", \"%s\": \"s%d.safetensors\"", name, p);
@@ -382,9 +389,9 @@ START_TEST(fused_slots_land_in_their_rows_and_slots) {
   struct qkeep_view v = {.size = sizeof v};
   ck_assert_int_eq(qkeep_view_of(qkv, "weight", &v), 0);
   const uint8_t *bytes = v.data;
-  ck_assert_int_eq(bytes[0], 0x33);                              /* q rows first */
-  ck_assert_int_eq(bytes[H * H / 2], 0x11);                      /* then k */
-  ck_assert_int_eq(bytes[(H + KV) * H / 2 + 5], 0x22);           /* then v */
+  ck_assert_int_eq(bytes[0], 0x33);                    /* q rows first */
+  ck_assert_int_eq(bytes[H * H / 2], 0x11);            /* then k */
+  ck_assert_int_eq(bytes[(H + KV) * H / 2 + 5], 0x22); /* then v */
   ck_assert_int_eq(qkeep_view_of(qkv, "weight_scale", &v), 0);
   ck_assert_int_eq(((uint8_t *)v.data)[0], 0x3a);
   ck_assert_int_eq(((uint8_t *)v.data)[H * H / 16], 0x38);
@@ -418,7 +425,8 @@ START_TEST(tied_lm_head_shares_the_embedding) {
   char *config = tu_path(d, "config.json");
   ck_assert_int_eq(tu_write_file(config, "{\"tie_word_embeddings\": true}", 29), 0);
   qkeep_model *m = load(d);
-  qkeep_layer *head = qkeep_model_find_layer(m, "lm_head"), *embed = qkeep_model_find_layer(m, "model.embed_tokens");
+  qkeep_layer *head = qkeep_model_find_layer(m, "lm_head"),
+              *embed = qkeep_model_find_layer(m, "model.embed_tokens");
   ck_assert_ptr_nonnull(head);
   ck_assert_ptr_eq(qkeep_param_lookup(head, "weight"), qkeep_param_lookup(embed, "weight"));
   struct qkeep_census c = {.size = sizeof c};
@@ -460,7 +468,7 @@ START_TEST(quantize_refuses_and_leaves_nothing) {
   struct qkeep_quantize_options o = {.size = sizeof o, .scheme = "w8a8-int8"};
   ck_assert_int_eq(qkeep_quantize(source, q, &o), QKEEP_E_EXISTS); /* never overwrites */
   char *again = tu_path(dir, "again");
-  ck_assert_int_eq(qkeep_quantize(q, again, &o), QKEEP_E_INVAL);  /* already quantized */
+  ck_assert_int_eq(qkeep_quantize(q, again, &o), QKEEP_E_INVAL); /* already quantized */
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "already quantized"));
   struct stat st;
   ck_assert_int_ne(stat(again, &st), 0);

@@ -54,7 +54,7 @@ int main(int argc, char **argv) {
   }
   uint64_t rng = argc > 2 ? strtoull(argv[2], NULL, 10) : 1;
   if (argc > 3)
-    out_dtype = strcmp(argv[3], "f32") == 0 ? QKEEP_DTYPE_F32
+    out_dtype = strcmp(argv[3], "f32") == 0   ? QKEEP_DTYPE_F32
                 : strcmp(argv[3], "f16") == 0 ? QKEEP_DTYPE_F16
                                               : QKEEP_DTYPE_BF16;
   struct st_writer *w;
@@ -67,8 +67,9 @@ int main(int argc, char **argv) {
       const char *name;
       int64_t rows, cols;
     } linears[] = {
-        {"self_attn.q_proj", HIDDEN, HIDDEN}, {"self_attn.k_proj", KV, HIDDEN}, {"self_attn.v_proj", KV, HIDDEN},
-        {"self_attn.o_proj", HIDDEN, HIDDEN}, {"mlp.gate_proj", INTER, HIDDEN},  {"mlp.up_proj", INTER, HIDDEN},
+        {"self_attn.q_proj", HIDDEN, HIDDEN}, {"self_attn.k_proj", KV, HIDDEN},
+        {"self_attn.v_proj", KV, HIDDEN},     {"self_attn.o_proj", HIDDEN, HIDDEN},
+        {"mlp.gate_proj", INTER, HIDDEN},     {"mlp.up_proj", INTER, HIDDEN},
         {"mlp.down_proj", HIDDEN, INTER},
     };
     bool moe = l == DECODER_LAYERS - 1;
@@ -80,7 +81,8 @@ int main(int argc, char **argv) {
     for (int e = 0; moe && e < EXPERTS && !rc; e++)
       for (int p = 0; p < 3 && !rc; p++) {
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, projections[p]);
-        rc = p < 2 ? add(w, &rng, name, MOE_INTER, HIDDEN, 0.125f, 0) : add(w, &rng, name, HIDDEN, MOE_INTER, 0.125f, 0);
+        rc = p < 2 ? add(w, &rng, name, MOE_INTER, HIDDEN, 0.125f, 0)
+                   : add(w, &rng, name, HIDDEN, MOE_INTER, 0.125f, 0);
       }
     snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
     if (moe && !rc)

@@ -26,7 +26,8 @@ static int skeleton_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   return 0;
 }
 
-static int skeleton_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
+static int skeleton_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                          const struct qkeep_apply_args *a) {
   const struct qkeep_host *host = ((const struct skeleton *)be)->host;
   struct qkeep_layer_info info = {.size = sizeof info};
   struct qkeep_view w = {.size = sizeof w};

@@ -42,10 +42,11 @@ static int reference_configure(const struct qkeep_backend *be, const char *key, 
   return host_of(be)->set_error(QKEEP_E_CONFIG, "unknown key '%s' (the reference backend takes none)", key);
 }
 
-static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
+static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4", "mxfp4",
                                       "w8a8-int8",   "gptq-int4",      "awq-int4"};
 
-static int reference_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
+static int reference_supports(const struct qkeep_backend *be, const char *scheme,
+                              enum qkeep_layer_kind kind) {
   (void)be;
   (void)kind;
   for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++)
@@ -81,8 +82,8 @@ static int slice(const struct matrix *m, const char *name, size_t slice_bytes, s
     return rc;
   size_t offset = (size_t)m->expert * slice_bytes;
   if (offset + slice_bytes > v->nbytes)
-    return m->host->set_error(QKEEP_E_FORMAT, "%s.%s: %zu bytes, expected %zu per expert", m->info->name, full,
-                              v->nbytes, slice_bytes);
+    return m->host->set_error(QKEEP_E_FORMAT, "%s.%s: %zu bytes, expected %zu per expert", m->info->name,
+                              full, v->nbytes, slice_bytes);
   *data = (const unsigned char *)v->data + offset;
   return 0;
 }
@@ -180,7 +181,8 @@ static int dequant_int4(const struct matrix *m, float *w, bool awq) {
   /* Symmetric zero points and a trivial g_idx are retired: no kernel reads them. */
   if (!sym && (rc = slice(m, "qzeros", (size_t)(k_rows / g * n_cols / 8) * 4, &zv, &zp)))
     return rc;
-  if (!awq && (m->info->flags & QKEEP_LAYER_F_ACT_ORDER) && (rc = slice(m, "g_idx", (size_t)k_rows * 4, &gv, &gp)))
+  if (!awq && (m->info->flags & QKEEP_LAYER_F_ACT_ORDER) &&
+      (rc = slice(m, "g_idx", (size_t)k_rows * 4, &gv, &gp)))
     return rc;
   const int32_t *zeros = (const int32_t *)zp, *g_idx = (const int32_t *)gp;
   const int32_t *words = (const int32_t *)qw;
@@ -230,10 +232,12 @@ static int dequantise(const struct matrix *m, float *w) {
     return dequant_int8(m, w);
   if (strcmp(s, "gptq-int4") == 0 || strcmp(s, "awq-int4") == 0)
     return dequant_int4(m, w, s[0] == 'a');
-  return m->host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference has no kernel for scheme %s", m->info->name, s);
+  return m->host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference has no kernel for scheme %s",
+                            m->info->name, s);
 }
 
-static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
+static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                           const struct qkeep_apply_args *a) {
   const struct qkeep_host *host = host_of(be);
   struct qkeep_layer_info info = {.size = sizeof info};
   int rc = host->layer_info(layer, &info);
@@ -242,8 +246,13 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer, c
   if (a->x_dtype != QKEEP_DTYPE_F32 || a->y_dtype != QKEEP_DTYPE_F32)
     return host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference kernel takes f32 activations", info.name);
   bool moe = info.kind == QKEEP_LAYER_MOE, w2 = moe && a->matrix == QKEEP_MOE_W2;
-  struct matrix m = {host, layer, &info, moe ? (w2 ? "w2_" : "w13_") : "", w2 ? info.k : info.n,
-                     w2 ? info.n / 2 : info.k, moe ? a->expert : 0};
+  struct matrix m = {host,
+                     layer,
+                     &info,
+                     moe ? (w2 ? "w2_" : "w13_") : "",
+                     w2 ? info.k : info.n,
+                     w2 ? info.n / 2 : info.k,
+                     moe ? a->expert : 0};
   float *w = malloc((size_t)(m.rows * m.cols) * sizeof *w);
   if (!w)
     return host->set_error(QKEEP_E_NOMEM, "%s: out of memory dequantising", info.name);
@@ -253,7 +262,8 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer, c
   char bias_name[64];
   snprintf(bias_name, sizeof bias_name, "%sbias", m.prefix);
   if (!rc && host->view(layer, bias_name, &bias) == 0 && bias.state == QKEEP_PARAM_LIVE)
-    bias_data = (const unsigned char *)bias.data + (size_t)m.expert * (size_t)m.rows * qkeep_dtype_size_of(bias.spec.dtype);
+    bias_data = (const unsigned char *)bias.data +
+                (size_t)m.expert * (size_t)m.rows * qkeep_dtype_size_of(bias.spec.dtype);
   const float *x = a->x;
   float *y = a->y;
   for (int64_t r = 0; !rc && r < a->m; r++)

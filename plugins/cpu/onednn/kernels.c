@@ -11,7 +11,7 @@
 
 #include <oneapi/dnnl/dnnl_debug.h>
 
-#include "numeric.h"
+#include "formats.h"
 #include "onednn.h"
 
 int od_fail(const struct od_backend *b, int code, dnnl_status_t status, const char *what) {
@@ -268,6 +268,31 @@ static inline float round_even(float v) {
 }
 
 /*
+ * min(0, x) and max(0, x) over a row. Eight independent lanes instead of a
+ * reduction, so compilers vectorise it without fast-math (a float max
+ * reduction needs it); NaN is skipped.
+ */
+static void row_range(const float *x, int64_t k, float *lo, float *hi) {
+  float l8[8] = {0}, h8[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (int j = 0; j < 8; j++) {
+      l8[j] = x[i + j] < l8[j] ? x[i + j] : l8[j];
+      h8[j] = x[i + j] > h8[j] ? x[i + j] : h8[j];
+    }
+  for (; i < k; i++) {
+    l8[0] = x[i] < l8[0] ? x[i] : l8[0];
+    h8[0] = x[i] > h8[0] ? x[i] : h8[0];
+  }
+  for (int j = 1; j < 8; j++) {
+    l8[0] = l8[j] < l8[0] ? l8[j] : l8[0];
+    h8[0] = h8[j] > h8[0] ? h8[j] : h8[0];
+  }
+  *lo = l8[0];
+  *hi = h8[0];
+}
+
+/*
  * Quantises one row of k activations to u8 codes u with x ~ a * (u - zp), and
  * returns a and zp. L = act->levels (255, or 127 without VNNI):
  *   dynamic symmetric:  h = (L - 1) / 2, a = max|x| / h, zp = h + 1 (u in 1..L);
@@ -287,22 +312,15 @@ static void quantize_row(const struct od_act *act, const float *x, int64_t k, ui
     a = act->levels == 255 ? act->static_scale : 2.0f * act->static_scale;
     zp = act->levels == 255 ? z : round_even(z * 0.5f);
   } else if (!act->asym) {
-    float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < k; i++) {
-      float v = x[i] < 0 ? -x[i] : x[i];
-      amax = v > amax ? v : amax;
-    }
+    float lo, hi;
+    row_range(x, k, &lo, &hi);
+    float amax = -lo > hi ? -lo : hi;
     float h = (levels - 1.0f) * 0.5f;
     a = amax / h;
     zp = h + 1.0f;
   } else {
-    float lo = 0.0f, hi = 0.0f;
-#pragma omp simd reduction(min : lo) reduction(max : hi)
-    for (int64_t i = 0; i < k; i++) {
-      lo = x[i] < lo ? x[i] : lo;
-      hi = x[i] > hi ? x[i] : hi;
-    }
+    float lo, hi;
+    row_range(x, k, &lo, &hi);
     a = (hi - lo) / levels;
     zp = a > 0.0f ? round_even(-lo / a) : 0.0f;
   }
@@ -418,7 +436,7 @@ static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matr
                        const float *bias, int64_t rows, const float *x, float *y) {
   int c = class_of(rows);
   int64_t padded = class_rows[c];
-  struct od_prim *p;
+  struct od_prim *p = NULL;
   int rc = prim_get(b, mt, c, &p);
   if (rc)
     return rc;

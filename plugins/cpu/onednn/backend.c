@@ -1,0 +1,522 @@
+/*
+ * backend.c: the `cpu-onednn` backend's table: init and fini, configure,
+ * probe, supports, PWAL under the rules, apply, and per-layer cleanup.
+ *
+ * Schemes: w8a8-int8 (per-channel or per-tensor weight scales; activations
+ * dynamic per token or static, symmetric or asymmetric) and unquantized (f32,
+ * bf16; f16 is converted to f32), for linear and MoE layers. What PWAL leaves
+ * behind, per weight matrix ("" for a linear layer, "w13_" and "w2_" for MoE):
+ *
+ *   weight                 the packed weights, replaced into the param's own
+ *                          storage (rebound only when the packed layout pads
+ *                          N or K past it, e.g. K or N not a multiple of 64)
+ *   azp_adj                int8: buffer i32 [E?, N], sum_k q_w[n, k]
+ *   weight_scale_channel   int8: buffer f32 [E?, N] when the checkpoint's
+ *                          scales are not f32 per channel (per tensor, per
+ *                          fused shard, or 16-bit); weight_scale is then
+ *                          retired, its bytes kept for a reload
+ *   weight_packed          a tied lm_head in a dtype oneDNN cannot read as is
+ *                          (f16; bf16 without AVX-512): buffer, packed f32
+ *
+ * A tied lm_head is never repacked: its weight is the embedding's param,
+ * which the embedding reads as rows. It runs unpacked, straight from the
+ * embedding's [N, K] storage.
+ */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "formats.h"
+#include "onednn.h"
+
+static struct od_backend *od_of(const struct qkeep_backend *be) { return (struct od_backend *)be; }
+
+static size_t dtype_size(enum qkeep_dtype d) {
+  static const size_t sizes[QKEEP_DTYPE_COUNT] = {4, 2, 2, 1, 1, 1, 1, 4, 8};
+  return (unsigned)d < QKEEP_DTYPE_COUNT ? sizes[d] : 0;
+}
+
+static int64_t spec_numel(const struct qkeep_spec *s) {
+  int64_t n = 1;
+  for (int i = 0; i < s->ndim; i++)
+    n *= s->shape[i];
+  return n;
+}
+
+/* "<prefix><name>" into buf. */
+static const char *pname(char *buf, size_t len, const struct od_matrix *mt, const char *name) {
+  snprintf(buf, len, "%s%s", mt->prefix, name);
+  return buf;
+}
+
+/* ---- configuration and probing ----------------------------------------------------------- */
+
+static bool int8_refused(const struct od_backend *b) {
+  return !b->vnni && b->without_vnni == OD_WITHOUT_VNNI_REFUSE;
+}
+
+static int refusal(const struct od_backend *b, const char *layer) {
+  return b->host->set_error(
+      QKEEP_E_UNSUPPORTED,
+      "%s: cpu-onednn refuses w8a8-int8 on this CPU: oneDNN's ISA is %s, without AVX-512 VNNI, where oneDNN 2.6 "
+      "sums u8 x s8 products in saturating int16 and gives wrong results for full-range int8 "
+      "(int8_without_vnni = refuse; set it to 7bit to run with 7-bit activations, or use the reference backend)",
+      layer, b->isa_name);
+}
+
+static int onednn_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
+  const struct od_backend *b = od_of(be);
+  const dnnl_version_t *v = dnnl_version();
+  if (msg_len)
+    snprintf(msg, msg_len, "oneDNN %d.%d.%d on %s; w8a8-int8: %s; bf16: %s", v->major, v->minor, v->patch,
+             b->isa_name,
+             b->vnni           ? "VNNI, 8-bit activations"
+             : int8_refused(b) ? "refused (no VNNI; int8_without_vnni = refuse)"
+                               : "no VNNI, 7-bit activations (int8_without_vnni = 7bit)",
+             b->bf16 ? "native" : "converted to f32");
+  return 0;
+}
+
+static int onednn_configure(const struct qkeep_backend *be, const char *key, const char *value) {
+  struct od_backend *b = od_of(be);
+  if (strcmp(key, "threads") == 0) {
+    char *end;
+    long n = strtol(value, &end, 10);
+    if (end == value || *end || n < 1 || n > 4096)
+      return b->host->set_error(QKEEP_E_CONFIG, "threads = '%s': expected a whole number from 1 to 4096", value);
+    b->threads = (int)n;
+    return 0;
+  }
+  if (strcmp(key, "int8_without_vnni") == 0) {
+    if (strcmp(value, "7bit") == 0)
+      b->without_vnni = OD_WITHOUT_VNNI_7BIT;
+    else if (strcmp(value, "refuse") == 0)
+      b->without_vnni = OD_WITHOUT_VNNI_REFUSE;
+    else
+      return b->host->set_error(QKEEP_E_CONFIG, "int8_without_vnni = '%s': expected 7bit or refuse", value);
+    return 0;
+  }
+  return b->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (cpu-onednn takes threads, int8_without_vnni)", key);
+}
+
+static int onednn_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
+  const struct od_backend *b = od_of(be);
+  if (kind != QKEEP_LAYER_LINEAR && kind != QKEEP_LAYER_MOE)
+    return 0;
+  if (strcmp(scheme, "unquantized") == 0)
+    return 1;
+  if (strcmp(scheme, "w8a8-int8") != 0)
+    return 0;
+  if (int8_refused(b)) {
+    /* The core reports the layer as unsupported; the log says why. */
+    b->host->log(QKEEP_LOG_ERROR, "%s", "cpu-onednn: w8a8-int8 refused: no AVX-512 VNNI on this CPU, where "
+                                        "oneDNN 2.6 int8 products saturate (int8_without_vnni = refuse)");
+    return 0;
+  }
+  return 1;
+}
+
+/* ---- PWAL ----------------------------------------------------------------------------------- */
+
+/* The param's view, which must be live and hold exactly the checkpoint's [E?, N, K] of a dtype in `dtypes`. */
+static int checkpoint_weight(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                             const struct od_matrix *mt, uint32_t dtypes, struct qkeep_view *w) {
+  char name[64];
+  w->size = sizeof *w;
+  int rc = b->host->view(layer, pname(name, sizeof name, mt, "weight"), w);
+  if (rc)
+    return rc;
+  bool moe = info->kind == QKEEP_LAYER_MOE;
+  const struct qkeep_spec *s = &w->spec;
+  bool ok = w->state == QKEEP_PARAM_LIVE && (dtypes & (1u << s->dtype)) && s->ndim == (moe ? 3 : 2) &&
+            (!moe || s->shape[0] == mt->experts) && s->shape[moe] == mt->n && s->shape[moe + 1] == mt->k;
+  if (!ok)
+    return b->host->set_error(QKEEP_E_STATE,
+                              "%s.%s: not the checkpoint's [%s%lld, %lld] weights (ndim %d, state %d): PWAL runs on "
+                              "a freshly loaded or reloaded layer",
+                              info->name, name, moe ? "E, " : "", (long long)mt->n, (long long)mt->k, s->ndim,
+                              (int)w->state);
+  return 0;
+}
+
+/* A spec [E, count] for MoE, [count] for a linear layer. */
+static struct qkeep_spec per_expert_spec(const struct od_matrix *mt, bool moe, enum qkeep_dtype dtype,
+                                         int64_t count) {
+  struct qkeep_spec s = {.dtype = dtype, .ndim = moe ? 2 : 1};
+  s.shape[0] = moe ? mt->experts : count;
+  s.shape[1] = moe ? count : 0;
+  return s;
+}
+
+/* azp_adj[e, n] = sum_k q_w[e, n, k]: the zero-point correction, from the plain weights. */
+static int int8_colsums(const struct od_backend *b, qkeep_layer *layer, bool moe, const struct od_matrix *mt,
+                        const int8_t *w) {
+  char name[64];
+  struct qkeep_spec spec = per_expert_spec(mt, moe, QKEEP_DTYPE_I32, mt->n);
+  struct qkeep_view adj = {.size = sizeof adj};
+  int rc = b->host->add_buffer(layer, pname(name, sizeof name, mt, "azp_adj"), &spec, &adj);
+  if (rc)
+    return rc;
+  int32_t *out = adj.data;
+  for (int64_t r = 0; r < mt->experts * mt->n; r++) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < mt->k; k++)
+      sum += w[r * mt->k + k];
+    out[r] = sum;
+  }
+  return 0;
+}
+
+/*
+ * The int8 weight scales as f32 per channel. Per-channel f32 [E?, N, 1] is read
+ * as is. Anything else (one per fused shard [S] / [E, S], one per tensor [],
+ * [1] / [E], or 16-bit per channel) is expanded into the buffer
+ * weight_scale_channel and weight_scale retired: its checkpoint bytes stay,
+ * for a reload to restore and expand again.
+ */
+static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                       struct od_matrix *mt) {
+  char name[64];
+  struct qkeep_view s = {.size = sizeof s};
+  int rc = b->host->view(layer, pname(name, sizeof name, mt, "weight_scale"), &s);
+  if (rc)
+    return rc;
+  bool moe = info->kind == QKEEP_LAYER_MOE, w2 = moe && strcmp(mt->prefix, "w2_") == 0;
+  int64_t count = spec_numel(&s.spec) / mt->experts;
+  int shards = w2 ? 1 : info->shards;
+  if (s.state != QKEEP_PARAM_LIVE || !dtype_size(s.spec.dtype) || s.spec.dtype > QKEEP_DTYPE_BF16 ||
+      spec_numel(&s.spec) % mt->experts || (count != mt->n && count != shards && count != 1))
+    return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: %lld scales per matrix, expected %lld (per channel), %d or 1",
+                              info->name, name, (long long)count, (long long)mt->n, shards);
+  mt->scales_in_buffer = !(count == mt->n && s.spec.dtype == QKEEP_DTYPE_F32);
+  if (!mt->scales_in_buffer)
+    return 0;
+  struct qkeep_spec spec = per_expert_spec(mt, moe, QKEEP_DTYPE_F32, mt->n);
+  struct qkeep_view out = {.size = sizeof out};
+  char buf_name[64];
+  if ((rc = b->host->add_buffer(layer, pname(buf_name, sizeof buf_name, mt, "weight_scale_channel"), &spec, &out)))
+    return rc;
+  float *channel = out.data;
+  for (int64_t e = 0; e < mt->experts; e++) {
+    int shard = 0;
+    int64_t shard_end = w2 ? mt->n : info->shard_n[0];
+    for (int64_t r = 0; r < mt->n; r++) {
+      while (r >= shard_end && shard + 1 < shards)
+        shard_end += info->shard_n[++shard];
+      int64_t idx = count == mt->n ? r : count > 1 ? shard : 0;
+      channel[e * mt->n + r] = qk_load_float(s.data, s.spec.dtype, (size_t)(e * count + idx));
+    }
+  }
+  return b->host->retire(layer, name);
+}
+
+/* Static asymmetric MoE: one zero point per expert, so w13's gate and up slots must agree. */
+static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *layer,
+                                   const struct qkeep_layer_info *info, const struct od_matrix *mt) {
+  char name[64];
+  struct qkeep_view z = {.size = sizeof z};
+  if (b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &z) != 0)
+    return 0;
+  int64_t count = spec_numel(&z.spec) / mt->experts;
+  for (int64_t e = 0; e < mt->experts; e++)
+    for (int64_t i = 1; i < count; i++) {
+      int64_t a = e * count, c = e * count + i;
+      int32_t za = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[a] : ((const int32_t *)z.data)[a];
+      int32_t zc = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[c] : ((const int32_t *)z.data)[c];
+      if (za != zc)
+        return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s.%s: expert %lld's shards carry zero points %d and %d",
+                                  info->name, name, (long long)e, za, zc);
+    }
+  return 0;
+}
+
+static int pwal_int8(struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                     struct od_layer *st, struct od_matrix *mt) {
+  struct qkeep_view w;
+  bool moe = info->kind == QKEEP_LAYER_MOE;
+  int rc = checkpoint_weight(b, layer, info, mt, 1u << QKEEP_DTYPE_I8, &w);
+  if (rc)
+    return rc;
+  /* |sum (u - zp) q_w| <= 255 * 128 * K must fit the s32 accumulator. */
+  if (mt->k > 65536)
+    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: K = %lld: int8 accumulation in s32 needs K <= 65536",
+                              info->name, (long long)mt->k);
+  mt->compute = OD_INT8;
+  mt->store = OD_IN_WEIGHT;
+  if ((rc = od_matrix_prepare(b, mt, QKEEP_DTYPE_I8, false)) || (rc = int8_colsums(b, layer, moe, mt, w.data)) ||
+      (rc = int8_scales(b, layer, info, mt)) || (rc = int8_static_zero_points(b, layer, info, mt)))
+    return rc;
+  /* Pack every expert into one result, then replace: into the param's own storage when it fits. */
+  struct qkeep_spec spec = per_expert_spec(mt, moe, QKEEP_DTYPE_I8, (int64_t)mt->wbytes);
+  qkeep_tensor *t;
+  if ((rc = b->host->tensor_new(layer, &spec, &t)))
+    return rc;
+  unsigned char *packed = b->host->tensor_data(t);
+  for (int64_t e = 0; !rc && e < mt->experts; e++)
+    rc = od_pack(b, st->stream, mt, QKEEP_DTYPE_I8, (const int8_t *)w.data + e * mt->n * mt->k,
+                 packed + (size_t)e * mt->wbytes);
+  if (rc) {
+    b->host->tensor_free(t);
+    return rc;
+  }
+  char name[64];
+  return b->host->replace(layer, pname(name, sizeof name, mt, "weight"), t);
+}
+
+static int pwal_float(struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                      struct od_layer *st, struct od_matrix *mt) {
+  struct qkeep_view w;
+  bool moe = info->kind == QKEEP_LAYER_MOE, tied = (info->flags & QKEEP_LAYER_F_TIED) != 0;
+  uint32_t floats = (1u << QKEEP_DTYPE_F32) | (1u << QKEEP_DTYPE_BF16) | (1u << QKEEP_DTYPE_F16);
+  int rc = checkpoint_weight(b, layer, info, mt, floats, &w);
+  if (rc)
+    return rc;
+  enum qkeep_dtype dt = w.spec.dtype;
+  /* bf16 runs natively where oneDNN has a bf16 matmul; f16 (and bf16 elsewhere) is converted to f32. */
+  mt->compute = dt == QKEEP_DTYPE_BF16 && b->bf16 ? OD_BF16 : OD_F32;
+  bool native = dt == (mt->compute == OD_BF16 ? QKEEP_DTYPE_BF16 : QKEEP_DTYPE_F32);
+  if (tied && native) {
+    /* The embedding's param, which the embedding reads as rows: never repacked. */
+    mt->store = OD_PLAIN;
+    return od_matrix_prepare(b, mt, dt, true);
+  }
+  if ((rc = od_matrix_prepare(b, mt, dt, false)))
+    return rc;
+  enum qkeep_dtype kernel_dt = mt->compute == OD_BF16 ? QKEEP_DTYPE_BF16 : QKEEP_DTYPE_F32;
+  struct qkeep_spec spec = per_expert_spec(mt, moe, kernel_dt, (int64_t)(mt->wbytes / dtype_size(kernel_dt)));
+  size_t plain_bytes = (size_t)(mt->n * mt->k) * dtype_size(dt);
+  if (tied) {
+    struct qkeep_view buf = {.size = sizeof buf};
+    mt->store = OD_BUFFER;
+    rc = b->host->add_buffer(layer, "weight_packed", &spec, &buf);
+    return rc ? rc : od_pack(b, st->stream, mt, dt, w.data, buf.data);
+  }
+  mt->store = OD_IN_WEIGHT;
+  qkeep_tensor *t;
+  if ((rc = b->host->tensor_new(layer, &spec, &t)))
+    return rc;
+  unsigned char *packed = b->host->tensor_data(t);
+  for (int64_t e = 0; !rc && e < mt->experts; e++)
+    rc = od_pack(b, st->stream, mt, dt, (const unsigned char *)w.data + (size_t)e * plain_bytes,
+                 packed + (size_t)e * mt->wbytes);
+  if (rc) {
+    b->host->tensor_free(t);
+    return rc;
+  }
+  char name[64];
+  return b->host->replace(layer, pname(name, sizeof name, mt, "weight"), t);
+}
+
+/* The layer's state, created on the first PWAL; a later PWAL (reload) frees its primitives. */
+static int layer_state(struct od_backend *b, qkeep_layer *layer, struct od_layer **out) {
+  struct od_layer *st = b->host->get_state(layer);
+  if (!st) {
+    st = calloc(1, sizeof *st);
+    if (!st)
+      return b->host->set_error(QKEEP_E_NOMEM, "cpu-onednn: out of memory for layer state");
+    pthread_mutex_init(&st->lock, NULL);
+    b->host->set_state(layer, st);
+  }
+  for (int i = 0; i < 2; i++) {
+    od_matrix_release(&st->mat[i]);
+    st->mat[i] = (struct od_matrix){0};
+  }
+  dnnl_status_t s = st->stream ? dnnl_success : dnnl_stream_create(&st->stream, b->engine, dnnl_stream_default_flags);
+  if (s != dnnl_success)
+    return od_fail(b, QKEEP_E_DEVICE, s, "creating a stream");
+  *out = st;
+  return 0;
+}
+
+static int onednn_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
+  struct od_backend *b = od_of(be);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = b->host->layer_info(layer, &info);
+  if (rc)
+    return rc;
+  if (info.kind != QKEEP_LAYER_LINEAR && info.kind != QKEEP_LAYER_MOE)
+    return 0; /* embeddings, norms, kv scales: read as loaded */
+  bool int8 = strcmp(info.scheme, "w8a8-int8") == 0, moe = info.kind == QKEEP_LAYER_MOE;
+  if (!int8 && strcmp(info.scheme, "unquantized") != 0)
+    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-onednn has no kernel for scheme %s", info.name,
+                              info.scheme);
+  if (int8 && int8_refused(b))
+    return refusal(b, info.name);
+  struct od_layer *st = NULL;
+  if ((rc = layer_state(b, layer, &st)))
+    return rc;
+  st->flags = info.flags;
+  st->n_mat = moe ? 2 : 1;
+  st->mat[0] = (struct od_matrix){.n = info.n, .k = info.k, .experts = moe ? info.experts : 1};
+  snprintf(st->mat[0].prefix, sizeof st->mat[0].prefix, "%s", moe ? "w13_" : "");
+  if (moe) {
+    st->mat[1] = (struct od_matrix){.n = info.k, .k = info.n / 2, .experts = info.experts};
+    snprintf(st->mat[1].prefix, sizeof st->mat[1].prefix, "w2_");
+  }
+  int saved = od_threads_begin(b);
+  for (int i = 0; !rc && i < st->n_mat; i++)
+    rc = int8 ? pwal_int8(b, layer, &info, st, &st->mat[i]) : pwal_float(b, layer, &info, st, &st->mat[i]);
+  od_threads_end(b, saved);
+  return rc;
+}
+
+/* ---- apply ---------------------------------------------------------------------------------- */
+
+/* A live param or buffer's data at element `offset` of `elem` bytes, checked to hold `count` more. */
+static int operand(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                   const char *name, size_t offset, size_t count, size_t elem, struct qkeep_view *v,
+                   const void **out) {
+  v->size = sizeof *v;
+  int rc = b->host->view(layer, name, v);
+  if (rc)
+    return rc;
+  if (v->state != QKEEP_PARAM_LIVE || (offset + count) * elem > v->nbytes)
+    return b->host->set_error(QKEEP_E_STATE, "%s.%s: %zu bytes (state %d), the kernel reads %zu", info->name, name,
+                              v->nbytes, (int)v->state, (offset + count) * elem);
+  *out = (const unsigned char *)v->data + offset * elem;
+  return 0;
+}
+
+/* Static activations: the largest of the expert's input scales, and its zero point. */
+static int static_act(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                      const struct od_matrix *mt, int64_t expert, struct od_act *act) {
+  char name[64];
+  struct qkeep_view v = {.size = sizeof v};
+  int rc = b->host->view(layer, pname(name, sizeof name, mt, "input_scale"), &v);
+  if (rc)
+    return rc;
+  int64_t count = spec_numel(&v.spec) / mt->experts;
+  if (v.spec.dtype != QKEEP_DTYPE_F32 || count < 1)
+    return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: expected f32 input scales", info->name, name);
+  const float *s = (const float *)v.data + expert * count;
+  act->static_scale = s[0];
+  for (int64_t i = 1; i < count; i++)
+    act->static_scale = s[i] > act->static_scale ? s[i] : act->static_scale;
+  act->static_zero = 0;
+  if (act->asym && b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &v) == 0) {
+    int64_t at = expert * (spec_numel(&v.spec) / mt->experts);
+    act->static_zero = v.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)v.data)[at] : ((const int32_t *)v.data)[at];
+  }
+  return 0;
+}
+
+/* Resolves what the kernel of matrix mt, expert e, reads. */
+static int operands(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                    const struct od_layer *st, const struct od_matrix *mt, int64_t e, struct od_operands *op) {
+  char name[64];
+  struct qkeep_view v;
+  const void *p;
+  *op = (struct od_operands){0};
+  bool plain = mt->store == OD_PLAIN;
+  const char *weights = mt->store == OD_BUFFER ? "weight_packed" : pname(name, sizeof name, mt, "weight");
+  int rc = operand(b, layer, info, weights, plain ? 0 : (size_t)e, 1, plain ? (size_t)(mt->n * mt->k) : mt->wbytes,
+                   &v, &op->weights);
+  if (rc)
+    return rc;
+  if (plain && v.nbytes != (size_t)(mt->n * mt->k) * (mt->compute == OD_BF16 ? 2 : 4))
+    return b->host->set_error(QKEEP_E_STATE, "%s.weight: the tied weight changed dtype since PWAL", info->name);
+  v.size = sizeof v;
+  if (b->host->view(layer, pname(name, sizeof name, mt, "bias"), &v) == 0 && v.state == QKEEP_PARAM_LIVE) {
+    size_t es = dtype_size(v.spec.dtype);
+    if ((rc = operand(b, layer, info, name, (size_t)(e * mt->n), (size_t)mt->n, es, &v, &op->bias)))
+      return rc;
+    op->bias_dtype = v.spec.dtype;
+  }
+  if (mt->compute != OD_INT8)
+    return 0;
+  const char *scales = pname(name, sizeof name, mt, mt->scales_in_buffer ? "weight_scale_channel" : "weight_scale");
+  if ((rc = operand(b, layer, info, scales, (size_t)(e * mt->n), (size_t)mt->n, sizeof(float), &v, &p)))
+    return rc;
+  op->scale = p;
+  if ((rc = operand(b, layer, info, pname(name, sizeof name, mt, "azp_adj"), (size_t)(e * mt->n), (size_t)mt->n,
+                    sizeof(int32_t), &v, &p)))
+    return rc;
+  op->azp_adj = p;
+  op->act = (struct od_act){.dynamic = (st->flags & QKEEP_LAYER_F_INPUT_DYNAMIC) != 0,
+                            .asym = (st->flags & QKEEP_LAYER_F_INPUT_ASYM) != 0,
+                            .levels = b->vnni ? 255 : 127};
+  return op->act.dynamic ? 0 : static_act(b, layer, info, mt, e, &op->act);
+}
+
+static int onednn_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
+  struct od_backend *b = od_of(be);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = b->host->layer_info(layer, &info);
+  if (rc)
+    return rc;
+  struct od_layer *st = b->host->get_state(layer);
+  if (!st || !st->n_mat)
+    return b->host->set_error(QKEEP_E_STATE, "%s: cpu-onednn has no kernel for this layer (PWAL did not run)",
+                              info.name);
+  if (a->size < offsetof(struct qkeep_apply_args, expert) || a->x_dtype != QKEEP_DTYPE_F32 ||
+      a->y_dtype != QKEEP_DTYPE_F32 || a->m < 0)
+    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-onednn takes f32 activations and outputs", info.name);
+  /* Slots past args->size are absent: expert 0, w13. */
+  bool has_expert = a->size >= offsetof(struct qkeep_apply_args, matrix) + sizeof a->matrix;
+  int64_t expert = has_expert ? a->expert : 0;
+  struct od_matrix *mt = &st->mat[st->n_mat == 2 && has_expert && a->matrix == QKEEP_MOE_W2];
+  if (expert < 0 || expert >= mt->experts)
+    return b->host->set_error(QKEEP_E_INVAL, "%s: expert %lld of %lld", info.name, (long long)expert,
+                              (long long)mt->experts);
+  if (a->m == 0)
+    return 0;
+  struct od_operands op;
+  if ((rc = operands(b, layer, &info, st, mt, expert, &op)))
+    return rc;
+  pthread_mutex_lock(&st->lock);
+  rc = od_apply(b, st, mt, &op, a->m, a->x, a->y);
+  pthread_mutex_unlock(&st->lock);
+  return rc;
+}
+
+/* ---- lifetime ----------------------------------------------------------------------------- */
+
+static void onednn_layer_cleanup(const struct qkeep_backend *be, qkeep_layer *layer, void *state) {
+  (void)be;
+  (void)layer;
+  struct od_layer *st = state;
+  if (!st)
+    return;
+  od_layer_release(st);
+  pthread_mutex_destroy(&st->lock);
+  free(st);
+}
+
+static void onednn_fini(const struct qkeep_backend *be) {
+  struct od_backend *b = od_of(be);
+  od_engine_fini(b);
+  free(b);
+}
+
+QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const struct qkeep_backend **out) {
+  if (!host || host->abi_major != QKEEP_BACKEND_ABI_MAJOR)
+    return QKEEP_E_ABI;
+  struct od_backend *b = calloc(1, sizeof *b);
+  if (!b)
+    return host->set_error(QKEEP_E_NOMEM, "cpu-onednn: out of memory");
+  b->host = host;
+  int rc = od_engine_init(b);
+  if (rc) {
+    od_engine_fini(b);
+    free(b);
+    return rc;
+  }
+  b->be = (struct qkeep_backend){
+      .size = sizeof(struct qkeep_backend),
+      .abi_major = QKEEP_BACKEND_ABI_MAJOR,
+      .abi_minor = 0,
+      .name = "cpu-onednn",
+      .description = "oneDNN 2.6 on the host CPU: w8a8-int8 (packed s8 weights in place) and f32/bf16 linear layers",
+      .probe = onednn_probe,
+      .configure = onednn_configure,
+      .memory = NULL,
+      .supports = onednn_supports,
+      .pwal = onednn_pwal,
+      .apply = onednn_apply,
+      .layer_cleanup = onednn_layer_cleanup,
+      .fini = onednn_fini,
+  };
+  *out = &b->be;
+  return 0;
+}
