@@ -63,6 +63,7 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
  * On success the caller owns *out (qkeep_config_free).
  */
 QKEEP_API int qkeep_config_load(const char *path, qkeep_config **out);
+/* Frees a config (NULL is fine). */
 QKEEP_API void qkeep_config_free(qkeep_config *cfg);
 /* Borrowed strings, NULL when unset. */
 QKEEP_API const char *qkeep_config_backend(const qkeep_config *cfg);
@@ -72,6 +73,7 @@ QKEEP_API const char *qkeep_config_checkpoint(const qkeep_config *cfg);
 QKEEP_API const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg);
 /* [model] fuse: a fusion map for qkeep_model_set_fusion (checked when the config loads). */
 QKEEP_API const char *qkeep_config_fuse(const qkeep_config *cfg);
+/* The path the config was read from. */
 QKEEP_API const char *qkeep_config_path(const qkeep_config *cfg);
 
 /* ---- plugins --------------------------------------------------------------- */
@@ -99,6 +101,7 @@ QKEEP_API int qkeep_plugin_open_config(const qkeep_config *cfg, qkeep_plugin **o
 QKEEP_API int qkeep_plugin_probe(qkeep_plugin *plugin, char *msg, size_t msg_len);
 /* Calls backend fini and dlclose. Models using the plugin must be freed first. */
 QKEEP_API void qkeep_plugin_close(qkeep_plugin *plugin);
+/* The backend's name, the file it came from, and its table; valid until close. */
 QKEEP_API const char *qkeep_plugin_name(const qkeep_plugin *plugin);
 QKEEP_API const char *qkeep_plugin_path(const qkeep_plugin *plugin);
 QKEEP_API const struct qkeep_backend *qkeep_plugin_backend(const qkeep_plugin *plugin);
@@ -147,6 +150,7 @@ struct qkeep_memory_stats {
   int64_t storage_peak;  /* the most at any time */
   int64_t staging_peak;  /* host staging for tensors that cannot land directly */
 };
+/* Fills *out; with reset_peaks, the peaks restart from the current bytes. */
 QKEEP_API int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks);
 /* Calls fn after each layer of a load (for a progress line). fn NULL: none. */
 QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
@@ -162,6 +166,8 @@ QKEEP_API int qkeep_model_set_fusion(qkeep_model *model, const char *spec);
 QKEEP_API qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name,
                                           qkeep_layer **layer);
 
+/* Layers in model order (name order for a loaded checkpoint); NULL past the end or for an
+ * unknown name. Layers belong to the model. */
 QKEEP_API size_t qkeep_model_layer_count(const qkeep_model *model);
 QKEEP_API qkeep_layer *qkeep_model_layer(const qkeep_model *model, size_t index);
 QKEEP_API qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name);
@@ -172,6 +178,8 @@ QKEEP_API qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const ch
  */
 QKEEP_API int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind,
                               const char *scheme, qkeep_layer **out);
+/* The layer's name, scheme, kind and dims; out->size says how much the caller knows
+ * (0: all of it). The strings are borrowed from the layer. */
 QKEEP_API int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out);
 /* Sets the dims of a hand-built layer (info->name and scheme are ignored). */
 QKEEP_API int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info);
@@ -320,6 +328,7 @@ QKEEP_API int qkeep_census(const qkeep_model *model, struct qkeep_census *out);
 struct qkeep_digest {
   uint64_t hi, lo;
 };
+/* Fills *out. Reads every tensor through the device's memory ops (in chunks). */
 QKEEP_API int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out);
 /* Hex form, 32 characters + NUL. */
 QKEEP_API void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]);
