@@ -1,0 +1,142 @@
+/*
+ * cuda_nvfp4.h: private declarations of the cuda-nvfp4 backend, shared by
+ * backend.c (C: the table and PWAL), kernels.cu (the kernels and their
+ * launchers), layout.c (CPU transforms), the GPU test and the bench. Nothing
+ * here is exported from the plugin; the layouts themselves are in layout.h.
+ *
+ * Launchers return a cudaError_t value as int (0 on success); they run on
+ * `stream` (NULL: the legacy default stream) and do not synchronise. Device
+ * pointers are the caller's; launchers allocate only stream-ordered scratch,
+ * freed on the same stream.
+ */
+#ifndef QKEEP_CUDA_NVFP4_H
+#define QKEEP_CUDA_NVFP4_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qkeep_backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- CPU transforms (layout.c) ------------------------------------------------------------ */
+
+/* Writes the 128x4-swizzled copy of scales src [rows, cols] into dst
+ * (nvfp4_sf_bytes(rows, cols) bytes, padding zero). */
+void nvfp4_swizzle_scales(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+/* The inverse: dst [rows, cols] from the swizzled src. */
+void nvfp4_unswizzle_scales(const uint8_t *src, int64_t rows, int64_t cols, uint8_t *dst);
+/* Writes the fragment-tiled copy of packed e2m1 src [rows, k/2] (k % 16 == 0) into dst
+ * (nvfp4_w_bytes(rows, k) bytes, padding zero). */
+void nvfp4_tile_weights(const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst);
+/* The inverse: dst [rows, k/2] from the tiled src. */
+void nvfp4_untile_weights(const uint8_t *src, int64_t rows, int64_t k, uint8_t *dst);
+
+/* ---- GPU transforms (kernels.cu) --------------------------------------------------------- */
+
+/* The GPU twins of nvfp4_tile_weights / nvfp4_swizzle_scales for `experts` stacked
+ * matrices ([experts, rows, k/2] -> experts x nvfp4_w_bytes; [experts, rows, cols] ->
+ * experts x nvfp4_sf_bytes). src and dst are device memory and must not overlap. */
+int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t k, void *stream);
+int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t cols,
+                             void *stream);
+
+/* ---- the W4A16 GEMM ------------------------------------------------------------------------ */
+
+/*
+ * One NVFP4 weight set after PWAL: `experts` (1 for a linear layer) matrices of
+ * [n, k], tiled weights and swizzled scales back to back per expert, the decode
+ * global scale of each expert (alpha), and an optional bias [experts, n].
+ */
+struct nvfp4_weights {
+  const void *w;          /* experts x nvfp4_w_bytes(n, k) */
+  const void *sf;         /* experts x nvfp4_sf_bytes(n, k / 16) */
+  const float *alpha;     /* [experts] f32 */
+  const void *bias;       /* NULL or [experts, n] */
+  enum qkeep_dtype bias_dtype;
+  int64_t n, k, experts;
+};
+
+/* Kernel shape: tokens per block (8, 16, 32 or 64) and the K split across a thread-block
+ * cluster (1..8). 0 picks automatically. */
+struct nvfp4_tuning {
+  int tile_m;
+  int split_k;
+};
+
+/* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix (`tune` may be NULL). */
+void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, const struct nvfp4_tuning *tune, struct nvfp4_tuning *out);
+
+/*
+ * y [m, n] = (x [m, k] W_e^T) * alpha[e] + bias[e] for expert e of wt (0 for a linear
+ * layer). x in F32, F16 or BF16 (F32 is rounded to bf16 for the tensor cores; f16 runs
+ * f16 MMAs, the others bf16), 16-byte aligned; y in F32, F16 or BF16. Accumulates in f32.
+ */
+int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, const void *x,
+                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune,
+                   void *stream);
+
+/*
+ * Routed MoE GEMM over all experts of wt at once. topk_ids [m, topk] (int32, device)
+ * name each token's experts; an id outside [0, experts) skips that slot.
+ *   combine false (w13): x [m, k] -> y [m * topk, n], row t * topk + s = x[t] W_{ids[t,s]}^T
+ *     * alpha + bias (rows of skipped slots are not written);
+ *   combine true (w2): x [m * topk, k] -> y [m, n], y[t] = sum_s topk_weights[t, s] *
+ *     (x[t * topk + s] W_{ids[t,s]}^T * alpha + bias), summed in a fixed order.
+ * Needs experts <= 2048.
+ */
+int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
+                  const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype, void *y,
+                  enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune, void *stream);
+
+/* y [m, n] = x [m, k] W^T + bias for an unquantized weight W [n, k] (F32, F16 or BF16);
+ * a plain CUDA-core kernel, correct for any shape, not tuned. */
+int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias, enum qkeep_dtype bias_dtype,
+                   int64_t n, int64_t k, int64_t m, const void *x, enum qkeep_dtype x_dtype, void *y,
+                   enum qkeep_dtype y_dtype, void *stream);
+
+/* ---- the routed-MoE apply arguments (a proposed ABI append) ----------------------------- */
+
+/*
+ * struct qkeep_apply_args as ABI 1.0 defines it, followed by the fields this backend
+ * proposes to append (docs/PERFORMANCE.md and the report name them). Until the core's
+ * header carries them, callers that route (the GPU test, an engine) pass this struct
+ * with size = sizeof(struct nvfp4_apply_args); a size that ends before `topk` means
+ * none of them.
+ *   topk > 0: routed MoE apply over all experts (nvfp4_moe_run): matrix W13 routes
+ *     x [m, H] to y [m * topk, 2I]; W2 combines x [m * topk, I] into y [m, H].
+ *     `expert` is ignored.
+ *   topk_ids: [m, topk] int32 in device memory; topk_weights: [m, topk] f32 (W2 only).
+ *   stream: the cudaStream_t to run on; NULL is the legacy default stream.
+ */
+struct nvfp4_apply_args {
+  size_t size;
+  int64_t m;
+  const void *x;
+  enum qkeep_dtype x_dtype;
+  void *y;
+  enum qkeep_dtype y_dtype;
+  int32_t expert;
+  enum qkeep_moe_matrix matrix;
+  /* appended */
+  int32_t topk;
+  const int32_t *topk_ids;
+  const float *topk_weights;
+  void *stream;
+};
+
+#ifdef __cplusplus
+static_assert(offsetof(struct nvfp4_apply_args, matrix) == offsetof(struct qkeep_apply_args, matrix),
+              "nvfp4_apply_args must extend qkeep_apply_args");
+#else
+_Static_assert(offsetof(struct nvfp4_apply_args, matrix) == offsetof(struct qkeep_apply_args, matrix),
+               "nvfp4_apply_args must extend qkeep_apply_args");
+#endif
+
+#ifdef __cplusplus
+}
+#endif
+#endif

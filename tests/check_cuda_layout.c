@@ -1,0 +1,299 @@
+/*
+ * check_cuda_layout.c: the cuda-nvfp4 kernel layouts on the CPU (no GPU
+ * needed). The scale swizzle against vLLM's formula (formats.md §2.5 and
+ * vllm-lifecycle.md §3.a, written out here independently of layout.h); both
+ * layouts as bijections of their padded domains; transform round trips with
+ * zero padding; and the weight tiles read back the way the GEMM reads them:
+ * an emulation of mma.m16n8k16's fragments, fed by the same bit tricks the
+ * kernel uses, must reproduce x W^T exactly.
+ */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_nvfp4.h"
+#include "formats.h"
+#include "layout.h"
+#include "numeric.h"
+#include "testutil.h"
+
+static void *xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  ck_assert_ptr_nonnull(p);
+  return p;
+}
+
+static void fill_random(uint8_t *p, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n; i++)
+    p[i] = (uint8_t)(tu_rand(&seed) >> 56);
+}
+
+/* Shapes: [rows, k] with k % 16 == 0; aligned and ragged in every dimension. */
+static const int64_t shapes[][2] = {{1, 16}, {5, 48}, {16, 64}, {17, 80}, {128, 64},
+                                    {130, 112}, {300, 208}, {256, 256}, {40, 1024}};
+#define N_SHAPES (sizeof shapes / sizeof shapes[0])
+
+/* ---- scales ------------------------------------------------------------------------------ */
+
+/* vLLM's swizzle_blockscale: reshape (M'/128, 4, 32, Kb'/4, 4), permute to
+ * (M'/128, Kb'/4, 32, 4, 4), flatten: element (m, k) lands at
+ * (((m/128)(Kb'/4) + k/4) * 32 + m%32) * 16 + ((m%128)/32) * 4 + k%4. */
+static int64_t vllm_swizzle_offset(int64_t m, int64_t k, int64_t kb_padded) {
+  return (((m / 128) * (kb_padded / 4) + k / 4) * 32 + m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4;
+}
+
+START_TEST(test_sf_offset_matches_vllm) {
+  for (int64_t cols = 1; cols <= 13; cols++) {
+    int64_t cp = nvfp4_sf_cols(cols);
+    for (int64_t r = 0; r < 384; r++)
+      for (int64_t c = 0; c < cp; c++)
+        ck_assert_int_eq(nvfp4_sf_offset(r, c, cp), vllm_swizzle_offset(r, c, cp));
+  }
+  /* Spot values worked out by hand: row 33, column 5 of a 4-atom-wide matrix is in atom 1,
+   * at 16 * (33 % 32) + 4 * (33 / 32) + 5 % 4 = 16 + 4 + 1. */
+  ck_assert_int_eq(nvfp4_sf_offset(33, 5, 16), 512 + 21);
+  ck_assert_int_eq(nvfp4_sf_offset(128, 0, 8), 2 * 512);
+  ck_assert_int_eq(nvfp4_sf_rows(1), 128);
+  ck_assert_int_eq(nvfp4_sf_cols(5), 8);
+}
+END_TEST
+
+START_TEST(test_sf_bijection) {
+  for (size_t s = 0; s < N_SHAPES; s++) {
+    int64_t rows = shapes[s][0], cols = shapes[s][1] / 16, cp = nvfp4_sf_cols(cols);
+    int64_t bytes = nvfp4_sf_bytes(rows, cols);
+    uint8_t *seen = calloc((size_t)bytes, 1);
+    for (int64_t off = 0; off < bytes; off++) {
+      int64_t r, c;
+      nvfp4_sf_source(off, cp, &r, &c);
+      ck_assert(r >= 0 && r < nvfp4_sf_rows(rows) && c >= 0 && c < cp);
+      ck_assert_int_eq(nvfp4_sf_offset(r, c, cp), off);
+      ck_assert(!seen[off]);
+      seen[off] = 1;
+    }
+    free(seen);
+  }
+}
+END_TEST
+
+START_TEST(test_sf_round_trip) {
+  for (size_t s = 0; s < N_SHAPES; s++) {
+    int64_t rows = shapes[s][0], cols = shapes[s][1] / 16, cp = nvfp4_sf_cols(cols);
+    size_t n = (size_t)(rows * cols), bytes = (size_t)nvfp4_sf_bytes(rows, cols);
+    uint8_t *src = xmalloc(n), *sw = xmalloc(bytes), *back = xmalloc(n);
+    fill_random(src, n, 11 + s);
+    memset(sw, 0xee, bytes);
+    nvfp4_swizzle_scales(src, rows, cols, sw);
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t c = 0; c < cols; c++)
+        ck_assert_uint_eq(sw[vllm_swizzle_offset(r, c, cp)], src[r * cols + c]);
+    /* Every byte that holds no scale is zero padding. */
+    size_t used = 0;
+    for (size_t off = 0; off < bytes; off++) {
+      int64_t r, c;
+      nvfp4_sf_source((int64_t)off, cp, &r, &c);
+      if (r < rows && c < cols)
+        used++;
+      else
+        ck_assert_uint_eq(sw[off], 0);
+    }
+    ck_assert_uint_eq(used, n);
+    nvfp4_unswizzle_scales(sw, rows, cols, back);
+    ck_assert(memcmp(src, back, n) == 0);
+    free(src), free(sw), free(back);
+  }
+}
+END_TEST
+
+/* ---- weights ----------------------------------------------------------------------------- */
+
+START_TEST(test_w_bijection) {
+  for (size_t s = 0; s < N_SHAPES; s++) {
+    int64_t rows = shapes[s][0], k = shapes[s][1], chunks = nvfp4_w_chunks(k);
+    int64_t bytes = nvfp4_w_bytes(rows, k);
+    ck_assert_int_eq(bytes, nvfp4_w_rows(rows) * nvfp4_round_up(k, 64) / 2);
+    if (rows % 16 == 0 && k % 64 == 0)
+      ck_assert_int_eq(bytes, rows * k / 2); /* same size as the checkpoint: repacked in place */
+    uint8_t *seen = calloc((size_t)bytes * 2, 1);
+    for (int64_t off = 0; off < bytes; off++)
+      for (int high = 0; high < 2; high++) {
+        int64_t r, kk;
+        int h2;
+        nvfp4_w_source(off, high, chunks, &r, &kk);
+        ck_assert(r >= 0 && r < nvfp4_w_rows(rows) && kk >= 0 && kk < chunks * 64);
+        ck_assert_int_eq(nvfp4_w_position(r, kk, chunks, &h2), off);
+        ck_assert_int_eq(h2, high);
+        ck_assert(!seen[2 * off + high]);
+        seen[2 * off + high] = 1;
+      }
+    free(seen);
+  }
+}
+END_TEST
+
+START_TEST(test_w_layout_by_hand) {
+  /* K = 64, one tile: lane 4g + t holds rows g and g + 8 at k = 16t .. 16t + 15.
+   * Row 0, k = 0 (e 0, j 0) is a0 of lane 0: word 0, nibble 3 -> byte 1, high. */
+  int high;
+  ck_assert_int_eq(nvfp4_w_position(0, 0, 1, &high), 1);
+  ck_assert_int_eq(high, 1);
+  /* Row 0, k = 1 (e 1): a1, nibble 7 -> byte 3, high. Row 8, k = 1: a3, nibble 6 -> byte 3, low. */
+  ck_assert_int_eq(nvfp4_w_position(0, 1, 1, &high), 3);
+  ck_assert_int_eq(high, 1);
+  ck_assert_int_eq(nvfp4_w_position(8, 1, 1, &high), 3);
+  ck_assert_int_eq(high, 0);
+  /* Row 9, k = 16 * 2 + 4 * 3 + 2 (t 2, j 3, e 2): lane 4 + 2, word 3, nibble 1 - 1 = 0. */
+  ck_assert_int_eq(nvfp4_w_position(9, 46, 1, &high), 6 * 16 + 12 + 0);
+  ck_assert_int_eq(high, 0);
+  /* Row 16 starts the second tile, after `chunks` tiles of 512 bytes. */
+  ck_assert_int_eq(nvfp4_w_position(16, 64, 3, &high), (3 + 1) * 512 + 1);
+}
+END_TEST
+
+START_TEST(test_w_round_trip) {
+  for (size_t s = 0; s < N_SHAPES; s++) {
+    int64_t rows = shapes[s][0], k = shapes[s][1];
+    size_t n = (size_t)(rows * k / 2), bytes = (size_t)nvfp4_w_bytes(rows, k);
+    uint8_t *src = xmalloc(n), *tiled = xmalloc(bytes), *back = xmalloc(n);
+    fill_random(src, n, 29 + s);
+    memset(tiled, 0xee, bytes);
+    nvfp4_tile_weights(src, rows, k, tiled);
+    for (size_t off = 0; off < bytes; off++)
+      for (int high = 0; high < 2; high++) {
+        int64_t r, kk;
+        nvfp4_w_source((int64_t)off, high, nvfp4_w_chunks(k), &r, &kk);
+        uint8_t got = (uint8_t)((tiled[off] >> (4 * high)) & 0xf);
+        uint8_t want = r < rows && kk < k ? qk_fp4_code(src + r * (k / 2), kk) : 0;
+        ck_assert_uint_eq(got, want);
+      }
+    nvfp4_untile_weights(tiled, rows, k, back);
+    ck_assert(memcmp(src, back, n) == 0);
+    free(src), free(tiled), free(back);
+  }
+}
+END_TEST
+
+/* ---- the GEMM's view of the tiles -------------------------------------------------------- */
+
+/* The float a 16-bit pattern stands for, undoing the bias nvfp4_fp4x2_biased leaves. */
+static float unbias(uint16_t bits, int shift) {
+  return shift == NVFP4_SHIFT_BF16 ? ldexpf(qk_bf16_to_f32(bits), 126) : ldexpf(qk_f16_to_f32(bits), 14);
+}
+
+START_TEST(test_fp4x2_biased_every_code) {
+  for (int shift = NVFP4_SHIFT_F16; shift <= NVFP4_SHIFT_BF16; shift += NVFP4_SHIFT_BF16 - NVFP4_SHIFT_F16)
+    for (uint32_t lo = 0; lo < 16; lo++)
+      for (uint32_t hi = 0; hi < 16; hi++) {
+        /* Codes at bits 15:12 and 31:28, noise in every other nibble. */
+        uint32_t q = (hi << 28) | (lo << 12) | 0x0a5b0c6du;
+        uint32_t p = nvfp4_fp4x2_biased(q, shift);
+        float vlo = unbias((uint16_t)(p & 0xffff), shift), vhi = unbias((uint16_t)(p >> 16), shift);
+        ck_assert_float_eq(vlo, qk_e2m1_decode((uint8_t)lo));
+        ck_assert_float_eq(vhi, qk_e2m1_decode((uint8_t)hi));
+        ck_assert_int_eq(signbit(vlo) != 0, lo >= 8);
+      }
+}
+END_TEST
+
+/*
+ * Emulates one warp of the GEMM over the tiled weight: for each 16-row tile and 64-K
+ * chunk, lane (g, t) takes its 16 bytes, turns word j into the A fragment of k-step j
+ * (a0a1 = q, a2a3 = q << 4, a4a5 = q << 8, a6a7 = q << 12) and reads its B fragment from
+ * x at k = 16t + 4j + {0,1} (b0b1) and + {2,3} (b2b3), as the kernel does; then applies
+ * mma.m16n8k16's definition (A row-major 16x16, B 16x8, fragments per the PTX ISA).
+ */
+static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int shift,
+                         double *y) {
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
+  memset(y, 0, (size_t)(m * rows) * sizeof *y);
+  for (int64_t tile = 0; tile < tiles; tile++)
+    for (int64_t c = 0; c < chunks; c++)
+      for (int j = 0; j < 4; j++)
+        for (int64_t n0 = 0; n0 < m; n0 += 8) {
+          float a[16][16] = {{0}}, b[16][8] = {{0}};
+          for (int lane = 0; lane < 32; lane++) {
+            int g = lane / 4, t = lane % 4;
+            const uint8_t *p = tiled + ((tile * chunks + c) * 32 + lane) * 16 + 4 * j;
+            uint32_t q = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+            uint32_t reg[4];
+            for (int i = 0; i < 4; i++)
+              reg[i] = nvfp4_fp4x2_biased(q << (4 * i), shift);
+            /* a0a1 (g, 2t..), a2a3 (g+8, 2t..), a4a5 (g, 2t+8..), a6a7 (g+8, 2t+8..) */
+            for (int i = 0; i < 4; i++) {
+              int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+              a[row][col] = unbias((uint16_t)(reg[i] & 0xffff), shift);
+              a[row][col + 1] = unbias((uint16_t)(reg[i] >> 16), shift);
+            }
+            /* b0b1 (2t.., n = g), b2b3 (2t+8.., n = g): x[token n0 + g][16t + 4j + e] */
+            int64_t token = n0 + g, kbase = c * 64 + 16 * t + 4 * j;
+            for (int e = 0; e < 4; e++) {
+              int krow = 2 * t + (e & 1) + 8 * (e >> 1);
+              b[krow][g] = token < m && kbase + e < k ? x[token * k + kbase + e] : 0.0f;
+            }
+          }
+          for (int row = 0; row < 16; row++)
+            for (int n = 0; n < 8; n++) {
+              double acc = 0;
+              for (int kk = 0; kk < 16; kk++)
+                acc += (double)a[row][kk] * b[kk][n];
+              int64_t r = tile * 16 + row, token = n0 + n;
+              if (r < rows && token < m)
+                y[token * rows + r] += acc;
+            }
+        }
+}
+
+START_TEST(test_fragments_reproduce_gemm) {
+  static const int64_t gemm_shapes[][3] = {{16, 64, 8}, {37, 208, 3}, {130, 112, 9}, {8, 1024, 1}};
+  for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
+    int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
+    size_t n = (size_t)(rows * k / 2);
+    uint8_t *packed = xmalloc(n), *tiled = xmalloc((size_t)nvfp4_w_bytes(rows, k));
+    float *x = xmalloc((size_t)(m * k) * sizeof *x);
+    double *y = xmalloc((size_t)(m * rows) * sizeof *y);
+    fill_random(packed, n, 5 + s);
+    uint64_t rng = 77 + s;
+    for (int64_t i = 0; i < m * k; i++)
+      x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
+    nvfp4_tile_weights(packed, rows, k, tiled);
+    for (int shift = NVFP4_SHIFT_F16; shift <= NVFP4_SHIFT_BF16; shift += NVFP4_SHIFT_BF16 - NVFP4_SHIFT_F16) {
+      emulate_gemm(tiled, rows, k, x, m, shift, y);
+      for (int64_t t = 0; t < m; t++)
+        for (int64_t r = 0; r < rows; r++) {
+          double want = 0;
+          for (int64_t kk = 0; kk < k; kk++)
+            want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
+          ck_assert_double_eq(y[t * rows + r], want);
+        }
+    }
+    free(packed), free(tiled), free(x), free(y);
+  }
+}
+END_TEST
+
+static Suite *layout_suite(void) {
+  Suite *s = suite_create("cuda_layout");
+  TCase *tc = tcase_create("scales");
+  tcase_add_test(tc, test_sf_offset_matches_vllm);
+  tcase_add_test(tc, test_sf_bijection);
+  tcase_add_test(tc, test_sf_round_trip);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("weights");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_w_bijection);
+  tcase_add_test(tc, test_w_layout_by_hand);
+  tcase_add_test(tc, test_w_round_trip);
+  tcase_add_test(tc, test_fp4x2_biased_every_code);
+  tcase_add_test(tc, test_fragments_reproduce_gemm);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  SRunner *sr = srunner_create(layout_suite());
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? 1 : 0;
+}
