@@ -30,7 +30,7 @@ static void fill_random(uint8_t *p, size_t n, uint64_t seed) {
 }
 
 /* Shapes: [rows, k] with k % 16 == 0; aligned and ragged in every dimension. */
-static const int64_t shapes[][2] = {{1, 16}, {5, 48}, {16, 64}, {17, 80}, {128, 64},
+static const int64_t shapes[][2] = {{1, 16},    {5, 48},    {16, 64},   {17, 80},  {128, 64},
                                     {130, 112}, {300, 208}, {256, 256}, {40, 1024}};
 #define N_SHAPES (sizeof shapes / sizeof shapes[0])
 
@@ -111,43 +111,63 @@ END_TEST
 START_TEST(test_w_bijection) {
   for (size_t s = 0; s < N_SHAPES; s++) {
     int64_t rows = shapes[s][0], k = shapes[s][1], chunks = nvfp4_w_chunks(k);
-    int64_t bytes = nvfp4_w_bytes(rows, k);
-    ck_assert_int_eq(bytes, nvfp4_w_rows(rows) * nvfp4_round_up(k, 64) / 2);
+    int64_t words = nvfp4_w_bytes(rows, k) / 4;
+    ck_assert_int_eq(nvfp4_w_bytes(rows, k), nvfp4_w_rows(rows) * nvfp4_round_up(k, 64) / 2);
     if (rows % 16 == 0 && k % 64 == 0)
-      ck_assert_int_eq(bytes, rows * k / 2); /* same size as the checkpoint: repacked in place */
-    uint8_t *seen = calloc((size_t)bytes * 2, 1);
-    for (int64_t off = 0; off < bytes; off++)
-      for (int high = 0; high < 2; high++) {
+      ck_assert_int_eq(nvfp4_w_bytes(rows, k),
+                       rows * k / 2); /* same size as the checkpoint: repacked in place */
+    uint8_t *seen = calloc((size_t)words * 8, 1);
+    for (int64_t w = 0; w < words; w++)
+      for (int slot = 0; slot < 8; slot++) {
         int64_t r, kk;
-        int h2;
-        nvfp4_w_source(off, high, chunks, &r, &kk);
+        int slot2;
+        nvfp4_w_source(w, slot, chunks, &r, &kk);
         ck_assert(r >= 0 && r < nvfp4_w_rows(rows) && kk >= 0 && kk < chunks * 64);
-        ck_assert_int_eq(nvfp4_w_position(r, kk, chunks, &h2), off);
-        ck_assert_int_eq(h2, high);
-        ck_assert(!seen[2 * off + high]);
-        seen[2 * off + high] = 1;
+        ck_assert_int_eq(nvfp4_w_position(r, kk, chunks, &slot2), w);
+        ck_assert_int_eq(slot2, slot);
+        ck_assert(!seen[8 * w + slot]);
+        seen[8 * w + slot] = 1;
       }
     free(seen);
   }
+  /* The eight slots of a word use its 32 bits exactly once. */
+  uint32_t all = 0;
+  for (int slot = 0; slot < 8; slot++) {
+    uint32_t bits = nvfp4_w_put(0, slot, 0xf);
+    ck_assert_int_eq(__builtin_popcount(bits), 4);
+    ck_assert_uint_eq(all & bits, 0);
+    all |= bits;
+    for (unsigned code = 0; code < 16; code++)
+      ck_assert_uint_eq(nvfp4_w_get(nvfp4_w_put(0, slot, code) | ~bits, slot), code);
+  }
+  ck_assert_uint_eq(all, 0xffffffffu);
 }
 END_TEST
 
 START_TEST(test_w_layout_by_hand) {
-  /* K = 64, one tile: lane 4g + t holds rows g and g + 8 at k = 16t .. 16t + 15.
-   * Row 0, k = 0 (e 0, j 0) is a0 of lane 0: word 0, nibble 3 -> byte 1, high. */
-  int high;
-  ck_assert_int_eq(nvfp4_w_position(0, 0, 1, &high), 1);
-  ck_assert_int_eq(high, 1);
-  /* Row 0, k = 1 (e 1): a1, nibble 7 -> byte 3, high. Row 8, k = 1: a3, nibble 6 -> byte 3, low. */
-  ck_assert_int_eq(nvfp4_w_position(0, 1, 1, &high), 3);
-  ck_assert_int_eq(high, 1);
-  ck_assert_int_eq(nvfp4_w_position(8, 1, 1, &high), 3);
-  ck_assert_int_eq(high, 0);
-  /* Row 9, k = 16 * 2 + 4 * 3 + 2 (t 2, j 3, e 2): lane 4 + 2, word 3, nibble 1 - 1 = 0. */
-  ck_assert_int_eq(nvfp4_w_position(9, 46, 1, &high), 6 * 16 + 12 + 0);
-  ck_assert_int_eq(high, 0);
-  /* Row 16 starts the second tile, after `chunks` tiles of 512 bytes. */
-  ck_assert_int_eq(nvfp4_w_position(16, 64, 3, &high), (3 + 1) * 512 + 1);
+  /* K = 64, one tile: lane 4g + t holds rows g and g + 8 at k = 16t .. 16t + 15, word j
+   * for k-step j. Row 0, k 0 (e 0, row g) is a0: word 0, slot 0, at the bits of a bf16
+   * (m 6, e0 7, e1 8, s 15). */
+  int slot;
+  ck_assert_int_eq(nvfp4_w_position(0, 0, 1, &slot), 0);
+  ck_assert_int_eq(slot, 0);
+  ck_assert_uint_eq(nvfp4_w_put(0, 0, 0xf), 0x000081c0u);
+  /* Row 0, k 1: a1, slot 1, the high bf16 (bits 22, 23, 24, 31). Row 8, k 1: a3, slot 3,
+   * the high half shifted down by 3 (19, 20, 21, 28). */
+  ck_assert_int_eq(nvfp4_w_position(0, 1, 1, &slot), 0);
+  ck_assert_int_eq(slot, 1);
+  ck_assert_uint_eq(nvfp4_w_put(0, 1, 0xf), 0x81c00000u);
+  ck_assert_int_eq(nvfp4_w_position(8, 1, 1, &slot), 0);
+  ck_assert_int_eq(slot, 3);
+  ck_assert_uint_eq(nvfp4_w_put(0, 3, 0xf), 0x10380000u);
+  /* Row 9, k = 16 * 2 + 4 * 3 + 2 (g 1, t 2, j 3, e 2, row g + 8): lane 6, word 3, a6,
+   * slot 6, the leftover bits 10, 11, 13, 14. */
+  ck_assert_int_eq(nvfp4_w_position(9, 46, 1, &slot), 6 * 4 + 3);
+  ck_assert_int_eq(slot, 6);
+  ck_assert_uint_eq(nvfp4_w_put(0, 6, 0xf), 0x00006c00u);
+  ck_assert_uint_eq(nvfp4_w_put(0, 7, 0xf), 0x6c000000u);
+  /* Row 16 starts the second tile, after `chunks` tiles of 128 words. */
+  ck_assert_int_eq(nvfp4_w_position(16, 64, 3, &slot), (3 + 1) * 128);
 }
 END_TEST
 
@@ -159,13 +179,14 @@ START_TEST(test_w_round_trip) {
     fill_random(src, n, 29 + s);
     memset(tiled, 0xee, bytes);
     nvfp4_tile_weights(src, rows, k, tiled);
-    for (size_t off = 0; off < bytes; off++)
-      for (int high = 0; high < 2; high++) {
+    for (size_t w = 0; w < bytes / 4; w++)
+      for (int slot = 0; slot < 8; slot++) {
         int64_t r, kk;
-        nvfp4_w_source((int64_t)off, high, nvfp4_w_chunks(k), &r, &kk);
-        uint8_t got = (uint8_t)((tiled[off] >> (4 * high)) & 0xf);
-        uint8_t want = r < rows && kk < k ? qk_fp4_code(src + r * (k / 2), kk) : 0;
-        ck_assert_uint_eq(got, want);
+        uint32_t word;
+        memcpy(&word, tiled + 4 * w, 4);
+        nvfp4_w_source((int64_t)w, slot, nvfp4_w_chunks(k), &r, &kk);
+        unsigned want = r < rows && kk < k ? qk_fp4_code(src + r * (k / 2), kk) : 0;
+        ck_assert_uint_eq(nvfp4_w_get(word, slot), want);
       }
     nvfp4_untile_weights(tiled, rows, k, back);
     ck_assert(memcmp(src, back, n) == 0);
@@ -176,34 +197,46 @@ END_TEST
 
 /* ---- the GEMM's view of the tiles -------------------------------------------------------- */
 
-/* The float a 16-bit pattern stands for, undoing the bias nvfp4_fp4x2_biased leaves. */
-static float unbias(uint16_t bits, int shift) {
-  return shift == NVFP4_SHIFT_BF16 ? ldexpf(qk_bf16_to_f32(bits), 126) : ldexpf(qk_f16_to_f32(bits), 14);
+/* The float a 16-bit pattern stands for, undoing the decode's bias (2^-126 bf16, 2^-14 f16). */
+static float unbias(uint16_t bits, bool bf16) {
+  return bf16 ? ldexpf(qk_bf16_to_f32(bits), 126) : ldexpf(qk_f16_to_f32(bits), 14);
 }
 
-START_TEST(test_fp4x2_biased_every_code) {
-  for (int shift = NVFP4_SHIFT_F16; shift <= NVFP4_SHIFT_BF16; shift += NVFP4_SHIFT_BF16 - NVFP4_SHIFT_F16)
-    for (uint32_t lo = 0; lo < 16; lo++)
-      for (uint32_t hi = 0; hi < 16; hi++) {
-        /* Codes at bits 15:12 and 31:28, noise in every other nibble. */
-        uint32_t q = (hi << 28) | (lo << 12) | 0x0a5b0c6du;
-        uint32_t p = nvfp4_fp4x2_biased(q, shift);
-        float vlo = unbias((uint16_t)(p & 0xffff), shift), vhi = unbias((uint16_t)(p >> 16), shift);
-        ck_assert_float_eq(vlo, qk_e2m1_decode((uint8_t)lo));
-        ck_assert_float_eq(vhi, qk_e2m1_decode((uint8_t)hi));
-        ck_assert_int_eq(signbit(vlo) != 0, lo >= 8);
-      }
+/* Register pair `pair` of word q as the kernel decodes it for bf16 or f16 MMAs. */
+static uint32_t decode_pair(uint32_t q, int pair, bool bf16) {
+  uint32_t p = nvfp4_pair_bf16(q, pair);
+  return bf16 ? p : nvfp4_bf16x2_to_f16x2(p);
+}
+
+START_TEST(test_pair_decode_every_code) {
+  uint64_t rng = 99;
+  for (int bf16 = 0; bf16 < 2; bf16++)
+    for (int pair = 0; pair < 4; pair++)
+      for (unsigned lo = 0; lo < 16; lo++)
+        for (unsigned hi = 0; hi < 16; hi++) {
+          /* The pair's two codes, random codes in the other six slots. */
+          uint32_t q = nvfp4_w_put(nvfp4_w_put(0, 2 * pair, lo), 2 * pair + 1, hi);
+          for (int slot = 0; slot < 8; slot++)
+            if (slot / 2 != pair)
+              q = nvfp4_w_put(q, slot, (unsigned)(tu_rand(&rng) & 15));
+          uint32_t p = decode_pair(q, pair, bf16);
+          float vlo = unbias((uint16_t)(p & 0xffff), bf16), vhi = unbias((uint16_t)(p >> 16), bf16);
+          ck_assert_float_eq(vlo, qk_e2m1_decode((uint8_t)lo));
+          ck_assert_float_eq(vhi, qk_e2m1_decode((uint8_t)hi));
+          ck_assert_int_eq(signbit(vlo) != 0, lo >= 8);
+          ck_assert_int_eq(signbit(vhi) != 0, hi >= 8);
+        }
 }
 END_TEST
 
 /*
  * Emulates one warp of the GEMM over the tiled weight: for each 16-row tile and 64-K
  * chunk, lane (g, t) takes its 16 bytes, turns word j into the A fragment of k-step j
- * (a0a1 = q, a2a3 = q << 4, a4a5 = q << 8, a6a7 = q << 12) and reads its B fragment from
- * x at k = 16t + 4j + {0,1} (b0b1) and + {2,3} (b2b3), as the kernel does; then applies
+ * (a0a1, a2a3, a4a5, a6a7 = pairs 0..3) and reads its B fragment from x at
+ * k = 16t + 4j + {0,1} (b0b1) and + {2,3} (b2b3), as the kernel does; then applies
  * mma.m16n8k16's definition (A row-major 16x16, B 16x8, fragments per the PTX ISA).
  */
-static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int shift,
+static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, bool bf16,
                          double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
@@ -214,16 +247,14 @@ static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const fl
           float a[16][16] = {{0}}, b[16][8] = {{0}};
           for (int lane = 0; lane < 32; lane++) {
             int g = lane / 4, t = lane % 4;
-            const uint8_t *p = tiled + ((tile * chunks + c) * 32 + lane) * 16 + 4 * j;
-            uint32_t q = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-            uint32_t reg[4];
-            for (int i = 0; i < 4; i++)
-              reg[i] = nvfp4_fp4x2_biased(q << (4 * i), shift);
+            uint32_t q;
+            memcpy(&q, tiled + ((tile * chunks + c) * 32 + lane) * 16 + 4 * j, 4);
             /* a0a1 (g, 2t..), a2a3 (g+8, 2t..), a4a5 (g, 2t+8..), a6a7 (g+8, 2t+8..) */
             for (int i = 0; i < 4; i++) {
+              uint32_t reg = decode_pair(q, i, bf16);
               int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
-              a[row][col] = unbias((uint16_t)(reg[i] & 0xffff), shift);
-              a[row][col + 1] = unbias((uint16_t)(reg[i] >> 16), shift);
+              a[row][col] = unbias((uint16_t)(reg & 0xffff), bf16);
+              a[row][col + 1] = unbias((uint16_t)(reg >> 16), bf16);
             }
             /* b0b1 (2t.., n = g), b2b3 (2t+8.., n = g): x[token n0 + g][16t + 4j + e] */
             int64_t token = n0 + g, kbase = c * 64 + 16 * t + 4 * j;
@@ -257,8 +288,8 @@ START_TEST(test_fragments_reproduce_gemm) {
     for (int64_t i = 0; i < m * k; i++)
       x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
     nvfp4_tile_weights(packed, rows, k, tiled);
-    for (int shift = NVFP4_SHIFT_F16; shift <= NVFP4_SHIFT_BF16; shift += NVFP4_SHIFT_BF16 - NVFP4_SHIFT_F16) {
-      emulate_gemm(tiled, rows, k, x, m, shift, y);
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+      emulate_gemm(tiled, rows, k, x, m, bf16, y);
       for (int64_t t = 0; t < m; t++)
         for (int64_t r = 0; r < rows; r++) {
           double want = 0;
@@ -284,7 +315,7 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_w_bijection);
   tcase_add_test(tc, test_w_layout_by_hand);
   tcase_add_test(tc, test_w_round_trip);
-  tcase_add_test(tc, test_fp4x2_biased_every_code);
+  tcase_add_test(tc, test_pair_decode_every_code);
   tcase_add_test(tc, test_fragments_reproduce_gemm);
   suite_add_tcase(s, tc);
   return s;

@@ -30,6 +30,22 @@
 #include "numeric.h"
 #include "testutil.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+/*
+ * Under AddressSanitizer (gcc 12's LeakSanitizer): at exit LSan walks every
+ * thread's dynamic TLS, and on oneDNN's OpenMP worker threads it reads a
+ * garbage range ("DTLS 6 at 0x000100000185-0x002500001287") and its tracer
+ * dies with SIGSEGV, so every test process would fail without a leak in
+ * sight. Not intercepting __tls_get_addr makes LSan skip dynamic TLS; leaks
+ * are still checked everywhere else (ASAN_OPTIONS from the environment add to
+ * this).
+ */
+const char *__asan_default_options(void);
+__attribute__((visibility("default"), used)) const char *__asan_default_options(void) {
+  return "intercept_tls_get_addr=0";
+}
+#endif
+
 struct dims {
   int64_t h, kv, inter, e_inter, experts, vocab;
 };
@@ -75,7 +91,8 @@ static float source_value(uint64_t seed, const char *name, size_t i) {
   return uniform(&s) * 0.25f;
 }
 
-/* A tensor [rows, cols] of source values in dtype; cols 0: [rows] of ones (a norm), cols -1: [rows] of values. */
+/* A tensor [rows, cols] of source values in dtype; cols 0: [rows] of ones (a norm), cols -1: [rows] of
+ * values. */
 static void add_tensor(struct st_writer *w, const char *name, enum qkeep_dtype dt, int64_t rows, int64_t cols,
                        uint64_t seed) {
   size_t n = (size_t)(rows * (cols > 0 ? cols : 1));
@@ -93,7 +110,8 @@ static void add_tensor(struct st_writer *w, const char *name, enum qkeep_dtype d
 }
 
 /* An unquantized model directory: a dense layer with q/k/v biases, an MoE layer, embedding, lm_head. */
-static char *write_source(const char *sub, const struct dims *d, enum qkeep_dtype dt, uint64_t seed, bool tied) {
+static char *write_source(const char *sub, const struct dims *d, enum qkeep_dtype dt, uint64_t seed,
+                          bool tied) {
   char *path = tu_path(dir, sub), name[160];
   ck_assert_int_eq(mkdir(path, 0755), 0);
   struct st_writer *w;
@@ -204,8 +222,8 @@ struct tolerance {
 
 static int within(void *user, const struct qkeep_layer_error *e) {
   struct tolerance *t = user;
-  ck_assert_msg(e->max_rel <= t->max_rel, "%s (expert %d, matrix %d, M %lld): max_rel %g > %g", e->layer, e->expert,
-                (int)e->matrix, (long long)e->m, e->max_rel, t->max_rel);
+  ck_assert_msg(e->max_rel <= t->max_rel, "%s (expert %d, matrix %d, M %lld): max_rel %g > %g", e->layer,
+                e->expert, (int)e->matrix, (long long)e->m, e->max_rel, t->max_rel);
   if (e->max_rel > t->worst)
     t->worst = e->max_rel;
   return 0;
@@ -236,13 +254,13 @@ static bool has_name(qkeep_layer *layer, const char *name) {
 /* One matrix of a layer as the checkpoint holds it (read from the reference model's params). */
 struct int8_matrix {
   int64_t n, k;
-  const int8_t *q;    /* [n, k] */
-  float *scale;       /* [n], expanded */
-  const void *bias;   /* [n] or NULL */
+  const int8_t *q;  /* [n, k] */
+  float *scale;     /* [n], expanded */
+  const void *bias; /* [n] or NULL */
   enum qkeep_dtype bias_dtype;
   bool dynamic, asym;
-  float in_scale;     /* static */
-  int32_t in_zero;    /* static asymmetric */
+  float in_scale;  /* static */
+  int32_t in_zero; /* static asymmetric */
 };
 
 static float load_f(const void *p, enum qkeep_dtype dt, size_t i) {
@@ -295,7 +313,8 @@ static struct int8_matrix int8_matrix_of(qkeep_layer *layer, const char *prefix,
     if (mx.asym && has_name(layer, name)) {
       struct qkeep_view z = view_of(layer, name);
       int64_t at = expert * (qkeep_spec_numel(&z.spec) / experts);
-      mx.in_zero = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[at] : ((const int32_t *)z.data)[at];
+      mx.in_zero =
+          z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[at] : ((const int32_t *)z.data)[at];
     }
   }
   return mx;
@@ -339,8 +358,8 @@ static void oracle_codes(const struct int8_matrix *mx, int levels, const float *
  * (to 1e-5 of the largest output) and against x W^T of the dequantised weights within
  * the quantisation bound a/2 * sum_k |w| (+ 1e-5 for float rounding).
  */
-static void check_int8_matrix(qkeep_layer *layer, qkeep_layer *ref_layer, const char *prefix, int expert, bool w2,
-                              int64_t m, int levels) {
+static void check_int8_matrix(qkeep_layer *layer, qkeep_layer *ref_layer, const char *prefix, int expert,
+                              bool w2, int64_t m, int levels) {
   struct int8_matrix mx = int8_matrix_of(ref_layer, prefix, expert, w2);
   float *x = malloc((size_t)(m * mx.k) * sizeof *x), *y = malloc((size_t)(m * mx.n) * sizeof *y);
   uint8_t *u = malloc((size_t)mx.k);
@@ -374,13 +393,14 @@ static void check_int8_matrix(qkeep_layer *layer, qkeep_layer *ref_layer, const 
       max_out = fmax(max_out, fabs(expect[n]));
       max_oracle = fmax(max_oracle, fabs(got - expect[n]));
       /* Static scales clamp rows beyond their range; the test's x stays inside (|x| < 1.3 < amax 2). */
-      max_bound_excess = fmax(max_bound_excess, fabs(got - exact) - (a * 0.5 * abs_w + 1e-5 * (fabs(exact) + 1)));
+      max_bound_excess =
+          fmax(max_bound_excess, fabs(got - exact) - (a * 0.5 * abs_w + 1e-5 * (fabs(exact) + 1)));
     }
   }
   ck_assert_msg(max_oracle <= 1e-5 * max_out, "%s%s expert %d M %lld: %g off the oracle (max |y| %g)",
                 ref_layer->name, prefix, expert, (long long)m, max_oracle, max_out);
-  ck_assert_msg(max_bound_excess <= 0, "%s%s expert %d M %lld: beyond the quantisation bound by %g", ref_layer->name,
-                prefix, expert, (long long)m, max_bound_excess);
+  ck_assert_msg(max_bound_excess <= 0, "%s%s expert %d M %lld: beyond the quantisation bound by %g",
+                ref_layer->name, prefix, expert, (long long)m, max_bound_excess);
   free(expect);
   free(mx.scale);
   free(x);
@@ -409,7 +429,9 @@ static void check_int8_kernels(qkeep_model *m, qkeep_model *r, int levels) {
 /* ---- w8a8-int8 ------------------------------------------------------------------------------ */
 
 /* The tolerance against the reference: the quantisation error of uniform activations, doubled at 7 bits. */
-static double int8_tolerance(const struct variant *v) { return (v->static_input ? 0.06 : 0.03) * (255.0 / act_levels); }
+static double int8_tolerance(const struct variant *v) {
+  return (v->static_input ? 0.06 : 0.03) * (255.0 / act_levels);
+}
 
 static void int8_round_trip(const struct dims *d, const struct variant *v) {
   char *source = write_source("source", d, QKEEP_DTYPE_F32, 1, false);
@@ -482,12 +504,14 @@ static char *write_per_tensor(const char *sub, const struct dims *d, uint64_t se
   ck_assert_int_eq(st_writer_write(w, file), 0);
   st_writer_free(w);
   char json[1024];
-  snprintf(json, sizeof json,
-           "{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", "
-           "\"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, \"type\": "
-           "\"int\", \"symmetric\": true, \"dynamic\": false, \"strategy\": \"tensor\"}, \"input_activations\": "
-           "{\"num_bits\": 8, \"type\": \"int\", \"symmetric\": %s, \"dynamic\": true, \"strategy\": \"token\"}}}}}",
-           asym ? "false" : "true");
+  snprintf(
+      json, sizeof json,
+      "{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"int-quantized\", "
+      "\"config_groups\": {\"group_0\": {\"targets\": [\"Linear\"], \"weights\": {\"num_bits\": 8, \"type\": "
+      "\"int\", \"symmetric\": true, \"dynamic\": false, \"strategy\": \"tensor\"}, \"input_activations\": "
+      "{\"num_bits\": 8, \"type\": \"int\", \"symmetric\": %s, \"dynamic\": true, \"strategy\": "
+      "\"token\"}}}}}",
+      asym ? "false" : "true");
   ck_assert_int_eq(tu_write_file(config, json, strlen(json)), 0);
   free(file);
   free(config);
@@ -559,7 +583,8 @@ START_TEST(tied_lm_head_keeps_the_embedding) {
   const char *paths[] = {source, quantized};
   for (int p = 0; p < 2; p++) {
     qkeep_model *m = load(onednn, paths[p]), *r = load(ref, paths[p]);
-    qkeep_layer *head = qkeep_model_find_layer(m, "lm_head"), *embed = qkeep_model_find_layer(m, "model.embed_tokens");
+    qkeep_layer *head = qkeep_model_find_layer(m, "lm_head"),
+                *embed = qkeep_model_find_layer(m, "model.embed_tokens");
     ck_assert_ptr_nonnull(head);
     ck_assert(head->dims.flags & QKEEP_LAYER_F_TIED);
     ck_assert_ptr_eq(qkeep_param_lookup(head, "weight"), qkeep_param_lookup(embed, "weight"));
@@ -588,7 +613,8 @@ START_TEST(tied_lm_head_keeps_the_embedding) {
     for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++) {
       qkeep_layer *rh = qkeep_model_find_layer(r, "lm_head");
       int64_t rows = ms[i];
-      float *x = malloc((size_t)(rows * odd.h) * sizeof *x), *y = malloc((size_t)(rows * odd.vocab) * sizeof *y),
+      float *x = malloc((size_t)(rows * odd.h) * sizeof *x),
+            *y = malloc((size_t)(rows * odd.vocab) * sizeof *y),
             *yr = malloc((size_t)(rows * odd.vocab) * sizeof *yr);
       uint64_t rng = 77;
       for (int64_t j = 0; j < rows * odd.h; j++)
@@ -675,7 +701,8 @@ static void reload_equals_cold_start(const char *w0, const char *w1) {
 
 START_TEST(reload_w8a8_in_place) {
   const struct variant *v = &variants[_i];
-  char *s0 = write_source("s0", &odd, QKEEP_DTYPE_F32, 10, false), *s1 = write_source("s1", &odd, QKEEP_DTYPE_F32, 20, false);
+  char *s0 = write_source("s0", &odd, QKEEP_DTYPE_F32, 10, false),
+       *s1 = write_source("s1", &odd, QKEEP_DTYPE_F32, 20, false);
   char *w0 = quantize(s0, "w0", v), *w1 = quantize(s1, "w1", v);
   reload_equals_cold_start(w0, w1);
   free(w0), free(w1), free(s0), free(s1);
@@ -685,7 +712,8 @@ END_TEST
 START_TEST(reload_per_tensor_and_float_in_place) {
   char *p0 = write_per_tensor("p0", &odd, 1, true), *p1 = write_per_tensor("p1", &odd, 2, true);
   reload_equals_cold_start(p0, p1);
-  char *f0 = write_source("f0", &odd, QKEEP_DTYPE_BF16, 30, true), *f1 = write_source("f1", &odd, QKEEP_DTYPE_BF16, 40, true);
+  char *f0 = write_source("f0", &odd, QKEEP_DTYPE_BF16, 30, true),
+       *f1 = write_source("f1", &odd, QKEEP_DTYPE_BF16, 40, true);
   reload_equals_cold_start(f0, f1);
   free(p0), free(p1), free(f0), free(f1);
 }
@@ -823,7 +851,8 @@ START_TEST(without_vnni_7bit_or_refused) {
   }
   int status;
   ck_assert_int_eq(waitpid(pid, &status, 0), pid);
-  ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the non-VNNI child failed (status %d)", status);
+  ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the non-VNNI child failed (status %d)",
+                status);
   free(path);
   free(source);
 }

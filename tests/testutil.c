@@ -86,4 +86,4 @@ uint64_t tu_rand(uint64_t *state) {
   return z ^ (z >> 31);
 }
 
-float tu_randf(uint64_t *state) { return (float)((tu_rand(state) >> 40) * (1.0 / 8388608.0)) * 2.0f - 1.0f; }
+float tu_randf(uint64_t *state) { return (float)((tu_rand(state) >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }

@@ -40,7 +40,8 @@ void nvfp4_untile_weights(const uint8_t *src, int64_t rows, int64_t k, uint8_t *
 /* The GPU twins of nvfp4_tile_weights / nvfp4_swizzle_scales for `experts` stacked
  * matrices ([experts, rows, k/2] -> experts x nvfp4_w_bytes; [experts, rows, cols] ->
  * experts x nvfp4_sf_bytes). src and dst are device memory and must not overlap. */
-int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t k, void *stream);
+int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t k,
+                           void *stream);
 int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t cols,
                              void *stream);
 
@@ -52,23 +53,27 @@ int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_
  * global scale of each expert (alpha), and an optional bias [experts, n].
  */
 struct nvfp4_weights {
-  const void *w;          /* experts x nvfp4_w_bytes(n, k) */
-  const void *sf;         /* experts x nvfp4_sf_bytes(n, k / 16) */
-  const float *alpha;     /* [experts] f32 */
-  const void *bias;       /* NULL or [experts, n] */
+  const void *w;      /* experts x nvfp4_w_bytes(n, k) */
+  const void *sf;     /* experts x nvfp4_sf_bytes(n, k / 16) */
+  const float *alpha; /* [experts] f32 */
+  const void *bias;   /* NULL or [experts, n] */
   enum qkeep_dtype bias_dtype;
   int64_t n, k, experts;
 };
 
-/* Kernel shape: tokens per block (8, 16, 32 or 64) and the K split across a thread-block
- * cluster (1..8). 0 picks automatically. */
+/* Kernel shape: tokens per block (8, 16, 32 or 64), the K split across a thread-block
+ * cluster (1..8), and the weight chunks each warp keeps in flight (depth: 8 for tile_m
+ * 8 and 16, 4 otherwise; a smaller value halves it). 0 picks automatically. */
 struct nvfp4_tuning {
   int tile_m;
   int split_k;
+  int depth;
 };
 
-/* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix (`tune` may be NULL). */
-void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, const struct nvfp4_tuning *tune, struct nvfp4_tuning *out);
+/* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix with x_dtype activations
+ * (`tune` may be NULL). */
+void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
+                     const struct nvfp4_tuning *tune, struct nvfp4_tuning *out);
 
 /*
  * y [m, n] = (x [m, k] W_e^T) * alpha[e] + bias[e] for expert e of wt (0 for a linear
@@ -76,8 +81,8 @@ void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, const struct nvfp4_tuning 
  * f16 MMAs, the others bf16), 16-byte aligned; y in F32, F16 or BF16. Accumulates in f32.
  */
 int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, const void *x,
-                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune,
-                   void *stream);
+                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
+                   const struct nvfp4_tuning *tune, void *stream);
 
 /*
  * Routed MoE GEMM over all experts of wt at once. topk_ids [m, topk] (int32, device)

@@ -35,68 +35,60 @@ namespace cg = cooperative_groups;
 
 namespace {
 
-constexpr int kRowsPerBlock = 128;              /* 8 tiles of 16 rows: one scale atom */
-constexpr int kRedStride = kRowsPerBlock + 4;   /* f32 words per token of the reduction tile */
-constexpr int kMaxSplit = 8;                    /* portable cluster size */
+constexpr int kRowsPerBlock = 128;            /* 8 tiles of 16 rows: one scale atom */
+constexpr int kRedStride = kRowsPerBlock + 4; /* f32 words per token of the reduction tile */
+constexpr int kMaxSplit = 8;                  /* portable cluster size */
 constexpr int kMaxMoeExperts = 2048;
 
-/* A block shape: MT tokens, RT 16-row tiles per warp (8 / RT warps), P chunks per stage. */
-template <int MT_, int RT_, int P_>
-struct Shape {
+/* A block shape: MT tokens, RT 16-row tiles per warp (8 / RT warps), NS pipeline stages. */
+template <int MT_, int RT_, int NS_> struct Shape {
   static constexpr int MT = MT_;
   static constexpr int RT = RT_;
   static constexpr int WARPS = 8 / RT_;
   static constexpr int THREADS = WARPS * 32;
   static constexpr int NT = MT_ / 8;
-  static constexpr int P = P_;
+  static constexpr int NS = NS_;
 };
-using Shape8 = Shape<8, 1, 8>;
-using Shape16 = Shape<16, 1, 8>;
-using Shape32 = Shape<32, 2, 4>;
-using Shape64 = Shape<64, 2, 4>;
+/* Pipeline stages for tile_m (each stage holds kChunksPerStage chunks of weights, scales and
+ * activations): 6 for the bandwidth-bound shapes, 4 where the activations take more room;
+ * nvfp4_tuning.depth can halve them. */
+constexpr int depth_for(int tile_m) { return tile_m <= 16 ? 6 : 4; }
+constexpr int kChunksPerStage = 2;
 
 struct GemmArgs {
-  const uint8_t *w;       /* tiled weights of expert 0 */
-  const uint8_t *sf;      /* swizzled scales of expert 0 */
-  const float *alpha;     /* [experts] */
-  const void *bias;       /* [experts, n] or NULL */
+  const uint8_t *w;   /* tiled weights of expert 0 */
+  const uint8_t *sf;  /* swizzled scales of expert 0 */
+  const float *alpha; /* [experts] */
+  const void *bias;   /* [experts, n] or NULL */
   int bias_dtype;
   const void *x;
   void *y;
-  float *y_pairs;         /* routed w2: f32 rows per (token, slot) instead of y */
+  float *y_pairs; /* routed w2: f32 rows per (token, slot) instead of y */
   int y_dtype;
-  int m;                  /* plain: tokens */
+  int m; /* plain: tokens */
   int n, k;
-  int chunks;             /* 64-K chunks per row */
-  int sf_atoms;           /* scale atoms per 128-row block (padded scale columns / 4) */
-  int w_tiles;            /* 16-row tiles per expert */
+  int chunks;   /* 64-K chunks per row */
+  int sf_atoms; /* scale atoms per 128-row block (padded scale columns / 4) */
+  int w_tiles;  /* 16-row tiles per expert */
   long long w_expert_bytes, sf_expert_bytes;
-  int expert;             /* plain mode */
-  const int4 *tiles;      /* routed: {expert, first sorted slot, slots} per token tile */
+  int expert;        /* plain mode */
+  const int4 *tiles; /* routed: {expert, first sorted slot, slots} per token tile */
   const int *num_tiles;
-  const int *pairs;       /* routed: token * topk + slot, sorted by expert */
-  int x_div;              /* routed: x row = pair / x_div */
+  const int *pairs; /* routed: token * topk + slot, sorted by expert */
+  int x_div;        /* routed: x row = pair / x_div */
   int splits;
 };
 
 /* ---- small device helpers ------------------------------------------------------------------- */
 
-__device__ __forceinline__ uint4 ld_stream(const void *p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool ok) {
   uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem);
   int bytes = ok ? 16 : 0; /* 0: zero-fill */
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes) : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
+template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
@@ -117,20 +109,19 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
 __device__ __forceinline__ uint32_t bits_of(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t *>(&v); }
 __device__ __forceinline__ uint32_t bits_of(__half2 v) { return *reinterpret_cast<uint32_t *>(&v); }
 
-template <bool BF16>
-__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+template <bool BF16> __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   if constexpr (BF16)
     return bits_of(__hmul2(*reinterpret_cast<__nv_bfloat162 *>(&a), *reinterpret_cast<__nv_bfloat162 *>(&b)));
   else
     return bits_of(__hmul2(*reinterpret_cast<__half2 *>(&a), *reinterpret_cast<__half2 *>(&b)));
 }
 
-/* The two e4m3 block scales in the low 16 bits of `two` (row g, row g + 8) as 16-bit
- * pairs, times the power of two that undoes nvfp4_fp4x2_biased's bias (2^63 of 2^126 for
- * bf16, 2^7 of 2^14 for f16; the epilogue undoes the rest). */
+/* The e4m3 block scales of rows g (lo) and g + 8 (hi) as 16-bit pairs, times the power of
+ * two that undoes half of nvfp4_pair_bf16's bias (2^63 of 2^126 for bf16, 2^7 of 2^14 for
+ * f16; the epilogue undoes the rest). */
 template <bool BF16>
-__device__ __forceinline__ void block_scales(uint32_t two, uint32_t &s_lo, uint32_t &s_hi) {
-  __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(two & 0xffff), __NV_E4M3);
+__device__ __forceinline__ void block_scales(uint32_t lo, uint32_t hi, uint32_t &s_lo, uint32_t &s_hi) {
+  __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(lo | (hi << 8)), __NV_E4M3);
   float2 f = __half22float2(*reinterpret_cast<__half2 *>(&raw));
   if constexpr (BF16) {
     s_lo = bits_of(__float2bfloat162_rn(f.x * 0x1p63f));
@@ -141,20 +132,24 @@ __device__ __forceinline__ void block_scales(uint32_t two, uint32_t &s_lo, uint3
   }
 }
 
+/* Register pair `pair` of tile word q, scaled: bf16 from nvfp4_pair_bf16, or f16. */
+template <bool BF16, int pair> __device__ __forceinline__ uint32_t scaled_pair(uint32_t q, uint32_t scale) {
+  uint32_t p = nvfp4_pair_bf16(q, pair);
+  return hmul2<BF16>(BF16 ? p : nvfp4_bf16x2_to_f16x2(p), scale);
+}
+
 /* The A fragment of one k-step from word q of a lane's tile bytes (layout.h). */
 template <bool BF16>
 __device__ __forceinline__ void dequant(uint32_t q, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
-  constexpr int sh = BF16 ? NVFP4_SHIFT_BF16 : NVFP4_SHIFT_F16;
-  a[0] = hmul2<BF16>(nvfp4_fp4x2_biased(q, sh), s_lo);       /* row g,     k 2t, 2t+1 */
-  a[1] = hmul2<BF16>(nvfp4_fp4x2_biased(q << 4, sh), s_hi);  /* row g + 8, k 2t, 2t+1 */
-  a[2] = hmul2<BF16>(nvfp4_fp4x2_biased(q << 8, sh), s_lo);  /* row g,     k 2t+8, 2t+9 */
-  a[3] = hmul2<BF16>(nvfp4_fp4x2_biased(q << 12, sh), s_hi); /* row g + 8, k 2t+8, 2t+9 */
+  a[0] = scaled_pair<BF16, 0>(q, s_lo); /* row g,     k 2t, 2t+1 */
+  a[1] = scaled_pair<BF16, 1>(q, s_hi); /* row g + 8, k 2t, 2t+1 */
+  a[2] = scaled_pair<BF16, 2>(q, s_lo); /* row g,     k 2t+8, 2t+9 */
+  a[3] = scaled_pair<BF16, 3>(q, s_hi); /* row g + 8, k 2t+8, 2t+9 */
 }
 
 /* The B fragments of one chunk: a lane's 16 consecutive activations of one token (k =
  * 16t .. 16t + 15 of the chunk) as 8 registers, b[2j], b[2j+1] for k-step j. */
-template <typename TI>
-__device__ __forceinline__ void load_b(const unsigned char *p, uint32_t (&b)[8]) {
+template <typename TI> __device__ __forceinline__ void load_b(const unsigned char *p, uint32_t (&b)[8]) {
   if constexpr (sizeof(TI) == 2) {
     uint4 v0 = *reinterpret_cast<const uint4 *>(p), v1 = *reinterpret_cast<const uint4 *>(p + 16);
     b[0] = v0.x, b[1] = v0.y, b[2] = v0.z, b[3] = v0.w, b[4] = v1.x, b[5] = v1.y, b[6] = v1.z, b[7] = v1.w;
@@ -186,14 +181,22 @@ __device__ __forceinline__ void store_f(void *p, int dtype, long long i, float v
 
 /* ---- the GEMM -------------------------------------------------------------------------------- */
 
-template <class S, typename TI>
-struct Smem {
-  static constexpr int SK = S::P * NVFP4_CHUNK_K;                 /* K per stage */
-  static constexpr int ROW_BYTES = SK * (int)sizeof(TI) + 16;     /* +16: no bank conflicts */
-  static constexpr int STAGE_BYTES = S::MT * ROW_BYTES;
-  static constexpr int UNITS = SK * (int)sizeof(TI) / 16;         /* 16-byte copies per token */
+/*
+ * Shared memory of one pipeline stage: the weights of the block's 8 tiles and the scale
+ * atom for kChunksPerStage chunks, and the activations of all MT tokens over those chunks
+ * (rows padded by 16 bytes against bank conflicts). NS stages form a ring that cp.async
+ * fills NS - 1 stages ahead: asynchronous copies, so the depth costs no registers and no
+ * load scoreboards. The reduction tile reuses the ring.
+ */
+template <class S, typename TI> struct Smem {
+  static constexpr int G = kChunksPerStage;
+  static constexpr int W_BYTES = G * 8 * NVFP4_TILE_BYTES;
+  static constexpr int SF_BYTES = G * NVFP4_SF_ATOM;
+  static constexpr int X_ROW = G * NVFP4_CHUNK_K * (int)sizeof(TI) + 16;
+  static constexpr int X_UNITS = G * NVFP4_CHUNK_K * (int)sizeof(TI) / 16; /* 16-byte copies per token */
+  static constexpr int STAGE = W_BYTES + SF_BYTES + S::MT * X_ROW;
   static constexpr int RED_BYTES = S::MT * kRedStride * 4;
-  static constexpr int BYTES = 2 * STAGE_BYTES > RED_BYTES ? 2 * STAGE_BYTES : RED_BYTES;
+  static constexpr int BYTES = S::NS * STAGE > RED_BYTES ? S::NS *STAGE : RED_BYTES;
 };
 
 template <class S, typename TI>
@@ -231,103 +234,118 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
 
   const int per_split = (a.chunks + a.splits - 1) / a.splits;
   const int c_begin = min(a.chunks, split * per_split), c_end = min(a.chunks, c_begin + per_split);
-  const int stages = (c_end - c_begin + S::P - 1) / S::P;
+  const int stages = (c_end - c_begin + L::G - 1) / L::G;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int rb = blockIdx.y;
+  const uint8_t *w_block = a.w + expert * a.w_expert_bytes + (long long)rb * 8 * a.chunks * NVFP4_TILE_BYTES;
   const uint8_t *sf_block = a.sf + expert * a.sf_expert_bytes + (long long)rb * a.sf_atoms * NVFP4_SF_ATOM;
-  const uint8_t *w_tile[S::RT];
-  int sf_lane[S::RT];
+  const int block_tiles = min(8, a.w_tiles - rb * 8); /* tiles of this block inside the matrix */
+
+  /* cp.async of stage `stage` (chunks c_begin + G * stage ...) into ring slot stage % NS;
+   * zeros for tiles past the matrix, chunks past this split's end and K past the end. */
+  auto issue = [&](int stage) {
+    unsigned char *st = smem + (stage % S::NS) * L::STAGE;
+    const int c0 = c_begin + stage * L::G;
+#pragma unroll
+    for (int u = threadIdx.x; u < L::W_BYTES / 16; u += S::THREADS) {
+      const int gi = u / 256, tib = (u / 32) % 8, c = c0 + gi;
+      const bool ok = c < c_end && tib < block_tiles;
+      const uint8_t *src = w_block + ((long long)tib * a.chunks + c) * NVFP4_TILE_BYTES + (u % 32) * 16;
+      cp_async16(st + u * 16, ok ? src : a.w, ok);
+    }
+    for (int u = threadIdx.x; u < L::SF_BYTES / 16; u += S::THREADS) {
+      const int c = c0 + u / 32;
+      const bool ok = c < c_end;
+      cp_async16(st + L::W_BYTES + u * 16,
+                 ok ? sf_block + (long long)c * NVFP4_SF_ATOM + (u % 32) * 16 : a.sf, ok);
+    }
+    unsigned char *xs = st + L::W_BYTES + L::SF_BYTES;
+    for (int u = threadIdx.x; u < S::MT * L::X_UNITS; u += S::THREADS) {
+      const int i = u / L::X_UNITS, j = u % L::X_UNITS, xr = x_row[i];
+      const int kk = c0 * NVFP4_CHUNK_K + j * (16 / (int)sizeof(TI));
+      const bool ok = xr >= 0 && kk < a.k && kk < c_end * NVFP4_CHUNK_K;
+      const TI *src = static_cast<const TI *>(a.x) + (ok ? (long long)xr * a.k + kk : 0);
+      cp_async16(xs + i * L::X_ROW + j * 16, src, ok);
+    }
+  };
+
+  /* With one row tile per warp, even and odd k-steps accumulate apart: two independent
+   * MMA chains instead of one four long per chunk. */
+  constexpr int BANKS = S::RT == 1 ? 2 : 1;
+  float acc[BANKS][S::RT][S::NT][4];
+#pragma unroll
+  for (int bank = 0; bank < BANKS; ++bank)
+#pragma unroll
+    for (int rt = 0; rt < S::RT; ++rt)
+#pragma unroll
+      for (int nt = 0; nt < S::NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          acc[bank][rt][nt][i] = 0.0f;
   bool active[S::RT];
+  int sf_lane[S::RT];
 #pragma unroll
   for (int rt = 0; rt < S::RT; ++rt) {
-    const int tib = warp * S::RT + rt, tile = rb * 8 + tib; /* tile in block, tile in matrix */
-    active[rt] = tile < a.w_tiles;
-    w_tile[rt] = a.w + expert * a.w_expert_bytes + (long long)tile * a.chunks * NVFP4_TILE_BYTES + lane * 16;
+    const int tib = warp * S::RT + rt;
+    active[rt] = tib < block_tiles;
     /* row 16 * tib + g of the atom: (r % 32) * 16 + ((r / 32) % 4) * 4 + column t */
     sf_lane[rt] = (16 * (tib & 1) + g) * 16 + (tib >> 1) * 4 + t;
   }
 
-  /* Weights and scales of chunk c into queue slot `slot` (a constant after unrolling). */
-  uint4 wq[S::P][S::RT];
-  uint32_t sq[S::P][S::RT];
-#define NVFP4_FETCH(slot, c)                                                                                   \
-  _Pragma("unroll") for (int rt = 0; rt < S::RT; ++rt) {                                                      \
-    wq[slot][rt] = make_uint4(0, 0, 0, 0), sq[slot][rt] = 0;                                                   \
-    if (active[rt] && (c) < c_end) {                                                                           \
-      wq[slot][rt] = ld_stream(w_tile[rt] + (long long)(c)*NVFP4_TILE_BYTES);                                  \
-      const uint8_t *sp = sf_block + (long long)(c)*NVFP4_SF_ATOM + sf_lane[rt];                              \
-      sq[slot][rt] = (uint32_t)__ldg(sp) | (uint32_t)__ldg(sp + 128) << 8;                                     \
-    }                                                                                                          \
-  }
-
-  /* Activations of stage `stage` (S::P chunks, all tokens) into buffer `buf`; zero past K. */
-  auto load_x = [&](int buf, int stage) {
-    unsigned char *dst = smem + buf * L::STAGE_BYTES;
-    const int k0 = (c_begin + stage * S::P) * NVFP4_CHUNK_K;
-    for (int u = threadIdx.x; u < S::MT * L::UNITS; u += S::THREADS) {
-      const int i = u / L::UNITS, j = u % L::UNITS, kk = k0 + j * (16 / (int)sizeof(TI)), xr = x_row[i];
-      const bool ok = xr >= 0 && kk < a.k;
-      const TI *src = static_cast<const TI *>(a.x) + (ok ? (long long)xr * a.k + kk : 0);
-      cp_async16(dst + i * L::ROW_BYTES + j * 16, src, ok);
-    }
-  };
-
 #pragma unroll
-  for (int p = 0; p < S::P; ++p)
-    NVFP4_FETCH(p, c_begin + p)
-  if (stages > 0) {
-    load_x(0, 0);
+  for (int s = 0; s < S::NS - 1; ++s) {
+    if (s < stages)
+      issue(s);
     cp_async_commit();
   }
-  float acc[S::RT][S::NT][4];
-#pragma unroll
-  for (int rt = 0; rt < S::RT; ++rt)
-#pragma unroll
-    for (int nt = 0; nt < S::NT; ++nt)
-      acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.0f;
-
   for (int s = 0; s < stages; ++s) {
-    if (s + 1 < stages) {
-      load_x((s + 1) & 1, s + 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const unsigned char *xs = smem + (s & 1) * L::STAGE_BYTES + g * L::ROW_BYTES + 16 * t * (int)sizeof(TI);
+    cp_async_wait<S::NS - 2>(); /* this thread's copies of stage s have landed */
+    __syncthreads();            /* everyone's have; and everyone is done with stage s - 1 */
+    if (s + S::NS - 1 < stages)
+      issue(s + S::NS - 1); /* into the slot stage s - 1 used */
+    cp_async_commit();
+    const unsigned char *st = smem + (s % S::NS) * L::STAGE;
 #pragma unroll
-    for (int p = 0; p < S::P; ++p) {
-      const int c = c_begin + s * S::P + p;
-      if (c < c_end) {
-        uint32_t frag[S::RT][4][4];
+    for (int gi = 0; gi < L::G; ++gi) {
+      if (c_begin + s * L::G + gi >= c_end)
+        break;
+      uint32_t frag[S::RT][4][4];
 #pragma unroll
-        for (int rt = 0; rt < S::RT; ++rt) {
-          uint32_t s_lo, s_hi;
-          block_scales<BF16>(sq[p][rt], s_lo, s_hi);
-          dequant<BF16>(wq[p][rt].x, s_lo, s_hi, frag[rt][0]);
-          dequant<BF16>(wq[p][rt].y, s_lo, s_hi, frag[rt][1]);
-          dequant<BF16>(wq[p][rt].z, s_lo, s_hi, frag[rt][2]);
-          dequant<BF16>(wq[p][rt].w, s_lo, s_hi, frag[rt][3]);
-        }
-        NVFP4_FETCH(p, c + S::P)
+      for (int rt = 0; rt < S::RT; ++rt) {
+        const uint4 q = *reinterpret_cast<const uint4 *>(
+            st + (gi * 8 + warp * S::RT + rt) * NVFP4_TILE_BYTES + lane * 16);
+        const unsigned char *sf = st + L::W_BYTES + gi * NVFP4_SF_ATOM + sf_lane[rt];
+        uint32_t s_lo, s_hi;
+        block_scales<BF16>(sf[0], sf[128], s_lo, s_hi);
+        dequant<BF16>(q.x, s_lo, s_hi, frag[rt][0]);
+        dequant<BF16>(q.y, s_lo, s_hi, frag[rt][1]);
+        dequant<BF16>(q.z, s_lo, s_hi, frag[rt][2]);
+        dequant<BF16>(q.w, s_lo, s_hi, frag[rt][3]);
+      }
+      const unsigned char *xs =
+          st + L::W_BYTES + L::SF_BYTES + g * L::X_ROW + (gi * NVFP4_CHUNK_K + 16 * t) * (int)sizeof(TI);
+      /* Two token groups at a time, k-step outermost: consecutive MMAs go to different
+       * accumulators, so they do not wait for each other. */
+      constexpr int NG = S::NT < 2 ? S::NT : 2;
 #pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt) {
-          uint32_t b[8];
-          load_b<TI>(xs + nt * 8 * L::ROW_BYTES + p * NVFP4_CHUNK_K * (int)sizeof(TI), b);
+      for (int ng = 0; ng < S::NT; ng += NG) {
+        uint32_t b[NG][8];
 #pragma unroll
-          for (int rt = 0; rt < S::RT; ++rt)
-            if (active[rt]) {
+        for (int i = 0; i < NG; ++i)
+          load_b<TI>(xs + (ng + i) * 8 * L::X_ROW, b[i]);
 #pragma unroll
-              for (int j = 0; j < 4; ++j)
-                mma<BF16>(acc[rt][nt], frag[rt][j], b[2 * j], b[2 * j + 1]);
-            }
-        }
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int i = 0; i < NG; ++i)
+#pragma unroll
+            for (int rt = 0; rt < S::RT; ++rt)
+              if (active[rt])
+                mma<BF16>(acc[j % BANKS][rt][ng + i], frag[rt][j], b[i][2 * j], b[i][2 * j + 1]);
       }
     }
-    __syncthreads();
   }
-#undef NVFP4_FETCH
+  cp_async_wait<0>();
+  __syncthreads(); /* the ring is free for the reduction tile */
 
   /* Partial tile [token][row] into shared memory, then each block of the cluster adds up
    * 1/splits of it over all blocks, in rank order, and writes it out. */
@@ -338,10 +356,14 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
 #pragma unroll
     for (int nt = 0; nt < S::NT; ++nt) {
       const int tok = nt * 8 + 2 * t;
-      red[tok * kRedStride + row] = acc[rt][nt][0];
-      red[(tok + 1) * kRedStride + row] = acc[rt][nt][1];
-      red[tok * kRedStride + row + 8] = acc[rt][nt][2];
-      red[(tok + 1) * kRedStride + row + 8] = acc[rt][nt][3];
+      float c[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        c[i] = BANKS == 2 ? acc[0][rt][nt][i] + acc[BANKS - 1][rt][nt][i] : acc[0][rt][nt][i];
+      red[tok * kRedStride + row] = c[0];
+      red[(tok + 1) * kRedStride + row] = c[1];
+      red[tok * kRedStride + row + 8] = c[2];
+      red[(tok + 1) * kRedStride + row + 8] = c[3];
     }
   }
   cluster.sync();
@@ -368,21 +390,39 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
   cluster.sync(); /* the others may still read our partial tile */
 }
 
-template <class S, typename TI>
-cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t stream) {
-  using L = Smem<S, TI>;
-  static bool configured = false; /* benign race: every thread sets the same value */
+/* The kernel's shared memory limit, set once per instantiation (benign race: every thread
+ * sets the same value). */
+template <class S, typename TI> cudaError_t prepare_kernel() {
+  static bool configured = false;
   if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(nvfp4_gemm_kernel<S, TI>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           L::BYTES);
+    cudaError_t err = cudaFuncSetAttribute(nvfp4_gemm_kernel<S, TI>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<S, TI>::BYTES);
     if (err != cudaSuccess)
       return err;
     configured = true;
   }
+  return cudaSuccess;
+}
+
+/* Blocks of the instantiation that fit on one SM at once. */
+template <class S, typename TI> int resident_blocks() {
+  static int blocks = 0;
+  if (!blocks && prepare_kernel<S, TI>() == cudaSuccess &&
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, nvfp4_gemm_kernel<S, TI>, S::THREADS,
+                                                    Smem<S, TI>::BYTES) != cudaSuccess)
+    blocks = 0;
+  return blocks > 0 ? blocks : 1;
+}
+
+template <class S, typename TI>
+cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t stream) {
+  cudaError_t err = prepare_kernel<S, TI>();
+  if (err != cudaSuccess)
+    return err;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)grid_x, (unsigned)grid_y, (unsigned)a.splits);
   cfg.blockDim = dim3(S::THREADS);
-  cfg.dynamicSmemBytes = L::BYTES;
+  cfg.dynamicSmemBytes = Smem<S, TI>::BYTES;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -394,24 +434,45 @@ cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t 
   return cudaLaunchKernelEx(&cfg, nvfp4_gemm_kernel<S, TI>, a);
 }
 
-template <typename TI>
-cudaError_t launch_shape(int tile_m, const GemmArgs &a, int grid_x, int grid_y, cudaStream_t stream) {
-  switch (tile_m) {
-  case 8: return launch_gemm<Shape8, TI>(a, grid_x, grid_y, stream);
-  case 16: return launch_gemm<Shape16, TI>(a, grid_x, grid_y, stream);
-  case 32: return launch_gemm<Shape32, TI>(a, grid_x, grid_y, stream);
-  default: return launch_gemm<Shape64, TI>(a, grid_x, grid_y, stream);
+/* Calls f(Shape{}, TI{}) with the instantiation a plan and an activation dtype select. */
+template <typename TI, int MT, int RT, class F> cudaError_t visit_depth(bool shallow, F &&f) {
+  constexpr int NS = depth_for(MT);
+  return shallow ? f(Shape<MT, RT, NS / 2>{}, TI{}) : f(Shape<MT, RT, NS>{}, TI{});
+}
+
+template <typename TI, class F> cudaError_t visit_shape(const struct nvfp4_tuning &plan, F &&f) {
+  const bool shallow = plan.depth > 0 && plan.depth < depth_for(plan.tile_m);
+  switch (plan.tile_m) {
+  case 8: return visit_depth<TI, 8, 1>(shallow, f);
+  case 16: return visit_depth<TI, 16, 1>(shallow, f);
+  case 32: return visit_depth<TI, 32, 2>(shallow, f);
+  default: return visit_depth<TI, 64, 2>(shallow, f);
   }
 }
 
-cudaError_t dispatch(int tile_m, enum qkeep_dtype x_dtype, const GemmArgs &a, int grid_x, int grid_y,
-                     cudaStream_t stream) {
+template <class F> cudaError_t visit(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, F &&f) {
   switch (x_dtype) {
-  case QKEEP_DTYPE_BF16: return launch_shape<__nv_bfloat16>(tile_m, a, grid_x, grid_y, stream);
-  case QKEEP_DTYPE_F16: return launch_shape<__half>(tile_m, a, grid_x, grid_y, stream);
-  case QKEEP_DTYPE_F32: return launch_shape<float>(tile_m, a, grid_x, grid_y, stream);
+  case QKEEP_DTYPE_BF16: return visit_shape<__nv_bfloat16>(plan, f);
+  case QKEEP_DTYPE_F16: return visit_shape<__half>(plan, f);
+  case QKEEP_DTYPE_F32: return visit_shape<float>(plan, f);
   default: return cudaErrorInvalidValue;
   }
+}
+
+cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, const GemmArgs &a, int grid_x,
+                     int grid_y, cudaStream_t stream) {
+  return visit(plan, x_dtype, [&](auto shape, auto ti) {
+    return launch_gemm<decltype(shape), decltype(ti)>(a, grid_x, grid_y, stream);
+  });
+}
+
+int resident_per_sm(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype) {
+  int blocks = 1;
+  visit(plan, x_dtype, [&](auto shape, auto ti) {
+    blocks = resident_blocks<decltype(shape), decltype(ti)>();
+    return cudaSuccess;
+  });
+  return blocks;
 }
 
 int sm_count(void) {
@@ -433,13 +494,15 @@ int pick_tile_m(int64_t tokens_per_tile, int forced) {
   return tokens_per_tile <= 8 ? 8 : tokens_per_tile <= 16 ? 16 : tokens_per_tile <= 32 ? 32 : 64;
 }
 
-/* Enough blocks for two per SM, at least two chunks per split, at most a portable cluster. */
-int pick_split(int64_t blocks, int64_t chunks, int forced) {
+/* The K split (cluster size): as many blocks as fit on the GPU at once (`resident` per SM)
+ * without a second, partial wave; at least two chunks per split; at most a portable
+ * cluster. */
+int pick_split(int64_t blocks, int64_t chunks, int resident, int forced) {
+  int cap = clamp_int((int)(chunks < kMaxSplit ? chunks : kMaxSplit), 1, kMaxSplit);
   if (forced > 0)
-    return clamp_int(forced, 1, clamp_int((int)(chunks < kMaxSplit ? chunks : kMaxSplit), 1, kMaxSplit));
-  int most = clamp_int((int)(chunks / 2), 1, kMaxSplit);
-  int64_t want = (2 * (int64_t)sm_count() + blocks - 1) / (blocks > 0 ? blocks : 1);
-  return clamp_int((int)want, 1, most);
+    return clamp_int(forced, 1, cap);
+  int64_t want = blocks > 0 ? (int64_t)resident * sm_count() / blocks : 1;
+  return clamp_int((int)want, 1, clamp_int((int)(chunks / 2), 1, cap));
 }
 
 bool dtype_ok(enum qkeep_dtype d) {
@@ -488,7 +551,8 @@ __global__ void moe_align_kernel(const int32_t *ids, int pairs, int experts, int
       pairs_run += count[e], tiles_run += (count[e] + tile_m - 1) / tile_m;
     int pairs_inc = pairs_run, tiles_inc = tiles_run;
     for (int d = 1; d < 32; d <<= 1) {
-      const int pv = __shfl_up_sync(0xffffffffu, pairs_inc, d), tv = __shfl_up_sync(0xffffffffu, tiles_inc, d);
+      const int pv = __shfl_up_sync(0xffffffffu, pairs_inc, d),
+                tv = __shfl_up_sync(0xffffffffu, tiles_inc, d);
       if (lane >= d)
         pairs_inc += pv, tiles_inc += tv;
     }
@@ -529,23 +593,23 @@ __global__ void moe_combine_kernel(const float *rows, const int32_t *ids, const 
 
 /* ---- PWAL transforms --------------------------------------------------------------------------- */
 
-/* One thread per 32-bit word of the tiled output; each nibble gathered from the checkpoint bytes. */
-__global__ void tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows, long long k) {
-  const long long chunks = nvfp4_w_chunks(k), per = nvfp4_w_bytes(rows, k), words = experts * per / 4;
+/* One thread per 32-bit word of the tiled output; each slot's code gathered from the checkpoint bytes. */
+__global__ void tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows,
+                                    long long k) {
+  const long long chunks = nvfp4_w_chunks(k), per = nvfp4_w_bytes(rows, k) / 4, words = experts * per;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words;
        i += (long long)gridDim.x * blockDim.x) {
-    const long long e = i * 4 / per, off = i * 4 % per;
+    const long long e = i / per;
     const uint8_t *s = src + e * rows * (k / 2);
     uint32_t word = 0;
-    for (int b = 0; b < 4; ++b)
-      for (int high = 0; high < 2; ++high) {
-        int64_t r, kk;
-        nvfp4_w_source(off + b, high, chunks, &r, &kk);
-        if (r < rows && kk < k) {
-          const uint32_t byte = s[r * (k / 2) + kk / 2];
-          word |= ((kk & 1) ? byte >> 4 : byte & 0xf) << (8 * b + 4 * high);
-        }
+    for (int slot = 0; slot < 8; ++slot) {
+      int64_t r, kk;
+      nvfp4_w_source(i % per, slot, chunks, &r, &kk);
+      if (r < rows && kk < k) {
+        const unsigned byte = s[r * (k / 2) + kk / 2];
+        word = nvfp4_w_put(word, slot, (kk & 1) ? byte >> 4 : byte & 0xf);
       }
+    }
     reinterpret_cast<uint32_t *>(dst)[i] = word;
   }
 }
@@ -564,15 +628,16 @@ __global__ void swizzle_scales_kernel(const uint8_t *src, uint8_t *dst, long lon
 
 /* ---- unquantized layers ----------------------------------------------------------------------- */
 
-template <typename T>
-__host__ __device__ constexpr int dtype_of() {
-  return std::is_same<T, float>::value ? QKEEP_DTYPE_F32 : std::is_same<T, __half>::value ? QKEEP_DTYPE_F16 : QKEEP_DTYPE_BF16;
+template <typename T> __host__ __device__ constexpr int dtype_of() {
+  return std::is_same<T, float>::value    ? QKEEP_DTYPE_F32
+         : std::is_same<T, __half>::value ? QKEEP_DTYPE_F16
+                                          : QKEEP_DTYPE_BF16;
 }
 
 /* One warp per output row, lanes striding K; tokens along grid y. */
 template <typename TW>
-__global__ void dense_kernel(const TW *w, const void *bias, int bias_dtype, int n, int k, int m, const void *x,
-                             int x_dtype, void *y, int y_dtype) {
+__global__ void dense_kernel(const TW *w, const void *bias, int bias_dtype, int n, int k, int m,
+                             const void *x, int x_dtype, void *y, int y_dtype) {
   const int row = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
   if (row >= n)
     return;
@@ -606,8 +671,8 @@ extern "C" int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t expert
   return cudaGetLastError();
 }
 
-extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t cols,
-                                        void *stream) {
+extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows,
+                                        int64_t cols, void *stream) {
   if (experts < 1 || rows < 1 || cols < 1)
     return cudaErrorInvalidValue;
   long long bytes = experts * nvfp4_sf_bytes(rows, cols);
@@ -616,35 +681,39 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   return cudaGetLastError();
 }
 
-extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, const struct nvfp4_tuning *tune,
-                                struct nvfp4_tuning *out) {
+extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
+                                const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
   out->tile_m = pick_tile_m(m, tune ? tune->tile_m : 0);
+  out->depth = tune ? tune->depth : 0;
   int64_t blocks = (m + out->tile_m - 1) / out->tile_m * ((n + kRowsPerBlock - 1) / kRowsPerBlock);
-  out->split_k = pick_split(blocks, nvfp4_w_chunks(k), tune ? tune->split_k : 0);
+  out->split_k =
+      pick_split(blocks, nvfp4_w_chunks(k), resident_per_sm(*out, x_dtype), tune ? tune->split_k : 0);
 }
 
 extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, const void *x,
                               enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
                               const struct nvfp4_tuning *tune, void *stream) {
-  if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || expert < 0 || expert >= wt->experts || wt->k % NVFP4_BLOCK ||
-      ((uintptr_t)x & 15) || m > INT32_MAX || wt->n > INT32_MAX || wt->k > INT32_MAX)
+  if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || expert < 0 || expert >= wt->experts ||
+      wt->k % NVFP4_BLOCK || ((uintptr_t)x & 15) || m > INT32_MAX || wt->n > INT32_MAX || wt->k > INT32_MAX)
     return cudaErrorInvalidValue;
   if (m == 0)
     return cudaSuccess;
   struct nvfp4_tuning plan;
-  nvfp4_gemm_plan(m, wt->n, wt->k, tune, &plan);
+  nvfp4_gemm_plan(m, wt->n, wt->k, x_dtype, tune, &plan);
   GemmArgs a = gemm_args(wt);
   a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
-  int grid_x = (int)((m + plan.tile_m - 1) / plan.tile_m), grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
+  int grid_x = (int)((m + plan.tile_m - 1) / plan.tile_m),
+      grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
   if (grid_y > 65535)
     return cudaErrorInvalidValue;
-  cudaError_t err = dispatch(plan.tile_m, x_dtype, a, grid_x, grid_y, (cudaStream_t)stream);
+  cudaError_t err = dispatch(plan, x_dtype, a, grid_x, grid_y, (cudaStream_t)stream);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
                              const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype,
-                             void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune, void *stream) {
+                             void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune,
+                             void *stream) {
   if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || topk < 1 || !topk_ids || (combine && !topk_weights) ||
       wt->experts < 1 || wt->experts > kMaxMoeExperts || wt->k % NVFP4_BLOCK || ((uintptr_t)x & 15) ||
       m * topk > INT32_MAX / 2 || wt->n > INT32_MAX || wt->k > INT32_MAX)
@@ -664,37 +733,42 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   size_t tiles_bytes = sizeof(int4) * (size_t)max_tiles, sorted_bytes = sizeof(int) * ((size_t)pairs + 4);
   size_t rows_bytes = combine ? sizeof(float) * (size_t)pairs * (size_t)wt->n : 0;
   char *scratch = nullptr;
-  cudaError_t err = cudaMallocAsync(reinterpret_cast<void **>(&scratch), tiles_bytes + sorted_bytes + rows_bytes, st);
+  cudaError_t err =
+      cudaMallocAsync(reinterpret_cast<void **>(&scratch), tiles_bytes + sorted_bytes + rows_bytes, st);
   if (err != cudaSuccess)
     return err;
   int4 *tiles = reinterpret_cast<int4 *>(scratch);
   int *sorted = reinterpret_cast<int *>(scratch + tiles_bytes), *num_tiles = sorted + pairs;
   float *rows = combine ? reinterpret_cast<float *>(scratch + tiles_bytes + sorted_bytes) : nullptr;
 
-  moe_align_kernel<<<1, 1024, 4 * sizeof(int) * (size_t)experts, st>>>(topk_ids, pairs, experts, tile_m, sorted,
-                                                                       tiles, num_tiles);
+  moe_align_kernel<<<1, 1024, 4 * sizeof(int) * (size_t)experts, st>>>(topk_ids, pairs, experts, tile_m,
+                                                                       sorted, tiles, num_tiles);
   err = cudaGetLastError();
   if (err == cudaSuccess) {
     GemmArgs a = gemm_args(wt);
     a.x = x, a.y = y, a.y_dtype = y_dtype, a.y_pairs = rows;
     a.tiles = tiles, a.num_tiles = num_tiles, a.pairs = sorted, a.x_div = combine ? 1 : topk;
     /* Most tiles a step can have is one per expert hit; size the split for that. */
+    struct nvfp4_tuning plan = {tile_m, 0, tune ? tune->depth : 0};
     int64_t est_blocks = (int64_t)min(pairs, experts) * grid_y;
-    a.splits = pick_split(est_blocks, nvfp4_w_chunks(wt->k), tune ? tune->split_k : 0);
-    err = dispatch(tile_m, x_dtype, a, max_tiles, grid_y, st);
+    plan.split_k = pick_split(est_blocks, nvfp4_w_chunks(wt->k), resident_per_sm(plan, x_dtype),
+                              tune ? tune->split_k : 0);
+    a.splits = plan.split_k;
+    err = dispatch(plan, x_dtype, a, max_tiles, grid_y, st);
   }
   if (err == cudaSuccess && combine) {
     dim3 grid((unsigned)m, (unsigned)((wt->n + 255) / 256));
-    moe_combine_kernel<<<grid, 256, 0, st>>>(rows, topk_ids, topk_weights, topk, experts, (int)wt->n, y, y_dtype);
+    moe_combine_kernel<<<grid, 256, 0, st>>>(rows, topk_ids, topk_weights, topk, experts, (int)wt->n, y,
+                                             y_dtype);
     err = cudaGetLastError();
   }
   cudaError_t free_err = cudaFreeAsync(scratch, st);
   return err != cudaSuccess ? err : free_err;
 }
 
-extern "C" int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias, enum qkeep_dtype bias_dtype,
-                              int64_t n, int64_t k, int64_t m, const void *x, enum qkeep_dtype x_dtype, void *y,
-                              enum qkeep_dtype y_dtype, void *stream) {
+extern "C" int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias,
+                              enum qkeep_dtype bias_dtype, int64_t n, int64_t k, int64_t m, const void *x,
+                              enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, void *stream) {
   if (!dtype_ok(w_dtype) || !dtype_ok(x_dtype) || !dtype_ok(y_dtype) || (bias && !dtype_ok(bias_dtype)) ||
       n > INT32_MAX / 32 || k > INT32_MAX || m > INT32_MAX)
     return cudaErrorInvalidValue;
@@ -704,12 +778,12 @@ extern "C" int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const voi
   cudaStream_t st = (cudaStream_t)stream;
   switch (w_dtype) {
   case QKEEP_DTYPE_F32:
-    dense_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float *>(w), bias, bias_dtype, (int)n, (int)k, (int)m,
-                                              x, x_dtype, y, y_dtype);
+    dense_kernel<float><<<grid, 256, 0, st>>>(static_cast<const float *>(w), bias, bias_dtype, (int)n, (int)k,
+                                              (int)m, x, x_dtype, y, y_dtype);
     break;
   case QKEEP_DTYPE_F16:
-    dense_kernel<__half><<<grid, 256, 0, st>>>(static_cast<const __half *>(w), bias, bias_dtype, (int)n, (int)k,
-                                               (int)m, x, x_dtype, y, y_dtype);
+    dense_kernel<__half><<<grid, 256, 0, st>>>(static_cast<const __half *>(w), bias, bias_dtype, (int)n,
+                                               (int)k, (int)m, x, x_dtype, y, y_dtype);
     break;
   default:
     dense_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(static_cast<const __nv_bfloat16 *>(w), bias, bias_dtype,

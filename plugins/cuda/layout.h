@@ -21,10 +21,14 @@
  * (outer) and 64-K chunk (inner) 512 bytes: 32 lanes x 16 bytes. Lane
  * l = 4g + t holds rows g and g + 8 of the tile at the 16 K of scale block
  * t of the chunk (k = 16t + 4j + e, j = 0..3, e = 0..3), as four 32-bit
- * words, word j for mma k-step j. Inside word j the nibble of (row g + 8h,
- * e) is {3, 7, 1, 5}[e] - h, so that nibbles (3, 7), (2, 6), (1, 5), (0, 4)
- * are the register pairs a0a1, a2a3, a4a5, a6a7 of the fragment, each
- * turned into a bf16x2 / f16x2 by nvfp4_fp4x2_biased below. When R % 16 == 0
+ * words, word j for mma k-step j. A word holds the fragment's four register
+ * pairs a0a1 (row g, e 0/1), a2a3 (row g + 8, e 0/1), a4a5 (row g, e 2/3)
+ * and a6a7 (row g + 8, e 2/3) with the four bits of each code (sign s and
+ * magnitude e1 e0 m) placed where the bf16 conversion wants them: pair 0 at
+ * the bits of a bf16x2 (s at 15 / 31, e1 e0 m at 8..6 / 24..22), pairs 1
+ * and 2 at the same bits shifted down by 3 and by 6, pair 3 in the 8 bits
+ * left over (nvfp4_w_bits). Decoding a pair is then one mask (pair 0), a
+ * shift and a mask (pairs 1, 2), or three of each (pair 3). When R % 16 == 0
  * and K % 64 == 0 the tiled weight is exactly as large as the checkpoint's.
  */
 #ifndef QKEEP_CUDA_LAYOUT_H
@@ -39,13 +43,13 @@
 #define NVFP4_INLINE static inline
 #endif
 
-#define NVFP4_BLOCK 16        /* K elements per e4m3 block scale */
-#define NVFP4_SF_ROWS 128     /* rows of a swizzle atom */
-#define NVFP4_SF_COLS 4       /* scale columns of a swizzle atom */
-#define NVFP4_SF_ATOM 512     /* bytes of a swizzle atom */
-#define NVFP4_TILE_ROWS 16    /* rows of a weight fragment tile */
-#define NVFP4_CHUNK_K 64      /* K of a weight fragment tile (4 scale blocks) */
-#define NVFP4_TILE_BYTES 512  /* bytes of one tile x chunk: 32 lanes x 16 bytes */
+#define NVFP4_BLOCK 16       /* K elements per e4m3 block scale */
+#define NVFP4_SF_ROWS 128    /* rows of a swizzle atom */
+#define NVFP4_SF_COLS 4      /* scale columns of a swizzle atom */
+#define NVFP4_SF_ATOM 512    /* bytes of a swizzle atom */
+#define NVFP4_TILE_ROWS 16   /* rows of a weight fragment tile */
+#define NVFP4_CHUNK_K 64     /* K of a weight fragment tile (4 scale blocks) */
+#define NVFP4_TILE_BYTES 512 /* bytes of one tile x chunk: 32 lanes x 16 bytes */
 
 NVFP4_INLINE int64_t nvfp4_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -55,7 +59,9 @@ NVFP4_INLINE int64_t nvfp4_round_up(int64_t x, int64_t m) { return (x + m - 1) /
 NVFP4_INLINE int64_t nvfp4_sf_rows(int64_t rows) { return nvfp4_round_up(rows, NVFP4_SF_ROWS); }
 NVFP4_INLINE int64_t nvfp4_sf_cols(int64_t cols) { return nvfp4_round_up(cols, NVFP4_SF_COLS); }
 /* Bytes of the swizzled scales (one expert). */
-NVFP4_INLINE int64_t nvfp4_sf_bytes(int64_t rows, int64_t cols) { return nvfp4_sf_rows(rows) * nvfp4_sf_cols(cols); }
+NVFP4_INLINE int64_t nvfp4_sf_bytes(int64_t rows, int64_t cols) {
+  return nvfp4_sf_rows(rows) * nvfp4_sf_cols(cols);
+}
 
 /* Byte offset of scale (r, c) in the swizzled layout with padded columns cols_padded. */
 NVFP4_INLINE int64_t nvfp4_sf_offset(int64_t r, int64_t c, int64_t cols_padded) {
@@ -80,44 +86,81 @@ NVFP4_INLINE int64_t nvfp4_w_bytes(int64_t rows, int64_t k) {
   return nvfp4_w_rows(rows) / NVFP4_TILE_ROWS * nvfp4_w_chunks(k) * NVFP4_TILE_BYTES;
 }
 
-/* The nibble (0..7) of word j that holds element e (0..3) of row g + 8 * high. */
-NVFP4_INLINE int nvfp4_w_nibble(int e, int high) { return ((e & 1) ? 7 : 3) - ((e & 2) ? 2 : 0) - high; }
+/*
+ * Bit positions of slot `slot` (0..7) of a tile word: slot = 2 * pair + (e & 1), pair =
+ * h + 2 * (e >> 1) for row g + 8h and element e of the k-step. Returns the positions of
+ * the code's sign, e1, e0 and m bits in bits[3..0].
+ */
+NVFP4_INLINE void nvfp4_w_bits(int slot, int bits[4]) {
+  static const unsigned char pos[8][4] = {{6, 7, 8, 15},    {22, 23, 24, 31}, {3, 4, 5, 12},
+                                          {19, 20, 21, 28}, {0, 1, 2, 9},     {16, 17, 18, 25},
+                                          {10, 11, 13, 14}, {26, 27, 29, 30}};
+  for (int i = 0; i < 4; i++)
+    bits[i] = pos[slot][i];
+}
 
-/* Where code (r, k) lives in the tiled layout of a matrix with `chunks` K chunks:
- * byte offset, and *high = 1 for the high nibble of that byte. */
-NVFP4_INLINE int64_t nvfp4_w_position(int64_t r, int64_t k, int64_t chunks, int *high) {
+/* The slot of element e (0..3) of row g + 8h in its word. */
+NVFP4_INLINE int nvfp4_w_slot(int e, int h) { return 2 * (h + 2 * (e >> 1)) + (e & 1); }
+
+/* The 32-bit word (index into one expert's tiled weight) and *slot that hold code (r, k)
+ * of a matrix with `chunks` K chunks. */
+NVFP4_INLINE int64_t nvfp4_w_position(int64_t r, int64_t k, int64_t chunks, int *slot) {
   int64_t tile = r / 16, chunk = k / 64;
   int g = (int)(r % 8), h = (int)((r % 16) / 8);
   int kk = (int)(k % 64), t = kk / 16, j = (kk % 16) / 4, e = kk % 4;
-  int nib = nvfp4_w_nibble(e, h);
-  *high = nib & 1;
-  return ((tile * chunks + chunk) * 32 + 4 * g + t) * 16 + 4 * j + nib / 2;
+  *slot = nvfp4_w_slot(e, h);
+  return ((tile * chunks + chunk) * 32 + 4 * g + t) * 4 + j;
 }
 
-/* The inverse: the code (r, k) that nibble `high` of byte `offset` holds (padding
- * included: r may be >= rows, k >= K). */
-NVFP4_INLINE void nvfp4_w_source(int64_t offset, int high, int64_t chunks, int64_t *r, int64_t *k) {
-  int nib = (int)(offset % 4) * 2 + high;
-  int j = (int)((offset / 4) % 4), lane = (int)((offset / 16) % 32);
-  int64_t tile_chunk = offset / 512;
-  int h = !(nib & 1);
-  int e = (nib >> 1) == 0 ? 2 : (nib >> 1) == 1 ? 0 : (nib >> 1) == 2 ? 3 : 1;
+/* The inverse: the code (r, k) that slot `slot` of word `word` holds (padding included:
+ * r may be >= rows, k >= K). */
+NVFP4_INLINE void nvfp4_w_source(int64_t word, int slot, int64_t chunks, int64_t *r, int64_t *k) {
+  int j = (int)(word % 4), lane = (int)((word / 4) % 32);
+  int64_t tile_chunk = word / 128;
+  int pair = slot / 2, h = pair & 1, e = 2 * (pair >> 1) + (slot & 1);
   *r = (tile_chunk / chunks) * 16 + lane / 4 + 8 * h;
   *k = (tile_chunk % chunks) * 64 + 16 * (lane % 4) + 4 * j + e;
 }
 
-/*
- * Two e2m1 codes, at bits 15:12 and 31:28 of q, as the bit patterns of two 16-bit
- * floats (low half from bits 15:12): the sign bit moved to bit 15 / 31, the three
- * magnitude bits to the low exponent bits and the top mantissa bit. shift 6 gives
- * bf16 values code * 2^-126, shift 3 gives f16 values code * 2^-14, exactly (the
- * code 0.5 lands on the smallest subnormal of the right exponent). The GEMM
- * multiplies the pair by its block scale times the inverse power of two.
- */
-NVFP4_INLINE uint32_t nvfp4_fp4x2_biased(uint32_t q, int shift) {
-  return (q & 0x80008000u) | ((q >> shift) & (0x70007000u >> shift));
+/* Word with code (4 bits) stored in `slot` (whose bits must be clear). */
+NVFP4_INLINE uint32_t nvfp4_w_put(uint32_t word, int slot, unsigned code) {
+  int bits[4];
+  nvfp4_w_bits(slot, bits);
+  for (int i = 0; i < 4; i++)
+    word |= (uint32_t)((code >> i) & 1) << bits[i];
+  return word;
 }
-#define NVFP4_SHIFT_BF16 6
-#define NVFP4_SHIFT_F16 3
+
+/* The code in `slot` of word. */
+NVFP4_INLINE unsigned nvfp4_w_get(uint32_t word, int slot) {
+  int bits[4];
+  nvfp4_w_bits(slot, bits);
+  unsigned code = 0;
+  for (int i = 0; i < 4; i++)
+    code |= ((word >> bits[i]) & 1u) << i;
+  return code;
+}
+
+/*
+ * Register pair `pair` (0..3) of a tile word as the bit patterns of two bf16 values,
+ * code * 2^-126 each, exactly (the code 0.5 lands on the smallest bf16 subnormal, the
+ * others on normals; the low half holds the first element). The GEMM multiplies the pair
+ * by its block scale times 2^63 and the result by 2^63 at the end.
+ */
+NVFP4_INLINE uint32_t nvfp4_pair_bf16(uint32_t q, int pair) {
+  const uint32_t t = 0x81c081c0u; /* s at 15 / 31, e1 e0 m at 8..6 / 24..22 */
+  switch (pair) {
+  case 0: return q & t;
+  case 1: return (q << 3) & t;
+  case 2: return (q << 6) & t;
+  default: return ((q >> 4) & 0x00c000c0u) | ((q >> 5) & 0x01000100u) | ((q << 1) & 0x80008000u);
+  }
+}
+
+/* The same pair as f16 bit patterns, code * 2^-14 each, from the bf16 ones (e1 e0 m move
+ * from bits 8..6 to 11..9). */
+NVFP4_INLINE uint32_t nvfp4_bf16x2_to_f16x2(uint32_t p) {
+  return (p & 0x80008000u) | ((p << 3) & 0x0e000e00u);
+}
 
 #endif

@@ -7,9 +7,11 @@
  * bf16; f16 is converted to f32), for linear and MoE layers. What PWAL leaves
  * behind, per weight matrix ("" for a linear layer, "w13_" and "w2_" for MoE):
  *
- *   weight                 the packed weights, replaced into the param's own
- *                          storage (rebound only when the packed layout pads
- *                          N or K past it, e.g. K or N not a multiple of 64)
+ *   weight                 the packed weights as 1-D [bytes / element] ([E, ...]
+ *                          for MoE) in the kernel's dtype, replaced into the
+ *                          param's own storage; rebound (larger) only when the
+ *                          packed layout pads N or K past it (not multiples of
+ *                          64 on AVX-512) or 16-bit weights run as f32
  *   azp_adj                int8: buffer i32 [E?, N], sum_k q_w[n, k]
  *   weight_scale_channel   int8: buffer f32 [E?, N] when the checkpoint's
  *                          scales are not f32 per channel (per tensor, per
@@ -21,6 +23,11 @@
  * A tied lm_head is never repacked: its weight is the embedding's param,
  * which the embedding reads as rows. It runs unpacked, straight from the
  * embedding's [N, K] storage.
+ *
+ * Config ([backend.cpu-onednn]): threads = N (OpenMP threads for PWAL and
+ * apply; default OpenMP's), int8_without_vnni = 7bit | refuse (onednn.h).
+ * Environment: QKEEP_ONEDNN_MAX_ISA=avx2 (or another oneDNN ISA name) lowers
+ * oneDNN's ISA before it generates code, e.g. to simulate a CPU without VNNI.
  */
 #include <stddef.h>
 #include <stdio.h>
@@ -57,12 +64,12 @@ static bool int8_refused(const struct od_backend *b) {
 }
 
 static int refusal(const struct od_backend *b, const char *layer) {
-  return b->host->set_error(
-      QKEEP_E_UNSUPPORTED,
-      "%s: cpu-onednn refuses w8a8-int8 on this CPU: oneDNN's ISA is %s, without AVX-512 VNNI, where oneDNN 2.6 "
-      "sums u8 x s8 products in saturating int16 and gives wrong results for full-range int8 "
-      "(int8_without_vnni = refuse; set it to 7bit to run with 7-bit activations, or use the reference backend)",
-      layer, b->isa_name);
+  return b->host->set_error(QKEEP_E_UNSUPPORTED,
+                            "%s: cpu-onednn refuses w8a8-int8 on this CPU: oneDNN's ISA is %s, without "
+                            "AVX-512 VNNI, where oneDNN 2.6 sums u8 x s8 products in saturating int16 and "
+                            "gives wrong results for full-range int8 (int8_without_vnni = refuse; set it to "
+                            "7bit to run with 7-bit activations, or use the reference backend)",
+                            layer, b->isa_name);
 }
 
 static int onednn_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
@@ -84,7 +91,8 @@ static int onednn_configure(const struct qkeep_backend *be, const char *key, con
     char *end;
     long n = strtol(value, &end, 10);
     if (end == value || *end || n < 1 || n > 4096)
-      return b->host->set_error(QKEEP_E_CONFIG, "threads = '%s': expected a whole number from 1 to 4096", value);
+      return b->host->set_error(QKEEP_E_CONFIG, "threads = '%s': expected a whole number from 1 to 4096",
+                                value);
     b->threads = (int)n;
     return 0;
   }
@@ -97,7 +105,8 @@ static int onednn_configure(const struct qkeep_backend *be, const char *key, con
       return b->host->set_error(QKEEP_E_CONFIG, "int8_without_vnni = '%s': expected 7bit or refuse", value);
     return 0;
   }
-  return b->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (cpu-onednn takes threads, int8_without_vnni)", key);
+  return b->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (cpu-onednn takes threads, int8_without_vnni)",
+                            key);
 }
 
 static int onednn_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
@@ -110,8 +119,9 @@ static int onednn_supports(const struct qkeep_backend *be, const char *scheme, e
     return 0;
   if (int8_refused(b)) {
     /* The core reports the layer as unsupported; the log says why. */
-    b->host->log(QKEEP_LOG_ERROR, "%s", "cpu-onednn: w8a8-int8 refused: no AVX-512 VNNI on this CPU, where "
-                                        "oneDNN 2.6 int8 products saturate (int8_without_vnni = refuse)");
+    b->host->log(QKEEP_LOG_ERROR, "%s",
+                 "cpu-onednn: w8a8-int8 refused: no AVX-512 VNNI on this CPU, where "
+                 "oneDNN 2.6 int8 products saturate (int8_without_vnni = refuse)");
     return 0;
   }
   return 1;
@@ -119,9 +129,11 @@ static int onednn_supports(const struct qkeep_backend *be, const char *scheme, e
 
 /* ---- PWAL ----------------------------------------------------------------------------------- */
 
-/* The param's view, which must be live and hold exactly the checkpoint's [E?, N, K] of a dtype in `dtypes`. */
-static int checkpoint_weight(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
-                             const struct od_matrix *mt, uint32_t dtypes, struct qkeep_view *w) {
+/* The param's view, which must be live and hold exactly the checkpoint's [E?, N, K] of a dtype in `dtypes`.
+ */
+static int checkpoint_weight(const struct od_backend *b, qkeep_layer *layer,
+                             const struct qkeep_layer_info *info, const struct od_matrix *mt, uint32_t dtypes,
+                             struct qkeep_view *w) {
   char name[64];
   w->size = sizeof *w;
   int rc = b->host->view(layer, pname(name, sizeof name, mt, "weight"), w);
@@ -132,11 +144,11 @@ static int checkpoint_weight(const struct od_backend *b, qkeep_layer *layer, con
   bool ok = w->state == QKEEP_PARAM_LIVE && (dtypes & (1u << s->dtype)) && s->ndim == (moe ? 3 : 2) &&
             (!moe || s->shape[0] == mt->experts) && s->shape[moe] == mt->n && s->shape[moe + 1] == mt->k;
   if (!ok)
-    return b->host->set_error(QKEEP_E_STATE,
-                              "%s.%s: not the checkpoint's [%s%lld, %lld] weights (ndim %d, state %d): PWAL runs on "
-                              "a freshly loaded or reloaded layer",
-                              info->name, name, moe ? "E, " : "", (long long)mt->n, (long long)mt->k, s->ndim,
-                              (int)w->state);
+    return b->host->set_error(
+        QKEEP_E_STATE,
+        "%s.%s: not the checkpoint's [%s%lld, %lld] weights (ndim %d, state %d): PWAL runs on "
+        "a freshly loaded or reloaded layer",
+        info->name, name, moe ? "E, " : "", (long long)mt->n, (long long)mt->k, s->ndim, (int)w->state);
   return 0;
 }
 
@@ -187,7 +199,8 @@ static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const str
   int shards = w2 ? 1 : info->shards;
   if (s.state != QKEEP_PARAM_LIVE || !dtype_size(s.spec.dtype) || s.spec.dtype > QKEEP_DTYPE_BF16 ||
       spec_numel(&s.spec) % mt->experts || (count != mt->n && count != shards && count != 1))
-    return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: %lld scales per matrix, expected %lld (per channel), %d or 1",
+    return b->host->set_error(QKEEP_E_FORMAT,
+                              "%s.%s: %lld scales per matrix, expected %lld (per channel), %d or 1",
                               info->name, name, (long long)count, (long long)mt->n, shards);
   mt->scales_in_buffer = !(count == mt->n && s.spec.dtype == QKEEP_DTYPE_F32);
   if (!mt->scales_in_buffer)
@@ -195,7 +208,8 @@ static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const str
   struct qkeep_spec spec = per_expert_spec(mt, moe, QKEEP_DTYPE_F32, mt->n);
   struct qkeep_view out = {.size = sizeof out};
   char buf_name[64];
-  if ((rc = b->host->add_buffer(layer, pname(buf_name, sizeof buf_name, mt, "weight_scale_channel"), &spec, &out)))
+  if ((rc = b->host->add_buffer(layer, pname(buf_name, sizeof buf_name, mt, "weight_scale_channel"), &spec,
+                                &out)))
     return rc;
   float *channel = out.data;
   for (int64_t e = 0; e < mt->experts; e++) {
@@ -211,7 +225,11 @@ static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const str
   return b->host->retire(layer, name);
 }
 
-/* Static asymmetric MoE: one zero point per expert, so w13's gate and up slots must agree. */
+/*
+ * Static asymmetric activations: the zero points must be s8 values (the
+ * int32 correction zp * azp_adj is bounded by that), and an MoE expert's
+ * w13 slots (gate, up) must agree, since one quantised activation feeds both.
+ */
 static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *layer,
                                    const struct qkeep_layer_info *info, const struct od_matrix *mt) {
   char name[64];
@@ -219,15 +237,18 @@ static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *laye
   if (b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &z) != 0)
     return 0;
   int64_t count = spec_numel(&z.spec) / mt->experts;
-  for (int64_t e = 0; e < mt->experts; e++)
-    for (int64_t i = 1; i < count; i++) {
-      int64_t a = e * count, c = e * count + i;
-      int32_t za = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[a] : ((const int32_t *)z.data)[a];
-      int32_t zc = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[c] : ((const int32_t *)z.data)[c];
-      if (za != zc)
-        return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s.%s: expert %lld's shards carry zero points %d and %d",
-                                  info->name, name, (long long)e, za, zc);
-    }
+  for (int64_t i = 0; i < mt->experts * count; i++) {
+    int32_t zi = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[i] : ((const int32_t *)z.data)[i];
+    int32_t first = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[i - i % count]
+                                                   : ((const int32_t *)z.data)[i - i % count];
+    if (zi < -128 || zi > 127)
+      return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: zero point %d is not an int8 value", info->name, name,
+                                zi);
+    if (zi != first)
+      return b->host->set_error(QKEEP_E_UNSUPPORTED,
+                                "%s.%s: expert %lld's shards carry zero points %d and %d", info->name, name,
+                                (long long)(i / count), first, zi);
+  }
   return 0;
 }
 
@@ -244,8 +265,9 @@ static int pwal_int8(struct od_backend *b, qkeep_layer *layer, const struct qkee
                               info->name, (long long)mt->k);
   mt->compute = OD_INT8;
   mt->store = OD_IN_WEIGHT;
-  if ((rc = od_matrix_prepare(b, mt, QKEEP_DTYPE_I8, false)) || (rc = int8_colsums(b, layer, moe, mt, w.data)) ||
-      (rc = int8_scales(b, layer, info, mt)) || (rc = int8_static_zero_points(b, layer, info, mt)))
+  if ((rc = od_matrix_prepare(b, mt, QKEEP_DTYPE_I8, false)) ||
+      (rc = int8_colsums(b, layer, moe, mt, w.data)) || (rc = int8_scales(b, layer, info, mt)) ||
+      (rc = int8_static_zero_points(b, layer, info, mt)))
     return rc;
   /* Pack every expert into one result, then replace: into the param's own storage when it fits. */
   struct qkeep_spec spec = per_expert_spec(mt, moe, QKEEP_DTYPE_I8, (int64_t)mt->wbytes);
@@ -322,7 +344,8 @@ static int layer_state(struct od_backend *b, qkeep_layer *layer, struct od_layer
     od_matrix_release(&st->mat[i]);
     st->mat[i] = (struct od_matrix){0};
   }
-  dnnl_status_t s = st->stream ? dnnl_success : dnnl_stream_create(&st->stream, b->engine, dnnl_stream_default_flags);
+  dnnl_status_t s =
+      st->stream ? dnnl_success : dnnl_stream_create(&st->stream, b->engine, dnnl_stream_default_flags);
   if (s != dnnl_success)
     return od_fail(b, QKEEP_E_DEVICE, s, "creating a stream");
   *out = st;
@@ -372,8 +395,8 @@ static int operand(const struct od_backend *b, qkeep_layer *layer, const struct 
   if (rc)
     return rc;
   if (v->state != QKEEP_PARAM_LIVE || (offset + count) * elem > v->nbytes)
-    return b->host->set_error(QKEEP_E_STATE, "%s.%s: %zu bytes (state %d), the kernel reads %zu", info->name, name,
-                              v->nbytes, (int)v->state, (offset + count) * elem);
+    return b->host->set_error(QKEEP_E_STATE, "%s.%s: %zu bytes (state %d), the kernel reads %zu", info->name,
+                              name, v->nbytes, (int)v->state, (offset + count) * elem);
   *out = (const unsigned char *)v->data + offset * elem;
   return 0;
 }
@@ -396,26 +419,29 @@ static int static_act(const struct od_backend *b, qkeep_layer *layer, const stru
   act->static_zero = 0;
   if (act->asym && b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &v) == 0) {
     int64_t at = expert * (spec_numel(&v.spec) / mt->experts);
-    act->static_zero = v.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)v.data)[at] : ((const int32_t *)v.data)[at];
+    act->static_zero =
+        v.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)v.data)[at] : ((const int32_t *)v.data)[at];
   }
   return 0;
 }
 
 /* Resolves what the kernel of matrix mt, expert e, reads. */
 static int operands(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
-                    const struct od_layer *st, const struct od_matrix *mt, int64_t e, struct od_operands *op) {
+                    const struct od_layer *st, const struct od_matrix *mt, int64_t e,
+                    struct od_operands *op) {
   char name[64];
   struct qkeep_view v;
   const void *p;
   *op = (struct od_operands){0};
   bool plain = mt->store == OD_PLAIN;
   const char *weights = mt->store == OD_BUFFER ? "weight_packed" : pname(name, sizeof name, mt, "weight");
-  int rc = operand(b, layer, info, weights, plain ? 0 : (size_t)e, 1, plain ? (size_t)(mt->n * mt->k) : mt->wbytes,
-                   &v, &op->weights);
+  int rc = operand(b, layer, info, weights, plain ? 0 : (size_t)e, 1,
+                   plain ? (size_t)(mt->n * mt->k) : mt->wbytes, &v, &op->weights);
   if (rc)
     return rc;
   if (plain && v.nbytes != (size_t)(mt->n * mt->k) * (mt->compute == OD_BF16 ? 2 : 4))
-    return b->host->set_error(QKEEP_E_STATE, "%s.weight: the tied weight changed dtype since PWAL", info->name);
+    return b->host->set_error(QKEEP_E_STATE, "%s.weight: the tied weight changed dtype since PWAL",
+                              info->name);
   v.size = sizeof v;
   if (b->host->view(layer, pname(name, sizeof name, mt, "bias"), &v) == 0 && v.state == QKEEP_PARAM_LIVE) {
     size_t es = dtype_size(v.spec.dtype);
@@ -425,12 +451,13 @@ static int operands(const struct od_backend *b, qkeep_layer *layer, const struct
   }
   if (mt->compute != OD_INT8)
     return 0;
-  const char *scales = pname(name, sizeof name, mt, mt->scales_in_buffer ? "weight_scale_channel" : "weight_scale");
+  const char *scales =
+      pname(name, sizeof name, mt, mt->scales_in_buffer ? "weight_scale_channel" : "weight_scale");
   if ((rc = operand(b, layer, info, scales, (size_t)(e * mt->n), (size_t)mt->n, sizeof(float), &v, &p)))
     return rc;
   op->scale = p;
-  if ((rc = operand(b, layer, info, pname(name, sizeof name, mt, "azp_adj"), (size_t)(e * mt->n), (size_t)mt->n,
-                    sizeof(int32_t), &v, &p)))
+  if ((rc = operand(b, layer, info, pname(name, sizeof name, mt, "azp_adj"), (size_t)(e * mt->n),
+                    (size_t)mt->n, sizeof(int32_t), &v, &p)))
     return rc;
   op->azp_adj = p;
   op->act = (struct od_act){.dynamic = (st->flags & QKEEP_LAYER_F_INPUT_DYNAMIC) != 0,
@@ -439,7 +466,8 @@ static int operands(const struct od_backend *b, qkeep_layer *layer, const struct
   return op->act.dynamic ? 0 : static_act(b, layer, info, mt, e, &op->act);
 }
 
-static int onednn_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
+static int onednn_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                        const struct qkeep_apply_args *a) {
   struct od_backend *b = od_of(be);
   struct qkeep_layer_info info = {.size = sizeof info};
   int rc = b->host->layer_info(layer, &info);
@@ -451,7 +479,8 @@ static int onednn_apply(const struct qkeep_backend *be, qkeep_layer *layer, cons
                               info.name);
   if (a->size < offsetof(struct qkeep_apply_args, expert) || a->x_dtype != QKEEP_DTYPE_F32 ||
       a->y_dtype != QKEEP_DTYPE_F32 || a->m < 0)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-onednn takes f32 activations and outputs", info.name);
+    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-onednn takes f32 activations and outputs",
+                              info.name);
   /* Slots past args->size are absent: expert 0, w13. */
   bool has_expert = a->size >= offsetof(struct qkeep_apply_args, matrix) + sizeof a->matrix;
   int64_t expert = has_expert ? a->expert : 0;
@@ -507,7 +536,8 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,
       .abi_minor = 0,
       .name = "cpu-onednn",
-      .description = "oneDNN 2.6 on the host CPU: w8a8-int8 (packed s8 weights in place) and f32/bf16 linear layers",
+      .description =
+          "oneDNN 2.6 on the host CPU: w8a8-int8 (packed s8 weights in place) and f32/bf16 linear layers",
       .probe = onednn_probe,
       .configure = onednn_configure,
       .memory = NULL,

@@ -57,24 +57,25 @@ static dnnl_data_type_t dnnl_type(enum qkeep_dtype d) {
 
 static const char *dtype_name(enum qkeep_dtype d) {
   static const char *const names[QKEEP_DTYPE_COUNT] = {"F32", "F16", "BF16", "F8_E4M3", "F8_E8M0",
-                                                        "U8",  "I8",  "I32",  "I64"};
+                                                       "U8",  "I8",  "I32",  "I64"};
   return (unsigned)d < QKEEP_DTYPE_COUNT ? names[d] : "?";
 }
 
 /* Source, weight and destination types of each compute kind. */
-static void compute_types(enum od_compute c, dnnl_data_type_t *src, dnnl_data_type_t *wei, dnnl_data_type_t *dst) {
+static void compute_types(enum od_compute c, dnnl_data_type_t *src, dnnl_data_type_t *wei,
+                          dnnl_data_type_t *dst) {
   *src = c == OD_INT8 ? dnnl_u8 : c == OD_BF16 ? dnnl_bf16 : dnnl_f32;
   *wei = c == OD_INT8 ? dnnl_s8 : c == OD_BF16 ? dnnl_bf16 : dnnl_f32;
   *dst = c == OD_INT8 ? dnnl_s32 : dnnl_f32;
 }
 
 /* A matmul primitive descriptor for rows x k times the weights described by wmd (NULL: any layout). */
-static dnnl_status_t matmul_pd(const struct od_backend *b, enum od_compute c, int64_t rows, int64_t k, int64_t n,
-                               const dnnl_memory_desc_t *wmd, dnnl_primitive_desc_t *pd) {
+/* The matmul of rows x k activations and the weights described by wmd (NULL: any layout). */
+static dnnl_status_t matmul_desc(enum od_compute c, int64_t rows, int64_t k, int64_t n,
+                                 const dnnl_memory_desc_t *wmd, dnnl_matmul_desc_t *md) {
   dnnl_data_type_t sdt, wdt, ddt;
   compute_types(c, &sdt, &wdt, &ddt);
   dnnl_memory_desc_t src, wei, dst;
-  dnnl_matmul_desc_t md;
   dnnl_status_t s = dnnl_memory_desc_init_by_tag(&src, 2, (dnnl_dims_t){rows, k}, sdt, dnnl_ab);
   if (s == dnnl_success)
     s = dnnl_memory_desc_init_by_tag(&dst, 2, (dnnl_dims_t){rows, n}, ddt, dnnl_ab);
@@ -82,11 +83,53 @@ static dnnl_status_t matmul_pd(const struct od_backend *b, enum od_compute c, in
     wei = *wmd;
   else if (s == dnnl_success)
     s = dnnl_memory_desc_init_by_tag(&wei, 2, (dnnl_dims_t){k, n}, wdt, dnnl_format_tag_any);
-  if (s == dnnl_success)
-    s = dnnl_matmul_desc_init(&md, &src, &wei, NULL, &dst);
-  if (s == dnnl_success)
-    s = dnnl_primitive_desc_create(pd, &md, NULL, b->engine, NULL);
-  return s;
+  return s == dnnl_success ? dnnl_matmul_desc_init(md, &src, &wei, NULL, &dst) : s;
+}
+
+/* oneDNN's first (preferred) implementation of that matmul. */
+static dnnl_status_t matmul_pd(const struct od_backend *b, enum od_compute c, int64_t rows, int64_t k,
+                               int64_t n, const dnnl_memory_desc_t *wmd, dnnl_primitive_desc_t *pd) {
+  dnnl_matmul_desc_t md;
+  dnnl_status_t s = matmul_desc(c, rows, k, n, wmd, &md);
+  return s == dnnl_success ? dnnl_primitive_desc_create(pd, &md, NULL, b->engine, NULL) : s;
+}
+
+static const char *impl_of(const_dnnl_primitive_desc_t pd) {
+  const char *impl = NULL;
+  return dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl) == dnnl_success && impl ? impl
+                                                                                                   : "";
+}
+
+/*
+ * oneDNN 2.6 runs int8 on AMX wherever the CPU has it, also for one row, where
+ * a 16-row tile does one row's work; its AVX-512 VNNI brgemm takes the same
+ * packed layout and streams the weights faster. Measured on the device's
+ * Xeon (AMX), 4096 x 4096 s8 weights out of cache, M = 1: 710 us vs 1054 us
+ * with 2 threads, 181 vs 232 us with 16 (4096 x 14336: 2.41 vs 4.01 ms and
+ * 583 vs 738 us); from M = 16 on AMX is faster (1085 vs 1333 us). So the
+ * one-row class swaps an AMX choice for the VNNI one when it exists.
+ */
+static void prefer_vnni_for_one_row(const struct od_backend *b, const struct od_matrix *mt,
+                                    dnnl_primitive_desc_t *pd) {
+  dnnl_matmul_desc_t md;
+  dnnl_primitive_desc_iterator_t it = NULL;
+  if (!strstr(impl_of(*pd), "amx") ||
+      matmul_desc(mt->compute, 1, mt->k, mt->n, &mt->wmd, &md) != dnnl_success ||
+      dnnl_primitive_desc_iterator_create(&it, &md, NULL, b->engine, NULL) != dnnl_success)
+    return;
+  do {
+    dnnl_primitive_desc_t alt = dnnl_primitive_desc_iterator_fetch(it);
+    if (!alt)
+      break;
+    const dnnl_memory_desc_t *w = dnnl_primitive_desc_query_md(alt, dnnl_query_weights_md, 0);
+    if (strstr(impl_of(alt), "avx512_core_vnni") && w && dnnl_memory_desc_equal(w, &mt->wmd)) {
+      dnnl_primitive_desc_destroy(*pd);
+      *pd = alt;
+      break;
+    }
+    dnnl_primitive_desc_destroy(alt);
+  } while (dnnl_primitive_desc_iterator_next(it) == dnnl_success);
+  dnnl_primitive_desc_iterator_destroy(it);
 }
 
 int od_engine_init(struct od_backend *b) {
@@ -96,18 +139,21 @@ int od_engine_init(struct od_backend *b) {
     while (i < n && strcmp(isa_names[i].name, limit) != 0)
       i++;
     if (i == n)
-      return b->host->set_error(QKEEP_E_CONFIG,
-                                "cpu-onednn: QKEEP_ONEDNN_MAX_ISA=%s: unknown ISA (all, sse41, avx, avx2, "
-                                "avx2_vnni, avx512_core, avx512_core_vnni, avx512_core_bf16, avx512_core_amx)",
-                                limit);
+      return b->host->set_error(
+          QKEEP_E_CONFIG,
+          "cpu-onednn: QKEEP_ONEDNN_MAX_ISA=%s: unknown ISA (all, sse41, avx, avx2, "
+          "avx2_vnni, avx512_core, avx512_core_vnni, avx512_core_bf16, avx512_core_amx)",
+          limit);
     dnnl_status_t s = dnnl_set_max_cpu_isa(isa_names[i].isa);
-    /* The limit can be set once, before oneDNN generates code; an earlier instance may have set it already. */
+    /* The limit can be set once, before oneDNN generates code; an earlier instance may have set it already.
+     */
     if (s != dnnl_success && isa_names[i].isa != dnnl_cpu_isa_all &&
         (dnnl_get_effective_cpu_isa() & ~isa_names[i].isa) != 0)
-      return b->host->set_error(QKEEP_E_PLUGIN,
-                                "cpu-onednn: QKEEP_ONEDNN_MAX_ISA=%s: oneDNN cannot lower its ISA (%s): it has "
-                                "generated code in this process already",
-                                limit, dnnl_status2str(s));
+      return b->host->set_error(
+          QKEEP_E_PLUGIN,
+          "cpu-onednn: QKEEP_ONEDNN_MAX_ISA=%s: oneDNN cannot lower its ISA (%s): it has "
+          "generated code in this process already",
+          limit, dnnl_status2str(s));
   }
   dnnl_status_t s = dnnl_engine_create(&b->engine, dnnl_cpu, 0);
   if (s != dnnl_success)
@@ -143,13 +189,23 @@ void od_threads_end(const struct od_backend *b, int saved) {
 
 /* ---- primitives per M class ------------------------------------------------------------ */
 
-static const int64_t class_rows[OD_CLASSES] = {1, 16, 128, OD_CHUNK_ROWS};
+static const int64_t class_rows[OD_CLASSES] = {1, 16, 64, 128, OD_CHUNK_ROWS};
 
-static int class_of(int64_t rows) {
+/* The rows of the next chunk of `left` rows, and the class that runs it (onednn.h). */
+static int64_t next_chunk(int64_t left, int *cls) {
   int c = 0;
-  while (c + 1 < OD_CLASSES && class_rows[c] < rows)
+  while (c + 1 < OD_CLASSES && class_rows[c] < left)
     c++;
-  return c;
+  if (left > class_rows[c]) { /* more than the largest class */
+    *cls = c;
+    return class_rows[c];
+  }
+  if (c == OD_CLASSES - 1 && left * 4 < class_rows[c] * 3) { /* 129..191: 128 now, the rest next */
+    *cls = c - 1;
+    return class_rows[c - 1];
+  }
+  *cls = c;
+  return left;
 }
 
 /* Builds class c's primitive and its memory objects from pd (consumed). */
@@ -167,8 +223,8 @@ static int prim_build(struct od_backend *b, struct od_matrix *mt, int c, dnnl_pr
   dnnl_primitive_desc_destroy(pd);
   if (s != dnnl_success) {
     char what[96];
-    snprintf(what, sizeof what, "building the %lld-row matmul for %lldx%lld weights", (long long)class_rows[c],
-             (long long)mt->n, (long long)mt->k);
+    snprintf(what, sizeof what, "building the %lld-row matmul for %lldx%lld weights",
+             (long long)class_rows[c], (long long)mt->n, (long long)mt->k);
     return od_fail(b, QKEEP_E_DEVICE, s, what);
   }
   return 0;
@@ -181,6 +237,8 @@ static int prim_get(struct od_backend *b, struct od_matrix *mt, int c, struct od
     dnnl_status_t s = matmul_pd(b, mt->compute, class_rows[c], mt->k, mt->n, &mt->wmd, &pd);
     if (s != dnnl_success)
       return od_fail(b, QKEEP_E_UNSUPPORTED, s, "a matmul with the packed weights' layout");
+    if (class_rows[c] == 1 && mt->compute == OD_INT8)
+      prefer_vnni_for_one_row(b, mt, &pd);
     int rc = prim_build(b, mt, c, pd);
     if (rc)
       return rc;
@@ -204,12 +262,47 @@ void od_matrix_release(struct od_matrix *mt) {
   }
 }
 
+/* A row-major layout with no blocking: what format_tag_any gives where oneDNN has no packed kernel. */
+static bool is_plain(const dnnl_memory_desc_t *md) {
+  return md->format_kind == dnnl_blocked && md->format_desc.blocking.inner_nblks == 0 && md->extra.flags == 0;
+}
+
+/*
+ * Where oneDNN prefers a plain layout (no packed kernel on this ISA: gemm:jit
+ * on AVX2), its choice between the two plain orders is a default, not a
+ * tuning: it picks {K, N} "ab", a transpose of the checkpoint. The same
+ * implementation also takes the checkpoint's own order "ba" and runs it
+ * faster (AVX2, 2 threads, 4096 x 4096: int8 M = 1 1.5 ms vs 2.5 ms, M = 16
+ * 2.3 vs 4.4 ms; f32 M = 128 37 vs 59 ms), so the weights keep that order.
+ * Packed (blocked) preferences are always taken as given.
+ */
+static void prefer_checkpoint_order(struct od_backend *b, struct od_matrix *mt, dnnl_primitive_desc_t *pd) {
+  dnnl_data_type_t sdt, wdt, ddt;
+  compute_types(mt->compute, &sdt, &wdt, &ddt);
+  dnnl_memory_desc_t ba;
+  dnnl_primitive_desc_t alt = NULL;
+  const char *impl = NULL, *alt_impl = NULL;
+  if (dnnl_memory_desc_init_by_tag(&ba, 2, (dnnl_dims_t){mt->k, mt->n}, wdt, dnnl_ba) != dnnl_success ||
+      matmul_pd(b, mt->compute, 1, mt->k, mt->n, &ba, &alt) != dnnl_success)
+    return;
+  dnnl_primitive_desc_query(*pd, dnnl_query_impl_info_str, 0, &impl);
+  dnnl_primitive_desc_query(alt, dnnl_query_impl_info_str, 0, &alt_impl);
+  if (impl && alt_impl && strcmp(impl, alt_impl) == 0) {
+    dnnl_primitive_desc_destroy(*pd);
+    *pd = alt;
+    mt->wmd = ba;
+  } else {
+    dnnl_primitive_desc_destroy(alt);
+  }
+}
+
 int od_matrix_prepare(struct od_backend *b, struct od_matrix *mt, enum qkeep_dtype weight_dtype, bool plain) {
   od_matrix_release(mt);
   dnnl_memory_desc_t plain_md;
   dnnl_status_t s = dnnl_success;
   if (plain)
-    s = dnnl_memory_desc_init_by_tag(&plain_md, 2, (dnnl_dims_t){mt->k, mt->n}, dnnl_type(weight_dtype), dnnl_ba);
+    s = dnnl_memory_desc_init_by_tag(&plain_md, 2, (dnnl_dims_t){mt->k, mt->n}, dnnl_type(weight_dtype),
+                                     dnnl_ba);
   dnnl_primitive_desc_t pd = NULL;
   if (s == dnnl_success)
     s = matmul_pd(b, mt->compute, 1, mt->k, mt->n, plain ? &plain_md : NULL, &pd);
@@ -220,7 +313,11 @@ int od_matrix_prepare(struct od_backend *b, struct od_matrix *mt, enum qkeep_dty
     return od_fail(b, QKEEP_E_UNSUPPORTED, s, what);
   }
   mt->wmd = *dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+  if (!plain && is_plain(&mt->wmd))
+    prefer_checkpoint_order(b, mt, &pd);
   mt->wbytes = dnnl_memory_desc_get_size(&mt->wmd);
+  if (mt->compute == OD_INT8)
+    prefer_vnni_for_one_row(b, mt, &pd);
   return prim_build(b, mt, 0, pd);
 }
 
@@ -231,7 +328,8 @@ int od_pack(struct od_backend *b, dnnl_stream_t stream, const struct od_matrix *
   dnnl_primitive_t reorder = NULL;
   dnnl_memory_t from = NULL, to = NULL;
   /* The checkpoint's W [N, K] row-major is the matmul's {K, N} weights in "ba" order. */
-  dnnl_status_t s = dnnl_memory_desc_init_by_tag(&from_md, 2, (dnnl_dims_t){mt->k, mt->n}, dnnl_type(dtype), dnnl_ba);
+  dnnl_status_t s =
+      dnnl_memory_desc_init_by_tag(&from_md, 2, (dnnl_dims_t){mt->k, mt->n}, dnnl_type(dtype), dnnl_ba);
   if (s == dnnl_success)
     s = dnnl_reorder_primitive_desc_create(&pd, &from_md, b->engine, &mt->wmd, b->engine, NULL);
   if (s == dnnl_success)
@@ -241,7 +339,8 @@ int od_pack(struct od_backend *b, dnnl_stream_t stream, const struct od_matrix *
   if (s == dnnl_success)
     s = dnnl_memory_create(&to, &mt->wmd, b->engine, packed);
   if (s == dnnl_success)
-    s = dnnl_primitive_execute(reorder, stream, 2, (dnnl_exec_arg_t[]){{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}});
+    s = dnnl_primitive_execute(reorder, stream, 2,
+                               (dnnl_exec_arg_t[]){{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}});
   if (s == dnnl_success)
     s = dnnl_stream_wait(stream);
   if (from)
@@ -325,7 +424,6 @@ static void quantize_row(const struct od_act *act, const float *x, int64_t k, ui
     zp = a > 0.0f ? round_even(-lo / a) : 0.0f;
   }
   float inv = a > 0.0f ? 1.0f / a : 0.0f;
-#pragma omp simd
   for (int64_t i = 0; i < k; i++) {
     float t = x[i] * inv + zp;
     t = t > 0.0f ? t : 0.0f; /* also maps NaN to 0 */
@@ -351,26 +449,37 @@ static int reserve(const struct od_backend *b, void **buf, size_t *cap, size_t b
 }
 
 /*
- * The int8 epilogue over rows x n: y = a[r] * s[j] * (C - zp[r] * adj[j]) + bias[j].
- * C is s32 and may be y itself (the chunk was computed in place): each element is
- * read before it is written, through memcpy so no type punning is involved.
+ * Row loops run on the OpenMP team only when the work is large. A parallel
+ * region is not entered at all for small work: even a one-thread region (an
+ * `if` clause that is false) re-forms libgomp's team, and on a loaded or
+ * virtual machine re-waking the team for the next matmul cost milliseconds
+ * per call at M = 1 (measured: median 8 ms instead of 2.4 ms).
  */
+#define OD_PARALLEL_MIN 65536
+
+/* One row of the int8 epilogue: y = a * s[j] * (C - zp * adj[j]) + bias[j]. C (s32) may be y itself:
+ * each element is read before it is written, through memcpy so no type punning is involved. */
+static void epilogue_int8_row(const unsigned char *c, float *y, int64_t n, float a, int32_t zp,
+                              const struct od_operands *op, const float *bias) {
+  for (int64_t j = 0; j < n; j++) {
+    int32_t acc;
+    memcpy(&acc, c + (size_t)j * sizeof acc, sizeof acc);
+    float v = (a * op->scale[j]) * (float)(acc - zp * op->azp_adj[j]);
+    y[j] = bias ? v + bias[j] : v;
+  }
+}
+
 static void epilogue_int8(const void *c, float *y, int64_t rows, int64_t n, const float *a, const int32_t *zp,
                           const struct od_operands *op, const float *bias) {
   const unsigned char *cb = c;
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
-  for (int64_t r = 0; r < rows; r++) {
-    const float ar = a[r];
-    const int32_t zr = zp[r];
-    const unsigned char *crow = cb + (size_t)(r * n) * sizeof(int32_t);
-    float *yrow = y + r * n;
-#pragma omp simd
-    for (int64_t j = 0; j < n; j++) {
-      int32_t acc;
-      memcpy(&acc, crow + (size_t)j * sizeof acc, sizeof acc);
-      float v = (ar * op->scale[j]) * (float)(acc - zr * op->azp_adj[j]);
-      yrow[j] = bias ? v + bias[j] : v;
-    }
+  size_t row_bytes = (size_t)n * sizeof(int32_t);
+  if (rows * n >= OD_PARALLEL_MIN) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+      epilogue_int8_row(cb + (size_t)r * row_bytes, y + r * n, n, a[r], zp[r], op, bias);
+  } else {
+    for (int64_t r = 0; r < rows; r++)
+      epilogue_int8_row(cb + (size_t)r * row_bytes, y + r * n, n, a[r], zp[r], op, bias);
   }
 }
 
@@ -381,16 +490,13 @@ static void epilogue_float(const float *dst, float *y, int64_t rows, int64_t n, 
       memcpy(y, dst, (size_t)(rows * n) * sizeof *y);
     return;
   }
-#pragma omp parallel for schedule(static) if (rows * n >= 65536)
   for (int64_t r = 0; r < rows; r++)
-#pragma omp simd
     for (int64_t j = 0; j < n; j++)
       y[r * n + j] = dst[r * n + j] + bias[j];
 }
 
-/* The bias as f32: the param itself, or converted into the layer's scratch. */
-static int bias_f32(const struct od_backend *b, struct od_layer *st, const struct od_operands *op, int64_t n,
-                    const float **out) {
+/* The bias as f32: the param itself, or a converted copy (malloc'd; the caller frees it). */
+static int bias_f32(const struct od_backend *b, const struct od_operands *op, int64_t n, const float **out) {
   *out = NULL;
   if (!op->bias)
     return 0;
@@ -398,7 +504,6 @@ static int bias_f32(const struct od_backend *b, struct od_layer *st, const struc
     *out = op->bias;
     return 0;
   }
-  (void)st;
   float *conv = malloc((size_t)(n ? n : 1) * sizeof *conv);
   if (!conv)
     return b->host->set_error(QKEEP_E_NOMEM, "cpu-onednn: out of memory converting a bias");
@@ -409,18 +514,22 @@ static int bias_f32(const struct od_backend *b, struct od_layer *st, const struc
 }
 
 /* Fills the class-sized source chunk: quantised (int8), converted (bf16) or copied (f32, padded). */
-static void fill_source(const struct od_matrix *mt, const struct od_operands *op, const float *x, int64_t rows,
-                        int64_t padded, void *src, float *a, int32_t *zp) {
+static void fill_source(const struct od_matrix *mt, const struct od_operands *op, const float *x,
+                        int64_t rows, int64_t padded, void *src, float *a, int32_t *zp) {
   int64_t k = mt->k;
   if (mt->compute == OD_INT8) {
     uint8_t *u = src;
-#pragma omp parallel for schedule(static) if (rows * k >= 65536)
-    for (int64_t r = 0; r < rows; r++)
-      quantize_row(&op->act, x + r * k, k, u + r * k, &a[r], &zp[r]);
+    if (rows * k >= OD_PARALLEL_MIN) {
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; r++)
+        quantize_row(&op->act, x + r * k, k, u + r * k, &a[r], &zp[r]);
+    } else {
+      for (int64_t r = 0; r < rows; r++)
+        quantize_row(&op->act, x + r * k, k, u + r * k, &a[r], &zp[r]);
+    }
     memset(u + rows * k, 0, (size_t)((padded - rows) * k));
   } else if (mt->compute == OD_BF16) {
     uint16_t *h = src;
-#pragma omp parallel for schedule(static) if (rows * k >= 65536)
     for (int64_t i = 0; i < rows * k; i++)
       h[i] = qk_f32_to_bf16(x[i]);
     memset(h + rows * k, 0, (size_t)((padded - rows) * k) * sizeof *h);
@@ -431,10 +540,10 @@ static void fill_source(const struct od_matrix *mt, const struct od_operands *op
   }
 }
 
-/* One chunk of at most OD_CHUNK_ROWS rows through the class primitive that holds it. */
-static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op,
-                       const float *bias, int64_t rows, const float *x, float *y) {
-  int c = class_of(rows);
+/* One chunk of rows (at most the class's) through class c's primitive, padded to its rows. */
+static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matrix *mt,
+                       const struct od_operands *op, const float *bias, int c, int64_t rows, const float *x,
+                       float *y) {
   int64_t padded = class_rows[c];
   struct od_prim *p = NULL;
   int rc = prim_get(b, mt, c, &p);
@@ -451,7 +560,8 @@ static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matr
     fill_source(mt, op, x, rows, padded, st->src, a, zp);
     src = st->src;
   }
-  /* The output is written straight into y when the class fits the rows exactly (s32 and f32 are both 4 bytes). */
+  /* The output is written straight into y when the class fits the rows exactly (s32 and f32 are both 4
+   * bytes). */
   void *dst = y;
   if (rows != padded) {
     if ((rc = reserve(b, &st->dst, &st->dst_cap, (size_t)(padded * mt->n) * sizeof(float))))
@@ -464,9 +574,9 @@ static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matr
   if (s == dnnl_success)
     s = dnnl_memory_set_data_handle(p->dst, dst);
   if (s == dnnl_success)
-    s = dnnl_primitive_execute(p->prim, st->stream, 3,
-                               (dnnl_exec_arg_t[]){{DNNL_ARG_SRC, p->src}, {DNNL_ARG_WEIGHTS, p->wei},
-                                                   {DNNL_ARG_DST, p->dst}});
+    s = dnnl_primitive_execute(
+        p->prim, st->stream, 3,
+        (dnnl_exec_arg_t[]){{DNNL_ARG_SRC, p->src}, {DNNL_ARG_WEIGHTS, p->wei}, {DNNL_ARG_DST, p->dst}});
   if (s == dnnl_success)
     s = dnnl_stream_wait(st->stream);
   if (s != dnnl_success)
@@ -478,14 +588,15 @@ static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matr
   return 0;
 }
 
-int od_apply(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op, int64_t m,
-             const float *x, float *y) {
+int od_apply(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op,
+             int64_t m, const float *x, float *y) {
   const float *bias = NULL;
-  int rc = bias_f32(b, st, op, mt->n, &bias);
+  int rc = bias_f32(b, op, mt->n, &bias);
   int saved = od_threads_begin(b);
-  for (int64_t r0 = 0; !rc && r0 < m; r0 += OD_CHUNK_ROWS) {
-    int64_t rows = m - r0 < OD_CHUNK_ROWS ? m - r0 : OD_CHUNK_ROWS;
-    rc = apply_chunk(b, st, mt, op, bias, rows, x + r0 * mt->k, y + r0 * mt->n);
+  for (int64_t r0 = 0, rows; !rc && r0 < m; r0 += rows) {
+    int c;
+    rows = next_chunk(m - r0, &c);
+    rc = apply_chunk(b, st, mt, op, bias, c, rows, x + r0 * mt->k, y + r0 * mt->n);
   }
   od_threads_end(b, saved);
   if (bias && bias != op->bias)

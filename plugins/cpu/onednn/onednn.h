@@ -49,17 +49,24 @@ struct od_backend {
   struct qkeep_backend be;
   const struct qkeep_host *host;
   dnnl_engine_t engine;
-  dnnl_cpu_isa_t isa;       /* oneDNN's effective ISA (after QKEEP_ONEDNN_MAX_ISA) */
-  bool vnni;                /* full-range u8 x s8 products are exact on this ISA */
-  bool bf16;                /* oneDNN has a bf16 matmul on this ISA */
-  int threads;              /* config `threads`; 0: OpenMP's default */
+  dnnl_cpu_isa_t isa; /* oneDNN's effective ISA (after QKEEP_ONEDNN_MAX_ISA) */
+  bool vnni;          /* full-range u8 x s8 products are exact on this ISA */
+  bool bf16;          /* oneDNN has a bf16 matmul on this ISA */
+  int threads;        /* config `threads`; 0: OpenMP's default */
   enum od_without_vnni without_vnni;
   char isa_name[32];
 };
 
-/* M classes: a primitive is built for 1, 16, 128 and 256 rows; a call pads its rows up to
- * the smallest class that holds them and runs larger M in chunks of 256. */
-#define OD_CLASSES 4
+/*
+ * M classes: a primitive per weight matrix is built (on first use) for 1, 16,
+ * 64, 128 and 256 rows, since oneDNN 2.6 keeps its packed kernels only for a
+ * fixed M (a runtime M falls back to gemm:jit). A call runs its rows in
+ * chunks of 256, and the rest padded up to the smallest class that holds
+ * them, except that 129..191 rows run as 128 plus the rest rather than
+ * padded to 256 (padding is nearly free while the weights' bytes dominate,
+ * i.e. up to ~128 rows, and not beyond).
+ */
+#define OD_CLASSES 5
 #define OD_CHUNK_ROWS 256
 
 /* What the matmul computes in. */
@@ -84,14 +91,14 @@ struct od_prim {
 
 /* One weight matrix: a linear layer's, or an MoE layer's w13 or w2 (each expert alike). */
 struct od_matrix {
-  char prefix[8];       /* "", "w13_" or "w2_" */
-  int64_t n, k;         /* y[M, n] = x[M, k] W^T */
-  int64_t experts;      /* 1 for a linear layer */
+  char prefix[8];  /* "", "w13_" or "w2_" */
+  int64_t n, k;    /* y[M, n] = x[M, k] W^T */
+  int64_t experts; /* 1 for a linear layer */
   enum od_compute compute;
   enum od_store store;
   dnnl_memory_desc_t wmd; /* the weights' layout, the same for every class */
   size_t wbytes;          /* bytes of one expert's weights in that layout */
-  bool scales_in_buffer;  /* int8: f32 scales per channel in "<prefix>weight_scale_channel" (else the param) */
+  bool scales_in_buffer; /* int8: f32 scales per channel in "<prefix>weight_scale_channel" (else the param) */
   struct od_prim cls[OD_CLASSES];
 };
 
@@ -104,10 +111,10 @@ struct od_layer {
   dnnl_stream_t stream;
   int n_mat;
   struct od_matrix mat[2];
-  uint32_t flags;        /* QKEEP_LAYER_F_* */
-  void *src;             /* scratch: one chunk of activations in the kernel's dtype */
+  uint32_t flags; /* QKEEP_LAYER_F_* */
+  void *src;      /* scratch: one chunk of activations in the kernel's dtype */
   size_t src_cap;
-  void *dst;             /* scratch: one padded chunk of output */
+  void *dst; /* scratch: one padded chunk of output */
   size_t dst_cap;
 };
 
@@ -121,10 +128,10 @@ struct od_act {
 
 /* Everything one int8 or float apply reads, resolved from the layer's params and buffers. */
 struct od_operands {
-  const void *weights;      /* this expert's weights in the matrix's layout */
-  const float *scale;       /* int8: s_w per channel, f32 [n] */
-  const int32_t *azp_adj;   /* int8: sum_k q_w[n, k], [n] */
-  const void *bias;         /* NULL, or [n] of bias_dtype */
+  const void *weights;    /* this expert's weights in the matrix's layout */
+  const float *scale;     /* int8: s_w per channel, f32 [n] */
+  const int32_t *azp_adj; /* int8: sum_k q_w[n, k], [n] */
+  const void *bias;       /* NULL, or [n] of bias_dtype */
   enum qkeep_dtype bias_dtype;
   struct od_act act;
 };
@@ -174,8 +181,8 @@ void od_matrix_release(struct od_matrix *mt);
  * converted (bf16) into st's scratch, then the epilogue (scales, zero-point
  * correction, bias). x and y are host f32. Caller holds st->lock.
  */
-int od_apply(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op, int64_t m,
-             const float *x, float *y);
+int od_apply(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, const struct od_operands *op,
+             int64_t m, const float *x, float *y);
 
 /* Frees a layer state's scratch, primitives and stream (not the struct). */
 void od_layer_release(struct od_layer *st);

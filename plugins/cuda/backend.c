@@ -1,0 +1,566 @@
+/*
+ * backend.c: the `cuda-nvfp4` backend. NVFP4 (ModelOpt and compressed-tensors
+ * namings) linear and MoE layers on NVIDIA GPUs of compute capability 9.0 and
+ * later, through a weight-only FP4 GEMM (kernels.cu); unquantized linear
+ * layers through a plain kernel, so that a whole checkpoint loads.
+ *
+ * Params live in GPU memory (cudaMalloc; never managed memory). PWAL, per
+ * NVFP4 matrix (a linear layer, or an MoE layer's stacked w13 and w2):
+ *   weight        repacked into fragment tiles (layout.h) inside its own
+ *                 storage; rebound only when padding (rows to 16, K to 64)
+ *                 makes the tiles larger than the checkpoint bytes;
+ *   weight_scale  128x4-swizzled the same way (rows to 128, columns to 4);
+ *   alpha         a buffer: the decode global scale the kernel's epilogue
+ *                 multiplies by (ModelOpt weight_scale_2; compressed-tensors
+ *                 1 / weight_global_scale, 0 for an all-zero tensor);
+ *   weight_scale_2 / weight_global_scale   retired (consumed into alpha);
+ *   input_scale / input_global_scale       retired (the kernel is weight-only:
+ *                 activations stay bf16/f16, so vLLM's W4A4 alpha factor
+ *                 input_scale x weight_scale_2 reduces to weight_scale_2).
+ * Each transform reads the checkpoint-format bytes, which reload restores
+ * before it calls PWAL again, so a reload gives the bytes of a cold start and
+ * replace copies into the same storage (no pointer moves). The per-layer state
+ * only caches the device pointers PWAL leaves.
+ */
+#include <cuda_runtime_api.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_nvfp4.h"
+#include "layout.h"
+
+struct cuda_backend {
+  struct qkeep_backend be; /* first, so the core's pointer is ours */
+  const struct qkeep_host *host;
+  struct qkeep_memory_ops memory;
+  int device;
+  struct nvfp4_tuning tuning; /* 0: automatic */
+  bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
+};
+
+/* What apply needs of a layer, cached by PWAL (pointers do not move between PWALs). */
+struct layer_state {
+  bool dense, moe;
+  struct nvfp4_weights nvfp4[2]; /* linear: [0]; MoE: [QKEEP_MOE_W13], [QKEEP_MOE_W2] */
+  const void *w, *bias;          /* dense */
+  enum qkeep_dtype w_dtype, bias_dtype;
+  int64_t n, k;
+};
+
+static struct cuda_backend *backend_of(const struct qkeep_backend *be) { return (struct cuda_backend *)be; }
+
+static int cuda_error(const struct cuda_backend *c, cudaError_t err, const char *what) {
+  (void)cudaGetLastError(); /* clear a non-sticky error so that the next call starts clean */
+  return c->host->set_error(err == cudaErrorMemoryAllocation ? QKEEP_E_NOMEM : QKEEP_E_DEVICE,
+                            "cuda-nvfp4: %s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+}
+
+/* Makes the configured device current for this thread. */
+static int use_device(const struct cuda_backend *c) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != c->device)
+    err = cudaSetDevice(c->device);
+  return err == cudaSuccess ? 0 : cuda_error(c, err, "selecting the device");
+}
+
+/* ---- memory ops ------------------------------------------------------------------------------- */
+
+static int mem_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  const struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  /* Every storage gets its own address, even an empty one. */
+  cudaError_t err = cudaMalloc(out, bytes ? bytes : 1);
+  if (err != cudaSuccess) {
+    *out = NULL;
+    return cuda_error(c, err, "cudaMalloc");
+  }
+  return 0;
+}
+
+static void mem_free(const struct qkeep_backend *be, void *ptr) {
+  if (ptr && use_device(backend_of(be)) == 0)
+    (void)cudaFree(ptr);
+}
+
+static int copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n,
+                enum cudaMemcpyKind kind) {
+  const struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc || !n)
+    return rc;
+  cudaError_t err = cudaMemcpy(dst, src, n, kind);
+  return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaMemcpy");
+}
+
+static int mem_h2d(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  return copy(be, dst, src, n, cudaMemcpyHostToDevice);
+}
+
+static int mem_d2h(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  return copy(be, dst, src, n, cudaMemcpyDeviceToHost);
+}
+
+/* memmove semantics: overlapping ranges go through a temporary (cudaMemcpy does not allow them). */
+static int mem_d2d(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  const char *d = dst, *s = src;
+  if (!n || d == s)
+    return 0;
+  if (!(d < s + n && s < d + n))
+    return copy(be, dst, src, n, cudaMemcpyDeviceToDevice);
+  void *tmp;
+  int rc = mem_alloc(be, n, &tmp);
+  if (!rc)
+    rc = copy(be, tmp, src, n, cudaMemcpyDeviceToDevice);
+  if (!rc)
+    rc = copy(be, dst, tmp, n, cudaMemcpyDeviceToDevice);
+  mem_free(be, tmp);
+  return rc;
+}
+
+static int mem_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
+  const struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc || !n)
+    return rc;
+  cudaError_t err = cudaMemset(dst, byte, n);
+  return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaMemset");
+}
+
+static int mem_sync(const struct qkeep_backend *be) {
+  const struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  cudaError_t err = cudaDeviceSynchronize();
+  return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaDeviceSynchronize");
+}
+
+/* ---- probe, configure, supports ----------------------------------------------------------------- */
+
+static int cuda_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
+  const struct cuda_backend *c = backend_of(be);
+  char dummy[1];
+  if (!msg_len)
+    msg = dummy, msg_len = sizeof dummy;
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    snprintf(msg, msg_len, "no usable CUDA device: %s (%s)", cudaGetErrorString(err), cudaGetErrorName(err));
+    (void)cudaGetLastError();
+    return QKEEP_E_NODEV;
+  }
+  if (c->device >= count) {
+    snprintf(msg, msg_len, "CUDA device %d requested, %d present", c->device, count);
+    return QKEEP_E_NODEV;
+  }
+  struct cudaDeviceProp prop;
+  err = cudaGetDeviceProperties(&prop, c->device);
+  if (err != cudaSuccess) {
+    snprintf(msg, msg_len, "CUDA device %d: %s", c->device, cudaGetErrorString(err));
+    (void)cudaGetLastError();
+    return QKEEP_E_NODEV;
+  }
+  if (prop.major < 9) {
+    snprintf(
+        msg, msg_len,
+        "CUDA device %d (%s) has compute capability %d.%d; the kernels need 9.0 or later (built for sm_90a "
+        "plus compute_90 PTX)",
+        c->device, prop.name, prop.major, prop.minor);
+    return QKEEP_E_NODEV;
+  }
+  snprintf(msg, msg_len, "CUDA device %d: %s, compute capability %d.%d, %d SMs, %.1f GiB", c->device,
+           prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+           (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
+  return 0;
+}
+
+/* A decimal in [lo, hi], or "auto" (0) when allow_auto. */
+static bool parse_int(const char *s, int lo, int hi, bool allow_auto, int *out) {
+  if (allow_auto && strcmp(s, "auto") == 0) {
+    *out = 0;
+    return true;
+  }
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end || v < lo || v > hi)
+    return false;
+  *out = (int)v;
+  return true;
+}
+
+static int cuda_configure(const struct qkeep_backend *be, const char *key, const char *value) {
+  struct cuda_backend *c = backend_of(be);
+  int v;
+  if (strcmp(key, "device") == 0) {
+    if (!parse_int(value, 0, 1023, false, &v))
+      return c->host->set_error(QKEEP_E_CONFIG, "device = '%s': expected a CUDA device index", value);
+    c->device = v;
+  } else if (strcmp(key, "tile_m") == 0) {
+    if (!parse_int(value, 8, 64, true, &v) || (v && v != 8 && v != 16 && v != 32 && v != 64))
+      return c->host->set_error(QKEEP_E_CONFIG, "tile_m = '%s': expected auto, 8, 16, 32 or 64", value);
+    c->tuning.tile_m = v;
+  } else if (strcmp(key, "split_k") == 0) {
+    if (!parse_int(value, 1, 8, true, &v))
+      return c->host->set_error(QKEEP_E_CONFIG, "split_k = '%s': expected auto or 1 to 8", value);
+    c->tuning.split_k = v;
+  } else if (strcmp(key, "depth") == 0) {
+    if (!parse_int(value, 1, 8, true, &v))
+      return c->host->set_error(QKEEP_E_CONFIG, "depth = '%s': expected auto or 1 to 8", value);
+    c->tuning.depth = v;
+  } else if (strcmp(key, "pwal") == 0) {
+    if (strcmp(value, "gpu") != 0 && strcmp(value, "host") != 0)
+      return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);
+    c->pwal_on_host = value[0] == 'h';
+  } else {
+    return c->host->set_error(
+        QKEEP_E_CONFIG, "unknown key '%s' (cuda-nvfp4 takes device, tile_m, split_k, depth, pwal)", key);
+  }
+  return 0;
+}
+
+static bool is_nvfp4(const char *scheme) {
+  return strcmp(scheme, "modelopt-nvfp4") == 0 || strcmp(scheme, "ct-nvfp4") == 0;
+}
+
+static int cuda_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
+  (void)be;
+  if (is_nvfp4(scheme))
+    return kind == QKEEP_LAYER_LINEAR || kind == QKEEP_LAYER_MOE;
+  return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
+}
+
+/* ---- PWAL ---------------------------------------------------------------------------------------- */
+
+static bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) {
+  if (a->dtype != b->dtype || a->ndim != b->ndim)
+    return false;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->shape[i] != b->shape[i])
+      return false;
+  return true;
+}
+
+/* A spec with an optional leading expert dimension. */
+static struct qkeep_spec stacked(enum qkeep_dtype dtype, int64_t experts, int ndim, const int64_t *shape) {
+  struct qkeep_spec s = {.dtype = dtype, .ndim = 0};
+  if (experts)
+    s.shape[s.ndim++] = experts;
+  for (int i = 0; i < ndim; i++)
+    s.shape[s.ndim++] = shape[i];
+  return s;
+}
+
+enum transform { TILE_WEIGHTS, SWIZZLE_SCALES };
+
+/* One NVFP4 matrix set being transformed: names are prefix + local name. */
+struct matrix {
+  struct cuda_backend *c;
+  qkeep_layer *layer;
+  const char *layer_name;
+  const char *prefix;       /* "", "w13_", "w2_" */
+  int64_t rows, k, experts; /* experts 0: a linear layer (no leading dimension) */
+};
+
+static const char *full_name(const struct matrix *m, const char *local, char *buf, size_t len) {
+  snprintf(buf, len, "%s%s", m->prefix, local);
+  return buf;
+}
+
+/* The CPU path of a transform: device -> host, layout.c per expert, host -> device. */
+static int transform_on_host(const struct matrix *m, enum transform tr, const void *src, void *dst) {
+  int64_t experts = m->experts ? m->experts : 1, cols = m->k / NVFP4_BLOCK;
+  size_t in_bytes = (size_t)(tr == TILE_WEIGHTS ? m->rows * m->k / 2 : m->rows * cols);
+  size_t out_bytes =
+      (size_t)(tr == TILE_WEIGHTS ? nvfp4_w_bytes(m->rows, m->k) : nvfp4_sf_bytes(m->rows, cols));
+  uint8_t *in = malloc(in_bytes * (size_t)experts + 1), *out = malloc(out_bytes * (size_t)experts + 1);
+  int rc = in && out
+               ? 0
+               : m->c->host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: %s: out of host memory", m->layer_name);
+  if (!rc)
+    rc = mem_d2h(&m->c->be, in, src, in_bytes * (size_t)experts);
+  for (int64_t e = 0; !rc && e < experts; e++) {
+    if (tr == TILE_WEIGHTS)
+      nvfp4_tile_weights(in + (size_t)e * in_bytes, m->rows, m->k, out + (size_t)e * out_bytes);
+    else
+      nvfp4_swizzle_scales(in + (size_t)e * in_bytes, m->rows, cols, out + (size_t)e * out_bytes);
+  }
+  if (!rc)
+    rc = mem_h2d(&m->c->be, dst, out, out_bytes * (size_t)experts);
+  free(in);
+  free(out);
+  return rc;
+}
+
+/*
+ * Rewrites param `local` (weight or weight_scale) from its checkpoint layout into the
+ * kernel's, through a result tensor and replace: in place when the layout is no larger,
+ * rebound when padding makes it larger. *data is the param's data pointer afterwards.
+ */
+static int transform(const struct matrix *m, const char *local, enum transform tr, const void **data) {
+  const struct qkeep_host *host = m->c->host;
+  char name[64];
+  full_name(m, local, name, sizeof name);
+  struct qkeep_view v = {.size = sizeof v};
+  int rc = host->view(m->layer, name, &v);
+  if (rc)
+    return rc;
+  int64_t cols = m->k / NVFP4_BLOCK;
+  int64_t ckpt_shape[2] = {m->rows, tr == TILE_WEIGHTS ? m->k / 2 : cols};
+  int64_t kernel_shape[3] = {nvfp4_w_rows(m->rows) / NVFP4_TILE_ROWS, nvfp4_w_chunks(m->k), NVFP4_TILE_BYTES};
+  if (tr == SWIZZLE_SCALES) {
+    kernel_shape[0] = nvfp4_sf_rows(m->rows) / NVFP4_SF_ROWS;
+    kernel_shape[1] = nvfp4_sf_cols(cols) / NVFP4_SF_COLS;
+    kernel_shape[2] = NVFP4_SF_ATOM;
+  }
+  enum qkeep_dtype dtype = tr == TILE_WEIGHTS ? QKEEP_DTYPE_U8 : QKEEP_DTYPE_F8_E4M3;
+  struct qkeep_spec want = stacked(dtype, m->experts, 2, ckpt_shape);
+  struct qkeep_spec kernel = stacked(dtype, m->experts, 3, kernel_shape);
+  if (!spec_equal(&v.spec, &want))
+    return host->set_error(
+        spec_equal(&v.spec, &kernel) ? QKEEP_E_STATE : QKEEP_E_FORMAT,
+        "cuda-nvfp4: %s.%s is not in its checkpoint layout (%s); PWAL transforms checkpoint "
+        "bytes only, and reload restores them before it runs again",
+        m->layer_name, name, spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
+  qkeep_tensor *result;
+  if ((rc = host->tensor_new(m->layer, &kernel, &result)))
+    return rc;
+  void *dst = host->tensor_data(result);
+  int64_t experts = m->experts ? m->experts : 1;
+  if (m->c->pwal_on_host) {
+    rc = transform_on_host(m, tr, v.data, dst);
+  } else {
+    int err = tr == TILE_WEIGHTS ? nvfp4_tile_weights_gpu(v.data, dst, experts, m->rows, m->k, NULL)
+                                 : nvfp4_swizzle_scales_gpu(v.data, dst, experts, m->rows, cols, NULL);
+    if (err)
+      rc = cuda_error(m->c, (cudaError_t)err, tr == TILE_WEIGHTS ? "tiling weights" : "swizzling scales");
+  }
+  if (rc) {
+    host->tensor_free(result);
+    return rc;
+  }
+  /* Same stream as the copy replace makes: the transform finishes first. */
+  if ((rc = host->replace(m->layer, name, result)))
+    return rc;
+  struct qkeep_view after = {.size = sizeof after};
+  rc = host->view(m->layer, name, &after);
+  *data = after.data;
+  return rc;
+}
+
+/* The alpha buffer ([experts] or []) from the merged global scale param, which is retired. */
+static int make_alpha(const struct matrix *m, bool ct, const float **alpha) {
+  const struct qkeep_host *host = m->c->host;
+  char name[64], buffer[64];
+  full_name(m, ct ? "weight_global_scale" : "weight_scale_2", name, sizeof name);
+  int64_t experts = m->experts ? m->experts : 1;
+  struct qkeep_view v = {.size = sizeof v};
+  int rc = host->view(m->layer, name, &v);
+  if (rc)
+    return rc;
+  if (v.spec.dtype != QKEEP_DTYPE_F32 || v.nbytes != sizeof(float) * (size_t)experts)
+    return host->set_error(QKEEP_E_FORMAT,
+                           "cuda-nvfp4: %s.%s: expected %lld merged f32 scale(s), have %zu bytes",
+                           m->layer_name, name, (long long)experts, v.nbytes);
+  float *values = malloc(sizeof(float) * (size_t)experts);
+  if (!values)
+    return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of host memory");
+  rc = mem_d2h(&m->c->be, values, v.data, sizeof(float) * (size_t)experts);
+  /* compressed-tensors stores the encode factor 2688/amax; 0 marks an all-zero tensor. */
+  for (int64_t e = 0; ct && e < experts; e++)
+    values[e] = values[e] == 0.0f ? 0.0f : 1.0f / values[e];
+  struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_F32, .ndim = m->experts ? 1 : 0, .shape = {m->experts}};
+  struct qkeep_view b = {.size = sizeof b};
+  if (!rc)
+    rc = host->add_buffer(m->layer, full_name(m, "alpha", buffer, sizeof buffer), &spec, &b);
+  if (!rc)
+    rc = mem_h2d(&m->c->be, b.data, values, sizeof(float) * (size_t)experts);
+  free(values);
+  if (!rc)
+    rc = host->retire(m->layer, name);
+  *alpha = b.data;
+  return rc;
+}
+
+/* Retires the input scale when the checkpoint has one: the weight-only kernel never reads it. */
+static int retire_input_scale(const struct matrix *m, bool ct) {
+  char name[64];
+  full_name(m, ct ? "input_global_scale" : "input_scale", name, sizeof name);
+  struct qkeep_view v = {.size = sizeof v};
+  if (m->c->host->view(m->layer, name, &v) != 0)
+    return 0; /* optional: a weight-only checkpoint has none */
+  return m->c->host->retire(m->layer, name);
+}
+
+/* The bias of expert-stacked rows, when live. */
+static void find_bias(const struct matrix *m, const void **bias, enum qkeep_dtype *dtype) {
+  char name[64];
+  struct qkeep_view v = {.size = sizeof v};
+  *bias = NULL;
+  if (m->c->host->view(m->layer, full_name(m, "bias", name, sizeof name), &v) == 0 &&
+      v.state == QKEEP_PARAM_LIVE)
+    *bias = v.data, *dtype = v.spec.dtype;
+}
+
+static int pwal_matrix(const struct matrix *m, bool ct, struct nvfp4_weights *out) {
+  *out = (struct nvfp4_weights){.n = m->rows, .k = m->k, .experts = m->experts ? m->experts : 1};
+  if (m->k % NVFP4_BLOCK || m->rows < 1)
+    return m->c->host->set_error(QKEEP_E_FORMAT, "cuda-nvfp4: %s%s: K = %lld is not a multiple of 16",
+                                 m->layer_name, m->prefix, (long long)m->k);
+  int rc = transform(m, "weight", TILE_WEIGHTS, &out->w);
+  if (!rc)
+    rc = transform(m, "weight_scale", SWIZZLE_SCALES, &out->sf);
+  if (!rc)
+    rc = make_alpha(m, ct, &out->alpha);
+  if (!rc)
+    rc = retire_input_scale(m, ct);
+  if (!rc)
+    find_bias(m, &out->bias, &out->bias_dtype);
+  return rc;
+}
+
+static int pwal_dense(const struct cuda_backend *c, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                      struct layer_state *st) {
+  struct qkeep_view w = {.size = sizeof w}, b = {.size = sizeof b};
+  int rc = c->host->get_live(layer, "weight", &w);
+  if (rc)
+    return rc;
+  if (w.spec.ndim != 2 || w.spec.shape[0] != info->n || w.spec.shape[1] != info->k)
+    return c->host->set_error(QKEEP_E_FORMAT, "cuda-nvfp4: %s.weight: expected [%lld, %lld]", info->name,
+                              (long long)info->n, (long long)info->k);
+  st->dense = true;
+  st->w = w.data, st->w_dtype = w.spec.dtype, st->n = info->n, st->k = info->k, st->bias = NULL;
+  if (c->host->view(layer, "bias", &b) == 0 && b.state == QKEEP_PARAM_LIVE)
+    st->bias = b.data, st->bias_dtype = b.spec.dtype;
+  return 0;
+}
+
+static int cuda_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
+  struct cuda_backend *c = backend_of(be);
+  const struct qkeep_host *host = c->host;
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = host->layer_info(layer, &info);
+  if (rc || (info.kind != QKEEP_LAYER_LINEAR && info.kind != QKEEP_LAYER_MOE))
+    return rc;
+  if ((rc = use_device(c)))
+    return rc;
+  struct layer_state *st = host->get_state(layer);
+  if (!st) {
+    if (!(st = calloc(1, sizeof *st)))
+      return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of host memory");
+    host->set_state(layer, st);
+  }
+  if (!is_nvfp4(info.scheme))
+    return pwal_dense(c, layer, &info, st);
+  bool ct = info.scheme[0] == 'c';
+  st->dense = false;
+  st->moe = info.kind == QKEEP_LAYER_MOE;
+  if (info.kind == QKEEP_LAYER_MOE) {
+    struct matrix w13 = {c, layer, info.name, "w13_", info.n, info.k, info.experts};
+    struct matrix w2 = {c, layer, info.name, "w2_", info.k, info.n / 2, info.experts};
+    rc = pwal_matrix(&w13, ct, &st->nvfp4[QKEEP_MOE_W13]);
+    if (!rc)
+      rc = pwal_matrix(&w2, ct, &st->nvfp4[QKEEP_MOE_W2]);
+  } else {
+    struct matrix linear = {c, layer, info.name, "", info.n, info.k, 0};
+    rc = pwal_matrix(&linear, ct, &st->nvfp4[0]);
+  }
+  return rc ? rc : mem_sync(be);
+}
+
+/* ---- apply ------------------------------------------------------------------------------------ */
+
+static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                      const struct qkeep_apply_args *args) {
+  struct cuda_backend *c = backend_of(be);
+  const struct qkeep_host *host = c->host;
+  const struct layer_state *st = host->get_state(layer);
+  if (!st)
+    return host->set_error(QKEEP_E_STATE, "cuda-nvfp4: apply before the layer's PWAL");
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  /* The appended fields (cuda_nvfp4.h) count only when the caller's struct has them all. */
+  const struct nvfp4_apply_args *ext =
+      args->size >= sizeof(struct nvfp4_apply_args) ? (const struct nvfp4_apply_args *)args : NULL;
+  void *stream = ext ? ext->stream : NULL;
+  int err;
+  if (st->dense) {
+    err = dense_gemm_run(st->w, st->w_dtype, st->bias, st->bias_dtype, st->n, st->k, args->m, args->x,
+                         args->x_dtype, args->y, args->y_dtype, stream);
+  } else if (!st->moe) {
+    err = nvfp4_gemm_run(&st->nvfp4[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
+                         &c->tuning, stream);
+  } else {
+    if ((unsigned)args->matrix > QKEEP_MOE_W2)
+      return host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: MoE matrix %d", (int)args->matrix);
+    const struct nvfp4_weights *wt = &st->nvfp4[args->matrix];
+    if (ext && ext->topk > 0) {
+      err = nvfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights,
+                          args->matrix == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype,
+                          &c->tuning, stream);
+    } else {
+      if (args->expert < 0 || args->expert >= wt->experts)
+        return host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
+                               (long long)wt->experts);
+      err = nvfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
+                           &c->tuning, stream);
+    }
+  }
+  if (err == cudaErrorInvalidValue)
+    return host->set_error(
+        QKEEP_E_INVAL,
+        "cuda-nvfp4: apply: unsupported arguments (x and y must be F32, F16 or BF16 and x "
+        "16-byte aligned; routed MoE needs topk_ids, W2 also topk_weights, at most 2048 experts)");
+  return err ? cuda_error(c, (cudaError_t)err, "apply") : 0;
+}
+
+static void cuda_layer_cleanup(const struct qkeep_backend *be, qkeep_layer *layer, void *state) {
+  (void)be;
+  (void)layer;
+  free(state);
+}
+
+static void cuda_fini(const struct qkeep_backend *be) { free((void *)be); }
+
+QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const struct qkeep_backend **out) {
+  if (!host || host->abi_major != QKEEP_BACKEND_ABI_MAJOR)
+    return QKEEP_E_ABI;
+  struct cuda_backend *c = calloc(1, sizeof *c);
+  if (!c)
+    return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of memory");
+  c->host = host;
+  c->memory = (struct qkeep_memory_ops){
+      .size = sizeof(struct qkeep_memory_ops),
+      .alloc = mem_alloc,
+      .free = mem_free,
+      .copy_h2d = mem_h2d,
+      .copy_d2h = mem_d2h,
+      .copy_d2d = mem_d2d,
+      .fill = mem_fill,
+      .sync = mem_sync,
+  };
+  c->be = (struct qkeep_backend){
+      .size = sizeof(struct qkeep_backend),
+      .abi_major = QKEEP_BACKEND_ABI_MAJOR,
+      .abi_minor = 0,
+      .name = "cuda-nvfp4",
+      .description =
+          "NVFP4 (ModelOpt, compressed-tensors) linear and MoE on NVIDIA GPUs (sm_90+): weight-only FP4 "
+          "GEMM with block scales in the 128x4 swizzle",
+      .probe = cuda_probe,
+      .configure = cuda_configure,
+      .memory = &c->memory,
+      .supports = cuda_supports,
+      .pwal = cuda_pwal,
+      .apply = cuda_apply,
+      .layer_cleanup = cuda_layer_cleanup,
+      .fini = cuda_fini,
+  };
+  *out = &c->be;
+  return 0;
+}

@@ -1,0 +1,610 @@
+/*
+ * check_gpu_nvfp4.c: the cuda-nvfp4 backend on a GPU (`make check-gpu`; exits
+ * 77 when the plugin's probe finds no device). A small model with fused
+ * attention and MLP shards, biases, an MoE block, and N and K that are not
+ * multiples of 128 (nor K of 64), quantized into both NVFP4 namings, is
+ * loaded twice, through the reference backend and through cuda-nvfp4:
+ *   - every linear layer and expert matrix agrees with the reference within
+ *     bf16 error, for several token counts and every kernel shape;
+ *   - the census is clean; consumed scales are retired, not dropped;
+ *   - the transformed bytes equal layout.c's CPU transforms of the
+ *     checkpoint bytes, and PWAL on the host gives the same digest;
+ *   - reload W0 -> W1 equals a cold start on W1 byte for byte with every
+ *     device pointer unchanged;
+ *   - bf16 and f16 activations, and the routed MoE apply, agree with the
+ *     f32 per-expert results.
+ */
+#include <check.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_nvfp4.h"
+#include "internal.h"
+#include "layout.h"
+#include "numeric.h"
+#include "testutil.h"
+
+#define H 208  /* hidden: a multiple of 16, not of 64 or 128 */
+#define KV 40  /* k/v rows: not a multiple of 16 (seen alone when unfused) */
+#define I 336  /* MLP intermediate */
+#define E_I 80 /* expert intermediate */
+#define EXPERTS 3
+#define VOCAB 100
+#define TOLERANCE 1e-2 /* max |y - y_ref| / max |y_ref|: x is rounded to bf16 for the tensor cores */
+
+static char *dir;
+static qkeep_plugin *gpu, *ref;
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4"};
+
+static char *plugin_path(void) {
+  char *libs = tu_path(tu_builddir(), "plugins/cuda/.libs");
+  char *path = tu_path(libs, "backend-cuda-nvfp4.so");
+  free(libs);
+  return path;
+}
+
+static const struct qkeep_backend *backend(void) { return qkeep_plugin_backend(gpu); }
+
+static void configure(const char *key, const char *value) {
+  ck_assert_msg(backend()->configure(backend(), key, value) == 0, "%s = %s: %s", key, value, qkeep_errmsg());
+}
+
+/* The plugins stay open for the whole run (main): CUDA is initialised once per process. */
+static void setup(void) {
+  dir = tu_tmpdir("gpu-nvfp4");
+  ck_assert_ptr_nonnull(dir);
+  configure("tile_m", "auto");
+  configure("split_k", "auto");
+  configure("depth", "auto");
+  configure("pwal", "gpu");
+}
+
+static void teardown(void) {
+  tu_rmtree(dir);
+  free(dir);
+}
+
+/* ---- the model ------------------------------------------------------------------------------ */
+
+static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed,
+                float scale) {
+  size_t n = (size_t)(rows * (cols ? cols : 1));
+  float *v = malloc(n * sizeof *v);
+  uint64_t s = seed;
+  for (const char *p = name; *p; p++)
+    s = s * 31 + (unsigned char)*p;
+  for (size_t i = 0; i < n; i++)
+    v[i] = cols ? tu_randf(&s) * scale : 1.0f;
+  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
+  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
+  free(v);
+}
+
+static void add_bias(struct st_writer *w, const char *name, int64_t n, uint64_t seed) {
+  float *v = malloc((size_t)n * sizeof *v);
+  uint64_t s = seed * 7 + (uint64_t)n;
+  for (int64_t i = 0; i < n; i++)
+    v[i] = tu_randf(&s) * 0.5f;
+  struct qkeep_spec sp = {QKEEP_DTYPE_F32, 1, {n}};
+  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
+  free(v);
+}
+
+/* Two decoder layers (the second with an MoE block), embedding, lm_head; weights from seed. */
+static char *write_source(const char *file, uint64_t seed) {
+  struct st_writer *w;
+  char name[160];
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.embed_tokens.weight", VOCAB, H, seed, 0.25f);
+  add(w, "lm_head.weight", VOCAB, H, seed, 0.25f);
+  add(w, "model.norm.weight", H, 0, seed, 1);
+  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  static const int rows[] = {H, KV, KV, H};
+  for (int l = 0; l < 2; l++) {
+    for (int p = 0; p < 4; p++) {
+      snprintf(name, sizeof name, "model.layers.%d.self_attn.%s.weight", l, proj[p]);
+      /* One projection with a large range, so block scales spread widely. */
+      add(w, name, rows[p], H, seed, p == 3 && l == 1 ? 40.0f : 0.25f);
+      if (l == 0) {
+        snprintf(name, sizeof name, "model.layers.0.self_attn.%s.bias", proj[p]);
+        add_bias(w, name, rows[p], seed + (uint64_t)p);
+      }
+    }
+    snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+    add(w, name, H, 0, seed, 1);
+  }
+  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed, 0.25f);
+  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed, 0.25f);
+  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed, 0.25f);
+  add(w, "model.layers.1.mlp.gate.weight", EXPERTS, H, seed, 0.25f);
+  for (int e = 0; e < EXPERTS; e++) {
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
+    add(w, name, E_I, H, seed, 0.25f);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
+    add(w, name, E_I, H, seed, 0.25f);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
+    add(w, name, H, E_I, seed, 0.25f);
+  }
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+static char *quantize(const char *source, const char *scheme, const char *out) {
+  char *path = tu_path(dir, out);
+  struct qkeep_quantize_options o = {
+      .size = sizeof o, .scheme = scheme, .kv_cache_scales = true, .activation_amax = 4};
+  ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
+  return path;
+}
+
+static qkeep_model *load(qkeep_plugin *plugin, const char *path, const char *fusion) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  if (fusion)
+    ck_assert_int_eq(qkeep_model_set_fusion(m, fusion), 0);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
+  return m;
+}
+
+static struct qkeep_digest digest(qkeep_model *m) {
+  struct qkeep_digest d;
+  ck_assert_int_eq(qkeep_digest(m, &d), 0);
+  return d;
+}
+
+static void assert_census_clean(qkeep_model *m) {
+  struct qkeep_census c = {.size = sizeof c};
+  ck_assert_int_eq(qkeep_census(m, &c), 0);
+  ck_assert_int_eq(c.missing, 0);
+  ck_assert_int_eq(c.c1, 0);
+  ck_assert_int_eq(c.c2, 0);
+  ck_assert_int_eq(c.released, 0);
+  ck_assert_int_eq(c.loader_params, c.registered_same);
+  ck_assert_int_gt(c.retired, 0);
+  ck_assert_int_gt(c.buffers, 0);
+}
+
+/* ---- forward check against the reference -------------------------------------------------- */
+
+struct worst {
+  double max_rel;
+  char where[200];
+  int layers;
+};
+
+static int record(void *user, const struct qkeep_layer_error *e) {
+  struct worst *w = user;
+  w->layers++;
+  if (!(e->max_rel <= w->max_rel)) { /* NaN counts as the worst */
+    w->max_rel = e->max_rel;
+    snprintf(w->where, sizeof w->where, "%s expert %d matrix %d m %lld n %lld k %lld", e->layer, e->expert,
+             (int)e->matrix, (long long)e->m, (long long)e->n, (long long)e->k);
+  }
+  return 0;
+}
+
+static void assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tokens, const char *what) {
+  struct worst w = {0};
+  ck_assert_msg(qkeep_compare(m, r, tokens, 42 + (uint64_t)tokens, record, &w) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_gt(w.layers, 0);
+  ck_assert_msg(w.max_rel <= TOLERANCE, "%s, m %lld: max relative error %g at %s", what, (long long)tokens,
+                w.max_rel, w.where);
+}
+
+START_TEST(agrees_with_reference) {
+  const char *scheme = schemes[_i];
+  char *source = write_source("source.safetensors", 1), *path = quantize(source, scheme, "q");
+  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  assert_census_clean(m);
+  static const int64_t tokens[] = {1, 4, 5, 16, 19, 37, 64, 100, 256};
+  for (size_t t = 0; t < sizeof tokens / sizeof tokens[0]; t++)
+    assert_agrees(m, r, tokens[t], scheme);
+  /* Every kernel shape and K split, forced. */
+  static const char *const tile_m[] = {"8", "16", "32", "64"};
+  static const char *const split[] = {"1", "2", "3", "8"};
+  for (int a = 0; a < 4; a++)
+    for (int b = 0; b < 4; b++)
+      for (int shallow = 0; shallow < (b == 1 ? 2 : 1); shallow++) {
+        char what[96];
+        configure("tile_m", tile_m[a]);
+        configure("split_k", split[b]);
+        configure("depth", shallow ? "2" : "auto");
+        snprintf(what, sizeof what, "%s tile_m %s split_k %s depth %s", scheme, tile_m[a], split[b],
+                 shallow ? "half" : "full");
+        assert_agrees(m, r, 13, what);
+        assert_agrees(m, r, 70, what);
+      }
+  configure("tile_m", "auto");
+  configure("split_k", "auto");
+  configure("depth", "auto");
+  qkeep_model_free(m);
+  qkeep_model_free(r);
+  /* Unfused: k_proj and v_proj alone have 40 rows. */
+  m = load(gpu, path, "none"), r = load(ref, path, "none");
+  assert_census_clean(m);
+  assert_agrees(m, r, 3, "unfused");
+  assert_agrees(m, r, 33, "unfused");
+  qkeep_model_free(m);
+  qkeep_model_free(r);
+  free(source), free(path);
+}
+END_TEST
+
+/* ---- what PWAL left -------------------------------------------------------------------------- */
+
+static void *device_to_host(const struct qkeep_view *v, size_t bytes) {
+  void *h = malloc(bytes + 1);
+  ck_assert_ptr_nonnull(h);
+  ck_assert_int_eq(backend()->memory->copy_d2h(backend(), h, v->data, bytes), 0);
+  return h;
+}
+
+static void view(qkeep_layer *layer, const char *name, struct qkeep_view *v) {
+  v->size = sizeof *v;
+  ck_assert_msg(qkeep_view_of(layer, name, v) == 0, "%s", qkeep_errmsg());
+}
+
+/* One matrix (prefix "" / "w13_" / "w2_") of a gpu layer against layout.c applied to the
+ * reference layer's checkpoint bytes (host memory). */
+static void assert_matrix_layout(qkeep_layer *g, qkeep_layer *r, const char *prefix, int64_t rows, int64_t k,
+                                 int64_t experts, bool ct) {
+  char name[64];
+  struct qkeep_view gw, gs, rw, rs, ga, rg;
+  snprintf(name, sizeof name, "%sweight", prefix);
+  view(g, name, &gw);
+  view(r, name, &rw);
+  snprintf(name, sizeof name, "%sweight_scale", prefix);
+  view(g, name, &gs);
+  view(r, name, &rs);
+  ck_assert_int_eq(gw.state, QKEEP_PARAM_LIVE);
+  ck_assert_int_eq(gs.state, QKEEP_PARAM_LIVE);
+  int64_t e_count = experts ? experts : 1, cols = k / 16;
+  size_t w_bytes = (size_t)nvfp4_w_bytes(rows, k), s_bytes = (size_t)nvfp4_sf_bytes(rows, cols);
+  ck_assert_uint_eq(gw.nbytes, w_bytes * (size_t)e_count);
+  ck_assert_uint_eq(gs.nbytes, s_bytes * (size_t)e_count);
+  uint8_t *have_w = device_to_host(&gw, gw.nbytes), *have_s = device_to_host(&gs, gs.nbytes);
+  uint8_t *want_w = malloc(w_bytes), *want_s = malloc(s_bytes);
+  for (int64_t e = 0; e < e_count; e++) {
+    nvfp4_tile_weights((const uint8_t *)rw.data + e * rows * k / 2, rows, k, want_w);
+    nvfp4_swizzle_scales((const uint8_t *)rs.data + e * rows * cols, rows, cols, want_s);
+    ck_assert_msg(memcmp(have_w + (size_t)e * w_bytes, want_w, w_bytes) == 0, "%s%s: weight tiles differ",
+                  prefix, "weight");
+    ck_assert_msg(memcmp(have_s + (size_t)e * s_bytes, want_s, s_bytes) == 0, "%s%s: swizzled scales differ",
+                  prefix, "weight_scale");
+  }
+  /* alpha: the decode global scale; the consumed and the unread scales retired, bytes kept. */
+  snprintf(name, sizeof name, "%salpha", prefix);
+  view(g, name, &ga);
+  snprintf(name, sizeof name, "%s%s", prefix, ct ? "weight_global_scale" : "weight_scale_2");
+  view(r, name, &rg);
+  float *alpha = device_to_host(&ga, ga.nbytes);
+  ck_assert_uint_eq(ga.nbytes, sizeof(float) * (size_t)e_count);
+  for (int64_t e = 0; e < e_count; e++) {
+    float g0 = ((const float *)rg.data)[e];
+    ck_assert_float_eq(alpha[e], ct ? (g0 == 0 ? 0 : 1.0f / g0) : g0);
+  }
+  struct qkeep_view retired;
+  view(g, name, &retired);
+  ck_assert_int_eq(retired.state, QKEEP_PARAM_RETIRED);
+  ck_assert_ptr_null(qkeep_get_live_param(g, name));
+  snprintf(name, sizeof name, "%s%s", prefix, ct ? "input_global_scale" : "input_scale");
+  view(g, name, &retired);
+  ck_assert_int_eq(retired.state, QKEEP_PARAM_RETIRED);
+  if (ct) { /* the alias: one object under both names */
+    snprintf(name, sizeof name, "%sweight_packed", prefix);
+    char alias[64];
+    snprintf(alias, sizeof alias, "%sweight", prefix);
+    ck_assert_ptr_eq(qkeep_param_lookup(g, name), qkeep_param_lookup(g, alias));
+  }
+  free(have_w), free(have_s), free(want_w), free(want_s), free(alpha);
+}
+
+START_TEST(layouts_match_cpu_transforms) {
+  const char *scheme = schemes[_i];
+  bool ct = scheme[0] == 'c';
+  char *source = write_source("source.safetensors", 3), *path = quantize(source, scheme, "q");
+  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  static const char *const linear[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
+                                       "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"};
+  for (size_t i = 0; i < sizeof linear / sizeof linear[0]; i++) {
+    qkeep_layer *g = qkeep_model_find_layer(m, linear[i]), *rl = qkeep_model_find_layer(r, linear[i]);
+    ck_assert_ptr_nonnull(g);
+    struct qkeep_layer_info info = {.size = sizeof info};
+    ck_assert_int_eq(qkeep_layer_get_info(g, &info), 0);
+    assert_matrix_layout(g, rl, "", info.n, info.k, 0, ct);
+  }
+  qkeep_layer *g = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
+  qkeep_layer *rl = qkeep_model_find_layer(r, "model.layers.1.mlp.experts");
+  ck_assert_ptr_nonnull(g);
+  assert_matrix_layout(g, rl, "w13_", 2 * E_I, H, EXPERTS, ct);
+  assert_matrix_layout(g, rl, "w2_", H, E_I, EXPERTS, ct);
+  /* The same transforms run on the host (layout.c) give the same model, byte for byte. */
+  configure("pwal", "host");
+  qkeep_model *h = load(gpu, path, NULL);
+  configure("pwal", "gpu");
+  struct qkeep_digest a = digest(m), b = digest(h);
+  ck_assert(a.hi == b.hi && a.lo == b.lo);
+  qkeep_model_free(h);
+  qkeep_model_free(m);
+  qkeep_model_free(r);
+  free(source), free(path);
+}
+END_TEST
+
+/* ---- reload ------------------------------------------------------------------------------------ */
+
+struct storages {
+  const void *data[256];
+  size_t capacity[256];
+  unsigned char *bytes[256];
+  int n;
+};
+
+static int remember(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
+  (void)layer, (void)name;
+  struct storages *s = user;
+  ck_assert_int_lt(s->n, 256);
+  s->data[s->n] = data;
+  s->capacity[s->n] = capacity;
+  s->bytes[s->n] = malloc(capacity + 1);
+  ck_assert_int_eq(backend()->memory->copy_d2h(backend(), s->bytes[s->n], data, capacity), 0);
+  s->n++;
+  return 0;
+}
+
+static void snapshot(qkeep_model *m, struct storages *s) {
+  s->n = 0;
+  ck_assert_int_eq(qkeep_foreach_storage(m, remember, s), 0);
+}
+
+static void release_snapshot(struct storages *s) {
+  for (int i = 0; i < s->n; i++)
+    free(s->bytes[i]);
+  s->n = 0;
+}
+
+START_TEST(reload_equals_cold_start_in_place) {
+  const char *scheme = schemes[_i];
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, scheme, "q0"), *w1 = quantize(s1, scheme, "q1");
+  qkeep_model *m = load(gpu, w0, NULL), *cold = load(gpu, w1, NULL);
+  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  ck_assert(!(d0.hi == d1.hi && d0.lo == d1.lo));
+  struct storages before, after, cold_bytes;
+  snapshot(m, &before);
+  snapshot(cold, &cold_bytes);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  struct qkeep_digest d = digest(m);
+  ck_assert(d.hi == d1.hi && d.lo == d1.lo);
+  snapshot(m, &after);
+  ck_assert_int_eq(before.n, after.n);
+  ck_assert_int_eq(after.n, cold_bytes.n);
+  for (int i = 0; i < after.n; i++) {
+    ck_assert_ptr_eq(before.data[i], after.data[i]); /* no device pointer moved */
+    ck_assert_uint_eq(after.capacity[i], cold_bytes.capacity[i]);
+    ck_assert_msg(memcmp(after.bytes[i], cold_bytes.bytes[i], cold_bytes.capacity[i]) == 0,
+                  "storage %d differs from a cold start (padding included)", i);
+  }
+  assert_census_clean(m);
+  /* And back to W0. */
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  d = digest(m);
+  ck_assert(d.hi == d0.hi && d.lo == d0.lo);
+  /* The kernels give the cold start's bits on the reloaded weights. */
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  float x[2 * H], y0[2 * (H + 2 * KV)], y1[2 * (H + 2 * KV)];
+  for (int i = 0; i < 2 * H; i++)
+    x[i] = (float)i / H - 1.0f;
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj"), 2, x, y0), 0);
+  ck_assert_int_eq(
+      qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.qkv_proj"), 2, x, y1), 0);
+  ck_assert_int_eq(memcmp(y0, y1, sizeof y0), 0);
+  release_snapshot(&before);
+  release_snapshot(&after);
+  release_snapshot(&cold_bytes);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
+/* ---- activations in bf16 / f16, and the routed MoE apply ---------------------------------------- */
+
+static void *to_device(const void *host, size_t bytes) {
+  void *d;
+  ck_assert_int_eq(backend()->memory->alloc(backend(), bytes, &d), 0);
+  ck_assert_int_eq(backend()->memory->copy_h2d(backend(), d, host, bytes), 0);
+  return d;
+}
+
+static void from_device(void *host, const void *d, size_t bytes) {
+  ck_assert_int_eq(backend()->memory->sync(backend()), 0);
+  ck_assert_int_eq(backend()->memory->copy_d2h(backend(), host, d, bytes), 0);
+}
+
+/* Rounds x to a 16-bit type (BF16 or F16) and back, element by element. */
+static void *narrow(const float *x, size_t n, enum qkeep_dtype dtype) {
+  uint16_t *h = malloc(n * 2 + 2);
+  for (size_t i = 0; i < n; i++)
+    h[i] = dtype == QKEEP_DTYPE_BF16 ? qk_f32_to_bf16(x[i]) : qk_f32_to_f16(x[i]);
+  return h;
+}
+
+static float widen(const void *p, enum qkeep_dtype dtype, size_t i) {
+  uint16_t h = ((const uint16_t *)p)[i];
+  return dtype == QKEEP_DTYPE_BF16 ? qk_bf16_to_f32(h) : qk_f16_to_f32(h);
+}
+
+static void random_x(float *x, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n; i++)
+    x[i] = tu_randf(&seed);
+}
+
+/* max |a - b| / max |b| */
+static double rel_error(const float *a, const float *b, size_t n) {
+  double err = 0, ref_max = 0;
+  for (size_t i = 0; i < n; i++) {
+    double d = fabs((double)a[i] - b[i]);
+    if (!(d <= err))
+      err = d;
+    ref_max = fmax(ref_max, fabs((double)b[i]));
+  }
+  return ref_max > 0 ? err / ref_max : err;
+}
+
+START_TEST(half_precision_activations) {
+  char *source = write_source("source.safetensors", 5), *path = quantize(source, "modelopt-nvfp4", "q");
+  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_layer *layer = qkeep_model_find_layer(m, "model.layers.0.mlp.down_proj");
+  enum { M = 21 };
+  float x[M * I], want[M * H], got[M * H];
+  random_x(x, M * I, 9);
+  ck_assert_int_eq(qkeep_layer_apply_f32(layer, M, x, want), 0);
+  static const enum qkeep_dtype types[] = {QKEEP_DTYPE_BF16, QKEEP_DTYPE_F16};
+  for (int t = 0; t < 2; t++) {
+    void *xh = narrow(x, M * I, types[t]), *dx = to_device(xh, M * I * 2), *dy = to_device(got, M * H * 2);
+    struct qkeep_apply_args a = {sizeof a, M, dx, types[t], dy, types[t], 0, QKEEP_MOE_W13};
+    ck_assert_msg(backend()->apply(backend(), layer, &a) == 0, "%s", qkeep_errmsg());
+    uint16_t yh[M * H];
+    from_device(yh, dy, sizeof yh);
+    for (int i = 0; i < M * H; i++)
+      got[i] = widen(yh, types[t], (size_t)i);
+    double err = rel_error(got, want, M * H);
+    ck_assert_msg(err <= 2 * TOLERANCE, "%s activations: %g", t ? "f16" : "bf16", err);
+    backend()->memory->free(backend(), dx);
+    backend()->memory->free(backend(), dy);
+    free(xh);
+  }
+  qkeep_model_free(m);
+  free(source), free(path);
+}
+END_TEST
+
+START_TEST(routed_moe) {
+  const char *scheme = schemes[_i];
+  char *source = write_source("source.safetensors", 7), *path = quantize(source, scheme, "q");
+  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
+  ck_assert_ptr_nonnull(moe);
+  enum { T = 11, TOPK = 2, P = T * TOPK };
+  int32_t ids[P];
+  float weights[P];
+  uint64_t rng = 3;
+  for (int p = 0; p < P; p++) {
+    ids[p] = p == 5 ? -1 : (int32_t)(tu_rand(&rng) % EXPERTS); /* one skipped slot */
+    weights[p] = 0.25f + 0.5f * (float)(tu_rand(&rng) % 100) / 100.0f;
+  }
+  static float x13[T * H], y13[P * 2 * E_I], x2[P * E_I], y2[T * H], one[2 * E_I > H ? 2 * E_I : H];
+  random_x(x13, T * H, 4);
+  random_x(x2, P * E_I, 5);
+  void *d_ids = to_device(ids, sizeof ids), *d_w = to_device(weights, sizeof weights);
+  void *dx13 = to_device(x13, sizeof x13), *dy13 = to_device(y13, sizeof y13);
+  void *dx2 = to_device(x2, sizeof x2), *dy2 = to_device(y2, sizeof y2);
+  struct nvfp4_apply_args a = {.size = sizeof a,
+                               .m = T,
+                               .x = dx13,
+                               .x_dtype = QKEEP_DTYPE_F32,
+                               .y = dy13,
+                               .y_dtype = QKEEP_DTYPE_F32,
+                               .matrix = QKEEP_MOE_W13,
+                               .topk = TOPK,
+                               .topk_ids = d_ids,
+                               .topk_weights = d_w};
+  ck_assert_msg(backend()->apply(backend(), moe, (const struct qkeep_apply_args *)&a) == 0, "%s",
+                qkeep_errmsg());
+  from_device(y13, dy13, sizeof y13);
+  /* Row t * TOPK + s is x[t] through expert ids[.]'s w13, as the single-expert apply gives it. */
+  for (int p = 0; p < P; p++) {
+    if (ids[p] < 0)
+      continue;
+    ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W13, 1, x13 + (p / TOPK) * H, one),
+                     0);
+    double err = rel_error(y13 + (size_t)p * 2 * E_I, one, 2 * E_I);
+    ck_assert_msg(err <= 1e-5, "w13 pair %d: %g", p, err);
+  }
+  a.m = T, a.x = dx2, a.y = dy2, a.matrix = QKEEP_MOE_W2;
+  ck_assert_msg(backend()->apply(backend(), moe, (const struct qkeep_apply_args *)&a) == 0, "%s",
+                qkeep_errmsg());
+  from_device(y2, dy2, sizeof y2);
+  for (int t = 0; t < T; t++) {
+    float want[H] = {0};
+    for (int s = 0; s < TOPK; s++) {
+      int p = t * TOPK + s;
+      if (ids[p] < 0)
+        continue;
+      ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W2, 1, x2 + p * E_I, one), 0);
+      for (int j = 0; j < H; j++)
+        want[j] += weights[p] * one[j];
+    }
+    double err = rel_error(y2 + t * H, want, H);
+    ck_assert_msg(err <= 1e-5, "w2 token %d: %g", t, err);
+  }
+  void *ptrs[] = {d_ids, d_w, dx13, dy13, dx2, dy2};
+  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
+    backend()->memory->free(backend(), ptrs[i]);
+  qkeep_model_free(m);
+  free(source), free(path);
+}
+END_TEST
+
+START_TEST(probe_and_config) {
+  char msg[256];
+  ck_assert_int_eq(qkeep_plugin_probe(gpu, msg, sizeof msg), 0);
+  ck_assert(strstr(msg, "compute capability") != NULL);
+  ck_assert_int_eq(backend()->configure(backend(), "tile_m", "12"), QKEEP_E_CONFIG);
+  ck_assert_int_eq(backend()->configure(backend(), "split_k", "9"), QKEEP_E_CONFIG);
+  ck_assert_int_eq(backend()->configure(backend(), "threads", "2"), QKEEP_E_CONFIG);
+  ck_assert(backend()->supports(backend(), "ct-nvfp4", QKEEP_LAYER_MOE));
+  ck_assert(!backend()->supports(backend(), "mxfp4", QKEEP_LAYER_LINEAR));
+}
+END_TEST
+
+static Suite *gpu_suite(void) {
+  Suite *s = suite_create("gpu_nvfp4");
+  TCase *tc = tcase_create("cuda-nvfp4");
+  tcase_set_timeout(tc, 600);
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_test(tc, probe_and_config);
+  tcase_add_loop_test(tc, agrees_with_reference, 0, 2);
+  tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
+  tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
+  tcase_add_test(tc, half_precision_activations);
+  tcase_add_loop_test(tc, routed_moe, 0, 2);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  char *path = plugin_path(), msg[256] = "";
+  int rc = qkeep_plugin_open_path(path, &gpu);
+  free(path);
+  if (rc) {
+    fprintf(stderr, "check_gpu_nvfp4: cannot open the cuda-nvfp4 plugin: %s\n", qkeep_errmsg());
+    return 1;
+  }
+  /* No device, no test: 77 is automake's SKIP. */
+  rc = qkeep_plugin_probe(gpu, msg, sizeof msg);
+  if (rc) {
+    printf("SKIP: check_gpu_nvfp4: %s\n", msg);
+    qkeep_plugin_close(gpu);
+    return rc == QKEEP_E_NODEV ? 77 : 1;
+  }
+  printf("check_gpu_nvfp4: %s\n", msg);
+  if (qkeep_plugin_open("reference", NULL, &ref)) {
+    fprintf(stderr, "check_gpu_nvfp4: %s\n", qkeep_errmsg());
+    return 1;
+  }
+  SRunner *sr = srunner_create(gpu_suite());
+  srunner_set_fork_status(sr, CK_NOFORK); /* CUDA does not survive fork() */
+  srunner_run_all(sr, CK_VERBOSE);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  qkeep_plugin_close(ref);
+  qkeep_plugin_close(gpu);
+  return failed ? 1 : 0;
+}
