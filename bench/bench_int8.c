@@ -139,7 +139,7 @@ static void qkeep_build(struct qkeep_side *q, qkeep_plugin *plugin, int64_t k, i
 }
 
 static double qkeep_run(struct qkeep_side *q, int c, int64_t m, const float *x, float *y) {
-  struct qkeep_apply_args a = {sizeof a, m, x, QKEEP_DTYPE_F32, y, QKEEP_DTYPE_F32, 0, QKEEP_MOE_W13};
+  struct qkeep_apply_args a = {.size = sizeof a, .m = m, .x = x, .x_dtype = QKEEP_DTYPE_F32, .y = y, .y_dtype = QKEEP_DTYPE_F32};
   double t0 = now();
   if (q->be->apply(q->be, q->layers[c % q->copies], &a))
     die("apply");

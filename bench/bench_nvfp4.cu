@@ -310,7 +310,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, bool
       fflush(stdout);
       if (!sweep)
         continue;
-      static const int tiles[] = {8, 16, 32, 64}, splits[] = {1, 2, 4, 8}, depths[] = {0, 2};
+      static const int tiles[] = {8, 16, 32, 64}, splits[] = {1, 2, 4, 8}, depths[] = {0, 8};
       for (int tm : tiles)
         for (int sk : splits)
           for (int dp : depths) {
@@ -323,8 +323,8 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, bool
             double us = time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
             printf("{\"bench\":\"nvfp4_sweep\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
-                   (long long)m, (long long)n, (long long)k, tm, sk, dp ? "half" : "full", us, ceiling / us,
-                   e);
+                   (long long)m, (long long)n, (long long)k, tm, sk, dp ? "deep" : "default", us,
+                   ceiling / us, e);
             fflush(stdout);
           }
     }

@@ -198,7 +198,8 @@ static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_
   if (!rc)
     rc = dev_h2d(dev, dx, x, x_bytes);
   if (!rc) {
-    struct qkeep_apply_args args = {sizeof args, m, dx, QKEEP_DTYPE_F32, dy, QKEEP_DTYPE_F32, expert, matrix};
+    struct qkeep_apply_args args = {.size = sizeof args, .m = m, .x = dx, .x_dtype = QKEEP_DTYPE_F32, .y = dy,
+                                    .y_dtype = QKEEP_DTYPE_F32, .expert = expert, .matrix = matrix};
     rc = be->apply(be, layer, &args);
   }
   if (!rc)

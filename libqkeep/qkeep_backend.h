@@ -101,6 +101,15 @@ struct qkeep_apply_args {
   enum qkeep_dtype y_dtype;
   int32_t expert;
   enum qkeep_moe_matrix matrix;
+  /*
+   * Routed MoE over all experts, when topk > 0 (backends that do it; `expert` is then
+   * ignored): W13 takes x [m, H] to y [m * topk, 2I], one row per (token, slot); W2
+   * combines x [m * topk, I] into y [m, H], the router-weighted sum over slots.
+   */
+  int32_t topk;
+  const int32_t *topk_ids;   /* [m, topk] expert per (token, slot), device memory */
+  const float *topk_weights; /* [m, topk] router weights, device memory (W2 only) */
+  void *stream;              /* the device stream to run on (cudaStream_t); NULL: the default */
 };
 
 /*

@@ -208,13 +208,13 @@ START_TEST(agrees_with_reference) {
   static const char *const split[] = {"1", "2", "3", "8"};
   for (int a = 0; a < 4; a++)
     for (int b = 0; b < 4; b++)
-      for (int shallow = 0; shallow < (b == 1 ? 2 : 1); shallow++) {
+      for (int deep = 0; deep < (b == 1 ? 2 : 1); deep++) {
         char what[96];
         configure("tile_m", tile_m[a]);
         configure("split_k", split[b]);
-        configure("depth", shallow ? "2" : "auto");
+        configure("depth", deep ? "8" : "auto");
         snprintf(what, sizeof what, "%s tile_m %s split_k %s depth %s", scheme, tile_m[a], split[b],
-                 shallow ? "half" : "full");
+                 deep ? "deep" : "default");
         assert_agrees(m, r, 13, what);
         assert_agrees(m, r, 70, what);
       }
@@ -468,7 +468,7 @@ START_TEST(half_precision_activations) {
   static const enum qkeep_dtype types[] = {QKEEP_DTYPE_BF16, QKEEP_DTYPE_F16};
   for (int t = 0; t < 2; t++) {
     void *xh = narrow(x, M * I, types[t]), *dx = to_device(xh, M * I * 2), *dy = to_device(got, M * H * 2);
-    struct qkeep_apply_args a = {sizeof a, M, dx, types[t], dy, types[t], 0, QKEEP_MOE_W13};
+    struct qkeep_apply_args a = {.size = sizeof a, .m = M, .x = dx, .x_dtype = types[t], .y = dy, .y_dtype = types[t]};
     ck_assert_msg(backend()->apply(backend(), layer, &a) == 0, "%s", qkeep_errmsg());
     uint16_t yh[M * H];
     from_device(yh, dy, sizeof yh);

@@ -61,9 +61,10 @@ struct nvfp4_weights {
   int64_t n, k, experts;
 };
 
-/* Kernel shape: tokens per block (8, 16, 32 or 64), the K split across a thread-block
- * cluster (1..8), and the weight chunks each warp keeps in flight (depth: 8 for tile_m
- * 8 and 16, 4 otherwise; a smaller value halves it). 0 picks automatically. */
+/* Kernel shape: tokens per block (8, 16, 32 or 64) and the K split across a thread-block
+ * cluster (1..8), 0 picking automatically; and the pipeline: 0 (or a small value) keeps 3
+ * stages of 2 chunks in flight for tile_m 8 and 16 and 2 above, depth >= 6 (tile_m <= 16)
+ * or >= 4 (above) twice as many. */
 struct nvfp4_tuning {
   int tile_m;
   int split_k;
@@ -103,43 +104,9 @@ int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias, en
                    int64_t n, int64_t k, int64_t m, const void *x, enum qkeep_dtype x_dtype, void *y,
                    enum qkeep_dtype y_dtype, void *stream);
 
-/* ---- the routed-MoE apply arguments (a proposed ABI append) ----------------------------- */
-
-/*
- * struct qkeep_apply_args as ABI 1.0 defines it, followed by the fields this backend
- * proposes to append (docs/PERFORMANCE.md and the report name them). Until the core's
- * header carries them, callers that route (the GPU test, an engine) pass this struct
- * with size = sizeof(struct nvfp4_apply_args); a size that ends before `topk` means
- * none of them.
- *   topk > 0: routed MoE apply over all experts (nvfp4_moe_run): matrix W13 routes
- *     x [m, H] to y [m * topk, 2I]; W2 combines x [m * topk, I] into y [m, H].
- *     `expert` is ignored.
- *   topk_ids: [m, topk] int32 in device memory; topk_weights: [m, topk] f32 (W2 only).
- *   stream: the cudaStream_t to run on; NULL is the legacy default stream.
- */
-struct nvfp4_apply_args {
-  size_t size;
-  int64_t m;
-  const void *x;
-  enum qkeep_dtype x_dtype;
-  void *y;
-  enum qkeep_dtype y_dtype;
-  int32_t expert;
-  enum qkeep_moe_matrix matrix;
-  /* appended */
-  int32_t topk;
-  const int32_t *topk_ids;
-  const float *topk_weights;
-  void *stream;
-};
-
-#ifdef __cplusplus
-static_assert(offsetof(struct nvfp4_apply_args, matrix) == offsetof(struct qkeep_apply_args, matrix),
-              "nvfp4_apply_args must extend qkeep_apply_args");
-#else
-_Static_assert(offsetof(struct nvfp4_apply_args, matrix) == offsetof(struct qkeep_apply_args, matrix),
-               "nvfp4_apply_args must extend qkeep_apply_args");
-#endif
+/* The routed-MoE fields are part of struct qkeep_apply_args (topk, topk_ids, topk_weights,
+ * stream); this name stays for the backend's and the GPU test's code. */
+#define nvfp4_apply_args qkeep_apply_args
 
 #ifdef __cplusplus
 }

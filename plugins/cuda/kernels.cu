@@ -3,16 +3,16 @@
  * (contracts in cuda_nvfp4.h, layouts in layout.h).
  *
  * The W4A16 GEMM (Hopper has no FP4 tensor cores): y^T = W x^T with the
- * weight as the A operand of mma.m16n8k16, loaded straight from global memory
- * into registers in its fragment-tiled layout, dequantised there (two bit
- * operations per pair of codes, one multiply by the e4m3 block scale) and
- * multiplied with bf16 (or f16) activations staged in shared memory by
- * cp.async. A block covers 128 output rows (one 128x4 scale atom per 64-K
- * chunk) and up to 64 tokens; the K range is split across a thread-block
- * cluster of up to 8 blocks whose partial sums are added through distributed
- * shared memory in a fixed order, so a launch is one kernel, needs no
- * workspace and gives the same bits every time. Weight loads run P chunks
- * ahead of the math.
+ * weight as the A operand of mma.m16n8k16. A block covers 128 output rows
+ * (8 fragment tiles, one 128x4 scale atom per 64-K chunk) and up to 64 tokens.
+ * cp.async fills a ring of shared-memory stages (weights in their tiled
+ * layout, the scale atom, the activations) a few stages ahead; each warp
+ * reads its lane's 16 bytes of weights per chunk, turns them into fragments
+ * (one to three bit operations per pair of codes, one multiply by the e4m3
+ * block scale) and multiplies them with bf16 (or f16) activations. The K range
+ * is split across a thread-block cluster of up to 8 blocks whose partial sums
+ * are added through distributed shared memory in a fixed order, so a launch is
+ * one kernel, needs no workspace and gives the same bits every time.
  *
  * Numerics: each dequantised weight is code * scale * 2^-63 (bf16) or
  * code * scale * 2^-7 (f16), exact in 16 bits (a 2-bit by 4-bit significand
@@ -49,9 +49,11 @@ template <int MT_, int RT_, int NS_> struct Shape {
   static constexpr int NT = MT_ / 8;
   static constexpr int NS = NS_;
 };
-/* Pipeline stages for tile_m (each stage holds kChunksPerStage chunks of weights, scales and
- * activations): 6 for the bandwidth-bound shapes, 4 where the activations take more room;
- * nvfp4_tuning.depth can halve them. */
+/* The deep pipeline for tile_m, in stages of kChunksPerStage chunks of weights, scales and
+ * activations: 6 for the bandwidth-bound shapes, 4 where the activations take more room.
+ * The default is half of it: on the H200 the smaller ring lets more blocks share an SM,
+ * which paid more than depth in every shape measured (docs/PERFORMANCE.md);
+ * nvfp4_tuning.depth >= depth_for(tile_m) selects the deep one. */
 constexpr int depth_for(int tile_m) { return tile_m <= 16 ? 6 : 4; }
 constexpr int kChunksPerStage = 2;
 
@@ -441,7 +443,7 @@ template <typename TI, int MT, int RT, class F> cudaError_t visit_depth(bool sha
 }
 
 template <typename TI, class F> cudaError_t visit_shape(const struct nvfp4_tuning &plan, F &&f) {
-  const bool shallow = plan.depth > 0 && plan.depth < depth_for(plan.tile_m);
+  const bool shallow = plan.depth < depth_for(plan.tile_m);
   switch (plan.tile_m) {
   case 8: return visit_depth<TI, 8, 1>(shallow, f);
   case 16: return visit_depth<TI, 16, 1>(shallow, f);
