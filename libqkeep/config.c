@@ -84,6 +84,24 @@ static char *resolve_path(const char *config_path, const char *value) {
   return p;
 }
 
+/* A colon-separated list of paths, each resolved like resolve_path. */
+static char *resolve_path_list(const char *config_path, const char *value) {
+  char *out = xstrdup("");
+  for (const char *p = value; out && *p;) {
+    size_t len = strcspn(p, ":");
+    char *entry = strndup(p, len), *resolved = entry ? resolve_path(config_path, entry) : NULL;
+    char *joined = resolved ? malloc(strlen(out) + strlen(resolved) + 2) : NULL;
+    if (joined)
+      sprintf(joined, "%s%s%s", out, *out ? ":" : "", resolved);
+    free(entry);
+    free(resolved);
+    free(out);
+    out = joined;
+    p += len + (p[len] == ':');
+  }
+  return out;
+}
+
 static struct config_backend_section *find_section(const qkeep_config *cfg, const char *name, size_t *index) {
   for (size_t i = 0; i < cfg->n_sections; i++)
     if (strcmp(cfg->sections[i].name, name) == 0) {
@@ -234,7 +252,7 @@ static int handle_qkeep(struct parse_state *st, const char *key, const char *val
     return set_once(st, "qkeep", key, &cfg->backend_line, &cfg->backend, xstrdup(value));
   }
   if (strcmp(key, "plugin_dir") == 0)
-    return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir, resolve_path(cfg->path, value));
+    return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir, resolve_path_list(cfg->path, value));
   return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] unknown key '%s' (expected backend or plugin_dir)", key);
 }
 

@@ -92,8 +92,14 @@ static int search_path_build(const char *plugin_dir, struct strlist *sp) {
     rc = strlist_add(sp, env, len);
     env = colon ? colon + 1 : NULL;
   }
-  if (!rc && plugin_dir)
-    rc = strlist_add(sp, plugin_dir, strlen(plugin_dir));
+  /* plugin_dir may list several directories, colon-separated, like the environment. */
+  while (!rc && plugin_dir && *plugin_dir) {
+    const char *colon = strchr(plugin_dir, ':');
+    size_t len = colon ? (size_t)(colon - plugin_dir) : strlen(plugin_dir);
+    if (len)
+      rc = strlist_add(sp, plugin_dir, len);
+    plugin_dir = colon ? colon + 1 : NULL;
+  }
   if (!rc)
     rc = strlist_add(sp, QKEEP_PLUGIN_DIR, strlen(QKEEP_PLUGIN_DIR));
   if (rc)

@@ -57,7 +57,8 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
 /* ---- configuration (INI) ------------------------------------------------- */
 
 /*
- * Reads an INI config: [qkeep] backend, plugin_dir; [model] checkpoint, reload_checkpoint, fuse;
+ * Reads an INI config: [qkeep] backend, plugin_dir (colon-separated directories); [model]
+ * checkpoint, reload_checkpoint, fuse;
  * [backend.NAME] keys passed to that backend. Unknown sections or keys and bad
  * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg().
  * On success the caller owns *out (qkeep_config_free).
