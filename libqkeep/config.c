@@ -252,7 +252,8 @@ static int handle_qkeep(struct parse_state *st, const char *key, const char *val
     return set_once(st, "qkeep", key, &cfg->backend_line, &cfg->backend, xstrdup(value));
   }
   if (strcmp(key, "plugin_dir") == 0)
-    return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir, resolve_path_list(cfg->path, value));
+    return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir,
+                    resolve_path_list(cfg->path, value));
   return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] unknown key '%s' (expected backend or plugin_dir)", key);
 }
 

@@ -198,8 +198,14 @@ static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_
   if (!rc)
     rc = dev_h2d(dev, dx, x, x_bytes);
   if (!rc) {
-    struct qkeep_apply_args args = {.size = sizeof args, .m = m, .x = dx, .x_dtype = QKEEP_DTYPE_F32, .y = dy,
-                                    .y_dtype = QKEEP_DTYPE_F32, .expert = expert, .matrix = matrix};
+    struct qkeep_apply_args args = {.size = sizeof args,
+                                    .m = m,
+                                    .x = dx,
+                                    .x_dtype = QKEEP_DTYPE_F32,
+                                    .y = dy,
+                                    .y_dtype = QKEEP_DTYPE_F32,
+                                    .expert = expert,
+                                    .matrix = matrix};
     rc = be->apply(be, layer, &args);
   }
   if (!rc)

@@ -157,7 +157,7 @@ static int fusion_group(const struct ckpt *ck, const char *name, const char *gro
         mine = n;
       group[n++] = t->t->name;
     }
-    if (mine >= 0 && n >= 2 && (rules[r][n] == NULL || n == 4))
+    if (mine >= 0 && n >= 2 && (n == 4 || rules[r][n] == NULL))
       return n;
   }
   group[0] = name;

@@ -5,6 +5,7 @@
  * and records where each tensor lands. Also the normalisation helpers the
  * scheme files share.
  */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -321,6 +322,7 @@ int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
   int rc = read_f32(layer, p, &v, &count);
   if (rc)
     return rc;
+  assert(count == (size_t)experts * (size_t)shards);
   for (int e = 0; e < experts; e++) {
     float m = v[(size_t)e * (size_t)shards];
     for (int s = 1; s < shards; s++) {
@@ -337,7 +339,6 @@ int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
       .dtype = QKEEP_DTYPE_F32, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
   rc = replace_f32(layer, name, &merged, v);
   free(v);
-  (void)count;
   return rc;
 }
 

@@ -418,6 +418,12 @@ START_TEST(fused_slots_land_in_their_rows_and_slots) {
 }
 END_TEST
 
+static int count_storage(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
+  (void)layer, (void)name, (void)data, (void)capacity;
+  ++*(int *)user;
+  return 0;
+}
+
 START_TEST(tied_lm_head_shares_the_embedding) {
   char *d = tu_path(dir, "tied");
   ck_assert_int_eq(mkdir(d, 0755), 0);
@@ -435,11 +441,13 @@ START_TEST(tied_lm_head_shares_the_embedding) {
   ck_assert_int_eq(qkeep_census(m, &c), 0);
   ck_assert_int_eq(c.aliases, 1);
   ck_assert_int_eq(c.c2, 0);
+  /* The shared weight is one storage: an offloader copies it once. */
   int storages = 0;
+  ck_assert_int_eq(qkeep_foreach_storage(m, count_storage, &storages), 0);
+  ck_assert_int_eq(storages, c.loader_params + c.buffers);
   float *w = source_weight("model.embed_tokens", VOCAB, H);
   ck_assert_double_le(apply_error(head, w, VOCAB, H, -1, 0), 1e-6);
   free(w);
-  (void)storages;
   qkeep_model_free(m);
   free(config);
   free(source);
