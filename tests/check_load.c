@@ -9,27 +9,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixture.h"
 #include "internal.h"
 #include "numeric.h"
 #include "testutil.h"
 
 #define N 24
 #define K 40
-
-static char *dir;
-static qkeep_plugin *plugin;
-
-static void setup(void) {
-  dir = tu_tmpdir("load");
-  ck_assert_ptr_nonnull(dir);
-  ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
-}
-
-static void teardown(void) {
-  qkeep_plugin_close(plugin);
-  tu_rmtree(dir);
-  free(dir);
-}
 
 /* Source values of the test weights, exactly representable in every float dtype. */
 static float weight_value(uint64_t seed, int64_t i) {
@@ -71,13 +57,6 @@ static char *write_ckpt(const char *file, enum qkeep_dtype dtype, uint64_t seed)
   ck_assert_int_eq(st_writer_write(w, path), 0);
   st_writer_free(w);
   return path;
-}
-
-static qkeep_model *load(const char *path) {
-  qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s", qkeep_errmsg());
-  return m;
 }
 
 static void check_dtype(enum qkeep_dtype dtype) {
@@ -234,6 +213,7 @@ static Suite *load_suite(void) {
 }
 
 int main(void) {
+  fixture_name = "load";
   SRunner *sr = srunner_create(load_suite());
   srunner_run_all(sr, CK_NORMAL);
   int failed = srunner_ntests_failed(sr);

@@ -11,25 +11,11 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
+#include "fixture.h"
 #include "testutil.h"
 
 #define H 64
 #define I 128
-
-static char *dir;
-static qkeep_plugin *plugin;
-
-static void setup(void) {
-  dir = tu_tmpdir("reload");
-  ck_assert_ptr_nonnull(dir);
-  ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
-}
-
-static void teardown(void) {
-  qkeep_plugin_close(plugin);
-  tu_rmtree(dir);
-  free(dir);
-}
 
 static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed) {
   size_t n = (size_t)(rows * (cols ? cols : 1));
@@ -87,13 +73,6 @@ static char *quantize(const char *source, const char *scheme, const char *out, i
                                      .asym_weights = asym};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
   return path;
-}
-
-static qkeep_model *load(const char *path) {
-  qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
-  return m;
 }
 
 static struct qkeep_digest digest(qkeep_model *m) {
@@ -506,6 +485,7 @@ static Suite *reload_suite(void) {
 }
 
 int main(void) {
+  fixture_name = "reload";
   SRunner *sr = srunner_create(reload_suite());
   srunner_run_all(sr, CK_NORMAL);
   int failed = srunner_ntests_failed(sr);

@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
+#include "fixture.h"
 #include "numeric.h"
 #include "quant.h"
 #include "testutil.h"
@@ -26,21 +27,6 @@
 #define E_I 64
 #define EXPERTS 2
 #define VOCAB 96
-
-static char *dir;
-static qkeep_plugin *plugin;
-
-static void setup(void) {
-  dir = tu_tmpdir("schemes");
-  ck_assert_ptr_nonnull(dir);
-  ck_assert_msg(qkeep_plugin_open("reference", NULL, &plugin) == 0, "%s", qkeep_errmsg());
-}
-
-static void teardown(void) {
-  qkeep_plugin_close(plugin);
-  tu_rmtree(dir);
-  free(dir);
-}
 
 /* Deterministic source values for tensor `name`, element i. */
 static float source_value(const char *name, size_t i) {
@@ -111,13 +97,6 @@ static char *quantize(const char *source, const char *scheme, const char *out, i
                                      .max_shard_bytes = shard_bytes};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
   return path;
-}
-
-static qkeep_model *load(const char *path) {
-  qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
-  return m;
 }
 
 /* Every source's bytes are still in its param where the loader put them, for every param whose
@@ -520,6 +499,7 @@ static Suite *schemes_suite(void) {
 }
 
 int main(void) {
+  fixture_name = "schemes";
   SRunner *sr = srunner_create(schemes_suite());
   srunner_run_all(sr, CK_NORMAL);
   int failed = srunner_ntests_failed(sr);
