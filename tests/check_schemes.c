@@ -482,6 +482,106 @@ START_TEST(quantize_is_deterministic) {
 }
 END_TEST
 
+/* gpt-oss names its MXFP4 experts pre-stacked: gate_up_proj_blocks [E, 2I, H/32, 16] and so on. */
+START_TEST(gpt_oss_mxfp4_moe_loads_and_applies) {
+  enum { E = 3, GI = 64, GH = 64 };
+  char *d = tu_path(dir, "gptoss");
+  ck_assert_int_eq(mkdir(d, 0755), 0);
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  static const struct {
+    const char *name;
+    int64_t rows, cols;
+  } mats[2] = {{"gate_up_proj", 2 * GI, GH}, {"down_proj", GH, GI}};
+  float *source[2][E];
+  uint8_t *packed[2][E], *scales[2][E];
+  for (int m = 0; m < 2; m++) {
+    int64_t rows = mats[m].rows, cols = mats[m].cols;
+    uint8_t *blocks = malloc((size_t)(E * rows * cols / 2)), *sc = malloc((size_t)(E * rows * cols / 32));
+    uint16_t *bias = malloc((size_t)(E * rows) * 2);
+    for (int e = 0; e < E; e++) {
+      char name[96];
+      snprintf(name, sizeof name, "gptoss.%s.%d", mats[m].name, e);
+      source[m][e] = malloc((size_t)(rows * cols) * sizeof(float));
+      for (int64_t i = 0; i < rows * cols; i++)
+        source[m][e][i] = source_value(name, (size_t)i);
+      packed[m][e] = blocks + e * rows * cols / 2;
+      scales[m][e] = sc + e * rows * cols / 32;
+      ck_assert_int_eq(quant_mxfp4(source[m][e], rows, cols, packed[m][e], scales[m][e]), 0);
+      for (int64_t r = 0; r < rows; r++)
+        bias[e * rows + r] = qk_f32_to_bf16(0.01f * (float)(r % 7));
+    }
+    char name[128];
+    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {E, rows, cols / 32, 16}},
+                      ss = {QKEEP_DTYPE_U8, 3, {E, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {E, rows}};
+    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
+    ck_assert_int_eq(st_writer_add(w, name, &bs, blocks), 0);
+    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
+    ck_assert_int_eq(st_writer_add(w, name, &ss, sc), 0);
+    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
+    ck_assert_int_eq(st_writer_add(w, name, &bb, bias), 0);
+    free(bias);
+  }
+  uint16_t router[E * GH];
+  for (int i = 0; i < E * GH; i++)
+    router[i] = qk_f32_to_bf16(source_value("router", (size_t)i));
+  struct qkeep_spec rs = {QKEEP_DTYPE_BF16, 2, {E, GH}};
+  ck_assert_int_eq(st_writer_add(w, "model.layers.0.mlp.router.weight", &rs, router), 0);
+  char *file = tu_path(d, "model.safetensors"), *config = tu_path(d, "config.json");
+  ck_assert_int_eq(st_writer_write(w, file), 0);
+  st_writer_free(w);
+  const char *cfg = "{\"quantization_config\": {\"quant_method\": \"mxfp4\", \"modules_to_not_convert\": "
+                    "[\"model.layers.*.mlp.router\"]}}";
+  ck_assert_int_eq(tu_write_file(config, cfg, strlen(cfg)), 0);
+
+  qkeep_model *m = load(d);
+  qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
+  ck_assert_ptr_nonnull(moe);
+  ck_assert_int_eq(moe->kind, QKEEP_LAYER_MOE);
+  ck_assert_str_eq(moe->scheme, "mxfp4");
+  ck_assert_int_eq(moe->dims.experts, E);
+  ck_assert_ptr_eq(qkeep_param_lookup(moe, "w13_weight"), qkeep_param_lookup(moe, "gate_up_proj_blocks"));
+  ck_assert_ptr_eq(qkeep_param_lookup(moe, "w2_weight_scale"), qkeep_param_lookup(moe, "down_proj_scales"));
+  ck_assert_str_eq(qkeep_model_find_layer(m, "model.layers.0.mlp.router")->scheme, "unquantized");
+  struct qkeep_census c = {.size = sizeof c};
+  ck_assert_int_eq(qkeep_census(m, &c), 0);
+  ck_assert_int_eq(c.missing + c.c1 + c.c2 + c.released, 0);
+  ck_assert_int_eq(c.aliases, 6);
+  /* Every expert matrix against the independent dequantisation (plus its bias). */
+  for (int e = 0; e < E; e++)
+    for (int mat = 0; mat < 2; mat++) {
+      int64_t rows = mats[mat].rows, cols = mats[mat].cols;
+      float *want = malloc((size_t)(rows * cols) * sizeof *want);
+      dequant_mxfp4(packed[mat][e], scales[mat][e], rows, cols, want);
+      float x[GH], y[2 * GI];
+      for (int i = 0; i < cols; i++)
+        x[i] = (float)(i % 9) / 9.0f - 0.4f;
+      ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, e, (enum qkeep_moe_matrix)mat, 1, x, y), 0);
+      for (int64_t r = 0; r < rows; r++) {
+        double ref = qk_bf16_to_f32(qk_f32_to_bf16(0.01f * (float)(r % 7))); /* the bias */
+        for (int64_t k = 0; k < cols; k++)
+          ref += (double)x[k] * want[r * cols + k];
+        ck_assert_double_eq_tol(y[r], ref, 1e-4);
+      }
+      free(want);
+    }
+  /* A reload of the same checkpoint lands in place, equal to the cold start. */
+  struct qkeep_digest d0, d1;
+  ck_assert_int_eq(qkeep_digest(m, &d0), 0);
+  ck_assert_int_eq(qkeep_model_reload(m, d, 0), 0);
+  ck_assert_int_eq(qkeep_digest(m, &d1), 0);
+  ck_assert(d0.hi == d1.hi && d0.lo == d1.lo);
+  for (int mat = 0; mat < 2; mat++) {
+    free(packed[mat][0]);
+    free(scales[mat][0]);
+    for (int e = 0; e < E; e++)
+      free(source[mat][e]);
+  }
+  qkeep_model_free(m);
+  free(file), free(config), free(d);
+}
+END_TEST
+
 static Suite *schemes_suite(void) {
   Suite *s = suite_create("schemes");
   TCase *tc = tcase_create("schemes");
@@ -491,6 +591,7 @@ static Suite *schemes_suite(void) {
   tcase_add_test(tc, sharded_checkpoint_in_any_order_loads_the_same);
   tcase_add_test(tc, fused_slots_land_in_their_rows_and_slots);
   tcase_add_test(tc, tied_lm_head_shares_the_embedding);
+  tcase_add_test(tc, gpt_oss_mxfp4_moe_loads_and_applies);
   tcase_add_test(tc, kv_scales_load_or_default);
   tcase_add_test(tc, quantize_refuses_and_leaves_nothing);
   tcase_add_test(tc, quantize_is_deterministic);
