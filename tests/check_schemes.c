@@ -582,6 +582,66 @@ START_TEST(gpt_oss_mxfp4_moe_loads_and_applies) {
 }
 END_TEST
 
+/* GPTQ with act order: g_idx maps each input row to any group; the kernel must follow it. */
+START_TEST(gptq_act_order_follows_g_idx) {
+  char *source = write_source("source.safetensors", false);
+  char *q = quantize(source, "gptq-int4", "q", 0);
+  char *in = tu_path(q, "model.safetensors"), *out_dir = tu_path(dir, "act"), *out,
+       *cfg_in = tu_path(q, "config.json"), *cfg_out;
+  ck_assert_int_eq(mkdir(out_dir, 0755), 0);
+  out = tu_path(out_dir, "model.safetensors");
+  cfg_out = tu_path(out_dir, "config.json");
+  /* Every g_idx of layer 0's attention (q, k, v share one) becomes a permutation of the groups. */
+  struct st_file *f;
+  struct st_writer *w;
+  ck_assert_int_eq(st_open(in, &f), 0);
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  for (size_t i = 0; i < f->n_tensors; i++) {
+    const struct st_tensor *t = &f->tensors[i];
+    void *bytes = malloc(t->nbytes + 1);
+    ck_assert_int_eq(st_read(f, t, bytes), 0);
+    if (strstr(t->name, "layers.0.self_attn.") && strstr(t->name, ".g_idx")) {
+      int32_t *g = bytes;
+      for (int64_t k = 0; k < t->shape[0]; k++)
+        g[k] = (int32_t)((k * 7 + 3) % t->shape[0]) / 32; /* rows scattered over the K/32 groups */
+    }
+    struct qkeep_spec sp = {(enum qkeep_dtype)t->dtype, t->ndim, {0}};
+    memcpy(sp.shape, t->shape, sizeof sp.shape);
+    ck_assert_int_eq(st_writer_add(w, t->name, &sp, bytes), 0);
+    free(bytes);
+  }
+  ck_assert_int_eq(st_writer_write(w, out), 0);
+  st_writer_free(w);
+  st_close(f);
+  size_t n;
+  char *cfg = tu_read_file(cfg_in, &n), *flag = strstr(cfg, "\"desc_act\": false");
+  ck_assert_ptr_nonnull(flag);
+  memcpy(flag, "\"desc_act\": true ", 17); /* same length: "false" -> "true " */
+  ck_assert_int_eq(tu_write_file(cfg_out, cfg, n), 0);
+  free(cfg);
+
+  qkeep_model *m = load(out_dir);
+  qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
+  ck_assert(o->dims.flags & QKEEP_LAYER_F_ACT_ORDER);
+  ck_assert_ptr_nonnull(qkeep_get_live_param(o, "g_idx")); /* act order: the kernel reads it */
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(out_dir, &ck), 0);
+  float *want = oracle_weight(ck, "gptq-int4", "model.layers.0.self_attn.o_proj", H, H);
+  ck_assert_double_le(apply_error(o, want, H, H, -1, 0), 1e-5);
+  /* ... and the trivial-g_idx reading would differ: the permutation matters. */
+  int32_t *qw = read_tensor(ck, "model.layers.0.self_attn.o_proj", "qweight"),
+          *qz = read_tensor(ck, "model.layers.0.self_attn.o_proj", "qzeros");
+  uint16_t *sc = read_tensor(ck, "model.layers.0.self_attn.o_proj", "scales");
+  float *trivial = malloc(H * H * sizeof *trivial);
+  dequant_gptq_int4(qw, sc, qz, NULL, H, H, 32, false, trivial);
+  ck_assert_double_gt(apply_error(o, trivial, H, H, -1, 0), 1e-3);
+  free(qw), free(qz), free(sc), free(trivial), free(want);
+  ckpt_close(ck);
+  qkeep_model_free(m);
+  free(source), free(q), free(in), free(out_dir), free(out), free(cfg_in), free(cfg_out);
+}
+END_TEST
+
 static Suite *schemes_suite(void) {
   Suite *s = suite_create("schemes");
   TCase *tc = tcase_create("schemes");
@@ -592,6 +652,7 @@ static Suite *schemes_suite(void) {
   tcase_add_test(tc, fused_slots_land_in_their_rows_and_slots);
   tcase_add_test(tc, tied_lm_head_shares_the_embedding);
   tcase_add_test(tc, gpt_oss_mxfp4_moe_loads_and_applies);
+  tcase_add_test(tc, gptq_act_order_follows_g_idx);
   tcase_add_test(tc, kv_scales_load_or_default);
   tcase_add_test(tc, quantize_refuses_and_leaves_nothing);
   tcase_add_test(tc, quantize_is_deterministic);
