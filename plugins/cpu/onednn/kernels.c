@@ -4,6 +4,7 @@
  * primitive per weight matrix and M class, activation quantisation, and the
  * epilogue. onednn.h explains the int8 arithmetic.
  */
+#include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -540,6 +541,45 @@ static void fill_source(const struct od_matrix *mt, const struct od_operands *op
   }
 }
 
+/*
+ * The one-row int8 product where oneDNN has no packed kernel (AVX2 without VNNI, weights in
+ * the checkpoint's [n, k] order): C[j] = sum_k u[k] w[j, k], exact in int32. With 7-bit
+ * activations (u <= 127), vpmaddubsw's pairs u0 w0 + u1 w1 stay within int16 (at most
+ * 2 * 127 * 128), so nothing saturates; vpmaddwd then widens to int32. oneDNN's gemm:jit runs
+ * this shape at about half the memory bandwidth (docs/PERFORMANCE.md); this reads each
+ * weight byte once at the bandwidth.
+ */
+__attribute__((target("avx2"))) static void gemv_u7s8_avx2(const uint8_t *u, const int8_t *w, int64_t n, int64_t k,
+                                                          int32_t *c) {
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma omp parallel for schedule(static) if (n * k >= OD_PARALLEL_MIN)
+  for (int64_t j = 0; j < n; j++) {
+    const int8_t *row = w + j * k;
+    __m256i acc = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= k; i += 32) {
+      __m256i a = _mm256_loadu_si256((const __m256i *)(u + i)), b = _mm256_loadu_si256((const __m256i *)(row + i));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+    }
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    int32_t sum = _mm_cvtsi128_si32(s);
+    for (; i < k; i++)
+      sum += (int32_t)u[i] * row[i];
+    c[j] = sum;
+  }
+}
+
+/* Whether a one-row int8 chunk can run gemv_u7s8_avx2: 7-bit activations, weights plain in the
+ * checkpoint's order ({k, n} with strides {1, k}), and an AVX2 CPU. */
+static bool one_row_gemv(const struct od_matrix *mt, const struct od_operands *op, int64_t rows) {
+  const dnnl_memory_desc_t *md = &mt->wmd;
+  return mt->compute == OD_INT8 && rows == 1 && op->act.levels == 127 && is_plain(md) &&
+         md->format_desc.blocking.strides[0] == 1 && md->format_desc.blocking.strides[1] == mt->k &&
+         __builtin_cpu_supports("avx2");
+}
+
 /* One chunk of rows (at most the class's) through class c's primitive, padded to its rows. */
 static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matrix *mt,
                        const struct od_operands *op, const float *bias, int c, int64_t rows, const float *x,
@@ -567,6 +607,12 @@ static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matr
     if ((rc = reserve(b, &st->dst, &st->dst_cap, (size_t)(padded * mt->n) * sizeof(float))))
       return rc;
     dst = st->dst;
+  }
+  if (one_row_gemv(mt, op, rows)) {
+    int32_t *acc = dst; /* s32 and f32 are both 4 bytes: the epilogue converts in place */
+    gemv_u7s8_avx2(src, op->weights, mt->n, mt->k, acc);
+    epilogue_int8(dst, y, rows, mt->n, a, zp, op, bias);
+    return 0;
   }
   dnnl_status_t s = dnnl_memory_set_data_handle(p->src, (void *)src);
   if (s == dnnl_success)
