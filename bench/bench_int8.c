@@ -31,22 +31,6 @@
 #include "internal.h"
 #include "testutil.h"
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int by_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, by_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 static void die(const char *what) {
   fprintf(stderr, "bench_int8: %s: %s\n", what, qkeep_errmsg());
   exit(1);
@@ -77,18 +61,18 @@ static double copy_bandwidth(size_t llc, int threads) {
   memset(b, 2, bytes);
   double t[9];
   for (int r = 0; r < 9; r++) {
-    double t0 = now();
+    double t0 = tu_now();
 #pragma omp parallel num_threads(threads)
     {
       int n = omp_get_num_threads(), i = omp_get_thread_num();
       size_t part = bytes / (size_t)n, off = part * (size_t)i;
       memcpy(b + off, a + off, i == n - 1 ? bytes - off : part);
     }
-    t[r] = now() - t0;
+    t[r] = tu_now() - t0;
   }
   free(a);
   free(b);
-  return 2.0 * (double)bytes / median(t, 9);
+  return 2.0 * (double)bytes / tu_median(t, 9);
 }
 
 /* How many copies of `bytes` of weights exceed twice the LLC (at least 2). */
@@ -139,11 +123,12 @@ static void qkeep_build(struct qkeep_side *q, qkeep_plugin *plugin, int64_t k, i
 }
 
 static double qkeep_run(struct qkeep_side *q, int c, int64_t m, const float *x, float *y) {
-  struct qkeep_apply_args a = {.size = sizeof a, .m = m, .x = x, .x_dtype = QKEEP_DTYPE_F32, .y = y, .y_dtype = QKEEP_DTYPE_F32};
-  double t0 = now();
+  struct qkeep_apply_args a = {
+      .size = sizeof a, .m = m, .x = x, .x_dtype = QKEEP_DTYPE_F32, .y = y, .y_dtype = QKEEP_DTYPE_F32};
+  double t0 = tu_now();
   if (q->be->apply(q->be, q->layers[c % q->copies], &a))
     die("apply");
-  return now() - t0;
+  return tu_now() - t0;
 }
 
 /* ---- the f32 peer: oneDNN matmul with packed weights, straight through the C API ---- */
@@ -205,14 +190,14 @@ static void f32_build(struct f32_side *f, int64_t m, int64_t k, int64_t n, int c
 }
 
 static double f32_run(struct f32_side *f, int c) {
-  double t0 = now();
+  double t0 = tu_now();
   check(dnnl_primitive_execute(f->prim, f->stream, 3,
                                (dnnl_exec_arg_t[]){{DNNL_ARG_SRC, f->src},
                                                    {DNNL_ARG_WEIGHTS, f->wei[c % f->copies]},
                                                    {DNNL_ARG_DST, f->dst}}),
         "matmul");
   check(dnnl_stream_wait(f->stream), "wait");
-  return now() - t0;
+  return tu_now() - t0;
 }
 
 static void f32_free(struct f32_side *f) {
@@ -309,8 +294,8 @@ static void bench_shape(qkeep_plugin *plugin, int64_t k, int64_t n, int threads,
       tq[r] = qkeep_run(&q, r, m, x, y);
       tf[r] = f32_run(&f, r);
     }
-    results[i][0] = median(tq, runs) * 1e6;
-    results[i][1] = median(tf, runs) * 1e6;
+    results[i][0] = tu_median(tq, runs) * 1e6;
+    results[i][1] = tu_median(tf, runs) * 1e6;
     runs_used[i] = runs;
     omp_set_num_threads(saved);
     f32_free(&f);

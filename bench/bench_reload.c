@@ -16,22 +16,6 @@
 #include "internal.h"
 #include "testutil.h"
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int by_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof *v, by_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* A Llama-shaped unquantized model: hidden 1024, intermediate 2816, `layers` decoder layers. */
 static int write_source(const char *path, int layers, uint64_t seed) {
   enum { HID = 1024, KVD = 256, INTER = 2816, VOCAB = 8192 };
@@ -109,17 +93,17 @@ int main(int argc, char **argv) {
     int64_t raw_bytes = 0, peak_extra = 0;
     for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
       qkeep_model *c;
-      double t0 = now();
+      double t0 = tu_now();
       if (qkeep_model_new(plugin, &c) || qkeep_model_load(c, w1))
         return fail("cold start");
-      double t1 = now();
+      double t1 = tu_now();
       qkeep_model_free(c);
       struct qkeep_memory_stats mem = {.size = sizeof mem};
       qkeep_model_memory(m, &mem, true);
-      double t2 = now();
+      double t2 = tu_now();
       if (qkeep_model_reload(m, r % 2 ? w0 : w1, 0))
         return fail("reload");
-      double t3 = now();
+      double t3 = tu_now();
       struct qkeep_memory_stats after = {.size = sizeof after};
       qkeep_model_memory(m, &after, false);
       int64_t extra = after.storage_peak - mem.storage_bytes + after.staging_peak;
@@ -134,7 +118,7 @@ int main(int argc, char **argv) {
         raw[r] = t_raw;
       }
     }
-    double mc = median(cold, runs), mr = median(reload, runs), mw = median(raw, runs);
+    double mc = tu_median(cold, runs), mr = tu_median(reload, runs), mw = tu_median(raw, runs);
     printf(
         "{\"bench\":\"reload\",\"backend\":\"%s\",\"scheme\":\"%s\",\"layers\":%d,\"checkpoint_bytes\":%lld,"
         "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 const char *tu_srcdir(void) {
@@ -87,3 +88,19 @@ uint64_t tu_rand(uint64_t *state) {
 }
 
 float tu_randf(uint64_t *state) { return (float)((tu_rand(state) >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f; }
+
+double tu_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int by_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+double tu_median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, by_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}

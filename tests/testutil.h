@@ -21,4 +21,9 @@ void tu_rmtree(const char *path);
 uint64_t tu_rand(uint64_t *state);
 float tu_randf(uint64_t *state);
 
+/* Monotonic seconds, for benchmarks. */
+double tu_now(void);
+/* The median of v[0..n) (sorts v in place). */
+double tu_median(double *v, int n);
+
 #endif
