@@ -9,6 +9,7 @@
  *    "peer_us":.., "ratio":.., "ceiling_us":.., "of_ceiling":.., ...}
  *   {"bench":"nvfp4_pwal", ...}
  *   {"bench":"nvfp4_sweep", ...}                        with QKEEP_BENCH_SWEEP=1: every kernel shape
+ *                                                       (=stream: only the streaming kernel's, m <= 16)
  *
  * Timing: a CUDA graph of back-to-back launches that cycle through enough
  * copies of the weights (>= 512 MiB) to keep them out of the 50 MB L2, between
@@ -253,7 +254,7 @@ double compare(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
   return ref > 0 ? err / ref : err;
 }
 
-void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, bool sweep) {
+void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, const char *sweep) {
   uint32_t *sink;
   CHECK_CUDA(cudaMalloc(&sink, sizeof *sink));
   static const int64_t shapes[][2] = {{8192, 8192}, {4096, 14336}, {14336, 4096}};
@@ -303,12 +304,32 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, bool
       printf(
           "{\"bench\":\"nvfp4_w4a16\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
           "\"peer\":\"cublas_bf16\",\"peer_us\":%.2f,\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,"
-          "\"weight_tbps\":%.2f,\"stream_us\":%.2f,\"tile_m\":%d,\"split_k\":%d,\"max_rel_err\":%.2e,"
-          "\"runs\":%d,\"launches\":%d,\"method\":\"graph\"}\n",
+          "\"weight_tbps\":%.2f,\"stream_us\":%.2f,\"kernel\":\"%s\",\"tile_m\":%d,\"split_k\":%d,"
+          "\"rows\":%d,\"unroll\":%d,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,\"method\":\"graph\"}\n",
           (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
-          read_bytes / q_us / 1e6, s_us, plan.tile_m, plan.split_k, err, 3 * kRuns, launches);
+          read_bytes / q_us / 1e6, s_us, plan.kernel == NVFP4_KERNEL_STREAM ? "stream" : "ring", plan.tile_m,
+          plan.split_k, plan.rows, plan.unroll, err, 3 * kRuns, launches);
       fflush(stdout);
       if (!sweep)
+        continue;
+      if (m <= 16) { /* the streaming kernel's shapes */
+        static const int rows[] = {1, 2, 4}, unrolls[] = {4, 8}, ssplits[] = {1, 2, 4, 8};
+        for (int rw : rows)
+          for (int un : unrolls)
+            for (int sk : ssplits) {
+              nvfp4_tuning tune = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, un};
+              qkeep_with (&tune)(0);
+              CHECK_CUDA(cudaStreamSynchronize(stream));
+              double e = compare(y, y_ref, (size_t)(m * n));
+              double us = time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
+              printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"stream\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
+                     "\"rows\":%d,\"unroll\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
+                     "\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
+                     (long long)m, (long long)n, (long long)k, rw, un, sk, us, p_us / us, ceiling / us, e);
+              fflush(stdout);
+            }
+      }
+      if (strcmp(sweep, "stream") == 0)
         continue;
       static const int tiles[] = {8, 16, 32, 64}, splits[] = {1, 2, 4, 8}, depths[] = {0, 8};
       for (int tm : tiles)
@@ -316,12 +337,12 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, bool
           for (int dp : depths) {
             if ((m >= 64 && tm < 32) || (m <= 16 && tm > 32))
               continue;
-            nvfp4_tuning tune = {tm, sk, dp};
+            nvfp4_tuning tune = {tm, sk, dp, NVFP4_KERNEL_RING, 0, 0};
             qkeep_with (&tune)(0);
             CHECK_CUDA(cudaStreamSynchronize(stream));
             double e = compare(y, y_ref, (size_t)(m * n));
             double us = time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
-            printf("{\"bench\":\"nvfp4_sweep\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_m\":%d,\"split_k\":%d,"
+            printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
                    (long long)m, (long long)n, (long long)k, tm, sk, dp ? "deep" : "default", us,
                    ceiling / us, e);
@@ -475,7 +496,7 @@ int main(void) {
   CHECK_CUBLAS(cublasSetWorkspace(blas, blas_workspace, blas_workspace_bytes));
   double bw = copy_bandwidth(stream);
   const char *sweep = getenv("QKEEP_BENCH_SWEEP");
-  bench_gemm(blas, stream, bw, sweep && *sweep && strcmp(sweep, "0") != 0);
+  bench_gemm(blas, stream, bw, sweep && *sweep && strcmp(sweep, "0") != 0 ? sweep : nullptr);
   CHECK_CUBLAS(cublasDestroy(blas));
   CHECK_CUDA(cudaFree(blas_workspace));
   CHECK_CUDA(cudaStreamDestroy(stream));

@@ -58,6 +58,9 @@ static void setup(void) {
   configure("tile_m", "auto");
   configure("split_k", "auto");
   configure("depth", "auto");
+  configure("kernel", "auto");
+  configure("rows", "auto");
+  configure("unroll", "auto");
   configure("pwal", "gpu");
 }
 
@@ -203,7 +206,8 @@ START_TEST(agrees_with_reference) {
   static const int64_t tokens[] = {1, 4, 5, 16, 19, 37, 64, 100, 256};
   for (size_t t = 0; t < sizeof tokens / sizeof tokens[0]; t++)
     assert_agrees(m, r, tokens[t], scheme);
-  /* Every kernel shape and K split, forced. */
+  /* Every ring kernel shape and K split, forced. */
+  configure("kernel", "ring");
   static const char *const tile_m[] = {"8", "16", "32", "64"};
   static const char *const split[] = {"1", "2", "3", "8"};
   for (int a = 0; a < 4; a++)
@@ -219,8 +223,27 @@ START_TEST(agrees_with_reference) {
         assert_agrees(m, r, 70, what);
       }
   configure("tile_m", "auto");
-  configure("split_k", "auto");
   configure("depth", "auto");
+  /* Every streaming kernel shape and K split, forced, at token counts of both widths. */
+  configure("kernel", "stream");
+  static const char *const rows[] = {"1", "2", "4"}, *const unroll[] = {"4", "8"};
+  static const int64_t few[] = {1, 6, 13};
+  for (int a = 0; a < 3; a++)
+    for (int u = 0; u < 2; u++)
+      for (int b = 0; b < 4; b++) {
+        char what[96];
+        configure("rows", rows[a]);
+        configure("unroll", unroll[u]);
+        configure("split_k", split[b]);
+        snprintf(what, sizeof what, "%s stream rows %s unroll %s split_k %s", scheme, rows[a], unroll[u],
+                 split[b]);
+        for (size_t t = 0; t < sizeof few / sizeof few[0]; t++)
+          assert_agrees(m, r, few[t], what);
+      }
+  configure("kernel", "auto");
+  configure("rows", "auto");
+  configure("unroll", "auto");
+  configure("split_k", "auto");
   qkeep_model_free(m);
   qkeep_model_free(r);
   /* Unfused: k_proj and v_proj alone have 40 rows. */

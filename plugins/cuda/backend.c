@@ -212,13 +212,30 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     if (!parse_int(value, 1, 8, true, &v))
       return c->host->set_error(QKEEP_E_CONFIG, "depth = '%s': expected auto or 1 to 8", value);
     c->tuning.depth = v;
+  } else if (strcmp(key, "kernel") == 0) {
+    if (strcmp(value, "auto") == 0)
+      c->tuning.kernel = NVFP4_KERNEL_AUTO;
+    else if (strcmp(value, "ring") == 0)
+      c->tuning.kernel = NVFP4_KERNEL_RING;
+    else if (strcmp(value, "stream") == 0)
+      c->tuning.kernel = NVFP4_KERNEL_STREAM;
+    else
+      return c->host->set_error(QKEEP_E_CONFIG, "kernel = '%s': expected auto, ring or stream", value);
+  } else if (strcmp(key, "rows") == 0) {
+    if (!parse_int(value, 1, 4, true, &v) || v == 3)
+      return c->host->set_error(QKEEP_E_CONFIG, "rows = '%s': expected auto, 1, 2 or 4", value);
+    c->tuning.rows = v;
+  } else if (strcmp(key, "unroll") == 0) {
+    if (!parse_int(value, 4, 8, true, &v) || (v && v != 4 && v != 8))
+      return c->host->set_error(QKEEP_E_CONFIG, "unroll = '%s': expected auto, 4 or 8", value);
+    c->tuning.unroll = v;
   } else if (strcmp(key, "pwal") == 0) {
     if (strcmp(value, "gpu") != 0 && strcmp(value, "host") != 0)
       return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);
     c->pwal_on_host = value[0] == 'h';
   } else {
     return c->host->set_error(
-        QKEEP_E_CONFIG, "unknown key '%s' (cuda-nvfp4 takes device, tile_m, split_k, depth, pwal)", key);
+        QKEEP_E_CONFIG, "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, rows, unroll, pwal)", key);
   }
   return 0;
 }

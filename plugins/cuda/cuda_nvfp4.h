@@ -61,14 +61,24 @@ struct nvfp4_weights {
   int64_t n, k, experts;
 };
 
-/* Kernel shape: tokens per block (8, 16, 32 or 64) and the K split across a thread-block
- * cluster (1..8), 0 picking automatically; and the pipeline: 0 (or a small value) keeps 3
- * stages of 2 chunks in flight for tile_m 8 and 16 and 2 above, depth >= 6 (tile_m <= 16)
- * or >= 4 (above) twice as many. */
+/* Which GEMM kernel: the shared-memory ring (any m), or the streaming kernel (m <= 16). */
+enum nvfp4_kernel { NVFP4_KERNEL_AUTO = 0, NVFP4_KERNEL_RING = 1, NVFP4_KERNEL_STREAM = 2 };
+
+/*
+ * Kernel shape, every field 0 for automatic. The ring kernel: tokens per block (8, 16, 32
+ * or 64), the K split across a thread-block cluster (1..8), and the pipeline: 0 (or a
+ * small value) keeps 3 stages of 2 chunks in flight for tile_m 8 and 16 and 2 above,
+ * depth >= 6 (tile_m <= 16) or >= 4 (above) twice as many. The streaming kernel (auto for
+ * m <= 16 unless tile_m is forced above 16): tile_m 8 or 16 follows m, split_k as above,
+ * rows 1, 2 or 4 weight tiles of 16 rows per block, unroll 4 or 8 chunks loaded at once.
+ */
 struct nvfp4_tuning {
   int tile_m;
   int split_k;
   int depth;
+  int kernel; /* enum nvfp4_kernel */
+  int rows;
+  int unroll;
 };
 
 /* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix with x_dtype activations

@@ -165,6 +165,21 @@ template <typename TI> __device__ __forceinline__ void load_b(const unsigned cha
   }
 }
 
+/* The same eight registers from the 16 activations already in registers (sizeof(TI)
+ * 16-byte vectors). */
+template <typename TI> __device__ __forceinline__ void b_from(const uint4 (&v)[sizeof(TI)], uint32_t (&b)[8]) {
+  if constexpr (sizeof(TI) == 2) {
+    b[0] = v[0].x, b[1] = v[0].y, b[2] = v[0].z, b[3] = v[0].w, b[4] = v[1].x, b[5] = v[1].y, b[6] = v[1].z,
+    b[7] = v[1].w;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      b[2 * i] = bits_of(__floats2bfloat162_rn(__uint_as_float(v[i].x), __uint_as_float(v[i].y)));
+      b[2 * i + 1] = bits_of(__floats2bfloat162_rn(__uint_as_float(v[i].z), __uint_as_float(v[i].w)));
+    }
+  }
+}
+
 __device__ __forceinline__ float load_f(const void *p, int dtype, long long i) {
   switch (dtype) {
   case QKEEP_DTYPE_F32: return static_cast<const float *>(p)[i];
@@ -392,6 +407,149 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
   cluster.sync(); /* the others may still read our partial tile */
 }
 
+/* ---- the streaming kernel for few tokens ------------------------------------------------------------ */
+
+/*
+ * For m <= 16 the weights are read once and used by at most 16 tokens, so the GEMM is a
+ * stream through the weight bytes. No shared-memory ring and no barrier in the main loop:
+ * each warp owns one 16-row tile and a run of 64-K chunks, and loads U chunks at a time
+ * (its 16 bytes of codes, its two block scales, its tokens' activations) straight into
+ * registers before it decodes any of them, so every warp keeps U x 512 bytes of weights in
+ * flight. A block is R tiles x 8 / R runs of K (8 warps); a cluster of `splits` blocks
+ * covers the rest of K. Partial sums meet in shared memory, then across the cluster
+ * through distributed shared memory, in a fixed order (the same bits every time).
+ */
+constexpr int kStreamWarps = 8;
+
+template <typename TI, int MT, int R, int U>
+__global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_stream_kernel(const GemmArgs a) {
+  constexpr bool BF16 = !std::is_same<TI, __half>::value;
+  constexpr int NT = MT / 8, RUNS = kStreamWarps / R, XU = (int)sizeof(TI); /* 16-byte loads per 16 K */
+  __shared__ float red[kStreamWarps][16][MT + 1];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int split = (int)cluster.block_rank();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int rt = warp % R, run = warp / R;
+  const int tile = (int)blockIdx.x * R + rt;
+  const bool active = tile < a.w_tiles;
+
+  /* This warp's chunks: the split's share of K, then the warp's run of it. */
+  const int per_split = (a.chunks + a.splits - 1) / a.splits;
+  const int s_begin = min(a.chunks, split * per_split), s_end = min(a.chunks, s_begin + per_split);
+  const int per_run = (s_end - s_begin + RUNS - 1) / RUNS;
+  const int c_begin = min(s_end, s_begin + run * per_run), c_end = active ? min(s_end, c_begin + per_run) : c_begin;
+
+  const uint8_t *wp = a.w + a.expert * a.w_expert_bytes + (long long)tile * a.chunks * NVFP4_TILE_BYTES + lane * 16;
+  const uint8_t *sp = a.sf + a.expert * a.sf_expert_bytes + (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM +
+                      (16 * (tile & 1) + g) * 16 + ((tile % 8) >> 1) * 4 + t;
+  /* Token rows past m read row 0 instead: token columns of an MMA never mix, and the
+   * epilogue skips them. */
+  const TI *xp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + g;
+    xp[nt] = static_cast<const TI *>(a.x) + (long long)(tok < a.m ? tok : 0) * a.k + 16 * t;
+  }
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int b = 0; b < 2; ++b)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        acc[b][nt][i] = 0.0f;
+
+  /* Chunk c's loads: the lane's codes, its two block scales, its tokens' 16 activations
+   * (zero past K, where the codes are zero padding: no 0 x inf). */
+  auto load = [&](int c, uint4 &q, uint32_t &lo, uint32_t &hi, uint4 (&xv)[NT][XU]) {
+    q = __ldcs(reinterpret_cast<const uint4 *>(wp + (long long)c * NVFP4_TILE_BYTES));
+    lo = __ldg(sp + (long long)c * NVFP4_SF_ATOM);
+    hi = __ldg(sp + (long long)c * NVFP4_SF_ATOM + 128);
+    const bool in_k = c * NVFP4_CHUNK_K + 16 * t < a.k;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int v = 0; v < XU; ++v) {
+        const uint4 *p = reinterpret_cast<const uint4 *>(xp[nt] + (in_k ? (long long)c * NVFP4_CHUNK_K : 0)) + v;
+        const uint4 x = __ldg(p);
+        xv[nt][v] = in_k ? x : make_uint4(0, 0, 0, 0);
+      }
+  };
+  auto compute = [&](const uint4 &q, uint32_t lo, uint32_t hi, const uint4 (&xv)[NT][XU]) {
+    uint32_t s_lo, s_hi, frag[4][4];
+    block_scales<BF16>(lo, hi, s_lo, s_hi);
+    dequant<BF16>(q.x, s_lo, s_hi, frag[0]);
+    dequant<BF16>(q.y, s_lo, s_hi, frag[1]);
+    dequant<BF16>(q.z, s_lo, s_hi, frag[2]);
+    dequant<BF16>(q.w, s_lo, s_hi, frag[3]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint32_t b[8];
+      b_from<TI>(xv[nt], b);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mma<BF16>(acc[j & 1][nt], frag[j], b[2 * j], b[2 * j + 1]);
+    }
+  };
+
+  /* Whole batches: every load of the batch before any decode; then the rest one by one. */
+  int c0 = c_begin;
+  for (; c0 + U <= c_end; c0 += U) {
+    uint4 q[U], xv[U][NT][XU];
+    uint32_t lo[U], hi[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      load(c0 + u, q[u], lo[u], hi[u], xv[u]);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      compute(q[u], lo[u], hi[u], xv[u]);
+  }
+  for (; c0 < c_end; ++c0) {
+    uint4 q, xv[NT][XU];
+    uint32_t lo, hi;
+    load(c0, q, lo, hi, xv);
+    compute(q, lo, hi, xv);
+  }
+
+  /* Row g / g + 8, tokens 2t / 2t + 1 of each token group: into this warp's partial tile. */
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + 2 * t;
+    red[warp][g][tok] = acc[0][nt][0] + acc[1][nt][0];
+    red[warp][g][tok + 1] = acc[0][nt][1] + acc[1][nt][1];
+    red[warp][g + 8][tok] = acc[0][nt][2] + acc[1][nt][2];
+    red[warp][g + 8][tok + 1] = acc[0][nt][3] + acc[1][nt][3];
+  }
+  if (a.splits > 1)
+    cluster.sync();
+  else
+    __syncthreads();
+  const float out_scale = a.alpha[a.expert] * (BF16 ? 0x1p63f : 128.0f);
+  constexpr int total = MT * R * 16;
+  const int per = (total + a.splits - 1) / a.splits;
+  const int e_end = min(total, (split + 1) * per);
+  for (int e = split * per + (int)threadIdx.x; e < e_end; e += kStreamWarps * 32) {
+    const int tok = e / (R * 16), rr = e % (R * 16), n = (int)blockIdx.x * R * 16 + rr;
+    if (tok >= a.m || n >= a.n)
+      continue;
+    float v = 0.0f;
+    for (int q = 0; q < a.splits; ++q) {
+      const float(*part)[16][MT + 1] = a.splits > 1 ? cluster.map_shared_rank(red, q) : red;
+#pragma unroll
+      for (int r = 0; r < RUNS; ++r)
+        v += part[r * R + rr / 16][rr % 16][tok];
+    }
+    v *= out_scale;
+    if (a.bias)
+      v += load_f(a.bias, a.bias_dtype, (long long)a.expert * a.n + n);
+    store_f(a.y, a.y_dtype, (long long)tok * a.n + n, v);
+  }
+  if (a.splits > 1)
+    cluster.sync(); /* the others may still read our partial tile */
+}
+
 /* The kernel's shared memory limit, set once per instantiation (benign race: every thread
  * sets the same value). */
 template <class S, typename TI> cudaError_t prepare_kernel() {
@@ -466,6 +624,51 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
   return visit(plan, x_dtype, [&](auto shape, auto ti) {
     return launch_gemm<decltype(shape), decltype(ti)>(a, grid_x, grid_y, stream);
   });
+}
+
+template <typename TI, int MT, int R, int U>
+cudaError_t launch_stream(const GemmArgs &a, int grid_x, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)grid_x, 1, (unsigned)a.splits);
+  cfg.blockDim = dim3(kStreamWarps * 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = (unsigned)a.splits;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, nvfp4_stream_kernel<TI, MT, R, U>, a);
+}
+
+template <typename TI, int MT, int R>
+cudaError_t stream_unroll(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
+  return plan.unroll == 8 ? launch_stream<TI, MT, R, 8>(a, grid_x, st) : launch_stream<TI, MT, R, 4>(a, grid_x, st);
+}
+
+template <typename TI, int MT>
+cudaError_t stream_rows(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
+  switch (plan.rows) {
+  case 1: return stream_unroll<TI, MT, 1>(plan, a, grid_x, st);
+  case 2: return stream_unroll<TI, MT, 2>(plan, a, grid_x, st);
+  default: return stream_unroll<TI, MT, 4>(plan, a, grid_x, st);
+  }
+}
+
+template <typename TI>
+cudaError_t stream_tokens(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
+  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid_x, st) : stream_rows<TI, 16>(plan, a, grid_x, st);
+}
+
+cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, const GemmArgs &a,
+                            int grid_x, cudaStream_t st) {
+  switch (x_dtype) {
+  case QKEEP_DTYPE_BF16: return stream_tokens<__nv_bfloat16>(plan, a, grid_x, st);
+  case QKEEP_DTYPE_F16: return stream_tokens<__half>(plan, a, grid_x, st);
+  case QKEEP_DTYPE_F32: return stream_tokens<float>(plan, a, grid_x, st);
+  default: return cudaErrorInvalidValue;
+  }
 }
 
 int resident_per_sm(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype) {
@@ -683,8 +886,35 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   return cudaGetLastError();
 }
 
+/* The streaming kernel's shape: a block per `rows` tiles (one tile when m <= 8: the
+ * activations are few and more blocks fill the GPU), and a K split that brings the blocks
+ * to two per SM while every warp keeps at least two batches of chunks. */
+void plan_stream(int64_t m, int64_t n, int64_t k, const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
+  out->kernel = NVFP4_KERNEL_STREAM;
+  out->tile_m = m <= 8 ? 8 : 16;
+  out->depth = 0;
+  const int rows = tune ? tune->rows : 0, unroll = tune ? tune->unroll : 0;
+  out->rows = rows == 1 || rows == 2 || rows == 4 ? rows : m <= 8 ? 1 : 2;
+  out->unroll = unroll == 4 || unroll == 8 ? unroll : 4;
+  const int64_t tiles = nvfp4_w_rows(n) / NVFP4_TILE_ROWS, chunks = nvfp4_w_chunks(k);
+  const int64_t blocks = (tiles + out->rows - 1) / out->rows;
+  const int64_t runs = kStreamWarps / out->rows;
+  const int cap = clamp_int((int)(chunks / (runs * 2 * out->unroll)), 1, kMaxSplit);
+  const int forced = tune ? tune->split_k : 0;
+  out->split_k = forced > 0 ? clamp_int(forced, 1, kMaxSplit)
+                            : clamp_int((int)((2 * sm_count() + blocks - 1) / blocks), 1, cap);
+}
+
 extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
                                 const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
+  const int kernel = tune ? tune->kernel : NVFP4_KERNEL_AUTO;
+  const bool forced_wide = tune && tune->tile_m > 16;
+  if (m <= 16 && (kernel == NVFP4_KERNEL_STREAM || (kernel == NVFP4_KERNEL_AUTO && !forced_wide))) {
+    plan_stream(m, n, k, tune, out);
+    return;
+  }
+  out->kernel = NVFP4_KERNEL_RING;
+  out->rows = out->unroll = 0;
   out->tile_m = pick_tile_m(m, tune ? tune->tile_m : 0);
   out->depth = tune ? tune->depth : 0;
   int64_t blocks = (m + out->tile_m - 1) / out->tile_m * ((n + kRowsPerBlock - 1) / kRowsPerBlock);
@@ -704,11 +934,19 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
   nvfp4_gemm_plan(m, wt->n, wt->k, x_dtype, tune, &plan);
   GemmArgs a = gemm_args(wt);
   a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
-  int grid_x = (int)((m + plan.tile_m - 1) / plan.tile_m),
-      grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
-  if (grid_y > 65535)
-    return cudaErrorInvalidValue;
-  cudaError_t err = dispatch(plan, x_dtype, a, grid_x, grid_y, (cudaStream_t)stream);
+  cudaError_t err;
+  if (plan.kernel == NVFP4_KERNEL_STREAM) {
+    const int64_t blocks = (a.w_tiles + plan.rows - 1) / plan.rows;
+    if (blocks > INT32_MAX)
+      return cudaErrorInvalidValue;
+    err = dispatch_stream(plan, x_dtype, a, (int)blocks, (cudaStream_t)stream);
+  } else {
+    int grid_x = (int)((m + plan.tile_m - 1) / plan.tile_m),
+        grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
+    if (grid_y > 65535)
+      return cudaErrorInvalidValue;
+    err = dispatch(plan, x_dtype, a, grid_x, grid_y, (cudaStream_t)stream);
+  }
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
@@ -751,7 +989,7 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
     a.x = x, a.y = y, a.y_dtype = y_dtype, a.y_pairs = rows;
     a.tiles = tiles, a.num_tiles = num_tiles, a.pairs = sorted, a.x_div = combine ? 1 : topk;
     /* Most tiles a step can have is one per expert hit; size the split for that. */
-    struct nvfp4_tuning plan = {tile_m, 0, tune ? tune->depth : 0};
+    struct nvfp4_tuning plan = {tile_m, 0, tune ? tune->depth : 0, NVFP4_KERNEL_RING, 0, 0};
     int64_t est_blocks = (int64_t)min(pairs, experts) * grid_y;
     plan.split_k = pick_split(est_blocks, nvfp4_w_chunks(wt->k), resident_per_sm(plan, x_dtype),
                               tune ? tune->split_k : 0);
