@@ -574,15 +574,14 @@ template <class S, typename TI> int resident_blocks() {
   return blocks > 0 ? blocks : 1;
 }
 
-template <class S, typename TI>
-cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t stream) {
-  cudaError_t err = prepare_kernel<S, TI>();
-  if (err != cudaSuccess)
-    return err;
+/* Launches kernel(a) on grid x a.splits blocks, the splits of each grid point forming one
+ * thread-block cluster along z. */
+cudaError_t launch_cluster(void (*kernel)(const GemmArgs), const GemmArgs &a, dim3 grid, int threads,
+                           size_t smem, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)grid_x, (unsigned)grid_y, (unsigned)a.splits);
-  cfg.blockDim = dim3(S::THREADS);
-  cfg.dynamicSmemBytes = Smem<S, TI>::BYTES;
+  cfg.gridDim = dim3(grid.x, grid.y, (unsigned)a.splits);
+  cfg.blockDim = dim3((unsigned)threads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -591,7 +590,16 @@ cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t 
   attr[0].val.clusterDim.z = (unsigned)a.splits;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, nvfp4_gemm_kernel<S, TI>, a);
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
+
+template <class S, typename TI>
+cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t stream) {
+  cudaError_t err = prepare_kernel<S, TI>();
+  if (err != cudaSuccess)
+    return err;
+  return launch_cluster(nvfp4_gemm_kernel<S, TI>, a, dim3((unsigned)grid_x, (unsigned)grid_y), S::THREADS,
+                        Smem<S, TI>::BYTES, stream);
 }
 
 /* Calls f(Shape{}, TI{}) with the instantiation a plan and an activation dtype select. */
@@ -628,18 +636,7 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
 
 template <typename TI, int MT, int R, int U>
 cudaError_t launch_stream(const GemmArgs &a, int grid_x, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)grid_x, 1, (unsigned)a.splits);
-  cfg.blockDim = dim3(kStreamWarps * 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = (unsigned)a.splits;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, nvfp4_stream_kernel<TI, MT, R, U>, a);
+  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U>, a, dim3((unsigned)grid_x), kStreamWarps * 32, 0, stream);
 }
 
 template <typename TI, int MT, int R>
