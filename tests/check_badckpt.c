@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkutil.h"
 #include "internal.h"
 #include "numeric.h"
 #include "testutil.h"
@@ -1607,9 +1608,5 @@ static Suite *badckpt_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(badckpt_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(badckpt_suite(), CK_NORMAL);
 }

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "checkpoint.h"
+#include "checkutil.h"
 #include "testutil.h"
 
 /* The current test's scratch directory (fixture). */
@@ -733,9 +734,5 @@ static Suite *checkpoint_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(checkpoint_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? 0 : 1;
+  return tu_run_suite(checkpoint_suite(), CK_NORMAL);
 }

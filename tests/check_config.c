@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "checkutil.h"
 #include "internal.h"
 #include "testutil.h"
 
@@ -281,9 +282,5 @@ static Suite *config_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(config_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(config_suite(), CK_NORMAL);
 }

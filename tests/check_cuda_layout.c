@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkutil.h"
 #include "cuda_nvfp4.h"
 #include "formats.h"
 #include "layout.h"
@@ -322,9 +323,5 @@ static Suite *layout_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(layout_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? 1 : 0;
+  return tu_run_suite(layout_suite(), CK_NORMAL);
 }

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkutil.h"
 #include "numeric.h"
 #include "qkeep.h"
 #include "quant.h"
@@ -930,9 +931,5 @@ static Suite *formats_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(formats_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(formats_suite(), CK_NORMAL);
 }

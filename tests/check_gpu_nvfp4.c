@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkutil.h"
 #include "cuda_nvfp4.h"
 #include "internal.h"
 #include "layout.h"
@@ -159,14 +160,9 @@ static struct qkeep_digest digest(qkeep_model *m) {
   return d;
 }
 
+/* Clean, with the consumed scales retired and the alpha buffers added. */
 static void assert_census_clean(qkeep_model *m) {
-  struct qkeep_census c = {.size = sizeof c};
-  ck_assert_int_eq(qkeep_census(m, &c), 0);
-  ck_assert_int_eq(c.missing, 0);
-  ck_assert_int_eq(c.c1, 0);
-  ck_assert_int_eq(c.c2, 0);
-  ck_assert_int_eq(c.released, 0);
-  ck_assert_int_eq(c.loader_params, c.registered_same);
+  struct qkeep_census c = tu_assert_census_clean(m);
   ck_assert_int_gt(c.retired, 0);
   ck_assert_int_gt(c.buffers, 0);
 }
@@ -360,34 +356,9 @@ END_TEST
 
 /* ---- reload ------------------------------------------------------------------------------------ */
 
-struct storages {
-  const void *data[256];
-  size_t capacity[256];
-  unsigned char *bytes[256];
-  int n;
-};
-
-static int remember(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
-  (void)layer, (void)name;
-  struct storages *s = user;
-  ck_assert_int_lt(s->n, 256);
-  s->data[s->n] = data;
-  s->capacity[s->n] = capacity;
-  s->bytes[s->n] = malloc(capacity + 1);
-  ck_assert_int_eq(backend()->memory->copy_d2h(backend(), s->bytes[s->n], data, capacity), 0);
-  s->n++;
-  return 0;
-}
-
-static void snapshot(qkeep_model *m, struct storages *s) {
-  s->n = 0;
-  ck_assert_int_eq(qkeep_foreach_storage(m, remember, s), 0);
-}
-
-static void release_snapshot(struct storages *s) {
-  for (int i = 0; i < s->n; i++)
-    free(s->bytes[i]);
-  s->n = 0;
+/* Device storages to the host, for snapshots. */
+static int gpu_to_host(void *dst, const void *src, size_t n) {
+  return backend()->memory->copy_d2h(backend(), dst, src, n);
 }
 
 START_TEST(reload_equals_cold_start_in_place) {
@@ -397,21 +368,14 @@ START_TEST(reload_equals_cold_start_in_place) {
   qkeep_model *m = load(gpu, w0, NULL), *cold = load(gpu, w1, NULL);
   struct qkeep_digest d0 = digest(m), d1 = digest(cold);
   ck_assert(!(d0.hi == d1.hi && d0.lo == d1.lo));
-  struct storages before, after, cold_bytes;
-  snapshot(m, &before);
-  snapshot(cold, &cold_bytes);
+  struct tu_storages before = {.to_host = gpu_to_host}, after = before, cold_bytes = before;
+  tu_snapshot(m, &before);
+  tu_snapshot(cold, &cold_bytes);
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
   struct qkeep_digest d = digest(m);
   ck_assert(d.hi == d1.hi && d.lo == d1.lo);
-  snapshot(m, &after);
-  ck_assert_int_eq(before.n, after.n);
-  ck_assert_int_eq(after.n, cold_bytes.n);
-  for (int i = 0; i < after.n; i++) {
-    ck_assert_ptr_eq(before.data[i], after.data[i]); /* no device pointer moved */
-    ck_assert_uint_eq(after.capacity[i], cold_bytes.capacity[i]);
-    ck_assert_msg(memcmp(after.bytes[i], cold_bytes.bytes[i], cold_bytes.capacity[i]) == 0,
-                  "storage %d differs from a cold start (padding included)", i);
-  }
+  tu_snapshot(m, &after);
+  tu_assert_in_place_and_equal(&before, &after, &cold_bytes); /* no device pointer moved */
   assert_census_clean(m);
   /* And back to W0. */
   ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
@@ -427,9 +391,9 @@ START_TEST(reload_equals_cold_start_in_place) {
   ck_assert_int_eq(
       qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.qkv_proj"), 2, x, y1), 0);
   ck_assert_int_eq(memcmp(y0, y1, sizeof y0), 0);
-  release_snapshot(&before);
-  release_snapshot(&after);
-  release_snapshot(&cold_bytes);
+  tu_release_snapshot(&before);
+  tu_release_snapshot(&after);
+  tu_release_snapshot(&cold_bytes);
   qkeep_model_free(m);
   qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1);

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "checkutil.h"
 #include "numeric.h"
 #include "testutil.h"
 
@@ -188,16 +189,6 @@ static qkeep_model *load(qkeep_plugin *plugin, const char *path) {
   ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
   ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
   return m;
-}
-
-static void assert_census_clean(const qkeep_model *m) {
-  struct qkeep_census c = {.size = sizeof c};
-  ck_assert_int_eq(qkeep_census(m, &c), 0);
-  ck_assert_int_eq(c.missing, 0);
-  ck_assert_int_eq(c.c1, 0);
-  ck_assert_int_eq(c.c2, 0);
-  ck_assert_int_eq(c.released, 0);
-  ck_assert_int_eq(c.loader_params, c.registered_same);
 }
 
 /* Every tensor of the checkpoint resolves to a param of the model, registered under its own name. */
@@ -437,7 +428,7 @@ static void int8_round_trip(const struct dims *d, const struct variant *v) {
   char *source = write_source("source", d, QKEEP_DTYPE_F32, 1, false);
   char *path = quantize(source, "q", v);
   qkeep_model *m = load(onednn, path), *r = load(ref, path);
-  assert_census_clean(m);
+  tu_assert_census_clean(m);
   assert_names_resolve(m, path);
   check_int8_kernels(m, r, act_levels);
   double worst = compare_all(m, r, int8_tolerance(v));
@@ -521,7 +512,7 @@ static char *write_per_tensor(const char *sub, const struct dims *d, uint64_t se
 START_TEST(int8_per_tensor_fused_scales) {
   char *path = write_per_tensor("pt", &odd, 3, _i == 1);
   qkeep_model *m = load(onednn, path), *r = load(ref, path);
-  assert_census_clean(m);
+  tu_assert_census_clean(m);
   assert_names_resolve(m, path);
   qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
   ck_assert_ptr_nonnull(qkv);
@@ -558,7 +549,7 @@ START_TEST(unquantized_float_weights) {
   enum qkeep_dtype dt = float_dtypes[_i];
   char *path = write_source("float", &odd, dt, 4, false);
   qkeep_model *m = load(onednn, path), *r = load(ref, path);
-  assert_census_clean(m);
+  tu_assert_census_clean(m);
   assert_names_resolve(m, path);
   /* f32 and converted weights compute in f32; native bf16 rounds activations to bf16. */
   double worst = compare_all(m, r, dt == QKEEP_DTYPE_F32 ? 1e-5 : 2e-2);
@@ -601,11 +592,8 @@ START_TEST(tied_lm_head_keeps_the_embedding) {
       else
         ck_assert_float_eq_tol(have, want, 4e-3);
     }
-    struct qkeep_census c = {.size = sizeof c};
-    ck_assert_int_eq(qkeep_census(m, &c), 0);
-    ck_assert_int_eq(c.c2, 0);
+    struct qkeep_census c = tu_assert_census_clean(m);
     ck_assert_int_ge(c.aliases, 1);
-    assert_census_clean(m);
     /* A buffer only where oneDNN cannot read the dtype as is. */
     if (dt == QKEEP_DTYPE_F32)
       ck_assert(!has_name(head, "weight_packed"));
@@ -682,7 +670,7 @@ static void reload_equals_cold_start(const char *w0, const char *w1) {
   ck_assert_int_eq(qkeep_digest(m, &dr), 0);
   ck_assert_int_eq(qkeep_digest(cold, &dc), 0);
   ck_assert_msg(dr.hi == dc.hi && dr.lo == dc.lo, "reload W0 -> W1 differs from a cold start on W1");
-  assert_census_clean(m);
+  tu_assert_census_clean(m);
   for (size_t i = 0; i < sizeof ms / sizeof ms[0]; i++)
     ck_assert_int_eq(qkeep_compare(m, cold, ms[i], 3, same_output, NULL), 0);
   /* And back: W1 -> W0 equals a cold start on W0, pointers still in place. */
@@ -773,7 +761,7 @@ START_TEST(shipped_example_loads) {
   struct stat st;
   ck_assert_msg(stat(path, &st) == 0, "%s: not built", path);
   qkeep_model *m = load(onednn, path), *r = load(ref, path);
-  assert_census_clean(m);
+  tu_assert_census_clean(m);
   ck_assert_ptr_nonnull(qkeep_model_find_layer(m, "model.layers.2.mlp.experts"));
   /* bf16 lm_head, int8 experts; the example's activations scale is 4 (quantize --activation-amax 4). */
   compare_all(m, r, 0.03 * 255.0 / act_levels);

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "checkutil.h"
 #include "internal.h"
 #include "testutil.h"
 
@@ -546,9 +547,5 @@ int main(void) {
     free(dir);
   }
   abi_strings();
-  SRunner *sr = srunner_create(plugin_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(plugin_suite(), CK_NORMAL);
 }

@@ -83,50 +83,6 @@ static struct qkeep_digest digest(qkeep_model *m) {
 
 static bool same(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
 
-/* Every storage (address, capacity, and all its bytes, padding too), in model order. */
-struct storages {
-  const void *data[512];
-  size_t capacity[512];
-  unsigned char *bytes[512];
-  int n;
-};
-
-static int remember(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
-  (void)layer, (void)name;
-  struct storages *s = user;
-  ck_assert_int_lt(s->n, 512);
-  s->data[s->n] = data;
-  s->capacity[s->n] = capacity;
-  s->bytes[s->n] = malloc(capacity + 1);
-  memcpy(s->bytes[s->n], data, capacity); /* host memory: the reference backend */
-  s->n++;
-  return 0;
-}
-
-static void snapshot(qkeep_model *m, struct storages *s) {
-  s->n = 0;
-  ck_assert_int_eq(qkeep_foreach_storage(m, remember, s), 0);
-}
-
-static void release_snapshot(struct storages *s) {
-  for (int i = 0; i < s->n; i++)
-    free(s->bytes[i]);
-  s->n = 0;
-}
-
-/* Same addresses as `before`, and bytes equal to `cold`'s, storage by storage. */
-static void assert_in_place_and_equal(const struct storages *before, const struct storages *after,
-                                      const struct storages *cold) {
-  ck_assert_int_eq(before->n, after->n);
-  ck_assert_int_eq(after->n, cold->n);
-  for (int i = 0; i < after->n; i++) {
-    ck_assert_ptr_eq(before->data[i], after->data[i]);
-    ck_assert_uint_eq(after->capacity[i], cold->capacity[i]);
-    ck_assert_msg(memcmp(after->bytes[i], cold->bytes[i], cold->capacity[i]) == 0,
-                  "storage %d differs from a cold start (padding included)", i);
-  }
-}
-
 static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
                                       "w8a8-int8",      "gptq-int4", "awq-int4"};
 
@@ -138,24 +94,22 @@ START_TEST(reload_equals_cold_start_in_place) {
   qkeep_model *m = load(w0), *cold = load(w1);
   struct qkeep_digest d0 = digest(m), d1 = digest(cold);
   ck_assert(!same(d0, d1));
-  struct storages before, after, cold_bytes;
-  snapshot(m, &before);
-  snapshot(cold, &cold_bytes);
+  struct tu_storages before = {0}, after = {0}, cold_bytes = {0};
+  tu_snapshot(m, &before);
+  tu_snapshot(cold, &cold_bytes);
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
   ck_assert(same(digest(m), d1));
-  snapshot(m, &after);
-  assert_in_place_and_equal(&before, &after, &cold_bytes);
-  struct qkeep_census c = {.size = sizeof c};
-  ck_assert_int_eq(qkeep_census(m, &c), 0);
-  ck_assert_int_eq(c.missing + c.c1 + c.c2 + c.released, 0);
+  tu_snapshot(m, &after);
+  tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
+  tu_assert_census_clean(m);
   /* Back to W0, and from a W1 sharded differently. */
   ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
   ck_assert(same(digest(m), d0));
   ck_assert_msg(qkeep_model_reload(m, w1_sharded, 0) == 0, "%s", qkeep_errmsg());
   ck_assert(same(digest(m), d1));
-  release_snapshot(&after);
-  snapshot(m, &after);
-  assert_in_place_and_equal(&before, &after, &cold_bytes);
+  tu_release_snapshot(&after);
+  tu_snapshot(m, &after);
+  tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
   /* The kernels run on the reloaded weights exactly as on the cold start's. */
   float x[H], y0[H + 64], y1[H + 64];
   for (int i = 0; i < H; i++)
@@ -165,9 +119,9 @@ START_TEST(reload_equals_cold_start_in_place) {
   ck_assert_int_eq(
       qkeep_layer_apply_f32(qkeep_model_find_layer(cold, "model.layers.0.self_attn.qkv_proj"), 1, x, y1), 0);
   ck_assert_int_eq(memcmp(y0, y1, sizeof(float) * (H + 64)), 0);
-  release_snapshot(&before);
-  release_snapshot(&after);
-  release_snapshot(&cold_bytes);
+  tu_release_snapshot(&before);
+  tu_release_snapshot(&after);
+  tu_release_snapshot(&cold_bytes);
   qkeep_model_free(m);
   qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1), free(w1_sharded);
@@ -257,16 +211,16 @@ START_TEST(bad_w1_changes_nothing) {
   };
   qkeep_model *m = load(w0);
   struct qkeep_digest d0 = digest(m);
-  struct storages before, after;
-  snapshot(m, &before);
+  struct tu_storages before = {0}, after = {0};
+  tu_snapshot(m, &before);
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     ck_assert_int_eq(qkeep_model_reload(m, bad[i].path, 0), bad[i].code);
     ck_assert_msg(strstr(qkeep_errmsg(), bad[i].needle), "case %zu: '%s' not in '%s'", i, bad[i].needle,
                   qkeep_errmsg());
     ck_assert(same(digest(m), d0));
-    snapshot(m, &after);
-    assert_in_place_and_equal(&before, &after, &before);
-    release_snapshot(&after);
+    tu_snapshot(m, &after);
+    tu_assert_in_place_and_equal(&before, &after, &before);
+    tu_release_snapshot(&after);
     free(bad[i].path);
   }
   float x[H] = {0}, y[H];
@@ -277,7 +231,7 @@ START_TEST(bad_w1_changes_nothing) {
   qkeep_model *g = load(g0);
   ck_assert_int_eq(qkeep_model_reload(g, g1a, 0), QKEEP_E_FORMAT);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "quantization config"));
-  release_snapshot(&before);
+  tu_release_snapshot(&before);
   qkeep_model_free(m);
   qkeep_model_free(g);
   free(s0), free(s1), free(w0), free(w1), free(g0), free(g1a);
@@ -289,22 +243,22 @@ START_TEST(fault_at_every_layer_rolls_back) {
   char *w0 = quantize(s0, "ct-nvfp4", "q0", 0, false), *w1 = quantize(s1, "ct-nvfp4", "q1", 0, false);
   qkeep_model *m = load(w0), *cold = load(w1);
   struct qkeep_digest d0 = digest(m), d1 = digest(cold);
-  struct storages before, after;
-  snapshot(m, &before);
+  struct tu_storages before = {0}, after = {0};
+  tu_snapshot(m, &before);
   for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
     m->fault_layer = (long)l;
     m->fault_code = QKEEP_E_IO;
     ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
     ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "rolled back"));
     ck_assert_msg(same(digest(m), d0), "fault at layer %zu left a mix", l);
-    snapshot(m, &after);
-    assert_in_place_and_equal(&before, &after, &before);
-    release_snapshot(&after);
+    tu_snapshot(m, &after);
+    tu_assert_in_place_and_equal(&before, &after, &before);
+    tu_release_snapshot(&after);
   }
   m->fault_layer = -1;
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), 0);
   ck_assert(same(digest(m), d1));
-  release_snapshot(&before);
+  tu_release_snapshot(&before);
   qkeep_model_free(m);
   qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1);
@@ -486,9 +440,5 @@ static Suite *reload_suite(void) {
 
 int main(void) {
   fixture_name = "reload";
-  SRunner *sr = srunner_create(reload_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(reload_suite(), CK_NORMAL);
 }

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkutil.h"
 #include "internal.h"
 
 static qkeep_model *model;
@@ -455,9 +456,5 @@ static Suite *rules_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(rules_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(rules_suite(), CK_NORMAL);
 }

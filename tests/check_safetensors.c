@@ -15,6 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "checkutil.h"
 #include "internal.h"
 #include "testutil.h"
 
@@ -836,9 +837,5 @@ static Suite *safetensors_suite(void) {
 }
 
 int main(void) {
-  SRunner *sr = srunner_create(safetensors_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+  return tu_run_suite(safetensors_suite(), CK_NORMAL);
 }

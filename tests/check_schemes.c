@@ -247,13 +247,7 @@ START_TEST(scheme_round_trip) {
   ck_assert_int_eq(ckpt_open(path, &ck), 0);
   ck_assert_str_eq(ck->qc.scheme, scheme);
 
-  struct qkeep_census c = {.size = sizeof c};
-  ck_assert_int_eq(qkeep_census(m, &c), 0);
-  ck_assert_int_eq(c.missing, 0);
-  ck_assert_int_eq(c.c1, 0);
-  ck_assert_int_eq(c.c2, 0);
-  ck_assert_int_eq(c.released, 0);
-  ck_assert_int_eq(c.loader_params, c.registered_same);
+  tu_assert_census_clean(m);
   assert_names_resolve(m, ck);
   assert_bytes_kept(m, ck);
 
@@ -416,10 +410,8 @@ START_TEST(tied_lm_head_shares_the_embedding) {
               *embed = qkeep_model_find_layer(m, "model.embed_tokens");
   ck_assert_ptr_nonnull(head);
   ck_assert_ptr_eq(qkeep_param_lookup(head, "weight"), qkeep_param_lookup(embed, "weight"));
-  struct qkeep_census c = {.size = sizeof c};
-  ck_assert_int_eq(qkeep_census(m, &c), 0);
+  struct qkeep_census c = tu_assert_census_clean(m);
   ck_assert_int_eq(c.aliases, 1);
-  ck_assert_int_eq(c.c2, 0);
   /* The shared weight is one storage: an offloader copies it once. */
   int storages = 0;
   ck_assert_int_eq(qkeep_foreach_storage(m, count_storage, &storages), 0);
@@ -543,9 +535,7 @@ START_TEST(gpt_oss_mxfp4_moe_loads_and_applies) {
   ck_assert_ptr_eq(qkeep_param_lookup(moe, "w13_weight"), qkeep_param_lookup(moe, "gate_up_proj_blocks"));
   ck_assert_ptr_eq(qkeep_param_lookup(moe, "w2_weight_scale"), qkeep_param_lookup(moe, "down_proj_scales"));
   ck_assert_str_eq(qkeep_model_find_layer(m, "model.layers.0.mlp.router")->scheme, "unquantized");
-  struct qkeep_census c = {.size = sizeof c};
-  ck_assert_int_eq(qkeep_census(m, &c), 0);
-  ck_assert_int_eq(c.missing + c.c1 + c.c2 + c.released, 0);
+  struct qkeep_census c = tu_assert_census_clean(m);
   ck_assert_int_eq(c.aliases, 6);
   /* Every expert matrix against the independent dequantisation (plus its bias). */
   for (int e = 0; e < E; e++)
@@ -662,9 +652,5 @@ static Suite *schemes_suite(void) {
 
 int main(void) {
   fixture_name = "schemes";
-  SRunner *sr = srunner_create(schemes_suite());
-  srunner_run_all(sr, CK_NORMAL);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+  return tu_run_suite(schemes_suite(), CK_NORMAL);
 }

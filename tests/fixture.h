@@ -9,6 +9,7 @@
 #include <check.h>
 #include <stdlib.h>
 
+#include "checkutil.h"
 #include "qkeep.h"
 #include "testutil.h"
 

@@ -1,0 +1,102 @@
+/*
+ * checkutil.h: Check helpers every suite shares: running a suite to an exit status, the
+ * clean census that every backend must show, and snapshots of every storage of a model
+ * (address, capacity and all bytes, padding included) to tell "in place and equal to a cold
+ * start" from anything else. Header-only: libtestutil also serves the benchmarks, which do
+ * not link Check.
+ */
+#ifndef QKEEP_CHECKUTIL_H
+#define QKEEP_CHECKUTIL_H
+
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qkeep.h"
+
+/* Runs suite s (the runner takes it) with `mode` output; EXIT_SUCCESS when nothing failed. */
+static inline int tu_run_suite(Suite *s, enum print_output mode) {
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, mode);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return failed ? EXIT_FAILURE : EXIT_SUCCESS;
+}
+
+/* The census every backend must show: missing 0, C1 0, C2 0, released 0, and every loader
+ * param registered as the same object. Returns the census for further checks. */
+static inline struct qkeep_census tu_assert_census_clean(qkeep_model *m) {
+  struct qkeep_census c = {.size = sizeof c};
+  ck_assert_msg(qkeep_census(m, &c) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(c.missing, 0);
+  ck_assert_int_eq(c.c1, 0);
+  ck_assert_int_eq(c.c2, 0);
+  ck_assert_int_eq(c.released, 0);
+  ck_assert_int_eq(c.loader_params, c.registered_same);
+  return c;
+}
+
+/* Every storage of a model in model order: address, capacity and a host copy of its bytes. */
+struct tu_storages {
+  const void **data;
+  size_t *capacity;
+  unsigned char **bytes;
+  int n, cap;
+  /* Copies n bytes of a storage to the host (NULL: memcpy, for host-memory backends). */
+  int (*to_host)(void *dst, const void *src, size_t n);
+};
+
+static inline int tu_remember_storage(void *user, const char *layer, const char *name, const void *data,
+                                      size_t capacity) {
+  (void)layer, (void)name;
+  struct tu_storages *s = user;
+  if (s->n == s->cap) {
+    s->cap = s->cap ? 2 * s->cap : 64;
+    s->data = realloc(s->data, sizeof *s->data * (size_t)s->cap);
+    s->capacity = realloc(s->capacity, sizeof *s->capacity * (size_t)s->cap);
+    s->bytes = realloc(s->bytes, sizeof *s->bytes * (size_t)s->cap);
+    ck_assert(s->data && s->capacity && s->bytes);
+  }
+  s->data[s->n] = data;
+  s->capacity[s->n] = capacity;
+  s->bytes[s->n] = malloc(capacity + 1);
+  ck_assert_ptr_nonnull(s->bytes[s->n]);
+  if (s->to_host)
+    ck_assert_int_eq(s->to_host(s->bytes[s->n], data, capacity), 0);
+  else
+    memcpy(s->bytes[s->n], data, capacity);
+  s->n++;
+  return 0;
+}
+
+/* Fills s (its to_host set or NULL) with the storages of m, replacing what it held. */
+static inline void tu_snapshot(qkeep_model *m, struct tu_storages *s) {
+  for (int i = 0; i < s->n; i++)
+    free(s->bytes[i]);
+  s->n = 0;
+  ck_assert_int_eq(qkeep_foreach_storage(m, tu_remember_storage, s), 0);
+}
+
+/* Frees what a snapshot holds; s may be snapshot again. */
+static inline void tu_release_snapshot(struct tu_storages *s) {
+  for (int i = 0; i < s->n; i++)
+    free(s->bytes[i]);
+  free(s->data), free(s->capacity), free(s->bytes);
+  s->data = NULL, s->capacity = NULL, s->bytes = NULL;
+  s->n = s->cap = 0;
+}
+
+/* The same addresses as `before`, and bytes equal to `cold`'s, storage by storage. */
+static inline void tu_assert_in_place_and_equal(const struct tu_storages *before, const struct tu_storages *after,
+                                                const struct tu_storages *cold) {
+  ck_assert_int_eq(before->n, after->n);
+  ck_assert_int_eq(after->n, cold->n);
+  for (int i = 0; i < after->n; i++) {
+    ck_assert_ptr_eq(before->data[i], after->data[i]); /* no storage moved */
+    ck_assert_uint_eq(after->capacity[i], cold->capacity[i]);
+    ck_assert_msg(memcmp(after->bytes[i], cold->bytes[i], cold->capacity[i]) == 0,
+                  "storage %d differs from a cold start (padding included)", i);
+  }
+}
+
+#endif
