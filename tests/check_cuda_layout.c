@@ -276,6 +276,49 @@ static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const fl
         }
 }
 
+/* The streaming kernel's plan: on the H200's 132 SMs it picks the shapes the sweep measured
+ * fastest (docs/PERFORMANCE.md), stays in the instantiated range for any matrix, splits K
+ * only for narrow matrices, and honours forced fields. */
+START_TEST(test_stream_plan) {
+  struct nvfp4_tuning p;
+  static const struct {
+    int64_t n, k;
+    int rows;
+  } h200[] = {{8192, 8192, 2}, {4096, 14336, 1}, {14336, 4096, 4}};
+  static const int64_t tokens[] = {1, 4, 16};
+  for (size_t i = 0; i < sizeof h200 / sizeof h200[0]; i++)
+    for (size_t t = 0; t < sizeof tokens / sizeof tokens[0]; t++) {
+      nvfp4_stream_plan(tokens[t], h200[i].n, h200[i].k, 132, NULL, &p);
+      ck_assert_int_eq(p.kernel, NVFP4_KERNEL_STREAM);
+      ck_assert_int_eq(p.tile_m, tokens[t] <= 8 ? 8 : 16);
+      ck_assert_int_eq(p.rows, h200[i].rows);
+      ck_assert_int_eq(p.unroll, 4);
+      ck_assert_int_eq(p.split_k, 1);
+    }
+  /* Narrow: 64 tiles, so one per block and a split that brings 64 blocks towards 264,
+   * bounded by two batches per warp (16384 / 64 / (8 * 2 * 4) = 4). */
+  nvfp4_stream_plan(1, 1024, 16384, 132, NULL, &p);
+  ck_assert_int_eq(p.rows, 1);
+  ck_assert_int_eq(p.split_k, 4);
+  nvfp4_stream_plan(1, 1024, 4096, 132, NULL, &p); /* too little K to split */
+  ck_assert_int_eq(p.split_k, 1);
+  for (int64_t n = 16; n <= 65536; n = n * 3 + 16)
+    for (int64_t k = 16; k <= 65536; k = k * 5 + 16)
+      for (int sms = 1; sms <= 264; sms *= 4) {
+        nvfp4_stream_plan(9, n, k, sms, NULL, &p);
+        ck_assert(p.rows == 1 || p.rows == 2 || p.rows == 4);
+        ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
+        ck_assert_int_eq(p.tile_m, 16);
+      }
+  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8};
+  nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
+  ck_assert(p.rows == 2 && p.unroll == 8 && p.split_k == 3);
+  forced = (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5}; /* invalid: automatic, clamped */
+  nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
+  ck_assert(p.rows == 2 && p.unroll == 4 && p.split_k == NVFP4_MAX_SPLIT);
+}
+END_TEST
+
 START_TEST(test_fragments_reproduce_gemm) {
   static const int64_t gemm_shapes[][3] = {{16, 64, 8}, {37, 208, 3}, {130, 112, 9}, {8, 1024, 1}};
   for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
@@ -318,6 +361,7 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_w_round_trip);
   tcase_add_test(tc, test_pair_decode_every_code);
   tcase_add_test(tc, test_fragments_reproduce_gemm);
+  tcase_add_test(tc, test_stream_plan);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -81,6 +81,21 @@ struct nvfp4_tuning {
   int unroll;
 };
 
+#define NVFP4_STREAM_WARPS 8 /* warps of a streaming-kernel block */
+#define NVFP4_MAX_SPLIT 8    /* blocks of a K-split cluster (the portable cluster size) */
+
+/*
+ * The streaming kernel's shape for m (<= 16) tokens of an [n, k] matrix on a GPU of `sms`
+ * multiprocessors, honouring the valid fields of `tune` (NULL: all automatic); plain
+ * arithmetic, so CI tests it (layout.c). Two blocks fit on an SM; on the H200 the best of
+ * every swept shape was one wave of about two blocks per SM, unroll 4 and no K split
+ * (docs/PERFORMANCE.md). So: the most tiles per block (4, 2, 1) that still gives 1.5 blocks
+ * per SM; unroll 4; a K split only where one tile per block leaves the GPU short of that,
+ * as many as bring it to two blocks per SM while each warp keeps two batches of chunks.
+ */
+void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
+                       struct nvfp4_tuning *out);
+
 /* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix with x_dtype activations
  * (`tune` may be NULL). */
 void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,

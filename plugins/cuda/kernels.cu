@@ -37,7 +37,7 @@ namespace {
 
 constexpr int kRowsPerBlock = 128;            /* 8 tiles of 16 rows: one scale atom */
 constexpr int kRedStride = kRowsPerBlock + 4; /* f32 words per token of the reduction tile */
-constexpr int kMaxSplit = 8;                  /* portable cluster size */
+constexpr int kMaxSplit = NVFP4_MAX_SPLIT;
 constexpr int kMaxMoeExperts = 2048;
 
 /* A block shape: MT tokens, RT 16-row tiles per warp (8 / RT warps), NS pipeline stages. */
@@ -419,7 +419,7 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
  * covers the rest of K. Partial sums meet in shared memory, then across the cluster
  * through distributed shared memory, in a fixed order (the same bits every time).
  */
-constexpr int kStreamWarps = 8;
+constexpr int kStreamWarps = NVFP4_STREAM_WARPS;
 
 template <typename TI, int MT, int R, int U>
 __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_stream_kernel(const GemmArgs a) {
@@ -883,38 +883,12 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   return cudaGetLastError();
 }
 
-/* The streaming kernel's shape. Two blocks fit on an SM (the launch bounds), and on the
- * H200 the best shape of every swept matrix was one wave of about two blocks per SM with
- * unroll 4 and no K split (docs/PERFORMANCE.md): so the most tiles per block that still
- * gives 1.5 blocks per SM, and a K split only where even one tile per block leaves the
- * GPU short of that (each warp keeping at least two batches of chunks). */
-void plan_stream(int64_t m, int64_t n, int64_t k, const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
-  out->kernel = NVFP4_KERNEL_STREAM;
-  out->tile_m = m <= 8 ? 8 : 16;
-  out->depth = 0;
-  const int rows = tune ? tune->rows : 0, unroll = tune ? tune->unroll : 0;
-  const int64_t tiles = nvfp4_w_rows(n) / NVFP4_TILE_ROWS, chunks = nvfp4_w_chunks(k);
-  const int64_t want = 3 * (int64_t)sm_count() / 2;
-  if (rows == 1 || rows == 2 || rows == 4)
-    out->rows = rows;
-  else
-    out->rows = (tiles + 3) / 4 >= want ? 4 : (tiles + 1) / 2 >= want ? 2 : 1;
-  out->unroll = unroll == 4 || unroll == 8 ? unroll : 4;
-  const int64_t blocks = (tiles + out->rows - 1) / out->rows;
-  const int64_t runs = kStreamWarps / out->rows;
-  const int cap = clamp_int((int)(chunks / (runs * 2 * out->unroll)), 1, kMaxSplit);
-  const int forced = tune ? tune->split_k : 0;
-  out->split_k = forced > 0 ? clamp_int(forced, 1, kMaxSplit)
-                 : blocks >= want ? 1
-                                  : clamp_int((int)((2 * sm_count() + blocks - 1) / blocks), 1, cap);
-}
-
 extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
                                 const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
   const int kernel = tune ? tune->kernel : NVFP4_KERNEL_AUTO;
   const bool forced_wide = tune && tune->tile_m > 16;
   if (m <= 16 && (kernel == NVFP4_KERNEL_STREAM || (kernel == NVFP4_KERNEL_AUTO && !forced_wide))) {
-    plan_stream(m, n, k, tune, out);
+    nvfp4_stream_plan(m, n, k, sm_count(), tune, out);
     return;
   }
   out->kernel = NVFP4_KERNEL_RING;

@@ -11,6 +11,32 @@
 
 #include "layout.h"
 
+static int clamp(int64_t v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : (int)v; }
+
+void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
+                       struct nvfp4_tuning *out) {
+  const int rows = tune ? tune->rows : 0, unroll = tune ? tune->unroll : 0, split = tune ? tune->split_k : 0;
+  const int64_t tiles = nvfp4_w_rows(n) / NVFP4_TILE_ROWS, chunks = nvfp4_w_chunks(k);
+  const int64_t want = 3 * (int64_t)sms / 2;
+  out->kernel = NVFP4_KERNEL_STREAM;
+  out->tile_m = m <= 8 ? 8 : 16;
+  out->depth = 0;
+  if (rows == 1 || rows == 2 || rows == 4)
+    out->rows = rows;
+  else
+    out->rows = (tiles + 3) / 4 >= want ? 4 : (tiles + 1) / 2 >= want ? 2 : 1;
+  out->unroll = unroll == 4 || unroll == 8 ? unroll : 4;
+  const int64_t blocks = (tiles + out->rows - 1) / out->rows;
+  const int64_t runs = NVFP4_STREAM_WARPS / out->rows;
+  if (split > 0)
+    out->split_k = clamp(split, 1, NVFP4_MAX_SPLIT);
+  else if (blocks >= want)
+    out->split_k = 1;
+  else
+    out->split_k = clamp((2 * (int64_t)sms + blocks - 1) / blocks, 1,
+                         clamp(chunks / (runs * 2 * out->unroll), 1, NVFP4_MAX_SPLIT));
+}
+
 /* Element k of a row of packed e2m1 codes (element 2i in the low nibble). */
 static unsigned row_code(const uint8_t *row, int64_t k) {
   return (k & 1) ? row[k / 2] >> 4 : row[k / 2] & 0xfu;
