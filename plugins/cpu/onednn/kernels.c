@@ -392,6 +392,44 @@ static void row_range(const float *x, int64_t k, float *lo, float *hi) {
   *hi = h8[0];
 }
 
+/* Whether this CPU runs AVX2 (the vector forms below are taken only then). */
+static bool have_avx2(void) { return __builtin_cpu_supports("avx2"); }
+
+/* u[i] = clamp(rne(x[i] * inv + zp), 0, levels): the multiply and the add rounded apart
+ * (no contraction), NaN to 0. */
+static void quantize_codes(const float *x, int64_t k, uint8_t *u, float inv, float zp, float levels) {
+  for (int64_t i = 0; i < k; i++) {
+    float t = x[i] * inv + zp;
+    t = t > 0.0f ? t : 0.0f; /* also maps NaN to 0 */
+    t = t < levels ? t : levels;
+    u[i] = (uint8_t)(int)round_even(t);
+  }
+}
+
+/* The same, 32 codes a step with AVX2, bit for bit: max(t, 0) gives 0 for NaN as the
+ * scalar form does, and the values are whole numbers in 0..255 before the narrowing. */
+__attribute__((target("avx2"))) static void quantize_codes_avx2(const float *x, int64_t k, uint8_t *u, float inv,
+                                                               float zp, float levels) {
+  const __m256 vinv = _mm256_set1_ps(inv), vzp = _mm256_set1_ps(zp), vmax = _mm256_set1_ps(levels),
+               zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    __m256i q[4];
+    for (int j = 0; j < 4; j++) {
+      __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), vinv), vzp);
+      t = _mm256_min_ps(_mm256_max_ps(t, zero), vmax);
+      t = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
+      q[j] = _mm256_cvttps_epi32(t);
+    }
+    /* 32-bit to 16-bit to 8-bit packs work per 128-bit lane; the permute restores order. */
+    __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i b = _mm256_packus_epi16(w01, w23);
+    _mm256_storeu_si256((__m256i *)(u + i), _mm256_permutevar8x32_epi32(b, order));
+  }
+  quantize_codes(x + i, k - i, u + i, inv, zp, levels);
+}
+
 /*
  * Quantises one row of k activations to u8 codes u with x ~ a * (u - zp), and
  * returns a and zp. L = act->levels (255, or 127 without VNNI):
@@ -425,12 +463,10 @@ static void quantize_row(const struct od_act *act, const float *x, int64_t k, ui
     zp = a > 0.0f ? round_even(-lo / a) : 0.0f;
   }
   float inv = a > 0.0f ? 1.0f / a : 0.0f;
-  for (int64_t i = 0; i < k; i++) {
-    float t = x[i] * inv + zp;
-    t = t > 0.0f ? t : 0.0f; /* also maps NaN to 0 */
-    t = t < levels ? t : levels;
-    u[i] = (uint8_t)(int)round_even(t);
-  }
+  if (have_avx2())
+    quantize_codes_avx2(x, k, u, inv, zp, levels);
+  else
+    quantize_codes(x, k, u, inv, zp, levels);
   *scale = a;
   *zero = (int32_t)zp;
 }
@@ -458,11 +494,31 @@ static int reserve(const struct od_backend *b, void **buf, size_t *cap, size_t b
  */
 #define OD_PARALLEL_MIN 65536
 
+/* The AVX2 form of epilogue_int8_row below, bit for bit (the same operations in the same order,
+ * no contraction); returns how many leading elements it did, a multiple of 8. */
+__attribute__((target("avx2"))) static int64_t epilogue_int8_avx2(const unsigned char *c, float *y, int64_t n,
+                                                                 float a, int32_t zp, const struct od_operands *op,
+                                                                 const float *bias) {
+  const __m256 va = _mm256_set1_ps(a);
+  const __m256i vzp = _mm256_set1_epi32(zp);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256i acc = _mm256_loadu_si256((const __m256i *)(c + (size_t)j * sizeof(int32_t)));
+    __m256i adj = _mm256_loadu_si256((const __m256i *)(op->azp_adj + j));
+    __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc, _mm256_mullo_epi32(vzp, adj)));
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(va, _mm256_loadu_ps(op->scale + j)), d);
+    if (bias)
+      v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+    _mm256_storeu_ps(y + j, v);
+  }
+  return j;
+}
+
 /* One row of the int8 epilogue: y = a * s[j] * (C - zp * adj[j]) + bias[j]. C (s32) may be y itself:
  * each element is read before it is written, through memcpy so no type punning is involved. */
 static void epilogue_int8_row(const unsigned char *c, float *y, int64_t n, float a, int32_t zp,
                               const struct od_operands *op, const float *bias) {
-  for (int64_t j = 0; j < n; j++) {
+  for (int64_t j = have_avx2() ? epilogue_int8_avx2(c, y, n, a, zp, op, bias) : 0; j < n; j++) {
     int32_t acc;
     memcpy(&acc, c + (size_t)j * sizeof acc, sizeof acc);
     float v = (a * op->scale[j]) * (float)(acc - zp * op->azp_adj[j]);
@@ -577,7 +633,7 @@ static bool one_row_gemv(const struct od_matrix *mt, const struct od_operands *o
   const dnnl_memory_desc_t *md = &mt->wmd;
   return mt->compute == OD_INT8 && rows == 1 && op->act.levels == 127 && is_plain(md) &&
          md->format_desc.blocking.strides[0] == 1 && md->format_desc.blocking.strides[1] == mt->k &&
-         __builtin_cpu_supports("avx2");
+         have_avx2();
 }
 
 /* One chunk of rows (at most the class's) through class c's primitive, padded to its rows. */
