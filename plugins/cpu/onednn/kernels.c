@@ -598,40 +598,90 @@ static void fill_source(const struct od_matrix *mt, const struct od_operands *op
 }
 
 /*
- * The one-row int8 product where oneDNN has no packed kernel (AVX2 without VNNI, weights in
- * the checkpoint's [n, k] order): C[j] = sum_k u[k] w[j, k], exact in int32. With 7-bit
- * activations (u <= 127), vpmaddubsw's pairs u0 w0 + u1 w1 stay within int16 (at most
- * 2 * 127 * 128), so nothing saturates; vpmaddwd then widens to int32. oneDNN's gemm:jit runs
- * this shape at about half the memory bandwidth (docs/PERFORMANCE.md); this reads each
- * weight byte once at the bandwidth.
+ * The few-row int8 product where oneDNN has no packed kernel (AVX2 without VNNI, weights in
+ * the checkpoint's [n, k] order): C[i, j] = sum_k u[i, k] w[j, k], exact in int32. With
+ * 7-bit activations (u <= 127), vpmaddubsw's pairs u0 w0 + u1 w1 stay within int16 (at most
+ * 2 * 127 * 128), so nothing saturates; vpmaddwd then widens to int32. A tile is TM rows of
+ * activations by TN rows of weights, TM * TN accumulators in registers, so each 32-byte
+ * load of a weight row serves TM activation rows; the weights are read from memory once
+ * per call (2 x 4 tiles: 8 accumulators, no spills at -O2). oneDNN's gemm:jit streams the
+ * weights at about half the memory bandwidth at M = 1 and stays 1.2-1.4x behind this up to
+ * M = 48; from M = 64 the two are level (docs/PERFORMANCE.md), and oneDNN runs those.
  */
-__attribute__((target("avx2"))) static void gemv_u7s8_avx2(const uint8_t *u, const int8_t *w, int64_t n, int64_t k,
-                                                          int32_t *c) {
-  const __m256i ones = _mm256_set1_epi16(1);
-#pragma omp parallel for schedule(static) if (n * k >= OD_PARALLEL_MIN)
-  for (int64_t j = 0; j < n; j++) {
-    const int8_t *row = w + j * k;
-    __m256i acc = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {
-      __m256i a = _mm256_loadu_si256((const __m256i *)(u + i)), b = _mm256_loadu_si256((const __m256i *)(row + i));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+#define OD_DOT_MAX_ROWS 48
+#define OD_DOT_TN 4
+
+__attribute__((target("avx2"))) static inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+/* One tile: C[i, j] for i < TM activation rows (u, stride k) and j < TN weight rows (w,
+ * stride k); C has row stride ldc. */
+#define OD_DOT_TILE(TM, TN)                                                                                  \
+  __attribute__((target("avx2"))) static void dot_tile_##TM##x##TN(const uint8_t *u, const int8_t *w,      \
+                                                                     int64_t k, int32_t *c, int64_t ldc) {  \
+    const __m256i ones = _mm256_set1_epi16(1);                                                               \
+    __m256i acc[TM][TN];                                                                                     \
+    _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) _Pragma("GCC unroll 16") for (int j = 0; j < TN;  \
+                                                                                         j++) acc[i][j] =    \
+        _mm256_setzero_si256();                                                                              \
+    int64_t q = 0;                                                                                           \
+    for (; q + 32 <= k; q += 32) {                                                                           \
+      __m256i x[TM];                                                                                         \
+      _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) x[i] =                                           \
+          _mm256_loadu_si256((const __m256i *)(u + i * k + q));                                              \
+      _Pragma("GCC unroll 16") for (int j = 0; j < TN; j++) {                                                \
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(w + j * k + q));                              \
+        _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) acc[i][j] =                                    \
+            _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(x[i], b), ones));            \
+      }                                                                                                      \
+    }                                                                                                        \
+    _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) _Pragma("GCC unroll 16") for (int j = 0; j < TN;  \
+                                                                                         j++) {              \
+        int32_t sum = hsum_epi32(acc[i][j]);                                                                 \
+        for (int64_t r = q; r < k; r++)                                                                      \
+          sum += (int32_t)u[i * k + r] * w[j * k + r];                                                       \
+        c[i * ldc + j] = sum;                                                                                \
+      }                                                                                                      \
+  }
+OD_DOT_TILE(2, 4)
+OD_DOT_TILE(1, 4)
+OD_DOT_TILE(2, 1)
+OD_DOT_TILE(1, 1)
+
+/* C[rows, n] = u[rows, k] W^T for rows <= OD_DOT_MAX_ROWS; weight-row tiles across threads. */
+static void dot_u7s8(const uint8_t *u, int64_t rows, const int8_t *w, int64_t n, int64_t k, int32_t *c) {
+  const int64_t tiles = (n + OD_DOT_TN - 1) / OD_DOT_TN;
+#pragma omp parallel for schedule(static) if (rows * n * k >= OD_PARALLEL_MIN)
+  for (int64_t t = 0; t < tiles; t++) {
+    const int64_t j0 = t * OD_DOT_TN;
+    const int8_t *wt = w + j0 * k;
+    if (j0 + OD_DOT_TN <= n) {
+      int64_t i = 0;
+      for (; i + 2 <= rows; i += 2)
+        dot_tile_2x4(u + i * k, wt, k, c + i * n + j0, n);
+      for (; i < rows; i++)
+        dot_tile_1x4(u + i * k, wt, k, c + i * n + j0, n);
+    } else {
+      for (int64_t j = j0; j < n; j++) {
+        int64_t i = 0;
+        for (; i + 2 <= rows; i += 2)
+          dot_tile_2x1(u + i * k, w + j * k, k, c + i * n + j, n);
+        for (; i < rows; i++)
+          dot_tile_1x1(u + i * k, w + j * k, k, c + i * n + j, n);
+      }
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    int32_t sum = _mm_cvtsi128_si32(s);
-    for (; i < k; i++)
-      sum += (int32_t)u[i] * row[i];
-    c[j] = sum;
   }
 }
 
-/* Whether a one-row int8 chunk can run gemv_u7s8_avx2: 7-bit activations, weights plain in the
- * checkpoint's order ({k, n} with strides {1, k}), and an AVX2 CPU. */
-static bool one_row_gemv(const struct od_matrix *mt, const struct od_operands *op, int64_t rows) {
+/* Whether an int8 chunk of `rows` runs dot_u7s8: few rows, 7-bit activations, weights plain in
+ * the checkpoint's order ({k, n} with strides {1, k}), and an AVX2 CPU. */
+static bool few_rows_dot(const struct od_matrix *mt, const struct od_operands *op, int64_t rows) {
   const dnnl_memory_desc_t *md = &mt->wmd;
-  return mt->compute == OD_INT8 && rows == 1 && op->act.levels == 127 && is_plain(md) &&
+  return mt->compute == OD_INT8 && rows <= OD_DOT_MAX_ROWS && op->act.levels == 127 && is_plain(md) &&
          md->format_desc.blocking.strides[0] == 1 && md->format_desc.blocking.strides[1] == mt->k &&
          have_avx2();
 }
@@ -640,9 +690,11 @@ static bool one_row_gemv(const struct od_matrix *mt, const struct od_operands *o
 static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matrix *mt,
                        const struct od_operands *op, const float *bias, int c, int64_t rows, const float *x,
                        float *y) {
-  int64_t padded = class_rows[c];
+  /* Few int8 rows without VNNI run dot_u7s8 on exactly `rows`: no primitive, no padding. */
+  const bool dot = few_rows_dot(mt, op, rows);
+  int64_t padded = dot ? rows : class_rows[c];
   struct od_prim *p = NULL;
-  int rc = prim_get(b, mt, c, &p);
+  int rc = dot ? 0 : prim_get(b, mt, c, &p);
   if (rc)
     return rc;
   size_t src_elem = mt->compute == OD_INT8 ? 1 : mt->compute == OD_BF16 ? 2 : 4;
@@ -664,9 +716,9 @@ static int apply_chunk(struct od_backend *b, struct od_layer *st, struct od_matr
       return rc;
     dst = st->dst;
   }
-  if (one_row_gemv(mt, op, rows)) {
+  if (dot) {
     int32_t *acc = dst; /* s32 and f32 are both 4 bytes: the epilogue converts in place */
-    gemv_u7s8_avx2(src, op->weights, mt->n, mt->k, acc);
+    dot_u7s8(src, rows, op->weights, mt->n, mt->k, acc);
     epilogue_int8(dst, y, rows, mt->n, a, zp, op, bias);
     return 0;
   }
