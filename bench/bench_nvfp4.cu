@@ -305,7 +305,8 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           "{\"bench\":\"nvfp4_w4a16\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
           "\"peer\":\"cublas_bf16\",\"peer_us\":%.2f,\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,"
           "\"weight_tbps\":%.2f,\"stream_us\":%.2f,\"kernel\":\"%s\",\"tile_m\":%d,\"split_k\":%d,"
-          "\"rows\":%d,\"unroll\":%d,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,\"method\":\"graph\"}\n",
+          "\"rows\":%d,\"unroll\":%d,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,\"method\":\"graph\"}"
+          "\n",
           (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
           read_bytes / q_us / 1e6, s_us, plan.kernel == NVFP4_KERNEL_STREAM ? "stream" : "ring", plan.tile_m,
           plan.split_k, plan.rows, plan.unroll, err, 3 * kRuns, launches);
@@ -342,7 +343,8 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
             CHECK_CUDA(cudaStreamSynchronize(stream));
             double e = compare(y, y_ref, (size_t)(m * n));
             double us = time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
-            printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_m\":%d,\"split_k\":%d,"
+            printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_"
+                   "m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
                    (long long)m, (long long)n, (long long)k, tm, sk, dp ? "deep" : "default", us,
                    ceiling / us, e);

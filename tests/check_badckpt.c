@@ -1607,6 +1607,4 @@ static Suite *badckpt_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(badckpt_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(badckpt_suite(), CK_NORMAL); }

@@ -733,6 +733,4 @@ static Suite *checkpoint_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(checkpoint_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(checkpoint_suite(), CK_NORMAL); }

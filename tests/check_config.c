@@ -281,6 +281,4 @@ static Suite *config_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(config_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(config_suite(), CK_NORMAL); }

@@ -366,6 +366,4 @@ static Suite *layout_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(layout_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(layout_suite(), CK_NORMAL); }

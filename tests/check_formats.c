@@ -930,6 +930,4 @@ static Suite *formats_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(formats_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(formats_suite(), CK_NORMAL); }

@@ -455,7 +455,8 @@ START_TEST(half_precision_activations) {
   static const enum qkeep_dtype types[] = {QKEEP_DTYPE_BF16, QKEEP_DTYPE_F16};
   for (int t = 0; t < 2; t++) {
     void *xh = narrow(x, M * I, types[t]), *dx = to_device(xh, M * I * 2), *dy = to_device(got, M * H * 2);
-    struct qkeep_apply_args a = {.size = sizeof a, .m = M, .x = dx, .x_dtype = types[t], .y = dy, .y_dtype = types[t]};
+    struct qkeep_apply_args a = {
+        .size = sizeof a, .m = M, .x = dx, .x_dtype = types[t], .y = dy, .y_dtype = types[t]};
     ck_assert_msg(backend()->apply(backend(), layer, &a) == 0, "%s", qkeep_errmsg());
     uint16_t yh[M * H];
     from_device(yh, dy, sizeof yh);

@@ -455,6 +455,4 @@ static Suite *rules_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(rules_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(rules_suite(), CK_NORMAL); }

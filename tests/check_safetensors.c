@@ -836,6 +836,4 @@ static Suite *safetensors_suite(void) {
   return s;
 }
 
-int main(void) {
-  return tu_run_suite(safetensors_suite(), CK_NORMAL);
-}
+int main(void) { return tu_run_suite(safetensors_suite(), CK_NORMAL); }

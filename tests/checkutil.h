@@ -87,7 +87,8 @@ static inline void tu_release_snapshot(struct tu_storages *s) {
 }
 
 /* The same addresses as `before`, and bytes equal to `cold`'s, storage by storage. */
-static inline void tu_assert_in_place_and_equal(const struct tu_storages *before, const struct tu_storages *after,
+static inline void tu_assert_in_place_and_equal(const struct tu_storages *before,
+                                                const struct tu_storages *after,
                                                 const struct tu_storages *cold) {
   ck_assert_int_eq(before->n, after->n);
   ck_assert_int_eq(after->n, cold->n);

@@ -235,7 +235,9 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     c->pwal_on_host = value[0] == 'h';
   } else {
     return c->host->set_error(
-        QKEEP_E_CONFIG, "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, rows, unroll, pwal)", key);
+        QKEEP_E_CONFIG,
+        "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, rows, unroll, pwal)",
+        key);
   }
   return 0;
 }

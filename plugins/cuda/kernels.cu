@@ -167,7 +167,8 @@ template <typename TI> __device__ __forceinline__ void load_b(const unsigned cha
 
 /* The same eight registers from the 16 activations already in registers (sizeof(TI)
  * 16-byte vectors). */
-template <typename TI> __device__ __forceinline__ void b_from(const uint4 (&v)[sizeof(TI)], uint32_t (&b)[8]) {
+template <typename TI>
+__device__ __forceinline__ void b_from(const uint4 (&v)[sizeof(TI)], uint32_t (&b)[8]) {
   if constexpr (sizeof(TI) == 2) {
     b[0] = v[0].x, b[1] = v[0].y, b[2] = v[0].z, b[3] = v[0].w, b[4] = v[1].x, b[5] = v[1].y, b[6] = v[1].z,
     b[7] = v[1].w;
@@ -438,11 +439,14 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
   const int per_split = (a.chunks + a.splits - 1) / a.splits;
   const int s_begin = min(a.chunks, split * per_split), s_end = min(a.chunks, s_begin + per_split);
   const int per_run = (s_end - s_begin + RUNS - 1) / RUNS;
-  const int c_begin = min(s_end, s_begin + run * per_run), c_end = active ? min(s_end, c_begin + per_run) : c_begin;
+  const int c_begin = min(s_end, s_begin + run * per_run),
+            c_end = active ? min(s_end, c_begin + per_run) : c_begin;
 
-  const uint8_t *wp = a.w + a.expert * a.w_expert_bytes + (long long)tile * a.chunks * NVFP4_TILE_BYTES + lane * 16;
-  const uint8_t *sp = a.sf + a.expert * a.sf_expert_bytes + (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM +
-                      (16 * (tile & 1) + g) * 16 + ((tile % 8) >> 1) * 4 + t;
+  const uint8_t *wp =
+      a.w + a.expert * a.w_expert_bytes + (long long)tile * a.chunks * NVFP4_TILE_BYTES + lane * 16;
+  const uint8_t *sp = a.sf + a.expert * a.sf_expert_bytes +
+                      (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM + (16 * (tile & 1) + g) * 16 +
+                      ((tile % 8) >> 1) * 4 + t;
   /* Token rows past m read row 0 instead: token columns of an MMA never mix, and the
    * epilogue skips them. */
   const TI *xp[NT];
@@ -463,7 +467,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
 
   /* Chunk c's loads: the lane's codes, its two block scales, its tokens' 16 activations
    * (zero past K, where the codes are zero padding: no 0 x inf). */
-  auto load = [&](int c, uint4 &q, uint32_t &lo, uint32_t &hi, uint4 (&xv)[NT][XU]) {
+  auto load = [&](int c, uint4 &q, uint32_t &lo, uint32_t &hi, uint4(&xv)[NT][XU]) {
     q = __ldcs(reinterpret_cast<const uint4 *>(wp + (long long)c * NVFP4_TILE_BYTES));
     lo = __ldg(sp + (long long)c * NVFP4_SF_ATOM);
     hi = __ldg(sp + (long long)c * NVFP4_SF_ATOM + 128);
@@ -472,12 +476,13 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int v = 0; v < XU; ++v) {
-        const uint4 *p = reinterpret_cast<const uint4 *>(xp[nt] + (in_k ? (long long)c * NVFP4_CHUNK_K : 0)) + v;
+        const uint4 *p =
+            reinterpret_cast<const uint4 *>(xp[nt] + (in_k ? (long long)c * NVFP4_CHUNK_K : 0)) + v;
         const uint4 x = __ldg(p);
         xv[nt][v] = in_k ? x : make_uint4(0, 0, 0, 0);
       }
   };
-  auto compute = [&](const uint4 &q, uint32_t lo, uint32_t hi, const uint4 (&xv)[NT][XU]) {
+  auto compute = [&](const uint4 &q, uint32_t lo, uint32_t hi, const uint4(&xv)[NT][XU]) {
     uint32_t s_lo, s_hi, frag[4][4];
     block_scales<BF16>(lo, hi, s_lo, s_hi);
     dequant<BF16>(q.x, s_lo, s_hi, frag[0]);
@@ -636,12 +641,14 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
 
 template <typename TI, int MT, int R, int U>
 cudaError_t launch_stream(const GemmArgs &a, int grid_x, cudaStream_t stream) {
-  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U>, a, dim3((unsigned)grid_x), kStreamWarps * 32, 0, stream);
+  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U>, a, dim3((unsigned)grid_x), kStreamWarps * 32, 0,
+                        stream);
 }
 
 template <typename TI, int MT, int R>
 cudaError_t stream_unroll(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
-  return plan.unroll == 8 ? launch_stream<TI, MT, R, 8>(a, grid_x, st) : launch_stream<TI, MT, R, 4>(a, grid_x, st);
+  return plan.unroll == 8 ? launch_stream<TI, MT, R, 8>(a, grid_x, st)
+                          : launch_stream<TI, MT, R, 4>(a, grid_x, st);
 }
 
 template <typename TI, int MT>
@@ -655,7 +662,8 @@ cudaError_t stream_rows(const struct nvfp4_tuning &plan, const GemmArgs &a, int 
 
 template <typename TI>
 cudaError_t stream_tokens(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
-  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid_x, st) : stream_rows<TI, 16>(plan, a, grid_x, st);
+  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid_x, st)
+                          : stream_rows<TI, 16>(plan, a, grid_x, st);
 }
 
 cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, const GemmArgs &a,

@@ -408,8 +408,8 @@ static void quantize_codes(const float *x, int64_t k, uint8_t *u, float inv, flo
 
 /* The same, 32 codes a step with AVX2, bit for bit: max(t, 0) gives 0 for NaN as the
  * scalar form does, and the values are whole numbers in 0..255 before the narrowing. */
-__attribute__((target("avx2"))) static void quantize_codes_avx2(const float *x, int64_t k, uint8_t *u, float inv,
-                                                               float zp, float levels) {
+__attribute__((target("avx2"))) static void quantize_codes_avx2(const float *x, int64_t k, uint8_t *u,
+                                                                float inv, float zp, float levels) {
   const __m256 vinv = _mm256_set1_ps(inv), vzp = _mm256_set1_ps(zp), vmax = _mm256_set1_ps(levels),
                zero = _mm256_setzero_ps(), magic = _mm256_set1_ps(12582912.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -497,8 +497,9 @@ static int reserve(const struct od_backend *b, void **buf, size_t *cap, size_t b
 /* The AVX2 form of epilogue_int8_row below, bit for bit (the same operations in the same order,
  * no contraction); returns how many leading elements it did, a multiple of 8. */
 __attribute__((target("avx2"))) static int64_t epilogue_int8_avx2(const unsigned char *c, float *y, int64_t n,
-                                                                 float a, int32_t zp, const struct od_operands *op,
-                                                                 const float *bias) {
+                                                                  float a, int32_t zp,
+                                                                  const struct od_operands *op,
+                                                                  const float *bias) {
   const __m256 va = _mm256_set1_ps(a);
   const __m256i vzp = _mm256_set1_epi32(zp);
   int64_t j = 0;
@@ -621,13 +622,12 @@ __attribute__((target("avx2"))) static inline int32_t hsum_epi32(__m256i v) {
 /* One tile: C[i, j] for i < TM activation rows (u, stride k) and j < TN weight rows (w,
  * stride k); C has row stride ldc. */
 #define OD_DOT_TILE(TM, TN)                                                                                  \
-  __attribute__((target("avx2"))) static void dot_tile_##TM##x##TN(const uint8_t *u, const int8_t *w,      \
-                                                                     int64_t k, int32_t *c, int64_t ldc) {  \
+  __attribute__((target("avx2"))) static void dot_tile_##TM##x##TN(const uint8_t *u, const int8_t *w,        \
+                                                                   int64_t k, int32_t *c, int64_t ldc) {     \
     const __m256i ones = _mm256_set1_epi16(1);                                                               \
     __m256i acc[TM][TN];                                                                                     \
-    _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) _Pragma("GCC unroll 16") for (int j = 0; j < TN;  \
-                                                                                         j++) acc[i][j] =    \
-        _mm256_setzero_si256();                                                                              \
+    _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++)                                                    \
+        _Pragma("GCC unroll 16") for (int j = 0; j < TN; j++) acc[i][j] = _mm256_setzero_si256();            \
     int64_t q = 0;                                                                                           \
     for (; q + 32 <= k; q += 32) {                                                                           \
       __m256i x[TM];                                                                                         \
@@ -636,16 +636,16 @@ __attribute__((target("avx2"))) static inline int32_t hsum_epi32(__m256i v) {
       _Pragma("GCC unroll 16") for (int j = 0; j < TN; j++) {                                                \
         const __m256i b = _mm256_loadu_si256((const __m256i *)(w + j * k + q));                              \
         _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) acc[i][j] =                                    \
-            _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(x[i], b), ones));            \
+            _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(x[i], b), ones));             \
       }                                                                                                      \
     }                                                                                                        \
-    _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++) _Pragma("GCC unroll 16") for (int j = 0; j < TN;  \
-                                                                                         j++) {              \
-        int32_t sum = hsum_epi32(acc[i][j]);                                                                 \
-        for (int64_t r = q; r < k; r++)                                                                      \
-          sum += (int32_t)u[i * k + r] * w[j * k + r];                                                       \
-        c[i * ldc + j] = sum;                                                                                \
-      }                                                                                                      \
+    _Pragma("GCC unroll 16") for (int i = 0; i < TM; i++)                                                    \
+        _Pragma("GCC unroll 16") for (int j = 0; j < TN; j++) {                                              \
+      int32_t sum = hsum_epi32(acc[i][j]);                                                                   \
+      for (int64_t r = q; r < k; r++)                                                                        \
+        sum += (int32_t)u[i * k + r] * w[j * k + r];                                                         \
+      c[i * ldc + j] = sum;                                                                                  \
+    }                                                                                                        \
   }
 OD_DOT_TILE(2, 4)
 OD_DOT_TILE(1, 4)
