@@ -313,16 +313,19 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
       fflush(stdout);
       if (!sweep)
         continue;
+      /* One forced shape: its error against cuBLAS's output, then its time. */
+      auto measure = [&](const nvfp4_tuning &tune, double *err_out) {
+        qkeep_with (&tune)(0);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        *err_out = compare(y, y_ref, (size_t)(m * n));
+        return time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
+      };
       if (m <= 16) { /* the streaming kernel's shapes */
         static const int rows[] = {1, 2, 4}, unrolls[] = {4, 8}, ssplits[] = {1, 2, 4, 8};
         for (int rw : rows)
           for (int un : unrolls)
             for (int sk : ssplits) {
-              nvfp4_tuning tune = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, un};
-              qkeep_with (&tune)(0);
-              CHECK_CUDA(cudaStreamSynchronize(stream));
-              double e = compare(y, y_ref, (size_t)(m * n));
-              double us = time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
+              double e, us = measure({0, sk, 0, NVFP4_KERNEL_STREAM, rw, un}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"stream\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"rows\":%d,\"unroll\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -338,11 +341,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int dp : depths) {
             if ((m >= 64 && tm < 32) || (m <= 16 && tm > 32))
               continue;
-            nvfp4_tuning tune = {tm, sk, dp, NVFP4_KERNEL_RING, 0, 0};
-            qkeep_with (&tune)(0);
-            CHECK_CUDA(cudaStreamSynchronize(stream));
-            double e = compare(y, y_ref, (size_t)(m * n));
-            double us = time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
+            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0}, &e);
             printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_"
                    "m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",

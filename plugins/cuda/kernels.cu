@@ -150,23 +150,8 @@ __device__ __forceinline__ void dequant(uint32_t q, uint32_t s_lo, uint32_t s_hi
 }
 
 /* The B fragments of one chunk: a lane's 16 consecutive activations of one token (k =
- * 16t .. 16t + 15 of the chunk) as 8 registers, b[2j], b[2j+1] for k-step j. */
-template <typename TI> __device__ __forceinline__ void load_b(const unsigned char *p, uint32_t (&b)[8]) {
-  if constexpr (sizeof(TI) == 2) {
-    uint4 v0 = *reinterpret_cast<const uint4 *>(p), v1 = *reinterpret_cast<const uint4 *>(p + 16);
-    b[0] = v0.x, b[1] = v0.y, b[2] = v0.z, b[3] = v0.w, b[4] = v1.x, b[5] = v1.y, b[6] = v1.z, b[7] = v1.w;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float4 v = reinterpret_cast<const float4 *>(p)[i];
-      b[2 * i] = bits_of(__floats2bfloat162_rn(v.x, v.y));
-      b[2 * i + 1] = bits_of(__floats2bfloat162_rn(v.z, v.w));
-    }
-  }
-}
-
-/* The same eight registers from the 16 activations already in registers (sizeof(TI)
- * 16-byte vectors). */
+ * 16t .. 16t + 15 of the chunk), held as sizeof(TI) 16-byte vectors, as 8 registers, b[2j],
+ * b[2j+1] for k-step j (f32 rounded to bf16). */
 template <typename TI>
 __device__ __forceinline__ void b_from(const uint4 (&v)[sizeof(TI)], uint32_t (&b)[8]) {
   if constexpr (sizeof(TI) == 2) {
@@ -179,6 +164,15 @@ __device__ __forceinline__ void b_from(const uint4 (&v)[sizeof(TI)], uint32_t (&
       b[2 * i + 1] = bits_of(__floats2bfloat162_rn(__uint_as_float(v[i].z), __uint_as_float(v[i].w)));
     }
   }
+}
+
+/* The same from shared memory at p. */
+template <typename TI> __device__ __forceinline__ void load_b(const unsigned char *p, uint32_t (&b)[8]) {
+  uint4 v[sizeof(TI)];
+#pragma unroll
+  for (int i = 0; i < (int)sizeof(TI); ++i)
+    v[i] = reinterpret_cast<const uint4 *>(p)[i];
+  b_from<TI>(v, b);
 }
 
 __device__ __forceinline__ float load_f(const void *p, int dtype, long long i) {
@@ -696,8 +690,6 @@ int sm_count(void) {
   return count;
 }
 
-int clamp_int(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
-
 int pick_tile_m(int64_t tokens_per_tile, int forced) {
   if (forced == 8 || forced == 16 || forced == 32 || forced == 64)
     return forced;
@@ -708,11 +700,11 @@ int pick_tile_m(int64_t tokens_per_tile, int forced) {
  * without a second, partial wave; at least two chunks per split; at most a portable
  * cluster. */
 int pick_split(int64_t blocks, int64_t chunks, int resident, int forced) {
-  int cap = clamp_int((int)(chunks < kMaxSplit ? chunks : kMaxSplit), 1, kMaxSplit);
+  int cap = nvfp4_clamp(chunks, 1, kMaxSplit);
   if (forced > 0)
-    return clamp_int(forced, 1, cap);
+    return nvfp4_clamp(forced, 1, cap);
   int64_t want = blocks > 0 ? (int64_t)resident * sm_count() / blocks : 1;
-  return clamp_int((int)want, 1, clamp_int((int)(chunks / 2), 1, cap));
+  return nvfp4_clamp(want, 1, nvfp4_clamp(chunks / 2, 1, cap));
 }
 
 bool dtype_ok(enum qkeep_dtype d) {

@@ -11,8 +11,6 @@
 
 #include "layout.h"
 
-static int clamp(int64_t v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : (int)v; }
-
 void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                        struct nvfp4_tuning *out) {
   const int rows = tune ? tune->rows : 0, unroll = tune ? tune->unroll : 0, split = tune ? tune->split_k : 0;
@@ -29,12 +27,12 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
   const int64_t blocks = (tiles + out->rows - 1) / out->rows;
   const int64_t runs = NVFP4_STREAM_WARPS / out->rows;
   if (split > 0)
-    out->split_k = clamp(split, 1, NVFP4_MAX_SPLIT);
+    out->split_k = nvfp4_clamp(split, 1, NVFP4_MAX_SPLIT);
   else if (blocks >= want)
     out->split_k = 1;
   else
-    out->split_k = clamp((2 * (int64_t)sms + blocks - 1) / blocks, 1,
-                         clamp(chunks / (runs * 2 * out->unroll), 1, NVFP4_MAX_SPLIT));
+    out->split_k = nvfp4_clamp((2 * (int64_t)sms + blocks - 1) / blocks, 1,
+                               nvfp4_clamp(chunks / (runs * 2 * out->unroll), 1, NVFP4_MAX_SPLIT));
 }
 
 /* Element k of a row of packed e2m1 codes (element 2i in the low nibble). */

@@ -52,6 +52,8 @@
 #define NVFP4_TILE_BYTES 512 /* bytes of one tile x chunk: 32 lanes x 16 bytes */
 
 NVFP4_INLINE int64_t nvfp4_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+/* v limited to [lo, hi]. */
+NVFP4_INLINE int nvfp4_clamp(int64_t v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : (int)v; }
 
 /* ---- block scales: the 128x4 swizzle -------------------------------------------------- */
 
