@@ -25,8 +25,15 @@ const char *option_value(const struct options *o, const char *name);
 bool option_flag(const struct options *o, const char *name);
 /* Loads the config: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
 int load_config(const struct options *o, qkeep_config **cfg);
-/* A new model on plugin with the config's fusion map ([model] fuse) applied. */
-int new_model(const qkeep_config *cfg, qkeep_plugin *plugin, qkeep_model **out);
+/* The config's backend chain, opened and configured (qkeep_plugins_open_config). */
+struct chain {
+  qkeep_plugin **plugins;
+  size_t n;
+};
+int open_chain(const qkeep_config *cfg, struct chain *out);
+void close_chain(struct chain *c);
+/* A new model on a chain of n plugins with the config's fusion map ([model] fuse) applied. */
+int new_model(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, qkeep_model **out);
 /* Prints "qkeep: <error>: <detail>" to stderr; returns 1. */
 int fail(int code);
 
@@ -35,9 +42,16 @@ int cmd_quantize(const struct options *o);
 int cmd_reload(const struct options *o);
 extern const char usage_run[], usage_quantize[], usage_reload[];
 
-/* Prints a census as an aligned table, or one JSON object, to out. */
-void report_census(FILE *out, const char *checkpoint, const char *backend, size_t layers,
-                   const struct qkeep_census *c, const struct qkeep_digest *d, bool json);
+/*
+ * Prints a census as an aligned table followed by the backends and each layer's owner, or
+ * as one JSON object (no newline) with "backends" and "owners" members, to out.
+ */
+void report_census(FILE *out, const char *checkpoint, const qkeep_model *model, const struct qkeep_census *c,
+                   const struct qkeep_digest *d, bool json);
+/* The same as two JSON members, "backends":[...],"owners":[...] (no braces around them). */
+void owners_json(FILE *out, const qkeep_model *model);
+/* The chain's links with the layers each owns, then every layer with its owner, as a table. */
+void report_owners(FILE *out, const qkeep_model *model);
 /* Writes s as a JSON string literal (with quotes). */
 void print_json_string(FILE *out, const char *s);
 /* "1.5 MiB" style size into buf. */

@@ -64,7 +64,7 @@ static bool same_census(const struct qkeep_census *a, const struct qkeep_census 
 
 int cmd_reload(const struct options *o) {
   qkeep_config *cfg = NULL;
-  qkeep_plugin *plugin = NULL;
+  struct chain chain = {0};
   qkeep_model *model = NULL, *cold = NULL;
   struct pointers before = {0}, after = {0};
   int rc = load_config(o, &cfg);
@@ -77,13 +77,13 @@ int cmd_reload(const struct options *o) {
     return 2;
   }
   if (!rc)
-    rc = qkeep_plugin_open_config(cfg, &plugin);
+    rc = open_chain(cfg, &chain);
   struct qkeep_census c0 = {.size = sizeof c0}, c1 = {.size = sizeof c1}, cc = {.size = sizeof cc};
   struct qkeep_digest d_reload, d_cold;
   double t0 = now(), t_cold0 = 0, t_reload = 0, t_cold1 = 0, t_raw = 0;
   int64_t raw_bytes = 0;
   if (!rc)
-    rc = new_model(cfg, plugin, &model);
+    rc = new_model(cfg, chain.plugins, chain.n, &model);
   if (!rc)
     rc = qkeep_model_load(model, w0);
   t_cold0 = now() - t0;
@@ -103,7 +103,7 @@ int cmd_reload(const struct options *o) {
     rc = qkeep_digest(model, &d_reload);
   double t2 = now();
   if (!rc)
-    rc = new_model(cfg, plugin, &cold);
+    rc = new_model(cfg, chain.plugins, chain.n, &cold);
   if (!rc)
     rc = qkeep_model_load(cold, w1);
   t_cold1 = now() - t2;
@@ -128,15 +128,17 @@ int cmd_reload(const struct options *o) {
       print_json_string(stdout, w0);
       printf(",\"w1\":");
       print_json_string(stdout, w1);
-      printf(",\"backend\":\"%s\",\"cold_w0_s\":%.6f,\"reload_s\":%.6f,\"cold_w1_s\":%.6f,\"raw_read_w1_s\":%"
+      printf(",");
+      owners_json(stdout, model);
+      printf(",\"cold_w0_s\":%.6f,\"reload_s\":%.6f,\"cold_w1_s\":%.6f,\"raw_read_w1_s\":%"
              ".6f,"
              "\"w1_bytes\":%lld,\"digest_reload\":\"%s\",\"digest_cold\":\"%s\",\"identical\":%s,"
              "\"pointers\":%zu,"
              "\"moved\":%zu,\"census_unchanged\":%s}\n",
-             qkeep_plugin_name(plugin), t_cold0, t_reload, t_cold1, t_raw, (long long)raw_bytes, h1, h2,
-             identical ? "true" : "false", before.n, moved, census_ok ? "true" : "false");
+             t_cold0, t_reload, t_cold1, t_raw, (long long)raw_bytes, h1, h2, identical ? "true" : "false",
+             before.n, moved, census_ok ? "true" : "false");
     } else {
-      printf("reload %s -> %s (backend %s)\n", w0, w1, qkeep_plugin_name(plugin));
+      printf("reload %s -> %s\n", w0, w1);
       printf("  %-24s %10.2f ms\n", "cold start W0", 1e3 * t_cold0);
       printf("  %-24s %10.2f ms  (%.2fx faster than a cold start)\n", "reload W0 -> W1", 1e3 * t_reload,
              t_reload > 0 ? t_cold1 / t_reload : 0.0);
@@ -148,6 +150,7 @@ int cmd_reload(const struct options *o) {
       printf("  %-24s %zu of %zu unchanged\n", "data pointers", before.n - moved, before.n);
       printf("  %-24s missing %lld, C1 %lld, C2 %lld, released %lld (%s)\n", "census", (long long)c1.missing,
              (long long)c1.c1, (long long)c1.c2, (long long)c1.released, census_ok ? "unchanged" : "CHANGED");
+      report_owners(stdout, model);
     }
     if (!identical || moved || !census_ok) {
       fprintf(stderr, "qkeep: reload: %s%s%s\n", identical ? "" : "digests differ; ",
@@ -159,7 +162,7 @@ int cmd_reload(const struct options *o) {
   free(after.data);
   qkeep_model_free(model);
   qkeep_model_free(cold);
-  qkeep_plugin_close(plugin);
+  close_chain(&chain);
   qkeep_config_free(cfg);
   return status;
 }

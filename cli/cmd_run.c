@@ -34,6 +34,7 @@ static void progress(void *user, size_t done, size_t total, const char *layer) {
 }
 
 struct check {
+  const qkeep_model *model;
   bool json;
   double tolerance, worst;
   int layers, over;
@@ -41,6 +42,8 @@ struct check {
 
 static int print_error(void *user, const struct qkeep_layer_error *e) {
   struct check *c = user;
+  const char *backend = qkeep_layer_backend(qkeep_model_find_layer(c->model, e->layer));
+  backend = backend ? backend : "host";
   bool over = !(e->max_rel <= c->tolerance);
   c->over += over;
   if (e->max_rel > c->worst || e->max_rel != e->max_rel)
@@ -49,6 +52,8 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
   if (c->json) {
     printf("%s{\"layer\":", c->layers > 1 ? "," : "");
     print_json_string(stdout, e->layer);
+    printf(",\"backend\":");
+    print_json_string(stdout, backend);
     printf(",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":%"
            ".6g,"
            "\"max_rel\":%.6g}",
@@ -61,15 +66,15 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
     snprintf(label, sizeof label, "%s[%d].%s", e->layer, e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13");
   else
     snprintf(label, sizeof label, "%s", e->layer);
-  printf("  %-48s %-15s %5lldx%-5lld %10.3g %10.3g%s\n", label, e->scheme, (long long)e->n, (long long)e->k,
-         e->max_abs, e->max_rel, over ? "  TOO LARGE" : "");
+  printf("  %-48s %-15s %-12s %5lldx%-5lld %10.3g %10.3g%s\n", label, e->scheme, backend, (long long)e->n,
+         (long long)e->k, e->max_abs, e->max_rel, over ? "  TOO LARGE" : "");
   return 0;
 }
 
 /* Loads ckpt into a new model of plugin; on failure prints and returns 1. */
-static int load(const qkeep_config *cfg, qkeep_plugin *plugin, const char *ckpt, bool show_progress,
-                qkeep_model **out) {
-  int rc = new_model(cfg, plugin, out);
+static int load(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, const char *ckpt,
+                bool show_progress, qkeep_model **out) {
+  int rc = new_model(cfg, plugins, n, out);
   if (!rc && show_progress)
     qkeep_model_set_progress(*out, progress, NULL);
   if (!rc)
@@ -79,7 +84,8 @@ static int load(const qkeep_config *cfg, qkeep_plugin *plugin, const char *ckpt,
 
 int cmd_run(const struct options *o) {
   qkeep_config *cfg = NULL;
-  qkeep_plugin *plugin = NULL, *ref_plugin = NULL;
+  struct chain chain = {0};
+  qkeep_plugin *ref_plugin = NULL;
   qkeep_model *model = NULL, *ref = NULL;
   const char *rows_s = option_value(o, "rows"), *tol_s = option_value(o, "tolerance"),
              *seed_s = option_value(o, "seed");
@@ -92,7 +98,7 @@ int cmd_run(const struct options *o) {
   double t0 = now();
   int rc = load_config(o, &cfg);
   if (!rc)
-    rc = qkeep_plugin_open_config(cfg, &plugin);
+    rc = open_chain(cfg, &chain);
   const char *ckpt = o->n_args ? o->args[0] : (cfg ? qkeep_config_checkpoint(cfg) : NULL);
   if (!rc && !ckpt) {
     fprintf(stderr, "qkeep: run: no checkpoint given and %s has no [model] checkpoint\n",
@@ -101,7 +107,7 @@ int cmd_run(const struct options *o) {
   }
   double t_plugin = now();
   if (!rc)
-    rc = load(cfg, plugin, ckpt, !o->json && isatty(2), &model);
+    rc = load(cfg, chain.plugins, chain.n, ckpt, !o->json && isatty(2), &model);
   double t_load = now();
   struct qkeep_census census = {.size = sizeof census};
   struct qkeep_digest digest;
@@ -113,17 +119,18 @@ int cmd_run(const struct options *o) {
   if (!rc)
     rc = qkeep_plugin_open("reference", qkeep_config_plugin_dir(cfg), &ref_plugin);
   if (!rc)
-    rc = load(cfg, ref_plugin, ckpt, false, &ref);
+    rc = load(cfg, &ref_plugin, 1, ckpt, false, &ref);
   double t_ref = now();
   if (!rc) {
-    report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest,
-                  false);
-    if (o->json)
+    c.model = model;
+    if (o->json) {
       printf("{\"layers\":[");
-    else
+    } else {
+      report_census(stdout, ckpt, model, &census, &digest, false);
       printf("forward check against the reference backend (%lld rows of random activations)\n"
-             "  %-48s %-15s %11s %10s %10s\n",
-             (long long)rows, "layer", "scheme", "N x K", "max abs", "max rel");
+             "  %-48s %-15s %-12s %11s %10s %10s\n",
+             (long long)rows, "layer", "scheme", "backend", "N x K", "max abs", "max rel");
+    }
     rc = qkeep_compare(model, ref, rows, seed_s ? strtoull(seed_s, NULL, 10) : 1, print_error, &c);
   }
   double t_check = now();
@@ -133,8 +140,7 @@ int cmd_run(const struct options *o) {
     qkeep_model_load_stats(model, &st);
     if (o->json) {
       printf("],\"census\":");
-      report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &census, &digest,
-                    true);
+      report_census(stdout, ckpt, model, &census, &digest, true);
       printf(",\"max_rel\":%.6g,\"tolerance\":%g,\"seconds\":{\"plugin\":%.6f,\"open\":%.6f,\"read\":%.6f,"
              "\"pwal\":%.6f,\"census\":%.6f,\"reference_load\":%.6f,\"check\":%.6f}}\n",
              c.worst, c.tolerance, t_plugin - t0, st.open_seconds, st.read_seconds, st.pwal_seconds,
@@ -159,7 +165,7 @@ int cmd_run(const struct options *o) {
   }
   qkeep_model_free(model);
   qkeep_model_free(ref);
-  qkeep_plugin_close(plugin);
+  close_chain(&chain);
   qkeep_plugin_close(ref_plugin);
   qkeep_config_free(cfg);
   return status;

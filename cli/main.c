@@ -147,8 +147,18 @@ int load_config(const struct options *o, qkeep_config **cfg) {
   return qkeep_config_load(path, cfg);
 }
 
-int new_model(const qkeep_config *cfg, qkeep_plugin *plugin, qkeep_model **out) {
-  int rc = qkeep_model_new(plugin, out);
+int open_chain(const qkeep_config *cfg, struct chain *out) {
+  *out = (struct chain){0};
+  return qkeep_plugins_open_config(cfg, &out->plugins, &out->n);
+}
+
+void close_chain(struct chain *c) {
+  qkeep_plugins_close(c->plugins, c->n);
+  *c = (struct chain){0};
+}
+
+int new_model(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, qkeep_model **out) {
+  int rc = qkeep_model_new_chain(plugins, n, out);
   const char *fuse = cfg ? qkeep_config_fuse(cfg) : NULL;
   if (!rc && fuse)
     rc = qkeep_model_set_fusion(*out, fuse);
@@ -225,21 +235,21 @@ static int cmd_plugins(const struct options *o) {
 
 static int cmd_census(const struct options *o) {
   qkeep_config *cfg = NULL;
-  qkeep_plugin *plugin = NULL;
+  struct chain chain = {0};
   qkeep_model *model = NULL;
   int rc = load_config(o, &cfg);
   if (!rc)
-    rc = qkeep_plugin_open_config(cfg, &plugin);
+    rc = open_chain(cfg, &chain);
   const char *ckpt = o->n_args ? o->args[0] : (cfg ? qkeep_config_checkpoint(cfg) : NULL);
   if (!rc && !ckpt) {
     fprintf(stderr, "qkeep: census: no checkpoint given and %s has no [model] checkpoint\n",
             qkeep_config_path(cfg));
-    qkeep_plugin_close(plugin);
+    close_chain(&chain);
     qkeep_config_free(cfg);
     return 2;
   }
   if (!rc)
-    rc = new_model(cfg, plugin, &model);
+    rc = new_model(cfg, chain.plugins, chain.n, &model);
   if (!rc)
     rc = qkeep_model_load(model, ckpt);
   struct qkeep_census c = {.size = sizeof c};
@@ -250,7 +260,9 @@ static int cmd_census(const struct options *o) {
     rc = qkeep_digest(model, &d);
   int status = rc ? fail(rc) : 0;
   if (!rc) {
-    report_census(stdout, ckpt, qkeep_plugin_name(plugin), qkeep_model_layer_count(model), &c, &d, o->json);
+    report_census(stdout, ckpt, model, &c, &d, o->json);
+    if (o->json)
+      putchar('\n');
     if (c.missing || c.c1 || c.c2) {
       fprintf(stderr, "qkeep: census: rule violations (missing %lld, C1 %lld, C2 %lld)\n",
               (long long)c.missing, (long long)c.c1, (long long)c.c2);
@@ -258,7 +270,7 @@ static int cmd_census(const struct options *o) {
     }
   }
   qkeep_model_free(model);
-  qkeep_plugin_close(plugin);
+  close_chain(&chain);
   qkeep_config_free(cfg);
   return status;
 }

@@ -23,19 +23,73 @@ const char *human_bytes(double bytes, char *buf, size_t len) {
   return buf;
 }
 
-static void census_json(FILE *out, const char *checkpoint, const char *backend, size_t layers,
+/* The chain's links with what each owns, and each layer's owner, as JSON members. */
+void owners_json(FILE *out, const qkeep_model *model) {
+  fprintf(out, "\"backends\":[");
+  for (size_t i = 0; i < qkeep_model_backend_count(model); i++) {
+    struct qkeep_chain_info b = {.size = sizeof b};
+    qkeep_model_backend_info(model, i, &b);
+    fprintf(out, "%s{\"name\":", i ? "," : "");
+    print_json_string(out, b.name);
+    fprintf(out, ",\"usable\":%s,\"layers\":%zu", b.usable ? "true" : "false", b.layers);
+    if (!b.usable) {
+      fprintf(out, ",\"probe_message\":");
+      print_json_string(out, b.probe_message);
+    }
+    fputc('}', out);
+  }
+  fprintf(out, "],\"owners\":[");
+  for (size_t i = 0; i < qkeep_model_layer_count(model); i++) {
+    const qkeep_layer *layer = qkeep_model_layer(model, i);
+    struct qkeep_layer_info info = {.size = sizeof info};
+    qkeep_layer_get_info(layer, &info);
+    const char *backend = qkeep_layer_backend(layer);
+    fprintf(out, "%s{\"layer\":", i ? "," : "");
+    print_json_string(out, info.name);
+    fprintf(out, ",\"scheme\":");
+    print_json_string(out, info.scheme);
+    fprintf(out, ",\"kind\":\"%s\",\"backend\":", qkeep_layer_kind_name(info.kind));
+    print_json_string(out, backend ? backend : "host");
+    fputc('}', out);
+  }
+  fputc(']', out);
+}
+
+void report_owners(FILE *out, const qkeep_model *model) {
+  fprintf(out, "backends, in chain order\n");
+  for (size_t i = 0; i < qkeep_model_backend_count(model); i++) {
+    struct qkeep_chain_info b = {.size = sizeof b};
+    qkeep_model_backend_info(model, i, &b);
+    if (b.usable)
+      fprintf(out, "  %-26s %zu layers\n", b.name, b.layers);
+    else
+      fprintf(out, "  %-26s skipped: %s\n", b.name, b.probe_message);
+  }
+  fprintf(out, "layers and their backends\n");
+  for (size_t i = 0; i < qkeep_model_layer_count(model); i++) {
+    const qkeep_layer *layer = qkeep_model_layer(model, i);
+    struct qkeep_layer_info info = {.size = sizeof info};
+    qkeep_layer_get_info(layer, &info);
+    const char *backend = qkeep_layer_backend(layer);
+    fprintf(out, "  %-52s %-15s %-10s %s\n", info.name, info.scheme, qkeep_layer_kind_name(info.kind),
+            backend ? backend : "host");
+  }
+}
+
+static void census_json(FILE *out, const char *checkpoint, const qkeep_model *model,
                         const struct qkeep_census *c, const char *hex) {
   fprintf(out, "{\"checkpoint\":");
   print_json_string(out, checkpoint);
-  fprintf(out, ",\"backend\":");
-  print_json_string(out, backend);
+  fputc(',', out);
+  owners_json(out, model);
   fprintf(out,
           ",\"layers\":%zu,\"loader_params\":%lld,\"registered_same\":%lld,\"missing\":%lld,\"c1\":%lld,"
           "\"c2\":%lld,\"aliases\":%lld,\"retired\":%lld,\"retired_bytes\":%lld,\"released\":%lld,"
           "\"released_bytes\":%lld,\"release_reasons\":[",
-          layers, (long long)c->loader_params, (long long)c->registered_same, (long long)c->missing,
-          (long long)c->c1, (long long)c->c2, (long long)c->aliases, (long long)c->retired,
-          (long long)c->retired_bytes, (long long)c->released, (long long)c->released_bytes);
+          qkeep_model_layer_count(model), (long long)c->loader_params, (long long)c->registered_same,
+          (long long)c->missing, (long long)c->c1, (long long)c->c2, (long long)c->aliases,
+          (long long)c->retired, (long long)c->retired_bytes, (long long)c->released,
+          (long long)c->released_bytes);
   for (int i = 0; i < c->reasons; i++) {
     if (i)
       fputc(',', out);
@@ -43,20 +97,20 @@ static void census_json(FILE *out, const char *checkpoint, const char *backend, 
   }
   fprintf(
       out,
-      "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}\n",
+      "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}",
       (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes, c->kept_share, hex);
 }
 
-void report_census(FILE *out, const char *checkpoint, const char *backend, size_t layers,
-                   const struct qkeep_census *c, const struct qkeep_digest *d, bool json) {
+void report_census(FILE *out, const char *checkpoint, const qkeep_model *model, const struct qkeep_census *c,
+                   const struct qkeep_digest *d, bool json) {
   char hex[33], b1[32], b2[32], b3[32];
   qkeep_digest_hex(d, hex);
   if (json) {
-    census_json(out, checkpoint, backend, layers, c, hex);
+    census_json(out, checkpoint, model, c, hex);
     return;
   }
-  fprintf(out, "census of %s (backend %s)\n", checkpoint, backend);
-  fprintf(out, "  %-26s %lld\n", "layers", (long long)layers);
+  fprintf(out, "census of %s\n", checkpoint);
+  fprintf(out, "  %-26s %lld\n", "layers", (long long)qkeep_model_layer_count(model));
   fprintf(out, "  %-26s %lld\n", "loader params", (long long)c->loader_params);
   fprintf(out, "  %-26s %lld\n", "registered as same object", (long long)c->registered_same);
   fprintf(out, "  %-26s %lld\n", "missing", (long long)c->missing);
@@ -74,4 +128,5 @@ void report_census(FILE *out, const char *checkpoint, const char *backend, size_
           human_bytes((double)c->total_bytes, b3, sizeof b3));
   fprintf(out, "  %-26s %lld\n", "total bytes", (long long)c->total_bytes);
   fprintf(out, "  %-26s %s\n", "digest", hex);
+  report_owners(out, model);
 }

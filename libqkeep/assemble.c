@@ -542,14 +542,7 @@ static int create_layer(struct assembly *a, const struct layer_spec *s) {
   case SPEC_TIED: rc = create_tied(layer); break;
   }
   layer->dims.kind = kind;
-  if (rc)
-    return add_error_context(rc, "layer %s", s->name);
-  const struct qkeep_backend *be = model_backend(a->model);
-  if (be && be->supports && (kind == QKEEP_LAYER_LINEAR || kind == QKEEP_LAYER_MOE) &&
-      !be->supports(be, layer->scheme, kind))
-    return set_error(QKEEP_E_UNSUPPORTED, "%s: layer %s: backend %s does not run scheme %s for %s layers",
-                     a->ck->path, layer->name, be->name, layer->scheme, qkeep_layer_kind_name(kind));
-  return 0;
+  return rc ? add_error_context(rc, "layer %s", s->name) : 0;
 }
 
 static void assembly_free(struct assembly *a) {
@@ -571,6 +564,7 @@ static void assembly_free(struct assembly *a) {
 
 int assemble_model(qkeep_model *model, const struct ckpt *ck) {
   struct assembly a = {.model = model, .ck = ck};
+  model->planning = true; /* params are planned here; chain_assign gives them their owner's memory */
   int rc = build_modules(&a);
   if (!rc)
     rc = plan_moe(&a);
@@ -598,6 +592,7 @@ int assemble_model(qkeep_model *model, const struct ckpt *ck) {
   for (size_t i = 0; i < a.n_specs && !rc; i++)
     if (a.specs[i].kind == SPEC_TIED)
       rc = create_layer(&a, &a.specs[i]);
+  model->planning = false;
   assembly_free(&a);
   return rc;
 }

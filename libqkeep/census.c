@@ -9,14 +9,17 @@
 
 #include "internal.h"
 
-/* One object's byte range, for the C2 sweep. */
+/* One object's byte range in one device's memory, for the C2 sweep. */
 struct range {
+  uintptr_t device; /* addresses of two devices of a chain may coincide: compare within one */
   uintptr_t begin, end;
   const void *object;
 };
 
 static int by_begin(const void *a, const void *b) {
   const struct range *x = a, *y = b;
+  if (x->device != y->device)
+    return x->device < y->device ? -1 : 1;
   return x->begin < y->begin ? -1 : x->begin > y->begin;
 }
 
@@ -26,7 +29,8 @@ static int add_range(struct range **ranges, size_t *n, size_t *cap, const struct
     return 0;
   int rc = grow_array((void **)ranges, cap, *n + 1, sizeof **ranges);
   if (!rc)
-    (*ranges)[(*n)++] = (struct range){(uintptr_t)s->data, (uintptr_t)s->data + s->capacity, object};
+    (*ranges)[(*n)++] =
+        (struct range){(uintptr_t)s->dev->ops, (uintptr_t)s->data, (uintptr_t)s->data + s->capacity, object};
   return rc;
 }
 
@@ -36,7 +40,7 @@ static int64_t count_overlaps(struct range *r, size_t n) {
   if (n > 1) /* qsort needs a non-NULL base even for 0 elements (an empty model has none) */
     qsort(r, n, sizeof *r, by_begin);
   for (size_t i = 0; i < n; i++)
-    for (size_t j = i + 1; j < n && r[j].begin < r[i].end; j++)
+    for (size_t j = i + 1; j < n && r[j].device == r[i].device && r[j].begin < r[i].end; j++)
       if (r[j].object != r[i].object)
         pairs++;
   return pairs;

@@ -1,7 +1,7 @@
 /*
  * config.c: the INI configuration (DESIGN.md, "Config").
  *
- *   [qkeep]          backend = NAME (required), plugin_dir = DIR
+ *   [qkeep]          backend = NAME[, NAME...] (required: the chain, in order), plugin_dir = DIR
  *   [model]          checkpoint = PATH, reload_checkpoint = PATH, fuse = MAP
  *   [backend.NAME]   any keys, passed to that backend in file order
  *
@@ -243,13 +243,52 @@ static int set_once(struct parse_state *st, const char *section, const char *key
   return 0;
 }
 
+/* "a, b, c": the chain's names, each valid and given once. */
+static int parse_chain(struct parse_state *st, const char *value) {
+  qkeep_config *cfg = st->cfg;
+  size_t cap = 0;
+  for (const char *p = value;;) {
+    p += strspn(p, " \t");
+    size_t n = strcspn(p, ",");
+    size_t trimmed = n;
+    while (trimmed && (p[trimmed - 1] == ' ' || p[trimmed - 1] == '\t'))
+      trimmed--;
+    char *name = strndup(p, trimmed);
+    if (!name)
+      return set_error(QKEEP_E_NOMEM, "%s: out of memory parsing the config", cfg->path);
+    int rc = valid_backend_name(name)
+                 ? 0
+                 : parse_fail(st, QKEEP_E_CONFIG,
+                              "[qkeep] backend: invalid name '%s' in '%s' (a comma-separated list of names "
+                              "of a-z, 0-9, '-' and '_')",
+                              name, value);
+    for (size_t i = 0; !rc && i < cfg->n_backends; i++)
+      if (strcmp(cfg->backends[i], name) == 0)
+        rc = parse_fail(st, QKEEP_E_CONFIG, "[qkeep] backend: '%s' is named twice in the chain", name);
+    if (!rc)
+      rc = grow_array((void **)&cfg->backends, &cap, cfg->n_backends + 1, sizeof *cfg->backends);
+    if (rc) {
+      free(name);
+      return rc;
+    }
+    cfg->backends[cfg->n_backends++] = name;
+    if (!p[n])
+      return 0;
+    p += n + 1;
+  }
+}
+
 static int handle_qkeep(struct parse_state *st, const char *key, const char *value) {
   qkeep_config *cfg = st->cfg;
   if (strcmp(key, "backend") == 0) {
-    if (!valid_backend_name(value))
-      return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] backend: invalid name '%s' (use a-z, 0-9, '-' and '_')",
-                        value);
-    return set_once(st, "qkeep", key, &cfg->backend_line, &cfg->backend, xstrdup(value));
+    if (cfg->backend_line)
+      return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] duplicate key 'backend' (first set on line %d)",
+                        cfg->backend_line);
+    cfg->backend_line = st->lineno;
+    int rc = parse_chain(st, value);
+    if (!rc)
+      cfg->backend = cfg->backends[0];
+    return rc;
   }
   if (strcmp(key, "plugin_dir") == 0)
     return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir,
@@ -399,7 +438,9 @@ void qkeep_config_free(qkeep_config *cfg) {
   }
   free(cfg->sections);
   free(cfg->path);
-  free(cfg->backend);
+  for (size_t i = 0; i < cfg->n_backends; i++)
+    free(cfg->backends[i]);
+  free(cfg->backends);
   free(cfg->plugin_dir);
   free(cfg->checkpoint);
   free(cfg->reload_checkpoint);
@@ -408,6 +449,10 @@ void qkeep_config_free(qkeep_config *cfg) {
 }
 
 const char *qkeep_config_backend(const qkeep_config *cfg) { return cfg ? cfg->backend : NULL; }
+size_t qkeep_config_backend_count(const qkeep_config *cfg) { return cfg ? cfg->n_backends : 0; }
+const char *qkeep_config_backend_at(const qkeep_config *cfg, size_t index) {
+  return cfg && index < cfg->n_backends ? cfg->backends[index] : NULL;
+}
 const char *qkeep_config_plugin_dir(const qkeep_config *cfg) { return cfg ? cfg->plugin_dir : NULL; }
 const char *qkeep_config_checkpoint(const qkeep_config *cfg) { return cfg ? cfg->checkpoint : NULL; }
 const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg) {

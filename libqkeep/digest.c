@@ -63,7 +63,7 @@ int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out) {
     for (size_t i = 0; i < layer->n_names && !rc; i++) {
       const struct name_entry *e = sorted[i];
       const struct tensor *t = e->param ? &e->param->view : &e->buffer->view;
-      rc = hash_tensor(st, &model->dev, e->name, e->buffer != NULL, t, staging);
+      rc = hash_tensor(st, layer_device(layer), e->name, e->buffer != NULL, t, staging);
     }
   }
   if (!rc) {

@@ -176,6 +176,10 @@ struct qkeep_layer {
   size_t n_sources, cap_sources;
 
   void *state; /* the backend's, freed by its layer_cleanup */
+  /* The chain link that runs the layer and whose memory holds its params; NULL while a
+   * checkpoint's layers are being planned (params get no storage until owners are chosen). */
+  const struct owner *owner;
+  int32_t first_dtype; /* while a hand-built layer's owner is chosen: its first param's dtype (else -1) */
 };
 
 /* A fusion rule: modules <parent>.<member[i]> load as shards of <parent>.<fused>. */
@@ -185,8 +189,22 @@ struct fusion_rule {
   int n_members;
 };
 
+/*
+ * One backend of a model's chain: its plugin, the memory its layers' params live in, and
+ * whether its probe found the device. A model without plugins has one link with no
+ * plugin (host memory, no PWAL). Links never move: storages point at their device.
+ */
+struct owner {
+  qkeep_plugin *plugin; /* NULL: host memory, no PWAL, no kernels */
+  struct device dev;
+  int probe_rc;    /* 0: usable; otherwise the probe's code, and the link takes no layer */
+  char *probe_msg; /* why the probe failed ("" when it did not) */
+  size_t layers;   /* layers it owns (for reports) */
+};
+
 struct qkeep_model {
-  qkeep_plugin *plugin;       /* NULL: host memory, no PWAL */
+  struct owner *owners; /* the chain, in order; never resized */
+  size_t n_owners;
   struct fusion_rule *fusion; /* NULL until set: the default q/k/v and gate/up rules */
   size_t n_fusion;
   bool fusion_set;
@@ -198,7 +216,7 @@ struct qkeep_model {
   bool poisoned;     /* a failed reload could not roll back: kernels refuse until a reload succeeds */
   long fault_layer;  /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
   int fault_code;
-  struct device dev;
+  bool planning; /* assembling a checkpoint: params are planned, not allocated, until chain_assign */
   qkeep_layer **layers;
   size_t n_layers, cap_layers;
 };
@@ -287,7 +305,9 @@ struct config_option {
 
 struct qkeep_config {
   char *path;
-  char *backend;
+  char **backends; /* [qkeep] backend: the chain, in order (at least one name) */
+  size_t n_backends;
+  const char *backend; /* backends[0] */
   int backend_line;
   char *plugin_dir;
   char *checkpoint;
@@ -311,7 +331,13 @@ struct qkeep_plugin {
   char *path;
   void *handle; /* dlopen */
   const struct qkeep_backend *be;
+  bool probed;  /* the chain probes a plugin once, however many models use it */
+  int probe_rc; /* the first probe's result */
+  char probe_msg[512];
 };
+
+/* The plugin's probe result, probing it on first use (a failure is logged once, as a warning). */
+int plugin_probe_once(qkeep_plugin *plugin, const char **msg);
 
 /* The host table handed to every backend. */
 const struct qkeep_host *host_table(void);
@@ -378,7 +404,27 @@ int finish_layer(qkeep_layer *layer);
 /* Records the checkpoint the model's bytes now equal (NULL: none). */
 int model_set_source(qkeep_model *model, const char *path);
 
-/* The model's backend table, or NULL for a host-only model. */
-const struct qkeep_backend *model_backend(const qkeep_model *model);
+/* The backend table of the layer's owner, or NULL (host-only, or not yet chosen). */
+const struct qkeep_backend *layer_backend(const qkeep_layer *layer);
+/* The memory the layer's params live in (the host's while no owner is chosen). */
+const struct device *layer_device(const qkeep_layer *layer);
+/* Synchronises every device of the model's chain. */
+int model_sync(const qkeep_model *model);
+
+/* ---- the backend chain (chain.c) ------------------------------------------------------ */
+
+/*
+ * Gives every layer of a freshly assembled model its owner: the first usable link
+ * whose backend accepts the layer (a tied lm_head goes with the embedding it shares,
+ * and that link must accept both), then creates every param's storage in the owner's
+ * memory. Before any allocation, a layer no link accepts fails the whole model with
+ * each backend's reason. `where` (the checkpoint path) prefixes errors.
+ */
+int chain_assign(qkeep_model *model, const char *where);
+/* Chooses the owner of a hand-built layer (qkeep_layer_add) when its first param, of
+ * dtype first_dtype, is created. */
+int chain_assign_layer(qkeep_layer *layer, enum qkeep_dtype first_dtype);
+/* Creates the storage of a param planned without one (zero-filled, in its layer's memory). */
+int param_allocate(qkeep_param *p);
 
 #endif

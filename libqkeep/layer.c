@@ -2,6 +2,7 @@
  * layer.c: layers, their params and buffers, the name table, and the
  * checkpoint sources that load into them.
  */
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,6 +43,7 @@ int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind 
   layer->dims.scheme = layer->scheme;
   layer->dims.kind = kind;
   layer->dims.shards = 1;
+  layer->first_dtype = -1;
   model->layers[model->n_layers++] = layer;
   if (out)
     *out = layer;
@@ -112,8 +114,11 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
   p->view.spec = *spec;
   if (!p->checkpoint_name || !p->runtime_name)
     rc = set_error(QKEEP_E_NOMEM, "out of memory for param '%s'", name);
-  if (!rc)
-    rc = storage_new(&layer->model->dev, p->create_bytes, &p->view.storage);
+  /* A hand-built layer's owner is chosen at its first param; a planned one's later, by chain_assign. */
+  if (!rc && !layer->owner && !layer->model->planning)
+    rc = chain_assign_layer(layer, spec->dtype);
+  if (!rc && layer->owner)
+    rc = param_allocate(p);
   if (!rc)
     rc = layer_register(layer, name, p, NULL);
   if (rc) {
@@ -127,6 +132,11 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
   if (out)
     *out = p;
   return 0;
+}
+
+int param_allocate(qkeep_param *p) {
+  assert(!p->view.storage && p->layer->owner);
+  return storage_new(layer_device(p->layer), p->create_bytes, &p->view.storage);
 }
 
 int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,

@@ -99,7 +99,7 @@ static int compare_source(const struct device *dev, const struct provider *pv, c
 }
 
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st) {
-  const struct device *dev = &layer->model->dev;
+  const struct device *dev = layer_device(layer);
   struct provided t;
   int rc = check_source(layer, pv, src, &t);
   if (rc)
@@ -205,7 +205,7 @@ int validate_scales(qkeep_layer *layer) {
     unsigned char *host = malloc(bytes ? bytes : 1);
     if (!host)
       return set_error(QKEEP_E_NOMEM, "out of memory");
-    int rc = dev_d2h(&layer->model->dev, host, p->view.storage->data, bytes);
+    int rc = dev_d2h(layer_device(layer), host, p->view.storage->data, bytes);
     size_t bad;
     const char *why = rc ? NULL : bad_scales(p->create_spec.dtype, host, bytes / esize, &bad);
     if (why) {
@@ -227,7 +227,7 @@ int finish_layer(qkeep_layer *layer) {
   int rc = layer->scheme_ops && layer->scheme_ops->normalize ? layer->scheme_ops->normalize(layer) : 0;
   if (rc)
     return add_error_context(rc, "layer %s: %s normalisation", layer->name, layer->scheme);
-  const struct qkeep_backend *be = model_backend(layer->model);
+  const struct qkeep_backend *be = layer_backend(layer);
   if (be && be->pwal && (rc = be->pwal(be, layer)))
     return add_error_context(rc, "layer %s: PWAL of backend %s", layer->name, be->name);
   return 0;
@@ -247,6 +247,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     return rc;
   ckpt_provider(&pv, ck);
   rc = assemble_model(model, ck);
+  if (!rc)
+    rc = chain_assign(model, ck->path);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     double a = now_seconds();
@@ -262,7 +264,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
       model->progress(model->progress_user, i + 1, model->n_layers, model->layers[i]->name);
   }
   if (!rc)
-    rc = dev_sync(&model->dev);
+    rc = model_sync(model);
   if (!rc)
     rc = model_set_source(model, checkpoint);
   if (rc) {

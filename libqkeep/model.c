@@ -8,29 +8,79 @@
 
 #include "internal.h"
 
-int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out) {
-  if (!out)
-    return set_error(QKEEP_E_INVAL, "qkeep_model_new: NULL out");
+/* Probes one link (once per plugin); a link whose device is absent takes no layer. */
+static int probe_owner(struct owner *o) {
+  const char *msg = "";
+  o->probe_rc = o->plugin ? plugin_probe_once(o->plugin, &msg) : 0;
+  o->probe_msg = xstrdup(o->probe_rc ? msg : "");
+  return o->probe_msg ? 0 : set_error(QKEEP_E_NOMEM, "out of memory for a model");
+}
+
+int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **out) {
+  if (!out || (n && !plugins))
+    return set_error(QKEEP_E_INVAL, "qkeep_model_new_chain: NULL argument");
+  *out = NULL;
+  for (size_t i = 0; i < n; i++) {
+    if (!plugins[i])
+      return set_error(QKEEP_E_INVAL, "qkeep_model_new_chain: plugin %zu is NULL", i);
+    for (size_t j = 0; j < i; j++)
+      if (plugins[j] == plugins[i] ||
+          strcmp(qkeep_plugin_name(plugins[j]), qkeep_plugin_name(plugins[i])) == 0)
+        return set_error(QKEEP_E_INVAL, "qkeep_model_new_chain: backend %s is in the chain twice",
+                         qkeep_plugin_name(plugins[i]));
+  }
   qkeep_model *m = calloc(1, sizeof *m);
-  if (!m)
+  if (m)
+    m->owners = calloc(n ? n : 1, sizeof *m->owners);
+  if (!m || !m->owners) {
+    free(m);
     return set_error(QKEEP_E_NOMEM, "out of memory for a model");
-  m->plugin = plugin;
+  }
+  m->n_owners = n ? n : 1; /* no plugin: one host-memory link */
   m->fault_layer = -1;
-  device_init(&m->dev, plugin ? plugin->be : NULL);
-  m->dev.stats = &m->mem;
+  int rc = 0;
+  for (size_t i = 0; i < m->n_owners && !rc; i++) {
+    struct owner *o = &m->owners[i];
+    o->plugin = n ? plugins[i] : NULL;
+    device_init(&o->dev, o->plugin ? o->plugin->be : NULL);
+    o->dev.stats = &m->mem;
+    rc = probe_owner(o);
+  }
+  if (rc) {
+    qkeep_model_free(m);
+    return rc;
+  }
   *out = m;
   return 0;
 }
 
-const struct qkeep_backend *model_backend(const qkeep_model *model) {
-  return model->plugin ? model->plugin->be : NULL;
+int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out) {
+  return qkeep_model_new_chain(plugin ? &plugin : NULL, plugin ? 1 : 0, out);
+}
+
+const struct qkeep_backend *layer_backend(const qkeep_layer *layer) {
+  return layer->owner && layer->owner->plugin ? layer->owner->plugin->be : NULL;
+}
+
+const struct device *layer_device(const qkeep_layer *layer) {
+  return layer->owner ? &layer->owner->dev : host_device();
+}
+
+int model_sync(const qkeep_model *model) {
+  for (size_t i = 0; i < model->n_owners; i++)
+    if (model->owners[i].layers) {
+      int rc = dev_sync(&model->owners[i].dev);
+      if (rc)
+        return rc;
+    }
+  return 0;
 }
 
 void model_clear(qkeep_model *model) {
-  const struct qkeep_backend *be = model_backend(model);
   /* Backend state first: its cleanup may still read the layer's params. */
   for (size_t i = 0; i < model->n_layers; i++) {
     qkeep_layer *layer = model->layers[i];
+    const struct qkeep_backend *be = layer_backend(layer);
     if (be && be->layer_cleanup && layer->state)
       be->layer_cleanup(be, layer, layer->state);
     layer->state = NULL;
@@ -40,6 +90,8 @@ void model_clear(qkeep_model *model) {
   free(model->layers);
   model->layers = NULL;
   model->n_layers = model->cap_layers = 0;
+  for (size_t i = 0; i < model->n_owners; i++)
+    model->owners[i].layers = 0;
 }
 
 static void free_fusion(qkeep_model *model) {
@@ -59,6 +111,9 @@ void qkeep_model_free(qkeep_model *model) {
   model_clear(model);
   free_fusion(model);
   free(model->source_path);
+  for (size_t i = 0; i < model->n_owners; i++)
+    free(model->owners[i].probe_msg);
+  free(model->owners);
   free(model);
 }
 
@@ -164,6 +219,26 @@ qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name) 
   return NULL;
 }
 
+const char *qkeep_layer_backend(const qkeep_layer *layer) {
+  const struct qkeep_backend *be = layer ? layer_backend(layer) : NULL;
+  return be ? be->name : NULL;
+}
+
+size_t qkeep_model_backend_count(const qkeep_model *model) { return model ? model->n_owners : 0; }
+
+int qkeep_model_backend_info(const qkeep_model *model, size_t index, struct qkeep_chain_info *out) {
+  if (!model || !out || index >= model->n_owners)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_backend_info: no link %zu", index);
+  const struct owner *o = &model->owners[index];
+  struct qkeep_chain_info info = {.size = sizeof info,
+                                  .name = o->plugin ? qkeep_plugin_name(o->plugin) : "host",
+                                  .usable = o->probe_rc == 0,
+                                  .probe_message = o->probe_msg,
+                                  .layers = o->layers};
+  copy_sized(out, &info, sizeof info);
+  return 0;
+}
+
 qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name,
                                 qkeep_layer **layer_out) {
   if (!model || !checkpoint_name)
@@ -183,13 +258,13 @@ qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint
 /* Moves x to the device, runs the backend's kernel, and brings y back. */
 static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_t expert,
                      enum qkeep_moe_matrix matrix, const float *x, float *y) {
-  const struct qkeep_backend *be = model_backend(layer->model);
+  const struct qkeep_backend *be = layer_backend(layer);
   if (!be || !be->apply)
-    return set_error(QKEEP_E_UNSUPPORTED, "apply %s: the model has no backend with kernels", layer->name);
+    return set_error(QKEEP_E_UNSUPPORTED, "apply %s: the layer's owner has no kernels", layer->name);
   if (layer->model->poisoned)
     return set_error(QKEEP_E_STATE,
                      "apply %s: a reload failed and could not roll back; reload before running", layer->name);
-  const struct device *dev = &layer->model->dev;
+  const struct device *dev = layer_device(layer);
   size_t x_bytes = (size_t)m * (size_t)k * sizeof(float), y_bytes = (size_t)m * (size_t)n * sizeof(float);
   void *dx = NULL, *dy = NULL;
   int rc = dev_alloc(dev, x_bytes, &dx);

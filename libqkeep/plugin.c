@@ -377,6 +377,40 @@ int qkeep_plugin_open_config(const qkeep_config *cfg, qkeep_plugin **out) {
   return 0;
 }
 
+int qkeep_plugins_open_config(const qkeep_config *cfg, qkeep_plugin ***plugins, size_t *n) {
+  if (!cfg || !plugins || !n)
+    return set_error(QKEEP_E_INVAL, "qkeep_plugins_open_config: NULL argument");
+  *plugins = NULL;
+  *n = 0;
+  qkeep_plugin **list = calloc(cfg->n_backends ? cfg->n_backends : 1, sizeof *list);
+  if (!list)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = 0;
+  for (size_t i = 0; i < cfg->n_backends && !rc; i++) {
+    rc = qkeep_plugin_open(cfg->backends[i], cfg->plugin_dir, &list[i]);
+    if (rc)
+      rc = add_error_context(rc, "%s:%d: backend '%s' (chain position %zu)", cfg->path, cfg->backend_line,
+                             cfg->backends[i], i + 1);
+    else
+      rc = qkeep_plugin_configure(list[i], cfg);
+  }
+  if (rc) {
+    qkeep_plugins_close(list, cfg->n_backends); /* the unopened entries are NULL */
+    return rc;
+  }
+  *plugins = list;
+  *n = cfg->n_backends;
+  return 0;
+}
+
+void qkeep_plugins_close(qkeep_plugin **plugins, size_t n) {
+  if (!plugins)
+    return;
+  for (size_t i = 0; i < n; i++)
+    qkeep_plugin_close(plugins[i]);
+  free(plugins);
+}
+
 int qkeep_plugin_probe(qkeep_plugin *plugin, char *msg, size_t msg_len) {
   char local[512];
   if (!msg || !msg_len) { /* the backend always gets somewhere to write */
@@ -397,6 +431,21 @@ int qkeep_plugin_probe(qkeep_plugin *plugin, char *msg, size_t msg_len) {
     rc = QKEEP_E_PLUGIN;
   return set_error(rc, "%s: backend '%s': %s: %s", plugin->path, be->name, qkeep_strerror(rc),
                    msg[0] ? msg : "probe gave no detail");
+}
+
+int plugin_probe_once(qkeep_plugin *plugin, const char **msg) {
+  if (!plugin->probed) {
+    struct saved_error saved;
+    error_save(&saved);
+    plugin->probe_rc = qkeep_plugin_probe(plugin, plugin->probe_msg, sizeof plugin->probe_msg);
+    plugin->probed = true;
+    if (plugin->probe_rc)
+      log_msg(QKEEP_LOG_WARN, "backend %s skipped: %s", plugin->be->name,
+              plugin->probe_msg[0] ? plugin->probe_msg : qkeep_strerror(plugin->probe_rc));
+    error_restore(&saved);
+  }
+  *msg = plugin->probe_msg;
+  return plugin->probe_rc;
 }
 
 /* ---- scan ------------------------------------------------------------------------------------ */

@@ -66,8 +66,12 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
 QKEEP_API int qkeep_config_load(const char *path, qkeep_config **out);
 /* Frees a config (NULL is fine). */
 QKEEP_API void qkeep_config_free(qkeep_config *cfg);
-/* Borrowed strings, NULL when unset. */
+/* Borrowed strings, NULL when unset. qkeep_config_backend is the first backend of the chain. */
 QKEEP_API const char *qkeep_config_backend(const qkeep_config *cfg);
+/* [qkeep] backend is an ordered chain ("cuda-nvfp4, cpu-onednn, reference"): how many names it
+ * holds (at least 1 in a loaded config), and the i-th (NULL past the end). */
+QKEEP_API size_t qkeep_config_backend_count(const qkeep_config *cfg);
+QKEEP_API const char *qkeep_config_backend_at(const qkeep_config *cfg, size_t index);
 QKEEP_API const char *qkeep_config_plugin_dir(const qkeep_config *cfg);
 QKEEP_API const char *qkeep_config_checkpoint(const qkeep_config *cfg);
 /* [model] reload_checkpoint: the W1 `qkeep reload` uses by default. */
@@ -95,8 +99,17 @@ QKEEP_API int qkeep_plugin_open_path(const char *path, qkeep_plugin **out);
 /* Applies the config's [backend.NAME] keys through backend->configure.
  * Errors carry the config's file:line. */
 QKEEP_API int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg);
-/* Opens the plugin the config names, from its plugin_dir, and configures it. */
+/* Opens the config's first backend (the head of its chain), from its plugin_dir, and configures it. */
 QKEEP_API int qkeep_plugin_open_config(const qkeep_config *cfg, qkeep_plugin **out);
+/*
+ * Opens and configures every backend of the config's chain, in order, into a new array
+ * of *n plugins (the caller frees it with qkeep_plugins_close). A backend whose device
+ * is absent still opens (the model skips it); a plugin that is not found, fails to load
+ * or refuses its keys fails the call with the config's file:line, and nothing stays open.
+ */
+QKEEP_API int qkeep_plugins_open_config(const qkeep_config *cfg, qkeep_plugin ***plugins, size_t *n);
+/* Closes every plugin of such an array and frees it (NULL is fine). */
+QKEEP_API void qkeep_plugins_close(qkeep_plugin **plugins, size_t n);
 /* Asks the backend whether its device is present: 0, or QKEEP_E_NODEV with
  * a message in msg (always NUL-terminated). */
 QKEEP_API int qkeep_plugin_probe(qkeep_plugin *plugin, char *msg, size_t msg_len);
@@ -122,6 +135,29 @@ QKEEP_API int qkeep_plugin_scan(const char *plugin_dir,
  * The plugin must outlive the model. The caller owns *out.
  */
 QKEEP_API int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out);
+/*
+ * A new, empty model over an ordered chain of backends: each layer of a loaded checkpoint
+ * goes to the first backend whose probe succeeded and whose supports_layer (or, for ABI
+ * 1.0 plugins, supports) accepts it, and its params live in that backend's memory. Each
+ * plugin is probed here; one whose device is absent is skipped with one warning line
+ * (qkeep_model_backend_info keeps why). n 0 is a host-memory model without PWAL, as
+ * qkeep_model_new(NULL). The same backend twice is QKEEP_E_INVAL. The plugins must
+ * outlive the model; the array itself is not kept.
+ */
+QKEEP_API int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **out);
+
+/* One link of a model's chain, as qkeep_model_backend_info reports it. */
+struct qkeep_chain_info {
+  size_t size;
+  const char *name;          /* the backend's name ("host" for a model without plugins) */
+  bool usable;               /* its probe found the device */
+  const char *probe_message; /* why not, when not usable; borrowed from the model */
+  size_t layers;             /* layers it owns now */
+};
+/* Links in the chain (1 for a model without plugins). */
+QKEEP_API size_t qkeep_model_backend_count(const qkeep_model *model);
+/* Fills *out for link `index`; out->size says how much the caller knows (0: all). */
+QKEEP_API int qkeep_model_backend_info(const qkeep_model *model, size_t index, struct qkeep_chain_info *out);
 QKEEP_API void qkeep_model_free(qkeep_model *model);
 
 /*
@@ -182,13 +218,18 @@ QKEEP_API int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_l
 /* The layer's name, scheme, kind and dims; out->size says how much the caller knows
  * (0: all of it). The strings are borrowed from the layer. */
 QKEEP_API int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out);
+/* The name of the backend that owns the layer (runs its PWAL and kernel, holds its params),
+ * or NULL for a host-only model or a hand-built layer that has no param yet. */
+QKEEP_API const char *qkeep_layer_backend(const qkeep_layer *layer);
 /* Sets the dims of a hand-built layer (info->name and scheme are ignored). */
 QKEEP_API int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info);
 
 /*
- * Creates a loader param: storage of exactly spec's bytes on the model's
- * device, zero-filled, registered under `name` (its checkpoint name, and
- * initial runtime name). The census counts it as a loader param.
+ * Creates a loader param: storage of exactly spec's bytes in the memory of the layer's
+ * owner, zero-filled, registered under `name` (its checkpoint name, and initial runtime
+ * name). The census counts it as a loader param. A hand-built layer gets its owner from
+ * the chain at its first param, from the scheme, kind and dims set so far
+ * (QKEEP_E_UNSUPPORTED, with each backend's reason, when no backend takes it).
  */
 QKEEP_API int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                                  qkeep_param **out);

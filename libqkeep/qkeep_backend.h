@@ -27,7 +27,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 0
+#define QKEEP_BACKEND_ABI_MINOR 1
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -64,6 +64,9 @@ struct qkeep_layer_info {
   int shards;         /* fused logical shards (1 when unfused) */
   int64_t shard_n[8]; /* output features of each shard */
   uint32_t flags;     /* QKEEP_LAYER_F_* */
+  /* ABI 1.1: */
+  int32_t weight_dtype; /* enum qkeep_dtype of the layer's first loader param as the checkpoint holds it
+                           (weight, weight_packed, qweight, w13_weight...); -1 when it has none */
 };
 
 /*
@@ -174,7 +177,11 @@ struct qkeep_backend {
   int (*configure)(const struct qkeep_backend *be, const char *key, const char *value);
   /* NULL: params live in host memory. */
   const struct qkeep_memory_ops *memory;
-  /* 1 when the backend runs this scheme for this kind of layer, else 0. */
+  /*
+   * (optional) 1 when the backend runs this scheme for this kind of layer, else 0. The
+   * ABI 1.0 form of supports_layer: a backend without supports_layer is asked this for its
+   * linear and MoE layers only, and owns every other layer that reaches it in the chain.
+   */
   int (*supports)(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind);
   /* Post-load pass for one layer, under the rules. Runs again on reload. */
   int (*pwal)(const struct qkeep_backend *be, qkeep_layer *layer);
@@ -184,6 +191,24 @@ struct qkeep_backend {
   void (*layer_cleanup)(const struct qkeep_backend *be, qkeep_layer *layer, void *state);
   /* Destroys the backend; nothing of it is used afterwards. */
   void (*fini)(const struct qkeep_backend *be);
+
+  /* ---- ABI 1.1 ---- */
+
+  /*
+   * (optional) Whether the backend takes this layer: 1 to own it, 0 to pass it down the
+   * chain, with a short reason written to `reason` (reason_len > 0, NUL-terminated by the
+   * core), e.g. "scheme gptq-int4 is not run here" or "K 100 is not a multiple of 64".
+   * Called for every layer of every kind (linear, MoE, embedding, kv scales, norms and
+   * other plain tensors) after the checkpoint is planned and before any param of the
+   * model is created or any byte read, so `info` carries the scheme, kind, dims, flags and
+   * weight dtype only; no param exists yet. May be called several times per layer and for
+   * layers that end up elsewhere; must not keep `info`. A backend that owns a layer gets
+   * its params in its memory and its pwal, apply and layer_cleanup calls. When absent, the
+   * core uses `supports` as described there. A backend that takes norms and embeddings
+   * (device backends should: an engine reads them from device memory) says so here.
+   */
+  int (*supports_layer)(const struct qkeep_backend *be, const struct qkeep_layer_info *info, char *reason,
+                        size_t reason_len);
 };
 
 /*

@@ -125,7 +125,7 @@ static int provided_bytes(const struct device *dev, const struct provider *pv, c
 /* A scale tensor's values must be valid before anything is written. */
 static int check_scale_values(const qkeep_layer *layer, const struct provider *pv, const struct provided *t) {
   unsigned char *bytes = NULL;
-  int rc = provided_bytes(&layer->model->dev, pv, t, &bytes);
+  int rc = provided_bytes(layer_device(layer), pv, t, &bytes);
   if (rc)
     return rc;
   size_t bad;
@@ -218,9 +218,9 @@ static int restore_layer(qkeep_layer *layer) {
     qkeep_param *p = layer->params[i];
     int rc = 0;
     if (!p->view.storage) {
-      rc = storage_new(&layer->model->dev, p->create_bytes, &p->view.storage);
+      rc = storage_new(layer_device(layer), p->create_bytes, &p->view.storage);
     } else if (covered_bytes(layer, p) < p->create_bytes) {
-      rc = dev_fill(&layer->model->dev, p->view.storage->data, 0, p->create_bytes);
+      rc = dev_fill(layer_device(layer), p->view.storage->data, 0, p->create_bytes);
     }
     if (rc)
       return add_error_context(rc, "restoring %s.%s", layer->name, p->checkpoint_name);
@@ -262,7 +262,7 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
       model->progress(model->progress_user, l + 1, model->n_layers, layer->name);
   }
   if (!rc)
-    rc = dev_sync(&model->dev);
+    rc = model_sync(model);
   staging_free(&st);
   return rc;
 }
@@ -438,7 +438,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc)
     rc = load_source(layer, &pv, src, &st); /* only this tensor: the rest of the layer keeps its bytes */
   if (!rc)
-    rc = dev_sync(&model->dev);
+    rc = model_sync(model);
   if (!rc)
     rc = model_set_source(model, NULL); /* no file holds these weights now */
   staging_free(&st);

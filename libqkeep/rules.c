@@ -35,7 +35,7 @@ int qkeep_tensor_new(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_te
     return set_error(QKEEP_E_NOMEM, "out of memory for a result tensor");
   t->layer = layer;
   t->t.spec = *spec;
-  int rc = storage_new(&layer->model->dev, qkeep_spec_bytes(spec), &t->t.storage);
+  int rc = storage_new(layer_device(layer), qkeep_spec_bytes(spec), &t->t.storage);
   if (rc) {
     free(t);
     return add_error_context(rc, "%s: result tensor", layer->name);
@@ -75,7 +75,7 @@ int qkeep_replace(qkeep_layer *layer, const char *name, qkeep_tensor *result) {
              : set_error(QKEEP_E_RULE, "replace: %s.%s: result not at the start of its storage", layer->name,
                          name);
   } else if (bytes <= own->capacity) {
-    rc = dev_d2d(&layer->model->dev, own->data, tensor_ptr(&result->t), bytes);
+    rc = dev_d2d(layer_device(layer), own->data, tensor_ptr(&result->t), bytes);
   } else {
     /* Larger than the param's storage: rebind to the result's storage, which keeps C1. */
     storage_ref(result->t.storage);
@@ -171,7 +171,7 @@ int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_sp
     if (b->view.storage->capacity != bytes) {
       /* Same name, new size: only a changed layer shape gets here; give it fresh memory. */
       struct storage *s;
-      int rc = storage_new(&layer->model->dev, bytes, &s);
+      int rc = storage_new(layer_device(layer), bytes, &s);
       if (rc)
         return add_error_context(rc, "add_buffer %s.%s", layer->name, name);
       storage_unref(b->view.storage);
@@ -191,7 +191,7 @@ int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_sp
     return set_error(QKEEP_E_NOMEM, "out of memory for buffer %s.%s", layer->name, name);
   b->name = xstrdup(name);
   b->view.spec = *spec;
-  rc = b->name ? storage_new(&layer->model->dev, bytes, &b->view.storage)
+  rc = b->name ? storage_new(layer_device(layer), bytes, &b->view.storage)
                : set_error(QKEEP_E_NOMEM, "out of memory");
   if (!rc)
     rc = layer_register(layer, name, NULL, b);

@@ -283,7 +283,7 @@ static int read_f32(qkeep_layer *layer, qkeep_param *p, float **out, size_t *cou
   float *v = malloc(bytes ? bytes : 1);
   if (!v)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  int rc = dev_d2h(&layer->model->dev, v, tensor_ptr(&p->view), bytes);
+  int rc = dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), bytes);
   if (rc) {
     free(v);
     return rc;
@@ -299,7 +299,7 @@ static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_
   qkeep_tensor *t;
   int rc = qkeep_tensor_new(layer, spec, &t);
   if (!rc)
-    rc = dev_h2d(&layer->model->dev, qkeep_tensor_data(t), values, qkeep_spec_bytes(spec));
+    rc = dev_h2d(layer_device(layer), qkeep_tensor_data(t), values, qkeep_spec_bytes(spec));
   if (rc) {
     qkeep_tensor_free(t);
     return rc;
@@ -366,7 +366,7 @@ int merge_shard_equal_i32(qkeep_layer *layer, const char *name) {
   if (shards < 2 || !spec_equal(&p->view.spec, cs))
     return 0;
   int32_t v[8];
-  int rc = dev_d2h(&layer->model->dev, v, tensor_ptr(&p->view), sizeof(int32_t) * (size_t)shards);
+  int rc = dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), sizeof(int32_t) * (size_t)shards);
   if (rc)
     return rc;
   for (int s = 1; s < shards; s++)

@@ -8,7 +8,7 @@
 
 static int read_scalar(qkeep_layer *layer, const char *name, float *out) {
   qkeep_param *p = qkeep_param_lookup(layer, name);
-  return dev_d2h(&layer->model->dev, out, tensor_ptr(&p->view), sizeof *out);
+  return dev_d2h(layer_device(layer), out, tensor_ptr(&p->view), sizeof *out);
 }
 
 static int kv_normalize(qkeep_layer *layer) {

@@ -25,7 +25,7 @@ checkpoint = tiny.safetensors
 INI
 
 "$qkeep" version >"$tmp/out" 2>&1; check "version exits 0" test $? -eq 0
-check "version text" contains "$tmp/out" "plugin ABI 1.0"
+check "version text" contains "$tmp/out" "plugin ABI 1.1"
 
 "$qkeep" -c "$tmp/qkeep.ini" plugins >"$tmp/out" 2>&1; check "plugins exits 0" test $? -eq 0
 check "plugins lists reference" contains "$tmp/out" "reference"

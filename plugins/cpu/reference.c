@@ -55,6 +55,16 @@ static int reference_supports(const struct qkeep_backend *be, const char *scheme
   return 0;
 }
 
+/* Every layer of every scheme: the end of any chain. */
+static int reference_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                                    char *reason, size_t reason_len) {
+  if ((info->kind != QKEEP_LAYER_LINEAR && info->kind != QKEEP_LAYER_MOE) ||
+      reference_supports(be, info->scheme, info->kind))
+    return 1;
+  snprintf(reason, reason_len, "scheme %s is not one of its schemes", info->scheme);
+  return 0;
+}
+
 /* The reference kernel reads the checkpoint layout, so PWAL changes nothing. */
 static int reference_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   (void)be;
@@ -300,6 +310,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .apply = reference_apply,
       .layer_cleanup = NULL,
       .fini = reference_fini,
+      .supports_layer = reference_supports_layer,
   };
   *out = &r->be;
   return 0;

@@ -253,6 +253,18 @@ static int cuda_supports(const struct qkeep_backend *be, const char *scheme, enu
   return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
 }
 
+/* Linear and MoE layers by scheme; every other kind (norms, embeddings, kv scales) lives on the GPU. */
+static int cuda_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                               char *reason, size_t reason_len) {
+  if (info->kind != QKEEP_LAYER_LINEAR && info->kind != QKEEP_LAYER_MOE)
+    return 1;
+  if (cuda_supports(be, info->scheme, info->kind))
+    return 1;
+  snprintf(reason, reason_len, "runs NVFP4 linear and MoE layers and unquantized linear ones, not %s %s",
+           info->scheme, info->kind == QKEEP_LAYER_MOE ? "MoE" : "linear");
+  return 0;
+}
+
 /* ---- PWAL ---------------------------------------------------------------------------------------- */
 
 static bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) {
@@ -579,6 +591,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .apply = cuda_apply,
       .layer_cleanup = cuda_layer_cleanup,
       .fini = cuda_fini,
+      .supports_layer = cuda_supports_layer,
   };
   *out = &c->be;
   return 0;

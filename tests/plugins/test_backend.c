@@ -9,11 +9,18 @@
  *   MINOR     needs ABI minor + 1 (a newer core)
  *   INITFAIL  init fails with its own detail through host->set_error
  *   NODEV     probe says its device is absent ("no test device")
+ *   PICKY     a chain member (ABI 1.1 supports_layer): owns only the unquantized F32/BF16
+ *             linear layers whose name contains its `take` key (every one when unset,
+ *             none with take = -), refusing the rest with a reason; a real f32 kernel
+ *   LEGACY    built against ABI 1.0: its table ends at fini, supports() says unquantized
+ *             linear only, so the core gives it every other kind of layer; the same kernel
  *
  * init allocates the table, so a loader that forgets fini on a failure path
  * shows up as a leak under valgrind and ASan.
  */
 #include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,6 +38,10 @@
 #define TEST_NAME "test-initfail"
 #elif defined(VARIANT_NODEV)
 #define TEST_NAME "test-nodev"
+#elif defined(VARIANT_PICKY)
+#define TEST_NAME "test-picky"
+#elif defined(VARIANT_LEGACY)
+#define TEST_NAME "test-legacy"
 #else
 #error "define one VARIANT_* (see Makefile.am)"
 #endif
@@ -39,6 +50,7 @@ struct test_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
   const struct qkeep_host *host;
   long threads;
+  char take[128]; /* PICKY: the name part a layer must contain ("" takes all, "-" none) */
 };
 
 #if !defined(VARIANT_INITFAIL) /* INITFAIL never builds a table */
@@ -86,6 +98,71 @@ static int test_supports(const struct qkeep_backend *be, const char *scheme, enu
   return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
 }
 
+#if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY)
+#if defined(VARIANT_PICKY)
+static int test_configure(const struct qkeep_backend *be, const char *key, const char *value) {
+  struct test_backend *tb = (struct test_backend *)(void *)(uintptr_t)be;
+  if (strcmp(key, "take") != 0 || strlen(value) >= sizeof tb->take)
+    return tb->host->set_error(QKEEP_E_CONFIG,
+                               "unknown key '%s' or value too long (" TEST_NAME " takes take)", key);
+  strcpy(tb->take, value);
+  return 0;
+}
+
+static int test_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                               char *reason, size_t reason_len) {
+  const struct test_backend *tb = (const struct test_backend *)be;
+  if (!test_supports(be, info->scheme, info->kind)) {
+    snprintf(reason, reason_len, "takes unquantized linear layers only, not %s", info->scheme);
+    return 0;
+  }
+  if (info->weight_dtype != QKEEP_DTYPE_F32 && info->weight_dtype != QKEEP_DTYPE_BF16) {
+    snprintf(reason, reason_len, "weight dtype %d is neither F32 nor BF16", info->weight_dtype);
+    return 0;
+  }
+  if (strcmp(tb->take, "-") == 0 || (tb->take[0] && !strstr(info->name, tb->take))) {
+    snprintf(reason, reason_len, "take = %s does not name it", tb->take);
+    return 0;
+  }
+  return 1;
+}
+#endif
+
+/* One weight element as f32 (F32 or BF16, all this kernel is given). */
+static float weight_at(const struct qkeep_view *w, size_t i) {
+  if (w->spec.dtype == QKEEP_DTYPE_F32)
+    return ((const float *)w->data)[i];
+  uint32_t bits = (uint32_t)((const uint16_t *)w->data)[i] << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* y = x W^T (+ bias) in f32, reading the weight as loaded (PWAL leaves it). */
+static int test_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
+  const struct qkeep_host *host = ((const struct test_backend *)be)->host;
+  struct qkeep_layer_info info = {.size = sizeof info};
+  struct qkeep_view w = {.size = sizeof w}, b = {.size = sizeof b};
+  int rc = host->layer_info(layer, &info);
+  if (!rc)
+    rc = host->get_live(layer, "weight", &w);
+  if (rc || info.kind != QKEEP_LAYER_LINEAR || a->x_dtype != QKEEP_DTYPE_F32 ||
+      a->y_dtype != QKEEP_DTYPE_F32 || (w.spec.dtype != QKEEP_DTYPE_F32 && w.spec.dtype != QKEEP_DTYPE_BF16))
+    return host->set_error(QKEEP_E_UNSUPPORTED, TEST_NAME ": %s: not an f32/bf16 linear layer", info.name);
+  bool bias = host->get_live(layer, "bias", &b) == 0;
+  const float *x = a->x;
+  float *y = a->y;
+  for (int64_t m = 0; m < a->m; m++)
+    for (int64_t n = 0; n < info.n; n++) {
+      float acc = bias ? weight_at(&b, (size_t)n) : 0.0f;
+      for (int64_t k = 0; k < info.k; k++)
+        acc += x[m * info.k + k] * weight_at(&w, (size_t)(n * info.k + k));
+      y[m * info.n + n] = acc;
+    }
+  return 0;
+}
+#endif
+
 /* Leaves params as loaded: the loader tests need no conversion. */
 static int test_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   (void)be;
@@ -120,11 +197,22 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
     .size = sizeof(struct qkeep_backend), .abi_major = QKEEP_BACKEND_ABI_MAJOR,
     .abi_minor = QKEEP_BACKEND_ABI_MINOR, .name = TEST_NAME,
     .description = "loader test plugin (" TEST_NAME ")", .probe = test_probe,
-#if defined(VARIANT_GOOD)
+#if defined(VARIANT_GOOD) || defined(VARIANT_PICKY)
     .configure = test_configure,
+#endif
+#if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY)
+    .apply = test_apply,
+#endif
+#if defined(VARIANT_PICKY)
+    .supports_layer = test_supports_layer,
 #endif
     .supports = test_supports, .pwal = test_pwal, .fini = test_fini,
   };
+#if defined(VARIANT_LEGACY)
+  /* What a plugin compiled against ABI 1.0 hands over: a table that ends at fini. */
+  tb->be.size = offsetof(struct qkeep_backend, fini) + sizeof tb->be.fini;
+  tb->be.abi_minor = 0;
+#endif
 #if defined(VARIANT_MAJOR)
   tb->be.abi_major = QKEEP_BACKEND_ABI_MAJOR + 1;
 #elif defined(VARIANT_MINOR)

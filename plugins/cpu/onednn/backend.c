@@ -109,22 +109,32 @@ static int onednn_configure(const struct qkeep_backend *be, const char *key, con
                             key);
 }
 
-static int onednn_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
+/* Linear and MoE layers of w8a8-int8 and unquantized f32/bf16/f16; every other kind lives in host memory. */
+static int onednn_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                                 char *reason, size_t reason_len) {
   const struct od_backend *b = od_of(be);
-  if (kind != QKEEP_LAYER_LINEAR && kind != QKEEP_LAYER_MOE)
-    return 0;
-  if (strcmp(scheme, "unquantized") == 0)
+  if (info->kind != QKEEP_LAYER_LINEAR && info->kind != QKEEP_LAYER_MOE)
     return 1;
-  if (strcmp(scheme, "w8a8-int8") != 0)
+  if (strcmp(info->scheme, "unquantized") == 0)
+    return 1;
+  if (strcmp(info->scheme, "w8a8-int8") != 0) {
+    snprintf(reason, reason_len, "runs w8a8-int8 and unquantized layers, not %s", info->scheme);
     return 0;
+  }
   if (int8_refused(b)) {
-    /* The core reports the layer as unsupported; the log says why. */
-    b->host->log(QKEEP_LOG_ERROR, "%s",
-                 "cpu-onednn: w8a8-int8 refused: no AVX-512 VNNI on this CPU, where "
-                 "oneDNN 2.6 int8 products saturate (int8_without_vnni = refuse)");
+    snprintf(reason, reason_len,
+             "w8a8-int8 refused: no AVX-512 VNNI on this CPU, where oneDNN 2.6 int8 products saturate "
+             "(int8_without_vnni = refuse)");
     return 0;
   }
   return 1;
+}
+
+/* The ABI 1.0 form, for cores that do not know supports_layer. */
+static int onednn_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
+  struct qkeep_layer_info info = {.size = sizeof info, .scheme = scheme, .kind = kind, .weight_dtype = -1};
+  char reason[256];
+  return onednn_supports_layer(be, &info, reason, sizeof reason);
 }
 
 /* ---- PWAL ----------------------------------------------------------------------------------- */
@@ -546,6 +556,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .apply = onednn_apply,
       .layer_cleanup = onednn_layer_cleanup,
       .fini = onednn_fini,
+      .supports_layer = onednn_supports_layer,
   };
   *out = &b->be;
   return 0;

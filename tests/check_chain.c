@@ -1,0 +1,441 @@
+/*
+ * check_chain.c: models whose layers run on different backends of a chain. Each layer goes
+ * to the first backend that takes it; the census, the per-layer owner report, the forward
+ * check and a reload (byte-identical to a cold start, no pointer moved) hold across owners;
+ * a layer no backend takes fails the load before anything is allocated; an ABI 1.0 plugin
+ * still takes part; a tied lm_head stays with its embedding.
+ *
+ * Chain members: test-picky (ABI 1.1, takes the unquantized linear layers named by its
+ * `take` key), test-legacy (an ABI 1.0 table), test-nodev (no device), cpu-onednn when
+ * built, and reference.
+ */
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "checkpoint.h"
+#include "fixture.h"
+#include "testutil.h"
+
+#define H 64
+#define I 128
+
+static void add(struct st_writer *w, const char *name, enum qkeep_dtype dtype, int64_t rows, int64_t cols,
+                uint64_t seed) {
+  size_t n = (size_t)(rows * (cols ? cols : 1));
+  float *v = malloc(n * sizeof *v);
+  uint16_t *h = malloc(n * sizeof *h);
+  uint64_t s = seed;
+  for (const char *p = name; *p; p++)
+    s = s * 31 + (unsigned char)*p;
+  for (size_t i = 0; i < n; i++) {
+    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
+    uint32_t bits;
+    memcpy(&bits, &v[i], sizeof bits);
+    h[i] = (uint16_t)(bits >> 16); /* bf16 by truncation: exact enough for test weights */
+  }
+  struct qkeep_spec sp = {dtype, cols ? 2 : 1, {rows, cols}};
+  ck_assert_int_eq(st_writer_add(w, name, &sp, dtype == QKEEP_DTYPE_F32 ? (const void *)v : (const void *)h),
+                   0);
+  free(v);
+  free(h);
+}
+
+/* An unquantized model: embedding, norm, attention and MLP (fused when loaded), an MoE block
+ * with its router, and an lm_head (absent when tied). Weights from `seed`. */
+static char *write_source(const char *file, uint64_t seed, bool tied, enum qkeep_dtype lm_head_dtype) {
+  struct st_writer *w;
+  char name[160];
+  const enum qkeep_dtype bf16 = QKEEP_DTYPE_BF16;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.embed_tokens.weight", bf16, 96, H, seed);
+  add(w, "model.norm.weight", bf16, H, 0, seed);
+  if (!tied)
+    add(w, "lm_head.weight", lm_head_dtype, 96, H, seed);
+  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  for (int p = 0; p < 4; p++) {
+    snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight", proj[p]);
+    add(w, name, bf16, p == 1 || p == 2 ? 32 : H, H, seed);
+  }
+  add(w, "model.layers.0.mlp.gate_proj.weight", bf16, I, H, seed);
+  add(w, "model.layers.0.mlp.up_proj.weight", bf16, I, H, seed);
+  add(w, "model.layers.0.mlp.down_proj.weight", bf16, H, I, seed);
+  add(w, "model.layers.1.mlp.gate.weight", bf16, 2, H, seed);
+  for (int e = 0; e < 2; e++) {
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
+    add(w, name, bf16, H, H, seed);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
+    add(w, name, bf16, H, H, seed);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
+    add(w, name, bf16, H, H, seed);
+  }
+  char *path;
+  if (tied) { /* a directory: config.json says the lm_head is the embedding */
+    char *sub = tu_path(dir, file);
+    ck_assert_int_eq(mkdir(sub, 0755), 0);
+    char *cfg = tu_path(sub, "config.json");
+    const char *text = "{\"model_type\": \"llama\", \"tie_word_embeddings\": true}";
+    ck_assert_int_eq(tu_write_file(cfg, text, strlen(text)), 0);
+    free(cfg);
+    path = tu_path(sub, "model.safetensors");
+    ck_assert_int_eq(st_writer_write(w, path), 0);
+    free(path);
+    path = sub;
+  } else {
+    path = tu_path(dir, file);
+    ck_assert_int_eq(st_writer_write(w, path), 0);
+  }
+  st_writer_free(w);
+  return path;
+}
+
+static char *quantize(const char *source, const char *scheme, const char *out) {
+  char *path = tu_path(dir, out);
+  struct qkeep_quantize_options o = {
+      .size = sizeof o, .scheme = scheme, .group_size = 32, .kv_cache_scales = true, .activation_amax = 4};
+  ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
+  return path;
+}
+
+/* ---- the chain's plugins ---------------------------------------------------------------------- */
+
+static qkeep_plugin *picky, *legacy, *nodev, *onednn; /* onednn: NULL where it is not built */
+
+static void chain_setup(void) {
+  fixture_name = "chain";
+  setup();
+  ck_assert_msg(qkeep_plugin_open("test-picky", NULL, &picky) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_plugin_open("test-legacy", NULL, &legacy) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_plugin_open("test-nodev", NULL, &nodev) == 0, "%s", qkeep_errmsg());
+  if (qkeep_plugin_open("cpu-onednn", NULL, &onednn) != 0)
+    onednn = NULL;
+}
+
+static void chain_teardown(void) {
+  qkeep_plugin_close(picky);
+  qkeep_plugin_close(legacy);
+  qkeep_plugin_close(nodev);
+  qkeep_plugin_close(onednn);
+  picky = legacy = nodev = onednn = NULL;
+  teardown();
+}
+
+static void take(const char *value) {
+  const struct qkeep_backend *be = qkeep_plugin_backend(picky);
+  ck_assert_int_eq(be->configure(be, "take", value), 0);
+}
+
+static qkeep_model *load_chain(qkeep_plugin *const *chain, size_t n, const char *path) {
+  qkeep_model *m;
+  ck_assert_msg(qkeep_model_new_chain(chain, n, &m) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
+  return m;
+}
+
+static const char *owner(const qkeep_model *m, const char *layer) {
+  const qkeep_layer *l = qkeep_model_find_layer(m, layer);
+  ck_assert_msg(l != NULL, "no layer %s", layer);
+  const char *name = qkeep_layer_backend(l);
+  ck_assert_msg(name != NULL, "layer %s has no owner", layer);
+  return name;
+}
+
+/* The link counts add up to the layers, and each equals the layers that name it as owner. */
+static void assert_counts_match(const qkeep_model *m) {
+  size_t total = 0;
+  for (size_t i = 0; i < qkeep_model_backend_count(m); i++) {
+    struct qkeep_chain_info b = {.size = sizeof b};
+    ck_assert_int_eq(qkeep_model_backend_info(m, i, &b), 0);
+    size_t owned = 0;
+    for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
+      const char *o = qkeep_layer_backend(qkeep_model_layer(m, l));
+      owned += o && strcmp(o, b.name) == 0;
+    }
+    ck_assert_uint_eq(owned, b.layers);
+    total += b.layers;
+  }
+  ck_assert_uint_eq(total, qkeep_model_layer_count(m));
+}
+
+static int check_error(void *user, const struct qkeep_layer_error *e) {
+  double tolerance = *(const double *)user;
+  ck_assert_msg(e->max_rel <= tolerance, "%s[%d]: relative error %g over %g", e->layer, e->expert, e->max_rel,
+                tolerance);
+  return 0;
+}
+
+/* Every GEMM of m against a reference-only cold start of the same checkpoint. */
+static void forward_check(qkeep_model *m, const char *path, double tolerance) {
+  qkeep_model *ref = load(path);
+  ck_assert_msg(qkeep_compare(m, ref, 3, 7, check_error, &tolerance) == 0, "%s", qkeep_errmsg());
+  qkeep_model_free(ref);
+}
+
+static int d2h(void *dst, const void *src, size_t n) {
+  memcpy(dst, src, n);
+  return 0;
+}
+
+/* Reload W0 -> W1 on the chain equals a cold start on W1 there, storage by storage, in place. */
+static void reload_in_place(qkeep_plugin *const *chain, size_t n, const char *w0, const char *w1) {
+  qkeep_model *m = load_chain(chain, n, w0), *cold = load_chain(chain, n, w1);
+  struct tu_storages before = {.to_host = d2h}, after = {.to_host = d2h}, want = {.to_host = d2h};
+  tu_snapshot(m, &before);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  tu_snapshot(m, &after);
+  tu_snapshot(cold, &want);
+  tu_assert_in_place_and_equal(&before, &after, &want);
+  struct qkeep_digest a, b;
+  ck_assert_int_eq(qkeep_digest(m, &a), 0);
+  ck_assert_int_eq(qkeep_digest(cold, &b), 0);
+  ck_assert(a.hi == b.hi && a.lo == b.lo);
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++) /* the same owners as a cold start */
+    ck_assert_str_eq(qkeep_layer_backend(qkeep_model_layer(m, l)),
+                     qkeep_layer_backend(qkeep_model_layer(cold, l)));
+  tu_assert_census_clean(m);
+  tu_release_snapshot(&before);
+  tu_release_snapshot(&after);
+  tu_release_snapshot(&want);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+}
+
+/* ---- tests -------------------------------------------------------------------------------------- */
+
+START_TEST(each_layer_runs_on_the_first_backend_that_takes_it) {
+  char *src = write_source("w0.safetensors", 1, false, QKEEP_DTYPE_BF16);
+  char *src1 = write_source("w1.safetensors", 2, false, QKEEP_DTYPE_BF16);
+  char *w0 = quantize(src, "w8a8-int8", "w0-int8"), *w1 = quantize(src1, "w8a8-int8", "w1-int8");
+  take("lm_head");
+  qkeep_plugin *chain[] = {picky, onednn ? onednn : plugin, plugin};
+  size_t n = onednn ? 3 : 2;
+  qkeep_model *m = load_chain(chain, n, w0);
+  const char *second = onednn ? "cpu-onednn" : "reference";
+  ck_assert_str_eq(owner(m, "lm_head"), "test-picky");                /* named by take */
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.gate"), second);      /* unquantized, not named */
+  ck_assert_str_eq(owner(m, "model.layers.0.mlp.down_proj"), second); /* w8a8 */
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.experts"), second);
+  /* test-picky refuses what is not linear; the next link takes norms and embeddings */
+  ck_assert_str_eq(owner(m, "model.norm"), second);
+  ck_assert_str_eq(owner(m, "model.embed_tokens"), second);
+  assert_counts_match(m);
+  struct qkeep_chain_info b = {.size = sizeof b};
+  ck_assert_int_eq(qkeep_model_backend_info(m, 0, &b), 0);
+  ck_assert_str_eq(b.name, "test-picky");
+  ck_assert(b.usable);
+  ck_assert_uint_eq(b.layers, 1);
+  tu_assert_census_clean(m);
+  forward_check(m, w0, 0.05);
+  qkeep_model_free(m);
+  reload_in_place(chain, n, w0, w1);
+  free(src), free(src1), free(w0), free(w1);
+}
+END_TEST
+
+/* NVFP4 layers fall through to the reference while the unquantized ones stay on cpu-onednn. */
+START_TEST(nvfp4_on_the_reference_and_the_rest_on_onednn) {
+  if (!onednn)
+    return; /* cpu-onednn is not built here; the other tests cover the chain */
+  char *src = write_source("w0.safetensors", 3, false, QKEEP_DTYPE_BF16);
+  char *src1 = write_source("w1.safetensors", 4, false, QKEEP_DTYPE_BF16);
+  char *w0 = quantize(src, "modelopt-nvfp4", "w0-nvfp4"), *w1 = quantize(src1, "modelopt-nvfp4", "w1-nvfp4");
+  qkeep_plugin *chain[] = {onednn, plugin};
+  qkeep_model *m = load_chain(chain, 2, w0);
+  ck_assert_str_eq(owner(m, "model.layers.0.self_attn.qkv_proj"), "reference");
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.experts"), "reference");
+  ck_assert_str_eq(owner(m, "lm_head"), "cpu-onednn");
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.gate"), "cpu-onednn");
+  assert_counts_match(m);
+  tu_assert_census_clean(m);
+  forward_check(m, w0, 0.05);
+  qkeep_model_free(m);
+  reload_in_place(chain, 2, w0, w1);
+  /* in-memory weights (RL sync) across owners: every tensor of W1 as named host buffers */
+  m = load_chain(chain, 2, w0);
+  qkeep_model *cold = load_chain(chain, 2, w1);
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  struct qkeep_named_tensor *t = calloc(ck->n_tensors, sizeof *t);
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *st = ck->tensors[i].t;
+    void *bytes = malloc(st->nbytes ? st->nbytes : 1);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bytes), 0);
+    t[i] = (struct qkeep_named_tensor){.name = st->name, .data = bytes};
+    t[i].spec = (struct qkeep_spec){(enum qkeep_dtype)st->dtype, st->ndim, {0}};
+    memcpy(t[i].spec.shape, st->shape, sizeof t[i].spec.shape);
+  }
+  ck_assert_msg(qkeep_model_reload_tensors(m, t, ck->n_tensors, 0) == 0, "%s", qkeep_errmsg());
+  struct qkeep_digest a, b;
+  ck_assert_int_eq(qkeep_digest(m, &a), 0);
+  ck_assert_int_eq(qkeep_digest(cold, &b), 0);
+  ck_assert(a.hi == b.hi && a.lo == b.lo);
+  for (size_t i = 0; i < ck->n_tensors; i++)
+    free((void *)t[i].data);
+  free(t);
+  ckpt_close(ck);
+  qkeep_model_free(m);
+  qkeep_model_free(cold);
+  free(src), free(src1), free(w0), free(w1);
+}
+END_TEST
+
+START_TEST(an_abi_1_0_plugin_takes_part_in_a_chain) {
+  const struct qkeep_backend *be = qkeep_plugin_backend(legacy);
+  ck_assert_uint_eq(be->size, offsetof(struct qkeep_backend, fini) + sizeof be->fini);
+  ck_assert_uint_eq(be->abi_minor, 0);
+  char *src = write_source("w0.safetensors", 5, false, QKEEP_DTYPE_BF16);
+  char *src1 = write_source("w1.safetensors", 6, false, QKEEP_DTYPE_BF16);
+  char *w0 = quantize(src, "ct-nvfp4", "w0-ct"), *w1 = quantize(src1, "ct-nvfp4", "w1-ct");
+  qkeep_plugin *chain[] = {legacy, plugin};
+  qkeep_model *m = load_chain(chain, 2, w0);
+  /* supports() says no to NVFP4 linear and MoE layers; every other layer is its, as in ABI 1.0 */
+  ck_assert_str_eq(owner(m, "model.layers.0.mlp.gate_up_proj"), "reference");
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.experts"), "reference");
+  ck_assert_str_eq(owner(m, "lm_head"), "test-legacy");
+  ck_assert_str_eq(owner(m, "model.norm"), "test-legacy");
+  ck_assert_str_eq(owner(m, "model.layers.0.self_attn.attn"), "test-legacy"); /* kv scales */
+  assert_counts_match(m);
+  tu_assert_census_clean(m);
+  forward_check(m, w0, 1e-5); /* test-legacy's f32 kernel against the reference's */
+  qkeep_model_free(m);
+  reload_in_place(chain, 2, w0, w1);
+  free(src), free(src1), free(w0), free(w1);
+}
+END_TEST
+
+START_TEST(a_layer_no_backend_takes_fails_before_any_allocation) {
+  char *src = write_source("w0.safetensors", 7, false, QKEEP_DTYPE_BF16);
+  take("-");
+  qkeep_plugin *chain[] = {nodev, picky};
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new_chain(chain, 2, &m), 0);
+  ck_assert_int_eq(qkeep_model_load(m, src), QKEEP_E_UNSUPPORTED);
+  const char *msg = qkeep_errmsg();
+  /* the layer, its scheme, and each backend's reason, in chain order */
+  ck_assert_msg(strstr(msg, src) && strstr(msg, "layer ") && strstr(msg, "scheme unquantized") &&
+                    strstr(msg, "test-nodev: no device (no test device)") && strstr(msg, "test-picky: "),
+                "%s", msg);
+  ck_assert(strstr(msg, "test-nodev") < strstr(msg, "test-picky"));
+  ck_assert_uint_eq(qkeep_model_layer_count(m), 0); /* nothing half loaded */
+  struct qkeep_memory_stats mem = {.size = sizeof mem};
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  ck_assert_int_eq(mem.storage_peak, 0); /* not a byte was allocated */
+  ck_assert_int_eq(mem.storage_bytes, 0);
+  /* the model is usable afterwards: with take unset the same chain loads */
+  take("");
+  qkeep_model_free(m);
+  qkeep_plugin *chain2[] = {nodev, picky, plugin};
+  m = load_chain(chain2, 3, src);
+  ck_assert_str_eq(owner(m, "lm_head"), "test-picky");
+  struct qkeep_chain_info b = {.size = sizeof b};
+  ck_assert_int_eq(qkeep_model_backend_info(m, 0, &b), 0);
+  ck_assert(!b.usable);
+  ck_assert_str_eq(b.probe_message, "no test device");
+  ck_assert_uint_eq(b.layers, 0);
+  qkeep_model_free(m);
+  free(src);
+}
+END_TEST
+
+START_TEST(the_weight_dtype_reaches_supports_layer) {
+  char *src = write_source("w0.safetensors", 8, false, QKEEP_DTYPE_F16);
+  take("");
+  qkeep_plugin *chain[] = {picky, plugin};
+  qkeep_model *m = load_chain(chain, 2, src);
+  ck_assert_str_eq(owner(m, "lm_head"), "reference"); /* F16: test-picky says no */
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.gate"), "test-picky");
+  qkeep_model_free(m);
+  free(src);
+}
+END_TEST
+
+START_TEST(a_tied_lm_head_stays_with_its_embedding) {
+  char *src = write_source("tied", 9, true, QKEEP_DTYPE_BF16);
+  take("");
+  qkeep_plugin *chain[] = {legacy, plugin};
+  /* test-legacy takes embeddings (ABI 1.0 rule) and unquantized linears: both go there */
+  qkeep_model *m = load_chain(chain, 2, src);
+  ck_assert_str_eq(owner(m, "model.embed_tokens"), "test-legacy");
+  ck_assert_str_eq(owner(m, "lm_head"), "test-legacy");
+  tu_assert_census_clean(m);
+  qkeep_model_free(m);
+  /* test-picky takes the lm_head but never an embedding: the pair goes down the chain together */
+  qkeep_plugin *chain2[] = {picky, plugin};
+  m = load_chain(chain2, 2, src);
+  ck_assert_str_eq(owner(m, "model.embed_tokens"), "reference");
+  ck_assert_str_eq(owner(m, "lm_head"), "reference");
+  ck_assert_str_eq(owner(m, "model.layers.1.mlp.gate"), "test-picky");
+  struct qkeep_census c = tu_assert_census_clean(m);
+  ck_assert_int_ge(c.aliases, 0);
+  qkeep_model_free(m);
+  /* alone, test-picky cannot hold the pair: the error names the tied layer too */
+  qkeep_plugin *alone[] = {picky};
+  ck_assert_int_eq(qkeep_model_new_chain(alone, 1, &m), 0);
+  ck_assert_int_eq(qkeep_model_load(m, src), QKEEP_E_UNSUPPORTED);
+  ck_assert_msg(strstr(qkeep_errmsg(), "tied with lm_head"), "%s", qkeep_errmsg());
+  qkeep_model_free(m);
+  free(src);
+}
+END_TEST
+
+START_TEST(a_hand_built_layer_gets_its_owner_at_its_first_param) {
+  take("mine");
+  qkeep_plugin *chain[] = {picky, plugin};
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new_chain(chain, 2, &m), 0);
+  qkeep_layer *a, *b;
+  ck_assert_int_eq(qkeep_layer_add(m, "mine", QKEEP_LAYER_LINEAR, "unquantized", &a), 0);
+  ck_assert_int_eq(qkeep_layer_add(m, "theirs", QKEEP_LAYER_LINEAR, "unquantized", &b), 0);
+  ck_assert_ptr_null(qkeep_layer_backend(a)); /* no param yet: no owner */
+  struct qkeep_layer_info dims = {.size = sizeof dims, .n = 4, .k = 8, .shards = 1};
+  ck_assert_int_eq(qkeep_layer_set_dims(a, &dims), 0);
+  ck_assert_int_eq(qkeep_layer_set_dims(b, &dims), 0);
+  struct qkeep_spec w = {QKEEP_DTYPE_F32, 2, {4, 8}};
+  ck_assert_int_eq(qkeep_param_create(a, "weight", &w, NULL), 0);
+  ck_assert_int_eq(qkeep_param_create(b, "weight", &w, NULL), 0);
+  ck_assert_str_eq(qkeep_layer_backend(a), "test-picky");
+  ck_assert_str_eq(qkeep_layer_backend(b), "reference");
+  qkeep_model_free(m);
+  /* a chain with no taker for the layer refuses its first param */
+  qkeep_plugin *alone[] = {picky};
+  ck_assert_int_eq(qkeep_model_new_chain(alone, 1, &m), 0);
+  ck_assert_int_eq(qkeep_layer_add(m, "theirs", QKEEP_LAYER_LINEAR, "unquantized", &b), 0);
+  ck_assert_int_eq(qkeep_layer_set_dims(b, &dims), 0);
+  ck_assert_int_eq(qkeep_param_create(b, "weight", &w, NULL), QKEEP_E_UNSUPPORTED);
+  ck_assert_msg(strstr(qkeep_errmsg(), "test-picky: take = mine does not name it"), "%s", qkeep_errmsg());
+  qkeep_model_free(m);
+}
+END_TEST
+
+START_TEST(a_chain_names_each_backend_once) {
+  qkeep_plugin *chain[] = {picky, plugin, picky};
+  qkeep_model *m = NULL;
+  ck_assert_int_eq(qkeep_model_new_chain(chain, 3, &m), QKEEP_E_INVAL);
+  ck_assert_ptr_null(m);
+  ck_assert_msg(strstr(qkeep_errmsg(), "test-picky is in the chain twice"), "%s", qkeep_errmsg());
+  ck_assert_int_eq(qkeep_model_new_chain(NULL, 0, &m), 0); /* no plugin: a host-memory model */
+  ck_assert_uint_eq(qkeep_model_backend_count(m), 1);
+  qkeep_model_free(m);
+}
+END_TEST
+
+static Suite *chain_suite(void) {
+  Suite *s = suite_create("chain");
+  TCase *tc = tcase_create("chain");
+  tcase_add_checked_fixture(tc, chain_setup, chain_teardown);
+  tcase_set_timeout(tc, 120);
+  tcase_add_test(tc, each_layer_runs_on_the_first_backend_that_takes_it);
+  tcase_add_test(tc, nvfp4_on_the_reference_and_the_rest_on_onednn);
+  tcase_add_test(tc, an_abi_1_0_plugin_takes_part_in_a_chain);
+  tcase_add_test(tc, a_layer_no_backend_takes_fails_before_any_allocation);
+  tcase_add_test(tc, the_weight_dtype_reaches_supports_layer);
+  tcase_add_test(tc, a_tied_lm_head_stays_with_its_embedding);
+  tcase_add_test(tc, a_hand_built_layer_gets_its_owner_at_its_first_param);
+  tcase_add_test(tc, a_chain_names_each_backend_once);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) { return tu_run_suite(chain_suite(), CK_NORMAL); }
