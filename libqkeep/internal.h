@@ -369,7 +369,7 @@ struct provider {
   int (*read)(const struct provider *p, const struct provided *t, void *dst);
   /* The tensor's bytes in host memory without a copy, or NULL (then read is used). */
   const void *(*host_bytes)(const struct provider *p, const struct provided *t);
-  /* The tensor's bytes in the model's device memory, or NULL. */
+  /* The tensor's bytes in the memory of the layer that takes it (on_device tensors), or NULL. */
   const void *(*device_bytes)(const struct provider *p, const struct provided *t);
   /* Every tensor name, for checking that the provider holds nothing the model lacks. */
   size_t (*count)(const struct provider *p);

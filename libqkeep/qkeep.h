@@ -161,11 +161,13 @@ QKEEP_API int qkeep_model_backend_info(const qkeep_model *model, size_t index, s
 QKEEP_API void qkeep_model_free(qkeep_model *model);
 
 /*
- * Cold start: reads the checkpoint (a .safetensors file), builds the layers,
- * creates every loader param zero-filled with exactly its checkpoint bytes,
- * streams the tensors in, then per layer runs the scheme's normalisation and
- * the backend's PWAL. The model must be empty. On failure the model is left
- * empty and the error names the file, tensor and layer.
+ * Cold start: reads the checkpoint (a .safetensors file or a Hugging Face directory),
+ * plans every layer, gives each its owner from the model's chain (QKEEP_E_UNSUPPORTED,
+ * before anything is allocated, when no backend takes a layer: the message names the
+ * layer, its scheme and each backend's reason), creates every loader param zero-filled
+ * with exactly its checkpoint bytes in its owner's memory, streams the tensors in, then
+ * per layer runs the scheme's normalisation and the owner's PWAL. The model must be empty.
+ * On failure the model is left empty and the error names the file, tensor and layer.
  */
 QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);
 
@@ -311,7 +313,8 @@ QKEEP_API int qkeep_foreach_storage(const qkeep_model *model,
  */
 QKEEP_API int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flags);
 
-/* A named tensor in the caller's memory (host, or the model's device when on_device). */
+/* A named tensor in the caller's memory: host, or when on_device the memory of the backend that
+ * owns the layer it loads into (qkeep_layer_backend). */
 struct qkeep_named_tensor {
   const char *name; /* checkpoint name, e.g. "model.layers.0.mlp.down_proj.weight_scale" */
   struct qkeep_spec spec;

@@ -249,9 +249,57 @@ START_TEST(test_missing_file) {
 }
 END_TEST
 
+START_TEST(test_backend_chain) {
+  char *path = write_config("chain.ini", "[qkeep]\nbackend = test-good,  reference ,test-nodev ; a chain\n");
+  qkeep_config *cfg;
+  ck_assert_msg(qkeep_config_load(path, &cfg) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(qkeep_config_backend_count(cfg), 3);
+  ck_assert_str_eq(qkeep_config_backend_at(cfg, 0), "test-good");
+  ck_assert_str_eq(qkeep_config_backend_at(cfg, 1), "reference");
+  ck_assert_str_eq(qkeep_config_backend_at(cfg, 2), "test-nodev");
+  ck_assert_ptr_null(qkeep_config_backend_at(cfg, 3));
+  ck_assert_str_eq(qkeep_config_backend(cfg), "test-good"); /* the head of the chain */
+  /* every backend opens, in order; a device that is absent is the model's business, not this call's */
+  qkeep_plugin **plugins;
+  size_t n;
+  ck_assert_msg(qkeep_plugins_open_config(cfg, &plugins, &n) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(n, 3);
+  ck_assert_str_eq(qkeep_plugin_name(plugins[2]), "test-nodev");
+  qkeep_plugins_close(plugins, n);
+  qkeep_config_free(cfg);
+  free(path);
+  /* one missing plugin fails the whole chain with the config's line and its position */
+  path = write_config("missing.ini", "[qkeep]\nbackend = reference, nonexistent\n");
+  ck_assert_int_eq(qkeep_config_load(path, &cfg), 0);
+  plugins = (qkeep_plugin **)(uintptr_t)1;
+  ck_assert_int_eq(qkeep_plugins_open_config(cfg, &plugins, &n), QKEEP_E_NOTFOUND);
+  ck_assert_ptr_null(plugins);
+  ck_assert_uint_eq(n, 0);
+  ck_assert_msg(strstr(qkeep_errmsg(), "missing.ini:2: backend 'nonexistent' (chain position 2)"), "%s",
+                qkeep_errmsg());
+  qkeep_config_free(cfg);
+  free(path);
+  /* a backend's keys are checked when its chain opens, with the key's line */
+  path =
+      write_config("keys.ini", "[qkeep]\nbackend = reference, test-good\n[backend.test-good]\nthreads = 0\n");
+  ck_assert_int_eq(qkeep_config_load(path, &cfg), 0);
+  ck_assert_int_eq(qkeep_plugins_open_config(cfg, &plugins, &n), QKEEP_E_CONFIG);
+  ck_assert_msg(strstr(qkeep_errmsg(), "keys.ini:4: [backend.test-good] threads"), "%s", qkeep_errmsg());
+  qkeep_config_free(cfg);
+  free(path);
+  expect_error("[qkeep]\nbackend = reference, reference\n", QKEEP_E_CONFIG, 2,
+               "'reference' is named twice in the chain");
+  expect_error("[qkeep]\nbackend = reference,,cpu-onednn\n", QKEEP_E_CONFIG, 2, "invalid name ''");
+  expect_error("[qkeep]\nbackend = reference,\n", QKEEP_E_CONFIG, 2, "invalid name ''");
+  expect_error("[qkeep]\nbackend = reference, Bad\n", QKEEP_E_CONFIG, 2, "invalid name 'Bad'");
+}
+END_TEST
+
 START_TEST(test_null_accessors) {
   qkeep_config_free(NULL);
   ck_assert_ptr_null(qkeep_config_backend(NULL));
+  ck_assert_uint_eq(qkeep_config_backend_count(NULL), 0);
+  ck_assert_ptr_null(qkeep_config_backend_at(NULL, 0));
   ck_assert_ptr_null(qkeep_config_plugin_dir(NULL));
   ck_assert_ptr_null(qkeep_config_checkpoint(NULL));
   ck_assert_ptr_null(qkeep_config_path(NULL));
@@ -276,6 +324,7 @@ static Suite *config_suite(void) {
   tcase_add_test(tc, test_long_line);
   tcase_add_test(tc, test_nul_byte);
   tcase_add_test(tc, test_missing_file);
+  tcase_add_test(tc, test_backend_chain);
   tcase_add_test(tc, test_null_accessors);
   suite_add_tcase(s, tc);
   return s;

@@ -92,8 +92,25 @@ check "run exits 0" test $rc -eq 0
 check "run checks every GEMM" contains "$tmp/out" "GEMMs checked, largest relative error 0"
 check "run prints the census" line_is "$tmp/out" "missing" 0
 check "run prints times" contains "$tmp/out" "normalise+PWAL"
-"$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" --json >"$tmp/out" 2>&1
+"$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" --json >"$tmp/out" 2>/dev/null
 check "run --json" contains "$tmp/out" '"max_rel":0'
+# --json before or after the command: one JSON document on stdout, census and owners in it
+jsonget="$build/tests/jsonget"
+for form in "run --json" "--json run"; do
+  # shellcheck disable=SC2086 # the form is two words on purpose
+  "$qkeep" -c "$tmp/qkeep.ini" $form "$tmp/w0" >"$tmp/doc" 2>/dev/null
+  check "$form is one JSON document" "$jsonget" <"$tmp/doc"
+  check "$form carries the census" test "$("$jsonget" census missing <"$tmp/doc")" = 0
+  check "$form names each layer's backend" test "$("$jsonget" census owners 0 backend <"$tmp/doc")" = reference
+  check "$form counts per backend" test "$("$jsonget" census backends 0 layers <"$tmp/doc")" = 24
+done
+for cmd in census plugins version; do
+  "$qkeep" -c "$tmp/qkeep.ini" --json $cmd >"$tmp/doc" 2>/dev/null
+  check "--json $cmd is one JSON document" "$jsonget" <"$tmp/doc"
+done
+"$qkeep" -c "$tmp/qkeep.ini" --json reload "$tmp/w0" "$tmp/w1" >"$tmp/doc" 2>/dev/null
+check "--json reload is one JSON document" "$jsonget" <"$tmp/doc"
+check "reload --json names each layer's backend" test "$("$jsonget" owners 0 backend <"$tmp/doc")" = reference
 "$qkeep" -c "$tmp/qkeep.ini" reload "$tmp/w0" "$tmp/w1" >"$tmp/out" 2>&1; rc=$?
 cat "$tmp/out"
 check "reload exits 0" test $rc -eq 0
@@ -105,6 +122,33 @@ check "reload says what W1 lacks" contains "$tmp/out" "the model expects"
 "$qkeep" reload --help >"$tmp/out" 2>&1; check "reload --help" contains "$tmp/out" "usage: qkeep"
 "$qkeep" run --help >"$tmp/out" 2>&1; check "run --help" contains "$tmp/out" "usage: qkeep"
 "$qkeep" quantize --help >"$tmp/out" 2>&1; check "quantize --help" contains "$tmp/out" "usage: qkeep"
+
+# The default config (conf/qkeep.ini of the build tree, every backend configure built, in a
+# chain) runs and reloads every shipped example of every scheme, GPU or not.
+default="$build/conf/qkeep.ini"
+for ex in "$build"/examples/tiny-*/; do
+  ex=${ex%/}
+  case $ex in */tiny-w1*) continue ;; esac
+  scheme=${ex##*/tiny-}
+  "$qkeep" -c "$default" run "$ex" >"$tmp/out" 2>&1
+  check "default config runs $scheme" test $? -eq 0
+  "$qkeep" -c "$default" reload "$ex" "$build/examples/tiny-w1-$scheme" >"$tmp/out" 2>&1
+  check "default config reloads $scheme" test $? -eq 0
+  check "$scheme reload identical" contains "$tmp/out" "identical"
+done
+# ... and checkpoints that qkeep quantize writes from f32 and f16 sources, in every scheme
+for dtype in f32 f16; do
+  "$build/tests/make_tiny" "$tmp/src-$dtype.safetensors" 3 $dtype
+  "$build/tests/make_tiny" "$tmp/src1-$dtype.safetensors" 4 $dtype
+  for scheme in w8a8-int8 modelopt-nvfp4 ct-nvfp4 mxfp4 gptq-int4 awq-int4; do
+    "$qkeep" quantize "$tmp/src-$dtype.safetensors" "$tmp/q-$dtype-$scheme" --scheme $scheme --kv-scales >/dev/null 2>&1
+    "$qkeep" quantize "$tmp/src1-$dtype.safetensors" "$tmp/q1-$dtype-$scheme" --scheme $scheme --kv-scales >/dev/null 2>&1
+    "$qkeep" -c "$default" run "$tmp/q-$dtype-$scheme" >"$tmp/out" 2>&1
+    check "default config runs $scheme from $dtype" test $? -eq 0
+    "$qkeep" -c "$default" reload "$tmp/q-$dtype-$scheme" "$tmp/q1-$dtype-$scheme" >"$tmp/out" 2>&1
+    check "default config reloads $scheme from $dtype" test $? -eq 0
+  done
+done
 
 rm -rf "$tmp"
 echo "cli.sh: $pass passed, $fails failed"
