@@ -421,6 +421,42 @@ START_TEST(a_chain_names_each_backend_once) {
 }
 END_TEST
 
+/*
+ * The other direction: an in-tree backend also loads in an ABI 1.0 core, which never reads
+ * past fini. It asks for minor 0 and its supports() gives supports_layer's verdict on the
+ * linear and MoE layers such a core asks about.
+ */
+START_TEST(in_tree_backends_also_serve_an_abi_1_0_core) {
+  static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4", "mxfp4",
+                                        "w8a8-int8",   "gptq-int4",      "awq-int4"};
+  qkeep_plugin *backends[] = {plugin, onednn};
+  for (size_t b = 0; b < 2; b++) {
+    if (!backends[b])
+      continue;
+    const struct qkeep_backend *be = qkeep_plugin_backend(backends[b]);
+    ck_assert_uint_eq(be->abi_minor, 0);
+    ck_assert_ptr_nonnull(be->supports);
+    ck_assert_ptr_nonnull(be->supports_layer);
+    for (size_t s = 0; s < sizeof schemes / sizeof schemes[0]; s++)
+      for (int kind = QKEEP_LAYER_LINEAR; kind <= QKEEP_LAYER_MOE; kind += QKEEP_LAYER_MOE) {
+        struct qkeep_layer_info info = {.size = sizeof info,
+                                        .name = "model.layers.0.mlp.down_proj",
+                                        .scheme = schemes[s],
+                                        .kind = (enum qkeep_layer_kind)kind,
+                                        .n = 64,
+                                        .k = 64,
+                                        .shards = 1,
+                                        .weight_dtype = -1};
+        char reason[256] = "";
+        int layer_verdict = be->supports_layer(be, &info, reason, sizeof reason);
+        ck_assert_msg(layer_verdict == be->supports(be, schemes[s], info.kind), "%s: %s %d", be->name,
+                      schemes[s], kind);
+        ck_assert_msg(layer_verdict || reason[0], "%s refuses %s without a reason", be->name, schemes[s]);
+      }
+  }
+}
+END_TEST
+
 static Suite *chain_suite(void) {
   Suite *s = suite_create("chain");
   TCase *tc = tcase_create("chain");
@@ -434,6 +470,7 @@ static Suite *chain_suite(void) {
   tcase_add_test(tc, a_tied_lm_head_stays_with_its_embedding);
   tcase_add_test(tc, a_hand_built_layer_gets_its_owner_at_its_first_param);
   tcase_add_test(tc, a_chain_names_each_backend_once);
+  tcase_add_test(tc, in_tree_backends_also_serve_an_abi_1_0_core);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -136,6 +136,12 @@ for ex in "$build"/examples/tiny-*/; do
   check "default config reloads $scheme" test $? -eq 0
   check "$scheme reload identical" contains "$tmp/out" "identical"
 done
+# `qkeep plugins` with the default config lists every backend the build made, with its probe
+"$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
+for so in "$build"/plugins/*/.libs/backend-*.so; do
+  name=${so##*/backend-}; name=${name%.so}
+  check "default plugins lists $name" grep -Eq "^$name +ABI [0-9.]+ +(device ok|no device)" "$tmp/out"
+done
 # ... and checkpoints that qkeep quantize writes from f32 and f16 sources, in every scheme
 for dtype in f32 f16; do
   "$build/tests/make_tiny" "$tmp/src-$dtype.safetensors" 3 $dtype
