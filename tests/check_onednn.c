@@ -31,22 +31,6 @@
 #include "numeric.h"
 #include "testutil.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-/*
- * Under AddressSanitizer (gcc 12's LeakSanitizer): at exit LSan walks every
- * thread's dynamic TLS, and on oneDNN's OpenMP worker threads it reads a
- * garbage range ("DTLS 6 at 0x000100000185-0x002500001287") and its tracer
- * dies with SIGSEGV, so every test process would fail without a leak in
- * sight. Not intercepting __tls_get_addr makes LSan skip dynamic TLS; leaks
- * are still checked everywhere else (ASAN_OPTIONS from the environment add to
- * this).
- */
-const char *__asan_default_options(void);
-__attribute__((visibility("default"), used)) const char *__asan_default_options(void) {
-  return "intercept_tls_get_addr=0";
-}
-#endif
-
 struct dims {
   int64_t h, kv, inter, e_inter, experts, vocab;
 };

@@ -10,6 +10,10 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Every suite links this file (an archive member the linker always pulls in), so the
+ * sanitizer hook for programs that run oneDNN's threads rides along; see the file. */
+#include "../build-aux-src/asan_options.c"
+
 const char *tu_srcdir(void) {
   const char *s = getenv("QKEEP_TEST_SRCDIR");
   return s ? s : ".";
