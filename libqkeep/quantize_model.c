@@ -317,12 +317,12 @@ static int write_int4(struct quantizer *q, const char *module, const float *w, i
     for (int64_t kk = 0; !rc && kk < k; kk++)
       for (int64_t c = 0; c < n; c++) {
         uint32_t v = (uint32_t)qk_nibble(qweight[(kk / 8) * n + c], (int)(kk % 8));
-        awq_w[kk * (n / 8) + c / 8] |= (int32_t)(v << (4 * qk_awq_nibble[c % 8]));
+        awq_w[kk * (n / 8) + c / 8] |= (int32_t)(v << (4 * qkeep_awq_nibble(c % 8)));
       }
     for (int64_t gr = 0; !rc && gr < k / g; gr++)
       for (int64_t c = 0; c < n; c++) {
         uint32_t z = (uint32_t)(sym ? 8 : qk_gptq_zero(qzeros, n, gr, c, 0));
-        awq_z[gr * (n / 8) + c / 8] |= (int32_t)((z & 0xf) << (4 * qk_awq_nibble[c % 8]));
+        awq_z[gr * (n / 8) + c / 8] |= (int32_t)((z & 0xf) << (4 * qkeep_awq_nibble(c % 8)));
       }
     struct qkeep_spec qs = {QKEEP_DTYPE_I32, 2, {k, n / 8}}, zs = {QKEEP_DTYPE_I32, 2, {k / g, n / 8}};
     if (!rc)

@@ -201,8 +201,8 @@ static int dequant_int4(const struct matrix *m, float *w, bool awq) {
       int64_t group = g_idx ? g_idx[k] : k / g;
       int q, zero;
       if (awq) {
-        q = qk_nibble(words[k * (n_cols / 8) + n / 8], qk_awq_nibble[n % 8]);
-        zero = sym ? 8 : qk_nibble(zeros[group * (n_cols / 8) + n / 8], qk_awq_nibble[n % 8]);
+        q = qk_nibble(words[k * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
+        zero = sym ? 8 : qk_nibble(zeros[group * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
       } else {
         q = qk_nibble(words[(k / 8) * n_cols + n], (int)(k % 8));
         zero = sym ? 8 : qk_gptq_zero(zeros, n_cols, group, n, v2);

@@ -30,6 +30,7 @@
 
 #include "cuda_nvfp4.h"
 #include "layout.h"
+#include "qkeep_backend_util.h"
 
 struct cuda_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
@@ -267,15 +268,6 @@ static int cuda_supports_layer(const struct qkeep_backend *be, const struct qkee
 
 /* ---- PWAL ---------------------------------------------------------------------------------------- */
 
-static bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) {
-  if (a->dtype != b->dtype || a->ndim != b->ndim)
-    return false;
-  for (int i = 0; i < a->ndim; i++)
-    if (a->shape[i] != b->shape[i])
-      return false;
-  return true;
-}
-
 /* A spec with an optional leading expert dimension. */
 static struct qkeep_spec stacked(enum qkeep_dtype dtype, int64_t experts, int ndim, const int64_t *shape) {
   struct qkeep_spec s = {.dtype = dtype, .ndim = 0};
@@ -351,12 +343,12 @@ static int transform(const struct matrix *m, const char *local, enum transform t
   enum qkeep_dtype dtype = tr == TILE_WEIGHTS ? QKEEP_DTYPE_U8 : QKEEP_DTYPE_F8_E4M3;
   struct qkeep_spec want = stacked(dtype, m->experts, 2, ckpt_shape);
   struct qkeep_spec kernel = stacked(dtype, m->experts, 3, kernel_shape);
-  if (!spec_equal(&v.spec, &want))
+  if (!qkeep_be_spec_equal(&v.spec, &want))
     return host->set_error(
-        spec_equal(&v.spec, &kernel) ? QKEEP_E_STATE : QKEEP_E_FORMAT,
+        qkeep_be_spec_equal(&v.spec, &kernel) ? QKEEP_E_STATE : QKEEP_E_FORMAT,
         "cuda-nvfp4: %s.%s is not in its checkpoint layout (%s); PWAL transforms checkpoint "
         "bytes only, and reload restores them before it runs again",
-        m->layer_name, name, spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
+        m->layer_name, name, qkeep_be_spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
   qkeep_tensor *result;
   if ((rc = host->tensor_new(m->layer, &kernel, &result)))
     return rc;

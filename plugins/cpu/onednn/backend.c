@@ -34,22 +34,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "formats.h"
 #include "onednn.h"
+#include "qkeep_backend_util.h"
 
 static struct od_backend *od_of(const struct qkeep_backend *be) { return (struct od_backend *)be; }
-
-static size_t dtype_size(enum qkeep_dtype d) {
-  static const size_t sizes[QKEEP_DTYPE_COUNT] = {4, 2, 2, 1, 1, 1, 1, 4, 8};
-  return (unsigned)d < QKEEP_DTYPE_COUNT ? sizes[d] : 0;
-}
-
-static int64_t spec_numel(const struct qkeep_spec *s) {
-  int64_t n = 1;
-  for (int i = 0; i < s->ndim; i++)
-    n *= s->shape[i];
-  return n;
-}
 
 /* "<prefix><name>" into buf. */
 static const char *pname(char *buf, size_t len, const struct od_matrix *mt, const char *name) {
@@ -205,10 +193,10 @@ static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const str
   if (rc)
     return rc;
   bool moe = info->kind == QKEEP_LAYER_MOE, w2 = moe && strcmp(mt->prefix, "w2_") == 0;
-  int64_t count = spec_numel(&s.spec) / mt->experts;
+  int64_t count = qkeep_be_spec_numel(&s.spec) / mt->experts;
   int shards = w2 ? 1 : info->shards;
-  if (s.state != QKEEP_PARAM_LIVE || !dtype_size(s.spec.dtype) || s.spec.dtype > QKEEP_DTYPE_BF16 ||
-      spec_numel(&s.spec) % mt->experts || (count != mt->n && count != shards && count != 1))
+  if (s.state != QKEEP_PARAM_LIVE || !qkeep_be_dtype_size(s.spec.dtype) || s.spec.dtype > QKEEP_DTYPE_BF16 ||
+      qkeep_be_spec_numel(&s.spec) % mt->experts || (count != mt->n && count != shards && count != 1))
     return b->host->set_error(QKEEP_E_FORMAT,
                               "%s.%s: %lld scales per matrix, expected %lld (per channel), %d or 1",
                               info->name, name, (long long)count, (long long)mt->n, shards);
@@ -229,7 +217,7 @@ static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const str
       while (r >= shard_end && shard + 1 < shards)
         shard_end += info->shard_n[++shard];
       int64_t idx = count == mt->n ? r : count > 1 ? shard : 0;
-      channel[e * mt->n + r] = qk_load_float(s.data, s.spec.dtype, (size_t)(e * count + idx));
+      channel[e * mt->n + r] = qkeep_load_float(s.data, s.spec.dtype, (size_t)(e * count + idx));
     }
   }
   return b->host->retire(layer, name);
@@ -246,7 +234,7 @@ static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *laye
   struct qkeep_view z = {.size = sizeof z};
   if (b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &z) != 0)
     return 0;
-  int64_t count = spec_numel(&z.spec) / mt->experts;
+  int64_t count = qkeep_be_spec_numel(&z.spec) / mt->experts;
   for (int64_t i = 0; i < mt->experts * count; i++) {
     int32_t zi = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[i] : ((const int32_t *)z.data)[i];
     int32_t first = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[i - i % count]
@@ -316,8 +304,9 @@ static int pwal_float(struct od_backend *b, qkeep_layer *layer, const struct qke
   if ((rc = od_matrix_prepare(b, mt, dt, false)))
     return rc;
   enum qkeep_dtype kernel_dt = mt->compute == OD_BF16 ? QKEEP_DTYPE_BF16 : QKEEP_DTYPE_F32;
-  struct qkeep_spec spec = per_expert_spec(mt, moe, kernel_dt, (int64_t)(mt->wbytes / dtype_size(kernel_dt)));
-  size_t plain_bytes = (size_t)(mt->n * mt->k) * dtype_size(dt);
+  struct qkeep_spec spec =
+      per_expert_spec(mt, moe, kernel_dt, (int64_t)(mt->wbytes / qkeep_be_dtype_size(kernel_dt)));
+  size_t plain_bytes = (size_t)(mt->n * mt->k) * qkeep_be_dtype_size(dt);
   if (tied) {
     struct qkeep_view buf = {.size = sizeof buf};
     mt->store = OD_BUFFER;
@@ -419,7 +408,7 @@ static int static_act(const struct od_backend *b, qkeep_layer *layer, const stru
   int rc = b->host->view(layer, pname(name, sizeof name, mt, "input_scale"), &v);
   if (rc)
     return rc;
-  int64_t count = spec_numel(&v.spec) / mt->experts;
+  int64_t count = qkeep_be_spec_numel(&v.spec) / mt->experts;
   if (v.spec.dtype != QKEEP_DTYPE_F32 || count < 1)
     return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: expected f32 input scales", info->name, name);
   const float *s = (const float *)v.data + expert * count;
@@ -428,7 +417,7 @@ static int static_act(const struct od_backend *b, qkeep_layer *layer, const stru
     act->static_scale = s[i] > act->static_scale ? s[i] : act->static_scale;
   act->static_zero = 0;
   if (act->asym && b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &v) == 0) {
-    int64_t at = expert * (spec_numel(&v.spec) / mt->experts);
+    int64_t at = expert * (qkeep_be_spec_numel(&v.spec) / mt->experts);
     act->static_zero =
         v.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)v.data)[at] : ((const int32_t *)v.data)[at];
   }
@@ -454,7 +443,7 @@ static int operands(const struct od_backend *b, qkeep_layer *layer, const struct
                               info->name);
   v.size = sizeof v;
   if (b->host->view(layer, pname(name, sizeof name, mt, "bias"), &v) == 0 && v.state == QKEEP_PARAM_LIVE) {
-    size_t es = dtype_size(v.spec.dtype);
+    size_t es = qkeep_be_dtype_size(v.spec.dtype);
     if ((rc = operand(b, layer, info, name, (size_t)(e * mt->n), (size_t)mt->n, es, &v, &op->bias)))
       return rc;
     op->bias_dtype = v.spec.dtype;

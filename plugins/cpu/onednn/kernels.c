@@ -12,8 +12,8 @@
 
 #include <oneapi/dnnl/dnnl_debug.h>
 
-#include "formats.h"
 #include "onednn.h"
+#include "qkeep_backend_util.h"
 
 int od_fail(const struct od_backend *b, int code, dnnl_status_t status, const char *what) {
   return b->host->set_error(code, "cpu-onednn: %s: oneDNN status %s", what, dnnl_status2str(status));
@@ -566,7 +566,7 @@ static int bias_f32(const struct od_backend *b, const struct od_operands *op, in
   if (!conv)
     return b->host->set_error(QKEEP_E_NOMEM, "cpu-onednn: out of memory converting a bias");
   for (int64_t j = 0; j < n; j++)
-    conv[j] = qk_load_float(op->bias, op->bias_dtype, (size_t)j);
+    conv[j] = qkeep_load_float(op->bias, op->bias_dtype, (size_t)j);
   *out = conv;
   return 0;
 }
@@ -589,7 +589,7 @@ static void fill_source(const struct od_matrix *mt, const struct od_operands *op
   } else if (mt->compute == OD_BF16) {
     uint16_t *h = src;
     for (int64_t i = 0; i < rows * k; i++)
-      h[i] = qk_f32_to_bf16(x[i]);
+      h[i] = qkeep_f32_to_bf16(x[i]);
     memset(h + rows * k, 0, (size_t)((padded - rows) * k) * sizeof *h);
   } else {
     float *f = src;

@@ -1,0 +1,214 @@
+/*
+ * qkeep_backend_util.h: what a backend needs besides the ABI, installed beside it so that a
+ * plugin built out of tree gets the same helpers the in-tree ones use: dtype sizes and spec
+ * arithmetic, the element and scale decoders of the checkpoint formats (docs/FORMATS.md),
+ * the int4 packing of GPTQ and AWQ, and a guard for optional slots of size-prefixed tables.
+ *
+ * Everything here is static inline and needs no library: a backend never links libqkeep
+ * (the core that loads it provides everything else through struct qkeep_host). The core
+ * uses these same definitions, so a backend decodes exactly as the core and the reference
+ * backend do.
+ */
+#ifndef QKEEP_BACKEND_UTIL_H
+#define QKEEP_BACKEND_UTIL_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qkeep_types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * True when the size-prefixed table `table` (any struct whose first member is `size_t
+ * size`) of type `type` reaches slot `slot` and the slot is set: a slot past the size the
+ * other side was built with is absent. Use it for every slot added after ABI 1.0, e.g.
+ * QKEEP_HAS_SLOT(host, struct qkeep_host, some_later_slot).
+ */
+#define QKEEP_HAS_SLOT(table, type, slot)                                                                    \
+  ((table)->size >= offsetof(type, slot) + sizeof(((type *)0)->slot) && (table)->slot)
+
+/* ---- dtypes and specs ---------------------------------------------------------------------- */
+
+/* Bytes per element (the storage element of packed types: a U8 holds two e2m1 codes); 0 when
+ * the dtype is not one this header knows. */
+static inline size_t qkeep_be_dtype_size(enum qkeep_dtype dtype) {
+  switch (dtype) {
+  case QKEEP_DTYPE_F32:
+  case QKEEP_DTYPE_I32: return 4;
+  case QKEEP_DTYPE_F16:
+  case QKEEP_DTYPE_BF16: return 2;
+  case QKEEP_DTYPE_F8_E4M3:
+  case QKEEP_DTYPE_F8_E8M0:
+  case QKEEP_DTYPE_U8:
+  case QKEEP_DTYPE_I8: return 1;
+  case QKEEP_DTYPE_I64: return 8;
+  default: return 0;
+  }
+}
+
+/* Elements of a spec (1 for a rank-0 scalar). */
+static inline int64_t qkeep_be_spec_numel(const struct qkeep_spec *spec) {
+  int64_t n = 1;
+  for (int i = 0; i < spec->ndim; i++)
+    n *= spec->shape[i];
+  return n;
+}
+
+/* Bytes of a spec: numel * element size. */
+static inline size_t qkeep_be_spec_bytes(const struct qkeep_spec *spec) {
+  return (size_t)qkeep_be_spec_numel(spec) * qkeep_be_dtype_size(spec->dtype);
+}
+
+/* Same dtype, rank and shape. */
+static inline bool qkeep_be_spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) {
+  if (a->dtype != b->dtype || a->ndim != b->ndim)
+    return false;
+  for (int i = 0; i < a->ndim; i++)
+    if (a->shape[i] != b->shape[i])
+      return false;
+  return true;
+}
+
+/* ---- 16-bit floats ---------------------------------------------------------------------------- */
+
+static inline uint32_t qkeep_f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+static inline float qkeep_bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* bf16 to f32: exact. */
+static inline float qkeep_bf16_to_f32(uint16_t b) { return qkeep_bits_f32((uint32_t)b << 16); }
+
+/* f32 to bf16, round to nearest even; NaN stays a quiet NaN. */
+static inline uint16_t qkeep_f32_to_bf16(float f) {
+  uint32_t u = qkeep_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u)
+    return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+
+/* IEEE half to f32: exact, subnormals and infinities included. */
+static inline float qkeep_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f)
+    return qkeep_bits_f32(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    /* Subnormal half: value is man * 2^-24, exact in f32. */
+    float v = (float)man * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  return qkeep_bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+/* f32 to IEEE half, round to nearest even with subnormals; overflow goes to infinity. */
+static inline uint16_t qkeep_f32_to_f16(float f) {
+  uint32_t u = qkeep_f32_bits(f), sign = (u >> 16) & 0x8000;
+  uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u)
+    return (uint16_t)(sign | 0x7e00);
+  if (abs >= 0x477ff000u) /* rounds to >= 65520: infinity */
+    return (uint16_t)(sign | 0x7c00);
+  if (abs < 0x38800000u) {                       /* below the smallest normal half: subnormal or zero */
+    float a = qkeep_bits_f32(abs) * 16777216.0f; /* in units of 2^-24 */
+    uint32_t q = (uint32_t)a;
+    float rem = a - (float)q;
+    if (rem > 0.5f || (rem == 0.5f && (q & 1)))
+      q++;
+    return (uint16_t)(sign | q);
+  }
+  uint32_t exp = (abs >> 23) - 112, man = abs & 0x7fffff;
+  uint32_t h = (exp << 10) | (man >> 13), rest = man & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1)))
+    h++;
+  return (uint16_t)(sign | h);
+}
+
+/* Element i of a float tensor (F32, F16 or BF16) as f32; 0 for any other dtype. */
+static inline float qkeep_load_float(const void *data, enum qkeep_dtype dtype, size_t i) {
+  uint16_t h;
+  switch (dtype) {
+  case QKEEP_DTYPE_F32: return ((const float *)data)[i];
+  case QKEEP_DTYPE_F16: memcpy(&h, (const char *)data + 2 * i, 2); return qkeep_f16_to_f32(h);
+  case QKEEP_DTYPE_BF16: memcpy(&h, (const char *)data + 2 * i, 2); return qkeep_bf16_to_f32(h);
+  default: return 0.0f;
+  }
+}
+
+/* ---- FP4 and FP8 elements and scales ------------------------------------------------------------ */
+
+/*
+ *   e2m1 (FP4): 1 sign, 2 exponent, 1 mantissa bit; packed two per byte, element 2i in the low
+ *               nibble, 2i+1 in the high nibble.
+ *   e4m3 (FP8, OCP "fn"): bias 7, subnormals, max 448, NaN = 0x7f / 0xff, no infinity.
+ *   e8m0: an unsigned exponent, value 2^(b-127); 0xff is NaN.
+ */
+
+/* The value of a 4-bit e2m1 code (the low 4 bits of `code`). */
+static inline float qkeep_e2m1_to_f32(uint8_t code) {
+  static const float values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  return values[code & 0xf];
+}
+
+/* Element k of a row of packed e2m1 codes. */
+static inline uint8_t qkeep_fp4_code(const uint8_t *row, int64_t k) {
+  uint8_t b = row[k >> 1];
+  return (k & 1) ? (uint8_t)(b >> 4) : (uint8_t)(b & 0xf);
+}
+
+/* The value of an e4m3fn byte (NaN for 0x7f and 0xff). */
+static inline float qkeep_e4m3_to_f32(uint8_t b) {
+  int sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 7;
+  float v;
+  if (exp == 0xf && man == 7)
+    return NAN;
+  if (exp == 0)
+    v = ldexpf((float)man, -9); /* subnormal: man/8 * 2^-6 */
+  else
+    v = ldexpf(1.0f + (float)man / 8.0f, exp - 7);
+  return sign ? -v : v;
+}
+
+/* The value of an e8m0 scale byte (NaN for 0xff). */
+static inline float qkeep_e8m0_to_f32(uint8_t b) { return b == 0xff ? NAN : ldexpf(1.0f, (int)b - 127); }
+
+/* ---- int4 words (GPTQ, AWQ, compressed-tensors pack-quantized) ---------------------------------- */
+
+/* Nibble `j` (0..7) of a packed int4 word: bits 4j..4j+3. */
+static inline int qkeep_int4_nibble(int32_t word, int j) { return (int)(((uint32_t)word >> (4 * j)) & 0xf); }
+
+/* AWQ packs columns {0, 2, 4, 6, 1, 3, 5, 7} into nibbles 0..7: column c of a word is in nibble
+ * qkeep_awq_nibble(c). */
+static inline int qkeep_awq_nibble(int c) {
+  static const int nibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  return nibble[c & 7];
+}
+
+/*
+ * Zero point of GPTQ column n in group `group` from qzeros [groups, N/8] (N = n_cols): v1
+ * checkpoints store (zero - 1) & 0xf and readers take (stored + 1) & 0xf, as AutoGPTQ's reader
+ * does (so a zero of 0 survives); v2 (v2 true) store the zero itself.
+ */
+static inline int qkeep_gptq_zero(const int32_t *qzeros, int64_t n_cols, int64_t group, int64_t n, bool v2) {
+  int stored = qkeep_int4_nibble(qzeros[group * (n_cols / 8) + n / 8], (int)(n % 8));
+  return v2 ? stored : (stored + 1) & 0xf;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif
