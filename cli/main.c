@@ -43,10 +43,11 @@ static const char usage_main[] =
 static const char usage_version[] =
     "usage: qkeep version [--json]\n\nPrints the library version and plugin ABI.\n";
 static const char usage_plugins[] =
-    "usage: qkeep [-c CONFIG] plugins [--json]\n"
+    "usage: qkeep [-c CONFIG] plugins [--verbose] [--json]\n"
     "\n"
     "Lists every backend-*.so in $QKEEP_PLUGIN_PATH, the config's plugin_dir and the install\n"
-    "directory, with its ABI version and probe result (is its device present?).\n";
+    "directory, with its ABI version and probe result (is its device present?). --verbose adds\n"
+    "each backend's description and the [backend.NAME] keys it declares (type, values, default).\n";
 static const char usage_census[] =
     "usage: qkeep [-c CONFIG] census [CKPT] [--json]\n"
     "\n"
@@ -72,7 +73,7 @@ int fail(int code) {
 /* Options that take a value, and flags, as "--name" (values also as "--name=value"). */
 static const char *const value_options[] = {"scheme",    "group", "activation-amax", "shard-bytes", "rows",
                                             "tolerance", "seed"};
-static const char *const flag_options[] = {"asym", "static-input", "asym-input", "kv-scales"};
+static const char *const flag_options[] = {"asym", "static-input", "asym-input", "kv-scales", "verbose"};
 
 static int parse_args(int argc, char **argv, struct options *o) {
   for (int i = 1; i < argc; i++) {
@@ -176,9 +177,55 @@ static int cmd_version(const struct options *o) {
 }
 
 struct plugin_listing {
+  bool json, verbose;
+  int count;
+};
+
+static const char *key_type_name(enum qkeep_key_type t) {
+  static const char *const names[] = {"string", "int", "bool", "enum"};
+  return (unsigned)t < sizeof names / sizeof names[0] ? names[t] : "?";
+}
+
+struct key_listing {
   bool json;
   int count;
 };
+
+static int print_key(void *user, const struct qkeep_backend_key *k) {
+  struct key_listing *l = user;
+  if (l->json) {
+    printf("%s{\"name\":", l->count ? "," : "");
+    print_json_string(stdout, k->name ? k->name : "");
+    printf(",\"type\":\"%s\",\"values\":", key_type_name(k->type));
+    print_json_string(stdout, k->values ? k->values : "");
+    printf(",\"default\":");
+    print_json_string(stdout, k->default_value ? k->default_value : "");
+    printf(",\"help\":");
+    print_json_string(stdout, k->help ? k->help : "");
+    printf("}");
+  } else {
+    printf("    %-20s %-6s %-22s default %s\n      %s\n", k->name ? k->name : "?", key_type_name(k->type),
+           k->values ? k->values : "", k->default_value ? k->default_value : "-", k->help ? k->help : "");
+  }
+  l->count++;
+  return 0;
+}
+
+/* The keys a backend declares (verbose listings). */
+static void list_keys(const struct plugin_listing *l, const qkeep_plugin *plugin) {
+  struct key_listing kl = {l->json, 0};
+  if (l->json)
+    printf(",\"keys\":[");
+  else
+    printf("  keys:\n");
+  int rc = qkeep_plugin_keys(plugin, print_key, &kl);
+  if (l->json)
+    printf("]%s", rc == QKEEP_E_NOTFOUND ? ",\"keys_declared\":false" : "");
+  else if (rc == QKEEP_E_NOTFOUND)
+    printf("    (not declared: the backend checks its own keys)\n");
+  else if (!kl.count)
+    printf("    (none)\n");
+}
 
 static int list_one(void *user, const char *name, const char *path) {
   struct plugin_listing *l = user;
@@ -199,10 +246,19 @@ static int list_one(void *user, const char *name, const char *path) {
     else
       printf(",\"error\":");
     print_json_string(stdout, be ? probe_msg : error);
+    if (be && l->verbose) {
+      printf(",\"description\":");
+      print_json_string(stdout, be->description ? be->description : "");
+      list_keys(l, plugin);
+    }
     printf("}");
   } else if (be) {
     printf("%-16s ABI %u.%u  %-9s %s\n  %s\n", name, be->abi_major, be->abi_minor,
            probe == 0 ? "device ok" : "no device", probe_msg, path);
+    if (l->verbose) {
+      printf("  %s\n", be->description ? be->description : "");
+      list_keys(l, plugin);
+    }
   } else {
     printf("%-16s failed to load: %s\n  %s\n", name, error, path);
   }
@@ -219,7 +275,7 @@ static int cmd_plugins(const struct options *o) {
     dir = qkeep_config_plugin_dir(cfg);
   else if (o->config_path)
     return fail(QKEEP_E_CONFIG);
-  struct plugin_listing l = {o->json, 0};
+  struct plugin_listing l = {o->json, option_flag(o, "verbose"), 0};
   if (o->json)
     printf("{\"core_abi\":\"%d.%d\",\"plugins\":[", QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR);
   else

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "qkeep_backend_util.h"
 
 /* supports_layer is past the end of an ABI 1.0 table. */
 #define HAS_SUPPORTS_LAYER(be)                                                                               \
@@ -44,7 +45,7 @@ static bool accepts(const struct owner *o, const struct qkeep_layer_info *info, 
   const struct qkeep_backend *be = o->plugin ? o->plugin->be : NULL;
   if (!be)
     return true; /* a host-memory model without backends keeps every layer */
-  if (HAS_SUPPORTS_LAYER(be)) {
+  if (QKEEP_HAS_SLOT(be, struct qkeep_backend, supports_layer)) { /* past an ABI 1.0 table */
     int yes = be->supports_layer(be, info, why, len);
     why[len - 1] = '\0';
     if (yes == 1)

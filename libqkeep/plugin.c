@@ -12,6 +12,7 @@
  */
 #include <dirent.h>
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -24,6 +25,7 @@
 #endif
 
 #include "internal.h"
+#include "qkeep_backend_util.h"
 
 #ifndef QKEEP_PLUGIN_DIR
 #error "QKEEP_PLUGIN_DIR must be defined by the build (the plugin install directory)"
@@ -336,6 +338,101 @@ const struct qkeep_backend *qkeep_plugin_backend(const qkeep_plugin *plugin) {
 
 /* ---- configure, probe --------------------------------------------------------------------- */
 
+/* The backend's declared keys, or NULL when it declares none (ABI 1.0, or keys unset). */
+static const struct qkeep_backend_key *declared_keys(const struct qkeep_backend *be, size_t *n,
+                                                     size_t *stride) {
+  if (!QKEEP_HAS_SLOT(be, struct qkeep_backend, keys) ||
+      be->size < offsetof(struct qkeep_backend, key_size) + sizeof be->key_size)
+    return NULL;
+  *n = be->n_keys;
+  *stride = be->key_size;
+  /* An entry must reach `help`, the last field ABI 1.1 defines. */
+  return *stride >= offsetof(struct qkeep_backend_key, help) + sizeof(const char *) ? be->keys : NULL;
+}
+
+static const struct qkeep_backend_key *key_at(const struct qkeep_backend_key *keys, size_t stride, size_t i) {
+  return (const struct qkeep_backend_key *)(const void *)((const char *)keys + i * stride);
+}
+
+/* "threads, int8_without_vnni" (malloc'd), for messages. */
+static char *key_list(const struct qkeep_backend_key *keys, size_t n, size_t stride) {
+  char *text = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&text, &len);
+  if (!f)
+    return NULL;
+  for (size_t i = 0; i < n; i++)
+    fprintf(f, "%s%s", i ? ", " : "", key_at(keys, stride, i)->name);
+  if (!n)
+    fputs("none", f);
+  fclose(f);
+  return text;
+}
+
+/* Whether `value` is one of the '|'-separated `values`. */
+static bool among(const char *values, const char *value) {
+  size_t n = strlen(value);
+  for (const char *p = values; p && *p;) {
+    const char *bar = strchr(p, '|');
+    size_t len = bar ? (size_t)(bar - p) : strlen(p);
+    if (len == n && strncmp(p, value, n) == 0)
+      return true;
+    p = bar ? bar + 1 : NULL;
+  }
+  return false;
+}
+
+/* Checks a value against its declared type; NULL when good, else why (static text or `buf`). */
+static const char *bad_value(const struct qkeep_backend_key *k, const char *value, char *buf, size_t len) {
+  switch (k->type) {
+  case QKEEP_KEY_INT: {
+    char *end;
+    errno = 0;
+    long long v = strtoll(value, &end, 10);
+    if (errno || end == value || *end)
+      return "expected an integer";
+    long long lo, hi;
+    if (k->values && sscanf(k->values, "%lld..%lld", &lo, &hi) == 2 && (v < lo || v > hi)) {
+      snprintf(buf, len, "out of range %s", k->values);
+      return buf;
+    }
+    return NULL;
+  }
+  case QKEEP_KEY_BOOL: return among("true|false|yes|no|on|off|1|0", value) ? NULL : "expected true or false";
+  case QKEEP_KEY_ENUM:
+    if (among(k->values, value))
+      return NULL;
+    snprintf(buf, len, "expected one of %s", k->values ? k->values : "(none declared)");
+    return buf;
+  case QKEEP_KEY_STRING: return NULL;
+  }
+  return "of an unknown key type";
+}
+
+/* The declared-keys check of one option; 0 when the backend declares none. */
+static int check_declared(const struct qkeep_backend *be, const qkeep_config *cfg,
+                          const struct config_backend_section *sec, const struct config_option *opt) {
+  size_t n = 0, stride = 0;
+  const struct qkeep_backend_key *keys = declared_keys(be, &n, &stride);
+  if (!keys)
+    return 0;
+  for (size_t i = 0; i < n; i++) {
+    const struct qkeep_backend_key *k = key_at(keys, stride, i);
+    if (!k->name || strcmp(k->name, opt->key) != 0)
+      continue;
+    char buf[160];
+    const char *why = bad_value(k, opt->value, buf, sizeof buf);
+    return why ? set_error(QKEEP_E_CONFIG, "%s:%d: [backend.%s] %s = '%s': %s", cfg->path, opt->line,
+                           sec->name, opt->key, opt->value, why)
+               : 0;
+  }
+  char *list = key_list(keys, n, stride);
+  int rc = set_error(QKEEP_E_CONFIG, "%s:%d: [backend.%s] unknown key '%s' (%s takes: %s)", cfg->path,
+                     opt->line, sec->name, opt->key, be->name, list ? list : "?");
+  free(list);
+  return rc;
+}
+
 int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg) {
   if (!plugin || !cfg)
     return set_error(QKEEP_E_INVAL, "qkeep_plugin_configure: plugin and config must not be NULL");
@@ -347,16 +444,37 @@ int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg) {
   error_save(&saved);
   for (size_t i = 0; i < sec->n_options; i++) {
     const struct config_option *opt = &sec->options[i];
+    int rc = check_declared(be, cfg, sec, opt);
+    if (rc)
+      return rc;
     if (!be->configure)
       return set_error(QKEEP_E_CONFIG, "%s:%d: [backend.%s] %s: backend '%s' takes no options", cfg->path,
                        opt->line, sec->name, opt->key, be->name);
     set_error(QKEEP_OK, "%s", "");
-    int rc = be->configure(be, opt->key, opt->value);
+    rc = be->configure(be, opt->key, opt->value);
     if (rc != 0)
       return add_error_context(rc < 0 ? rc : QKEEP_E_CONFIG, "%s:%d: [backend.%s] %s", cfg->path, opt->line,
                                sec->name, opt->key);
   }
   error_restore(&saved);
+  return 0;
+}
+
+int qkeep_plugin_keys(const qkeep_plugin *plugin, int (*fn)(void *user, const struct qkeep_backend_key *key),
+                      void *user) {
+  if (!plugin || !fn)
+    return set_error(QKEEP_E_INVAL, "qkeep_plugin_keys: NULL argument");
+  size_t n = 0, stride = 0;
+  const struct qkeep_backend_key *keys = declared_keys(plugin->be, &n, &stride);
+  if (!keys)
+    return QKEEP_E_NOTFOUND;
+  for (size_t i = 0; i < n; i++) {
+    struct qkeep_backend_key k = {0};
+    memcpy(&k, key_at(keys, stride, i), stride < sizeof k ? stride : sizeof k);
+    int rc = fn(user, &k);
+    if (rc)
+      return rc;
+  }
   return 0;
 }
 

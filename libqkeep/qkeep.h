@@ -96,9 +96,17 @@ QKEEP_API const char *qkeep_plugin_install_dir(void);
 QKEEP_API int qkeep_plugin_open(const char *name, const char *plugin_dir, qkeep_plugin **out);
 /* Like qkeep_plugin_open for an explicit file path. */
 QKEEP_API int qkeep_plugin_open_path(const char *path, qkeep_plugin **out);
-/* Applies the config's [backend.NAME] keys through backend->configure.
- * Errors carry the config's file:line. */
+/* Applies the config's [backend.NAME] keys through backend->configure, after checking each
+ * against the keys the backend declares (name, type, values), when it declares them.
+ * Errors carry the config's file:line and, for an unknown key, the backend's list. */
 QKEEP_API int qkeep_plugin_configure(qkeep_plugin *plugin, const qkeep_config *cfg);
+/*
+ * Calls fn for each key the backend declares, in its order (a copy; strings borrowed from
+ * the plugin). QKEEP_E_NOTFOUND when it declares none (configure alone judges its keys);
+ * stops on and returns fn's non-zero value.
+ */
+QKEEP_API int qkeep_plugin_keys(const qkeep_plugin *plugin,
+                                int (*fn)(void *user, const struct qkeep_backend_key *key), void *user);
 /* Opens the config's first backend (the head of its chain), from its plugin_dir, and configures it. */
 QKEEP_API int qkeep_plugin_open_config(const qkeep_config *cfg, qkeep_plugin **out);
 /*

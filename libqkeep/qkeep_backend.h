@@ -86,6 +86,30 @@ struct qkeep_memory_ops {
   int (*sync)(const struct qkeep_backend *be);
 };
 
+/* The type of a configuration key a backend declares (ABI 1.1). */
+enum qkeep_key_type {
+  QKEEP_KEY_STRING = 0, /* any non-empty text */
+  QKEEP_KEY_INT = 1,    /* a decimal integer, within `values` "MIN..MAX" when given */
+  QKEEP_KEY_BOOL = 2,   /* true/false, yes/no, on/off, 1/0 */
+  QKEEP_KEY_ENUM = 3,   /* one of `values`, '|'-separated ("auto|ring|stream") */
+};
+
+/*
+ * One [backend.NAME] key a backend takes, as it declares it in its table (keys, n_keys,
+ * key_size). The core checks every configured key against the list before it calls
+ * configure: an unknown key, a value of the wrong type, out of range or not among the
+ * values is refused with the config's file:line and the backend's list of keys, and
+ * `qkeep plugins --verbose` prints the list. configure still receives the text and may
+ * refuse a value for reasons of its own. Strings are the backend's and must live until fini.
+ */
+struct qkeep_backend_key {
+  const char *name;          /* e.g. "threads" */
+  enum qkeep_key_type type;  /* how the core checks the value */
+  const char *values;        /* ENUM: the values; INT: "MIN..MAX" or NULL; else NULL */
+  const char *default_value; /* what an absent key means, as text ("all cores", "auto") */
+  const char *help;          /* one line */
+};
+
 /* Which matrix of an MoE expert apply multiplies with. */
 enum qkeep_moe_matrix { QKEEP_MOE_W13 = 0, QKEEP_MOE_W2 = 1 };
 
@@ -209,6 +233,16 @@ struct qkeep_backend {
    */
   int (*supports_layer)(const struct qkeep_backend *be, const struct qkeep_layer_info *info, char *reason,
                         size_t reason_len);
+
+  /*
+   * (optional) The [backend.NAME] keys the backend takes: n_keys entries of key_size bytes
+   * each (sizeof(struct qkeep_backend_key) as the backend was built; the core reads only the
+   * fields it knows). keys NULL: undeclared, and configure alone judges every key. A backend
+   * that takes no key declares an empty list: keys non-NULL, n_keys 0.
+   */
+  const struct qkeep_backend_key *keys;
+  size_t n_keys;
+  size_t key_size;
 };
 
 /*

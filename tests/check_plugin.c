@@ -325,6 +325,63 @@ START_TEST(test_configure_bad_value) {
 }
 END_TEST
 
+/* Keys a backend declares are checked by the core, with the backend's list when unknown. */
+START_TEST(test_configure_declared_keys) {
+  char *path = write_config("test-picky", "take = lm_head\nlevel = 8\nmode = fast\nstrict = yes\n");
+  qkeep_config *cfg = load_config(path);
+  qkeep_plugin *p = NULL;
+  ck_assert_msg(qkeep_plugin_open_config(cfg, &p) == 0, "%s", qkeep_errmsg());
+  qkeep_plugin_close(p);
+  qkeep_config_free(cfg);
+  free(path);
+  static const struct {
+    const char *text;
+    int line;
+    const char *fragment;
+  } bad[] = {
+      {"colour = red\n", 4,
+       "[backend.test-picky] unknown key 'colour' (test-picky takes: take, level, mode, strict)"},
+      {"level = 9\n", 4, "[backend.test-picky] level = '9': out of range 1..8"},
+      {"level = two\n", 4, "level = 'two': expected an integer"},
+      {"level = 3x\n", 4, "level = '3x': expected an integer"},
+      {"mode = slow\n", 4, "mode = 'slow': expected one of fast|exact"},
+      {"mode = fas\n", 4, "mode = 'fas': expected one of fast|exact"},
+      {"strict = maybe\n", 4, "strict = 'maybe': expected true or false"},
+      {"take = x\nlevel = 0\n", 5, "level = '0': out of range 1..8"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    path = write_config("test-picky", bad[i].text);
+    open_config_fails(path, QKEEP_E_CONFIG, bad[i].line, bad[i].fragment);
+    free(path);
+  }
+  /* an empty declared list: the reference takes no key, and says so */
+  path = write_config("reference", "threads = 2\n");
+  open_config_fails(path, QKEEP_E_CONFIG, 4, "unknown key 'threads' (reference takes: none)");
+  free(path);
+}
+END_TEST
+
+/* The declared keys, as qkeep plugins --verbose lists them; undeclared ones are NOTFOUND. */
+static int count_key(void *user, const struct qkeep_backend_key *k) {
+  ck_assert_ptr_nonnull(k->name);
+  ck_assert_ptr_nonnull(k->help);
+  (*(int *)user)++;
+  return 0;
+}
+
+START_TEST(test_declared_key_listing) {
+  qkeep_plugin *p = NULL;
+  int n = 0;
+  ck_assert_int_eq(qkeep_plugin_open("test-picky", NULL, &p), 0);
+  ck_assert_int_eq(qkeep_plugin_keys(p, count_key, &n), 0);
+  ck_assert_int_eq(n, 4);
+  qkeep_plugin_close(p);
+  ck_assert_int_eq(qkeep_plugin_open("test-good", NULL, &p), 0);
+  ck_assert_int_eq(qkeep_plugin_keys(p, count_key, &n), QKEEP_E_NOTFOUND);
+  qkeep_plugin_close(p);
+}
+END_TEST
+
 /* A backend without configure cannot take options. */
 START_TEST(test_configure_no_hook) {
   char *path = write_config("test-nodev", "x = 1\n");
@@ -525,6 +582,8 @@ static Suite *plugin_suite(void) {
   tcase_add_test(tc, test_configure_unknown_key);
   tcase_add_test(tc, test_configure_bad_value);
   tcase_add_test(tc, test_configure_no_hook);
+  tcase_add_test(tc, test_configure_declared_keys);
+  tcase_add_test(tc, test_declared_key_listing);
   tcase_add_test(tc, test_configure_other_section);
   tcase_add_test(tc, test_open_config_missing_plugin);
   suite_add_tcase(s, tc);

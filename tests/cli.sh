@@ -142,6 +142,10 @@ for so in "$build"/plugins/*/.libs/backend-*.so; do
   name=${so##*/backend-}; name=${name%.so}
   check "default plugins lists $name" grep -Eq "^$name +ABI [0-9.]+ +(device ok|no device)" "$tmp/out"
 done
+"$qkeep" -c "$default" plugins --verbose >"$tmp/out" 2>&1
+check "plugins --verbose lists declared keys" grep -Eq "^  keys:" "$tmp/out"
+"$qkeep" -c "$default" plugins --verbose --json >"$tmp/doc" 2>/dev/null
+check "plugins --verbose --json carries the keys" "$jsonget" plugins 0 keys <"$tmp/doc"
 # ... and checkpoints that qkeep quantize writes from f32 and f16 sources, in every scheme
 for dtype in f32 f16; do
   "$build/tests/make_tiny" "$tmp/src-$dtype.safetensors" 3 $dtype

@@ -55,6 +55,9 @@ static int reference_supports(const struct qkeep_backend *be, const char *scheme
   return 0;
 }
 
+/* It takes no [backend.reference] key: an empty declared list (the core refuses any key). */
+static const struct qkeep_backend_key no_keys[1];
+
 /* Every layer of every scheme: the end of any chain. */
 static int reference_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
                                     char *reason, size_t reason_len) {
@@ -311,6 +314,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .layer_cleanup = NULL,
       .fini = reference_fini,
       .supports_layer = reference_supports_layer,
+      .keys = no_keys,
+      .n_keys = 0,
+      .key_size = sizeof no_keys[0],
   };
   *out = &r->be;
   return 0;

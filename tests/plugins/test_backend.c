@@ -102,12 +102,22 @@ static int test_supports(const struct qkeep_backend *be, const char *scheme, enu
 #if defined(VARIANT_PICKY)
 static int test_configure(const struct qkeep_backend *be, const char *key, const char *value) {
   struct test_backend *tb = (struct test_backend *)(void *)(uintptr_t)be;
-  if (strcmp(key, "take") != 0 || strlen(value) >= sizeof tb->take)
-    return tb->host->set_error(QKEEP_E_CONFIG,
-                               "unknown key '%s' or value too long (" TEST_NAME " takes take)", key);
+  if (strcmp(key, "take") != 0)
+    return 0; /* the core checked the others against picky_keys */
+  if (strlen(value) >= sizeof tb->take)
+    return tb->host->set_error(QKEEP_E_CONFIG, "take: value too long");
   strcpy(tb->take, value);
   return 0;
 }
+
+/* take steers the chain tests; level, mode and strict exist to test the core's type checks. */
+static const struct qkeep_backend_key picky_keys[] = {
+    {"take", QKEEP_KEY_STRING, NULL, "(every layer)",
+     "take the unquantized linear layers whose name holds this"},
+    {"level", QKEEP_KEY_INT, "1..8", "1", "an integer key"},
+    {"mode", QKEEP_KEY_ENUM, "fast|exact", "exact", "an enumerated key"},
+    {"strict", QKEEP_KEY_BOOL, NULL, "false", "a boolean key"},
+};
 
 static int test_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
                                char *reason, size_t reason_len) {
@@ -204,7 +214,8 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
     .apply = test_apply,
 #endif
 #if defined(VARIANT_PICKY)
-    .supports_layer = test_supports_layer,
+    .supports_layer = test_supports_layer, .keys = picky_keys,
+    .n_keys = sizeof picky_keys / sizeof picky_keys[0], .key_size = sizeof picky_keys[0],
 #endif
     .supports = test_supports, .pwal = test_pwal, .fini = test_fini,
   };

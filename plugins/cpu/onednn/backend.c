@@ -97,6 +97,13 @@ static int onednn_configure(const struct qkeep_backend *be, const char *key, con
                             key);
 }
 
+static const struct qkeep_backend_key onednn_keys[] = {
+    {"threads", QKEEP_KEY_INT, "1..4096", "all online cores",
+     "worker threads for oneDNN and the int8 kernels"},
+    {"int8_without_vnni", QKEEP_KEY_ENUM, "7bit|refuse", "7bit",
+     "without AVX-512 VNNI: exact 7-bit activations (7bit), or leave w8a8-int8 layers to the next backend"},
+};
+
 /* Linear and MoE layers of w8a8-int8 and unquantized f32/bf16/f16; every other kind lives in host memory. */
 static int onednn_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
                                  char *reason, size_t reason_len) {
@@ -546,6 +553,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .layer_cleanup = onednn_layer_cleanup,
       .fini = onednn_fini,
       .supports_layer = onednn_supports_layer,
+      .keys = onednn_keys,
+      .n_keys = sizeof onednn_keys / sizeof onednn_keys[0],
+      .key_size = sizeof onednn_keys[0],
   };
   *out = &b->be;
   return 0;
