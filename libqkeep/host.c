@@ -22,11 +22,17 @@ static int host_set_error(int code, const char *fmt, ...) {
   return code;
 }
 
+/* A live param or a buffer (buffers are always live: kernels read them). */
 static int host_get_live(const qkeep_layer *layer, const char *name, struct qkeep_view *out) {
-  const qkeep_param *p = qkeep_get_live_param(layer, name);
-  if (!p)
-    return set_error(QKEEP_E_NOTFOUND, "%s has no live param '%s'", layer ? layer->name : "(null)", name);
-  tensor_to_view(&p->view, p->state, out);
+  const struct name_entry *e = layer && name && out ? layer_find_name(layer, name) : NULL;
+  if (e && e->buffer) {
+    tensor_to_view(&e->buffer->view, QKEEP_PARAM_LIVE, out);
+    return 0;
+  }
+  if (!e || e->param->state != QKEEP_PARAM_LIVE)
+    return set_error(QKEEP_E_NOTFOUND, "%s has no live param or buffer '%s'%s", layer ? layer->name : "(null)",
+                     name ? name : "(null)", e ? " (it is retired or released)" : "");
+  tensor_to_view(&e->param->view, e->param->state, out);
   return 0;
 }
 

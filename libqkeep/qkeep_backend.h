@@ -11,9 +11,27 @@
  * state) are destroyed by that backend (fini, layer_cleanup). Strings passed
  * into a backend are borrowed for the duration of the call.
  *
- * A backend never changes a param itself: it calls the host's rule functions
- * (replace, move, retire, release, add_buffer), which enforce the lifecycle
- * rules of docs/RULES.md.
+ * The rules: a backend never rebinds, frees, renames or empties a param itself;
+ * it calls the host's rule functions (replace, replace_in_place, move, retire,
+ * release, add_buffer), which enforce docs/RULES.md. It may write the bytes of a
+ * live param it owns during pwal (a repack inside the param's own storage) and
+ * then declares the new view with replace_in_place; a reload restores the
+ * checkpoint bytes before pwal runs again.
+ *
+ * Lifecycle, for one plugin: init; configure (once per [backend.NAME] key, in
+ * file order, before any model, possibly again later); probe (once per chain
+ * that uses it, and by `qkeep plugins`); then per model: supports_layer (or
+ * supports) while a checkpoint is planned; memory ops as params are created and
+ * loaded; pwal once per owned layer, after its bytes arrive; apply any number of
+ * times; on every reload pwal again per reloaded layer; layer_cleanup once per
+ * layer with state when the model is cleared; fini at qkeep_plugin_close, after
+ * every model using the plugin is gone. Every slot but `name` is optional.
+ *
+ * Threads: the core calls a backend only from the thread that called the qkeep
+ * function (one call at a time per model; two models may run on two threads).
+ * A backend may use worker threads of its own, but calls host functions only
+ * from the calling thread: set_error's detail is per thread, and one set from
+ * a worker is lost.
  */
 #ifndef QKEEP_BACKEND_H
 #define QKEEP_BACKEND_H
@@ -150,35 +168,60 @@ struct qkeep_host {
   uint32_t abi_minor;
   const char *version; /* the core's package version */
 
-  /* Logging through the engine's logger. */
+  /* Logging through the engine's logger; any thread. */
   void (*log)(enum qkeep_log_level level, const char *fmt, ...);
-  /* Records the detail of an error for the caller; returns `code`. */
+  /* Records the detail of an error for the caller (the calling thread's); returns `code`.
+   * The core prefixes where it happened (layer, backend, file). */
   int (*set_error)(int code, const char *fmt, ...);
 
-  /* Readers. */
+  /* ---- readers (no effect on the layer) ---- */
+
+  /* The layer's name, scheme, kind and dims; out->size says how much the caller knows. */
   int (*layer_info)(const qkeep_layer *layer, struct qkeep_layer_info *out);
-  /* The view of a param (live, retired or released) or buffer by name. */
+  /* The view of a param (live, retired or released) or a buffer, by checkpoint, runtime or
+   * alias name. QKEEP_E_NOTFOUND when no such name is registered. */
   int (*view)(const qkeep_layer *layer, const char *name, struct qkeep_view *out);
-  /* Like view, but QKEEP_E_NOTFOUND for a retired or released param. */
+  /* The view of a live param or of a buffer (buffers are always live); QKEEP_E_NOTFOUND for
+   * an unknown name and for a retired or released param. */
   int (*get_live)(const qkeep_layer *layer, const char *name, struct qkeep_view *out);
-  /* Calls fn once per live param, under its runtime name; stops on non-zero. */
+  /* Calls fn once per live param, under its runtime name, in creation order; stops on and
+   * returns fn's non-zero value. Buffers are not listed. */
   int (*kernel_params)(const qkeep_layer *layer,
                        int (*fn)(void *user, const char *name, const struct qkeep_view *v), void *user);
-  /* The backend's private state for a layer, freed by backend->layer_cleanup. */
+  /* The backend's private state for a layer (NULL until set). It survives reloads: pwal
+   * finds its own earlier state there, and layer_cleanup frees it. */
   void *(*get_state)(const qkeep_layer *layer);
   void (*set_state)(qkeep_layer *layer, void *state);
 
-  /* Result tensors on the layer's device, for replace. */
+  /* ---- result tensors, for replace ---- */
+
+  /* A new zero-filled tensor of spec in the memory of the layer's owner. Either consumed by
+   * replace or freed with tensor_free. */
   int (*tensor_new)(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out);
   void *(*tensor_data)(qkeep_tensor *t);
   void (*tensor_free)(qkeep_tensor *t);
 
-  /* The rules. */
+  /* ---- the rules (docs/RULES.md); during pwal, on layers the backend owns ---- */
+
+  /* The param keeps its object and names and gets result's contents: copied into the
+   * prefix of its own storage when they fit (no pointer moves), else the param is rebound
+   * to result's larger storage. Always consumes result. QKEEP_E_STATE for a released param. */
   int (*replace)(qkeep_layer *layer, const char *name, qkeep_tensor *result);
+  /* The backend already wrote the new contents into the prefix of the param's own storage:
+   * only the view changes to spec. QKEEP_E_RULE when spec does not fit the capacity. */
   int (*replace_in_place)(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec);
+  /* Registers the param under src also as dst and makes dst its runtime name (one object,
+   * two names). A no-op when dst names it already; QKEEP_E_EXISTS when dst names another. */
   int (*move)(qkeep_layer *layer, const char *src, const char *dst);
+  /* Object and bytes stay; no kernel reads it (get_live and kernel_params skip it). A
+   * reload makes it live again before pwal. */
   int (*retire)(qkeep_layer *layer, const char *name);
+  /* Empties the param's storage; the census shows the reason. Only where a kernel's copy is
+   * opaque and keeping the source would double memory; reload gives it new storage. */
   int (*release)(qkeep_layer *layer, const char *name, const char *reason);
+  /* A kernel-only buffer in the owner's memory (zero-filled when new). When a buffer of that
+   * name and byte size exists it is returned as it is (same storage): a pwal run again by a
+   * reload reuses it in place. QKEEP_E_EXISTS when the name is a param's. */
   int (*add_buffer)(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                     struct qkeep_view *out);
 };
@@ -192,28 +235,57 @@ struct qkeep_backend {
   size_t size;
   uint32_t abi_major; /* QKEEP_BACKEND_ABI_MAJOR the backend was built with */
   uint32_t abi_minor; /* the lowest core ABI minor it needs */
-  const char *name;   /* e.g. "reference": the name configs select it by */
+  const char *name;   /* required, e.g. "reference": the name configs select it by (a-z, 0-9, '-', '_') */
   const char *description;
 
-  /* 0 when the device is present; QKEEP_E_NODEV (with msg) when not. */
+  /*
+   * (optional; absent: the device is assumed present) 0 when the device is present;
+   * QKEEP_E_NODEV, with a one-line message in msg (msg_len > 0), when not. A chain probes
+   * each plugin once and skips it for good when this fails. No side effects beyond that.
+   */
   int (*probe)(const struct qkeep_backend *be, char *msg, size_t msg_len);
-  /* Applies one [backend.NAME] config key; QKEEP_E_CONFIG for an unknown key or bad value. */
+  /*
+   * (optional; absent: every key is refused) Applies one [backend.NAME] key; QKEEP_E_CONFIG
+   * (with set_error) for an unknown key or a bad value. Called in file order before any
+   * model uses the backend; an engine may call it again between models. With declared keys
+   * (keys, below) the core has already checked the name and the value's type.
+   */
   int (*configure)(const struct qkeep_backend *be, const char *key, const char *value);
-  /* NULL: params live in host memory. */
+  /* (optional) The memory of the backend's device, for every param and buffer of the layers
+   * it owns. NULL, or a table short of any slot: host memory (aligned to 64 bytes). */
   const struct qkeep_memory_ops *memory;
   /*
    * (optional) 1 when the backend runs this scheme for this kind of layer, else 0. The
    * ABI 1.0 form of supports_layer: a backend without supports_layer is asked this for its
-   * linear and MoE layers only, and owns every other layer that reaches it in the chain.
+   * linear and MoE layers only, and owns every other layer that reaches it in the chain;
+   * absent too, it owns every layer that reaches it.
    */
   int (*supports)(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind);
-  /* Post-load pass for one layer, under the rules. Runs again on reload. */
+  /*
+   * (optional; absent: params stay as loaded) The post-load pass of one layer the backend
+   * owns, under the rules. Called after the layer's bytes are loaded and its scales checked
+   * and the scheme normalised it (docs/SCHEMES.md lists the params it sees), once per layer
+   * at a cold start, and again for each layer a reload updates, after the core has given
+   * every loader param its checkpoint view and state back (live) and loaded the new bytes:
+   * so it must produce the same result from the restored checkpoint layout whatever it did
+   * before. Its state from the last run is still set (get_state); buffers it added are still
+   * there (add_buffer returns them). On failure (a negative code with set_error) the load
+   * fails and the model is cleared, or the reload rolls back; layer_cleanup still runs.
+   */
   int (*pwal)(const struct qkeep_backend *be, qkeep_layer *layer);
-  /* Runs the layer's kernel. */
+  /*
+   * (optional; absent: the layer cannot be run) Runs the kernel of a layer the backend owns:
+   * y = x W^T, or one MoE expert's matrix, or a routed MoE (qkeep_apply_args). x and y are
+   * in the backend's memory; may return before the work is done (the core syncs). Reads
+   * only live params and buffers. Not called during a load or reload of the same model.
+   */
   int (*apply)(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *args);
-  /* Frees the state set with host->set_state (may be NULL state). */
+  /* (optional) Frees the state set with host->set_state, once per layer that has state, when
+   * the model is cleared (qkeep_model_free, a failed load); never on reload. The layer's
+   * params are still readable. */
   void (*layer_cleanup)(const struct qkeep_backend *be, qkeep_layer *layer, void *state);
-  /* Destroys the backend; nothing of it is used afterwards. */
+  /* (optional) Destroys the backend; nothing of it is used afterwards. Called by
+   * qkeep_plugin_close, and when the core rejects the table init returned. */
   void (*fini)(const struct qkeep_backend *be);
 
   /* ---- ABI 1.1 ---- */

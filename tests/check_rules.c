@@ -250,6 +250,24 @@ START_TEST(add_buffer_reuses_same_name_and_size) {
 }
 END_TEST
 
+/* host->get_live, which backends read with: live params and buffers, not retired params. */
+START_TEST(host_get_live_finds_buffers_and_live_params_only) {
+  const struct qkeep_host *host = host_table();
+  make_param("weight", QKEEP_DTYPE_U8, 8, 1);
+  make_param("input_scale", QKEEP_DTYPE_F32, 1, 0);
+  struct qkeep_spec alpha = {.dtype = QKEEP_DTYPE_F32, .ndim = 0};
+  struct qkeep_view b = {.size = sizeof b}, v = {.size = sizeof v};
+  ck_assert_int_eq(qkeep_add_buffer(layer, "alpha", &alpha, &b), 0);
+  ck_assert_int_eq(host->get_live(layer, "alpha", &v), 0); /* a buffer is live */
+  ck_assert_ptr_eq(v.data, b.data);
+  ck_assert_int_eq(host->get_live(layer, "weight", &v), 0);
+  ck_assert_int_eq(qkeep_retire(layer, "input_scale"), 0);
+  ck_assert_int_eq(host->get_live(layer, "input_scale", &v), QKEEP_E_NOTFOUND);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "retired or released"));
+  ck_assert_int_eq(host->get_live(layer, "nothing", &v), QKEEP_E_NOTFOUND);
+}
+END_TEST
+
 static int count_cb(void *user, const char *l, const char *n, const void *d, size_t cap) {
   (void)l, (void)n, (void)d, (void)cap;
   ++*(int *)user;
@@ -444,6 +462,7 @@ static Suite *rules_suite(void) {
   tcase_add_test(tc, retire_hides_from_kernels_but_keeps_bytes);
   tcase_add_test(tc, release_shows_in_census_with_reason);
   tcase_add_test(tc, add_buffer_reuses_same_name_and_size);
+  tcase_add_test(tc, host_get_live_finds_buffers_and_live_params_only);
   tcase_add_test(tc, storage_iteration_yields_an_alias_once);
   tcase_add_test(tc, census_catches_planted_c1);
   tcase_add_test(tc, census_catches_planted_c2);
