@@ -1,34 +1,75 @@
 /*
- * skeleton.c: a minimal out-of-tree qkeep backend, built only against the
- * installed headers (pkg-config qkeep). It runs unquantized f32 linear layers
- * with a naive kernel, and shows the shape every backend has: one exported
- * init, a size-prefixed table, PWAL through the host's rule functions.
+ * skeleton.c: a minimal out-of-tree qkeep backend that really loads and reloads, built only
+ * against the installed headers (pkg-config qkeep-backend). It shows every step a backend
+ * takes, in the order the core calls them:
+ *
+ *   init            fill a size-prefixed table (ABI 1.1 slots included) and keep the host
+ *   keys/configure  declare its one key, `verify` (a bool the core type-checks before
+ *                   configure sees it)
+ *   supports_layer  take w8a8-int8 linear layers with per-channel weight scales; refuse
+ *                   the rest with a reason, so the next backend of the chain runs them
+ *   pwal            repack weight i8 [N, K] into K-major [K, N] inside the weight's own
+ *                   storage (host->replace: same bytes, so it lands in place and a reload
+ *                   never moves it), retire input_scale / input_zero_point (this kernel is
+ *                   weight-only: activations stay f32), keep weight_scale as loaded
+ *   apply           y = x (W * scale)^T from the repacked codes, in f32
+ *
+ * Run it in a chain: `backend = skeleton, reference` on a w8a8-int8 checkpoint. The layers
+ * it refuses (unquantized, MoE, norms) go to the reference.
  */
 #include <qkeep_backend.h>
+#include <qkeep_backend_util.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 struct skeleton {
-  struct qkeep_backend be;
+  struct qkeep_backend be; /* first: the core's pointer is ours */
   const struct qkeep_host *host;
+  bool verify; /* `verify = true`: check every repacked weight against the bytes it came from */
 };
 
-static int skeleton_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
-  (void)be;
-  return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
-}
+static const struct skeleton *sk(const struct qkeep_backend *be) { return (const struct skeleton *)be; }
 
-/* Nothing to convert: the kernel reads the checkpoint layout. A real backend
- * would repack here and call host->replace(layer, "weight", result). */
-static int skeleton_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
-  (void)be;
-  (void)layer;
+static const struct qkeep_backend_key skeleton_keys[] = {
+    {"verify", QKEEP_KEY_BOOL, NULL, "false", "check every repacked weight against the bytes it came from"},
+};
+
+/* The core already checked the key name and that the value is a bool. */
+static int skeleton_configure(const struct qkeep_backend *be, const char *key, const char *value) {
+  (void)key;
+  ((struct skeleton *)(void *)(uintptr_t)be)->verify = strcmp(value, "true") == 0 ||
+                                                       strcmp(value, "yes") == 0 ||
+                                                       strcmp(value, "on") == 0 || strcmp(value, "1") == 0;
   return 0;
 }
 
-static int skeleton_apply(const struct qkeep_backend *be, qkeep_layer *layer,
-                          const struct qkeep_apply_args *a) {
-  const struct qkeep_host *host = ((const struct skeleton *)be)->host;
+static int skeleton_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                                   char *reason, size_t reason_len) {
+  (void)be;
+  if (strcmp(info->scheme, "w8a8-int8") != 0 || info->kind != QKEEP_LAYER_LINEAR) {
+    snprintf(reason, reason_len, "runs w8a8-int8 linear layers only");
+    return 0;
+  }
+  if (info->flags & QKEEP_LAYER_F_WEIGHT_PER_TENSOR) {
+    snprintf(reason, reason_len, "needs per-channel weight scales");
+    return 0;
+  }
+  return 1;
+}
+
+/* The ABI 1.0 answer, for a core that predates supports_layer. */
+static int skeleton_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
+  (void)be;
+  return strcmp(scheme, "w8a8-int8") == 0 && kind == QKEEP_LAYER_LINEAR;
+}
+
+/*
+ * The post-load pass. pwal also runs on every reload, after the core has put the checkpoint
+ * view back, so it always starts from weight i8 [N, K] as loaded.
+ */
+static int skeleton_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
+  const struct qkeep_host *host = sk(be)->host;
   struct qkeep_layer_info info = {.size = sizeof info};
   struct qkeep_view w = {.size = sizeof w};
   int rc = host->layer_info(layer, &info);
@@ -36,39 +77,99 @@ static int skeleton_apply(const struct qkeep_backend *be, qkeep_layer *layer,
     rc = host->get_live(layer, "weight", &w);
   if (rc)
     return rc;
-  if (w.spec.dtype != QKEEP_DTYPE_F32 || a->x_dtype != QKEEP_DTYPE_F32 || a->y_dtype != QKEEP_DTYPE_F32)
-    return host->set_error(QKEEP_E_UNSUPPORTED, "%s: skeleton runs f32 only", info.name);
-  const float *x = a->x, *wt = w.data;
+  struct qkeep_spec loaded = {QKEEP_DTYPE_I8, 2, {info.n, info.k}};
+  if (!qkeep_be_spec_equal(&w.spec, &loaded))
+    return host->set_error(QKEEP_E_FORMAT, "%s.weight: expected I8 [%lld, %lld] as loaded", info.name,
+                           (long long)info.n, (long long)info.k);
+  struct qkeep_spec packed = {QKEEP_DTYPE_I8, 2, {info.k, info.n}};
+  qkeep_tensor *t;
+  if ((rc = host->tensor_new(layer, &packed, &t)))
+    return rc;
+  const int8_t *from = w.data;
+  int8_t *to = host->tensor_data(t);
+  uint64_t sum = 0; /* a position-weighted checksum of the codes, for `verify` */
+  for (int64_t n = 0; n < info.n; n++)
+    for (int64_t k = 0; k < info.k; k++) {
+      to[k * info.n + n] = from[n * info.k + k];
+      sum += (uint64_t)(uint8_t)from[n * info.k + k] * (uint64_t)(n * info.k + k + 1);
+    }
+  /* Same byte count: replace copies into the weight's own storage, so its pointer stays. */
+  if ((rc = host->replace(layer, "weight", t)))
+    return rc;
+  if (sk(be)->verify) {
+    if ((rc = host->get_live(layer, "weight", &w)))
+      return rc;
+    const int8_t *got = w.data;
+    for (int64_t n = 0; n < info.n; n++)
+      for (int64_t k = 0; k < info.k; k++)
+        sum -= (uint64_t)(uint8_t)got[k * info.n + n] * (uint64_t)(n * info.k + k + 1);
+    if (sum || w.spec.shape[0] != info.k)
+      return host->set_error(QKEEP_E_STATE, "%s.weight: the K-major repack does not hold the loaded codes",
+                             info.name);
+  }
+  /* Static activation scales are for int8 activations, which this kernel does not use. */
+  static const char *const unused[] = {"input_scale", "input_zero_point"};
+  for (size_t i = 0; i < sizeof unused / sizeof unused[0] && !rc; i++) {
+    struct qkeep_view v = {.size = sizeof v};
+    if (host->get_live(layer, unused[i], &v) == 0)
+      rc = host->retire(layer, unused[i]);
+  }
+  return rc;
+}
+
+static int skeleton_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                          const struct qkeep_apply_args *a) {
+  const struct qkeep_host *host = sk(be)->host;
+  struct qkeep_layer_info info = {.size = sizeof info};
+  struct qkeep_view w = {.size = sizeof w}, s = {.size = sizeof s}, bias = {.size = sizeof bias};
+  int rc = host->layer_info(layer, &info);
+  if (!rc)
+    rc = host->get_live(layer, "weight", &w);
+  if (!rc)
+    rc = host->get_live(layer, "weight_scale", &s);
+  if (rc)
+    return rc;
+  if (a->x_dtype != QKEEP_DTYPE_F32 || a->y_dtype != QKEEP_DTYPE_F32)
+    return host->set_error(QKEEP_E_UNSUPPORTED, "%s: skeleton takes f32 activations only", info.name);
+  bool has_bias = host->get_live(layer, "bias", &bias) == 0;
+  const int8_t *codes = w.data; /* [K, N] */
+  const float *x = a->x;
   float *y = a->y;
   for (int64_t m = 0; m < a->m; m++)
     for (int64_t n = 0; n < info.n; n++) {
       float acc = 0;
       for (int64_t k = 0; k < info.k; k++)
-        acc += x[m * info.k + k] * wt[n * info.k + k];
-      y[m * info.n + n] = acc;
+        acc += x[m * info.k + k] * (float)codes[k * info.n + n];
+      acc *= qkeep_load_float(s.data, s.spec.dtype, (size_t)n);
+      y[m * info.n + n] = acc + (has_bias ? qkeep_load_float(bias.data, bias.spec.dtype, (size_t)n) : 0.0f);
     }
   return 0;
 }
 
-static void skeleton_fini(const struct qkeep_backend *be) { free((void *)be); }
+static void skeleton_fini(const struct qkeep_backend *be) { free((void *)(uintptr_t)be); }
 
 QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const struct qkeep_backend **out) {
   if (!host || host->abi_major != QKEEP_BACKEND_ABI_MAJOR)
     return QKEEP_E_ABI;
   struct skeleton *s = calloc(1, sizeof *s);
   if (!s)
-    return QKEEP_E_NOMEM;
+    return host->set_error(QKEEP_E_NOMEM, "skeleton: out of memory");
   s->host = host;
   s->be = (struct qkeep_backend){
       .size = sizeof(struct qkeep_backend),
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,
-      .abi_minor = 0,
+      .abi_minor = 0, /* supports covers a 1.0 core; a 1.1 core uses supports_layer and keys */
       .name = "skeleton",
-      .description = "out-of-tree example: naive f32 linear",
+      .description = "out-of-tree example: w8a8-int8 linear, weight repacked K-major in place, f32 kernel",
+      .configure = skeleton_configure,
       .supports = skeleton_supports,
       .pwal = skeleton_pwal,
       .apply = skeleton_apply,
       .fini = skeleton_fini,
+      .supports_layer = skeleton_supports_layer,
+      .keys = skeleton_keys,
+      .n_keys = sizeof skeleton_keys / sizeof skeleton_keys[0],
+      .key_size = sizeof skeleton_keys[0],
   };
   *out = &s->be;
   return 0;
