@@ -118,6 +118,8 @@ int cmd_run(const struct options *o) {
   double t_census = now();
   if (!rc)
     rc = qkeep_plugin_open("reference", qkeep_config_plugin_dir(cfg), &ref_plugin);
+  if (!rc) /* [backend.reference] applies to the oracle too (activations = int8 for a strict int8 check) */
+    rc = qkeep_plugin_configure(ref_plugin, cfg);
   if (!rc)
     rc = load(cfg, &ref_plugin, 1, ckpt, false, &ref);
   double t_ref = now();

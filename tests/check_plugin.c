@@ -354,9 +354,12 @@ START_TEST(test_configure_declared_keys) {
     open_config_fails(path, QKEEP_E_CONFIG, bad[i].line, bad[i].fragment);
     free(path);
   }
-  /* an empty declared list: the reference takes no key, and says so */
+  /* the reference declares its one key */
   path = write_config("reference", "threads = 2\n");
-  open_config_fails(path, QKEEP_E_CONFIG, 4, "unknown key 'threads' (reference takes: none)");
+  open_config_fails(path, QKEEP_E_CONFIG, 4, "unknown key 'threads' (reference takes: activations)");
+  free(path);
+  path = write_config("reference", "activations = int4\n");
+  open_config_fails(path, QKEEP_E_CONFIG, 4, "activations = 'int4': expected one of float|int8|int8-7bit");
   free(path);
 }
 END_TEST

@@ -136,6 +136,20 @@ for ex in "$build"/examples/tiny-*/; do
   check "default config reloads $scheme" test $? -eq 0
   check "$scheme reload identical" contains "$tmp/out" "identical"
 done
+# The oracle quantising activations as an int8 kernel does: a strict check of cpu-onednn's int8 path
+if [ -f "$build/plugins/cpu/.libs/backend-cpu-onednn.so" ]; then
+  levels=int8
+  "$qkeep" -c "$default" plugins 2>/dev/null | grep -q '7-bit' && levels=int8-7bit
+  printf '[qkeep]\nbackend = cpu-onednn, reference\nplugin_dir = %s\n[backend.reference]\nactivations = %s\n' \
+    "$build/plugins/cpu/.libs" "$levels" >"$tmp/int8.ini"
+  # the largest relative error over the w8a8-int8 GEMMs of a run --json (unquantized ones run in bf16)
+  worst_int8() { tr '{' '\n' <"$1" | grep '"scheme":"w8a8-int8"' | sed 's/.*"max_rel":\([^,}]*\).*/\1/' |
+    awk 'BEGIN { w = 0 } { if ($1 + 0 > w) w = $1 + 0 } END { print w }'; }
+  "$qkeep" -c "$tmp/int8.ini" run "$build/examples/tiny-w8a8-int8" --json >"$tmp/doc" 2>/dev/null
+  check "cpu-onednn matches the int8 oracle to 1e-5" awk -v w="$(worst_int8 "$tmp/doc")" 'BEGIN { exit !(w < 1e-5) }'
+  "$qkeep" -c "$default" run "$build/examples/tiny-w8a8-int8" --json >"$tmp/doc" 2>/dev/null
+  check "the float oracle differs from an int8 pipeline" awk -v w="$(worst_int8 "$tmp/doc")" 'BEGIN { exit !(w > 1e-3) }'
+fi
 # `qkeep plugins` with the default config lists every backend the build made, with its probe
 "$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
 for so in "$build"/plugins/*/.libs/backend-*.so; do

@@ -6,8 +6,16 @@
  * or w2 at a time. It is the
  * oracle the other backends are tested against, so it favours clarity over
  * speed.
+ *
+ * Activations: by default the reference multiplies with the f32 activations it is given,
+ * whatever the scheme. With `activations = int8` (or `int8-7bit`) it first quantises each
+ * row of a w8a8-int8 layer's activations exactly as a W8A8 kernel with 255 (127) levels
+ * does, and multiplies with the dequantised codes, so that a forward check can tell an int8
+ * pipeline from a float one (docs/SCHEMES.md states the recipe and the tolerance).
  */
+#include <math.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,9 +23,13 @@
 #include "formats.h"
 #include "qkeep_backend.h"
 
+/* How a w8a8-int8 layer's activations enter the GEMM. */
+enum act_mode { ACT_FLOAT, ACT_INT8, ACT_INT8_7BIT };
+
 struct reference {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
   const struct qkeep_host *host;
+  enum act_mode activations;
 };
 
 static const struct qkeep_host *host_of(const struct qkeep_backend *be) {
@@ -37,9 +49,21 @@ static int reference_probe(const struct qkeep_backend *be, char *msg, size_t msg
   return 0;
 }
 
+static const struct qkeep_backend_key reference_keys[] = {
+    {"activations", QKEEP_KEY_ENUM, "float|int8|int8-7bit", "float",
+     "w8a8-int8 layers: multiply f32 activations, or quantise them per row as an int8 kernel with 255 "
+     "(int8) or 127 (int8-7bit) levels does"},
+};
+
+/* The core checked the key and that the value is one of reference_keys' values. */
 static int reference_configure(const struct qkeep_backend *be, const char *key, const char *value) {
-  (void)value;
-  return host_of(be)->set_error(QKEEP_E_CONFIG, "unknown key '%s' (the reference backend takes none)", key);
+  struct reference *r = (struct reference *)(void *)(uintptr_t)be;
+  if (strcmp(key, "activations") != 0)
+    return r->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (the reference takes activations)", key);
+  r->activations = strcmp(value, "int8") == 0        ? ACT_INT8
+                   : strcmp(value, "int8-7bit") == 0 ? ACT_INT8_7BIT
+                                                     : ACT_FLOAT;
+  return 0;
 }
 
 static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4", "mxfp4",
@@ -54,9 +78,6 @@ static int reference_supports(const struct qkeep_backend *be, const char *scheme
       return 1;
   return 0;
 }
-
-/* It takes no [backend.reference] key: an empty declared list (the core refuses any key). */
-static const struct qkeep_backend_key no_keys[1];
 
 /* Every layer of every scheme: the end of any chain. */
 static int reference_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
@@ -249,6 +270,89 @@ static int dequantise(const struct matrix *m, float *w) {
                             m->info->name, s);
 }
 
+/* Round half to even in f32 (the default rounding mode). */
+static float round_even(float v) { return nearbyintf(v); }
+
+/* Element `index` of a zero point of any integer or float dtype, as a float. */
+static float zero_point_at(const struct qkeep_view *v, const unsigned char *p) {
+  switch (v->spec.dtype) {
+  case QKEEP_DTYPE_I32: {
+    int32_t z;
+    memcpy(&z, p, sizeof z);
+    return (float)z;
+  }
+  case QKEEP_DTYPE_I8: return (float)(int8_t)p[0];
+  default: return qk_load_float(p, v->spec.dtype, 0);
+  }
+}
+
+/*
+ * Replaces each of the m rows of x (cols wide) by its int8 quantisation, dequantised: the
+ * recipe of a W8A8 kernel with L = 255 levels (127 with ACT_INT8_7BIT), x ~ a * (u - zp):
+ *   dynamic symmetric:  h = (L - 1) / 2, a = max|x| / h, zp = h + 1;
+ *   dynamic asymmetric: [lo, hi] = the row's range widened to hold 0, a = (hi - lo) / L,
+ *                       zp = rne(-lo / a);
+ *   static:             a = input_scale, zp = 128 + input_zero_point (no zero point: 128);
+ *                       7 bits: a = 2 * input_scale, zp = rne((128 + input_zero_point) / 2);
+ * then u = clamp(rne(x * (1 / a) + zp), 0, L), the product and the sum each rounded to f32,
+ * NaN to 0. A zero scale (an all-zero row) gives u = zp: the row contributes nothing.
+ */
+static int quantize_activations(const struct matrix *m, enum act_mode mode, float *x, int64_t rows) {
+  const float levels = mode == ACT_INT8 ? 255.0f : 127.0f;
+  bool dynamic = m->info->flags & QKEEP_LAYER_F_INPUT_DYNAMIC,
+       asym = m->info->flags & QKEEP_LAYER_F_INPUT_ASYM;
+  float a = 0, zp = 0;
+  if (!dynamic) {
+    struct qkeep_view sv, zv;
+    const unsigned char *sp, *zptr;
+    int rc = slice(m, "input_scale", sizeof(float), &sv, &sp);
+    if (rc)
+      return rc;
+    float z = 128.0f;
+    if (asym) {
+      char name[64];
+      snprintf(name, sizeof name, "%sinput_zero_point", m->prefix);
+      struct qkeep_view probe = {.size = sizeof probe};
+      if ((rc = m->host->get_live(m->layer, name, &probe)))
+        return rc;
+      if ((rc = slice(m, "input_zero_point", qkeep_dtype_size_of(probe.spec.dtype), &zv, &zptr)))
+        return rc;
+      z += zero_point_at(&zv, zptr);
+    }
+    float scale;
+    memcpy(&scale, sp, sizeof scale);
+    a = mode == ACT_INT8 ? scale : 2.0f * scale;
+    zp = mode == ACT_INT8 ? z : round_even(z * 0.5f);
+  }
+  for (int64_t r = 0; r < rows; r++) {
+    float *row = x + r * m->cols;
+    if (dynamic) {
+      float lo = 0, hi = 0;
+      for (int64_t k = 0; k < m->cols; k++) {
+        lo = row[k] < lo ? row[k] : lo;
+        hi = row[k] > hi ? row[k] : hi;
+      }
+      if (!asym) {
+        float h = (levels - 1.0f) * 0.5f;
+        a = (-lo > hi ? -lo : hi) / h;
+        zp = h + 1.0f;
+      } else {
+        a = (hi - lo) / levels;
+        zp = a > 0.0f ? round_even(-lo / a) : 0.0f;
+      }
+    }
+    float inv = a > 0.0f ? 1.0f / a : 0.0f;
+    for (int64_t k = 0; k < m->cols; k++) {
+      float t = row[k] * inv;
+      t = t + zp;
+      t = t > 0.0f ? t : 0.0f; /* NaN to 0 too */
+      t = t < levels ? t : levels;
+      row[k] = a * (round_even(t) - zp);
+    }
+  }
+  return 0;
+}
+
 static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                            const struct qkeep_apply_args *a) {
   const struct qkeep_host *host = host_of(be);
@@ -266,10 +370,19 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                      w2 ? info.k : info.n,
                      w2 ? info.n / 2 : info.k,
                      moe ? a->expert : 0};
+  enum act_mode mode = ((const struct reference *)be)->activations;
+  bool quantize = mode != ACT_FLOAT && strcmp(info.scheme, "w8a8-int8") == 0;
   float *w = malloc((size_t)(m.rows * m.cols) * sizeof *w);
-  if (!w)
+  float *xq = quantize ? malloc((size_t)(a->m * m.cols) * sizeof *xq + 1) : NULL;
+  if (!w || (quantize && !xq)) {
+    free(w);
     return host->set_error(QKEEP_E_NOMEM, "%s: out of memory dequantising", info.name);
+  }
   rc = dequantise(&m, w);
+  if (!rc && quantize) {
+    memcpy(xq, a->x, (size_t)(a->m * m.cols) * sizeof *xq);
+    rc = quantize_activations(&m, mode, xq, a->m);
+  }
   struct qkeep_view bias = {.size = sizeof bias};
   const unsigned char *bias_data = NULL;
   char bias_name[64];
@@ -277,7 +390,7 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   if (!rc && host->view(layer, bias_name, &bias) == 0 && bias.state == QKEEP_PARAM_LIVE)
     bias_data = (const unsigned char *)bias.data +
                 (size_t)m.expert * (size_t)m.rows * qkeep_dtype_size_of(bias.spec.dtype);
-  const float *x = a->x;
+  const float *x = quantize ? xq : a->x;
   float *y = a->y;
   for (int64_t r = 0; !rc && r < a->m; r++)
     for (int64_t n = 0; n < m.rows; n++) {
@@ -287,6 +400,7 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
       y[r * m.rows + n] = (float)acc;
     }
   free(w);
+  free(xq);
   return rc;
 }
 
@@ -314,9 +428,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .layer_cleanup = NULL,
       .fini = reference_fini,
       .supports_layer = reference_supports_layer,
-      .keys = no_keys,
-      .n_keys = 0,
-      .key_size = sizeof no_keys[0],
+      .keys = reference_keys,
+      .n_keys = sizeof reference_keys / sizeof reference_keys[0],
+      .key_size = sizeof reference_keys[0],
   };
   *out = &r->be;
   return 0;
