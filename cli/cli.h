@@ -34,6 +34,8 @@ int open_chain(const qkeep_config *cfg, struct chain *out);
 void close_chain(struct chain *c);
 /* A new model on a chain of n plugins with the config's fusion map ([model] fuse) applied. */
 int new_model(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, qkeep_model **out);
+/* Monotonic seconds, for the times the commands print. */
+double cli_now(void);
 /* Prints "qkeep: <error>: <detail>" to stderr; returns 1. */
 int fail(int code);
 

@@ -6,7 +6,6 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -21,12 +20,6 @@ const char usage_run[] =
     "largest absolute and relative error per layer, and the time of each phase.\n"
     "Exits 1 when a rule is violated or a layer's relative error exceeds T (default 0.05).\n";
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void progress(void *user, size_t done, size_t total, const char *layer) {
   (void)user;
   fprintf(stderr, "\r  loading %zu/%zu %-60.60s\033[K%s", done, total, layer,
@@ -35,6 +28,7 @@ static void progress(void *user, size_t done, size_t total, const char *layer) {
 
 struct check {
   const qkeep_model *model;
+  FILE *out; /* stdout, or (JSON) a buffer that becomes the document's "layers" once all went well */
   bool json;
   double tolerance, worst;
   int layers, over;
@@ -50,15 +44,17 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
     c->worst = e->max_rel;
   c->layers++;
   if (c->json) {
-    printf("%s{\"layer\":", c->layers > 1 ? "," : "");
-    print_json_string(stdout, e->layer);
-    printf(",\"backend\":");
-    print_json_string(stdout, backend);
-    printf(",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":%"
-           ".6g,"
-           "\"max_rel\":%.6g}",
-           e->scheme, e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13", (long long)e->m, (long long)e->n,
-           (long long)e->k, e->max_abs, e->max_rel);
+    fprintf(c->out, "%s{\"layer\":", c->layers > 1 ? "," : "");
+    print_json_string(c->out, e->layer);
+    fprintf(c->out, ",\"backend\":");
+    print_json_string(c->out, backend);
+    fprintf(
+        c->out,
+        ",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":%"
+        ".6g,"
+        "\"max_rel\":%.6g}",
+        e->scheme, e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13", (long long)e->m, (long long)e->n,
+        (long long)e->k, e->max_abs, e->max_rel);
     return 0;
   }
   char label[160];
@@ -71,7 +67,7 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
   return 0;
 }
 
-/* Loads ckpt into a new model of plugin; on failure prints and returns 1. */
+/* Loads ckpt into a new model on a chain of plugins. */
 static int load(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, const char *ckpt,
                 bool show_progress, qkeep_model **out) {
   int rc = new_model(cfg, plugins, n, out);
@@ -82,93 +78,137 @@ static int load(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n,
   return rc;
 }
 
-int cmd_run(const struct options *o) {
-  qkeep_config *cfg = NULL;
-  struct chain chain = {0};
-  qkeep_plugin *ref_plugin = NULL;
-  qkeep_model *model = NULL, *ref = NULL;
-  const char *rows_s = option_value(o, "rows"), *tol_s = option_value(o, "tolerance"),
-             *seed_s = option_value(o, "seed");
-  int64_t rows = rows_s ? strtoll(rows_s, NULL, 10) : 4;
-  struct check c = {.json = o->json, .tolerance = tol_s ? strtod(tol_s, NULL) : 0.05};
-  if (rows < 1 || rows > 4096 || !(c.tolerance >= 0)) {
+/* Everything one run holds, and when each phase ended. */
+struct run {
+  const struct options *o;
+  qkeep_config *cfg;
+  struct chain chain;
+  qkeep_plugin *ref_plugin;
+  qkeep_model *model, *ref;
+  const char *ckpt;
+  int64_t rows;
+  uint64_t seed;
+  struct qkeep_census census;
+  struct qkeep_digest digest;
+  struct check check;
+  char *layers_json; /* the "layers" array of a JSON document, collected by the check */
+  size_t layers_json_len;
+  double t0, t_plugin, t_load, t_census, t_ref, t_check;
+};
+
+/* --rows, --tolerance, --seed; 2 (usage) when out of range. */
+static int parse_run_options(struct run *r) {
+  const char *rows_s = option_value(r->o, "rows"), *tol_s = option_value(r->o, "tolerance"),
+             *seed_s = option_value(r->o, "seed");
+  r->rows = rows_s ? strtoll(rows_s, NULL, 10) : 4;
+  r->seed = seed_s ? strtoull(seed_s, NULL, 10) : 1;
+  r->check =
+      (struct check){.json = r->o->json, .tolerance = tol_s ? strtod(tol_s, NULL) : 0.05, .out = stdout};
+  if (r->rows < 1 || r->rows > 4096 || !(r->check.tolerance >= 0)) {
     fprintf(stderr, "qkeep: run: --rows must be 1..4096 and --tolerance >= 0\n");
     return 2;
   }
-  double t0 = now();
-  int rc = load_config(o, &cfg);
+  return 0;
+}
+
+/* The config, its chain, and the checkpoint loaded onto it; then the census and digest. */
+static int load_and_audit(struct run *r) {
+  int rc = load_config(r->o, &r->cfg);
   if (!rc)
-    rc = open_chain(cfg, &chain);
-  const char *ckpt = o->n_args ? o->args[0] : (cfg ? qkeep_config_checkpoint(cfg) : NULL);
-  if (!rc && !ckpt) {
+    rc = open_chain(r->cfg, &r->chain);
+  r->ckpt = r->o->n_args ? r->o->args[0] : (r->cfg ? qkeep_config_checkpoint(r->cfg) : NULL);
+  if (!rc && !r->ckpt) {
     fprintf(stderr, "qkeep: run: no checkpoint given and %s has no [model] checkpoint\n",
-            qkeep_config_path(cfg));
-    rc = -100;
+            qkeep_config_path(r->cfg));
+    return -100;
   }
-  double t_plugin = now();
+  r->t_plugin = cli_now();
   if (!rc)
-    rc = load(cfg, chain.plugins, chain.n, ckpt, !o->json && isatty(2), &model);
-  double t_load = now();
-  struct qkeep_census census = {.size = sizeof census};
-  struct qkeep_digest digest;
+    rc = load(r->cfg, r->chain.plugins, r->chain.n, r->ckpt, !r->o->json && isatty(2), &r->model);
+  r->t_load = cli_now();
+  r->census = (struct qkeep_census){.size = sizeof r->census};
   if (!rc)
-    rc = qkeep_census(model, &census);
+    rc = qkeep_census(r->model, &r->census);
   if (!rc)
-    rc = qkeep_digest(model, &digest);
-  double t_census = now();
+    rc = qkeep_digest(r->model, &r->digest);
+  r->t_census = cli_now();
+  return rc;
+}
+
+/* The oracle (the reference backend, configured from [backend.reference]), then every GEMM
+ * against it; the table goes to stdout, or JSON into a buffer printed once all went well. */
+static int forward_check(struct run *r) {
+  int rc = qkeep_plugin_open("reference", qkeep_config_plugin_dir(r->cfg), &r->ref_plugin);
+  if (!rc) /* activations = int8 there makes a strict check of an int8 pipeline */
+    rc = qkeep_plugin_configure(r->ref_plugin, r->cfg);
   if (!rc)
-    rc = qkeep_plugin_open("reference", qkeep_config_plugin_dir(cfg), &ref_plugin);
-  if (!rc) /* [backend.reference] applies to the oracle too (activations = int8 for a strict int8 check) */
-    rc = qkeep_plugin_configure(ref_plugin, cfg);
-  if (!rc)
-    rc = load(cfg, &ref_plugin, 1, ckpt, false, &ref);
-  double t_ref = now();
-  if (!rc) {
-    c.model = model;
-    if (o->json) {
-      printf("{\"layers\":[");
-    } else {
-      report_census(stdout, ckpt, model, &census, &digest, false);
-      printf("forward check against the reference backend (%lld rows of random activations)\n"
-             "  %-48s %-15s %-12s %11s %10s %10s\n",
-             (long long)rows, "layer", "scheme", "backend", "N x K", "max abs", "max rel");
-    }
-    rc = qkeep_compare(model, ref, rows, seed_s ? strtoull(seed_s, NULL, 10) : 1, print_error, &c);
+    rc = load(r->cfg, &r->ref_plugin, 1, r->ckpt, false, &r->ref);
+  r->t_ref = cli_now();
+  if (rc)
+    return rc;
+  r->check.model = r->model;
+  if (r->o->json) {
+    r->check.out = open_memstream(&r->layers_json, &r->layers_json_len);
+    if (!r->check.out)
+      return QKEEP_E_NOMEM;
+  } else {
+    report_census(stdout, r->ckpt, r->model, &r->census, &r->digest, false);
+    printf("forward check against the reference backend (%lld rows of random activations)\n"
+           "  %-48s %-15s %-12s %11s %10s %10s\n",
+           (long long)r->rows, "layer", "scheme", "backend", "N x K", "max abs", "max rel");
   }
-  double t_check = now();
-  int status = rc == -100 ? 2 : rc ? fail(rc) : 0;
-  if (!rc) {
-    struct qkeep_load_stats st = {.size = sizeof st};
-    qkeep_model_load_stats(model, &st);
-    if (o->json) {
-      printf("],\"census\":");
-      report_census(stdout, ckpt, model, &census, &digest, true);
-      printf(",\"max_rel\":%.6g,\"tolerance\":%g,\"seconds\":{\"plugin\":%.6f,\"open\":%.6f,\"read\":%.6f,"
-             "\"pwal\":%.6f,\"census\":%.6f,\"reference_load\":%.6f,\"check\":%.6f}}\n",
-             c.worst, c.tolerance, t_plugin - t0, st.open_seconds, st.read_seconds, st.pwal_seconds,
-             t_census - t_load, t_ref - t_census, t_check - t_ref);
-    } else {
-      char size[32];
-      printf("%d GEMMs checked, largest relative error %.3g (tolerance %g)\n", c.layers, c.worst,
-             c.tolerance);
-      printf("time: plugin %.1f ms, open %.1f ms, read %.1f ms (%s), normalise+PWAL %.1f ms, census+digest "
-             "%.1f ms, "
-             "reference load %.1f ms, check %.1f ms\n",
-             1e3 * (t_plugin - t0), 1e3 * st.open_seconds, 1e3 * st.read_seconds,
-             human_bytes((double)st.checkpoint_bytes, size, sizeof size), 1e3 * st.pwal_seconds,
-             1e3 * (t_census - t_load), 1e3 * (t_ref - t_census), 1e3 * (t_check - t_ref));
-    }
-    if (census.missing || census.c1 || census.c2 || c.over) {
-      fprintf(stderr, "qkeep: run: %s (missing %lld, C1 %lld, C2 %lld, layers over tolerance %d)\n",
-              c.over ? "check failed" : "rule violations", (long long)census.missing, (long long)census.c1,
-              (long long)census.c2, c.over);
-      status = 1;
-    }
+  rc = qkeep_compare(r->model, r->ref, r->rows, r->seed, print_error, &r->check);
+  if (r->o->json)
+    fclose(r->check.out);
+  r->t_check = cli_now();
+  return rc;
+}
+
+/* The summary and the time of each phase; 1 when a rule is violated or a layer is over tolerance. */
+static int report(const struct run *r) {
+  struct qkeep_load_stats st = {.size = sizeof st};
+  qkeep_model_load_stats(r->model, &st);
+  const struct check *c = &r->check;
+  if (r->o->json) {
+    printf("{\"layers\":[%s],\"census\":", r->layers_json ? r->layers_json : "");
+    report_census(stdout, r->ckpt, r->model, &r->census, &r->digest, true);
+    printf(",\"max_rel\":%.6g,\"tolerance\":%g,\"seconds\":{\"plugin\":%.6f,\"open\":%.6f,\"read\":%.6f,"
+           "\"pwal\":%.6f,\"census\":%.6f,\"reference_load\":%.6f,\"check\":%.6f}}\n",
+           c->worst, c->tolerance, r->t_plugin - r->t0, st.open_seconds, st.read_seconds, st.pwal_seconds,
+           r->t_census - r->t_load, r->t_ref - r->t_census, r->t_check - r->t_ref);
+  } else {
+    char size[32];
+    printf("%d GEMMs checked, largest relative error %.3g (tolerance %g)\n", c->layers, c->worst,
+           c->tolerance);
+    printf("time: plugin %.1f ms, open %.1f ms, read %.1f ms (%s), normalise+PWAL %.1f ms, census+digest "
+           "%.1f ms, reference load %.1f ms, check %.1f ms\n",
+           1e3 * (r->t_plugin - r->t0), 1e3 * st.open_seconds, 1e3 * st.read_seconds,
+           human_bytes((double)st.checkpoint_bytes, size, sizeof size), 1e3 * st.pwal_seconds,
+           1e3 * (r->t_census - r->t_load), 1e3 * (r->t_ref - r->t_census), 1e3 * (r->t_check - r->t_ref));
   }
-  qkeep_model_free(model);
-  qkeep_model_free(ref);
-  close_chain(&chain);
-  qkeep_plugin_close(ref_plugin);
-  qkeep_config_free(cfg);
+  const struct qkeep_census *cs = &r->census;
+  if (!cs->missing && !cs->c1 && !cs->c2 && !c->over)
+    return 0;
+  fprintf(stderr, "qkeep: run: %s (missing %lld, C1 %lld, C2 %lld, layers over tolerance %d)\n",
+          c->over ? "check failed" : "rule violations", (long long)cs->missing, (long long)cs->c1,
+          (long long)cs->c2, c->over);
+  return 1;
+}
+
+int cmd_run(const struct options *o) {
+  struct run r = {.o = o, .t0 = cli_now()};
+  int rc = parse_run_options(&r);
+  if (rc)
+    return rc;
+  rc = load_and_audit(&r);
+  if (!rc)
+    rc = forward_check(&r);
+  int status = rc == -100 ? 2 : rc ? fail(rc) : report(&r);
+  free(r.layers_json);
+  qkeep_model_free(r.model);
+  qkeep_model_free(r.ref);
+  close_chain(&r.chain);
+  qkeep_plugin_close(r.ref_plugin);
+  qkeep_config_free(r.cfg);
   return status;
 }

@@ -13,6 +13,7 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -61,6 +62,12 @@ static void log_to_stderr(void *user, enum qkeep_log_level level, const char *ms
   static const char *names[] = {"error", "warning", "info", "debug"};
   if (level <= QKEEP_LOG_WARN)
     fprintf(stderr, "qkeep: %s: %s\n", names[level], msg);
+}
+
+double cli_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 int fail(int code) {
