@@ -7,6 +7,15 @@
  * qkeep_strerror() names the code and qkeep_errmsg() gives the detail of the
  * calling thread's last failure (which file, tensor, layer or plugin). The
  * library never prints. Strings passed in are copied when kept.
+ *
+ * Threads: the library keeps no global state beyond the logger and the
+ * per-thread error detail, so two models (and two configs, two plugin
+ * handles) may be used from two threads at once. One model is used from one
+ * thread at a time: no apply (qkeep_layer_apply_f32, a backend's kernel)
+ * while a load or reload of the same model runs, and no two reloads at once.
+ * A plugin may be shared by models on several threads only if its backend
+ * says so (the in-tree CPU backends serialise nothing and keep per-layer
+ * state only; cuda-nvfp4 runs on the stream it is given).
  */
 #ifndef QKEEP_H
 #define QKEEP_H
