@@ -13,9 +13,10 @@
  * handles) may be used from two threads at once. One model is used from one
  * thread at a time: no apply (qkeep_layer_apply_f32, a backend's kernel)
  * while a load or reload of the same model runs, and no two reloads at once.
- * A plugin may be shared by models on several threads only if its backend
- * says so (the in-tree CPU backends serialise nothing and keep per-layer
- * state only; cuda-nvfp4 runs on the stream it is given).
+ * Models on several threads may share a plugin when its backend keeps its
+ * scratch per layer, as the in-tree ones do (cpu-onednn locks a layer's
+ * scratch during apply; cuda-nvfp4 runs on the stream it is given); configure
+ * a plugin before sharing it.
  */
 #ifndef QKEEP_H
 #define QKEEP_H
