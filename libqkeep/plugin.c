@@ -149,8 +149,10 @@ static int dlopen_flags(void) {
   return flags;
 }
 
+/* Calls fini only in a table whose layout the core knows: its major is ours and it reaches fini.
+ * A plugin of another major is closed without a call into it (its table may be anything). */
 static void backend_fini(const struct qkeep_backend *be) {
-  if (be && be->size >= BACKEND_MIN_SIZE && be->fini)
+  if (be && be->size >= BACKEND_MIN_SIZE && be->abi_major == QKEEP_BACKEND_ABI_MAJOR && be->fini)
     be->fini(be);
 }
 

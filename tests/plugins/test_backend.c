@@ -5,7 +5,8 @@
  *
  *   GOOD      loads; probe finds its device; configure takes threads = N > 0
  *   NOSYM     exports no qkeep_backend_init
- *   MAJOR     reports ABI major + 1
+ *   MAJOR     reports ABI major + 1; its table is static and its fini aborts: the core must
+ *             never call into a table of another major
  *   MINOR     needs ABI minor + 1 (a newer core)
  *   INITFAIL  init fails with its own detail through host->set_error
  *   NODEV     probe says its device is absent ("no test device")
@@ -180,7 +181,14 @@ static int test_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   return 0;
 }
 
+#if defined(VARIANT_MAJOR)
+static void test_fini(const struct qkeep_backend *be) {
+  (void)be;
+  abort(); /* a core that calls this read a slot of a table whose layout it does not know */
+}
+#else
 static void test_fini(const struct qkeep_backend *be) { free((void *)(uintptr_t)be); }
+#endif
 #endif
 
 #if defined(VARIANT_NOSYM)
@@ -198,7 +206,12 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
   (void)out;
   return host->set_error(QKEEP_E_PLUGIN, "test-initfail: simulated init failure");
 #else
+#if defined(VARIANT_MAJOR)
+  static struct test_backend table; /* nothing to free: the core must not call fini */
+  struct test_backend *tb = &table;
+#else
   struct test_backend *tb = calloc(1, sizeof *tb);
+#endif
   if (!tb)
     return host->set_error(QKEEP_E_NOMEM, TEST_NAME ": out of memory");
   tb->host = host;
