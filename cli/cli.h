@@ -23,7 +23,8 @@ struct options {
 const char *option_value(const struct options *o, const char *name);
 /* Whether the flag --name was given. */
 bool option_flag(const struct options *o, const char *name);
-/* Loads the config: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
+/* Loads the config: -c, $QKEEP_CONFIG, the build tree's (a qkeep run from its build tree), then the
+ * installed default; never the current directory's. */
 int load_config(const struct options *o, qkeep_config **cfg);
 /* The config's backend chain, opened and configured (qkeep_plugins_open_config). */
 struct chain {

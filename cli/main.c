@@ -36,8 +36,8 @@ static const char usage_main[] =
     "  quantize IN OUT --scheme S   write a quantized checkpoint directory from an unquantized one\n"
     "\n"
     "options:\n"
-    "  -c, --config FILE  the INI config (default: $QKEEP_CONFIG, ./conf/qkeep.ini, " QKEEP_PKGDATADIR
-    "/qkeep.ini)\n"
+    "  -c, --config FILE  the INI config (default: $QKEEP_CONFIG; the build tree's conf/qkeep.ini for a\n"
+    "                     qkeep run from its build tree; else " QKEEP_PKGDATADIR "/qkeep.ini)\n"
     "  --json             machine-readable output\n"
     "  -h, --help         help (also after a command)\n";
 
@@ -145,13 +145,32 @@ bool option_flag(const struct options *o, const char *name) {
   return false;
 }
 
-/* The config to use: -c, $QKEEP_CONFIG, ./conf/qkeep.ini, then the installed default. */
+/*
+ * The build tree's default config when this qkeep is the one built there (its executable lies
+ * under the build directory), or NULL. Never the current directory's: running qkeep in an
+ * untrusted directory must not load its config, and with it its plugins.
+ */
+static const char *build_tree_config(void) {
+#if defined(QKEEP_BUILD_DIR) && defined(__linux__)
+  static char exe[4096];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  size_t dir_len = strlen(QKEEP_BUILD_DIR);
+  if (n > 0 && (size_t)n > dir_len && strncmp(exe, QKEEP_BUILD_DIR, dir_len) == 0 && exe[dir_len] == '/')
+    return QKEEP_BUILD_DIR "/conf/qkeep.ini";
+#endif
+  return NULL;
+}
+
+/* The config to use: -c, $QKEEP_CONFIG, the build tree's (for a qkeep run from it), then the
+ * installed default. */
 int load_config(const struct options *o, qkeep_config **cfg) {
   const char *path = o->config_path;
-  if (!path)
+  if (!path && getuid() == geteuid() && getgid() == getegid()) /* not when set-id */
     path = getenv("QKEEP_CONFIG");
   if (!path)
-    path = access("conf/qkeep.ini", R_OK) == 0 ? "conf/qkeep.ini" : QKEEP_PKGDATADIR "/qkeep.ini";
+    path = build_tree_config();
+  if (!path)
+    path = QKEEP_PKGDATADIR "/qkeep.ini";
   return qkeep_config_load(path, cfg);
 }
 

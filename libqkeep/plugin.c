@@ -212,8 +212,44 @@ static int init_error_code(int rc) {
   return rc < 0 && rc >= QKEEP_E_STATE ? rc : QKEEP_E_PLUGIN;
 }
 
+/*
+ * Whether code at path may be loaded: the file and the directory it is in must be owned by
+ * root or the caller and writable by nobody else (no group or other write bit), as ld.so
+ * trusts nothing less for set-id programs. Otherwise QKEEP_E_PLUGIN naming the path and why.
+ */
+static int check_trusted(const char *path) {
+  char *dir = xstrdup(path);
+  if (!dir)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  char *slash = strrchr(dir, '/');
+  if (slash)
+    slash == dir ? (void)(dir[1] = '\0') : (void)(*slash = '\0');
+  const char *checked[2] = {path, slash ? dir : "."};
+  int rc = 0;
+  for (int i = 0; i < 2 && !rc; i++) {
+    struct stat sb;
+    if (stat(checked[i], &sb) != 0)
+      rc = set_error(QKEEP_E_PLUGIN, "%s: cannot check plugin %s: %s", path, i ? "directory" : "file",
+                     strerror(errno));
+    else if (sb.st_uid != 0 && sb.st_uid != geteuid())
+      rc = set_error(QKEEP_E_PLUGIN,
+                     "%s: refused: %s %s is owned by uid %u, neither root nor the caller (uid %u)", path,
+                     i ? "directory" : "file", checked[i], (unsigned)sb.st_uid, (unsigned)geteuid());
+    else if (sb.st_mode & (S_IWGRP | S_IWOTH))
+      rc = set_error(QKEEP_E_PLUGIN,
+                     "%s: refused: %s %s is writable by %s (mode %03o): anyone could replace the code", path,
+                     i ? "directory" : "file", checked[i], sb.st_mode & S_IWOTH ? "others" : "its group",
+                     (unsigned)(sb.st_mode & 0777));
+  }
+  free(dir);
+  return rc;
+}
+
 /* Loads the file at path; want_name, when set, is the name the backend must have. */
 static int load_plugin(const char *path, const char *want_name, qkeep_plugin **out) {
+  int trusted = check_trusted(path);
+  if (trusted)
+    return trusted;
   dlerror(); /* drop a stale message */
   void *handle = dlopen(path, dlopen_flags());
   if (!handle) {

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "checkutil.h"
 #include "internal.h"
@@ -190,6 +191,44 @@ START_TEST(test_abi_major) {
   ASSERT_HAS(msg, plugin_abi_major);
   free(msg);
   free(file);
+}
+END_TEST
+
+/* Code from a file or directory that someone else could write is never loaded. */
+START_TEST(test_untrusted_plugin_refused) {
+  char *src = test_plugin_file("test-good"), *sub = tu_path(tmpdir, "plugins");
+  ck_assert_int_eq(mkdir(sub, 0755), 0);
+  char *copy = tu_path(sub, "backend-test-good.so");
+  size_t n;
+  void *bytes = tu_read_file(src, &n);
+  ck_assert_ptr_nonnull(bytes);
+  ck_assert_int_eq(tu_write_file(copy, bytes, n), 0);
+  free(bytes);
+  qkeep_plugin *p = NULL;
+  ck_assert_int_eq(chmod(copy, 0755), 0);
+  ck_assert_msg(qkeep_plugin_open_path(copy, &p) == 0, "%s", qkeep_errmsg()); /* trusted: loads */
+  qkeep_plugin_close(p);
+  ck_assert_int_eq(chmod(copy, 0757), 0);
+  ck_assert_int_eq(qkeep_plugin_open_path(copy, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), copy);
+  ASSERT_HAS(qkeep_errmsg(), "file");
+  ASSERT_HAS(qkeep_errmsg(), "writable by others");
+  ck_assert_int_eq(chmod(copy, 0775), 0);
+  ck_assert_int_eq(qkeep_plugin_open_path(copy, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), "writable by its group");
+  ck_assert_int_eq(chmod(copy, 0755), 0);
+  ck_assert_int_eq(chmod(sub, 0777), 0); /* the directory: the file could be swapped */
+  ck_assert_int_eq(qkeep_plugin_open_path(copy, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), "directory");
+  ck_assert_int_eq(chmod(sub, 0755), 0);
+  if (geteuid() == 0) { /* only root can give a file away */
+    ck_assert_int_eq(chown(copy, 4321, (gid_t)-1), 0);
+    ck_assert_int_eq(qkeep_plugin_open_path(copy, &p), QKEEP_E_PLUGIN);
+    ASSERT_HAS(qkeep_errmsg(), "owned by uid 4321");
+  }
+  free(copy);
+  free(sub);
+  free(src);
 }
 END_TEST
 
@@ -572,6 +611,7 @@ static Suite *plugin_suite(void) {
   tcase_add_test(tc, test_not_a_library);
   tcase_add_test(tc, test_abi_major);
   tcase_add_test(tc, test_abi_minor);
+  tcase_add_test(tc, test_untrusted_plugin_refused);
   tcase_add_test(tc, test_init_failure);
   tcase_add_test(tc, test_name_mismatch);
   tcase_add_test(tc, test_invalid_name);

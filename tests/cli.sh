@@ -150,6 +150,14 @@ if [ -f "$build/plugins/cpu/.libs/backend-cpu-onednn.so" ]; then
   "$qkeep" -c "$default" run "$build/examples/tiny-w8a8-int8" --json >"$tmp/doc" 2>/dev/null
   check "the float oracle differs from an int8 pipeline" awk -v w="$(worst_int8 "$tmp/doc")" 'BEGIN { exit !(w > 1e-3) }'
 fi
+# No config (and so no plugin) comes from the current directory: a qkeep run from its build
+# tree takes the build tree's conf/qkeep.ini, whatever ./conf/qkeep.ini says
+mkdir -p "$tmp/hostile/conf"
+printf '[qkeep]\nbackend = hostile\nplugin_dir = .\n[model]\ncheckpoint = hostile.safetensors\n' \
+  >"$tmp/hostile/conf/qkeep.ini"
+(cd "$tmp/hostile" && env -u QKEEP_CONFIG "$qkeep" census) >"$tmp/out" 2>&1
+check "the current directory's config is not read" test $? -eq 0
+check "the build tree's config is read instead" contains "$tmp/out" "tiny-w8a8-int8"
 # `qkeep plugins` with the default config lists every backend the build made, with its probe
 "$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
 for so in "$build"/plugins/*/.libs/backend-*.so; do
