@@ -30,8 +30,9 @@ static int host_get_live(const qkeep_layer *layer, const char *name, struct qkee
     return 0;
   }
   if (!e || e->param->state != QKEEP_PARAM_LIVE)
-    return set_error(QKEEP_E_NOTFOUND, "%s has no live param or buffer '%s'%s", layer ? layer->name : "(null)",
-                     name ? name : "(null)", e ? " (it is retired or released)" : "");
+    return set_error(QKEEP_E_NOTFOUND, "%s has no live param or buffer '%s'%s",
+                     layer ? layer->name : "(null)", name ? name : "(null)",
+                     e ? " (it is retired or released)" : "");
   tensor_to_view(&e->param->view, e->param->state, out);
   return 0;
 }

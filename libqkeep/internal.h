@@ -37,6 +37,9 @@ void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
 char *xstrdup(const char *s); /* NULL on NULL or no memory */
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
+/* The bytes of a spec, false when its dtype, rank or a dimension is invalid or the product
+ * does not fit in size_t (so no size ever wraps to a small number). */
+bool spec_bytes_checked(const struct qkeep_spec *spec, size_t *bytes);
 /*
  * Copies a size-prefixed struct out through the ABI: `out` starts with the caller's
  * size_t size (0 means "mine"); copies min(that, in_size) bytes of `in` and stores the
@@ -64,6 +67,9 @@ struct device {
 
 /* The host device (memcpy-based ops). */
 const struct device *host_device(void);
+/* Whether a backend's memory table provides every slot the core calls (plugin.c refuses a
+ * table that is set but short, so a device backend never gets host pointers). */
+bool memory_ops_complete(const struct qkeep_memory_ops *ops);
 /* A device for a backend: its memory ops when it has them, else host memory. */
 void device_init(struct device *dev, const struct qkeep_backend *be);
 

@@ -9,12 +9,8 @@
 #include "internal.h"
 
 static bool valid_spec(const struct qkeep_spec *spec) {
-  if ((unsigned)spec->dtype >= QKEEP_DTYPE_COUNT || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS)
-    return false;
-  for (int i = 0; i < spec->ndim; i++)
-    if (spec->shape[i] < 0)
-      return false;
-  return true;
+  size_t bytes;
+  return spec_bytes_checked(spec, &bytes);
 }
 
 int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind, const char *scheme,

@@ -139,6 +139,10 @@ static int parse_rule(const char *s, size_t n, struct fusion_rule *r) {
     const char *stop = plus ? plus : end;
     if (r->n_members == 8 || !valid_member(p, (size_t)(stop - p)))
       return set_error(QKEEP_E_INVAL, "fusion rule '%.*s': bad or too many members (at most 8)", (int)n, s);
+    for (int m = 0; m < r->n_members; m++)
+      if (strlen(r->members[m]) == (size_t)(stop - p) && strncmp(r->members[m], p, (size_t)(stop - p)) == 0)
+        return set_error(QKEEP_E_INVAL, "fusion rule '%.*s': member '%.*s' is named twice", (int)n, s,
+                         (int)(stop - p), p);
     r->members[r->n_members++] = strndup(p, (size_t)(stop - p));
     p = stop + 1;
   }

@@ -180,6 +180,14 @@ static int check_backend(const char *path, const struct qkeep_backend *be, const
         "%s: backend table is %zu bytes, ABI %d.%d needs at least %zu (core ABI %d.%d, plugin ABI %u.%u)",
         path, be->size, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, BACKEND_MIN_SIZE,
         QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);
+  if (be->memory && !memory_ops_complete(be->memory))
+    return set_error(
+        QKEEP_E_ABI,
+        "%s: backend's memory table (%zu bytes) lacks a slot the core calls (alloc, free, the three "
+        "copies, fill and sync; %zu bytes; core ABI %d.%d, plugin ABI %u.%u): refused rather than "
+        "giving a device backend host memory",
+        path, be->memory->size, sizeof(struct qkeep_memory_ops), QKEEP_BACKEND_ABI_MAJOR,
+        QKEEP_BACKEND_ABI_MINOR, major, minor);
   if (!valid_name(be->name))
     return set_error(QKEEP_E_PLUGIN, "%s: backend has no valid name (core ABI %d.%d, plugin ABI %u.%u)", path,
                      QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, major, minor);

@@ -27,15 +27,18 @@ static int find_param(qkeep_layer *layer, const char *name, const char *op, qkee
 }
 
 int qkeep_tensor_new(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out) {
-  if (!layer || !spec || !out || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS ||
-      (unsigned)spec->dtype >= QKEEP_DTYPE_COUNT)
-    return set_error(QKEEP_E_INVAL, "qkeep_tensor_new: invalid spec");
+  size_t bytes;
+  if (!layer || !spec || !out || !spec_bytes_checked(spec, &bytes))
+    return set_error(QKEEP_E_INVAL,
+                     "qkeep_tensor_new: %s: invalid spec (a bad dtype or rank, a negative "
+                     "dimension, or more bytes than memory has)",
+                     layer ? layer->name : "(null)");
   qkeep_tensor *t = calloc(1, sizeof *t);
   if (!t)
     return set_error(QKEEP_E_NOMEM, "out of memory for a result tensor");
   t->layer = layer;
   t->t.spec = *spec;
-  int rc = storage_new(layer_device(layer), qkeep_spec_bytes(spec), &t->t.storage);
+  int rc = storage_new(layer_device(layer), bytes, &t->t.storage);
   if (rc) {
     free(t);
     return add_error_context(rc, "%s: result tensor", layer->name);
@@ -159,10 +162,14 @@ int qkeep_release(qkeep_layer *layer, const char *name, const char *reason) {
 
 int qkeep_add_buffer(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                      struct qkeep_view *out) {
-  if (!layer || !name || !*name || !spec || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS ||
-      (unsigned)spec->dtype >= QKEEP_DTYPE_COUNT)
+  size_t bytes;
+  if (!layer || !name || !*name || !spec)
     return set_error(QKEEP_E_INVAL, "add_buffer: invalid argument");
-  size_t bytes = qkeep_spec_bytes(spec);
+  if (!spec_bytes_checked(spec, &bytes))
+    return set_error(QKEEP_E_INVAL,
+                     "add_buffer %s.%s: invalid spec (a bad dtype or rank, a negative "
+                     "dimension, or more bytes than memory has)",
+                     layer->name, name);
   struct name_entry *e = layer_find_name(layer, name);
   if (e && e->param)
     return set_error(QKEEP_E_EXISTS, "add_buffer: %s.%s is a param", layer->name, name);

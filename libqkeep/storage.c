@@ -50,15 +50,14 @@ static const struct device host_dev = {NULL, &host_ops, NULL};
 
 const struct device *host_device(void) { return &host_dev; }
 
-/* A backend's memory table counts only when it provides every slot we call. */
-static bool ops_complete(const struct qkeep_memory_ops *ops) {
+bool memory_ops_complete(const struct qkeep_memory_ops *ops) {
   return ops && ops->size >= offsetof(struct qkeep_memory_ops, sync) + sizeof(ops->sync) && ops->alloc &&
          ops->free && ops->copy_h2d && ops->copy_d2h && ops->copy_d2d && ops->fill && ops->sync;
 }
 
 void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->be = be;
-  dev->ops = (be && ops_complete(be->memory)) ? be->memory : &host_ops;
+  dev->ops = (be && memory_ops_complete(be->memory)) ? be->memory : &host_ops;
   dev->stats = NULL;
 }
 

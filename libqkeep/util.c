@@ -71,3 +71,14 @@ const char *json_kind(const void *json_value) {
   }
   return "?";
 }
+
+bool spec_bytes_checked(const struct qkeep_spec *spec, size_t *bytes) {
+  if ((unsigned)spec->dtype >= QKEEP_DTYPE_COUNT || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS)
+    return false;
+  size_t n = qkeep_dtype_size(spec->dtype);
+  for (int i = 0; i < spec->ndim; i++)
+    if (spec->shape[i] < 0 || __builtin_mul_overflow(n, (size_t)spec->shape[i], &n))
+      return false;
+  *bytes = n;
+  return true;
+}

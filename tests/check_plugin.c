@@ -232,6 +232,15 @@ START_TEST(test_untrusted_plugin_refused) {
 }
 END_TEST
 
+/* A memory table that is set but short is refused at load, naming it. */
+START_TEST(test_short_memory_table) {
+  char *msg = open_fails("test-shortmem", NULL, QKEEP_E_ABI);
+  ASSERT_HAS(msg, "memory table");
+  ASSERT_HAS(msg, "lacks a slot");
+  free(msg);
+}
+END_TEST
+
 START_TEST(test_abi_minor) {
   char *file = test_plugin_file("test-minor");
   char *msg = open_fails("test-minor", NULL, QKEEP_E_ABI);
@@ -612,6 +621,7 @@ static Suite *plugin_suite(void) {
   tcase_add_test(tc, test_abi_major);
   tcase_add_test(tc, test_abi_minor);
   tcase_add_test(tc, test_untrusted_plugin_refused);
+  tcase_add_test(tc, test_short_memory_table);
   tcase_add_test(tc, test_init_failure);
   tcase_add_test(tc, test_name_mismatch);
   tcase_add_test(tc, test_invalid_name);

@@ -250,6 +250,32 @@ START_TEST(add_buffer_reuses_same_name_and_size) {
 }
 END_TEST
 
+/* Sizes that do not fit in size_t are refused, never wrapped to a small buffer. */
+START_TEST(sizes_that_wrap_are_refused) {
+  struct qkeep_spec huge = {.dtype = QKEEP_DTYPE_F32, .ndim = 2, .shape = {INT64_C(1) << 62, 8}};
+  struct qkeep_view v = {.size = sizeof v};
+  ck_assert_int_eq(qkeep_add_buffer(layer, "workspace", &huge, &v), QKEEP_E_INVAL);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "workspace"));
+  qkeep_tensor *t = NULL;
+  ck_assert_int_eq(qkeep_tensor_new(layer, &huge, &t), QKEEP_E_INVAL);
+  ck_assert_ptr_null(t);
+  ck_assert_int_eq(qkeep_param_create(layer, "weight", &huge, NULL), QKEEP_E_INVAL);
+  struct qkeep_spec negative = {.dtype = QKEEP_DTYPE_U8, .ndim = 1, .shape = {-4}};
+  ck_assert_int_eq(qkeep_add_buffer(layer, "workspace", &negative, &v), QKEEP_E_INVAL);
+  struct qkeep_census c = census();
+  ck_assert_int_eq(c.buffers, 0);
+  ck_assert_int_eq(c.loader_params, 0);
+}
+END_TEST
+
+/* A fusion rule that names a member twice would load one checkpoint tensor into two shards. */
+START_TEST(fusion_rule_with_a_repeated_member_is_refused) {
+  ck_assert_int_eq(qkeep_model_set_fusion(model, "qkv_proj=q_proj+q_proj+k_proj"), QKEEP_E_INVAL);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "member 'q_proj' is named twice"));
+  ck_assert_int_eq(qkeep_model_set_fusion(model, "qkv_proj=q_proj+k_proj+v_proj"), 0);
+}
+END_TEST
+
 /* host->get_live, which backends read with: live params and buffers, not retired params. */
 START_TEST(host_get_live_finds_buffers_and_live_params_only) {
   const struct qkeep_host *host = host_table();
@@ -463,6 +489,8 @@ static Suite *rules_suite(void) {
   tcase_add_test(tc, release_shows_in_census_with_reason);
   tcase_add_test(tc, add_buffer_reuses_same_name_and_size);
   tcase_add_test(tc, host_get_live_finds_buffers_and_live_params_only);
+  tcase_add_test(tc, sizes_that_wrap_are_refused);
+  tcase_add_test(tc, fusion_rule_with_a_repeated_member_is_refused);
   tcase_add_test(tc, storage_iteration_yields_an_alias_once);
   tcase_add_test(tc, census_catches_planted_c1);
   tcase_add_test(tc, census_catches_planted_c2);

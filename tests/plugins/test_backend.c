@@ -10,6 +10,8 @@
  *   MINOR     needs ABI minor + 1 (a newer core)
  *   INITFAIL  init fails with its own detail through host->set_error
  *   NODEV     probe says its device is absent ("no test device")
+ *   SHORTMEM  its memory table stops before sync: the core must refuse it, not fall back to host
+ *             memory (a GPU kernel would get host pointers)
  *   PICKY     a chain member (ABI 1.1 supports_layer): owns only the unquantized F32/BF16
  *             linear layers whose name contains its `take` key (every one when unset,
  *             none with take = -), refusing the rest with a reason; a real f32 kernel
@@ -39,6 +41,8 @@
 #define TEST_NAME "test-initfail"
 #elif defined(VARIANT_NODEV)
 #define TEST_NAME "test-nodev"
+#elif defined(VARIANT_SHORTMEM)
+#define TEST_NAME "test-shortmem"
 #elif defined(VARIANT_PICKY)
 #define TEST_NAME "test-picky"
 #elif defined(VARIANT_LEGACY)
@@ -232,6 +236,10 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
 #endif
     .supports = test_supports, .pwal = test_pwal, .fini = test_fini,
   };
+#if defined(VARIANT_SHORTMEM)
+  static const struct qkeep_memory_ops short_ops = {.size = offsetof(struct qkeep_memory_ops, sync)};
+  tb->be.memory = &short_ops;
+#endif
 #if defined(VARIANT_LEGACY)
   /* What a plugin compiled against ABI 1.0 hands over: a table that ends at fini. */
   tb->be.size = offsetof(struct qkeep_backend, fini) + sizeof tb->be.fini;
