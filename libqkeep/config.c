@@ -12,11 +12,14 @@
  * "PATH:LINE: detail", and the first one wins: it is the one to fix.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <ini.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -189,6 +192,44 @@ static int inspect_line(struct parse_state *st, char *text) {
   return rc;
 }
 
+static int handle_pair_at(struct parse_state *st, const char *key, const char *value);
+
+/*
+ * A line longer than inih's buffer, read as inih reads one: a comment or blank line is nothing;
+ * "key = value" (or "key: value") has its key and value trimmed and an inline comment (';'
+ * after a blank) cut. A section header that long is refused: no section name is.
+ */
+static int long_pair(struct parse_state *st, char *text) {
+  char *p = text;
+  while (is_blank(*p))
+    p++;
+  size_t len = strlen(p);
+  while (len && (is_blank(p[len - 1]) || p[len - 1] == '\n' || p[len - 1] == '\r'))
+    p[--len] = '\0';
+  if (!*p || *p == ';' || *p == '#')
+    return 0;
+  if (*p == '[')
+    return parse_fail(st, QKEEP_E_CONFIG, "section header too long (%zu characters)", len);
+  char *delim = p + strcspn(p, "=:");
+  if (!*delim)
+    return parse_fail(st, QKEEP_E_CONFIG, "syntax error (expected [section], key = value or a comment)");
+  *delim = '\0';
+  for (size_t k = strlen(p); k && is_blank(p[k - 1]);)
+    p[--k] = '\0';
+  char *value = delim + 1;
+  while (is_blank(*value))
+    value++;
+  for (char *c = value; *c; c++)
+    if (*c == ';' && c > value && is_blank(c[-1])) {
+      *c = '\0';
+      break;
+    }
+  for (size_t k = strlen(value); k && is_blank(value[k - 1]);)
+    value[--k] = '\0';
+  handle_pair_at(st, p, value);
+  return st->err_code;
+}
+
 /*
  * inih's fgets-style reader. Hands over exactly one physical line per call, so
  * st->lineno is the line inih is on, and stops at the first error we found.
@@ -217,13 +258,16 @@ static char *read_line(char *buf, int buf_len, void *user) {
     parse_fail(st, QKEEP_E_CONFIG, "line contains a NUL byte");
     return NULL;
   }
-  /* inih's line buffer holds buf_len - 1 characters; a longer line would be split in two. */
-  if (buf_len < 2 || n > buf_len - 1) {
-    parse_fail(st, QKEEP_E_CONFIG, "line too long (at most %d characters)", buf_len - 2);
-    return NULL;
-  }
   if (inspect_line(st, text))
     return NULL;
+  /* inih's line buffer holds buf_len - 1 characters and would split a longer line in two
+   * (long paths are common): we read such a key = value ourselves and hand inih a blank line. */
+  if (buf_len < 2 || n > buf_len - 2) {
+    if (long_pair(st, text) || buf_len < 2)
+      return NULL;
+    strcpy(buf, "\n");
+    return buf;
+  }
   memcpy(buf, text, (size_t)n + 1);
   return buf;
 }
@@ -372,6 +416,15 @@ static int handle_pair(void *user, const char *section, const char *key, const c
   return 0;
 }
 
+/* handle_pair for a line read without inih (long_pair). */
+static int handle_pair_at(struct parse_state *st, const char *key, const char *value) {
+#if INI_HANDLER_LINENO
+  return handle_pair(st, NULL, key, value, st->lineno);
+#else
+  return handle_pair(st, NULL, key, value);
+#endif
+}
+
 /* Runs inih over the open file; returns 0 or the first error, its detail set. */
 static int parse_file(struct parse_state *st) {
   int bad_line = ini_parse_stream(read_line, st, handle_pair, st);
@@ -405,9 +458,21 @@ int qkeep_config_load(const char *path, qkeep_config **out) {
     free(cfg);
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", path);
   }
-  FILE *file = fopen(path, "r");
-  if (!file) {
-    int err = errno;
+  /* Non-blocking, so that a FIFO in the config's place cannot hang the open; then regular files only. */
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  struct stat sb;
+  FILE *file = NULL;
+  int err = fd < 0 ? errno : fstat(fd, &sb) ? errno : 0;
+  if (!err && !S_ISREG(sb.st_mode)) {
+    close(fd);
+    qkeep_config_free(cfg);
+    return set_error(QKEEP_E_IO, "%s: cannot open config: not a regular file", path);
+  }
+  if (!err && (fcntl(fd, F_SETFL, 0) != 0 || !(file = fdopen(fd, "r"))))
+    err = errno;
+  if (err) {
+    if (fd >= 0 && !file)
+      close(fd);
     qkeep_config_free(cfg);
     return set_error(err == ENOENT || err == ENOTDIR ? QKEEP_E_NOTFOUND : QKEEP_E_IO,
                      "%s: cannot open config: %s", path, strerror(err));

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkutil.h"
@@ -211,12 +212,40 @@ START_TEST(test_syntax_error) {
 END_TEST
 
 /* inih's line buffer would split a long line in two: refuse it, with its line. */
+/* Lines longer than inih's buffer (long paths) are read whole, as inih reads a short one. */
 START_TEST(test_long_line) {
-  char text[1024] = "[qkeep]\nbackend = reference\n[model]\ncheckpoint = /";
-  size_t n = strlen(text);
-  memset(text + n, 'a', 600);
-  strcpy(text + n + 600, "\n");
-  expect_error(text, QKEEP_E_CONFIG, 4, "line too long");
+  size_t long_len = 5000;
+  char *dirname = malloc(long_len + 1);
+  memset(dirname, 'a', long_len);
+  dirname[long_len] = '\0';
+  size_t cap = 4 * long_len + 512;
+  char *text = malloc(cap);
+  snprintf(text, cap,
+           "[qkeep]\nbackend = reference\n; %s\n[model]\ncheckpoint = /%s/m ; a comment\n"
+           "[backend.reference]\nactivations: %s\n",
+           dirname, dirname, dirname);
+  char *path = write_config("long.ini", text);
+  qkeep_config *cfg = NULL;
+  ck_assert_msg(qkeep_config_load(path, &cfg) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(strlen(qkeep_config_checkpoint(cfg)), long_len + 3);
+  ck_assert_int_eq(strncmp(qkeep_config_checkpoint(cfg) + 1, dirname, long_len), 0);
+  ck_assert_str_eq(qkeep_config_checkpoint(cfg) + long_len + 1, "/m");
+  const struct config_backend_section *sec = config_section(cfg, "reference");
+  ck_assert_ptr_nonnull(sec);
+  ck_assert_str_eq(sec->options[0].key, "activations");
+  ck_assert_str_eq(sec->options[0].value, dirname);
+  ck_assert_int_eq(sec->options[0].line, 7);
+  qkeep_config_free(cfg);
+  free(path);
+  /* a long line still follows the rules: a header that long, or no '=', is an error with its line */
+  snprintf(text, cap, "[qkeep]\nbackend = reference\n[backend.%s]\n", dirname);
+  expect_error(text, QKEEP_E_CONFIG, 3, "section header too long");
+  snprintf(text, cap, "[qkeep]\nbackend = reference\n[model]\n%s\n", dirname);
+  expect_error(text, QKEEP_E_CONFIG, 4, "syntax error");
+  snprintf(text, cap, "[qkeep]\nbackend = reference\n[model]\ncheckpoint = a\ncheckpoint = /%s\n", dirname);
+  expect_error(text, QKEEP_E_CONFIG, 5, "duplicate key 'checkpoint'");
+  free(text);
+  free(dirname);
 }
 END_TEST
 
@@ -295,6 +324,19 @@ START_TEST(test_backend_chain) {
 }
 END_TEST
 
+/* A FIFO (or a directory) in the config's place is refused at once, never waited on. */
+START_TEST(test_config_not_a_regular_file) {
+  char *fifo = tu_path(tmpdir, "fifo.ini");
+  ck_assert_int_eq(mkfifo(fifo, 0600), 0);
+  qkeep_config *cfg = NULL;
+  ck_assert_int_eq(qkeep_config_load(fifo, &cfg), QKEEP_E_IO);
+  ck_assert_ptr_null(cfg);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "not a regular file"));
+  ck_assert_int_eq(qkeep_config_load(tmpdir, &cfg), QKEEP_E_IO);
+  free(fifo);
+}
+END_TEST
+
 START_TEST(test_null_accessors) {
   qkeep_config_free(NULL);
   ck_assert_ptr_null(qkeep_config_backend(NULL));
@@ -325,6 +367,7 @@ static Suite *config_suite(void) {
   tcase_add_test(tc, test_nul_byte);
   tcase_add_test(tc, test_missing_file);
   tcase_add_test(tc, test_backend_chain);
+  tcase_add_test(tc, test_config_not_a_regular_file);
   tcase_add_test(tc, test_null_accessors);
   suite_add_tcase(s, tc);
   return s;
