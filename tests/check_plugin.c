@@ -342,6 +342,9 @@ START_TEST(test_configure_good) {
   qkeep_plugin *p = NULL;
   ck_assert_msg(qkeep_plugin_open_config(cfg, &p) == 0, "%s", qkeep_errmsg());
   ck_assert_str_eq(qkeep_plugin_name(p), "test-good");
+  char msg[128];
+  ck_assert_int_eq(qkeep_plugin_probe(p, msg, sizeof msg), 0);
+  ck_assert_str_eq(msg, "test device ready (threads 4)"); /* the value reached the backend */
   ck_assert_int_eq(qkeep_plugin_configure(p, cfg), 0); /* again: still fine */
   qkeep_plugin_close(p);
   qkeep_config_free(cfg);

@@ -72,12 +72,15 @@ static void put_msg(char *msg, size_t msg_len, const char *text) {
 }
 
 static int test_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
-  (void)be;
 #if defined(VARIANT_NODEV)
+  (void)be;
   put_msg(msg, msg_len, "no test device");
   return QKEEP_E_NODEV;
 #else
-  put_msg(msg, msg_len, "test device ready");
+  /* The configured thread count shows here, so a test can see that configure took effect. */
+  char text[64];
+  snprintf(text, sizeof text, "test device ready (threads %ld)", ((const struct test_backend *)be)->threads);
+  put_msg(msg, msg_len, text);
   return 0;
 #endif
 }
