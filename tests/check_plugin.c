@@ -98,7 +98,7 @@ START_TEST(test_good) {
 
   char msg[64] = "junk";
   ck_assert_int_eq(qkeep_plugin_probe(p, msg, sizeof msg), 0);
-  ck_assert_str_eq(msg, "test device ready");
+  ck_assert_str_eq(msg, "test device ready (threads 1)");
   qkeep_plugin_close(p);
   qkeep_plugin_close(NULL);
   free(file);
