@@ -249,7 +249,12 @@ struct st_tensor {
   char dtype_name[16]; /* the header's dtype string, e.g. "F8_E4M3" */
   int dtype;           /* enum qkeep_dtype, or -1 for a valid safetensors dtype qkeep does not use */
   int ndim;
-  int64_t shape[QKEEP_MAX_DIMS];
+  int64_t shape[QKEEP_MAX_DIMS]; /* the header's shape, or, when it does not fit a qkeep_spec, collapsed */
+  /* NULL when the shape fits a qkeep_spec; else the header's own shape (full_ndim dims), kept for
+   * validation and the digest. Collapsed: a zero-element tensor is [0]; otherwise the leading dims
+   * merge so that the last QKEEP_MAX_DIMS - 1 stay as they are. */
+  uint64_t *full_shape;
+  int full_ndim;
   uint64_t offset; /* absolute byte offset in the file */
   uint64_t nbytes;
 };

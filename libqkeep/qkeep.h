@@ -52,13 +52,17 @@ QKEEP_API const char *qkeep_errmsg(void);
 QKEEP_API void qkeep_set_logger(void (*fn)(void *user, enum qkeep_log_level level, const char *msg),
                                 void *user);
 
-/* Bytes per element (packed types count their storage element). 0 if invalid. */
+/* Bytes per element (packed types count their storage element). 0 if invalid or sub-byte. */
 QKEEP_API size_t qkeep_dtype_size(enum qkeep_dtype dtype);
+/* Bits per element (4 for F4, 6 for F6_*, 8 x the size otherwise), or 0 when invalid.
+ * qkeep_dtype_size is 0 for the sub-byte dtypes: use this for them. */
+QKEEP_API unsigned qkeep_dtype_bits(enum qkeep_dtype dtype);
 /* The safetensors name of a dtype ("F8_E4M3"), or "?" when invalid. */
 QKEEP_API const char *qkeep_dtype_name(enum qkeep_dtype dtype);
 /* Parses a safetensors dtype name. QKEEP_E_NOTFOUND when unknown. */
 QKEEP_API int qkeep_dtype_parse(const char *name, enum qkeep_dtype *out);
-/* Elements of a spec (1 for a scalar); bytes = numel * dtype size. */
+/* Elements of a spec (1 for a scalar); bytes = numel * bits / 8 (whole bytes for the sub-byte dtypes'
+ * shapes the safetensors format allows). */
 QKEEP_API int64_t qkeep_spec_numel(const struct qkeep_spec *spec);
 QKEEP_API size_t qkeep_spec_bytes(const struct qkeep_spec *spec);
 /* A name for a layer kind ("linear"), or "?" */

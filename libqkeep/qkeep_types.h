@@ -40,7 +40,13 @@ enum qkeep_error {
   QKEEP_E_STATE = -14,       /* the object is not in a state that allows this */
 };
 
-/* Element types. Packed e2m1 (FP4) lives in U8, two codes per byte. */
+/*
+ * Element types: every dtype of the safetensors format. The schemes' packed
+ * e2m1 (FP4) lives in U8, two codes per byte, as the exporters write it; the
+ * values from BOOL on were appended in ABI 1.x (numbers never change) and
+ * load as plain tensors. F4 and F6_* are sub-byte: a spec's bytes are
+ * numel x bits / 8 (qkeep_dtype_bits).
+ */
 enum qkeep_dtype {
   QKEEP_DTYPE_F32 = 0,
   QKEEP_DTYPE_F16 = 1,
@@ -51,6 +57,19 @@ enum qkeep_dtype {
   QKEEP_DTYPE_I8 = 6,
   QKEEP_DTYPE_I32 = 7,
   QKEEP_DTYPE_I64 = 8,
+  QKEEP_DTYPE_BOOL = 9,
+  QKEEP_DTYPE_F4 = 10,      /* e2m1, 4 bits per element (safetensors' logical shape) */
+  QKEEP_DTYPE_F6_E2M3 = 11, /* 6 bits per element */
+  QKEEP_DTYPE_F6_E3M2 = 12, /* 6 bits per element */
+  QKEEP_DTYPE_F8_E5M2 = 13,
+  QKEEP_DTYPE_F8_E4M3FNUZ = 14, /* the FP8 of AMD MI300 checkpoints */
+  QKEEP_DTYPE_F8_E5M2FNUZ = 15,
+  QKEEP_DTYPE_I16 = 16,
+  QKEEP_DTYPE_U16 = 17,
+  QKEEP_DTYPE_U32 = 18,
+  QKEEP_DTYPE_U64 = 19,
+  QKEEP_DTYPE_F64 = 20,
+  QKEEP_DTYPE_C64 = 21, /* two f32 */
   QKEEP_DTYPE_COUNT
 };
 

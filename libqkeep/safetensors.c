@@ -3,8 +3,12 @@
  *
  * st_open reads the 8-byte header length and the JSON header with pread,
  * checks every rule the reference reader checks, plus two it leaves loose
- * (duplicate names, unknown keys in a tensor entry), and keeps the tensor table
- * sorted by name. st_read fetches one tensor's bytes on demand.
+ * (duplicate names, unknown keys in a tensor entry: refused on purpose, since
+ * either lets one file mean two things), and keeps the tensor table sorted by
+ * name. What the reference accepts is accepted: whitespace before the header's
+ * '{' (writers pad to page-align the data), any rank, "__metadata__": null,
+ * dimensions up to 2^64 - 1 in a zero-element tensor. st_read fetches one
+ * tensor's bytes on demand.
  *
  * The file is never mapped: a checkpoint that shrinks while it is open must
  * give an error naming the file and tensor, never SIGBUS.
@@ -68,11 +72,25 @@ static int PRINTF_LIKE(4, 5)
   return set_error(code, "%s: tensor '%s': %s", f->path, name, detail);
 }
 
-/* "[3, 4]" for a tensor's shape, into buf. */
+static const char *dims_str(const uint64_t *dims, size_t ndim, char *buf, size_t len);
+
+/* "[3, 4]" for a tensor's shape as the header gives it, into buf. */
 static const char *shape_str(const struct st_tensor *t, char *buf, size_t len) {
+  if (t->full_shape)
+    return dims_str(t->full_shape, (size_t)t->full_ndim, buf, len);
   struct qkeep_spec spec = {.ndim = t->ndim};
   memcpy(spec.shape, t->shape, sizeof spec.shape);
   return spec_shape_str(&spec, buf, len);
+}
+
+/* "[3, 4]" for a header's own dims (any rank, any u64), into buf. */
+static const char *dims_str(const uint64_t *dims, size_t ndim, char *buf, size_t len) {
+  size_t at = (size_t)snprintf(buf, len, "[");
+  for (size_t i = 0; i < ndim && at < len; i++)
+    at += (size_t)snprintf(buf + at, len - at, "%s%llu", i ? ", " : "", (unsigned long long)dims[i]);
+  if (at < len)
+    snprintf(buf + at, len - at, "]");
+  return buf;
 }
 
 /* ---- low-level I/O ------------------------------------------------------------------ */
@@ -214,16 +232,21 @@ static int read_header(struct st_file *f, char **out) {
     return file_error(QKEEP_E_FORMAT, f, "header is not valid UTF-8 (bad byte 0x%02x at header offset %zu)",
                       bad_byte, bad_at);
   }
-  if (header[0] != '{') {
+  /* JSON whitespace may come first (the reference accepts it: writers pad the header to page-align
+   * the data); then the object. */
+  size_t lead = strspn(header, " \t\n\r");
+  if (header[lead] != '{') {
     free(header);
-    return file_error(QKEEP_E_FORMAT, f, "header does not begin with '{'");
+    return file_error(QKEEP_E_FORMAT, f, "header does not begin with '{' (after any whitespace)");
   }
   *out = header;
   return 0;
 }
 
-/* Copies __metadata__ (an object of strings) into f, in header order. */
+/* Copies __metadata__ (an object of strings, or null) into f, in header order. */
 static int parse_metadata(struct st_file *f, json_t *meta) {
+  if (json_is_null(meta)) /* the reference's Option: null is no metadata */
+    return 0;
   if (!json_is_object(meta))
     return file_error(QKEEP_E_FORMAT, f, "__metadata__ is %s, expected an object of strings",
                       json_kind(meta));
@@ -262,37 +285,94 @@ static int parse_dtype(const struct st_file *f, struct st_tensor *t, const json_
   strcpy(t->dtype_name, dt->name);
   enum qkeep_dtype qd;
   t->dtype = qkeep_dtype_parse(dt->name, &qd) == 0 ? (int)qd : -1;
-  assert(t->dtype < 0 || qkeep_dtype_size(qd) * 8 == dt->bits);
+  assert(t->dtype >= 0 && qkeep_dtype_bits(qd) == dt->bits);
   *bits = dt->bits;
   return 0;
 }
 
-/* Fills t's shape from the entry's "shape": at most QKEEP_MAX_DIMS integers >= 0. */
-static int parse_shape(const struct st_file *f, struct st_tensor *t, const json_t *v) {
+/*
+ * Integers jansson cannot hold (above INT64_MAX) reach it as markers (see
+ * mark_big_integers): -(BIG_MARK + i) stands for big->values[i].
+ */
+#define BIG_MARK 100000000000000000LL
+struct big_ints {
+  uint64_t *values;
+  size_t n, cap;
+};
+
+/* The value of a JSON integer that must be >= 0: 1 and *out, 0 for a negative one. */
+static int nonneg_int(const json_t *v, const struct big_ints *big, uint64_t *out) {
+  json_int_t i = json_integer_value(v);
+  if (i >= 0) {
+    *out = (uint64_t)i;
+    return 1;
+  }
+  if (big && i <= -BIG_MARK && (uint64_t)(-(i + BIG_MARK)) < big->n) {
+    *out = big->values[-(i + BIG_MARK)];
+    return 1;
+  }
+  return 0;
+}
+
+/*
+ * Fills t's shape from the entry's "shape": integers from 0 to 2^64 - 1, any
+ * number of them. A shape that does not fit a qkeep_spec (more than
+ * QKEEP_MAX_DIMS dimensions, or one >= 2^63) is kept whole in t->full_shape,
+ * and t->shape gets the collapsed form once the element count is known
+ * (collapse_shape).
+ */
+static int parse_shape(const struct st_file *f, struct st_tensor *t, const json_t *v,
+                       const struct big_ints *big, uint64_t **dims, size_t *ndim) {
   if (!json_is_array(v))
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape is %s, expected an array of integers",
                         json_kind(v));
-  size_t ndim = json_array_size(v);
-  if (ndim > QKEEP_MAX_DIMS)
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape has %zu dimensions, qkeep supports at most %d",
-                        ndim, QKEEP_MAX_DIMS);
-  for (size_t i = 0; i < ndim; i++) {
+  *ndim = json_array_size(v);
+  if (!(*dims = malloc((*ndim ? *ndim : 1) * sizeof **dims)))
+    return tensor_error(QKEEP_E_NOMEM, f, t->name, "out of memory for %zu dimensions", *ndim);
+  for (size_t i = 0; i < *ndim; i++) {
     const json_t *dim = json_array_get(v, i);
-    if (json_is_integer(dim) && json_integer_value(dim) < 0)
+    if (json_is_integer(dim) && !nonneg_int(dim, big, &(*dims)[i]))
       return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape dimension %zu is %lld, expected an integer >= 0",
                           i, (long long)json_integer_value(dim));
     if (!json_is_integer(dim))
       return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape dimension %zu is %s, expected an integer >= 0",
                           i, json_kind(dim));
-    t->shape[i] = (int64_t)json_integer_value(dim);
   }
-  t->ndim = (int)ndim;
   return 0;
 }
 
+/* Sets t->shape (and t->full_shape when needed) from the header's dims; takes dims. */
+static void collapse_shape(struct st_tensor *t, uint64_t *dims, size_t ndim, uint64_t numel) {
+  bool fits = ndim <= QKEEP_MAX_DIMS;
+  for (size_t i = 0; i < ndim && fits; i++)
+    fits = dims[i] <= (uint64_t)INT64_MAX;
+  if (fits) {
+    for (size_t i = 0; i < ndim; i++)
+      t->shape[i] = (int64_t)dims[i];
+    t->ndim = (int)ndim;
+    free(dims);
+    return;
+  }
+  t->full_shape = dims;
+  t->full_ndim = (int)ndim;
+  if (numel == 0) {
+    t->ndim = 1;
+    t->shape[0] = 0;
+    return;
+  }
+  /* numel > 0 fits in 61 bits (numel x bits does in 64), so every dim and product does too. */
+  size_t lead = ndim - (QKEEP_MAX_DIMS - 1);
+  t->ndim = QKEEP_MAX_DIMS;
+  t->shape[0] = 1;
+  for (size_t i = 0; i < lead; i++)
+    t->shape[0] *= (int64_t)dims[i];
+  for (size_t i = lead; i < ndim; i++)
+    t->shape[1 + i - lead] = (int64_t)dims[i];
+}
+
 /* Reads "data_offsets": exactly [begin, end], integers with 0 <= begin <= end. */
-static int parse_offsets(const struct st_file *f, const struct st_tensor *t, const json_t *v, uint64_t *begin,
-                         uint64_t *end) {
+static int parse_offsets(const struct st_file *f, const struct st_tensor *t, const json_t *v,
+                         const struct big_ints *big, uint64_t *begin, uint64_t *end) {
   if (!json_is_array(v))
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets is %s, expected [begin, end]",
                         json_kind(v));
@@ -300,18 +380,18 @@ static int parse_offsets(const struct st_file *f, const struct st_tensor *t, con
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets is an array of %zu, expected [begin, end]",
                         json_array_size(v));
   static const char *const which[2] = {"begin", "end"};
+  uint64_t at[2];
   for (size_t i = 0; i < 2; i++) {
     const json_t *x = json_array_get(v, i);
-    if (json_is_integer(x) && json_integer_value(x) < 0)
+    if (json_is_integer(x) && !nonneg_int(x, big, &at[i]))
       return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets %s is %lld, expected an integer >= 0",
                           which[i], (long long)json_integer_value(x));
     if (!json_is_integer(x))
       return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets %s is %s, expected an integer >= 0",
                           which[i], json_kind(x));
   }
-  const json_t *b = json_array_get(v, 0), *e = json_array_get(v, 1);
-  *begin = (uint64_t)json_integer_value(b);
-  *end = (uint64_t)json_integer_value(e);
+  *begin = at[0];
+  *end = at[1];
   if (*end < *begin)
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "data_offsets [%llu, %llu] end before they begin",
                         (unsigned long long)*begin, (unsigned long long)*end);
@@ -324,7 +404,7 @@ static int parse_offsets(const struct st_file *f, const struct st_tensor *t, con
  * bytes. Sets t->offset to the absolute file offset; contiguity is checked
  * later, over all tensors.
  */
-static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *entry) {
+static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *entry, const struct big_ints *big) {
   if (!json_is_object(entry))
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "entry is %s, expected an object", json_kind(entry));
 
@@ -341,27 +421,36 @@ static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *en
       return tensor_error(QKEEP_E_FORMAT, f, t->name, "missing key '%s'", required[i]);
 
   unsigned bits = 0;
-  uint64_t begin = 0, end = 0;
+  uint64_t begin = 0, end = 0, *dims = NULL;
+  size_t ndim = 0;
   int rc;
   if ((rc = parse_dtype(f, t, json_object_get(entry, "dtype"), &bits)) != 0 ||
-      (rc = parse_shape(f, t, json_object_get(entry, "shape"))) != 0 ||
-      (rc = parse_offsets(f, t, json_object_get(entry, "data_offsets"), &begin, &end)) != 0)
+      (rc = parse_shape(f, t, json_object_get(entry, "shape"), big, &dims, &ndim)) != 0 ||
+      (rc = parse_offsets(f, t, json_object_get(entry, "data_offsets"), big, &begin, &end)) != 0) {
+    free(dims);
     return rc;
+  }
   assert(bits > 0);
 
   /* Overflow-checked in the reference's order: the product of the dims, then x bits. */
   char shape[160];
   uint64_t numel = 1, total_bits;
-  for (int i = 0; i < t->ndim; i++) {
-    uint64_t dim = (uint64_t)t->shape[i];
-    if (dim != 0 && numel > UINT64_MAX / dim)
-      return tensor_error(QKEEP_E_FORMAT, f, t->name, "shape %s: element count overflows",
-                          shape_str(t, shape, sizeof shape));
-    numel *= dim;
+  for (size_t i = 0; i < ndim; i++) {
+    if (dims[i] != 0 && numel > UINT64_MAX / dims[i]) {
+      rc = tensor_error(QKEEP_E_FORMAT, f, t->name, "shape %s: element count overflows",
+                        dims_str(dims, ndim, shape, sizeof shape));
+      free(dims);
+      return rc;
+    }
+    numel *= dims[i];
   }
-  if (numel > UINT64_MAX / bits)
-    return tensor_error(QKEEP_E_FORMAT, f, t->name, "%s %s: size in bits overflows", t->dtype_name,
-                        shape_str(t, shape, sizeof shape));
+  if (numel > UINT64_MAX / bits) {
+    rc = tensor_error(QKEEP_E_FORMAT, f, t->name, "%s %s: size in bits overflows", t->dtype_name,
+                      dims_str(dims, ndim, shape, sizeof shape));
+    free(dims);
+    return rc;
+  }
+  collapse_shape(t, dims, ndim, numel);
   total_bits = numel * bits;
   if (total_bits % 8 != 0)
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "%s %s is %llu bits, not a whole number of bytes",
@@ -376,22 +465,105 @@ static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *en
   return 0;
 }
 
-/* Parses the header JSON into f's tensors and metadata (not yet sorted or laid out). */
-static int parse_header(struct st_file *f, const char *header) {
+/*
+ * jansson keeps integers in 64 signed bits, so a dimension >= 2^63 (which the
+ * reference reads as a u64: valid in a zero-element tensor) makes it fail with
+ * a numeric overflow. This rewrites, in `text` (a copy of the header), every
+ * unsigned integer literal above INT64_MAX outside strings as the marker
+ * -(BIG_MARK + i), padded with spaces to the literal's length (the literal has
+ * 19 digits or more, the marker 19 characters), and records its value. A
+ * literal above 2^64 - 1, or a negative one that could be read as a marker,
+ * is QKEEP_E_FORMAT. Every marker is therefore one of ours.
+ */
+static int mark_big_integers(const struct st_file *f, char *text, size_t n, struct big_ints *big) {
+  bool in_string = false;
+  for (size_t i = 0; i < n; i++) {
+    char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        i++;
+      else if (c == '"')
+        in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      continue;
+    }
+    bool negative = c == '-';
+    if (!negative && !(c >= '0' && c <= '9'))
+      continue;
+    size_t start = i, end = i + negative;
+    while (end < n && text[end] >= '0' && text[end] <= '9')
+      end++;
+    size_t digits = end - start - negative;
+    i = end - 1;
+    if (end < n && (text[end] == '.' || text[end] == 'e' || text[end] == 'E'))
+      continue; /* a real: jansson holds it (as a double) and the checks refuse it where it sits */
+    if (negative && digits >= 18)
+      return file_error(QKEEP_E_FORMAT, f, "header integer at offset %zu is out of range", start);
+    if (negative || digits < 19)
+      continue;
+    errno = 0;
+    char *stop;
+    unsigned long long v = strtoull(text + start, &stop, 10);
+    if (errno == ERANGE || digits > 20)
+      return file_error(QKEEP_E_FORMAT, f, "header integer at offset %zu is larger than 2^64 - 1", start);
+    if (v <= (unsigned long long)INT64_MAX)
+      continue;
+    int rc = grow_array((void **)&big->values, &big->cap, big->n + 1, sizeof *big->values);
+    if (rc)
+      return rc;
+    char marker[24];
+    int len = snprintf(marker, sizeof marker, "%lld", -(BIG_MARK + (long long)big->n));
+    if ((size_t)len > end - start)
+      return file_error(QKEEP_E_FORMAT, f, "header has too many integers above 2^63 - 1");
+    memset(text + start, ' ', end - start);
+    memcpy(text + start, marker, (size_t)len);
+    big->values[big->n++] = v;
+  }
+  return 0;
+}
+
+/* The header's JSON root; integers above INT64_MAX go through mark_big_integers. */
+static int load_root(const struct st_file *f, const char *header, struct big_ints *big, json_t **out) {
   json_error_t jerr;
-  json_t *root = json_loadb(header, (size_t)f->header_len, JSON_REJECT_DUPLICATES, &jerr);
-  if (!root) {
-#if JANSSON_VERSION_HEX >= 0x020b00
+  *out = json_loadb(header, (size_t)f->header_len, JSON_REJECT_DUPLICATES, &jerr);
+  if (!*out && json_error_code(&jerr) == json_error_numeric_overflow) {
+    char *copy = malloc((size_t)f->header_len + 1);
+    if (!copy)
+      return file_error(QKEEP_E_NOMEM, f, "out of memory for a copy of the header");
+    memcpy(copy, header, (size_t)f->header_len + 1);
+    int rc = mark_big_integers(f, copy, (size_t)f->header_len, big);
+    if (!rc)
+      *out = json_loadb(copy, (size_t)f->header_len, JSON_REJECT_DUPLICATES, &jerr);
+    free(copy);
+    if (rc)
+      return rc;
+  }
+  if (!*out) {
     if (json_error_code(&jerr) == json_error_out_of_memory)
       return file_error(QKEEP_E_NOMEM, f, "out of memory parsing the header");
-#endif
     return file_error(QKEEP_E_FORMAT, f, "header is not valid JSON: %s (line %d, column %d)", jerr.text,
                       jerr.line, jerr.column);
   }
+  if (!json_is_object(*out)) { /* whitespace then '{' was checked, so only an object parses */
+    json_decref(*out);
+    *out = NULL;
+    return file_error(QKEEP_E_FORMAT, f, "header is not a JSON object");
+  }
+  return 0;
+}
 
-  int rc = 0;
-  /* The header begins with '{', so a successful parse is an object. */
-  assert(json_is_object(root));
+/* Parses the header JSON into f's tensors and metadata (not yet sorted or laid out). */
+static int parse_header(struct st_file *f, const char *header) {
+  struct big_ints big = {0};
+  json_t *root = NULL;
+  int rc = load_root(f, header, &big, &root);
+  if (rc) {
+    free(big.values);
+    return rc;
+  }
   size_t n = json_object_size(root);
   if (n > 0 && !(f->tensors = calloc(n, sizeof *f->tensors)))
     rc = file_error(QKEEP_E_NOMEM, f, "out of memory for %zu tensors", n);
@@ -411,9 +583,10 @@ static int parse_header(struct st_file *f, const char *header) {
       break;
     }
     f->n_tensors++;
-    rc = parse_tensor(f, t, value);
+    rc = parse_tensor(f, t, value, big.n ? &big : NULL);
   }
   json_decref(root);
+  free(big.values);
   return rc;
 }
 
@@ -528,8 +701,10 @@ void st_close(struct st_file *f) {
     return;
   if (f->fd >= 0)
     close(f->fd);
-  for (size_t i = 0; i < f->n_tensors; i++)
+  for (size_t i = 0; i < f->n_tensors; i++) {
     free(f->tensors[i].name);
+    free(f->tensors[i].full_shape);
+  }
   free(f->tensors);
   for (size_t i = 0; i < f->n_metadata; i++) {
     free(f->metadata_keys[i]);

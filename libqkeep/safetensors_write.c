@@ -55,15 +55,28 @@ struct st_writer {
  */
 static int reference_rank(enum qkeep_dtype dtype) {
   switch (dtype) {
+  case QKEEP_DTYPE_BOOL: return 0;
+  case QKEEP_DTYPE_F4: return 1;
+  case QKEEP_DTYPE_F6_E2M3: return 2;
+  case QKEEP_DTYPE_F6_E3M2: return 3;
   case QKEEP_DTYPE_U8: return 4;
   case QKEEP_DTYPE_I8: return 5;
+  case QKEEP_DTYPE_F8_E5M2: return 6;
   case QKEEP_DTYPE_F8_E4M3: return 7;
   case QKEEP_DTYPE_F8_E8M0: return 8;
+  case QKEEP_DTYPE_F8_E4M3FNUZ: return 9;
+  case QKEEP_DTYPE_F8_E5M2FNUZ: return 10;
+  case QKEEP_DTYPE_I16: return 11;
+  case QKEEP_DTYPE_U16: return 12;
   case QKEEP_DTYPE_F16: return 13;
   case QKEEP_DTYPE_BF16: return 14;
   case QKEEP_DTYPE_I32: return 15;
+  case QKEEP_DTYPE_U32: return 16;
   case QKEEP_DTYPE_F32: return 17;
+  case QKEEP_DTYPE_C64: return 18;
+  case QKEEP_DTYPE_F64: return 19;
   case QKEEP_DTYPE_I64: return 20;
+  case QKEEP_DTYPE_U64: return 21;
   case QKEEP_DTYPE_COUNT: break;
   }
   assert(!"unreachable: dtype validated by st_writer_add");
@@ -139,20 +152,22 @@ static int check_spec(const char *name, const struct qkeep_spec *spec, size_t *n
                      QKEEP_MAX_DIMS);
   /* Bytes must fit size_t and int64 (qkeep_spec_numel), whichever is smaller. */
   const uint64_t limit = SIZE_MAX < INT64_MAX ? (uint64_t)SIZE_MAX : (uint64_t)INT64_MAX;
-  uint64_t bytes = qkeep_dtype_size(spec->dtype);
+  uint64_t bits = qkeep_dtype_bits(spec->dtype);
+  char shape[160];
   for (int i = 0; i < spec->ndim; i++) {
     if (spec->shape[i] < 0)
       return set_error(QKEEP_E_INVAL, "tensor '%s': negative dimension %lld", name,
                        (long long)spec->shape[i]);
     uint64_t dim = (uint64_t)spec->shape[i];
-    if (dim != 0 && bytes > limit / dim) {
-      char shape[160];
+    if (dim != 0 && bits > limit / dim) /* bits stay below the byte limit: no overflow */
       return set_error(QKEEP_E_INVAL, "tensor '%s': %s %s is too large", name, qkeep_dtype_name(spec->dtype),
                        spec_shape_str(spec, shape, sizeof shape));
-    }
-    bytes *= dim;
+    bits *= dim;
   }
-  *nbytes = (size_t)bytes;
+  if (bits % 8) /* F4 / F6 with an element count that ends inside a byte */
+    return set_error(QKEEP_E_INVAL, "tensor '%s': %s %s is not a whole number of bytes", name,
+                     qkeep_dtype_name(spec->dtype), spec_shape_str(spec, shape, sizeof shape));
+  *nbytes = (size_t)(bits / 8);
   return 0;
 }
 
