@@ -101,11 +101,11 @@ static int build_modules(struct assembly *a) {
   for (size_t i = 0; i < ck->n_tensors; i++) {
     const struct ckpt_tensor *t = &ck->tensors[i];
     const char *dot = strrchr(t->t->name, '.');
-    if (!dot || dot == t->t->name || !dot[1])
-      return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' has no module prefix (expected '<module>.<param>')",
-                       t->file->path, t->t->name);
-    struct entry e = {t->t->name, (size_t)(dot - t->t->name), dot + 1, t};
-    if (kv_index(e.local) >= 0) {
+    bool bare = !dot || dot == t->t->name || !dot[1];
+    /* No module prefix ("logit_scale", "x."): a plain tensor of the model, its own module and param. */
+    struct entry e = bare ? (struct entry){t->t->name, strlen(t->t->name), t->t->name, t}
+                          : (struct entry){t->t->name, (size_t)(dot - t->t->name), dot + 1, t};
+    if (!bare && kv_index(e.local) >= 0) {
       e.prefix_len = attention_prefix_len(e.name, e.prefix_len);
       a->kv[a->n_kv++] = e;
     } else {
@@ -461,6 +461,13 @@ static int create_plain(qkeep_layer *layer, const struct module *m) {
     memcpy(spec.shape, t->shape, sizeof spec.shape);
     qkeep_param *p;
     int rc = qkeep_param_create(layer, m->local[i], &spec, &p);
+    if (!rc && t->full_shape) { /* rank > 6 or a dim >= 2^63: the param keeps the whole shape too */
+      size_t bytes = sizeof *t->full_shape * (size_t)t->full_ndim;
+      if (!(p->full_shape = malloc(bytes)))
+        return set_error(QKEEP_E_NOMEM, "out of memory");
+      memcpy(p->full_shape, t->full_shape, bytes);
+      p->full_ndim = t->full_ndim;
+    }
     if (!rc)
       rc = layer_add_source(layer, t->name, p, 0, &spec);
     if (rc)

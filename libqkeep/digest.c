@@ -18,7 +18,7 @@ static int by_name(const void *a, const void *b) {
 }
 
 static int hash_tensor(XXH3_state_t *st, const struct device *dev, const char *name, bool is_buffer,
-                       const struct tensor *t, unsigned char *staging) {
+                       const struct tensor *t, const qkeep_param *p, unsigned char *staging) {
   int32_t header[2 + QKEEP_MAX_DIMS] = {is_buffer, (int32_t)t->spec.dtype};
   int64_t shape[QKEEP_MAX_DIMS] = {0};
   memcpy(shape, t->spec.shape, sizeof(int64_t) * (size_t)t->spec.ndim);
@@ -26,6 +26,8 @@ static int hash_tensor(XXH3_state_t *st, const struct device *dev, const char *n
   XXH3_128bits_update(st, header, sizeof header);
   XXH3_128bits_update(st, &t->spec.ndim, sizeof t->spec.ndim);
   XXH3_128bits_update(st, shape, sizeof shape);
+  if (p && p->full_shape) /* a shape too large for a spec: its own dims too */
+    XXH3_128bits_update(st, p->full_shape, sizeof *p->full_shape * (size_t)p->full_ndim);
   size_t bytes = t->storage ? qkeep_spec_bytes(&t->spec) : 0;
   const char *src = tensor_ptr(t);
   for (size_t done = 0; done < bytes;) {
@@ -63,7 +65,7 @@ int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out) {
     for (size_t i = 0; i < layer->n_names && !rc; i++) {
       const struct name_entry *e = sorted[i];
       const struct tensor *t = e->param ? &e->param->view : &e->buffer->view;
-      rc = hash_tensor(st, layer_device(layer), e->name, e->buffer != NULL, t, staging);
+      rc = hash_tensor(st, layer_device(layer), e->name, e->buffer != NULL, t, e->param, staging);
     }
   }
   if (!rc) {

@@ -129,6 +129,11 @@ struct qkeep_param {
   char *release_reason;
   bool scale;       /* a scale: every value must be finite and non-negative */
   bool transformed; /* replaced since its bytes were loaded: no longer the checkpoint layout */
+  /* NULL, or the checkpoint's shape when it does not fit a qkeep_spec (rank > QKEEP_MAX_DIMS or a
+   * dimension >= 2^63): create_spec is then the collapsed shape (struct st_tensor), and this full
+   * one is what a reload must match and what the digest hashes. Owned. */
+  uint64_t *full_shape;
+  int full_ndim;
 };
 
 struct buffer {
@@ -365,6 +370,9 @@ struct provided {
   size_t nbytes;
   const char *where; /* the file (or "in-memory buffers") for errors */
   const void *handle;
+  const uint64_t *full_shape; /* the file's own shape when it does not fit a spec (st_tensor), else NULL */
+  int full_ndim;
+  bool spec_only; /* in-memory buffers: a spec is all they can say, so a collapsed one stands for the full */
 };
 
 /*

@@ -190,6 +190,7 @@ void layer_destroy(qkeep_layer *layer) {
     free(p->checkpoint_name);
     free(p->runtime_name);
     free(p->release_reason);
+    free(p->full_shape);
     free(p);
   }
   for (size_t i = 0; i < layer->n_buffers; i++) {

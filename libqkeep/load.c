@@ -49,7 +49,8 @@ static bool ck_find(const struct provider *p, const char *name, struct provided 
   if (!t)
     return false;
   *out = (struct provided){t->t->name,  t->t->dtype,          t->t->dtype_name, t->t->ndim,
-                           t->t->shape, (size_t)t->t->nbytes, t->file->path,    t};
+                           t->t->shape, (size_t)t->t->nbytes, t->file->path,    t,
+                           t->t->full_shape, t->t->full_ndim, false};
   return true;
 }
 static int ck_read(const struct provider *p, const struct provided *t, void *dst) {
@@ -77,6 +78,18 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, const stru
                      t->name, t->dtype_name, spec_shape_str(&got, a, sizeof a),
                      qkeep_dtype_name(src->spec.dtype), spec_shape_str(&src->spec, b, sizeof b), layer->name);
   }
+  /* A shape too large for a spec is compared whole: two shapes may collapse alike. */
+  const qkeep_param *p = src->param;
+  bool same = !t->full_shape && !p->full_shape;
+  if (!same && t->full_shape && p->full_shape && t->full_ndim == p->full_ndim)
+    same = memcmp(t->full_shape, p->full_shape, sizeof *t->full_shape * (size_t)t->full_ndim) == 0;
+  if (!same && t->spec_only && !t->full_shape)
+    same = true; /* buffers give the param's collapsed spec, checked above */
+  if (!same)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: tensor '%s': its shape (rank %d) differs from the model's (rank %d) (layer %s)",
+                     t->where, t->name, t->full_shape ? t->full_ndim : t->ndim,
+                     p->full_shape ? p->full_ndim : p->create_spec.ndim, layer->name);
   return 0;
 }
 

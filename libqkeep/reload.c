@@ -66,7 +66,10 @@ static bool buf_find(const struct provider *p, const char *name, struct provided
                                t->spec.shape,
                                qkeep_spec_bytes(&t->spec),
                                p->what,
-                               t};
+                               t,
+                               NULL,
+                               0,
+                               true};
       return true;
     }
     if (c < 0)
