@@ -159,10 +159,54 @@ static struct layer_spec *new_spec(struct assembly *a, enum spec_kind kind, cons
 }
 
 /*
+ * The first tensor of m that only a quantized layer carries, or NULL: packed
+ * codes and their scales or zero points in any family's naming (GPTQ/AWQ,
+ * compressed-tensors, ModelOpt, gpt-oss blocks). Such a module loaded as a
+ * plain layer would run on garbage, so it never is.
+ */
+static const char *quantized_tensor(const struct module *m) {
+  static const char *const names[] = {
+      "qweight",      "qzeros",          "weight_packed",       "weight_shape",       "weight_zero_point",
+      "weight_g_idx", "weight_scale",    "weight_scale_2",      "weight_global_scale", "input_global_scale",
+      "input_scale",  "input_zero_point", "g_idx"};
+  for (size_t i = 0; i < m->n; i++) {
+    size_t len = strlen(m->local[i]);
+    if (len > 7 && strcmp(m->local[i] + len - 7, "_blocks") == 0)
+      return m->local[i];
+    for (size_t j = 0; j < sizeof names / sizeof names[0]; j++)
+      if (strcmp(m->local[i], names[j]) == 0)
+        return m->local[i];
+  }
+  return NULL;
+}
+
+/* The refusal for a module with quantized tensors that would load as a plain layer. */
+static int refuse_plain(const struct assembly *a, const struct module *m, const char *layer_name,
+                        const char *local) {
+  const struct quant_config *qc = &a->ck->qc;
+  if (qc->method == QM_NONE)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: module %s carries quantized tensors ('%s.%s') but the checkpoint declares no "
+                     "quantization (no quantization_config in config.json, no hf_quant_config.json, "
+                     "quantize_config.json or quant_config.json); refusing to load it as a plain layer",
+                     a->ck->path, m->name, m->name, local);
+  if (quant_config_ignores(qc, layer_name) || quant_config_ignores(qc, m->name))
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: module %s is in the config's ignore list (left unquantized) but carries quantized "
+                     "tensors ('%s.%s'); refusing to load it as a plain layer",
+                     a->ck->path, m->name, m->name, local);
+  return set_error(QKEEP_E_FORMAT,
+                   "%s: module %s carries quantized tensors ('%s.%s') that are not scheme %s's; refusing "
+                   "to load it as a plain layer",
+                   a->ck->path, m->name, m->name, local, qc->scheme);
+}
+
+/*
  * The scheme a module loads with: the config's, unless the module is ignored
  * or is a plain float linear (a router, an excluded lm_head); NULL when it is
  * no linear at all (norms). A module carrying some of a quantized scheme's
- * tensors but not all of them is an error, not a silent fallback.
+ * tensors but not all of them is an error, not a silent fallback, and so is
+ * one carrying any quantized tensors that would become a plain layer.
  */
 static int resolve_scheme(const struct assembly *a, const struct module *m, const char *layer_name,
                           const struct scheme **out) {
@@ -203,11 +247,15 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
         return set_error(QKEEP_E_FORMAT, "%s: module %s has '%s' but not the other tensors of scheme %s (%s)",
                          m->tensors[i]->file->path, m->name, m->local[i], sch->name, why);
     }
+    const char *q = quantized_tensor(m);
+    return q ? refuse_plain(a, m, layer_name, q) : 0;
+  }
+  if (scheme_unquantized.dims(m, qc, &n, &k, &g) == 0) {
+    *out = &scheme_unquantized;
     return 0;
   }
-  if (scheme_unquantized.dims(m, qc, &n, &k, &g) == 0)
-    *out = &scheme_unquantized;
-  return 0;
+  const char *q = quantized_tensor(m);
+  return q ? refuse_plain(a, m, layer_name, q) : 0;
 }
 
 /* "<P>.experts.<e>.<proj>": sets *prefix_len (of <P>.experts), *expert and *proj (0 gate, 1 up, 2 down). */

@@ -9,6 +9,7 @@
  * index large only in proportion to the tensor count.
  */
 #include <assert.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -342,6 +343,16 @@ static int read_configs(struct ckpt *c) {
     rc = read_text(hf_path, CONFIG_MAX_BYTES, true, &hf);
   if (rc == 0)
     rc = quant_config_parse(cfg, hf, c->dir, &c->qc);
+  /* GPTQ and AWQ exports that predate config.json's quantization_config keep it in a file of their own. */
+  static const char *const standalone[] = {"quantize_config.json", "quant_config.json"};
+  for (size_t i = 0; rc == 0 && c->qc.method == QM_NONE && i < 2; i++) {
+    char *path = join_path(c->dir, standalone[i]), *text = NULL;
+    rc = path ? read_text(path, CONFIG_MAX_BYTES, true, &text) : set_error(QKEEP_E_NOMEM, "out of memory");
+    if (rc == 0 && text)
+      rc = quant_config_parse_standalone(text, c->dir, standalone[i], &c->qc);
+    free(text);
+    free(path);
+  }
   free(cfg);
   free(hf);
   free(cfg_path);
@@ -349,14 +360,63 @@ static int read_configs(struct ckpt *c) {
   return rc;
 }
 
-/* Opens the index when there is one, else model.safetensors. */
+static bool is_safetensors_name(const char *name) {
+  size_t n = strlen(name), ext = strlen(".safetensors");
+  return name[0] != '.' && n > ext && strcmp(name + n - ext, ".safetensors") == 0;
+}
+
+/*
+ * With neither an index nor model.safetensors, the directory's one *.safetensors file (AutoGPTQ
+ * writes gptq_model-4bit-128g.safetensors; vLLM globs *.safetensors). Hidden files are not
+ * candidates, as Python's glob skips them. Several candidates without an index are refused:
+ * which ones belong to the model is not written anywhere, and a stale shard next to the right
+ * file would load silently.
+ */
+static int open_only_file(struct ckpt *c) {
+  DIR *d = opendir(c->dir);
+  if (!d)
+    return set_error(QKEEP_E_IO, "%s: cannot list the directory: %s", c->dir, strerror(errno));
+  char *first = NULL, *second = NULL;
+  size_t count = 0;
+  int rc = 0;
+  const struct dirent *e;
+  while (!rc && (e = readdir(d)) != NULL) {
+    if (!is_safetensors_name(e->d_name))
+      continue;
+    count++;
+    char **slot = !first ? &first : !second ? &second : NULL;
+    if (slot && !(*slot = xstrdup(e->d_name)))
+      rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+  }
+  closedir(d);
+  if (!rc && count == 0)
+    rc = set_error(QKEEP_E_NOTFOUND, "%s: no %s, %s or other *.safetensors file in the directory", c->dir,
+                   INDEX_NAME, SINGLE_NAME);
+  else if (!rc && count > 1) {
+    bool ordered = strcmp(first, second) < 0;
+    rc = set_error(QKEEP_E_FORMAT,
+                   "%s: %zu *.safetensors files ('%s', '%s'%s) but no %s or %s: which of them hold the "
+                   "model is ambiguous; add the index, or keep only the model's file",
+                   c->dir, count, ordered ? first : second, ordered ? second : first, count > 2 ? ", ..." : "",
+                   INDEX_NAME, SINGLE_NAME);
+  } else if (!rc) {
+    char *path = join_path(c->dir, first);
+    rc = path ? open_single(c, path) : set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+    free(path);
+  }
+  free(first);
+  free(second);
+  return rc;
+}
+
+/* Opens the index when there is one, else model.safetensors, else the directory's only *.safetensors. */
 static int open_weights(struct ckpt *c, const char *index, const char *single) {
   int rc = exists(index);
   if (rc != 0)
     return rc < 0 ? rc : open_index(c, index);
   if ((rc = exists(single)) != 0)
     return rc < 0 ? rc : open_single(c, single);
-  return set_error(QKEEP_E_NOTFOUND, "%s: no %s or %s in the directory", c->dir, INDEX_NAME, SINGLE_NAME);
+  return open_only_file(c);
 }
 
 /* The configs first (cheap, and a bad one should not cost opening every shard), then the weights. */

@@ -60,9 +60,12 @@ struct ckpt {
  * Opens a checkpoint. A directory needs model.safetensors.index.json (its
  * weight_map names the shard of every tensor; every shard opens strictly, every
  * mapped tensor must exist in its shard, a tensor in two shards or a shard
- * tensor missing from the map is an error) or a single model.safetensors.
- * config.json (quantization_config, tie_word_embeddings) and
- * hf_quant_config.json are read when present; a config that contradicts
+ * tensor missing from the map is an error), or a single model.safetensors, or
+ * else exactly one *.safetensors file of any name (several without an index:
+ * QKEEP_E_FORMAT, ambiguous). config.json (quantization_config,
+ * tie_word_embeddings) and hf_quant_config.json are read when present, and
+ * GPTQ's quantize_config.json or AWQ's quant_config.json when config.json
+ * declares no quantization; a config that contradicts
  * itself (e.g. hf_quant_config NVFP4 but config.json GPTQ) is an error.
  * A single file has no config: qc.method is QM_NONE unless its tensors say
  * otherwise (the caller decides). Errors name the file and the tensor.
@@ -79,6 +82,15 @@ int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
 int quant_config_parse(const char *config_json, const char *hf_quant_json, const char *where,
                        struct quant_config *out);
 void quant_config_free(struct quant_config *qc);
+/*
+ * GPTQ's quantize_config.json (AutoGPTQ before 0.7, optimum) or AWQ's quant_config.json (AutoAWQ
+ * before 0.1.6), for a checkpoint whose config.json declares no quantization (qc->method is
+ * QM_NONE): parses `text` into qc as a GPTQ or AWQ config. `file` is the bare file name, `where`
+ * its directory; messages name "WHERE/FILE" and the key. Unknown quant_method:
+ * QKEEP_E_UNSUPPORTED.
+ */
+int quant_config_parse_standalone(const char *text, const char *where, const char *file,
+                                  struct quant_config *qc);
 /* True when the module (a layer name such as "model.layers.0.mlp.down_proj" or "lm_head")
  * is in the ignore list: an entry matches at dot boundaries the module, a suffix of it
  * ("lm_head" ignores "model.lm_head"), a parent ("model.layers.0.mlp" ignores its

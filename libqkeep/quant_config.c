@@ -893,6 +893,59 @@ int quant_config_parse(const char *config_json, const char *hf_quant_json, const
   return 0;
 }
 
+/* AutoAWQ's own keys, which GPTQ configs never carry. */
+static bool has_awq_keys(const json_t *obj) {
+  static const char *const keys[] = {"zero_point", "version", "w_bit", "q_group_size"};
+  for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+    if (json_object_get(obj, keys[i]))
+      return true;
+  return false;
+}
+
+/*
+ * A standalone GPTQ or AWQ config file (see checkpoint.h). Its method is its
+ * quant_method when it states one (AutoGPTQ from 0.7, GPTQModel, some AWQ repos);
+ * else AWQ when it carries AutoAWQ's keys (zero_point, version, w_bit,
+ * q_group_size: AutoAWQ before 0.1.6 wrote quant_config.json with only these);
+ * else GPTQ (AutoGPTQ before 0.7 and optimum write bits, group_size, desc_act, sym).
+ * On failure qc is left as it was.
+ */
+int quant_config_parse_standalone(const char *text, const char *where, const char *file,
+                                  struct quant_config *qc) {
+  assert(text && file && qc && qc->method == QM_NONE);
+  char *path = file_name(where, file);
+  if (!path)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", file);
+  json_t *root = NULL;
+  struct quant_config parsed = *qc;
+  size_t cap = parsed.n_ignore;
+  int rc = parse_object(path, text, &root);
+  struct origin o = {path, ""};
+  const char *method = NULL;
+  if (!rc && (rc = get_string(&o, root, "quant_method", &method)) > 0)
+    rc = 0;
+  if (!rc && !method)
+    method = has_awq_keys(root) ? "awq" : "gptq";
+  if (!rc && strcasecmp(method, "gptq") == 0)
+    rc = gptq_parse(&o, root, &parsed, &cap);
+  else if (!rc && strcasecmp(method, "awq") == 0)
+    rc = awq_parse(&o, root, &parsed, &cap);
+  else if (!rc)
+    rc = key_error(QKEEP_E_UNSUPPORTED, &o, "quant_method", "'%s' is not supported in %s (gptq, awq)", method,
+                   file);
+  json_decref(root);
+  free(path);
+  if (rc) {
+    for (size_t i = qc->n_ignore; i < parsed.n_ignore; i++)
+      free(parsed.ignore[i]);
+    if (parsed.ignore != qc->ignore)
+      qc->ignore = parsed.ignore; /* grown but holding only qc's entries now */
+    return rc;
+  }
+  *qc = parsed;
+  return 0;
+}
+
 /* Frees the ignore list and leaves qc unquantized; safe to call twice. */
 void quant_config_free(struct quant_config *qc) {
   if (!qc)
