@@ -288,6 +288,30 @@ static int modelopt_kv_algo(const struct origin *o, const json_t *obj, bool *kv_
 }
 
 /*
+ * config.json's kv_cache_scheme: null, the dict compressed-tensors writes (ModelOpt from
+ * 4c611e47a: {"dynamic": false, "num_bits": 8, "type": "float"}), or the algorithm as a string,
+ * as ModelOpt 0.31-0.33 write "FP8" and later releases still write any algorithm but FP8. As
+ * vLLM does, a string names the algorithm: only FP8 has k/v scales qkeep reads.
+ */
+static int modelopt_kv_scheme(const struct origin *o, const json_t *obj, bool *kv_fp8) {
+  const json_t *kv = json_object_get(obj, "kv_cache_scheme");
+  if (!kv || json_is_null(kv))
+    return 0;
+  if (json_is_object(kv)) {
+    *kv_fp8 = true;
+    return 0;
+  }
+  if (!json_is_string(kv))
+    return key_error(QKEEP_E_FORMAT, o, "kv_cache_scheme", "is %s, expected an object or a string",
+                     json_kind(kv));
+  if (strcasecmp(json_string_value(kv), "FP8") != 0)
+    return key_error(QKEEP_E_UNSUPPORTED, o, "kv_cache_scheme", "'%s' is not supported (only FP8)",
+                     json_string_value(kv));
+  *kv_fp8 = true;
+  return 0;
+}
+
+/*
  * The "quantization" object of hf_quant_config.json ({"producer": {...},
  * "quantization": {quant_algo, kv_cache_quant_algo, group_size,
  * exclude_modules}}); `top` names the object that holds it (the file's top
@@ -366,11 +390,8 @@ static int modelopt_read_config(const struct origin *o, const json_t *qcfg, stru
     return rc;
   if ((rc = modelopt_kv_algo(o, qcfg, &d->kv_cache_fp8)) < 0)
     return rc;
-  const json_t *kv = NULL;
-  if ((rc = get_object(o, qcfg, "kv_cache_scheme", &kv)) < 0)
+  if ((rc = modelopt_kv_scheme(o, qcfg, &d->kv_cache_fp8)) < 0)
     return rc;
-  if (rc == 1)
-    d->kv_cache_fp8 = true;
   decl_at(d, o);
   if ((rc = add_ignores(qc, cap, o, qcfg, "ignore")) != 0)
     return rc;
@@ -824,6 +845,33 @@ static int find_quant_config(const char *cfg_file, const json_t *cfg_root, const
   return 0;
 }
 
+/*
+ * ModelOpt 0.31-0.33 write config.json's quantization_config without quant_method (vLLM PR
+ * #19815): 0.33 says "quant_library": "modelopt", 0.31 only has the hf_quant_config.json beside
+ * it, or a "producer" named modelopt. Returns 1 when qcfg is such an export, 0 when not.
+ */
+static int modelopt_without_method(const struct origin *o, const json_t *qcfg, bool has_hf_quant) {
+  const char *library = NULL, *producer_name = NULL;
+  const json_t *producer = NULL;
+  int rc = get_string(o, qcfg, "quant_library", &library);
+  if (rc < 0)
+    return rc;
+  if (rc == 1 && strcasecmp(library, "modelopt") == 0)
+    return 1;
+  if (rc == 1)
+    return key_error(QKEEP_E_UNSUPPORTED, o, "quant_library", "'%s' is not supported (modelopt)", library);
+  if ((rc = get_object(o, qcfg, "producer", &producer)) < 0)
+    return rc;
+  if (rc == 1) {
+    struct sub_origin op;
+    descend(&op, o, "producer");
+    if ((rc = get_string(&op.o, producer, "name", &producer_name)) < 0)
+      return rc;
+  }
+  bool named = producer_name && strcasecmp(producer_name, "modelopt") == 0;
+  return (named || has_hf_quant) && json_object_get(qcfg, "quant_algo") ? 1 : 0;
+}
+
 /* With both files parsed (either may be NULL), works out and checks the one declaration. */
 static int parse_roots(const char *cfg_file, const json_t *cfg_root, const char *hf_file,
                        const json_t *hf_root, struct quant_config *qc, size_t *cap) {
@@ -841,7 +889,11 @@ static int parse_roots(const char *cfg_file, const json_t *cfg_root, const char 
   if (qcfg) {
     if ((rc = get_string(&o, qcfg, "quant_method", &method)) < 0)
       return rc;
-    if (rc == 0)
+    if (rc == 0 && (rc = modelopt_without_method(&o, qcfg, hf_root != NULL)) < 0)
+      return rc;
+    if (!method && rc == 1)
+      method = "modelopt";
+    else if (!method)
       return key_error(QKEEP_E_FORMAT, &o, "quant_method", "is missing");
   }
   if (hf_root && method && !is_modelopt(method))
