@@ -79,6 +79,19 @@ static const char *last_component(const char *name) {
   return dot ? dot + 1 : name;
 }
 
+/* The start of the last component of name's first len characters. */
+static const char *last_component_n(const char *name, size_t len) {
+  const char *p = name + len;
+  while (p > name && p[-1] != '.')
+    p--;
+  return p;
+}
+
+/* Whether [start, end) is exactly `word`. */
+static bool proj_is(const char *start, const char *end, const char *word) {
+  return (size_t)(end - start) == strlen(word) && strncmp(start, word, strlen(word)) == 0;
+}
+
 /* The attention block a kv scale belongs to: <attn>.k_proj.k_scale and <attn>.k_scale both give <attn>. */
 static size_t attention_prefix_len(const char *name, size_t prefix_len) {
   static const char *const projections[] = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"};
@@ -105,6 +118,15 @@ static int build_modules(struct assembly *a) {
     /* No module prefix ("logit_scale", "x."): a plain tensor of the model, its own module and param. */
     struct entry e = bare ? (struct entry){t->t->name, strlen(t->t->name), t->t->name, t}
                           : (struct entry){t->t->name, (size_t)(dot - t->t->name), dot + 1, t};
+    /* compressed-tensors before PR #133 (2024) named the kv-cache scales k_proj.output_scale and
+     * v_proj.output_scale; vLLM's get_cache_scale maps them to the attention's k/v scales. */
+    if (!bare && strcmp(e.local, "output_scale") == 0) {
+      const char *proj = last_component_n(e.name, e.prefix_len);
+      if (proj_is(proj, e.name + e.prefix_len, "k_proj"))
+        e.local = "k_scale";
+      else if (proj_is(proj, e.name + e.prefix_len, "v_proj"))
+        e.local = "v_scale";
+    }
     if (!bare && kv_index(e.local) >= 0) {
       e.prefix_len = attention_prefix_len(e.name, e.prefix_len);
       a->kv[a->n_kv++] = e;
@@ -532,9 +554,13 @@ static int create_kv(qkeep_layer *layer, const struct layer_spec *s) {
       continue; /* a single kv_scale feeds both k_scale and v_scale */
     struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_F32, .ndim = 0};
     if (t) {
-      if (t->t->dtype != QKEEP_DTYPE_F32 || t->t->ndim > 1 || (t->t->ndim == 1 && t->t->shape[0] != 1))
-        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s, expected an F32 scalar kv-cache scale",
+      /* ModelOpt writes F32 []; compressed-tensors the model's dtype, [1] (kept as loaded). */
+      bool is_float = t->t->dtype >= 0 && (DT_FLOAT & (1u << t->t->dtype));
+      if (!is_float || t->t->ndim > 1 || (t->t->ndim == 1 && t->t->shape[0] != 1))
+        return set_error(QKEEP_E_FORMAT,
+                         "%s: tensor '%s': %s, expected a scalar kv-cache scale ([] or [1]; F32, BF16 or F16)",
                          t->file->path, t->t->name, t->t->dtype_name);
+      spec.dtype = (enum qkeep_dtype)t->t->dtype;
       spec.ndim = t->t->ndim;
       spec.shape[0] = 1;
     }

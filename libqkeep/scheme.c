@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "formats.h"
 #include "scheme.h"
 
 const struct ckpt_tensor *module_tensor(const struct module *m, const char *local) {
@@ -277,34 +278,52 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
 
 /* ---- normalisation helpers ---------------------------------------------------------- */
 
-/* Reads a whole f32 param view to host memory (malloc'd). */
+/* Reads a float param's checkpoint view (F32, F16 or BF16) to host memory as f32 (malloc'd): exact. */
 static int read_f32(qkeep_layer *layer, qkeep_param *p, float **out, size_t *count) {
-  size_t bytes = qkeep_spec_bytes(&p->view.spec);
-  float *v = malloc(bytes ? bytes : 1);
-  if (!v)
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  int rc = dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), bytes);
+  size_t bytes = qkeep_spec_bytes(&p->view.spec), n = (size_t)qkeep_spec_numel(&p->view.spec);
+  unsigned char *raw = malloc(bytes ? bytes : 1);
+  float *v = malloc((n ? n : 1) * sizeof *v);
+  int rc = raw && v ? dev_d2h(layer_device(layer), raw, tensor_ptr(&p->view), bytes)
+                    : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; !rc && i < n; i++)
+    v[i] = qk_load_float(raw, p->view.spec.dtype, i);
+  free(raw);
   if (rc) {
     free(v);
     return rc;
   }
   *out = v;
-  *count = bytes / sizeof(float);
+  *count = n;
   return 0;
 }
 
-/* Writes host floats as the param's new contents through the replace rule. */
+/* Writes host floats as the param's new contents, in spec's dtype (F32, F16 or BF16; the values
+ * must be exact in it), through the replace rule. */
 static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                        const float *values) {
   qkeep_tensor *t;
   int rc = qkeep_tensor_new(layer, spec, &t);
+  size_t n = (size_t)qkeep_spec_numel(spec);
+  uint16_t *half = spec->dtype == QKEEP_DTYPE_F32 ? NULL : malloc((n ? n : 1) * sizeof *half);
+  if (!rc && spec->dtype != QKEEP_DTYPE_F32 && !half)
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; !rc && half && i < n; i++)
+    half[i] = spec->dtype == QKEEP_DTYPE_F16 ? qk_f32_to_f16(values[i]) : qk_f32_to_bf16(values[i]);
   if (!rc)
-    rc = dev_h2d(layer_device(layer), qkeep_tensor_data(t), values, qkeep_spec_bytes(spec));
+    rc = dev_h2d(layer_device(layer), qkeep_tensor_data(t), half ? (const void *)half : values,
+                 qkeep_spec_bytes(spec));
+  free(half);
   if (rc) {
     qkeep_tensor_free(t);
     return rc;
   }
   return qkeep_replace(layer, name, t);
+}
+
+/* Shards per expert (or per layer) of a per-shard param [S] / [E, S]; 1 when it has no shard dim. */
+static int shards_of(const qkeep_layer *layer, const struct qkeep_spec *cs) {
+  int slot_dim = layer->dims.experts ? 1 : 0;
+  return cs->ndim == slot_dim + 1 ? (int)cs->shape[slot_dim] : 1;
 }
 
 int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
@@ -313,8 +332,7 @@ int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
     return 0; /* an optional scale the checkpoint does not carry */
   int experts = layer->dims.experts ? (int)layer->dims.experts : 1;
   const struct qkeep_spec *cs = &p->create_spec;
-  int slot_dim = layer->dims.experts ? 1 : 0; /* [S] or [E, S] */
-  int shards = cs->ndim == slot_dim + 1 ? (int)cs->shape[slot_dim] : 1;
+  int shards = shards_of(layer, cs);
   if (shards < 2 || !spec_equal(&p->view.spec, cs))
     return 0; /* nothing to merge, or merged already since the bytes were loaded */
   float *v = NULL;
@@ -335,8 +353,9 @@ int merge_shard_scales_max(qkeep_layer *layer, const char *name) {
     }
     v[e] = m;
   }
+  /* The max is one of the loaded values, so it is exact in the loaded dtype: it stays in it. */
   struct qkeep_spec merged = {
-      .dtype = QKEEP_DTYPE_F32, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
+      .dtype = cs->dtype, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
   rc = replace_f32(layer, name, &merged, v);
   free(v);
   return rc;
@@ -357,24 +376,42 @@ int fill_f32(qkeep_layer *layer, const char *name, float value) {
   return rc;
 }
 
-int merge_shard_equal_i32(qkeep_layer *layer, const char *name) {
+/* Element i of an I8 or I32 buffer. */
+static int32_t int_at(const unsigned char *bytes, enum qkeep_dtype dtype, size_t i) {
+  if (dtype == QKEEP_DTYPE_I8)
+    return (int8_t)bytes[i];
+  int32_t v;
+  memcpy(&v, bytes + 4 * i, sizeof v);
+  return v;
+}
+
+int merge_shard_equal_int(qkeep_layer *layer, const char *name) {
   qkeep_param *p = qkeep_param_lookup(layer, name);
   if (!p)
     return 0;
   const struct qkeep_spec *cs = &p->create_spec;
-  int shards = cs->ndim == 1 && !layer->dims.experts ? (int)cs->shape[0] : 1;
+  int shards = shards_of(layer, cs), experts = layer->dims.experts ? (int)layer->dims.experts : 1;
   if (shards < 2 || !spec_equal(&p->view.spec, cs))
     return 0;
-  int32_t v[8];
-  int rc = dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), sizeof(int32_t) * (size_t)shards);
-  if (rc)
-    return rc;
-  for (int s = 1; s < shards; s++)
-    if (v[s] != v[0])
-      return set_error(QKEEP_E_UNSUPPORTED, "%s.%s: fused shards carry different values (%d vs %d)",
-                       layer->name, name, v[0], v[s]);
-  struct qkeep_spec merged = {.dtype = cs->dtype, .ndim = 0};
-  return qkeep_replace_in_place(layer, name, &merged);
+  size_t bytes = qkeep_spec_bytes(cs), esize = qkeep_dtype_size(cs->dtype);
+  assert(esize == 1 || esize == 4);
+  unsigned char *v = malloc(bytes ? bytes : 1);
+  int rc = v ? dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), bytes) : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (int e = 0; !rc && e < experts; e++)
+    for (int s = 1; !rc && s < shards; s++) {
+      int32_t first = int_at(v, cs->dtype, (size_t)e * (size_t)shards), x = int_at(v, cs->dtype, (size_t)(e * shards + s));
+      if (x != first)
+        rc = set_error(QKEEP_E_UNSUPPORTED, "%s.%s: fused shards%s carry different values (%d vs %d)",
+                       layer->name, name, layer->dims.experts ? " of an expert" : "", first, x);
+    }
+  /* Keep each expert's first shard: move it to slot e, in place (slot e <= e * shards). */
+  for (int e = 1; !rc && e < experts; e++)
+    memcpy(v + (size_t)e * esize, v + (size_t)e * (size_t)shards * esize, esize);
+  if (!rc)
+    rc = dev_h2d(layer_device(layer), tensor_ptr(&p->view), v, (size_t)experts * esize);
+  free(v);
+  struct qkeep_spec merged = {.dtype = cs->dtype, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
+  return rc ? rc : qkeep_replace_in_place(layer, name, &merged);
 }
 
 int for_each_matrix(qkeep_layer *layer, int (*fn)(qkeep_layer *layer, const char *prefix)) {

@@ -102,13 +102,16 @@ int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int6
 
 /* ---- normalisation helpers shared by the scheme files (libqkeep/scheme.c) ---- */
 
-/* Merges a per-shard scale param [S] (or [E, S]) by max into [] (or [E]), in the prefix,
- * warning when the shards disagree. Only a param still in its checkpoint view is merged
- * (reload restores that view before loading), so a second call changes nothing. */
+/* Merges a per-shard scale param [S] (or [E, S]) by max into [] (or [E]), in the prefix and in
+ * its own dtype (F32, F16 or BF16: the max is one of the loaded values, so it is exact there;
+ * kernels widen 16-bit scales to f32 as they read them), warning when the shards disagree.
+ * Only a param still in its checkpoint view is merged (reload restores that view before
+ * loading), so a second call changes nothing. */
 int merge_shard_scales_max(qkeep_layer *layer, const char *name);
-/* The same for an i32 per-shard value that must agree across shards (a zero point):
- * the first shard's value, and QKEEP_E_UNSUPPORTED when they differ. */
-int merge_shard_equal_i32(qkeep_layer *layer, const char *name);
+/* The same for an I8 / I32 per-shard value that must agree across shards (a zero point):
+ * [S] -> [], [E, S] -> [E], each expert's first shard, in place; QKEEP_E_UNSUPPORTED naming
+ * the param when the shards differ. */
+int merge_shard_equal_int(qkeep_layer *layer, const char *name);
 /* Calls fn(layer, prefix) for "" on a linear layer, for "w13_" and "w2_" on an MoE layer. */
 int for_each_matrix(qkeep_layer *layer, int (*fn)(qkeep_layer *layer, const char *prefix));
 /* Whether any checkpoint source landed in the param (false for a placeholder). */

@@ -1,24 +1,27 @@
 /*
  * scheme_w8a8_int8.c: int8 weights and activations (compressed-tensors
- * int-quantized). weight i8 [N, K]; weight_scale f32 per channel [N, 1] or per
+ * int-quantized). weight i8 [N, K]; weight_scale per channel [N, 1] or per
  * tensor (one per fused shard, kept as [S] for the kernel to expand); static
  * activations add input_scale (and input_zero_point when asymmetric), merged
- * across fused shards (scale by max, zero point must agree).
+ * across fused shards and, for MoE, across each expert's gate/up slots (scale
+ * by max, zero point must agree): [S] -> [], [E, 2] -> [E]. compressed-tensors
+ * writes every scale in the model's dtype (BF16 / F16, [1] per tensor), so all
+ * three accept F32, F16 and BF16, kept as loaded; kernels widen them.
  */
 #include "scheme.h"
 
 static const struct param_template channel_params[] = {
     {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false},
     {"weight_scale", DT_FLOAT, 2, {D_N, D_ONE}, F_ROWS, false, true},
-    {"input_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true},
+    {"input_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, true, true},
     {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false},
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
 static const struct param_template tensor_params[] = {
     {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false},
-    {"weight_scale", DT(F32), 0, {D_ONE}, F_SLOT, false, true},
-    {"input_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true},
+    {"weight_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, false, true},
+    {"input_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, true, true},
     {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false},
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
@@ -49,10 +52,14 @@ static int w8a8_dims(const struct module *m, const struct quant_config *qc, int6
   return 0;
 }
 
-static int w8a8_normalize(qkeep_layer *layer) {
-  int rc = merge_shard_scales_max(layer, "input_scale");
-  return rc ? rc : merge_shard_equal_i32(layer, "input_zero_point");
+/* Per matrix (w13_ and w2_ of an MoE, whose experts' gate/up slots merge like q/k/v's). */
+static int w8a8_merge(qkeep_layer *layer, const char *prefix) {
+  char name[64];
+  int rc = merge_shard_scales_max(layer, prefixed(name, sizeof name, prefix, "input_scale"));
+  return rc ? rc : merge_shard_equal_int(layer, prefixed(name, sizeof name, prefix, "input_zero_point"));
 }
+
+static int w8a8_normalize(qkeep_layer *layer) { return for_each_matrix(layer, w8a8_merge); }
 
 static uint32_t w8a8_flags(const struct quant_config *qc) {
   uint32_t f = QKEEP_LAYER_F_WEIGHT_SYM;
