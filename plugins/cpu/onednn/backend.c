@@ -232,8 +232,9 @@ static int int8_scales(const struct od_backend *b, qkeep_layer *layer, const str
 
 /*
  * Static asymmetric activations: the zero points must be s8 values (the
- * int32 correction zp * azp_adj is bounded by that), and an MoE expert's
- * w13 slots (gate, up) must agree, since one quantised activation feeds both.
+ * int32 correction zp * azp_adj is bounded by that). The scheme's
+ * normalisation has already merged the fused shards' (and an MoE expert's
+ * gate/up) zero points into one per matrix and expert.
  */
 static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *layer,
                                    const struct qkeep_layer_info *info, const struct od_matrix *mt) {
@@ -241,18 +242,14 @@ static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *laye
   struct qkeep_view z = {.size = sizeof z};
   if (b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &z) != 0)
     return 0;
-  int64_t count = qkeep_be_spec_numel(&z.spec) / mt->experts;
-  for (int64_t i = 0; i < mt->experts * count; i++) {
+  if (qkeep_be_spec_numel(&z.spec) != mt->experts)
+    return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: %lld zero points, expected one per expert (merged)",
+                              info->name, name, (long long)qkeep_be_spec_numel(&z.spec));
+  for (int64_t i = 0; i < mt->experts; i++) {
     int32_t zi = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[i] : ((const int32_t *)z.data)[i];
-    int32_t first = z.spec.dtype == QKEEP_DTYPE_I8 ? ((const int8_t *)z.data)[i - i % count]
-                                                   : ((const int32_t *)z.data)[i - i % count];
     if (zi < -128 || zi > 127)
       return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: zero point %d is not an int8 value", info->name, name,
                                 zi);
-    if (zi != first)
-      return b->host->set_error(QKEEP_E_UNSUPPORTED,
-                                "%s.%s: expert %lld's shards carry zero points %d and %d", info->name, name,
-                                (long long)(i / count), first, zi);
   }
   return 0;
 }
@@ -407,7 +404,8 @@ static int operand(const struct od_backend *b, qkeep_layer *layer, const struct 
   return 0;
 }
 
-/* Static activations: the largest of the expert's input scales, and its zero point. */
+/* Static activations: the expert's input scale (merged over fused shards by the scheme; F32, or the
+ * model's BF16 / F16, widened exactly) and its zero point. */
 static int static_act(const struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
                       const struct od_matrix *mt, int64_t expert, struct od_act *act) {
   char name[64];
@@ -415,13 +413,10 @@ static int static_act(const struct od_backend *b, qkeep_layer *layer, const stru
   int rc = b->host->view(layer, pname(name, sizeof name, mt, "input_scale"), &v);
   if (rc)
     return rc;
-  int64_t count = qkeep_be_spec_numel(&v.spec) / mt->experts;
-  if (v.spec.dtype != QKEEP_DTYPE_F32 || count < 1)
-    return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: expected f32 input scales", info->name, name);
-  const float *s = (const float *)v.data + expert * count;
-  act->static_scale = s[0];
-  for (int64_t i = 1; i < count; i++)
-    act->static_scale = s[i] > act->static_scale ? s[i] : act->static_scale;
+  if (v.spec.dtype > QKEEP_DTYPE_BF16 || qkeep_be_spec_numel(&v.spec) != mt->experts)
+    return b->host->set_error(QKEEP_E_FORMAT, "%s.%s: expected one float input scale per expert (merged)",
+                              info->name, name);
+  act->static_scale = qkeep_load_float(v.data, v.spec.dtype, (size_t)expert);
   act->static_zero = 0;
   if (act->asym && b->host->view(layer, pname(name, sizeof name, mt, "input_zero_point"), &v) == 0) {
     int64_t at = expert * (qkeep_be_spec_numel(&v.spec) / mt->experts);
