@@ -21,18 +21,21 @@ enum quant_method {
   QM_W8A8_INT8,      /* compressed-tensors int-quantized, 8-bit int weights and activations */
   QM_GPTQ_INT4,      /* quant_method gptq, bits 4 */
   QM_AWQ_INT4,       /* quant_method awq, bits 4 (GEMM layout) */
+  QM_CT_INT4,        /* compressed-tensors pack-quantized, 4-bit int weights (W4A16, W4A8) */
 };
 
 struct quant_config {
   enum quant_method method;
   const char *
-      scheme; /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4", "unquantized" */
+      scheme; /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4", "ct-int4",
+                 "unquantized" */
   int64_t group_size;     /* 16 NVFP4, 32 MXFP4, G for GPTQ/AWQ, 0 per-channel int8 */
   bool weight_sym;        /* GPTQ sym / AWQ !zero_point; int8 weights are symmetric */
-  bool desc_act;          /* GPTQ act order (g_idx meaningful) */
+  bool desc_act;          /* GPTQ act order (g_idx meaningful); ct-int4 actorder "group" (weight_g_idx) */
   bool gptq_v2;           /* GPTQ checkpoint_format gptq_v2 (qzeros store zero, not zero - 1) */
   bool weight_per_tensor; /* int8 weight strategy "tensor" (else "channel") */
-  bool input_dynamic;     /* int8 activations quantised per token at run time (else static input_scale) */
+  bool input_dynamic;     /* int8 activations quantised per token at run time (else static input_scale);
+                             ct-int4: W4A8 (else W4A16, weight-only) */
   bool input_sym;         /* int8 activations symmetric (else an input_zero_point) */
   bool kv_cache_fp8;      /* the checkpoint carries (or expects) k/v scales */
   bool tie_word_embeddings;

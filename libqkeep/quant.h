@@ -58,4 +58,14 @@ int quant_gptq_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, i
 void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int32_t *qzeros,
                        const int32_t *g_idx, int64_t n, int64_t k, int64_t g, bool v2_zeros, float *w);
 
+/*
+ * compressed-tensors pack-quantized int4 (k % g == 0, k % 8 == 0, n % 8 == 0) with GPTQ's round to
+ * nearest and scale rules (as quant_gptq_int4: the same codes and f32 scales). packed i32 [n, k/8]:
+ * code of k at bits 4 (k % 8) of word k/8, stored as q + 8 (so as GPTQ's unsigned code); scales f32
+ * [n, k/g] (the writer stores them in the model's dtype); zero_points i32 [n/8, k/g] packed along n
+ * (zero + 8 = GPTQ's unsigned zero) when !sym, else unused (may be NULL).
+ */
+int quant_ct_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *packed, float *scales,
+                  int32_t *zero_points);
+
 #endif

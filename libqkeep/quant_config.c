@@ -537,6 +537,129 @@ static int ct_fp4_groups(const struct origin *og, const json_t *groups, const ch
   return 0;
 }
 
+/* What a pack-quantized config group says about its int4 weights and activations. */
+struct int4_group {
+  int64_t group_size; /* 0: per channel */
+  bool sym, act_order, w4a8;
+};
+
+/* actorder: null / false / "weight" / "static" store no g_idx; "group" (or true) stores weight_g_idx. */
+static int ct_actorder(const struct origin *o, const json_t *w, bool *act_order) {
+  const json_t *v = json_object_get(w, "actorder");
+  *act_order = false;
+  if (!v || json_is_null(v) || json_is_false(v))
+    return 0;
+  if (json_is_true(v) || (json_is_string(v) && strcmp(json_string_value(v), "group") == 0)) {
+    *act_order = true;
+    return 0;
+  }
+  if (json_is_string(v) && (strcmp(json_string_value(v), "weight") == 0 ||
+                            strcmp(json_string_value(v), "static") == 0))
+    return 0;
+  return key_error(QKEEP_E_UNSUPPORTED, o, "actorder", "%s is not supported (null, group, weight, static)",
+                   json_is_string(v) ? json_string_value(v) : json_kind(v));
+}
+
+/* pack-quantized weights: 4-bit int, per group or per channel, either symmetry, stored quantized. */
+static int ct_int4_weights(const struct origin *o, const json_t *w, const char *format, struct int4_group *g) {
+  int64_t bits = 0;
+  int rc = get_int(o, w, "num_bits", &bits);
+  if (rc < 0)
+    return rc;
+  if (rc == 1 && bits != 4)
+    return key_error(QKEEP_E_UNSUPPORTED, o, "num_bits",
+                     "%lld is not supported with format '%s' (only 4-bit int, W4A16 / W4A8)", (long long)bits,
+                     format);
+  if ((rc = ct_args_kind(o, w, format, 4, "int")) != 0)
+    return rc;
+  const char *strategy = NULL;
+  if ((rc = get_string(o, w, "strategy", &strategy)) < 0)
+    return rc;
+  if (rc == 0)
+    return key_error(QKEEP_E_FORMAT, o, "strategy", "is missing");
+  g->group_size = 0;
+  if (strcmp(strategy, "group") == 0) {
+    if ((rc = get_int(o, w, "group_size", &g->group_size)) < 0)
+      return rc;
+    if (rc == 0 || g->group_size <= 0)
+      return key_error(QKEEP_E_FORMAT, o, "group_size", "must be a positive integer for strategy 'group'");
+  } else if (strcmp(strategy, "channel") != 0) {
+    return key_error(QKEEP_E_UNSUPPORTED, o, "strategy",
+                     "'%s' is not supported for int4 weights (group, channel)", strategy);
+  }
+  bool dynamic = false;
+  g->sym = true;
+  if ((rc = get_bool(o, w, "symmetric", &g->sym)) < 0)
+    return rc;
+  if ((rc = get_bool(o, w, "dynamic", &dynamic)) < 0)
+    return rc;
+  if (dynamic)
+    return key_error(QKEEP_E_UNSUPPORTED, o, "dynamic", "true: int4 weights must be stored quantized");
+  return ct_actorder(o, w, &g->act_order);
+}
+
+/* input_activations: none (W4A16) or int8 dynamic per token (W4A8). */
+static int ct_int4_inputs(const struct origin *o, const json_t *a, const char *format, struct int4_group *g) {
+  struct int8_group act = {0};
+  int rc = ct_int8_inputs(o, a, format, &act);
+  if (rc != 0)
+    return rc;
+  if (!act.input_dynamic || !act.input_sym)
+    return key_error(QKEEP_E_UNSUPPORTED, o, "dynamic",
+                     "int4 weights with static or asymmetric int8 activations are not supported (W4A8 is "
+                     "dynamic, symmetric, per token)");
+  g->w4a8 = true;
+  return 0;
+}
+
+/* Every config group of a pack-quantized checkpoint must describe one int4 layout. */
+static int ct_int4(const struct origin *og, const json_t *groups, const char *format,
+                   struct quant_config *qc) {
+  const char *first = NULL, *name;
+  struct int4_group want = {0};
+  json_t *group;
+  json_object_foreach((json_t *)groups, name, group) {
+    struct sub_origin ogn, ow, oa;
+    descend(&ogn, og, name);
+    if (!json_is_object(group))
+      return key_error(QKEEP_E_FORMAT, og, name, "is %s, expected an object", json_kind(group));
+    const json_t *w = NULL, *a = NULL;
+    int rc = get_object(&ogn.o, group, "weights", &w);
+    if (rc < 0)
+      return rc;
+    if (rc == 0)
+      return key_error(QKEEP_E_FORMAT, &ogn.o, "weights", "is missing");
+    struct int4_group g = {0};
+    descend(&ow, &ogn.o, "weights");
+    if ((rc = ct_int4_weights(&ow.o, w, format, &g)) != 0)
+      return rc;
+    if ((rc = get_object(&ogn.o, group, "input_activations", &a)) < 0)
+      return rc;
+    descend(&oa, &ogn.o, "input_activations");
+    if (rc == 1 && (rc = ct_int4_inputs(&oa.o, a, format, &g)) != 0)
+      return rc;
+    if (!first) {
+      first = name;
+      want = g;
+    } else if (g.group_size != want.group_size || g.sym != want.sym || g.act_order != want.act_order ||
+               g.w4a8 != want.w4a8) {
+      return key_error(QKEEP_E_UNSUPPORTED, og, NULL,
+                       "'%s' and '%s' differ in group size, symmetry, actorder or activations; one int4 "
+                       "layout per checkpoint is supported",
+                       first, name);
+    }
+  }
+  if (!first)
+    return key_error(QKEEP_E_FORMAT, og, NULL, "is empty");
+  qc->method = QM_CT_INT4;
+  qc->scheme = "ct-int4";
+  qc->group_size = want.group_size;
+  qc->weight_sym = want.sym;
+  qc->desc_act = want.act_order;
+  qc->input_dynamic = want.w4a8;
+  return 0;
+}
+
 /* The int8 fields all config groups agree on; groups that differ cannot be one scheme. */
 static int ct_int8(const struct origin *og, const json_t *groups, const char *format,
                    struct quant_config *qc) {
@@ -646,9 +769,10 @@ static int ct_parse(const struct origin *o, const json_t *qcfg, struct quant_con
     if ((rc = ct_int8(&og.o, groups, format, qc)) != 0)
       return rc;
   } else if (strcmp(format, "pack-quantized") == 0) {
-    return key_error(QKEEP_E_UNSUPPORTED, o, "format",
-                     "'pack-quantized' (int4 weight-only, WNA16) is not supported yet; GPTQ and AWQ "
-                     "checkpoints are");
+    if (!groups)
+      return key_error(QKEEP_E_FORMAT, o, "config_groups", "is missing (format '%s' needs it)", format);
+    if ((rc = ct_int4(&og.o, groups, format, qc)) != 0)
+      return rc;
   } else {
     return key_error(QKEEP_E_UNSUPPORTED, o, "format", "'%s' is not supported", format);
   }

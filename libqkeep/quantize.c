@@ -460,3 +460,39 @@ void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int
     }
   }
 }
+
+/* ---- compressed-tensors pack-quantized int4 ------------------------------------------ */
+
+int quant_ct_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *packed, float *scales,
+                  int32_t *zero_points) {
+  int rc = gptq_check(n, k, g);
+  if (!rc)
+    rc = check_matrix("int4", w, n, k, 1);
+  if (rc)
+    return rc;
+  if (n * k > 0 && (!packed || !scales || (!sym && !zero_points)))
+    return set_error(QKEEP_E_INVAL, "int4: missing output");
+  int64_t groups = k / g;
+  if (!sym && n * k > 0)
+    memset(zero_points, 0, (size_t)(n / 8 * groups) * sizeof *zero_points);
+  for (int64_t out = 0; out < n; out++) {
+    const float *x = w + out * k;
+    for (int64_t gi = 0; gi < groups; gi++) {
+      float scale;
+      int zero;
+      gptq_params(x + gi * g, g, sym, &scale, &zero);
+      scales[out * groups + gi] = scale;
+      if (!sym) { /* code zero - 8 is the signed zero point; stored + 8, i.e. as the code */
+        int32_t *word = &zero_points[(out / 8) * groups + gi];
+        *word = word_i32(word_u32(*word) | (uint32_t)zero << (4 * (out % 8)));
+      }
+      for (int64_t j = gi * g; j < (gi + 1) * g; j++) {
+        int32_t *word = &packed[out * (k / 8) + j / 8];
+        if (j % 8 == 0)
+          *word = 0;
+        *word = word_i32(word_u32(*word) | gptq_code(x[j], scale, zero) << (4 * (j % 8)));
+      }
+    }
+  }
+  return 0;
+}

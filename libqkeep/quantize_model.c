@@ -11,6 +11,7 @@
  * MoE routers (`mlp.gate`). Everything else is copied unchanged.
  */
 #include <errno.h>
+#include <math.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -349,6 +350,50 @@ static int write_int4(struct quantizer *q, const char *module, const float *w, i
   return rc;
 }
 
+/*
+ * compressed-tensors pack-quantized int4: weight_packed, weight_scale in the model's dtype (as
+ * compressed-tensors creates scales: the source weight's dtype), weight_shape, and
+ * weight_zero_point when asymmetric.
+ */
+static int write_ct_int4(struct quantizer *q, const char *module, const float *w, int64_t n, int64_t k,
+                         enum qkeep_dtype model_dtype) {
+  bool sym = !q->opt->asym_weights;
+  int64_t g = q->opt->group_size > 0 ? q->opt->group_size : 128;
+  if (g > k || k % g)
+    return set_error(QKEEP_E_INVAL, "module %s: group size %lld does not divide K = %lld (pass --group)", module,
+                     (long long)g, (long long)k);
+  int64_t groups = k / g;
+  int32_t *packed = malloc((size_t)(n * k / 8) * 4 + 1), *zeros = sym ? NULL : malloc((size_t)(n / 8 * groups) * 4 + 1);
+  float *scales = malloc((size_t)(n * groups) * sizeof *scales + 1);
+  uint16_t *half = model_dtype == QKEEP_DTYPE_F32 ? NULL : malloc((size_t)(n * groups) * 2 + 1);
+  char name[600];
+  int rc = packed && scales && (sym || zeros) && (model_dtype == QKEEP_DTYPE_F32 || half)
+               ? quant_ct_int4(w, n, k, g, sym, packed, scales, zeros)
+               : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (int64_t i = 0; !rc && half && i < n * groups; i++) {
+    half[i] = model_dtype == QKEEP_DTYPE_F16 ? qk_f32_to_f16(scales[i]) : qk_f32_to_bf16(scales[i]);
+    if (model_dtype == QKEEP_DTYPE_F16 && isinf(qk_f16_to_f32(half[i])))
+      rc = set_error(QKEEP_E_INVAL, "module %s: scale %g overflows float16", module, (double)scales[i]);
+  }
+  int64_t shape[2] = {n, k};
+  struct qkeep_spec ps = {QKEEP_DTYPE_I32, 2, {n, k / 8}}, ss = {model_dtype, 2, {n, groups}},
+                    shs = {QKEEP_DTYPE_I64, 1, {2}}, zs = {QKEEP_DTYPE_I32, 2, {n / 8, groups}};
+  if (!rc)
+    rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_packed"), &ps, packed);
+  if (!rc)
+    rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_scale"), &ss,
+                 half ? (const void *)half : scales);
+  if (!rc)
+    rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_shape"), &shs, shape);
+  if (!rc && !sym)
+    rc = out_add(&q->out, tensor_name(name, sizeof name, module, "weight_zero_point"), &zs, zeros);
+  free(packed);
+  free(zeros);
+  free(scales);
+  free(half);
+  return rc;
+}
+
 /* Quantizes one linear weight tensor (and writes everything its scheme adds). */
 static int quantize_weight(struct quantizer *q, const struct ckpt_tensor *t) {
   int64_t n = t->t->shape[0], k = t->t->shape[1];
@@ -375,6 +420,11 @@ static int quantize_weight(struct quantizer *q, const struct ckpt_tensor *t) {
                 : write_mxfp4(q, module, w, n, k);
   else if (strcmp(s, "w8a8-int8") == 0)
     rc = write_int8(q, module, w, n, k);
+  else if (strcmp(s, "ct-int4") == 0 && (k % 8 || n % 8))
+    rc = set_error(QKEEP_E_INVAL, "tensor '%s': [%lld, %lld] needs N and K multiples of 8 (int4 packing)",
+                   t->t->name, (long long)n, (long long)k);
+  else if (strcmp(s, "ct-int4") == 0)
+    rc = write_ct_int4(q, module, w, n, k, (enum qkeep_dtype)t->t->dtype);
   else if (k % 8 || n % 8)
     rc = set_error(QKEEP_E_INVAL, "tensor '%s': [%lld, %lld] needs N and K multiples of 8 (int4 packing)",
                    t->t->name, (long long)n, (long long)k);
@@ -424,6 +474,26 @@ static int add_kv_scales(struct quantizer *q) {
 }
 
 /* ---- config files ------------------------------------------------------------------------ */
+
+/* A pack-quantized config group as llm-compressor's W4A16 preset writes it (actorder null, no activations). */
+static json_t *ct_int4_group(const struct quantizer *q) {
+  json_t *weights = json_object(), *group = json_object(), *targets = json_array();
+  json_object_set_new(weights, "num_bits", json_integer(4));
+  json_object_set_new(weights, "type", json_string("int"));
+  json_object_set_new(weights, "symmetric", json_boolean(!q->opt->asym_weights));
+  json_object_set_new(weights, "strategy", json_string("group"));
+  json_object_set_new(weights, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
+  json_object_set_new(weights, "dynamic", json_false());
+  json_object_set_new(weights, "actorder", json_null());
+  json_object_set_new(weights, "observer", json_string("minmax"));
+  json_array_append_new(targets, json_string("Linear"));
+  json_object_set_new(group, "format", json_string("pack-quantized"));
+  json_object_set_new(group, "input_activations", json_null());
+  json_object_set_new(group, "output_activations", json_null());
+  json_object_set_new(group, "targets", targets);
+  json_object_set_new(group, "weights", weights);
+  return group;
+}
 
 static json_t *ct_group(const struct quantizer *q, bool nvfp4) {
   json_t *weights = json_object(), *group = json_object(), *targets = json_array();
@@ -491,12 +561,14 @@ static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant)
       json_object_set_new(qc, "checkpoint_format", json_string("gptq"));
     }
   } else {
-    bool nvfp4 = strcmp(s, "ct-nvfp4") == 0;
+    bool nvfp4 = strcmp(s, "ct-nvfp4") == 0, int4 = strcmp(s, "ct-int4") == 0;
     const char *format = nvfp4                     ? "nvfp4-pack-quantized"
                          : strcmp(s, "mxfp4") == 0 ? "mxfp4-pack-quantized"
+                         : int4                    ? "pack-quantized"
                                                    : "int-quantized";
     json_t *groups = json_object();
-    json_object_set_new(groups, "group_0", ct_group(q, nvfp4));
+    json_object_set_new(groups, "group_0", int4 ? ct_int4_group(q) : ct_group(q, nvfp4));
+    json_object_set_new(qc, "quantization_status", json_string("compressed"));
     json_object_set_new(qc, "quant_method", json_string("compressed-tensors"));
     json_object_set_new(qc, "format", json_string(format));
     json_object_set_new(qc, "config_groups", groups);
@@ -566,7 +638,8 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
   const struct scheme *sch = scheme_by_name(opt->scheme);
   if (!sch || sch == &scheme_unquantized)
     return set_error(QKEEP_E_INVAL,
-                     "unknown scheme '%s' (modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4)",
+                     "unknown scheme '%s' (modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4, "
+                     "ct-int4)",
                      opt->scheme);
   if (mkdir(out_dir, 0755) != 0)
     return set_error(errno == EEXIST ? QKEEP_E_EXISTS : QKEEP_E_IO,

@@ -22,7 +22,7 @@ const struct ckpt_tensor *module_tensor(const struct module *m, const char *loca
 const struct scheme *scheme_by_name(const char *name) {
   static const struct scheme *const all[] = {&scheme_unquantized, &scheme_modelopt_nvfp4, &scheme_ct_nvfp4,
                                              &scheme_mxfp4,       &scheme_w8a8_int8,      &scheme_gptq_int4,
-                                             &scheme_awq_int4};
+                                             &scheme_awq_int4,    &scheme_ct_int4};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
     if (strcmp(all[i]->name, name) == 0)
       return all[i];
@@ -40,6 +40,7 @@ static int64_t eval_dim(enum dim_expr d, int64_t n, int64_t k, int64_t g) {
   case D_K_G: return g ? k / g : 1;
   case D_N_8: return n / 8;
   case D_ONE: return 1;
+  case D_2: return 2;
   case D_16: return 16;
   }
   return 0;
@@ -147,6 +148,13 @@ static struct qkeep_spec param_spec(const struct layout *L, const struct param_t
     }
   } else if (t->fuse == F_SHARED) {
     s = eval_spec(t, dtype, L->shard_n[0], L->k, L->g);
+  } else if (t->fuse == F_STACKED) {
+    s = eval_spec(t, dtype, L->shard_n[0], L->k, L->g);
+    if (L->shards > 1) {
+      memmove(s.shape + 1, s.shape, sizeof(int64_t) * (size_t)s.ndim);
+      s.shape[0] = L->shards;
+      s.ndim++;
+    }
   } else {
     s = eval_spec(t, dtype, L->n, L->k, L->g);
   }
@@ -173,9 +181,14 @@ static int add_sources(qkeep_layer *layer, const struct layout *L, const struct 
       size_t bytes = qkeep_spec_bytes(&cs), base = (size_t)e * per_expert;
       int rc = 0;
       if (t->fuse == F_ROWS) {
+        /* the rows before this shard (N of them, or N/8 for zero points packed along N), each of one_row */
         struct qkeep_spec one_row = eval_spec(t, cs.dtype, 1, L->k, L->g);
-        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)n_before * qkeep_spec_bytes(&one_row),
+        one_row.shape[0] = 1;
+        int64_t rows_before = eval_dim(t->dims[0], n_before, L->k, L->g);
+        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)rows_before * qkeep_spec_bytes(&one_row),
                               &cs);
+      } else if (t->fuse == F_STACKED) {
+        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)s * bytes, &cs);
       } else if (t->fuse == F_COLS) {
         int64_t cols = eval_dim(t->dims[t->ndim - 1], L->shard_n[s], L->k, L->g);
         int64_t total = eval_dim(t->dims[t->ndim - 1], L->n, L->k, L->g);

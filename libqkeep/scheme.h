@@ -14,14 +14,15 @@
 #include "internal.h"
 
 /* A dimension as a function of the shard's N, the layer's K and group size G. */
-enum dim_expr { D_N, D_K, D_K_2, D_K_8, D_K_16, D_K_32, D_K_G, D_N_8, D_ONE, D_16 };
+enum dim_expr { D_N, D_K, D_K_2, D_K_8, D_K_16, D_K_32, D_K_G, D_N_8, D_ONE, D_2, D_16 };
 
 /* How the shards of a fused layer (q/k/v, gate/up) share one param. */
 enum fuse_mode {
-  F_ROWS,   /* dim 0 carries N: shard s occupies rows [sum N_<s, +N_s) */
+  F_ROWS,   /* dim 0 carries N (or N/8): shard s occupies rows [sum N_<s, +N_s) (divided by 8) */
   F_COLS,   /* the last dim carries N (or N/8): shards side by side in every row */
   F_SLOT,   /* one scalar per shard: the param holds [S]; checkpoint shape [] or [1] */
   F_SHARED, /* the same tensor for every shard: loaded from shard 0, the others must equal it */
+  F_STACKED, /* one small tensor per shard (weight_shape [2]): the param holds [S, ...] when fused */
 };
 
 #define DT(d) (1u << QKEEP_DTYPE_##d)
@@ -70,6 +71,7 @@ extern const struct scheme scheme_mxfp4;
 extern const struct scheme scheme_w8a8_int8;
 extern const struct scheme scheme_gptq_int4;
 extern const struct scheme scheme_awq_int4;
+extern const struct scheme scheme_ct_int4;
 extern const struct scheme scheme_kv_scales;
 
 /* Builds the model's layers from a checkpoint (libqkeep/assemble.c): modules, MoE stacking,

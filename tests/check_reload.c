@@ -83,8 +83,8 @@ static struct qkeep_digest digest(qkeep_model *m) {
 
 static bool same(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
 
-static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
-                                      "w8a8-int8",      "gptq-int4", "awq-int4"};
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
+                                      "gptq-int4",      "awq-int4", "ct-int4"};
 
 START_TEST(reload_equals_cold_start_in_place) {
   const char *scheme = schemes[_i];

@@ -191,6 +191,18 @@ static float *oracle_weight(const struct ckpt *ck, const char *scheme, const cha
       }
     free(q);
     free(s);
+  } else if (strcmp(scheme, "ct-int4") == 0) {
+    /* compressed-tensors [N, K/8] words along K, code - 8 signed; f32 scales [N, K/32] (an f32 source). */
+    int32_t *q = read_tensor(ck, module, "weight_packed");
+    float *s = read_tensor(ck, module, "weight_scale");
+    int64_t *shape = read_tensor(ck, module, "weight_shape");
+    ck_assert(shape[0] == n && shape[1] == k);
+    for (int64_t r = 0; r < n; r++)
+      for (int64_t kk = 0; kk < k; kk++) {
+        int v = (int)(((uint32_t)q[r * (k / 8) + kk / 8] >> (4 * (kk % 8))) & 15) - 8;
+        w[r * k + kk] = (float)v * s[r * (k / 32) + kk / 32];
+      }
+    free(q), free(s), free(shape);
   } else {
     ck_abort_msg("no oracle for %s", scheme);
   }
@@ -231,12 +243,12 @@ static float *source_weight(const char *module, int64_t n, int64_t k) {
   return w;
 }
 
-static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
-                                      "w8a8-int8",      "gptq-int4", "awq-int4"};
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
+                                      "gptq-int4",      "awq-int4", "ct-int4"};
 /* Relative output error (max abs over max |y|, K = 64) allowed against the original weights: a sanity
  * bound; the exact per-element bounds are in check_formats, the exact agreement with an
  * independent dequantisation is asserted to 1e-5 below. */
-static const double format_error[] = {0.25, 0.25, 0.3, 0.03, 0.25, 0.25};
+static const double format_error[] = {0.25, 0.25, 0.3, 0.03, 0.25, 0.25, 0.25};
 
 START_TEST(scheme_round_trip) {
   const char *scheme = schemes[_i];

@@ -67,7 +67,7 @@ static int reference_configure(const struct qkeep_backend *be, const char *key, 
 }
 
 static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4", "mxfp4",
-                                      "w8a8-int8",   "gptq-int4",      "awq-int4"};
+                                      "w8a8-int8",   "gptq-int4",      "awq-int4", "ct-int4"};
 
 static int reference_supports(const struct qkeep_backend *be, const char *scheme,
                               enum qkeep_layer_kind kind) {
@@ -236,6 +236,44 @@ static int dequant_int4(const struct matrix *m, float *w, bool awq) {
   return 0;
 }
 
+/*
+ * compressed-tensors pack-quantized int4: weight_packed [N, K/8] (code of k at bits 4 (k % 8) of
+ * word k / 8, stored + 8), weight_scale [N, K/G] (any float dtype), weight_zero_point [N/8, K/G]
+ * packed along N when asymmetric, weight_g_idx [K] under act order: w = (code - zero) * scale.
+ */
+static int dequant_ct_int4(const struct matrix *m, float *w) {
+  int64_t n_rows = m->rows, k_cols = m->cols, g = m->info->group_size ? m->info->group_size : k_cols;
+  int64_t groups = k_cols / g;
+  struct qkeep_view pv, sv = {.size = sizeof sv}, zv = {.size = sizeof zv}, gv = {.size = sizeof gv};
+  const unsigned char *packed, *sc, *zp = NULL, *gp = NULL;
+  char name[64];
+  snprintf(name, sizeof name, "%sweight_scale", m->prefix);
+  int rc = slice(m, "weight_packed", (size_t)(n_rows * k_cols / 2), &pv, &packed);
+  if (!rc)
+    rc = m->host->get_live(m->layer, name, &sv);
+  if (!rc)
+    rc = slice(m, "weight_scale", (size_t)(n_rows * groups) * qkeep_dtype_size_of(sv.spec.dtype), &sv, &sc);
+  bool sym = m->info->flags & QKEEP_LAYER_F_WEIGHT_SYM;
+  if (!rc && !sym)
+    rc = slice(m, "weight_zero_point", (size_t)(n_rows / 8 * groups) * 4, &zv, &zp);
+  if (!rc && (m->info->flags & QKEEP_LAYER_F_ACT_ORDER))
+    rc = slice(m, "weight_g_idx", (size_t)k_cols * 4, &gv, &gp);
+  if (rc)
+    return rc;
+  const int32_t *words = (const int32_t *)packed, *zeros = (const int32_t *)zp, *g_idx = (const int32_t *)gp;
+  for (int64_t n = 0; n < n_rows; n++)
+    for (int64_t k = 0; k < k_cols; k++) {
+      int64_t group = g_idx ? g_idx[k] : k / g;
+      if (group < 0 || group >= groups)
+        return m->host->set_error(QKEEP_E_FORMAT, "%s.%sweight_g_idx[%lld] = %lld: not a group (%lld groups)",
+                                  m->info->name, m->prefix, (long long)k, (long long)group, (long long)groups);
+      int q = qk_nibble(words[n * (k_cols / 8) + k / 8], (int)(k % 8));
+      int zero = sym ? 8 : qk_nibble(zeros[(n / 8) * groups + group], (int)(n % 8));
+      w[n * k_cols + k] = (float)(q - zero) * qk_load_float(sc, sv.spec.dtype, (size_t)(n * groups + group));
+    }
+  return 0;
+}
+
 static int dequant_float(const struct matrix *m, float *w) {
   struct qkeep_view wv;
   const unsigned char *p;
@@ -266,6 +304,8 @@ static int dequantise(const struct matrix *m, float *w) {
     return dequant_int8(m, w);
   if (strcmp(s, "gptq-int4") == 0 || strcmp(s, "awq-int4") == 0)
     return dequant_int4(m, w, s[0] == 'a');
+  if (strcmp(s, "ct-int4") == 0)
+    return dequant_ct_int4(m, w);
   return m->host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference has no kernel for scheme %s",
                             m->info->name, s);
 }
