@@ -232,7 +232,9 @@ static int refuse_plain(const struct assembly *a, const struct module *m, const 
  */
 static int resolve_scheme(const struct assembly *a, const struct module *m, const char *layer_name,
                           const struct scheme **out) {
-  const struct quant_config *qc = &a->ck->qc;
+  struct quant_config module_qc;
+  quant_config_for_module(&a->ck->qc, m->name, &module_qc);
+  const struct quant_config *qc = &module_qc;
   int64_t n, k, g;
   *out = NULL;
   if (qc->method != QM_NONE && !quant_config_ignores(qc, layer_name) && !quant_config_ignores(qc, m->name)) {
@@ -278,6 +280,14 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
   }
   const char *q = quantized_tensor(m);
   return q ? refuse_plain(a, m, layer_name, q) : 0;
+}
+
+/* Whether two modules load with the same per-module config (GPTQ `dynamic` overrides). */
+static bool same_module_config(const struct assembly *a, const struct module *x, const struct module *y) {
+  struct quant_config cx, cy;
+  quant_config_for_module(&a->ck->qc, x->name, &cx);
+  quant_config_for_module(&a->ck->qc, y->name, &cy);
+  return cx.group_size == cy.group_size && cx.weight_sym == cy.weight_sym && cx.desc_act == cy.desc_act;
 }
 
 /* "<P>.experts.<e>.<proj>": sets *prefix_len (of <P>.experts), *expert and *proj (0 gate, 1 up, 2 down). */
@@ -352,6 +362,12 @@ static int plan_moe(struct assembly *a) {
         else
           s->modules[experts * 2 + x] = m;
       }
+    for (long x = 1; x < experts * 3; x++)
+      if (!same_module_config(a, s->modules[0], s->modules[x]))
+        return set_error(QKEEP_E_UNSUPPORTED,
+                         "%s: MoE block %s: GPTQ dynamic rules give %s and %s different group sizes or "
+                         "symmetry; one layout per stacked MoE layer is supported",
+                         a->ck->path, block, s->modules[0]->name, s->modules[x]->name);
     int rc = resolve_scheme(a, s->modules[0], block, &s->sch);
     if (rc)
       return rc;
@@ -405,7 +421,8 @@ static int plan_fusion(struct assembly *a) {
         int rc = mods[m] ? resolve_scheme(a, mods[m], mods[m]->name, &ms) : 0;
         if (rc)
           return rc;
-        complete = mods[m] && !a->used[mods[m] - a->modules] && ms && (m == 0 || ms == sch);
+        complete = mods[m] && !a->used[mods[m] - a->modules] && ms &&
+                   (m == 0 || (ms == sch && same_module_config(a, mods[0], mods[m])));
         sch = ms;
       }
       if (!complete)
@@ -609,7 +626,10 @@ static int create_layer(struct assembly *a, const struct layer_spec *s) {
   if (rc)
     return rc;
   layer->scheme_ops = s->kind == SPEC_KV ? &scheme_kv_scales : s->sch;
-  const struct quant_config *qc = &a->ck->qc;
+  struct quant_config module_qc = a->ck->qc;
+  if ((s->kind == SPEC_LINEAR || s->kind == SPEC_MOE) && s->modules && s->modules[0])
+    quant_config_for_module(&a->ck->qc, s->modules[0]->name, &module_qc);
+  const struct quant_config *qc = &module_qc;
   switch (s->kind) {
   case SPEC_LINEAR: rc = scheme_create(layer, s->sch, qc, "", s->modules, 0, s->shards); break;
   case SPEC_MOE:

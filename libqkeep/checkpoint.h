@@ -41,6 +41,18 @@ struct quant_config {
   bool tie_word_embeddings;
   char **ignore; /* modules left unquantized: exact names, or "re:REGEX" */
   size_t n_ignore;
+  struct gptq_rule *dynamic; /* GPTQModel's per-module rules, in the config's order */
+  size_t n_dynamic;
+};
+
+/* One GPTQ `dynamic` rule: "-:REGEX" excludes matching modules, "+:REGEX" (or a bare REGEX)
+ * overrides their group size, symmetry or act order. Python re.match: anchored at the start only. */
+struct gptq_rule {
+  char *pattern; /* without its "-:" / "+:" */
+  bool exclude;
+  bool has_group_size, has_sym, has_desc_act;
+  int64_t group_size; /* 0: per channel */
+  bool sym, desc_act;
 };
 
 /* One tensor of the checkpoint and the shard that holds it. */
@@ -100,5 +112,9 @@ int quant_config_parse_standalone(const char *text, const char *where, const cha
  * down_proj) or a parent's suffix; "re:REGEX" (POSIX extended) matches the whole name or a
  * parent's; an entry with *, ? or [ is a glob (fnmatch). */
 bool quant_config_ignores(const struct quant_config *qc, const char *module);
+/* The config a module loads with: *qc with the first GPTQ `dynamic` "+:" rule that matches
+ * the module applied (group size, sym, desc_act); *qc itself when none does. out shares qc's
+ * lists (do not free it). A "-:" match is an ignore (quant_config_ignores). */
+void quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out);
 
 #endif

@@ -226,7 +226,12 @@ static bool glob_test(const void *arg, const char *name) { return fnmatch(arg, n
  * and an entry with * ? [ is a shell glob matched in full: gpt-oss writes
  * "model.layers.*.self_attn" and ModelOpt writes wildcards in exclude_modules.
  */
+static const struct gptq_rule *first_rule(const struct quant_config *qc, const char *module);
+
 bool quant_config_ignores(const struct quant_config *qc, const char *module) {
+  const struct gptq_rule *rule = first_rule(qc, module);
+  if (rule && rule->exclude)
+    return true;
   for (size_t i = 0; i < qc->n_ignore; i++) {
     const char *entry = qc->ignore[i];
     bool hit;
@@ -245,6 +250,107 @@ bool quant_config_ignores(const struct quant_config *qc, const char *module) {
       return true;
   }
   return false;
+}
+
+/* ---- GPTQ dynamic rules ---------------------------------------------------------------- */
+
+/* Python's re.match: the pattern must match a prefix of the name (anchored at the start only). */
+static int compile_match(const char *pattern, regex_t *re) {
+  size_t n = strlen(pattern) + 4;
+  char *anchored = malloc(n);
+  if (!anchored)
+    return REG_ESPACE;
+  snprintf(anchored, n, "^(%s)", pattern);
+  int rc = regcomp(re, anchored, REG_EXTENDED | REG_NOSUB);
+  free(anchored);
+  return rc;
+}
+
+/* The first rule matching the module, or NULL. */
+static const struct gptq_rule *first_rule(const struct quant_config *qc, const char *module) {
+  for (size_t i = 0; i < qc->n_dynamic; i++) {
+    regex_t re;
+    if (compile_match(qc->dynamic[i].pattern, &re) != 0)
+      continue; /* only on out of memory: the parse compiled it once already */
+    bool hit = regexec(&re, module, 0, NULL, 0) == 0;
+    regfree(&re);
+    if (hit)
+      return &qc->dynamic[i];
+  }
+  return NULL;
+}
+
+void quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out) {
+  *out = *qc;
+  const struct gptq_rule *r = first_rule(qc, module);
+  if (!r || r->exclude)
+    return;
+  if (r->has_group_size)
+    out->group_size = r->group_size;
+  if (r->has_sym)
+    out->weight_sym = r->sym;
+  if (r->has_desc_act)
+    out->desc_act = r->desc_act;
+}
+
+/* One "+:" rule's overrides: bits must stay 4; group_size, sym, desc_act as the config keys. */
+static int gptq_rule_values(const struct origin *o, const json_t *v, struct gptq_rule *r) {
+  if (!json_is_object(v))
+    return key_error(QKEEP_E_FORMAT, o, NULL, "is %s, expected an object of overrides", json_kind(v));
+  int64_t bits = 4, group = 0;
+  int rc = get_int(o, v, "bits", &bits);
+  if (rc < 0)
+    return rc;
+  if (bits != 4)
+    return key_error(QKEEP_E_UNSUPPORTED, o, "bits",
+                     "%lld: a module with other than 4-bit weights is not supported (gptq-int4 only)",
+                     (long long)bits);
+  if ((rc = get_int(o, v, "group_size", &group)) < 0)
+    return rc;
+  if (rc == 1 && group != -1 && group <= 0)
+    return key_error(QKEEP_E_FORMAT, o, "group_size", "%lld is not a group size", (long long)group);
+  r->has_group_size = rc == 1;
+  r->group_size = group == -1 ? 0 : group;
+  if ((rc = get_bool(o, v, "sym", &r->sym)) < 0)
+    return rc;
+  r->has_sym = rc == 1;
+  if ((rc = get_bool(o, v, "desc_act", &r->desc_act)) < 0)
+    return rc;
+  r->has_desc_act = rc == 1;
+  return 0;
+}
+
+/* GPTQModel's `dynamic`: {"-:REGEX": {...}, "+:REGEX": {...}, "REGEX": {...}}, in order. */
+static int gptq_dynamic(const struct origin *o, const json_t *dynamic, struct quant_config *qc) {
+  struct sub_origin od;
+  descend(&od, o, "dynamic");
+  size_t cap = 0;
+  const char *key;
+  json_t *v;
+  json_object_foreach((json_t *)dynamic, key, v) {
+    struct gptq_rule r = {0};
+    r.exclude = has_prefix(key, "-:");
+    const char *pattern = r.exclude || has_prefix(key, "+:") ? key + 2 : key;
+    regex_t re;
+    int err = compile_match(pattern, &re);
+    if (err != 0) {
+      char why[256];
+      regerror(err, NULL, why, sizeof why);
+      return key_error(QKEEP_E_FORMAT, &od.o, NULL, "rule '%s' is not a POSIX extended regex: %s", key, why);
+    }
+    regfree(&re);
+    struct sub_origin orule;
+    descend(&orule, &od.o, key);
+    int rc = r.exclude ? 0 : gptq_rule_values(&orule.o, v, &r); /* a "-:" rule's value is ignored */
+    if (!rc)
+      rc = grow_array((void **)&qc->dynamic, &cap, qc->n_dynamic + 1, sizeof *qc->dynamic);
+    if (!rc && !(r.pattern = xstrdup(pattern)))
+      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+    if (rc)
+      return rc;
+    qc->dynamic[qc->n_dynamic++] = r;
+  }
+  return 0;
 }
 
 /* ---- ModelOpt ----------------------------------------------------------------------- */
@@ -853,13 +959,12 @@ static int gptq_parse(const struct origin *o, const json_t *qcfg, struct quant_c
   else if (rc == 1 && strcmp(fmt, "gptq") != 0)
     return key_error(QKEEP_E_UNSUPPORTED, o, "checkpoint_format", "'%s' is not supported (gptq, gptq_v2)",
                      fmt);
-  /* GPTQModel's per-module overrides change bits or group size layer by layer. */
+  /* GPTQModel's per-module rules: "-:" leaves modules unquantized, "+:" changes their layout. */
   const json_t *dynamic = NULL;
   if ((rc = get_object(o, qcfg, "dynamic", &dynamic)) < 0)
     return rc;
-  if (rc == 1 && json_object_size(dynamic) > 0)
-    return key_error(QKEEP_E_UNSUPPORTED, o, "dynamic",
-                     "holds per-module overrides, which are not supported");
+  if (rc == 1 && (rc = gptq_dynamic(o, dynamic, qc)) != 0)
+    return rc;
   qc->method = QM_GPTQ_INT4;
   qc->scheme = "gptq-int4";
   return add_ignores(qc, cap, o, qcfg, "modules_to_not_convert");
@@ -1114,8 +1219,10 @@ int quant_config_parse_standalone(const char *text, const char *where, const cha
   if (rc) {
     for (size_t i = qc->n_ignore; i < parsed.n_ignore; i++)
       free(parsed.ignore[i]);
-    if (parsed.ignore != qc->ignore)
-      qc->ignore = parsed.ignore; /* grown but holding only qc's entries now */
+    qc->ignore = parsed.ignore; /* perhaps grown, holding only qc's entries again */
+    for (size_t i = qc->n_dynamic; i < parsed.n_dynamic; i++)
+      free(parsed.dynamic[i].pattern);
+    qc->dynamic = parsed.dynamic;
     return rc;
   }
   *qc = parsed;
@@ -1129,5 +1236,8 @@ void quant_config_free(struct quant_config *qc) {
   for (size_t i = 0; i < qc->n_ignore; i++)
     free(qc->ignore[i]);
   free(qc->ignore);
+  for (size_t i = 0; i < qc->n_dynamic; i++)
+    free(qc->dynamic[i].pattern);
+  free(qc->dynamic);
   *qc = (struct quant_config){.method = QM_NONE, .scheme = "unquantized"};
 }

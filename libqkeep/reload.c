@@ -152,7 +152,16 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
                      qc->scheme, layer->name, layer->scheme);
   uint32_t mask = QKEEP_LAYER_F_WEIGHT_SYM | QKEEP_LAYER_F_ACT_ORDER | QKEEP_LAYER_F_GPTQ_V2 |
                   QKEEP_LAYER_F_INPUT_DYNAMIC | QKEEP_LAYER_F_INPUT_ASYM | QKEEP_LAYER_F_WEIGHT_PER_TENSOR;
-  uint32_t want = sch->flags ? sch->flags(qc) & mask : 0;
+  /* GPTQ `dynamic` rules may give this layer's modules their own layout: judge it by its first module. */
+  struct quant_config module_qc = *qc;
+  if (layer->n_sources && qc->n_dynamic) {
+    const char *name = layer->sources[0].checkpoint_name, *dot = strrchr(name, '.');
+    char *module = dot ? strndup(name, (size_t)(dot - name)) : NULL;
+    if (module)
+      quant_config_for_module(qc, module, &module_qc);
+    free(module);
+  }
+  uint32_t want = sch->flags ? sch->flags(&module_qc) & mask : 0;
   if ((layer->dims.flags & mask) != want)
     return set_error(QKEEP_E_FORMAT,
                      "%s: its quantization config (flags 0x%x) differs from the model's (0x%x) at %s", where,

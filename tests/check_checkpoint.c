@@ -628,9 +628,14 @@ static const struct config_error config_errors[] = {
     {"{'quantization_config': {'quant_method': 'gptq', 'bits': 4, 'group_size': 128, 'checkpoint_format': "
      "'marlin'}}",
      NULL, QKEEP_E_UNSUPPORTED, "checkpoint_format", "'marlin'"},
-    {"{'quantization_config': {'quant_method': 'gptq', 'bits': 4, 'group_size': 128, 'dynamic': {'-:.*': "
+    {"{'quantization_config': {'quant_method': 'gptq', 'bits': 4, 'group_size': 128, 'dynamic': {'+:.*mlp': "
+     "{'bits': 8}}}}",
+     NULL, QKEEP_E_UNSUPPORTED, "dynamic.+:.*mlp.bits", "8"},
+    {"{'quantization_config': {'quant_method': 'gptq', 'bits': 4, 'group_size': 128, 'dynamic': {'-:(': "
      "{}}}}",
-     NULL, QKEEP_E_UNSUPPORTED, "dynamic", "per-module"},
+     NULL, QKEEP_E_FORMAT, "dynamic", "'-:('"},
+    {"{'quantization_config': {'quant_method': 'gptq', 'bits': 4, 'group_size': 128, 'dynamic': {'+:x': 3}}}",
+     NULL, QKEEP_E_FORMAT, "dynamic.+:x", "an object"},
     {"{'quantization_config': {'quant_method': 'awq', 'bits': 4, 'group_size': 128, 'version': 'gemv'}}",
      NULL, QKEEP_E_UNSUPPORTED, "version", "'gemv'"},
     {"{'quantization_config': {'quant_method': 'awq', 'bits': 4, 'group_size': 128, 'zero_point': 1}}", NULL,
