@@ -214,8 +214,9 @@ static int refuse_plain(const struct assembly *a, const struct module *m, const 
                      a->ck->path, m->name, m->name, local);
   if (quant_config_ignores(qc, layer_name) || quant_config_ignores(qc, m->name))
     return set_error(QKEEP_E_FORMAT,
-                     "%s: module %s is in the config's ignore list (left unquantized) but carries quantized "
-                     "tensors ('%s.%s'); refusing to load it as a plain layer",
+                     "%s: module %s is left unquantized by the config (its ignore list, a GPTQ dynamic '-:' "
+                     "rule, or MIXED_PRECISION's quantized_layers) but carries quantized tensors ('%s.%s'); "
+                     "refusing to load it as a plain layer",
                      a->ck->path, m->name, m->name, local);
   return set_error(QKEEP_E_FORMAT,
                    "%s: module %s carries quantized tensors ('%s.%s') that are not scheme %s's; refusing "

@@ -43,6 +43,9 @@ struct quant_config {
   size_t n_ignore;
   struct gptq_rule *dynamic; /* GPTQModel's per-module rules, in the config's order */
   size_t n_dynamic;
+  bool mixed;         /* ModelOpt MIXED_PRECISION: only the modules `quantized` names are quantized */
+  char **quantized;   /* its quantized_layers (all NVFP4), names matched as plain ignore entries are */
+  size_t n_quantized;
 };
 
 /* One GPTQ `dynamic` rule: "-:REGEX" excludes matching modules, "+:REGEX" (or a bare REGEX)
@@ -107,7 +110,9 @@ void quant_config_free(struct quant_config *qc);
 int quant_config_parse_standalone(const char *text, const char *where, const char *file,
                                   struct quant_config *qc);
 /* True when the module (a layer name such as "model.layers.0.mlp.down_proj" or "lm_head")
- * is in the ignore list: an entry matches at dot boundaries the module, a suffix of it
+ * is left unquantized: a GPTQ `dynamic` "-:" rule matches it first, a MIXED_PRECISION
+ * config's quantized_layers do not name it (or a parent, at dot boundaries), or it is in the
+ * ignore list: an entry matches at dot boundaries the module, a suffix of it
  * ("lm_head" ignores "model.lm_head"), a parent ("model.layers.0.mlp" ignores its
  * down_proj) or a parent's suffix; "re:REGEX" (POSIX extended) matches the whole name or a
  * parent's; an entry with *, ? or [ is a glob (fnmatch). */

@@ -51,7 +51,9 @@ static int PRINTF_LIKE(4, 5)
 
 /* The origin of obj[key], so that messages about nested keys give their full path. */
 static void descend(struct sub_origin *sub, const struct origin *o, const char *key) {
-  snprintf(sub->path, sizeof sub->path, "%s%s%s", o->path, o->path[0] ? "." : "", key);
+  int n = snprintf(sub->path, sizeof sub->path, "%s%s%s", o->path, o->path[0] ? "." : "", key);
+  if (n >= (int)sizeof sub->path) /* a very long key path: keep its start, marked as cut */
+    memcpy(sub->path + sizeof sub->path - 4, "...", 4);
   sub->o.file = o->file;
   sub->o.path = sub->path;
 }
@@ -232,6 +234,13 @@ bool quant_config_ignores(const struct quant_config *qc, const char *module) {
   const struct gptq_rule *rule = first_rule(qc, module);
   if (rule && rule->exclude)
     return true;
+  if (qc->mixed) { /* MIXED_PRECISION: quantized only where quantized_layers says so */
+    bool listed = false;
+    for (size_t i = 0; i < qc->n_quantized && !listed; i++)
+      listed = plain_match(qc->quantized[i], module);
+    if (!listed)
+      return true;
+  }
   for (size_t i = 0; i < qc->n_ignore; i++) {
     const char *entry = qc->ignore[i];
     bool hit;
@@ -360,6 +369,7 @@ struct modelopt_decl {
   const char *quant_algo;
   int64_t group_size; /* NVFP4_GROUP unless stated */
   bool kv_cache_fp8;
+  const json_t *quantized_layers; /* MIXED_PRECISION: {"<layer>": {"quant_algo", "group_size"}, ...} */
   const char *file; /* where quant_algo was found, for messages */
   char path[512];
 };
@@ -370,8 +380,57 @@ static void decl_at(struct modelopt_decl *d, const struct origin *o) {
 }
 
 /* NVFP4 with its one group size; every other algorithm the exporter writes is a different layout. */
+/*
+ * MIXED_PRECISION's quantized_layers, each {"quant_algo": "NVFP4", "group_size": 16}, into
+ * qc->quantized (merged across both files). Any other algorithm in the list is a layout qkeep
+ * does not read: refused, naming the layer.
+ */
+static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc) {
+  const struct origin at = {d->file, d->path};
+  if (!d->quantized_layers)
+    return key_error(QKEEP_E_FORMAT, &at, "quantized_layers", "is missing (quant_algo MIXED_PRECISION)");
+  struct sub_origin ol;
+  descend(&ol, &at, "quantized_layers");
+  size_t cap = qc->n_quantized;
+  const char *layer;
+  json_t *v;
+  json_object_foreach((json_t *)d->quantized_layers, layer, v) {
+    struct sub_origin oe;
+    descend(&oe, &ol.o, layer);
+    const char *algo = NULL;
+    int64_t group = NVFP4_GROUP;
+    if (!json_is_object(v))
+      return key_error(QKEEP_E_FORMAT, &ol.o, layer, "is %s, expected an object", json_kind(v));
+    int rc = get_string(&oe.o, v, "quant_algo", &algo);
+    if (rc == 0)
+      rc = key_error(QKEEP_E_FORMAT, &oe.o, "quant_algo", "is missing");
+    if (rc < 0 || (rc = get_int(&oe.o, v, "group_size", &group)) < 0)
+      return rc;
+    if (strcasecmp(algo, "NVFP4") != 0)
+      return key_error(QKEEP_E_UNSUPPORTED, &oe.o, "quant_algo",
+                       "'%s' is not supported (qkeep reads the NVFP4 layers of a MIXED_PRECISION export)", algo);
+    if (group != NVFP4_GROUP)
+      return key_error(QKEEP_E_FORMAT, &oe.o, "group_size", "%lld, NVFP4 needs %d", (long long)group,
+                       NVFP4_GROUP);
+    bool seen = false;
+    for (size_t i = 0; i < qc->n_quantized && !seen; i++)
+      seen = strcmp(qc->quantized[i], layer) == 0;
+    if (seen)
+      continue;
+    if ((rc = grow_array((void **)&qc->quantized, &cap, qc->n_quantized + 1, sizeof *qc->quantized)) != 0)
+      return rc;
+    if (!(qc->quantized[qc->n_quantized] = xstrdup(layer)))
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    qc->n_quantized++;
+  }
+  qc->mixed = true;
+  return 0;
+}
+
 static int modelopt_check(const struct modelopt_decl *d) {
   const struct origin at = {d->file, d->path}, *o = &at;
+  if (strcasecmp(d->quant_algo, "MIXED_PRECISION") == 0 && d->quantized_layers)
+    return 0; /* each listed layer's algorithm is checked by modelopt_mixed */
   if (strcasecmp(d->quant_algo, "NVFP4") != 0)
     return key_error(QKEEP_E_UNSUPPORTED, o, "quant_algo",
                      "'%s' is not supported (qkeep reads ModelOpt NVFP4)", d->quant_algo);
@@ -441,6 +500,8 @@ static int modelopt_read_hf(const struct origin *top, const json_t *holder, stru
     return rc;
   if ((rc = modelopt_kv_algo(&o.o, q, &d->kv_cache_fp8)) < 0)
     return rc;
+  if ((rc = get_object(&o.o, q, "quantized_layers", &d->quantized_layers)) < 0)
+    return rc;
   decl_at(d, &o.o);
   return add_ignores(qc, cap, &o.o, q, "exclude_modules");
 }
@@ -497,6 +558,8 @@ static int modelopt_read_config(const struct origin *o, const json_t *qcfg, stru
   if ((rc = modelopt_kv_algo(o, qcfg, &d->kv_cache_fp8)) < 0)
     return rc;
   if ((rc = modelopt_kv_scheme(o, qcfg, &d->kv_cache_fp8)) < 0)
+    return rc;
+  if ((rc = get_object(o, qcfg, "quantized_layers", &d->quantized_layers)) < 0)
     return rc;
   decl_at(d, o);
   if ((rc = add_ignores(qc, cap, o, qcfg, "ignore")) != 0)
@@ -1044,6 +1107,11 @@ static int parse_modelopt(const struct origin *cfg_o, const json_t *qcfg, const 
     return rc;
   if (qcfg && (rc = modelopt_check(&from_cfg)) != 0)
     return rc;
+  bool mixed = strcasecmp((hf_root ? &from_hf : &from_cfg)->quant_algo, "MIXED_PRECISION") == 0;
+  if (mixed && hf_root && (rc = modelopt_mixed(&from_hf, qc)) != 0)
+    return rc;
+  if (mixed && qcfg && (from_cfg.quantized_layers || !hf_root) && (rc = modelopt_mixed(&from_cfg, qc)) != 0)
+    return rc;
   set_modelopt(qc, from_hf.kv_cache_fp8 || from_cfg.kv_cache_fp8);
   return 0;
 }
@@ -1239,5 +1307,8 @@ void quant_config_free(struct quant_config *qc) {
   for (size_t i = 0; i < qc->n_dynamic; i++)
     free(qc->dynamic[i].pattern);
   free(qc->dynamic);
+  for (size_t i = 0; i < qc->n_quantized; i++)
+    free(qc->quantized[i]);
+  free(qc->quantized);
   *qc = (struct quant_config){.method = QM_NONE, .scheme = "unquantized"};
 }
