@@ -188,8 +188,8 @@ static struct layer_spec *new_spec(struct assembly *a, enum spec_kind kind, cons
  */
 static const char *quantized_tensor(const struct module *m) {
   static const char *const names[] = {
-      "qweight",      "qzeros",          "weight_packed",       "weight_shape",       "weight_zero_point",
-      "weight_g_idx", "weight_scale",    "weight_scale_2",      "weight_global_scale", "input_global_scale",
+      "qweight",      "qzeros",           "weight_packed",  "weight_shape",        "weight_zero_point",
+      "weight_g_idx", "weight_scale",     "weight_scale_2", "weight_global_scale", "input_global_scale",
       "input_scale",  "input_zero_point", "g_idx"};
   for (size_t i = 0; i < m->n; i++) {
     size_t len = strlen(m->local[i]);
@@ -575,9 +575,10 @@ static int create_kv(qkeep_layer *layer, const struct layer_spec *s) {
       /* ModelOpt writes F32 []; compressed-tensors the model's dtype, [1] (kept as loaded). */
       bool is_float = t->t->dtype >= 0 && (DT_FLOAT & (1u << t->t->dtype));
       if (!is_float || t->t->ndim > 1 || (t->t->ndim == 1 && t->t->shape[0] != 1))
-        return set_error(QKEEP_E_FORMAT,
-                         "%s: tensor '%s': %s, expected a scalar kv-cache scale ([] or [1]; F32, BF16 or F16)",
-                         t->file->path, t->t->name, t->t->dtype_name);
+        return set_error(
+            QKEEP_E_FORMAT,
+            "%s: tensor '%s': %s, expected a scalar kv-cache scale ([] or [1]; F32, BF16 or F16)",
+            t->file->path, t->t->name, t->t->dtype_name);
       spec.dtype = (enum qkeep_dtype)t->t->dtype;
       spec.ndim = t->t->ndim;
       spec.shape[0] = 1;

@@ -397,8 +397,8 @@ static int open_only_file(struct ckpt *c) {
     rc = set_error(QKEEP_E_FORMAT,
                    "%s: %zu *.safetensors files ('%s', '%s'%s) but no %s or %s: which of them hold the "
                    "model is ambiguous; add the index, or keep only the model's file",
-                   c->dir, count, ordered ? first : second, ordered ? second : first, count > 2 ? ", ..." : "",
-                   INDEX_NAME, SINGLE_NAME);
+                   c->dir, count, ordered ? first : second, ordered ? second : first,
+                   count > 2 ? ", ..." : "", INDEX_NAME, SINGLE_NAME);
   } else if (!rc) {
     char *path = join_path(c->dir, first);
     rc = path ? open_single(c, path) : set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);

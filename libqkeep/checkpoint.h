@@ -26,9 +26,8 @@ enum quant_method {
 
 struct quant_config {
   enum quant_method method;
-  const char *
-      scheme; /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4", "ct-int4",
-                 "unquantized" */
+  const char *scheme;     /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4",
+                             "ct-int4",     "unquantized" */
   int64_t group_size;     /* 16 NVFP4, 32 MXFP4, G for GPTQ/AWQ, 0 per-channel int8 */
   bool weight_sym;        /* GPTQ sym / AWQ !zero_point; int8 weights are symmetric */
   bool desc_act;          /* GPTQ act order (g_idx meaningful); ct-int4 actorder "group" (weight_g_idx) */
@@ -43,8 +42,8 @@ struct quant_config {
   size_t n_ignore;
   struct gptq_rule *dynamic; /* GPTQModel's per-module rules, in the config's order */
   size_t n_dynamic;
-  bool mixed;         /* ModelOpt MIXED_PRECISION: only the modules `quantized` names are quantized */
-  char **quantized;   /* its quantized_layers (all NVFP4), names matched as plain ignore entries are */
+  bool mixed;       /* ModelOpt MIXED_PRECISION: only the modules `quantized` names are quantized */
+  char **quantized; /* its quantized_layers (all NVFP4), names matched as plain ignore entries are */
   size_t n_quantized;
 };
 

@@ -48,9 +48,9 @@ static bool ck_find(const struct provider *p, const char *name, struct provided 
   const struct ckpt_tensor *t = ckpt_find(p->ctx, name);
   if (!t)
     return false;
-  *out = (struct provided){t->t->name,  t->t->dtype,          t->t->dtype_name, t->t->ndim,
-                           t->t->shape, (size_t)t->t->nbytes, t->file->path,    t,
-                           t->t->full_shape, t->t->full_ndim, false};
+  *out = (struct provided){
+      t->t->name,    t->t->dtype, t->t->dtype_name, t->t->ndim,      t->t->shape, (size_t)t->t->nbytes,
+      t->file->path, t,           t->t->full_shape, t->t->full_ndim, false};
   return true;
 }
 static int ck_read(const struct provider *p, const struct provided *t, void *dst) {

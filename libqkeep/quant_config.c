@@ -370,7 +370,7 @@ struct modelopt_decl {
   int64_t group_size; /* NVFP4_GROUP unless stated */
   bool kv_cache_fp8;
   const json_t *quantized_layers; /* MIXED_PRECISION: {"<layer>": {"quant_algo", "group_size"}, ...} */
-  const char *file; /* where quant_algo was found, for messages */
+  const char *file;               /* where quant_algo was found, for messages */
   char path[512];
 };
 
@@ -408,7 +408,8 @@ static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc
       return rc;
     if (strcasecmp(algo, "NVFP4") != 0)
       return key_error(QKEEP_E_UNSUPPORTED, &oe.o, "quant_algo",
-                       "'%s' is not supported (qkeep reads the NVFP4 layers of a MIXED_PRECISION export)", algo);
+                       "'%s' is not supported (qkeep reads the NVFP4 layers of a MIXED_PRECISION export)",
+                       algo);
     if (group != NVFP4_GROUP)
       return key_error(QKEEP_E_FORMAT, &oe.o, "group_size", "%lld, NVFP4 needs %d", (long long)group,
                        NVFP4_GROUP);
@@ -722,15 +723,16 @@ static int ct_actorder(const struct origin *o, const json_t *w, bool *act_order)
     *act_order = true;
     return 0;
   }
-  if (json_is_string(v) && (strcmp(json_string_value(v), "weight") == 0 ||
-                            strcmp(json_string_value(v), "static") == 0))
+  if (json_is_string(v) &&
+      (strcmp(json_string_value(v), "weight") == 0 || strcmp(json_string_value(v), "static") == 0))
     return 0;
   return key_error(QKEEP_E_UNSUPPORTED, o, "actorder", "%s is not supported (null, group, weight, static)",
                    json_is_string(v) ? json_string_value(v) : json_kind(v));
 }
 
 /* pack-quantized weights: 4-bit int, per group or per channel, either symmetry, stored quantized. */
-static int ct_int4_weights(const struct origin *o, const json_t *w, const char *format, struct int4_group *g) {
+static int ct_int4_weights(const struct origin *o, const json_t *w, const char *format,
+                           struct int4_group *g) {
   int64_t bits = 0;
   int rc = get_int(o, w, "num_bits", &bits);
   if (rc < 0)

@@ -11,8 +11,8 @@
  * MoE routers (`mlp.gate`). Everything else is copied unchanged.
  */
 #include <errno.h>
-#include <math.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -360,10 +360,11 @@ static int write_ct_int4(struct quantizer *q, const char *module, const float *w
   bool sym = !q->opt->asym_weights;
   int64_t g = q->opt->group_size > 0 ? q->opt->group_size : 128;
   if (g > k || k % g)
-    return set_error(QKEEP_E_INVAL, "module %s: group size %lld does not divide K = %lld (pass --group)", module,
-                     (long long)g, (long long)k);
+    return set_error(QKEEP_E_INVAL, "module %s: group size %lld does not divide K = %lld (pass --group)",
+                     module, (long long)g, (long long)k);
   int64_t groups = k / g;
-  int32_t *packed = malloc((size_t)(n * k / 8) * 4 + 1), *zeros = sym ? NULL : malloc((size_t)(n / 8 * groups) * 4 + 1);
+  int32_t *packed = malloc((size_t)(n * k / 8) * 4 + 1),
+          *zeros = sym ? NULL : malloc((size_t)(n / 8 * groups) * 4 + 1);
   float *scales = malloc((size_t)(n * groups) * sizeof *scales + 1);
   uint16_t *half = model_dtype == QKEEP_DTYPE_F32 ? NULL : malloc((size_t)(n * groups) * 2 + 1);
   char name[600];
@@ -441,6 +442,11 @@ static int copy_tensor(struct quantizer *q, const struct ckpt_tensor *t) {
   if (t->t->dtype < 0)
     return set_error(QKEEP_E_UNSUPPORTED, "%s: tensor '%s': dtype %s is not supported", t->file->path,
                      t->t->name, t->t->dtype_name);
+  if (t->t->full_shape) /* the writer's specs hold 6 dims below 2^63: copying would change the shape */
+    return set_error(QKEEP_E_UNSUPPORTED,
+                     "%s: tensor '%s': a shape of %d dimensions (or one >= 2^63) cannot "
+                     "be written by qkeep quantize",
+                     t->file->path, t->t->name, t->t->full_ndim);
   struct qkeep_spec s = {.dtype = (enum qkeep_dtype)t->t->dtype, .ndim = t->t->ndim};
   memcpy(s.shape, t->t->shape, sizeof s.shape);
   void *data = malloc(t->t->nbytes ? t->t->nbytes : 1);
@@ -475,7 +481,8 @@ static int add_kv_scales(struct quantizer *q) {
 
 /* ---- config files ------------------------------------------------------------------------ */
 
-/* A pack-quantized config group as llm-compressor's W4A16 preset writes it (actorder null, no activations). */
+/* A pack-quantized config group as llm-compressor's W4A16 preset writes it (actorder null, no activations).
+ */
 static json_t *ct_int4_group(const struct quantizer *q) {
   json_t *weights = json_object(), *group = json_object(), *targets = json_array();
   json_object_set_new(weights, "num_bits", json_integer(4));

@@ -404,7 +404,8 @@ static int parse_offsets(const struct st_file *f, const struct st_tensor *t, con
  * bytes. Sets t->offset to the absolute file offset; contiguity is checked
  * later, over all tensors.
  */
-static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *entry, const struct big_ints *big) {
+static int parse_tensor(const struct st_file *f, struct st_tensor *t, json_t *entry,
+                        const struct big_ints *big) {
   if (!json_is_object(entry))
     return tensor_error(QKEEP_E_FORMAT, f, t->name, "entry is %s, expected an object", json_kind(entry));
 

@@ -409,10 +409,12 @@ int merge_shard_equal_int(qkeep_layer *layer, const char *name) {
   size_t bytes = qkeep_spec_bytes(cs), esize = qkeep_dtype_size(cs->dtype);
   assert(esize == 1 || esize == 4);
   unsigned char *v = malloc(bytes ? bytes : 1);
-  int rc = v ? dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), bytes) : set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = v ? dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), bytes)
+             : set_error(QKEEP_E_NOMEM, "out of memory");
   for (int e = 0; !rc && e < experts; e++)
     for (int s = 1; !rc && s < shards; s++) {
-      int32_t first = int_at(v, cs->dtype, (size_t)e * (size_t)shards), x = int_at(v, cs->dtype, (size_t)(e * shards + s));
+      int32_t first = int_at(v, cs->dtype, (size_t)e * (size_t)shards),
+              x = int_at(v, cs->dtype, (size_t)(e * shards + s));
       if (x != first)
         rc = set_error(QKEEP_E_UNSUPPORTED, "%s.%s: fused shards%s carry different values (%d vs %d)",
                        layer->name, name, layer->dims.experts ? " of an expert" : "", first, x);
@@ -423,7 +425,8 @@ int merge_shard_equal_int(qkeep_layer *layer, const char *name) {
   if (!rc)
     rc = dev_h2d(layer_device(layer), tensor_ptr(&p->view), v, (size_t)experts * esize);
   free(v);
-  struct qkeep_spec merged = {.dtype = cs->dtype, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
+  struct qkeep_spec merged = {
+      .dtype = cs->dtype, .ndim = layer->dims.experts ? 1 : 0, .shape = {layer->dims.experts}};
   return rc ? rc : qkeep_replace_in_place(layer, name, &merged);
 }
 

@@ -18,10 +18,10 @@ enum dim_expr { D_N, D_K, D_K_2, D_K_8, D_K_16, D_K_32, D_K_G, D_N_8, D_ONE, D_2
 
 /* How the shards of a fused layer (q/k/v, gate/up) share one param. */
 enum fuse_mode {
-  F_ROWS,   /* dim 0 carries N (or N/8): shard s occupies rows [sum N_<s, +N_s) (divided by 8) */
-  F_COLS,   /* the last dim carries N (or N/8): shards side by side in every row */
-  F_SLOT,   /* one scalar per shard: the param holds [S]; checkpoint shape [] or [1] */
-  F_SHARED, /* the same tensor for every shard: loaded from shard 0, the others must equal it */
+  F_ROWS,    /* dim 0 carries N (or N/8): shard s occupies rows [sum N_<s, +N_s) (divided by 8) */
+  F_COLS,    /* the last dim carries N (or N/8): shards side by side in every row */
+  F_SLOT,    /* one scalar per shard: the param holds [S]; checkpoint shape [] or [1] */
+  F_SHARED,  /* the same tensor for every shard: loaded from shard 0, the others must equal it */
   F_STACKED, /* one small tensor per shard (weight_shape [2]): the param holds [S, ...] when fused */
 };
 

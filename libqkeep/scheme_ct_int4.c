@@ -24,7 +24,8 @@ static const struct param_template ct_int4_params[] = {
     {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
 };
 
-/* N and K from weight_packed [N, K/8], G from weight_scale [N, K/G]; the optional tensors as the config says. */
+/* N and K from weight_packed [N, K/8], G from weight_scale [N, K/G]; the optional tensors as the config says.
+ */
 static int ct_int4_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
                         int64_t *g) {
   const struct ckpt_tensor *w = module_tensor(m, "weight_packed"), *s = module_tensor(m, "weight_scale");
@@ -41,11 +42,12 @@ static int ct_int4_dims(const struct module *m, const struct quant_config *qc, i
                      s->t->name, (long long)s->t->shape[1], (long long)*k);
   *g = *k / s->t->shape[1];
   if (qc && qc->method == QM_CT_INT4 && (qc->group_size ? qc->group_size : *k) != *g)
-    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': group size %lld, the config says %s%lld", s->file->path,
-                     s->t->name, (long long)*g, qc->group_size ? "" : "per channel, K = ",
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': group size %lld, the config says %s%lld",
+                     s->file->path, s->t->name, (long long)*g, qc->group_size ? "" : "per channel, K = ",
                      (long long)(qc->group_size ? qc->group_size : *k));
   bool sym = !qc || qc->weight_sym, act_order = qc && qc->desc_act;
-  const struct ckpt_tensor *zp = module_tensor(m, "weight_zero_point"), *gi = module_tensor(m, "weight_g_idx");
+  const struct ckpt_tensor *zp = module_tensor(m, "weight_zero_point"),
+                           *gi = module_tensor(m, "weight_g_idx");
   if (!sym && !zp)
     return set_error(QKEEP_E_FORMAT, "checkpoint has no tensor '%s.weight_zero_point' (asymmetric weights)",
                      m->name);
@@ -54,10 +56,11 @@ static int ct_int4_dims(const struct module *m, const struct quant_config *qc, i
                      zp->t->name);
   if (act_order != (gi != NULL))
     return set_error(QKEEP_E_FORMAT, "module %s: %s (the config's actorder is %s)", m->name,
-                     gi ? "weight_g_idx is present" : "weight_g_idx is missing", act_order ? "group" : "not group");
+                     gi ? "weight_g_idx is present" : "weight_g_idx is missing",
+                     act_order ? "group" : "not group");
   if (zp && *n % 8)
-    return set_error(QKEEP_E_FORMAT, "module %s: N = %lld is not a multiple of 8 (packed zero points)", m->name,
-                     (long long)*n);
+    return set_error(QKEEP_E_FORMAT, "module %s: N = %lld is not a multiple of 8 (packed zero points)",
+                     m->name, (long long)*n);
   return 0;
 }
 

@@ -642,13 +642,16 @@ static const struct config_error config_errors[] = {
      QKEEP_E_FORMAT, "zero_point", "an integer"},
     {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized'}}", NULL,
      QKEEP_E_FORMAT, "config_groups", "missing"},
-    {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized', 'config_groups': "
+    {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized', "
+     "'config_groups': "
      "{'group_0': {'weights': {'num_bits': 8, 'type': 'int', 'strategy': 'group', 'group_size': 128}}}}}",
      NULL, QKEEP_E_UNSUPPORTED, "num_bits", "only 4-bit"},
-    {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized', 'config_groups': "
+    {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized', "
+     "'config_groups': "
      "{'group_0': {'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'tensor'}}}}}",
      NULL, QKEEP_E_UNSUPPORTED, "strategy", "'tensor'"},
-    {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized', 'config_groups': "
+    {"{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'pack-quantized', "
+     "'config_groups': "
      "{'group_0': {'weights': {'num_bits': 4, 'type': 'int', 'strategy': 'group', 'group_size': 128}, "
      "'input_activations': {'num_bits': 8, 'type': 'int', 'strategy': 'tensor', 'dynamic': false}}}}}",
      NULL, QKEEP_E_UNSUPPORTED, "input_activations", "static"},

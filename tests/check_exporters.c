@@ -22,8 +22,8 @@
 #include "fixture.h"
 #include "testutil.h"
 
-#define H 128    /* hidden: K of attention and gate/up */
-#define KV 64    /* k/v rows */
+#define H 128     /* hidden: K of attention and gate/up */
+#define KV 64     /* k/v rows */
 #define INTER 256 /* MLP intermediate: K of down_proj */
 #define VOCAB 64
 #define EXPERTS 2
@@ -313,8 +313,8 @@ static void put_w8a8(struct fx *f, const char *module, int64_t n, int64_t k, con
   free(q), free(sc), free(sv);
 }
 
-/* ModelOpt NVFP4: weight u8 [N, K/2] (low nibble = even k), e4m3 weight_scale [N, K/16], f32 [] weight_scale_2
- * and input_scale (equal across a fused group, as ModelOpt syncs them). */
+/* ModelOpt NVFP4: weight u8 [N, K/2] (low nibble = even k), e4m3 weight_scale [N, K/16], f32 []
+ * weight_scale_2 and input_scale (equal across a fused group, as ModelOpt syncs them). */
 static void put_modelopt_nvfp4(struct fx *f, const char *module, int64_t n, int64_t k) {
   uint8_t *codes = malloc((size_t)(n * k / 2)), *bs = malloc((size_t)(n * k / 16));
   float *w = malloc((size_t)(n * k) * sizeof *w), ws2 = 0.0125f, in = 0.004f;
@@ -510,8 +510,9 @@ static double apply_error(qkeep_layer *layer, const float *w, int64_t n, int64_t
   uint64_t s = 7;
   for (int64_t i = 0; i < M * k; i++)
     x[i] = tu_randf(&s);
-  int rc = expert < 0 ? qkeep_layer_apply_f32(layer, M, x, y)
-                      : qkeep_layer_apply_expert_f32(layer, expert, w2 ? QKEEP_MOE_W2 : QKEEP_MOE_W13, M, x, y);
+  int rc = expert < 0
+               ? qkeep_layer_apply_f32(layer, M, x, y)
+               : qkeep_layer_apply_expert_f32(layer, expert, w2 ? QKEEP_MOE_W2 : QKEEP_MOE_W13, M, x, y);
   ck_assert_msg(rc == 0, "%s: %s", layer->name, qkeep_errmsg());
   double err = 0, top = 0;
   for (int r = 0; r < M; r++)
@@ -700,11 +701,15 @@ static void expect_refused(const char *path, int code, ...) {
 static void gptq_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) {
   put_gptq(f, m, n, k, o, NULL);
 }
-static void awq_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) { put_awq(f, m, n, k, o); }
+static void awq_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) {
+  put_awq(f, m, n, k, o);
+}
 static void ct_int4_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) {
   put_ct_int4(f, m, n, k, o, NULL);
 }
-static void w8a8_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) { put_w8a8(f, m, n, k, o); }
+static void w8a8_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) {
+  put_w8a8(f, m, n, k, o);
+}
 static void nvfp4_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) {
   (void)o;
   put_modelopt_nvfp4(f, m, n, k);
@@ -714,7 +719,8 @@ static void nvfp4_fn(struct fx *f, const char *m, int64_t n, int64_t k, const vo
 
 static const struct int4_opts gptq_128 = {.g = 128};
 
-/* AutoGPTQ before 0.7 (2589b7e): quantize_config.json only, one gptq_model-4bit-128g.safetensors, no index. */
+/* AutoGPTQ before 0.7 (2589b7e): quantize_config.json only, one gptq_model-4bit-128g.safetensors, no index.
+ */
 static void autogptq_06_configs(const char *d) {
   put_json(d, "config.json", "{'architectures': ['LlamaForCausalLM'], 'model_type': 'llama'}");
   put_json(d, "quantize_config.json",
@@ -724,8 +730,8 @@ static void autogptq_06_configs(const char *d) {
 
 START_TEST(autogptq_quantize_config_json_and_its_file_name) {
   struct layout L = {.linear = gptq_fn, .opts = &gptq_128};
-  run_layout(&L, autogptq_06_configs, "gptq_model-4bit-128g.safetensors", 1, "model.layers.0.self_attn.qkv_proj",
-             "gptq-int4", NULL);
+  run_layout(&L, autogptq_06_configs, "gptq_model-4bit-128g.safetensors", 1,
+             "model.layers.0.self_attn.qkv_proj", "gptq-int4", NULL);
 }
 END_TEST
 
@@ -751,8 +757,9 @@ START_TEST(quantized_modules_never_load_as_plain_layers) {
   char *d = fx_write(&f, "noconfig", "model.safetensors", 1, false);
   put_json(d, "config.json", "{'architectures': ['LlamaForCausalLM']}");
   expect_refused(d, QKEEP_E_FORMAT, "module model.layers.0.", "g_idx", "declares no quantization", NULL);
-  put_json(d, "quantize_config.json", "{'bits': 4, 'group_size': 128, 'desc_act': false, 'sym': true, "
-                                      "'modules_to_not_convert': ['model.layers.0.mlp.down_proj']}");
+  put_json(d, "quantize_config.json",
+           "{'bits': 4, 'group_size': 128, 'desc_act': false, 'sym': true, "
+           "'modules_to_not_convert': ['model.layers.0.mlp.down_proj']}");
   expect_refused(d, QKEEP_E_FORMAT, "module model.layers.0.mlp.down_proj", "left unquantized", NULL);
   free(d);
   fx_free(&f);
@@ -799,19 +806,21 @@ END_TEST
 
 /* RedHatAI/Qwen3-30B-A3B-quantized.w8a8's form with static asymmetric activations (tinyllama-w8a8's). */
 static void ct_w8a8_moe_configs(const char *d) {
-  put_json(d, "config.json",
-           "{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'int-quantized', "
-           "'config_groups': {'group_0': {'targets': ['Linear'], 'weights': {'num_bits': 8, 'type': 'int', "
-           "'symmetric': true, 'strategy': 'channel', 'dynamic': false}, 'input_activations': {'num_bits': 8, "
-           "'type': 'int', 'symmetric': false, 'strategy': 'tensor', 'dynamic': false}}}, 'ignore': "
-           "['lm_head', 're:.*mlp.gate$']}}");
+  put_json(
+      d, "config.json",
+      "{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'int-quantized', "
+      "'config_groups': {'group_0': {'targets': ['Linear'], 'weights': {'num_bits': 8, 'type': 'int', "
+      "'symmetric': true, 'strategy': 'channel', 'dynamic': false}, 'input_activations': {'num_bits': 8, "
+      "'type': 'int', 'symmetric': false, 'strategy': 'tensor', 'dynamic': false}}}, 'ignore': "
+      "['lm_head', 're:.*mlp.gate$']}}");
 }
 
 /* The MoE form with static activations: each expert's gate/up input scales merge in the scheme. */
 START_TEST(ct_w8a8_moe_static_input_scales_merge_per_expert) {
   static const struct int8_opts o = {.static_input = true, .asym_input = true};
   struct layout L = {.linear = w8a8_fn, .opts = &o, .moe = true};
-  run_layout(&L, ct_w8a8_moe_configs, "model.safetensors", 1, "model.layers.0.mlp.experts", "w8a8-int8", NULL);
+  run_layout(&L, ct_w8a8_moe_configs, "model.safetensors", 1, "model.layers.0.mlp.experts", "w8a8-int8",
+             NULL);
   struct fx f;
   fx_init(&f, 3);
   put_model(&f, &L);
@@ -913,10 +922,11 @@ static void w4a16_actorder(const char *d) {
                       "null");
 }
 static void w4a8_channel(const char *d) {
-  ct_int4_configs_for(d,
-                      "{'actorder': null, 'dynamic': false, 'num_bits': 4, 'strategy': 'channel', "
-                      "'symmetric': true, 'type': 'int'}",
-                      "{'num_bits': 8, 'type': 'int', 'strategy': 'token', 'dynamic': true, 'symmetric': true}");
+  ct_int4_configs_for(
+      d,
+      "{'actorder': null, 'dynamic': false, 'num_bits': 4, 'strategy': 'channel', "
+      "'symmetric': true, 'type': 'int'}",
+      "{'num_bits': 8, 'type': 'int', 'strategy': 'token', 'dynamic': true, 'symmetric': true}");
 }
 
 START_TEST(ct_pack_quantized_w4a16_sharded) {
@@ -934,7 +944,8 @@ START_TEST(ct_pack_quantized_asymmetric_moe) {
 }
 END_TEST
 
-/* actorder "group": weight_g_idx per module, one permutation shared by each fused group as GPTQ computes it. */
+/* actorder "group": weight_g_idx per module, one permutation shared by each fused group as GPTQ computes it.
+ */
 static void ct_int4_actorder_fn(struct fx *f, const char *m, int64_t n, int64_t k, const void *o) {
   static int32_t *shared;
   static int64_t shared_k;
@@ -953,7 +964,8 @@ static void ct_int4_actorder_fn(struct fx *f, const char *m, int64_t n, int64_t 
 START_TEST(ct_pack_quantized_actorder_group) {
   static const struct int4_opts o = {.g = 32, .act_order = true};
   struct layout L = {.linear = ct_int4_actorder_fn, .opts = &o};
-  run_layout(&L, w4a16_actorder, "model.safetensors", 1, "model.layers.0.self_attn.qkv_proj", "ct-int4", NULL);
+  run_layout(&L, w4a16_actorder, "model.safetensors", 1, "model.layers.0.self_attn.qkv_proj", "ct-int4",
+             NULL);
 }
 END_TEST
 
@@ -982,8 +994,8 @@ START_TEST(ct_pack_quantized_refusals) {
   put_model(&f, &L);
   ct_shape_delta = 0;
   d = fx_write(&f, "shape", "model.safetensors", 1, false);
-  ct_int4_configs_for(d, "{'dynamic': false, 'group_size': 64, 'num_bits': 4, 'strategy': 'group', 'type': 'int'}",
-                      "null");
+  ct_int4_configs_for(
+      d, "{'dynamic': false, 'group_size': 64, 'num_bits': 4, 'strategy': 'group', 'type': 'int'}", "null");
   expect_refused(d, QKEEP_E_FORMAT, "weight_shape [128, 253]", "packed tensors are [128, 256]", NULL);
   free(d);
   fx_free(&f);
@@ -1001,18 +1013,19 @@ static void gptq_dynamic_fn(struct fx *f, const char *m, int64_t n, int64_t k, c
 }
 
 static void gptqmodel_dynamic_configs(const char *d) {
-  put_json(d, "config.json",
-           "{'quantization_config': {'bits': 4, 'dynamic': {'-:.*\\\\.self_attn\\\\..*': {}, "
-           "'+:.*\\\\.down_proj': {'group_size': 64, 'desc_act': false}}, 'group_size': 128, 'desc_act': false, "
-           "'sym': true, 'lm_head': false, 'method': 'gptq', 'quant_method': 'gptq', 'format': 'gptq', "
-           "'checkpoint_format': 'gptq', 'pack_dtype': 'int32', 'meta': {'quantizer': ['gptqmodel:4.0']}}}");
+  put_json(
+      d, "config.json",
+      "{'quantization_config': {'bits': 4, 'dynamic': {'-:.*\\\\.self_attn\\\\..*': {}, "
+      "'+:.*\\\\.down_proj': {'group_size': 64, 'desc_act': false}}, 'group_size': 128, 'desc_act': false, "
+      "'sym': true, 'lm_head': false, 'method': 'gptq', 'quant_method': 'gptq', 'format': 'gptq', "
+      "'checkpoint_format': 'gptq', 'pack_dtype': 'int32', 'meta': {'quantizer': ['gptqmodel:4.0']}}}");
 }
 
 START_TEST(gptqmodel_dynamic_rules) {
   static const char *const attention[] = {"self_attn", NULL};
   struct layout L = {.linear = gptq_dynamic_fn, .opts = &gptq_128, .bf16_modules = attention};
-  run_layout(&L, gptqmodel_dynamic_configs, "model.safetensors", 1, "model.layers.0.mlp.down_proj", "gptq-int4",
-             NULL);
+  run_layout(&L, gptqmodel_dynamic_configs, "model.safetensors", 1, "model.layers.0.mlp.down_proj",
+             "gptq-int4", NULL);
   struct pair pr;
   write_pair(&pr, &L, gptqmodel_dynamic_configs, "model.safetensors", 1);
   qkeep_model *m = load(pr.w0);
@@ -1128,10 +1141,10 @@ static char *write_odd_file(const char *file, unsigned seed) {
   data = 36;
   for (int d = 0; d < QKEEP_DTYPE_COUNT; d++) {
     size_t bytes = (size_t)qkeep_dtype_bits((enum qkeep_dtype)d) * 8 / 8; /* 8 elements */
-    at += (size_t)snprintf(header + at, sizeof header - at,
-                           ",\"model.plain.%s\":{\"dtype\":\"%s\",\"shape\":[2,4],\"data_offsets\":[%zu,%zu]}",
-                           qkeep_dtype_name((enum qkeep_dtype)d), qkeep_dtype_name((enum qkeep_dtype)d), data,
-                           data + bytes);
+    at += (size_t)snprintf(
+        header + at, sizeof header - at,
+        ",\"model.plain.%s\":{\"dtype\":\"%s\",\"shape\":[2,4],\"data_offsets\":[%zu,%zu]}",
+        qkeep_dtype_name((enum qkeep_dtype)d), qkeep_dtype_name((enum qkeep_dtype)d), data, data + bytes);
     data += bytes;
   }
   at += (size_t)snprintf(header + at, sizeof header - at, "}");

@@ -344,12 +344,9 @@ START_TEST(test_handbuilt_valid) {
     int64_t shape0;
     uint64_t begin, nbytes;
   } want[] = {
-      {"z.f64", "F64", QKEEP_DTYPE_F64, 1, 2, 8, 16},
-      {"a.scalar", "F32", QKEEP_DTYPE_F32, 0, 0, 0, 4},
-      {"m.empty", "I64", QKEEP_DTYPE_I64, 2, 0, 4, 0},
-      {"b.bf16", "BF16", QKEEP_DTYPE_BF16, 2, 1, 4, 4},
-      {"e.end", "U8", QKEEP_DTYPE_U8, 1, 0, 30, 0},
-      {"f.fp4", "F4", QKEEP_DTYPE_F4, 2, 2, 24, 2},
+      {"z.f64", "F64", QKEEP_DTYPE_F64, 1, 2, 8, 16},    {"a.scalar", "F32", QKEEP_DTYPE_F32, 0, 0, 0, 4},
+      {"m.empty", "I64", QKEEP_DTYPE_I64, 2, 0, 4, 0},   {"b.bf16", "BF16", QKEEP_DTYPE_BF16, 2, 1, 4, 4},
+      {"e.end", "U8", QKEEP_DTYPE_U8, 1, 0, 30, 0},      {"f.fp4", "F4", QKEEP_DTYPE_F4, 2, 2, 24, 2},
       {"g.bool", "BOOL", QKEEP_DTYPE_BOOL, 1, 4, 26, 4},
   };
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
@@ -433,7 +430,8 @@ START_TEST(test_reference_accepts) {
   free(path);
 
   /* a plain shape keeps no full_shape */
-  path = put_st("plain.safetensors", "{\"a.b\":{\"dtype\":\"U8\",\"shape\":[2,3],\"data_offsets\":[0,6]}}", 6);
+  path =
+      put_st("plain.safetensors", "{\"a.b\":{\"dtype\":\"U8\",\"shape\":[2,3],\"data_offsets\":[0,6]}}", 6);
   f = open_ok(path);
   ck_assert_ptr_null(f->tensors[0].full_shape);
   st_close(f);

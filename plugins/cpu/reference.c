@@ -266,7 +266,8 @@ static int dequant_ct_int4(const struct matrix *m, float *w) {
       int64_t group = g_idx ? g_idx[k] : k / g;
       if (group < 0 || group >= groups)
         return m->host->set_error(QKEEP_E_FORMAT, "%s.%sweight_g_idx[%lld] = %lld: not a group (%lld groups)",
-                                  m->info->name, m->prefix, (long long)k, (long long)group, (long long)groups);
+                                  m->info->name, m->prefix, (long long)k, (long long)group,
+                                  (long long)groups);
       int q = qk_nibble(words[n * (k_cols / 8) + k / 8], (int)(k % 8));
       int zero = sym ? 8 : qk_nibble(zeros[(n / 8) * groups + group], (int)(n % 8));
       w[n * k_cols + k] = (float)(q - zero) * qk_load_float(sc, sv.spec.dtype, (size_t)(n * groups + group));
