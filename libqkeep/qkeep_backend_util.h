@@ -35,21 +35,41 @@ extern "C" {
 
 /* ---- dtypes and specs ---------------------------------------------------------------------- */
 
-/* Bytes per element (the storage element of packed types: a U8 holds two e2m1 codes); 0 when
+/* Bits per element (4 for F4, 6 for F6_*: the sub-byte dtypes of plain checkpoint tensors); 0 when
  * the dtype is not one this header knows. */
-static inline size_t qkeep_be_dtype_size(enum qkeep_dtype dtype) {
+static inline unsigned qkeep_be_dtype_bits(enum qkeep_dtype dtype) {
   switch (dtype) {
-  case QKEEP_DTYPE_F32:
-  case QKEEP_DTYPE_I32: return 4;
-  case QKEEP_DTYPE_F16:
-  case QKEEP_DTYPE_BF16: return 2;
+  case QKEEP_DTYPE_F4: return 4;
+  case QKEEP_DTYPE_F6_E2M3:
+  case QKEEP_DTYPE_F6_E3M2: return 6;
   case QKEEP_DTYPE_F8_E4M3:
   case QKEEP_DTYPE_F8_E8M0:
   case QKEEP_DTYPE_U8:
-  case QKEEP_DTYPE_I8: return 1;
-  case QKEEP_DTYPE_I64: return 8;
+  case QKEEP_DTYPE_I8:
+  case QKEEP_DTYPE_BOOL:
+  case QKEEP_DTYPE_F8_E5M2:
+  case QKEEP_DTYPE_F8_E4M3FNUZ:
+  case QKEEP_DTYPE_F8_E5M2FNUZ: return 8;
+  case QKEEP_DTYPE_F16:
+  case QKEEP_DTYPE_BF16:
+  case QKEEP_DTYPE_I16:
+  case QKEEP_DTYPE_U16: return 16;
+  case QKEEP_DTYPE_F32:
+  case QKEEP_DTYPE_I32:
+  case QKEEP_DTYPE_U32: return 32;
+  case QKEEP_DTYPE_I64:
+  case QKEEP_DTYPE_U64:
+  case QKEEP_DTYPE_F64:
+  case QKEEP_DTYPE_C64: return 64;
   default: return 0;
   }
+}
+
+/* Bytes per element (the storage element of packed types: a U8 holds two e2m1 codes); 0 when
+ * the dtype is not one this header knows or is sub-byte (F4, F6_*: see qkeep_be_dtype_bits). */
+static inline size_t qkeep_be_dtype_size(enum qkeep_dtype dtype) {
+  unsigned bits = qkeep_be_dtype_bits(dtype);
+  return bits % 8 ? 0 : bits / 8;
 }
 
 /* Elements of a spec (1 for a rank-0 scalar). */
@@ -60,9 +80,9 @@ static inline int64_t qkeep_be_spec_numel(const struct qkeep_spec *spec) {
   return n;
 }
 
-/* Bytes of a spec: numel * element size. */
+/* Bytes of a spec: numel * bits / 8, rounded up (whole bytes for every shape a checkpoint holds). */
 static inline size_t qkeep_be_spec_bytes(const struct qkeep_spec *spec) {
-  return (size_t)qkeep_be_spec_numel(spec) * qkeep_be_dtype_size(spec->dtype);
+  return ((size_t)qkeep_be_spec_numel(spec) * qkeep_be_dtype_bits(spec->dtype) + 7) / 8;
 }
 
 /* Same dtype, rank and shape. */

@@ -78,7 +78,7 @@ static int check_and_retire_shape(qkeep_layer *layer, const char *prefix) {
     return set_error(QKEEP_E_FORMAT, "%s.%s: %zu bytes for %d experts x %d shards", layer->name, name,
                      qkeep_spec_bytes(&p->create_spec), experts, shards);
   int64_t *stated = malloc(count * sizeof *stated);
-  int rc = stated ? dev_d2h(&layer->model->dev, stated, tensor_ptr(&p->view), count * sizeof(int64_t))
+  int rc = stated ? dev_d2h(layer_device(layer), stated, tensor_ptr(&p->view), count * sizeof(int64_t))
                   : set_error(QKEEP_E_NOMEM, "out of memory");
   for (int e = 0; !rc && e < experts; e++)
     for (int s = 0; !rc && s < shards; s++) {

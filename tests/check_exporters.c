@@ -22,15 +22,6 @@
 #include "fixture.h"
 #include "testutil.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-/* As in check_onednn.c: gcc 12's LeakSanitizer dies walking the dynamic TLS of oneDNN's OpenMP
- * workers (this suite runs cpu-onednn too); skipping dynamic TLS keeps every other leak check. */
-const char *__asan_default_options(void);
-__attribute__((visibility("default"), used)) const char *__asan_default_options(void) {
-  return "intercept_tls_get_addr=0";
-}
-#endif
-
 #define H 128     /* hidden: K of attention and gate/up */
 #define KV 64     /* k/v rows */
 #define INTER 256 /* MLP intermediate: K of down_proj */

@@ -173,7 +173,7 @@ check "plugins --verbose --json carries the keys" "$jsonget" plugins 0 keys <"$t
 for dtype in f32 f16; do
   "$build/tests/make_tiny" "$tmp/src-$dtype.safetensors" 3 $dtype
   "$build/tests/make_tiny" "$tmp/src1-$dtype.safetensors" 4 $dtype
-  for scheme in w8a8-int8 modelopt-nvfp4 ct-nvfp4 mxfp4 gptq-int4 awq-int4; do
+  for scheme in w8a8-int8 modelopt-nvfp4 ct-nvfp4 mxfp4 gptq-int4 awq-int4 ct-int4; do
     "$qkeep" quantize "$tmp/src-$dtype.safetensors" "$tmp/q-$dtype-$scheme" --scheme $scheme --kv-scales >/dev/null 2>&1
     "$qkeep" quantize "$tmp/src1-$dtype.safetensors" "$tmp/q1-$dtype-$scheme" --scheme $scheme --kv-scales >/dev/null 2>&1
     "$qkeep" -c "$default" run "$tmp/q-$dtype-$scheme" >"$tmp/out" 2>&1
