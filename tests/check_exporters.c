@@ -614,6 +614,15 @@ static qkeep_plugin *other_backend(const char *name) {
   return p;
 }
 
+/* The reference quantising w8a8 activations as an int8 kernel does (`activations = int8`). */
+static qkeep_plugin *reference_int8(void) {
+  qkeep_plugin *p;
+  ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &p), 0);
+  const struct qkeep_backend *be = qkeep_plugin_backend(p);
+  ck_assert_msg(be->configure(be, "activations", "int8") == 0, "%s", qkeep_errmsg());
+  return p;
+}
+
 /* A layout's two checkpoints: the same files with other random values. */
 typedef void (*configs_fn)(const char *d);
 struct pair {
@@ -678,6 +687,11 @@ static void run_layout(const struct layout *L, configs_fn configs, const char *s
   if (o) {
     check_layout_on(o, pr.w0, &pr.f0, pr.w1, &pr.f1, 0.05);
     qkeep_plugin_close(o);
+  }
+  if (strcmp(scheme, "w8a8-int8") == 0) { /* the static input scales (bf16 here) enter the GEMM */
+    qkeep_plugin *q = reference_int8();
+    check_layout_on(q, pr.w0, &pr.f0, pr.w1, &pr.f1, 0.05);
+    qkeep_plugin_close(q);
   }
   free_pair(&pr);
 }

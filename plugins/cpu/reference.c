@@ -344,9 +344,14 @@ static int quantize_activations(const struct matrix *m, enum act_mode mode, floa
        asym = m->info->flags & QKEEP_LAYER_F_INPUT_ASYM;
   float a = 0, zp = 0;
   if (!dynamic) {
-    struct qkeep_view sv, zv;
+    struct qkeep_view sv = {.size = sizeof sv}, zv;
     const unsigned char *sp, *zptr;
-    int rc = slice(m, "input_scale", sizeof(float), &sv, &sp);
+    char scale_name[64];
+    snprintf(scale_name, sizeof scale_name, "%sinput_scale", m->prefix);
+    /* F32, or compressed-tensors' BF16 / F16 (one per expert once the scheme merged the shards) */
+    int rc = m->host->get_live(m->layer, scale_name, &sv);
+    if (!rc)
+      rc = slice(m, "input_scale", qkeep_dtype_size_of(sv.spec.dtype), &sv, &sp);
     if (rc)
       return rc;
     float z = 128.0f;
@@ -360,8 +365,7 @@ static int quantize_activations(const struct matrix *m, enum act_mode mode, floa
         return rc;
       z += zero_point_at(&zv, zptr);
     }
-    float scale;
-    memcpy(&scale, sp, sizeof scale);
+    float scale = qk_load_float(sp, sv.spec.dtype, 0);
     a = mode == ACT_INT8 ? scale : 2.0f * scale;
     zp = mode == ACT_INT8 ? z : round_even(z * 0.5f);
   }
