@@ -210,8 +210,11 @@ static int refuse_plain(const struct assembly *a, const struct module *m, const 
     return set_error(QKEEP_E_FORMAT,
                      "%s: module %s carries quantized tensors ('%s.%s') but the checkpoint declares no "
                      "quantization (no quantization_config in config.json, no hf_quant_config.json, "
-                     "quantize_config.json or quant_config.json); refusing to load it as a plain layer",
-                     a->ck->path, m->name, m->name, local);
+                     "quantize_config.json or quant_config.json%s); refusing to load it as a plain layer",
+                     a->ck->path, m->name, m->name, local,
+                     a->ck->n_files == 1 && strcmp(a->ck->files[0]->path, a->ck->path) == 0
+                         ? ": a bare .safetensors file has no config, load its directory"
+                         : "");
   if (quant_config_ignores(qc, layer_name) || quant_config_ignores(qc, m->name))
     return set_error(QKEEP_E_FORMAT,
                      "%s: module %s is left unquantized by the config (its ignore list, a GPTQ dynamic '-:' "

@@ -771,6 +771,9 @@ START_TEST(quantized_modules_never_load_as_plain_layers) {
   char *d = fx_write(&f, "noconfig", "model.safetensors", 1, false);
   put_json(d, "config.json", "{'architectures': ['LlamaForCausalLM']}");
   expect_refused(d, QKEEP_E_FORMAT, "module model.layers.0.", "g_idx", "declares no quantization", NULL);
+  char *file = tu_path(d, "model.safetensors"); /* the file alone: it carries no config */
+  expect_refused(file, QKEEP_E_FORMAT, "declares no quantization", "load its directory", NULL);
+  free(file);
   put_json(d, "quantize_config.json",
            "{'bits': 4, 'group_size': 128, 'desc_act': false, 'sym': true, "
            "'modules_to_not_convert': ['model.layers.0.mlp.down_proj']}");
