@@ -81,7 +81,8 @@ static const struct variant variants[] = {
     {"ct-nvfp4", "-", false, false, false},        {"mxfp4", "-", false, false, false},
     {"w8a8-int8", "dynamic", false, false, false}, {"w8a8-int8", "static-asym", true, true, false},
     {"gptq-int4", "sym", false, false, false},     {"gptq-int4", "asym", false, false, true},
-    {"awq-int4", "asym", false, false, true},
+    {"awq-int4", "asym", false, false, true},      {"ct-int4", "sym", false, false, false},
+    {"ct-int4", "asym", false, false, true},
 };
 
 /* A dimension as the doc writes it: the expression of the layer's dims that has this value. */
@@ -138,9 +139,14 @@ struct rows {
 static int add_row(void *user, const char *name, bool is_buffer, const struct qkeep_view *v) {
   struct rows *r = user;
   char shape[128] = "[";
+  size_t len = strlen(name);
+  bool shape_pairs =
+      len >= 12 && strcmp(name + len - 12, "weight_shape") == 0; /* ct-int4's [.., 2] = [N, K] */
   for (int d = 0; d < v->spec.ndim; d++)
     snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "%s%s", d ? ", " : "",
-             symbol(v->spec.shape[d], r->moe, r->shards));
+             shape_pairs && d == v->spec.ndim - 1 && v->spec.shape[d] == 2
+                 ? "2"
+                 : symbol(v->spec.shape[d], r->moe, r->shards));
   strcat(shape, "]");
   qkeep_param *p = is_buffer ? NULL : qkeep_param_lookup(r->layer, name);
   const char *origin = p ? qkeep_param_checkpoint_name(p) : NULL;
