@@ -75,10 +75,12 @@ const char *json_kind(const void *json_value) {
 bool spec_bytes_checked(const struct qkeep_spec *spec, size_t *bytes) {
   if ((unsigned)spec->dtype >= QKEEP_DTYPE_COUNT || spec->ndim < 0 || spec->ndim > QKEEP_MAX_DIMS)
     return false;
-  size_t n = qkeep_dtype_size(spec->dtype);
+  size_t bits = qkeep_dtype_bits(spec->dtype); /* sub-byte dtypes (F4, F6) round up to whole bytes */
   for (int i = 0; i < spec->ndim; i++)
-    if (spec->shape[i] < 0 || __builtin_mul_overflow(n, (size_t)spec->shape[i], &n))
+    if (spec->shape[i] < 0 || __builtin_mul_overflow(bits, (size_t)spec->shape[i], &bits))
       return false;
-  *bytes = n;
+  if (bits > SIZE_MAX - 7)
+    return false;
+  *bytes = (bits + 7) / 8;
   return true;
 }

@@ -9,6 +9,7 @@
 
 #include "checkutil.h"
 #include "internal.h"
+#include "qkeep_backend_util.h"
 
 static qkeep_model *model;
 static qkeep_layer *layer;
@@ -268,6 +269,23 @@ START_TEST(sizes_that_wrap_are_refused) {
 }
 END_TEST
 
+/* The installed backend header sizes every dtype as the core does, sub-byte ones included. */
+START_TEST(backend_util_header_agrees_with_the_core) {
+  for (int d = 0; d < QKEEP_DTYPE_COUNT; d++) {
+    ck_assert_msg(qkeep_be_dtype_bits((enum qkeep_dtype)d) == qkeep_dtype_bits((enum qkeep_dtype)d), "%s",
+                  qkeep_dtype_name((enum qkeep_dtype)d));
+    ck_assert_uint_eq(qkeep_be_dtype_size((enum qkeep_dtype)d), qkeep_dtype_size((enum qkeep_dtype)d));
+    struct qkeep_spec sp = {(enum qkeep_dtype)d, 2, {3, 5}};
+    size_t checked = 0;
+    ck_assert(spec_bytes_checked(&sp, &checked));
+    ck_assert_uint_eq(qkeep_be_spec_bytes(&sp), qkeep_spec_bytes(&sp));
+    ck_assert_uint_eq(checked, qkeep_spec_bytes(&sp));
+  }
+  struct qkeep_spec f4 = {QKEEP_DTYPE_F4, 1, {3}};
+  ck_assert_uint_eq(qkeep_be_spec_bytes(&f4), 2); /* 12 bits round up to 2 bytes */
+}
+END_TEST
+
 /* A fusion rule that names a member twice would load one checkpoint tensor into two shards. */
 START_TEST(fusion_rule_with_a_repeated_member_is_refused) {
   ck_assert_int_eq(qkeep_model_set_fusion(model, "qkv_proj=q_proj+q_proj+k_proj"), QKEEP_E_INVAL);
@@ -491,6 +509,7 @@ static Suite *rules_suite(void) {
   tcase_add_test(tc, host_get_live_finds_buffers_and_live_params_only);
   tcase_add_test(tc, sizes_that_wrap_are_refused);
   tcase_add_test(tc, fusion_rule_with_a_repeated_member_is_refused);
+  tcase_add_test(tc, backend_util_header_agrees_with_the_core);
   tcase_add_test(tc, storage_iteration_yields_an_alias_once);
   tcase_add_test(tc, census_catches_planted_c1);
   tcase_add_test(tc, census_catches_planted_c2);
