@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "formats.h"
 #include "qkeep_backend.h"
+#include "qkeep_backend_util.h"
 
 /* How a w8a8-int8 layer's activations enter the GEMM. */
 enum act_mode { ACT_FLOAT, ACT_INT8, ACT_INT8_7BIT };
@@ -34,12 +34,6 @@ struct reference {
 
 static const struct qkeep_host *host_of(const struct qkeep_backend *be) {
   return ((const struct reference *)be)->host;
-}
-
-/* Bytes per element of a dtype (the reference links no core code). */
-static size_t qkeep_dtype_size_of(enum qkeep_dtype d) {
-  static const size_t sizes[QKEEP_DTYPE_COUNT] = {4, 2, 2, 1, 1, 1, 1, 4, 8};
-  return (unsigned)d < QKEEP_DTYPE_COUNT ? sizes[d] : 0;
 }
 
 static int reference_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
@@ -150,8 +144,8 @@ static int dequant_nvfp4(const struct matrix *m, float *w, bool ct) {
   float decode = ct ? (global == 0.0f ? 0.0f : 1.0f / global) : global;
   for (int64_t r = 0; r < m->rows; r++)
     for (int64_t k = 0; k < m->cols; k++)
-      w[r * m->cols + k] = qk_e2m1_decode(qk_fp4_code(packed + r * m->cols / 2, k)) *
-                           (qk_e4m3_decode(scales[r * m->cols / 16 + k / 16]) * decode);
+      w[r * m->cols + k] = qkeep_e2m1_to_f32(qkeep_fp4_code(packed + r * m->cols / 2, k)) *
+                           (qkeep_e4m3_to_f32(scales[r * m->cols / 16 + k / 16]) * decode);
   return 0;
 }
 
@@ -165,8 +159,8 @@ static int dequant_mxfp4(const struct matrix *m, float *w) {
     return rc;
   for (int64_t r = 0; r < m->rows; r++)
     for (int64_t k = 0; k < m->cols; k++)
-      w[r * m->cols + k] = qk_e2m1_decode(qk_fp4_code(packed + r * m->cols / 2, k)) *
-                           qk_e8m0_decode(scales[r * m->cols / 32 + k / 32]);
+      w[r * m->cols + k] = qkeep_e2m1_to_f32(qkeep_fp4_code(packed + r * m->cols / 2, k)) *
+                           qkeep_e8m0_to_f32(scales[r * m->cols / 32 + k / 32]);
   return 0;
 }
 
@@ -182,7 +176,7 @@ static int dequant_int8(const struct matrix *m, float *w) {
   sv.size = sizeof sv;
   if ((rc = m->host->get_live(m->layer, name, &sv)))
     return rc;
-  size_t esize = qkeep_dtype_size_of(sv.spec.dtype);
+  size_t esize = qkeep_be_dtype_size(sv.spec.dtype);
   size_t n_scales = sv.nbytes / esize / (size_t)(m->info->experts ? m->info->experts : 1);
   if ((rc = slice(m, "weight_scale", n_scales * esize, &sv, &s)))
     return rc;
@@ -193,7 +187,7 @@ static int dequant_int8(const struct matrix *m, float *w) {
       shard_end += m->info->shard_n[++shard];
     /* Per channel [N, 1]; per tensor one per fused shard [S], or [] / [1]. */
     size_t idx = n_scales == (size_t)m->rows ? (size_t)r : n_scales > 1 ? (size_t)shard : 0;
-    float scale = qk_load_float(s, sv.spec.dtype, idx);
+    float scale = qkeep_load_float(s, sv.spec.dtype, idx);
     for (int64_t k = 0; k < m->cols; k++)
       w[r * m->cols + k] = (float)(int8_t)q[r * m->cols + k] * scale;
   }
@@ -225,13 +219,13 @@ static int dequant_int4(const struct matrix *m, float *w, bool awq) {
       int64_t group = g_idx ? g_idx[k] : k / g;
       int q, zero;
       if (awq) {
-        q = qk_nibble(words[k * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
-        zero = sym ? 8 : qk_nibble(zeros[group * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
+        q = qkeep_int4_nibble(words[k * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
+        zero = sym ? 8 : qkeep_int4_nibble(zeros[group * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
       } else {
-        q = qk_nibble(words[(k / 8) * n_cols + n], (int)(k % 8));
-        zero = sym ? 8 : qk_gptq_zero(zeros, n_cols, group, n, v2);
+        q = qkeep_int4_nibble(words[(k / 8) * n_cols + n], (int)(k % 8));
+        zero = sym ? 8 : qkeep_gptq_zero(zeros, n_cols, group, n, v2);
       }
-      w[n * k_rows + k] = (float)(q - zero) * qk_load_float(sc, sv.spec.dtype, (size_t)(group * n_cols + n));
+      w[n * k_rows + k] = (float)(q - zero) * qkeep_load_float(sc, sv.spec.dtype, (size_t)(group * n_cols + n));
     }
   return 0;
 }
@@ -252,7 +246,7 @@ static int dequant_ct_int4(const struct matrix *m, float *w) {
   if (!rc)
     rc = m->host->get_live(m->layer, name, &sv);
   if (!rc)
-    rc = slice(m, "weight_scale", (size_t)(n_rows * groups) * qkeep_dtype_size_of(sv.spec.dtype), &sv, &sc);
+    rc = slice(m, "weight_scale", (size_t)(n_rows * groups) * qkeep_be_dtype_size(sv.spec.dtype), &sv, &sc);
   bool sym = m->info->flags & QKEEP_LAYER_F_WEIGHT_SYM;
   if (!rc && !sym)
     rc = slice(m, "weight_zero_point", (size_t)(n_rows / 8 * groups) * 4, &zv, &zp);
@@ -268,9 +262,9 @@ static int dequant_ct_int4(const struct matrix *m, float *w) {
         return m->host->set_error(QKEEP_E_FORMAT, "%s.%sweight_g_idx[%lld] = %lld: not a group (%lld groups)",
                                   m->info->name, m->prefix, (long long)k, (long long)group,
                                   (long long)groups);
-      int q = qk_nibble(words[n * (k_cols / 8) + k / 8], (int)(k % 8));
-      int zero = sym ? 8 : qk_nibble(zeros[(n / 8) * groups + group], (int)(n % 8));
-      w[n * k_cols + k] = (float)(q - zero) * qk_load_float(sc, sv.spec.dtype, (size_t)(n * groups + group));
+      int q = qkeep_int4_nibble(words[n * (k_cols / 8) + k / 8], (int)(k % 8));
+      int zero = sym ? 8 : qkeep_int4_nibble(zeros[(n / 8) * groups + group], (int)(n % 8));
+      w[n * k_cols + k] = (float)(q - zero) * qkeep_load_float(sc, sv.spec.dtype, (size_t)(n * groups + group));
     }
   return 0;
 }
@@ -284,11 +278,11 @@ static int dequant_float(const struct matrix *m, float *w) {
   int rc = m->host->get_live(m->layer, full, &wv);
   if (rc)
     return rc;
-  size_t esize = qkeep_dtype_size_of(wv.spec.dtype);
+  size_t esize = qkeep_be_dtype_size(wv.spec.dtype);
   if ((rc = slice(m, "weight", (size_t)(m->rows * m->cols) * esize, &wv, &p)))
     return rc;
   for (int64_t i = 0; i < m->rows * m->cols; i++)
-    w[i] = qk_load_float(p, wv.spec.dtype, (size_t)i);
+    w[i] = qkeep_load_float(p, wv.spec.dtype, (size_t)i);
   return 0;
 }
 
@@ -323,7 +317,7 @@ static float zero_point_at(const struct qkeep_view *v, const unsigned char *p) {
     return (float)z;
   }
   case QKEEP_DTYPE_I8: return (float)(int8_t)p[0];
-  default: return qk_load_float(p, v->spec.dtype, 0);
+  default: return qkeep_load_float(p, v->spec.dtype, 0);
   }
 }
 
@@ -351,7 +345,7 @@ static int quantize_activations(const struct matrix *m, enum act_mode mode, floa
     /* F32, or compressed-tensors' BF16 / F16 (one per expert once the scheme merged the shards) */
     int rc = m->host->get_live(m->layer, scale_name, &sv);
     if (!rc)
-      rc = slice(m, "input_scale", qkeep_dtype_size_of(sv.spec.dtype), &sv, &sp);
+      rc = slice(m, "input_scale", qkeep_be_dtype_size(sv.spec.dtype), &sv, &sp);
     if (rc)
       return rc;
     float z = 128.0f;
@@ -361,11 +355,11 @@ static int quantize_activations(const struct matrix *m, enum act_mode mode, floa
       struct qkeep_view probe = {.size = sizeof probe};
       if ((rc = m->host->get_live(m->layer, name, &probe)))
         return rc;
-      if ((rc = slice(m, "input_zero_point", qkeep_dtype_size_of(probe.spec.dtype), &zv, &zptr)))
+      if ((rc = slice(m, "input_zero_point", qkeep_be_dtype_size(probe.spec.dtype), &zv, &zptr)))
         return rc;
       z += zero_point_at(&zv, zptr);
     }
-    float scale = qk_load_float(sp, sv.spec.dtype, 0);
+    float scale = qkeep_load_float(sp, sv.spec.dtype, 0);
     a = mode == ACT_INT8 ? scale : 2.0f * scale;
     zp = mode == ACT_INT8 ? z : round_even(z * 0.5f);
   }
@@ -434,12 +428,12 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   snprintf(bias_name, sizeof bias_name, "%sbias", m.prefix);
   if (!rc && host->view(layer, bias_name, &bias) == 0 && bias.state == QKEEP_PARAM_LIVE)
     bias_data = (const unsigned char *)bias.data +
-                (size_t)m.expert * (size_t)m.rows * qkeep_dtype_size_of(bias.spec.dtype);
+                (size_t)m.expert * (size_t)m.rows * qkeep_be_dtype_size(bias.spec.dtype);
   const float *x = quantize ? xq : a->x;
   float *y = a->y;
   for (int64_t r = 0; !rc && r < a->m; r++)
     for (int64_t n = 0; n < m.rows; n++) {
-      double acc = bias_data ? qk_load_float(bias_data, bias.spec.dtype, (size_t)n) : 0.0;
+      double acc = bias_data ? qkeep_load_float(bias_data, bias.spec.dtype, (size_t)n) : 0.0;
       for (int64_t k = 0; k < m.cols; k++)
         acc += (double)x[r * m.cols + k] * w[n * m.cols + k];
       y[r * m.rows + n] = (float)acc;
