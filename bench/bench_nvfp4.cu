@@ -9,7 +9,8 @@
  *    "peer_us":.., "ratio":.., "ceiling_us":.., "of_ceiling":.., ...}
  *   {"bench":"nvfp4_pwal", ...}
  *   {"bench":"nvfp4_sweep", ...}                        with QKEEP_BENCH_SWEEP=1: every kernel shape
- *                                                       (=stream: only the streaming kernel's, m <= 16)
+ *                                                       (=stream: only the streaming kernel's, m <= 16;
+ *                                                       =wgmma: the streaming and wgmma kernels')
  *
  * Timing: a CUDA graph of back-to-back launches that cycle through enough
  * copies of the weights (>= 512 MiB) to keep them out of the 50 MB L2, between
@@ -110,6 +111,10 @@ __global__ void stream_kernel(const uint4 *w, size_t n, uint32_t *sink) {
   }
   if (acc == 0x12345678u)
     sink[0] = acc;
+}
+
+const char *kernel_name(int kernel) {
+  return kernel == NVFP4_KERNEL_STREAM ? "stream" : kernel == NVFP4_KERNEL_WGMMA ? "wgmma" : "ring";
 }
 
 double median(std::vector<double> v) {
@@ -258,15 +263,16 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
   uint32_t *sink;
   CHECK_CUDA(cudaMalloc(&sink, sizeof *sink));
   static const int64_t shapes[][2] = {{8192, 8192}, {4096, 14336}, {14336, 4096}};
-  static const int64_t ms[] = {1, 4, 16, 64, 256};
+  static const int64_t ms[] = {1, 4, 16, 32, 64, 128, 256, 1024};
+  const int64_t max_m = 1024;
   for (auto &shape : shapes) {
     Layer L = make_layer(shape[0], shape[1], stream);
     const int64_t n = L.n, k = L.k;
     __nv_bfloat16 *x, *y, *y_ref;
-    CHECK_CUDA(cudaMalloc(&x, (size_t)(256 * k) * 2));
-    CHECK_CUDA(cudaMalloc(&y, (size_t)(256 * n) * 2));
-    CHECK_CUDA(cudaMalloc(&y_ref, (size_t)(256 * n) * 2));
-    random_bf16_kernel<<<256, 256, 0, stream>>>(x, (size_t)(256 * k), 11);
+    CHECK_CUDA(cudaMalloc(&x, (size_t)(max_m * k) * 2));
+    CHECK_CUDA(cudaMalloc(&y, (size_t)(max_m * n) * 2));
+    CHECK_CUDA(cudaMalloc(&y_ref, (size_t)(max_m * n) * 2));
+    random_bf16_kernel<<<256, 256, 0, stream>>>(x, (size_t)(max_m * k), 11);
     CHECK_CUDA(cudaGetLastError());
     const double read_bytes = (double)(nvfp4_w_bytes(n, k) + nvfp4_sf_bytes(n, k / 16));
     for (int64_t m : ms) {
@@ -308,7 +314,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           "\"rows\":%d,\"unroll\":%d,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,\"method\":\"graph\"}"
           "\n",
           (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
-          read_bytes / q_us / 1e6, s_us, plan.kernel == NVFP4_KERNEL_STREAM ? "stream" : "ring", plan.tile_m,
+          read_bytes / q_us / 1e6, s_us, kernel_name(plan.kernel), plan.tile_m,
           plan.split_k, plan.rows, plan.unroll, err, 3 * kRuns, launches);
       fflush(stdout);
       if (!sweep)
@@ -334,6 +340,23 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
             }
       }
       if (strcmp(sweep, "stream") == 0)
+        continue;
+      if (m > 16) { /* the wgmma kernel's shapes */
+        static const int wtiles[] = {32, 64, 128, 256}, wrows[] = {1, 2}, wsplits[] = {1, 2, 4};
+        for (int tm : wtiles)
+          for (int rw : wrows)
+            for (int sk : wsplits) {
+              if ((rw == 2 && tm > 128) || tm > 4 * m || (tm < 64 && m >= 128))
+                continue;
+              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0}, &e);
+              printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"wgmma\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
+                     "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
+                     "\"max_rel_err\":%.2e}\n",
+                     (long long)m, (long long)n, (long long)k, tm, rw, sk, us, p_us / us, e);
+              fflush(stdout);
+            }
+      }
+      if (strcmp(sweep, "wgmma") == 0)
         continue;
       static const int tiles[] = {8, 16, 32, 64}, splits[] = {1, 2, 4, 8}, depths[] = {0, 8};
       for (int tm : tiles)

@@ -5,7 +5,8 @@
  * layouts as bijections of their padded domains; transform round trips with
  * zero padding; and the weight tiles read back the way the GEMM reads them:
  * an emulation of mma.m16n8k16's fragments, fed by the same bit tricks the
- * kernel uses, must reproduce x W^T exactly.
+ * kernel uses, must reproduce x W^T exactly; the same tiles as the wgmma kernel's
+ * register-sourced A with the activations staged for its shared-memory B operand, likewise.
  */
 #include <check.h>
 #include <math.h>
@@ -347,6 +348,155 @@ START_TEST(test_fragments_reproduce_gemm) {
 }
 END_TEST
 
+/* ---- activations staged for the wgmma kernel --------------------------------------------- */
+
+START_TEST(test_x_bijection) {
+  static const int64_t xs[][3] = {{1, 16, 32}, {31, 208, 32}, {64, 64, 64}, {100, 1024, 128}, {257, 80, 256}};
+  for (size_t s = 0; s < sizeof xs / sizeof xs[0]; s++) {
+    int64_t m = xs[s][0], k = xs[s][1], chunks = nvfp4_w_chunks(k);
+    int mt = (int)xs[s][2];
+    int64_t elems = nvfp4_x_elems(m, k, mt);
+    ck_assert_int_eq(elems, nvfp4_round_up(m, mt) * nvfp4_round_up(k, 64));
+    uint8_t *seen = calloc((size_t)elems, 1);
+    for (int64_t off = 0; off < elems; off++) {
+      int64_t token, kk;
+      nvfp4_x_source(off, chunks, mt, &token, &kk);
+      ck_assert(token >= 0 && token < nvfp4_round_up(m, mt) && kk >= 0 && kk < chunks * 64);
+      ck_assert_int_eq(nvfp4_x_offset(token, kk, chunks, mt), off);
+      ck_assert(!seen[off]);
+      seen[off] = 1;
+    }
+    free(seen);
+  }
+  /* By hand: token 9 of a 32-token tile, k = 64 + 16 * 3 + 4 * 2 + 2 * 1 + 1 = 123: chunk 1,
+   * run (j 2, h 1) = 5, token group 1, row 1, element 2 * 3 + 1. */
+  ck_assert_int_eq(nvfp4_x_offset(9, 123, 4, 32), 1 * 64 * 32 + (5 * 4 + 1) * 64 + 1 * 8 + 7);
+}
+END_TEST
+
+/*
+ * Emulates a consumer warpgroup of the wgmma kernel: warp w of the group takes tile 4i + w's
+ * words as its A fragments (as emulate_gemm), the B operand of k-step j is read through the
+ * descriptor the kernel builds (start 32 * mt bytes per step, leading byte offset 16 * mt
+ * between the step's two core matrices, stride 128 bytes between 8-token groups, 16 bytes a
+ * token in a core matrix) from activations staged by nvfp4_x_source; then m64nNk16's
+ * definition. Must reproduce x W^T exactly.
+ */
+static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int mt,
+                          double *y) {
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, elems = nvfp4_x_elems(m, k, mt);
+  float *staged = xmalloc((size_t)elems * sizeof *staged);
+  for (int64_t off = 0; off < elems; off++) {
+    int64_t token, kk;
+    nvfp4_x_source(off, chunks, mt, &token, &kk);
+    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
+  }
+  const int64_t lbo = 16 * mt, sbo = 128; /* bytes; 2 per element */
+  memset(y, 0, (size_t)(m * rows) * sizeof *y);
+  for (int64_t group = 0; group * 4 < tiles; group++)
+    for (int64_t tt = 0; tt * mt < m; tt++)
+      for (int64_t c = 0; c < chunks; c++)
+        for (int j = 0; j < 4; j++) {
+          const float *stage = staged + (tt * chunks + c) * 64 * mt;
+          const int64_t start = j * 32 * mt;
+          for (int w = 0; w < 4 && group * 4 + w < tiles; w++) {
+            int64_t tile = group * 4 + w;
+            float a[16][16] = {{0}};
+            for (int lane = 0; lane < 32; lane++) {
+              int g = lane / 4, t = lane % 4;
+              uint32_t q;
+              memcpy(&q, tiled + ((tile * chunks + c) * 32 + lane) * 16 + 4 * j, 4);
+              for (int i = 0; i < 4; i++) {
+                uint32_t reg = decode_pair(q, i, true);
+                int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+                a[row][col] = unbias((uint16_t)(reg & 0xffff), true);
+                a[row][col + 1] = unbias((uint16_t)(reg >> 16), true);
+              }
+            }
+            for (int n = 0; n < mt; n++) {
+              int64_t token = tt * mt + n;
+              for (int row = 0; row < 16; row++) {
+                double acc = 0;
+                for (int col = 0; col < 16; col++) {
+                  int64_t byte = start + (col / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (col % 8) * 2;
+                  acc += (double)a[row][col] * stage[byte / 2];
+                }
+                int64_t r = tile * 16 + row;
+                if (r < rows && token < m)
+                  y[token * rows + r] += acc;
+              }
+            }
+          }
+        }
+  free(staged);
+}
+
+START_TEST(test_wgmma_operands_reproduce_gemm) {
+  static const int64_t gemm_shapes[][4] = {{16, 64, 8, 32}, {37, 208, 33, 32}, {130, 112, 9, 64}, {80, 1024, 3, 128}};
+  for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
+    int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
+    int mt = (int)gemm_shapes[s][3];
+    size_t n = (size_t)(rows * k / 2);
+    uint8_t *packed = xmalloc(n), *tiled = xmalloc((size_t)nvfp4_w_bytes(rows, k));
+    float *x = xmalloc((size_t)(m * k) * sizeof *x);
+    double *y = xmalloc((size_t)(m * rows) * sizeof *y);
+    fill_random(packed, n, 15 + s);
+    uint64_t rng = 177 + s;
+    for (int64_t i = 0; i < m * k; i++)
+      x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
+    nvfp4_tile_weights(packed, rows, k, tiled);
+    emulate_wgmma(tiled, rows, k, x, m, mt, y);
+    for (int64_t t = 0; t < m; t++)
+      for (int64_t r = 0; r < rows; r++) {
+        double want = 0;
+        for (int64_t kk = 0; kk < k; kk++)
+          want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
+        ck_assert_double_eq(y[t * rows + r], want);
+      }
+    free(packed), free(tiled), free(x), free(y);
+  }
+}
+END_TEST
+
+/* The wgmma plan: one wave of one block per SM on the H200's 132 SMs for the benchmarked
+ * shapes, the token tile following m, and forced fields honoured within range. */
+START_TEST(test_wgmma_plan) {
+  struct nvfp4_tuning p;
+  static const struct {
+    int64_t m, n, k;
+    int tile_m, rows, split;
+  } want[] = {{32, 8192, 8192, 32, 1, 2},      {64, 8192, 8192, 64, 1, 2},    {128, 8192, 8192, 128, 1, 2},
+              {256, 8192, 8192, 128, 1, 1},    {1024, 8192, 8192, 128, 2, 1}, {17, 4096, 14336, 32, 1, 4},
+              {100, 4096, 14336, 128, 1, 4},   {1024, 4096, 14336, 128, 1, 1}, {64, 14336, 4096, 64, 1, 1},
+              {1024, 14336, 4096, 128, 2, 1}};
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    nvfp4_wgmma_plan(want[i].m, want[i].n, want[i].k, 132, NULL, &p);
+    ck_assert_int_eq(p.kernel, NVFP4_KERNEL_WGMMA);
+    ck_assert_int_eq(p.tile_m, want[i].tile_m);
+    ck_assert_int_eq(p.rows, want[i].rows);
+    ck_assert_int_eq(p.split_k, want[i].split);
+  }
+  for (int64_t m = 17; m <= 5000; m = m * 3 + 1)
+    for (int64_t n = 16; n <= 65536; n = n * 3 + 16)
+      for (int64_t k = 16; k <= 65536; k = k * 5 + 16) {
+        nvfp4_wgmma_plan(m, n, k, 132, NULL, &p);
+        ck_assert(p.tile_m == 32 || p.tile_m == 64 || p.tile_m == 128);
+        ck_assert(p.rows == 1 || (p.rows == 2 && p.tile_m == 128));
+        ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
+        ck_assert(p.split_k == 1 || nvfp4_w_chunks(k) / p.split_k >= NVFP4_WGMMA_SPLIT_CHUNKS);
+      }
+  struct nvfp4_tuning forced = {256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0};
+  nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
+  ck_assert(p.tile_m == 256 && p.rows == 1 && p.split_k == 5);
+  forced = (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0}; /* 2 x 256 does not fit: 128 */
+  nvfp4_wgmma_plan(64, 8192, 64, 132, &forced, &p);
+  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1); /* one chunk: no split */
+  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0}; /* invalid: automatic */
+  nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
+  ck_assert(p.tile_m == 64 && p.rows == 1 && p.split_k == 2);
+}
+END_TEST
+
 static Suite *layout_suite(void) {
   Suite *s = suite_create("cuda_layout");
   TCase *tc = tcase_create("scales");
@@ -362,6 +512,12 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_pair_decode_every_code);
   tcase_add_test(tc, test_fragments_reproduce_gemm);
   tcase_add_test(tc, test_stream_plan);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("wgmma");
+  tcase_set_timeout(tc, 60);
+  tcase_add_test(tc, test_x_bijection);
+  tcase_add_test(tc, test_wgmma_operands_reproduce_gemm);
+  tcase_add_test(tc, test_wgmma_plan);
   suite_add_tcase(s, tc);
   return s;
 }

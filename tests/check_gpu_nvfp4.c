@@ -199,7 +199,9 @@ START_TEST(agrees_with_reference) {
   char *source = write_source("source.safetensors", 1), *path = quantize(source, scheme, "q");
   qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
   assert_census_clean(m);
-  static const int64_t tokens[] = {1, 4, 5, 16, 19, 37, 64, 100, 256};
+  /* Every bucket the plan picks: the streaming kernel (8 and 16 tokens), the wgmma kernel's
+   * token tiles 32, 64 and 128, partial and whole. */
+  static const int64_t tokens[] = {1, 4, 5, 6, 13, 16, 19, 31, 32, 37, 64, 100, 256, 1024};
   for (size_t t = 0; t < sizeof tokens / sizeof tokens[0]; t++)
     assert_agrees(m, r, tokens[t], scheme);
   /* Every ring kernel shape and K split, forced. */
@@ -220,6 +222,26 @@ START_TEST(agrees_with_reference) {
       }
   configure("tile_m", "auto");
   configure("depth", "auto");
+  /* Every wgmma kernel shape and K split, forced (on a GPU other than compute capability 9.0
+   * the plan falls back to the ring kernel). */
+  configure("kernel", "wgmma");
+  static const char *const wg_tile[] = {"32", "64", "128", "256"}, *const wg_rows[] = {"1", "2"};
+  for (int a = 0; a < 4; a++)
+    for (int rw = 0; rw < 2; rw++)
+      for (int b = 0; b < 4; b++) {
+        char what[96];
+        configure("tile_m", wg_tile[a]);
+        configure("rows", wg_rows[rw]);
+        configure("split_k", split[b]);
+        snprintf(what, sizeof what, "%s wgmma tile_m %s rows %s split_k %s", scheme, wg_tile[a], wg_rows[rw],
+                 split[b]);
+        assert_agrees(m, r, 1, what);
+        assert_agrees(m, r, 13, what);
+        assert_agrees(m, r, 70, what);
+        assert_agrees(m, r, 257, what);
+      }
+  configure("tile_m", "auto");
+  configure("rows", "auto");
   /* Every streaming kernel shape and K split, forced, at token counts of both widths. */
   configure("kernel", "stream");
   static const char *const rows[] = {"1", "2", "4"}, *const unroll[] = {"4", "8"};

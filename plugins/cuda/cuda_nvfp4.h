@@ -61,8 +61,14 @@ struct nvfp4_weights {
   int64_t n, k, experts;
 };
 
-/* Which GEMM kernel: the shared-memory ring (any m), or the streaming kernel (m <= 16). */
-enum nvfp4_kernel { NVFP4_KERNEL_AUTO = 0, NVFP4_KERNEL_RING = 1, NVFP4_KERNEL_STREAM = 2 };
+/* Which GEMM kernel: the shared-memory ring (any m, mma.sync), the streaming kernel (m <= 16),
+ * or the wgmma kernel (any m; sm_90a, so compute capability 9.0 only). */
+enum nvfp4_kernel {
+  NVFP4_KERNEL_AUTO = 0,
+  NVFP4_KERNEL_RING = 1,
+  NVFP4_KERNEL_STREAM = 2,
+  NVFP4_KERNEL_WGMMA = 3
+};
 
 /*
  * Kernel shape, every field 0 for automatic. The ring kernel: tokens per block (8, 16, 32
@@ -71,6 +77,9 @@ enum nvfp4_kernel { NVFP4_KERNEL_AUTO = 0, NVFP4_KERNEL_RING = 1, NVFP4_KERNEL_S
  * depth >= 6 (tile_m <= 16) or >= 4 (above) twice as many. The streaming kernel (auto for
  * m <= 16 unless tile_m is forced above 16): tile_m 8 or 16 follows m, split_k as above,
  * rows 1, 2 or 4 weight tiles of 16 rows per block, unroll 4 or 8 chunks loaded at once.
+ * The wgmma kernel (auto for m > 16 on compute capability 9.0): tile_m 32, 64, 128 or 256
+ * tokens per block, rows 1 or 2 64-row MMA tiles per consumer warpgroup (128 or 256 weight
+ * rows per block; 2 needs tile_m <= 128), split_k as above; depth and unroll unused.
  */
 struct nvfp4_tuning {
   int tile_m;
@@ -95,6 +104,19 @@ struct nvfp4_tuning {
  */
 void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                        struct nvfp4_tuning *out);
+
+#define NVFP4_WGMMA_SPLIT_CHUNKS 8 /* fewest 64-K chunks per split the wgmma plan makes */
+
+/*
+ * The wgmma kernel's shape for m tokens of an [n, k] matrix on `sms` multiprocessors,
+ * honouring the valid fields of `tune` (NULL: automatic); plain arithmetic, tested in CI.
+ * One block per SM (its ring takes most of shared memory), so the plan aims at one wave:
+ * tile_m the smallest of 32, 64, 128 that holds m (128 above); rows 2 where that still
+ * leaves a block per SM; then a K split of sms / blocks, at most NVFP4_MAX_SPLIT and at
+ * least NVFP4_WGMMA_SPLIT_CHUNKS chunks a split.
+ */
+void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
+                      struct nvfp4_tuning *out);
 
 /* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix with x_dtype activations
  * (`tune` may be NULL). */

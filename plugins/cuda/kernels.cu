@@ -549,6 +549,404 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
     cluster.sync(); /* the others may still read our partial tile */
 }
 
+/* ---- the wgmma kernel (sm_90a) ------------------------------------------------------------------ */
+
+/*
+ * y^T = W x^T on Hopper's warpgroup MMA. The weight tile words are wgmma's register-sourced A
+ * operand as they are (per warp the A fragment is mma.m16n8k16's), dequantised exactly to
+ * bf16 (or f16) in registers between the shared-memory load and the wgmma; the activations,
+ * staged by stage_x_kernel into the order layout.h describes, are the B operand through a
+ * shared-memory descriptor. A block is one producer warpgroup, whose one thread issues bulk
+ * copies (cp.async.bulk, completing on an mbarrier per stage) of each 64-K chunk's weight
+ * tiles, scale atoms and activations into a ring of NS stages, and two consumer
+ * warpgroups, each RWG x 64 weight rows by MT tokens; setmaxnreg moves registers from the
+ * producer to the consumers. A consumer decodes chunk s + 1's fragments while the tensor
+ * cores run chunk s (two fragment buffers), and frees a stage once the wgmma that read it
+ * has completed. The K split across a cluster and the epilogue (alpha, bias, the output
+ * dtype) are the ring kernel's: partial tiles through distributed shared memory in rank
+ * order, the same bits every time.
+ */
+/* wgmma m64nNk16 with the A fragment in registers and B through a shared-memory descriptor,
+ * f32 accumulators d[N / 2] (accumulating: scale-d 1), bf16 or f16 operands, B not
+ * transposed (K-major). One asm statement per N and type: the operand count is fixed. */
+template <int N, bool BF16> struct Wgmma;
+
+template <bool BF16> struct Wgmma<32, BF16> {
+  static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (BF16)
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+template <bool BF16> struct Wgmma<64, BF16> {
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (BF16)
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+template <bool BF16> struct Wgmma<128, BF16> {
+  static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (BF16)
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+template <bool BF16> struct Wgmma<256, BF16> {
+  static __device__ __forceinline__ void run(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (BF16)
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+
+constexpr int kWgThreads = 384; /* producer warpgroup + two consumer warpgroups */
+
+struct WgArgs {
+  GemmArgs g;          /* weights, scales, alpha, bias, y, n, k, chunks, splits, expert */
+  const uint8_t *x;    /* staged activations (layout.h), tiles of MT tokens */
+};
+
+template <int MT, int RWG> struct WgSmem {
+  static constexpr int ROWS = 128 * RWG;                  /* weight rows per block */
+  static constexpr int W_BYTES = RWG * 8 * NVFP4_TILE_BYTES; /* 8 tiles per 128 rows */
+  static constexpr int SF_BYTES = RWG * NVFP4_SF_ATOM;
+  static constexpr int X_BYTES = MT * NVFP4_CHUNK_K * 2;
+  static constexpr int STAGE = W_BYTES + SF_BYTES + X_BYTES;
+  static constexpr int NS = (200 * 1024 / STAGE) < 8 ? (200 * 1024 / STAGE) : 8;
+  static constexpr int RED_STRIDE = ROWS + 4; /* f32 words per token of the reduction tile */
+  static constexpr int RED_BYTES = MT * RED_STRIDE * 4;
+  static constexpr int BYTES = NS * STAGE > RED_BYTES ? NS * STAGE : RED_BYTES;
+  static_assert(NS >= 3, "at least three stages");
+};
+
+/* sm_90a device code only (the compute_90 PTX pass has no wgmma nor setmaxnreg). */
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint64_t *bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity) {
+  asm volatile("{\n"
+               ".reg .pred done;\n"
+               "wait_%=:\n"
+               "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+               "@!done bra wait_%=;\n"
+               "}\n" ::"r"(smem_addr(bar)),
+               "r"(parity)
+               : "memory");
+}
+/* bytes (a multiple of 16) from global src to shared dst, completing on bar. */
+__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+/* The B descriptor of k-step j of a staged chunk at smem x: no swizzle, leading (K) byte
+ * offset 16 * MT between the step's two core matrices, stride 128 bytes between 8-token
+ * groups (layout.h). */
+template <int MT> __device__ __forceinline__ uint64_t x_desc(const unsigned char *x, int j) {
+  const uint32_t addr = smem_addr(x + j * 32 * MT);
+  return (uint64_t)((addr & 0x3ffff) >> 4) | ((uint64_t)((16 * MT) >> 4) << 16) | ((uint64_t)(128 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void acc_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#endif
+
+template <int MT, int RWG, bool BF16>
+__global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs wa) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = WgSmem<MT, RWG>;
+  const GemmArgs &a = wa.g;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[L::NS], empty[L::NS];
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int split = (int)cluster.block_rank();
+  const int per_split = (a.chunks + a.splits - 1) / a.splits;
+  const int c_begin = min(a.chunks, split * per_split), c_end = min(a.chunks, c_begin + per_split);
+  const int stages = c_end - c_begin;
+  const int rb = blockIdx.y, token_tile = blockIdx.x;
+  const int block_tiles = min(8 * RWG, a.w_tiles - rb * 8 * RWG);
+  const int wg = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::NS; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); /* 128 x 40 + 256 x 232 <= 64 K */
+    if (threadIdx.x == 0) {
+      const uint8_t *w_block = a.w + a.expert * a.w_expert_bytes + (long long)rb * 8 * RWG * a.chunks * NVFP4_TILE_BYTES;
+      const uint8_t *sf_block = a.sf + a.expert * a.sf_expert_bytes + (long long)rb * RWG * a.sf_atoms * NVFP4_SF_ATOM;
+      const uint8_t *x_tile = wa.x + (long long)token_tile * a.chunks * L::X_BYTES;
+      const int atoms = (block_tiles + 7) / 8;
+      const uint32_t bytes = (uint32_t)(block_tiles * NVFP4_TILE_BYTES + atoms * NVFP4_SF_ATOM + L::X_BYTES);
+      for (int s = 0; s < stages; ++s) {
+        const int slot = s % L::NS, c = c_begin + s;
+        if (s >= L::NS)
+          mbar_wait(&empty[slot], (uint32_t)((s / L::NS - 1) & 1));
+        unsigned char *st = smem + slot * L::STAGE;
+        mbar_expect_tx(&full[slot], bytes);
+        for (int tile = 0; tile < block_tiles; ++tile)
+          bulk_copy(st + tile * NVFP4_TILE_BYTES, w_block + ((long long)tile * a.chunks + c) * NVFP4_TILE_BYTES,
+                    NVFP4_TILE_BYTES, &full[slot]);
+        for (int atom = 0; atom < atoms; ++atom)
+          bulk_copy(st + L::W_BYTES + atom * NVFP4_SF_ATOM,
+                    sf_block + ((long long)atom * a.sf_atoms + c) * NVFP4_SF_ATOM, NVFP4_SF_ATOM, &full[slot]);
+        bulk_copy(st + L::W_BYTES + L::SF_BYTES, x_tile + (long long)c * L::X_BYTES, L::X_BYTES, &full[slot]);
+      }
+    }
+    if (a.splits > 1) { /* the consumers' two cluster barriers */
+      cluster.sync();
+      cluster.sync();
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int cwg = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  /* Tile (of the block's 8 * RWG) of MMA tile r of this warp, and its scales' lane offset in
+   * the atom: row 16 * tib + g at (r % 32) * 16 + ((r / 32) % 4) * 4 + column t. */
+  const int tib = cwg * 4 + warp;
+  const int sf_lane = (16 * (tib & 1) + g) * 16 + (tib >> 1) * 4 + t;
+
+  float acc[RWG][MT / 2];
+#pragma unroll
+  for (int r = 0; r < RWG; ++r)
+#pragma unroll
+    for (int i = 0; i < MT / 2; ++i)
+      acc[r][i] = 0.0f;
+  uint32_t frag[2][RWG][4][4];
+
+  /* Stage s: decode into fragment buffer B, issue the chunk's 4 x RWG wgmmas, then wait
+   * for the previous chunk's and free its stage. */
+  auto step = [&](int s, auto buf) {
+    constexpr int B = decltype(buf)::value;
+    const int slot = s % L::NS;
+    mbar_wait(&full[slot], (uint32_t)((s / L::NS) & 1));
+    const unsigned char *st = smem + slot * L::STAGE;
+#pragma unroll
+    for (int r = 0; r < RWG; ++r) {
+      const uint4 q = *reinterpret_cast<const uint4 *>(st + (r * 8 + tib) * NVFP4_TILE_BYTES + lane * 16);
+      const unsigned char *sf = st + L::W_BYTES + r * NVFP4_SF_ATOM + sf_lane;
+      uint32_t s_lo, s_hi;
+      block_scales<BF16>(sf[0], sf[128], s_lo, s_hi);
+      dequant<BF16>(q.x, s_lo, s_hi, frag[B][r][0]);
+      dequant<BF16>(q.y, s_lo, s_hi, frag[B][r][1]);
+      dequant<BF16>(q.z, s_lo, s_hi, frag[B][r][2]);
+      dequant<BF16>(q.w, s_lo, s_hi, frag[B][r][3]);
+    }
+    const unsigned char *xs = st + L::W_BYTES + L::SF_BYTES;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint64_t desc = x_desc<MT>(xs, j);
+#pragma unroll
+      for (int r = 0; r < RWG; ++r)
+        Wgmma<MT, BF16>::run(acc[r], frag[B][r][j], desc);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (s > 0 && lane == 0)
+      mbar_arrive(&empty[(s - 1) % L::NS]);
+  };
+  int s = 0;
+  for (; s + 1 < stages; s += 2) {
+    step(s, std::integral_constant<int, 0>{});
+    step(s + 1, std::integral_constant<int, 1>{});
+  }
+  if (s < stages)
+    step(s, std::integral_constant<int, 0>{});
+  wgmma_wait<0>();
+#pragma unroll
+  for (int r = 0; r < RWG; ++r)
+    acc_fence(acc[r]);
+  asm volatile("bar.sync 1, 256;\n" ::: "memory"); /* both consumers are done with the ring */
+
+  /* D fragment: d[4i + 0, 1] row g, tokens 8i + 2t, +1; d[4i + 2, 3] row g + 8. */
+  float *red = reinterpret_cast<float *>(smem);
+#pragma unroll
+  for (int r = 0; r < RWG; ++r) {
+    const int row = (r * 8 + tib) * 16 + g;
+#pragma unroll
+    for (int i = 0; i < MT / 8; ++i) {
+      const int tok = 8 * i + 2 * t;
+      red[tok * L::RED_STRIDE + row] = acc[r][4 * i];
+      red[(tok + 1) * L::RED_STRIDE + row] = acc[r][4 * i + 1];
+      red[tok * L::RED_STRIDE + row + 8] = acc[r][4 * i + 2];
+      red[(tok + 1) * L::RED_STRIDE + row + 8] = acc[r][4 * i + 3];
+    }
+  }
+  if (a.splits > 1)
+    cluster.sync();
+  else
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  const float out_scale = a.alpha[a.expert] * (BF16 ? 0x1p63f : 128.0f);
+  constexpr int total = MT * L::ROWS;
+  const int per = (total + a.splits - 1) / a.splits;
+  const int e_end = min(total, (split + 1) * per);
+  const int count = min(MT, a.m - token_tile * MT);
+  for (int e = split * per + (int)threadIdx.x - 128; e < e_end; e += 256) {
+    const int tok = e / L::ROWS, row = e % L::ROWS, n = rb * L::ROWS + row;
+    if (tok >= count || n >= a.n)
+      continue;
+    float v = 0.0f;
+    for (int q = 0; q < a.splits; ++q)
+      v += (a.splits > 1 ? cluster.map_shared_rank(red, q) : red)[tok * L::RED_STRIDE + row];
+    v *= out_scale;
+    if (a.bias)
+      v += load_f(a.bias, a.bias_dtype, (long long)a.expert * a.n + n);
+    store_f(a.y, a.y_dtype, (long long)(token_tile * MT + tok) * a.n + n, v);
+  }
+  if (a.splits > 1)
+    cluster.sync(); /* the others may still read our partial tile */
+#else
+  __trap(); /* built without sm_90a: the plan never picks this kernel there */
+#endif
+}
+
+/*
+ * Stages x [m, k] for the wgmma kernel (layout.h): one thread per (token, 64-K chunk) reads
+ * the token's 64 activations (zero past m and k), rounds f32 to bf16, and writes them as
+ * the 8 runs of 8 that steps j = 0..3, h = 0..1 take: run (j, h) holds 32-bit pairs
+ * 8p + 2j + h, p = 0..3, of the chunk.
+ */
+template <typename TI, typename TO>
+__global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, long long items, TO *xs) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int token = (int)(i % ((long long)nvfp4_round_up(m, mt))), c = (int)(i / nvfp4_round_up(m, mt));
+    uint32_t w[32];
+    const bool row_ok = token < m;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) { /* 8 elements (4 pairs) at k = 64c + 8v */
+      const int kk = c * NVFP4_CHUNK_K + 8 * v;
+      const bool ok = row_ok && kk < k; /* k % 16 == 0: a run of 8 is all in or all out */
+      if constexpr (sizeof(TI) == 2) {
+        const uint4 u = ok ? *reinterpret_cast<const uint4 *>(x + (long long)token * k + kk) : make_uint4(0, 0, 0, 0);
+        w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
+      } else {
+        float4 f0 = make_float4(0, 0, 0, 0), f1 = f0;
+        if (ok) {
+          f0 = *reinterpret_cast<const float4 *>(x + (long long)token * k + kk);
+          f1 = *reinterpret_cast<const float4 *>(x + (long long)token * k + kk + 4);
+        }
+        w[4 * v] = bits_of(__floats2bfloat162_rn(f0.x, f0.y));
+        w[4 * v + 1] = bits_of(__floats2bfloat162_rn(f0.z, f0.w));
+        w[4 * v + 2] = bits_of(__floats2bfloat162_rn(f1.x, f1.y));
+        w[4 * v + 3] = bits_of(__floats2bfloat162_rn(f1.z, f1.w));
+      }
+    }
+    /* Element (token, 64c + 16p + 4j + 2h) heads run (j, h) at nvfp4_x_offset. */
+    TO *base = xs + nvfp4_x_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 run = make_uint4(w[2 * j + h], w[8 + 2 * j + h], w[16 + 2 * j + h], w[24 + 2 * j + h]);
+        *reinterpret_cast<uint4 *>(base + (2 * j + h) * 8 * mt) = run;
+      }
+  }
+}
+
 /* The kernel's shared memory limit, set once per instantiation (benign race: every thread
  * sets the same value). */
 template <class S, typename TI> cudaError_t prepare_kernel() {
@@ -575,10 +973,11 @@ template <class S, typename TI> int resident_blocks() {
 
 /* Launches kernel(a) on grid x a.splits blocks, the splits of each grid point forming one
  * thread-block cluster along z. */
-cudaError_t launch_cluster(void (*kernel)(const GemmArgs), const GemmArgs &a, dim3 grid, int threads,
+template <typename Args>
+cudaError_t launch_cluster(void (*kernel)(const Args), const Args &args, int splits, dim3 grid, int threads,
                            size_t smem, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid.x, grid.y, (unsigned)a.splits);
+  cfg.gridDim = dim3(grid.x, grid.y, (unsigned)splits);
   cfg.blockDim = dim3((unsigned)threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -586,10 +985,10 @@ cudaError_t launch_cluster(void (*kernel)(const GemmArgs), const GemmArgs &a, di
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
   attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = (unsigned)a.splits;
+  attr[0].val.clusterDim.z = (unsigned)splits;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, a);
+  return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
 template <class S, typename TI>
@@ -597,7 +996,7 @@ cudaError_t launch_gemm(const GemmArgs &a, int grid_x, int grid_y, cudaStream_t 
   cudaError_t err = prepare_kernel<S, TI>();
   if (err != cudaSuccess)
     return err;
-  return launch_cluster(nvfp4_gemm_kernel<S, TI>, a, dim3((unsigned)grid_x, (unsigned)grid_y), S::THREADS,
+  return launch_cluster(nvfp4_gemm_kernel<S, TI>, a, a.splits, dim3((unsigned)grid_x, (unsigned)grid_y), S::THREADS,
                         Smem<S, TI>::BYTES, stream);
 }
 
@@ -635,7 +1034,7 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
 
 template <typename TI, int MT, int R, int U>
 cudaError_t launch_stream(const GemmArgs &a, int grid_x, cudaStream_t stream) {
-  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U>, a, dim3((unsigned)grid_x), kStreamWarps * 32, 0,
+  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U>, a, a.splits, dim3((unsigned)grid_x), kStreamWarps * 32, 0,
                         stream);
 }
 
@@ -668,6 +1067,86 @@ cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_
   case QKEEP_DTYPE_F32: return stream_tokens<float>(plan, a, grid_x, st);
   default: return cudaErrorInvalidValue;
   }
+}
+
+template <int MT, int RWG, bool BF16>
+cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t st) {
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t err = cudaFuncSetAttribute(nvfp4_wgmma_kernel<MT, RWG, BF16>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, WgSmem<MT, RWG>::BYTES);
+    if (err != cudaSuccess)
+      return err;
+    configured = true;
+  }
+  return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16>, wa, wa.g.splits,
+                        dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, WgSmem<MT, RWG>::BYTES, st);
+}
+
+template <bool BF16>
+cudaError_t wgmma_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
+                        cudaStream_t st) {
+  if (plan.rows == 2)
+    return plan.tile_m == 64 ? launch_wgmma<64, 2, BF16>(wa, grid_x, grid_y, st)
+                             : launch_wgmma<128, 2, BF16>(wa, grid_x, grid_y, st);
+  switch (plan.tile_m) {
+  case 32: return launch_wgmma<32, 1, BF16>(wa, grid_x, grid_y, st);
+  case 64: return launch_wgmma<64, 1, BF16>(wa, grid_x, grid_y, st);
+  case 128: return launch_wgmma<128, 1, BF16>(wa, grid_x, grid_y, st);
+  default: return launch_wgmma<256, 1, BF16>(wa, grid_x, grid_y, st);
+  }
+}
+
+int grid_for(long long items, int threads);
+
+/* Stages x into scratch (stream-ordered), runs the wgmma kernel, frees the scratch. */
+cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const void *x, enum qkeep_dtype x_dtype,
+                      cudaStream_t st) {
+  const int mt = plan.tile_m;
+  const long long grid_x = (a.m + mt - 1) / mt, grid_y = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
+  if (grid_y > 65535 || grid_x > INT32_MAX)
+    return cudaErrorInvalidValue;
+  const long long items = nvfp4_round_up(a.m, mt) * (long long)a.chunks;
+  void *xs = nullptr;
+  cudaError_t err = cudaMallocAsync(&xs, (size_t)nvfp4_x_elems(a.m, a.k, mt) * 2, st);
+  if (err != cudaSuccess)
+    return err;
+  const int blocks = grid_for(items, 256);
+  switch (x_dtype) {
+  case QKEEP_DTYPE_F16:
+    stage_x_kernel<__half, __half><<<blocks, 256, 0, st>>>(static_cast<const __half *>(x), a.m, a.k, a.chunks,
+                                                              mt, items, static_cast<__half *>(xs));
+    break;
+  case QKEEP_DTYPE_F32:
+    stage_x_kernel<float, __nv_bfloat16><<<blocks, 256, 0, st>>>(
+        static_cast<const float *>(x), a.m, a.k, a.chunks, mt, items, static_cast<__nv_bfloat16 *>(xs));
+    break;
+  default:
+    stage_x_kernel<__nv_bfloat16, __nv_bfloat16><<<blocks, 256, 0, st>>>(
+        static_cast<const __nv_bfloat16 *>(x), a.m, a.k, a.chunks, mt, items, static_cast<__nv_bfloat16 *>(xs));
+    break;
+  }
+  err = cudaGetLastError();
+  if (err == cudaSuccess) {
+    WgArgs wa = {a, static_cast<const uint8_t *>(xs)};
+    err = x_dtype == QKEEP_DTYPE_F16 ? wgmma_shape<false>(plan, wa, (int)grid_x, (int)grid_y, st)
+                                     : wgmma_shape<true>(plan, wa, (int)grid_x, (int)grid_y, st);
+  }
+  cudaError_t free_err = cudaFreeAsync(xs, st);
+  return err != cudaSuccess ? err : free_err;
+}
+
+/* The wgmma kernel is sm_90a code: it runs on compute capability 9.0 alone. */
+bool wgmma_ok(void) {
+  static int ok = -1;
+  if (ok < 0) {
+    int dev = 0, major = 0, minor = 0;
+    ok = cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+         minor == 0;
+  }
+  return ok == 1;
 }
 
 int resident_per_sm(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype) {
@@ -891,6 +1370,10 @@ extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtyp
     nvfp4_stream_plan(m, n, k, sm_count(), tune, out);
     return;
   }
+  if ((kernel == NVFP4_KERNEL_WGMMA || kernel == NVFP4_KERNEL_AUTO) && wgmma_ok()) {
+    nvfp4_wgmma_plan(m, n, k, sm_count(), tune, out);
+    return;
+  }
   out->kernel = NVFP4_KERNEL_RING;
   out->rows = out->unroll = 0;
   out->tile_m = pick_tile_m(m, tune ? tune->tile_m : 0);
@@ -913,7 +1396,9 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
   GemmArgs a = gemm_args(wt);
   a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
   cudaError_t err;
-  if (plan.kernel == NVFP4_KERNEL_STREAM) {
+  if (plan.kernel == NVFP4_KERNEL_WGMMA) {
+    err = run_wgmma(plan, a, x, x_dtype, (cudaStream_t)stream);
+  } else if (plan.kernel == NVFP4_KERNEL_STREAM) {
     const int64_t blocks = (a.w_tiles + plan.rows - 1) / plan.rows;
     if (blocks > INT32_MAX)
       return cudaErrorInvalidValue;

@@ -35,6 +35,31 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
                                nvfp4_clamp(chunks / (runs * 2 * out->unroll), 1, NVFP4_MAX_SPLIT));
 }
 
+void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
+                      struct nvfp4_tuning *out) {
+  const int tile_m = tune ? tune->tile_m : 0, rows = tune ? tune->rows : 0, split = tune ? tune->split_k : 0;
+  const int64_t chunks = nvfp4_w_chunks(k);
+  out->kernel = NVFP4_KERNEL_WGMMA;
+  out->depth = out->unroll = 0;
+  if (tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256)
+    out->tile_m = tile_m;
+  else
+    out->tile_m = m <= 32 ? 32 : m <= 64 ? 64 : 128;
+  const int64_t token_tiles = (m + out->tile_m - 1) / out->tile_m;
+  if (rows == 1 || rows == 2)
+    out->rows = rows;
+  else
+    out->rows = out->tile_m == 128 && token_tiles * ((n + 255) / 256) >= sms ? 2 : 1;
+  if (out->rows == 2 && out->tile_m > 128)
+    out->tile_m = 128; /* 2 x 64 x 256 accumulators do not fit a thread's registers */
+  const int64_t blocks = (m + out->tile_m - 1) / out->tile_m * ((n + 128 * out->rows - 1) / (128 * out->rows));
+  if (split > 0)
+    out->split_k = nvfp4_clamp(split, 1, nvfp4_clamp(chunks, 1, NVFP4_MAX_SPLIT));
+  else
+    out->split_k = nvfp4_clamp(sms / (blocks > 0 ? blocks : 1), 1,
+                               nvfp4_clamp(chunks / NVFP4_WGMMA_SPLIT_CHUNKS, 1, NVFP4_MAX_SPLIT));
+}
+
 /* Element k of a row of packed e2m1 codes (element 2i in the low nibble). */
 static unsigned row_code(const uint8_t *row, int64_t k) {
   return (k & 1) ? row[k / 2] >> 4 : row[k / 2] & 0xfu;
