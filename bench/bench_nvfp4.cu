@@ -341,12 +341,14 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
       }
       if (strcmp(sweep, "stream") == 0)
         continue;
-      if (m > 16) { /* the wgmma kernel's shapes */
-        static const int wtiles[] = {32, 64, 128, 256}, wrows[] = {1, 2}, wsplits[] = {1, 2, 4};
+      { /* the wgmma kernel's shapes */
+        static const int wtiles[] = {8, 16, 32, 64, 128, 256}, wrows[] = {1, 2}, wsplits[] = {1, 2, 4, 8};
         for (int tm : wtiles)
           for (int rw : wrows)
             for (int sk : wsplits) {
-              if ((rw == 2 && tm > 128) || tm > 4 * m || (tm < 64 && m >= 128))
+              const bool few = m <= 16; /* the decode sizes: token tiles 8 and 16, splits to 8 */
+              if ((rw == 2 && tm > 128) || (few && tm > 16) ||
+                  (!few && (tm < 32 || tm > 4 * m || (tm < 64 && m >= 128) || sk == 8)))
                 continue;
               double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"wgmma\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"

@@ -123,9 +123,9 @@ START_TEST(test_w_bijection) {
       for (int slot = 0; slot < 8; slot++) {
         int64_t r, kk;
         int slot2;
-        nvfp4_w_source(w, slot, chunks, &r, &kk);
+        nvfp4_w_source(w, slot, rows, chunks, &r, &kk);
         ck_assert(r >= 0 && r < nvfp4_w_rows(rows) && kk >= 0 && kk < chunks * 64);
-        ck_assert_int_eq(nvfp4_w_position(r, kk, chunks, &slot2), w);
+        ck_assert_int_eq(nvfp4_w_position(r, kk, rows, chunks, &slot2), w);
         ck_assert_int_eq(slot2, slot);
         ck_assert(!seen[8 * w + slot]);
         seen[8 * w + slot] = 1;
@@ -151,25 +151,31 @@ START_TEST(test_w_layout_by_hand) {
    * for k-step j. Row 0, k 0 (e 0, row g) is a0: word 0, slot 0, at the bits of a bf16
    * (m 6, e0 7, e1 8, s 15). */
   int slot;
-  ck_assert_int_eq(nvfp4_w_position(0, 0, 1, &slot), 0);
+  ck_assert_int_eq(nvfp4_w_position(0, 0, 16, 1, &slot), 0);
   ck_assert_int_eq(slot, 0);
   ck_assert_uint_eq(nvfp4_w_put(0, 0, 0xf), 0x000081c0u);
   /* Row 0, k 1: a1, slot 1, the high bf16 (bits 22, 23, 24, 31). Row 8, k 1: a3, slot 3,
    * the high half shifted down by 3 (19, 20, 21, 28). */
-  ck_assert_int_eq(nvfp4_w_position(0, 1, 1, &slot), 0);
+  ck_assert_int_eq(nvfp4_w_position(0, 1, 16, 1, &slot), 0);
   ck_assert_int_eq(slot, 1);
   ck_assert_uint_eq(nvfp4_w_put(0, 1, 0xf), 0x81c00000u);
-  ck_assert_int_eq(nvfp4_w_position(8, 1, 1, &slot), 0);
+  ck_assert_int_eq(nvfp4_w_position(8, 1, 16, 1, &slot), 0);
   ck_assert_int_eq(slot, 3);
   ck_assert_uint_eq(nvfp4_w_put(0, 3, 0xf), 0x10380000u);
   /* Row 9, k = 16 * 2 + 4 * 3 + 2 (g 1, t 2, j 3, e 2, row g + 8): lane 6, word 3, a6,
    * slot 6, the leftover bits 10, 11, 13, 14. */
-  ck_assert_int_eq(nvfp4_w_position(9, 46, 1, &slot), 6 * 4 + 3);
+  ck_assert_int_eq(nvfp4_w_position(9, 46, 16, 1, &slot), 6 * 4 + 3);
   ck_assert_int_eq(slot, 6);
   ck_assert_uint_eq(nvfp4_w_put(0, 6, 0xf), 0x00006c00u);
   ck_assert_uint_eq(nvfp4_w_put(0, 7, 0xf), 0x6c000000u);
-  /* Row 16 starts the second tile, after `chunks` tiles of 128 words. */
-  ck_assert_int_eq(nvfp4_w_position(16, 64, 3, &slot), (3 + 1) * 128);
+  /* Tiles interleave per chunk within a group of 8: with 2 tiles (32 rows), row 16 at
+   * chunk 1 is unit 1 * 2 + 1; with 10 tiles (160 rows), tile 9 is in the second group (2
+   * tiles, after 8 x 3 units of the first), chunk 0: unit 24 + 1; tile 7, chunk 2 of the
+   * first: 2 * 8 + 7. */
+  ck_assert_int_eq(nvfp4_w_position(16, 64, 32, 3, &slot), (1 * 2 + 1) * 128);
+  ck_assert_int_eq(nvfp4_w_position(9 * 16, 0, 160, 3, &slot), (24 + 1) * 128);
+  ck_assert_int_eq(nvfp4_w_position(7 * 16, 128, 160, 3, &slot), (2 * 8 + 7) * 128);
+  ck_assert_int_eq(nvfp4_w_tile_offset(9, 2, 10, 3), (24 + 2 * 2 + 1) * 512);
 }
 END_TEST
 
@@ -186,7 +192,7 @@ START_TEST(test_w_round_trip) {
         int64_t r, kk;
         uint32_t word;
         memcpy(&word, tiled + 4 * w, 4);
-        nvfp4_w_source((int64_t)w, slot, nvfp4_w_chunks(k), &r, &kk);
+        nvfp4_w_source((int64_t)w, slot, rows, nvfp4_w_chunks(k), &r, &kk);
         unsigned want = r < rows && kk < k ? qk_fp4_code(src + r * (k / 2), kk) : 0;
         ck_assert_uint_eq(nvfp4_w_get(word, slot), want);
       }
@@ -250,7 +256,7 @@ static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const fl
           for (int lane = 0; lane < 32; lane++) {
             int g = lane / 4, t = lane % 4;
             uint32_t q;
-            memcpy(&q, tiled + ((tile * chunks + c) * 32 + lane) * 16 + 4 * j, 4);
+            memcpy(&q, tiled + nvfp4_w_tile_offset(tile, c, tiles, chunks) + lane * 16 + 4 * j, 4);
             /* a0a1 (g, 2t..), a2a3 (g+8, 2t..), a4a5 (g, 2t+8..), a6a7 (g+8, 2t+8..) */
             for (int i = 0; i < 4; i++) {
               uint32_t reg = decode_pair(q, i, bf16);
@@ -405,7 +411,7 @@ static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const f
             for (int lane = 0; lane < 32; lane++) {
               int g = lane / 4, t = lane % 4;
               uint32_t q;
-              memcpy(&q, tiled + ((tile * chunks + c) * 32 + lane) * 16 + 4 * j, 4);
+              memcpy(&q, tiled + nvfp4_w_tile_offset(tile, c, tiles, chunks) + lane * 16 + 4 * j, 4);
               for (int i = 0; i < 4; i++) {
                 uint32_t reg = decode_pair(q, i, true);
                 int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);

@@ -225,8 +225,8 @@ START_TEST(agrees_with_reference) {
   /* Every wgmma kernel shape and K split, forced (on a GPU other than compute capability 9.0
    * the plan falls back to the ring kernel). */
   configure("kernel", "wgmma");
-  static const char *const wg_tile[] = {"32", "64", "128", "256"}, *const wg_rows[] = {"1", "2"};
-  for (int a = 0; a < 4; a++)
+  static const char *const wg_tile[] = {"8", "16", "32", "64", "128", "256"}, *const wg_rows[] = {"1", "2"};
+  for (int a = 0; a < 6; a++)
     for (int rw = 0; rw < 2; rw++)
       for (int b = 0; b < 4; b++) {
         char what[96];

@@ -77,7 +77,7 @@ enum nvfp4_kernel {
  * depth >= 6 (tile_m <= 16) or >= 4 (above) twice as many. The streaming kernel (auto for
  * m <= 16 unless tile_m is forced above 16): tile_m 8 or 16 follows m, split_k as above,
  * rows 1, 2 or 4 weight tiles of 16 rows per block, unroll 4 or 8 chunks loaded at once.
- * The wgmma kernel (auto for m > 16 on compute capability 9.0): tile_m 32, 64, 128 or 256
+ * The wgmma kernel (auto for m > 16 on compute capability 9.0): tile_m 8, 16, 32, 64, 128 or 256
  * tokens per block, rows 1 or 2 64-row MMA tiles per consumer warpgroup (128 or 256 weight
  * rows per block; 2 needs tile_m <= 128), split_k as above; depth and unroll unused.
  */

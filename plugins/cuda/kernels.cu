@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
     for (int u = threadIdx.x; u < L::W_BYTES / 16; u += S::THREADS) {
       const int gi = u / 256, tib = (u / 32) % 8, c = c0 + gi;
       const bool ok = c < c_end && tib < block_tiles;
-      const uint8_t *src = w_block + ((long long)tib * a.chunks + c) * NVFP4_TILE_BYTES + (u % 32) * 16;
+      const uint8_t *src = w_block + ((long long)c * block_tiles + tib) * NVFP4_TILE_BYTES + (u % 32) * 16;
       cp_async16(st + u * 16, ok ? src : a.w, ok);
     }
     for (int u = threadIdx.x; u < L::SF_BYTES / 16; u += S::THREADS) {
@@ -436,8 +436,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
   const int c_begin = min(s_end, s_begin + run * per_run),
             c_end = active ? min(s_end, c_begin + per_run) : c_begin;
 
-  const uint8_t *wp =
-      a.w + a.expert * a.w_expert_bytes + (long long)tile * a.chunks * NVFP4_TILE_BYTES + lane * 16;
+  /* This tile's chunks are a group's tiles apart (layout.h). */
+  const long long w_stride = active ? nvfp4_w_group_tiles(tile, a.w_tiles) * NVFP4_TILE_BYTES : 0;
+  const uint8_t *wp = a.w + a.expert * a.w_expert_bytes +
+                      (active ? nvfp4_w_tile_offset(tile, 0, a.w_tiles, a.chunks) : 0) + lane * 16;
   const uint8_t *sp = a.sf + a.expert * a.sf_expert_bytes +
                       (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM + (16 * (tile & 1) + g) * 16 +
                       ((tile % 8) >> 1) * 4 + t;
@@ -462,7 +464,7 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
   /* Chunk c's loads: the lane's codes, its two block scales, its tokens' 16 activations
    * (zero past K, where the codes are zero padding: no 0 x inf). */
   auto load = [&](int c, uint4 &q, uint32_t &lo, uint32_t &hi, uint4(&xv)[NT][XU]) {
-    q = __ldcs(reinterpret_cast<const uint4 *>(wp + (long long)c * NVFP4_TILE_BYTES));
+    q = __ldcs(reinterpret_cast<const uint4 *>(wp + c * w_stride));
     lo = __ldg(sp + (long long)c * NVFP4_SF_ATOM);
     hi = __ldg(sp + (long long)c * NVFP4_SF_ATOM + 128);
     const bool in_k = c * NVFP4_CHUNK_K + 16 * t < a.k;
@@ -557,8 +559,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
  * bf16 (or f16) in registers between the shared-memory load and the wgmma; the activations,
  * staged by stage_x_kernel into the order layout.h describes, are the B operand through a
  * shared-memory descriptor. A block is one producer warpgroup, whose one thread issues bulk
- * copies (cp.async.bulk, completing on an mbarrier per stage) of each 64-K chunk's weight
- * tiles, scale atoms and activations into a ring of NS stages, and two consumer
+ * copies (cp.async.bulk, completing on an mbarrier per stage) of a few 64-K chunks' weight
+ * tiles, scale atoms and activations into a ring of NS stages (WgSmem), and two consumer
  * warpgroups, each RWG x 64 weight rows by MT tokens; setmaxnreg moves registers from the
  * producer to the consumers. A consumer decodes chunk s + 1's fragments while the tensor
  * cores run chunk s (two fragment buffers), and frees a stage once the wgmma that read it
@@ -571,6 +573,30 @@ __global__ void __launch_bounds__(kStreamWarps * 32, U == 8 ? 1 : 2) nvfp4_strea
  * transposed (K-major). One asm statement per N and type: the operand count is fixed. */
 template <int N, bool BF16> struct Wgmma;
 
+template <bool BF16> struct Wgmma<8, BF16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (BF16)
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
+template <bool BF16> struct Wgmma<16, BF16> {
+  static __device__ __forceinline__ void run(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
+    if constexpr (BF16)
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+    else
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+};
 template <bool BF16> struct Wgmma<32, BF16> {
   static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
     if constexpr (BF16)
@@ -679,12 +705,23 @@ struct WgArgs {
   const uint8_t *x;    /* staged activations (layout.h), tiles of MT tokens */
 };
 
+/*
+ * Shared memory of the wgmma kernel: a ring of NS stages of G chunks each, a stage holding
+ * per 128-row group the G chunks' weight tiles (G x 8 x 512 bytes, as layout.h has them for
+ * a full group) and scale atoms (G x 512), then the G chunks' staged activations. A stage is
+ * 2 x RWG + 1 bulk copies: few and large, since each copy costs the copy engine a fixed
+ * time (on the H200 a ring of 512-byte copies ran at ~75 ns per copy). G: the most chunks
+ * (1, 2 or 4) that keep a stage within 48 KB. The reduction tile reuses the ring.
+ */
 template <int MT, int RWG> struct WgSmem {
-  static constexpr int ROWS = 128 * RWG;                  /* weight rows per block */
-  static constexpr int W_BYTES = RWG * 8 * NVFP4_TILE_BYTES; /* 8 tiles per 128 rows */
-  static constexpr int SF_BYTES = RWG * NVFP4_SF_ATOM;
-  static constexpr int X_BYTES = MT * NVFP4_CHUNK_K * 2;
-  static constexpr int STAGE = W_BYTES + SF_BYTES + X_BYTES;
+  static constexpr int ROWS = 128 * RWG; /* weight rows per block */
+  static constexpr int CHUNK_BYTES = RWG * (8 * NVFP4_TILE_BYTES + NVFP4_SF_ATOM) + MT * NVFP4_CHUNK_K * 2;
+  static constexpr int G = 4 * CHUNK_BYTES <= 48 * 1024 ? 4 : 2 * CHUNK_BYTES <= 48 * 1024 ? 2 : 1;
+  static constexpr int W_GROUP = G * 8 * NVFP4_TILE_BYTES; /* one group's weights in a stage */
+  static constexpr int SF_GROUP = G * NVFP4_SF_ATOM;
+  static constexpr int X_CHUNK = MT * NVFP4_CHUNK_K * 2;
+  static constexpr int SF_OFF = RWG * W_GROUP, X_OFF = SF_OFF + RWG * SF_GROUP; /* weights at 0 */
+  static constexpr int STAGE = X_OFF + G * X_CHUNK;
   static constexpr int NS = (200 * 1024 / STAGE) < 8 ? (200 * 1024 / STAGE) : 8;
   static constexpr int RED_STRIDE = ROWS + 4; /* f32 words per token of the reduction tile */
   static constexpr int RED_BYTES = MT * RED_STRIDE * 4;
@@ -757,9 +794,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   const int split = (int)cluster.block_rank();
   const int per_split = (a.chunks + a.splits - 1) / a.splits;
   const int c_begin = min(a.chunks, split * per_split), c_end = min(a.chunks, c_begin + per_split);
-  const int stages = c_end - c_begin;
+  const int chunks = c_end - c_begin, stages = (chunks + L::G - 1) / L::G;
   const int rb = blockIdx.y, token_tile = blockIdx.x;
-  const int block_tiles = min(8 * RWG, a.w_tiles - rb * 8 * RWG);
   const int wg = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -774,24 +810,58 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); /* 128 x 40 + 256 x 232 <= 64 K */
     if (threadIdx.x == 0) {
-      const uint8_t *w_block = a.w + a.expert * a.w_expert_bytes + (long long)rb * 8 * RWG * a.chunks * NVFP4_TILE_BYTES;
-      const uint8_t *sf_block = a.sf + a.expert * a.sf_expert_bytes + (long long)rb * RWG * a.sf_atoms * NVFP4_SF_ATOM;
-      const uint8_t *x_tile = wa.x + (long long)token_tile * a.chunks * L::X_BYTES;
-      const int atoms = (block_tiles + 7) / 8;
-      const uint32_t bytes = (uint32_t)(block_tiles * NVFP4_TILE_BYTES + atoms * NVFP4_SF_ATOM + L::X_BYTES);
+      const uint8_t *x_tile = wa.x + (long long)token_tile * a.chunks * L::X_CHUNK;
+      /* The weights of the first NS stages go first: they do not depend on stage_x_kernel,
+       * which may still be running (programmatic dependent launch); then the activations. */
+      const int early = min(stages, L::NS);
       for (int s = 0; s < stages; ++s) {
-        const int slot = s % L::NS, c = c_begin + s;
+        if (s == early) {
+          asm volatile("griddepcontrol.wait;\n" ::: "memory");
+          for (int e = 0; e < early; ++e) {
+            const int c0 = c_begin + e * L::G, n = min(L::G, c_end - c0);
+            bulk_copy(smem + e * L::STAGE + L::X_OFF, x_tile + (long long)c0 * L::X_CHUNK, (uint32_t)(n * L::X_CHUNK),
+                      &full[e]);
+          }
+        }
+        const int slot = s % L::NS, c0 = c_begin + s * L::G, n = min(L::G, c_end - c0);
         if (s >= L::NS)
           mbar_wait(&empty[slot], (uint32_t)((s / L::NS - 1) & 1));
         unsigned char *st = smem + slot * L::STAGE;
+        uint32_t bytes = (uint32_t)(n * L::X_CHUNK);
+        for (int gi = 0; gi < RWG; ++gi) {
+          const int group = rb * RWG + gi, tiles = min(8, a.w_tiles - group * 8);
+          if (tiles > 0)
+            bytes += (uint32_t)(n * (tiles * NVFP4_TILE_BYTES + NVFP4_SF_ATOM));
+        }
         mbar_expect_tx(&full[slot], bytes);
-        for (int tile = 0; tile < block_tiles; ++tile)
-          bulk_copy(st + tile * NVFP4_TILE_BYTES, w_block + ((long long)tile * a.chunks + c) * NVFP4_TILE_BYTES,
-                    NVFP4_TILE_BYTES, &full[slot]);
-        for (int atom = 0; atom < atoms; ++atom)
-          bulk_copy(st + L::W_BYTES + atom * NVFP4_SF_ATOM,
-                    sf_block + ((long long)atom * a.sf_atoms + c) * NVFP4_SF_ATOM, NVFP4_SF_ATOM, &full[slot]);
-        bulk_copy(st + L::W_BYTES + L::SF_BYTES, x_tile + (long long)c * L::X_BYTES, L::X_BYTES, &full[slot]);
+        for (int gi = 0; gi < RWG; ++gi) {
+          const int group = rb * RWG + gi, tiles = min(8, a.w_tiles - group * 8);
+          if (tiles <= 0)
+            continue;
+          /* A full group's chunks are contiguous at 8 x 512 bytes a chunk, as in the stage. */
+          const uint8_t *w = a.w + a.expert * a.w_expert_bytes +
+                             nvfp4_w_tile_offset((long long)group * 8, c0, a.w_tiles, a.chunks);
+          unsigned char *dst = st + gi * L::W_GROUP;
+          if (tiles == 8)
+            bulk_copy(dst, w, (uint32_t)(n * 8 * NVFP4_TILE_BYTES), &full[slot]);
+          else
+            for (int c = 0; c < n; ++c)
+              bulk_copy(dst + c * 8 * NVFP4_TILE_BYTES, w + (long long)c * tiles * NVFP4_TILE_BYTES,
+                        (uint32_t)(tiles * NVFP4_TILE_BYTES), &full[slot]);
+          bulk_copy(st + L::SF_OFF + gi * L::SF_GROUP,
+                    a.sf + a.expert * a.sf_expert_bytes + ((long long)group * a.sf_atoms + c0) * NVFP4_SF_ATOM,
+                    (uint32_t)(n * NVFP4_SF_ATOM), &full[slot]);
+        }
+        if (s >= early)
+          bulk_copy(st + L::X_OFF, x_tile + (long long)c0 * L::X_CHUNK, (uint32_t)(n * L::X_CHUNK), &full[slot]);
+      }
+      if (stages == early) { /* all stages were early */
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+        for (int e = 0; e < early; ++e) {
+          const int c0 = c_begin + e * L::G, n = min(L::G, c_end - c0);
+          bulk_copy(smem + e * L::STAGE + L::X_OFF, x_tile + (long long)c0 * L::X_CHUNK, (uint32_t)(n * L::X_CHUNK),
+                    &full[e]);
+        }
       }
     }
     if (a.splits > 1) { /* the consumers' two cluster barriers */
@@ -803,8 +873,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
 
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int cwg = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  /* Tile (of the block's 8 * RWG) of MMA tile r of this warp, and its scales' lane offset in
-   * the atom: row 16 * tib + g at (r % 32) * 16 + ((r / 32) % 4) * 4 + column t. */
+  /* This warp's tile in each 128-row group (rows 16 tib .. of the group) and its scales'
+   * lane offset in the atom: row 16 tib + g at (r % 32) * 16 + ((r / 32) % 4) * 4 + column t. */
   const int tib = cwg * 4 + warp;
   const int sf_lane = (16 * (tib & 1) + g) * 16 + (tib >> 1) * 4 + t;
 
@@ -816,17 +886,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
       acc[r][i] = 0.0f;
   uint32_t frag[2][RWG][4][4];
 
-  /* Stage s: decode into fragment buffer B, issue the chunk's 4 x RWG wgmmas, then wait
-   * for the previous chunk's and free its stage. */
-  auto step = [&](int s, auto buf) {
+  /* Chunk i of the split (stage i / G, its chunk i % G): decode into fragment buffer B,
+   * issue 4 x RWG wgmmas, then wait for chunk i - 1's; at a stage's first chunk the
+   * previous stage is then read in full and goes back to the producer. */
+  auto step = [&](int i, auto buf) {
     constexpr int B = decltype(buf)::value;
-    const int slot = s % L::NS;
-    mbar_wait(&full[slot], (uint32_t)((s / L::NS) & 1));
+    const int stage = i / L::G, slot = stage % L::NS, ci = i % L::G;
+    if (ci == 0)
+      mbar_wait(&full[slot], (uint32_t)((stage / L::NS) & 1));
     const unsigned char *st = smem + slot * L::STAGE;
 #pragma unroll
     for (int r = 0; r < RWG; ++r) {
-      const uint4 q = *reinterpret_cast<const uint4 *>(st + (r * 8 + tib) * NVFP4_TILE_BYTES + lane * 16);
-      const unsigned char *sf = st + L::W_BYTES + r * NVFP4_SF_ATOM + sf_lane;
+      const uint4 q = *reinterpret_cast<const uint4 *>(st + r * L::W_GROUP +
+                                                       (ci * 8 + tib) * NVFP4_TILE_BYTES + lane * 16);
+      const unsigned char *sf = st + L::SF_OFF + r * L::SF_GROUP + ci * NVFP4_SF_ATOM + sf_lane;
       uint32_t s_lo, s_hi;
       block_scales<BF16>(sf[0], sf[128], s_lo, s_hi);
       dequant<BF16>(q.x, s_lo, s_hi, frag[B][r][0]);
@@ -834,7 +907,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
       dequant<BF16>(q.z, s_lo, s_hi, frag[B][r][2]);
       dequant<BF16>(q.w, s_lo, s_hi, frag[B][r][3]);
     }
-    const unsigned char *xs = st + L::W_BYTES + L::SF_BYTES;
+    const unsigned char *xs = st + L::X_OFF + ci * L::X_CHUNK;
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -845,16 +918,16 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     }
     wgmma_commit();
     wgmma_wait<1>();
-    if (s > 0 && lane == 0)
-      mbar_arrive(&empty[(s - 1) % L::NS]);
+    if (ci == 0 && stage > 0 && lane == 0)
+      mbar_arrive(&empty[(stage - 1) % L::NS]);
   };
-  int s = 0;
-  for (; s + 1 < stages; s += 2) {
-    step(s, std::integral_constant<int, 0>{});
-    step(s + 1, std::integral_constant<int, 1>{});
+  int i = 0;
+  for (; i + 1 < chunks; i += 2) {
+    step(i, std::integral_constant<int, 0>{});
+    step(i + 1, std::integral_constant<int, 1>{});
   }
-  if (s < stages)
-    step(s, std::integral_constant<int, 0>{});
+  if (i < chunks)
+    step(i, std::integral_constant<int, 0>{});
   wgmma_wait<0>();
 #pragma unroll
   for (int r = 0; r < RWG; ++r)
@@ -865,14 +938,14 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   float *red = reinterpret_cast<float *>(smem);
 #pragma unroll
   for (int r = 0; r < RWG; ++r) {
-    const int row = (r * 8 + tib) * 16 + g;
+    const int row = r * 128 + tib * 16 + g;
 #pragma unroll
-    for (int i = 0; i < MT / 8; ++i) {
-      const int tok = 8 * i + 2 * t;
-      red[tok * L::RED_STRIDE + row] = acc[r][4 * i];
-      red[(tok + 1) * L::RED_STRIDE + row] = acc[r][4 * i + 1];
-      red[tok * L::RED_STRIDE + row + 8] = acc[r][4 * i + 2];
-      red[(tok + 1) * L::RED_STRIDE + row + 8] = acc[r][4 * i + 3];
+    for (int n8 = 0; n8 < MT / 8; ++n8) {
+      const int tok = 8 * n8 + 2 * t;
+      red[tok * L::RED_STRIDE + row] = acc[r][4 * n8];
+      red[(tok + 1) * L::RED_STRIDE + row] = acc[r][4 * n8 + 1];
+      red[tok * L::RED_STRIDE + row + 8] = acc[r][4 * n8 + 2];
+      red[(tok + 1) * L::RED_STRIDE + row + 8] = acc[r][4 * n8 + 3];
     }
   }
   if (a.splits > 1)
@@ -911,6 +984,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
  */
 template <typename TI, typename TO>
 __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, long long items, TO *xs) {
+  /* The wgmma kernel after this one may start now: it waits for this grid before it reads xs. */
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
        i += (long long)gridDim.x * blockDim.x) {
     const int token = (int)(i % ((long long)nvfp4_round_up(m, mt))), c = (int)(i / nvfp4_round_up(m, mt));
@@ -975,19 +1050,23 @@ template <class S, typename TI> int resident_blocks() {
  * thread-block cluster along z. */
 template <typename Args>
 cudaError_t launch_cluster(void (*kernel)(const Args), const Args &args, int splits, dim3 grid, int threads,
-                           size_t smem, cudaStream_t stream) {
+                           size_t smem, cudaStream_t stream, bool early = false) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid.x, grid.y, (unsigned)splits);
   cfg.blockDim = dim3((unsigned)threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = (unsigned)splits;
+  /* early: may start before the previous kernel on the stream ends (it waits for it with
+   * griddepcontrol.wait before reading what that kernel writes). */
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = early ? 2 : 1;
   return cudaLaunchKernelEx(&cfg, kernel, args);
 }
 
@@ -1080,16 +1159,23 @@ cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t 
     configured = true;
   }
   return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16>, wa, wa.g.splits,
-                        dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, WgSmem<MT, RWG>::BYTES, st);
+                        dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, WgSmem<MT, RWG>::BYTES, st, true);
 }
 
 template <bool BF16>
 cudaError_t wgmma_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
                         cudaStream_t st) {
   if (plan.rows == 2)
-    return plan.tile_m == 64 ? launch_wgmma<64, 2, BF16>(wa, grid_x, grid_y, st)
-                             : launch_wgmma<128, 2, BF16>(wa, grid_x, grid_y, st);
+    switch (plan.tile_m) {
+    case 8: return launch_wgmma<8, 2, BF16>(wa, grid_x, grid_y, st);
+    case 16: return launch_wgmma<16, 2, BF16>(wa, grid_x, grid_y, st);
+    case 32: return launch_wgmma<32, 2, BF16>(wa, grid_x, grid_y, st);
+    case 64: return launch_wgmma<64, 2, BF16>(wa, grid_x, grid_y, st);
+    default: return launch_wgmma<128, 2, BF16>(wa, grid_x, grid_y, st);
+    }
   switch (plan.tile_m) {
+  case 8: return launch_wgmma<8, 1, BF16>(wa, grid_x, grid_y, st);
+  case 16: return launch_wgmma<16, 1, BF16>(wa, grid_x, grid_y, st);
   case 32: return launch_wgmma<32, 1, BF16>(wa, grid_x, grid_y, st);
   case 64: return launch_wgmma<64, 1, BF16>(wa, grid_x, grid_y, st);
   case 128: return launch_wgmma<128, 1, BF16>(wa, grid_x, grid_y, st);
@@ -1285,7 +1371,7 @@ __global__ void tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long 
     uint32_t word = 0;
     for (int slot = 0; slot < 8; ++slot) {
       int64_t r, kk;
-      nvfp4_w_source(i % per, slot, chunks, &r, &kk);
+      nvfp4_w_source(i % per, slot, rows, chunks, &r, &kk);
       if (r < rows && kk < k) {
         const unsigned byte = s[r * (k / 2) + kk / 2];
         word = nvfp4_w_put(word, slot, (kk & 1) ? byte >> 4 : byte & 0xf);

@@ -41,7 +41,7 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   const int64_t chunks = nvfp4_w_chunks(k);
   out->kernel = NVFP4_KERNEL_WGMMA;
   out->depth = out->unroll = 0;
-  if (tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256)
+  if (tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256)
     out->tile_m = tile_m;
   else
     out->tile_m = m <= 32 ? 32 : m <= 64 ? 64 : 128;
@@ -87,7 +87,7 @@ void nvfp4_tile_weights(const uint8_t *src, int64_t rows, int64_t k, uint8_t *ds
     uint32_t word = 0;
     for (int slot = 0; slot < 8; slot++) {
       int64_t r, kk;
-      nvfp4_w_source(w, slot, chunks, &r, &kk);
+      nvfp4_w_source(w, slot, rows, chunks, &r, &kk);
       if (r < rows && kk < k)
         word = nvfp4_w_put(word, slot, row_code(src + r * (k / 2), kk));
     }
@@ -102,7 +102,7 @@ void nvfp4_untile_weights(const uint8_t *src, int64_t rows, int64_t k, uint8_t *
     for (int64_t kk = 0; kk < k; kk++) {
       int slot;
       uint32_t word;
-      memcpy(&word, src + 4 * nvfp4_w_position(r, kk, chunks, &slot), 4);
+      memcpy(&word, src + 4 * nvfp4_w_position(r, kk, rows, chunks, &slot), 4);
       dst[r * (k / 2) + kk / 2] |= (uint8_t)(nvfp4_w_get(word, slot) << (4 * (kk & 1)));
     }
 }

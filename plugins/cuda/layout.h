@@ -17,8 +17,12 @@
  * Weights (packed e2m1, checkpoint [R, K/2], element 2i in the low nibble)
  * use "fragment tiles", the A-operand layout of mma.m16n8k16 with a K
  * permutation inside each 64-K chunk: rows padded to Rp = round_up(R, 16)
- * and K to Kp = round_up(K, 64) (zero codes), then for each 16-row tile
- * (outer) and 64-K chunk (inner) 512 bytes: 32 lanes x 16 bytes. Lane
+ * and K to Kp = round_up(K, 64) (zero codes), then 512 bytes (32 lanes x
+ * 16 bytes) for each 16-row tile and 64-K chunk, in groups of 8 tiles (128
+ * rows, one scale atom; the last group may have fewer, T): group outermost,
+ * then chunk, then the group's T tiles (nvfp4_w_tile_offset), so that one
+ * chunk of a group is T x 512 contiguous bytes and a run of chunks one
+ * contiguous copy (the wgmma kernel's bulk copies). Lane
  * l = 4g + t holds rows g and g + 8 of the tile at the 16 K of scale block
  * t of the chunk (k = 16t + 4j + e, j = 0..3, e = 0..3), as four 32-bit
  * words, word j for mma k-step j. A word holds the fragment's four register
@@ -104,24 +108,39 @@ NVFP4_INLINE void nvfp4_w_bits(int slot, int bits[4]) {
 /* The slot of element e (0..3) of row g + 8h in its word. */
 NVFP4_INLINE int nvfp4_w_slot(int e, int h) { return 2 * (h + 2 * (e >> 1)) + (e & 1); }
 
+/* Tiles of the 8-tile group that tile `tile` is in, of a matrix with `tiles` tiles. */
+NVFP4_INLINE int64_t nvfp4_w_group_tiles(int64_t tile, int64_t tiles) {
+  int64_t left = tiles - tile / 8 * 8;
+  return left < 8 ? left : 8;
+}
+
+/* Byte offset of the 512 bytes of (tile, chunk) in one expert's tiled weight of `tiles`
+ * tiles and `chunks` chunks. */
+NVFP4_INLINE int64_t nvfp4_w_tile_offset(int64_t tile, int64_t chunk, int64_t tiles, int64_t chunks) {
+  return ((tile / 8) * 8 * chunks + chunk * nvfp4_w_group_tiles(tile, tiles) + tile % 8) * NVFP4_TILE_BYTES;
+}
+
 /* The 32-bit word (index into one expert's tiled weight) and *slot that hold code (r, k)
- * of a matrix with `chunks` K chunks. */
-NVFP4_INLINE int64_t nvfp4_w_position(int64_t r, int64_t k, int64_t chunks, int *slot) {
+ * of a matrix of `rows` rows and `chunks` K chunks. */
+NVFP4_INLINE int64_t nvfp4_w_position(int64_t r, int64_t k, int64_t rows, int64_t chunks, int *slot) {
   int64_t tile = r / 16, chunk = k / 64;
   int g = (int)(r % 8), h = (int)((r % 16) / 8);
   int kk = (int)(k % 64), t = kk / 16, j = (kk % 16) / 4, e = kk % 4;
   *slot = nvfp4_w_slot(e, h);
-  return ((tile * chunks + chunk) * 32 + 4 * g + t) * 4 + j;
+  return nvfp4_w_tile_offset(tile, chunk, nvfp4_w_rows(rows) / 16, chunks) / 4 + (4 * g + t) * 4 + j;
 }
 
 /* The inverse: the code (r, k) that slot `slot` of word `word` holds (padding included:
  * r may be >= rows, k >= K). */
-NVFP4_INLINE void nvfp4_w_source(int64_t word, int slot, int64_t chunks, int64_t *r, int64_t *k) {
+NVFP4_INLINE void nvfp4_w_source(int64_t word, int slot, int64_t rows, int64_t chunks, int64_t *r,
+                                 int64_t *k) {
   int j = (int)(word % 4), lane = (int)((word / 4) % 32);
-  int64_t tile_chunk = word / 128;
+  int64_t unit = word / 128, group = unit / (8 * chunks), in_group = unit % (8 * chunks);
+  int64_t group_tiles = nvfp4_w_group_tiles(group * 8, nvfp4_w_rows(rows) / 16);
+  int64_t tile = group * 8 + in_group % group_tiles, chunk = in_group / group_tiles;
   int pair = slot / 2, h = pair & 1, e = 2 * (pair >> 1) + (slot & 1);
-  *r = (tile_chunk / chunks) * 16 + lane / 4 + 8 * h;
-  *k = (tile_chunk % chunks) * 64 + 16 * (lane % 4) + 4 * j + e;
+  *r = tile * 16 + lane / 4 + 8 * h;
+  *k = chunk * 64 + 16 * (lane % 4) + 4 * j + e;
 }
 
 /* Word with code (4 bits) stored in `slot` (whose bits must be clear). */
