@@ -314,8 +314,8 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           "\"rows\":%d,\"unroll\":%d,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,\"method\":\"graph\"}"
           "\n",
           (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
-          read_bytes / q_us / 1e6, s_us, kernel_name(plan.kernel), plan.tile_m,
-          plan.split_k, plan.rows, plan.unroll, err, 3 * kRuns, launches);
+          read_bytes / q_us / 1e6, s_us, kernel_name(plan.kernel), plan.tile_m, plan.split_k, plan.rows,
+          plan.unroll, err, 3 * kRuns, launches);
       fflush(stdout);
       if (!sweep)
         continue;
@@ -327,15 +327,16 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
         return time_us(stream, L.copies_q, qkeep_with(&tune), nullptr);
       };
       if (m <= 16) { /* the streaming kernel's shapes */
-        static const int rows[] = {1, 2, 4}, unrolls[] = {4, 8}, ssplits[] = {1, 2, 4, 8};
+        static const int rows[] = {1, 2, 4}, unrolls[] = {4, 8, 43}, ssplits[] = {1, 2, 4, 8};
         for (int rw : rows)
-          for (int un : unrolls)
+          for (int un : unrolls) /* 43: unroll 4, registers for 3 blocks per SM (depth 3) */
             for (int sk : ssplits) {
-              double e, us = measure({0, sk, 0, NVFP4_KERNEL_STREAM, rw, un}, &e);
+              const int dp = un == 43 ? 3 : 0, u = un == 43 ? 4 : un;
+              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"stream\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
-                     "\"rows\":%d,\"unroll\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
+                     "\"rows\":%d,\"unroll\":%d,\"depth\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
-                     (long long)m, (long long)n, (long long)k, rw, un, sk, us, p_us / us, ceiling / us, e);
+                     (long long)m, (long long)n, (long long)k, rw, u, dp, sk, us, p_us / us, ceiling / us, e);
               fflush(stdout);
             }
       }

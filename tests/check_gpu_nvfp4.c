@@ -247,20 +247,22 @@ START_TEST(agrees_with_reference) {
   static const char *const rows[] = {"1", "2", "4"}, *const unroll[] = {"4", "8"};
   static const int64_t few[] = {1, 6, 13};
   for (int a = 0; a < 3; a++)
-    for (int u = 0; u < 2; u++)
+    for (int u = 0; u < 3; u++) /* unroll 4, 8, and 4 with registers for 3 blocks per SM */
       for (int b = 0; b < 4; b++) {
         char what[96];
         configure("rows", rows[a]);
-        configure("unroll", unroll[u]);
+        configure("unroll", unroll[u % 2]);
+        configure("depth", u == 2 ? "3" : "auto");
         configure("split_k", split[b]);
-        snprintf(what, sizeof what, "%s stream rows %s unroll %s split_k %s", scheme, rows[a], unroll[u],
-                 split[b]);
+        snprintf(what, sizeof what, "%s stream rows %s unroll %s%s split_k %s", scheme, rows[a],
+                 unroll[u % 2], u == 2 ? " depth 3" : "", split[b]);
         for (size_t t = 0; t < sizeof few / sizeof few[0]; t++)
           assert_agrees(m, r, few[t], what);
       }
   configure("kernel", "auto");
   configure("rows", "auto");
   configure("unroll", "auto");
+  configure("depth", "auto");
   configure("split_k", "auto");
   qkeep_model_free(m);
   qkeep_model_free(r);

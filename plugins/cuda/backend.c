@@ -202,8 +202,10 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
       return c->host->set_error(QKEEP_E_CONFIG, "device = '%s': expected a CUDA device index", value);
     c->device = v;
   } else if (strcmp(key, "tile_m") == 0) {
-    if (!parse_int(value, 8, 256, true, &v) || (v && v != 8 && v != 16 && v != 32 && v != 64 && v != 128 && v != 256))
-      return c->host->set_error(QKEEP_E_CONFIG, "tile_m = '%s': expected auto, 8, 16, 32, 64, 128 or 256", value);
+    if (!parse_int(value, 8, 256, true, &v) ||
+        (v && v != 8 && v != 16 && v != 32 && v != 64 && v != 128 && v != 256))
+      return c->host->set_error(QKEEP_E_CONFIG, "tile_m = '%s': expected auto, 8, 16, 32, 64, 128 or 256",
+                                value);
     c->tuning.tile_m = v;
   } else if (strcmp(key, "split_k") == 0) {
     if (!parse_int(value, 1, 8, true, &v))

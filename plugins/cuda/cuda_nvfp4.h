@@ -76,7 +76,8 @@ enum nvfp4_kernel {
  * small value) keeps 3 stages of 2 chunks in flight for tile_m 8 and 16 and 2 above,
  * depth >= 6 (tile_m <= 16) or >= 4 (above) twice as many. The streaming kernel (auto for
  * m <= 16 unless tile_m is forced above 16): tile_m 8 or 16 follows m, split_k as above,
- * rows 1, 2 or 4 weight tiles of 16 rows per block, unroll 4 or 8 chunks loaded at once.
+ * rows 1, 2 or 4 weight tiles of 16 rows per block, unroll 4 or 8 chunks loaded at once,
+ * depth 3 (with unroll 4) registers capped for 3 blocks per SM instead of 2.
  * The wgmma kernel (auto for m > 16 on compute capability 9.0): tile_m 8, 16, 32, 64, 128 or 256
  * tokens per block, rows 1 or 2 64-row MMA tiles per consumer warpgroup (128 or 256 weight
  * rows per block; 2 needs tile_m <= 128), split_k as above; depth and unroll unused.
@@ -106,14 +107,16 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
                        struct nvfp4_tuning *out);
 
 #define NVFP4_WGMMA_SPLIT_CHUNKS 8 /* fewest 64-K chunks per split the wgmma plan makes */
+#define NVFP4_WGMMA_SPLIT_AUTO 2   /* largest K split the wgmma plan picks by itself */
 
 /*
  * The wgmma kernel's shape for m tokens of an [n, k] matrix on `sms` multiprocessors,
  * honouring the valid fields of `tune` (NULL: automatic); plain arithmetic, tested in CI.
- * One block per SM (its ring takes most of shared memory), so the plan aims at one wave:
- * tile_m the smallest of 32, 64, 128 that holds m (128 above); rows 2 where that still
- * leaves a block per SM; then a K split of sms / blocks, at most NVFP4_MAX_SPLIT and at
- * least NVFP4_WGMMA_SPLIT_CHUNKS chunks a split.
+ * One block per SM (its ring takes most of shared memory). From the H200 sweep
+ * (docs/PERFORMANCE.md): tile_m the smallest of 32, 64, 128 that holds m (128 above),
+ * halved where even a split in two would leave fewer than half the SMs a block; rows 1
+ * (256-row blocks never won); a K split of sms / blocks, at most 2 (4 and 8 lost to 2 in
+ * every shape measured) and at least NVFP4_WGMMA_SPLIT_CHUNKS chunks a split.
  */
 void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                       struct nvfp4_tuning *out);

@@ -18,7 +18,7 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
   const int64_t want = 3 * (int64_t)sms / 2;
   out->kernel = NVFP4_KERNEL_STREAM;
   out->tile_m = m <= 8 ? 8 : 16;
-  out->depth = 0;
+  out->depth = tune && tune->depth == 3 ? 3 : 0;
   if (rows == 1 || rows == 2 || rows == 4)
     out->rows = rows;
   else
@@ -41,23 +41,26 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   const int64_t chunks = nvfp4_w_chunks(k);
   out->kernel = NVFP4_KERNEL_WGMMA;
   out->depth = out->unroll = 0;
-  if (tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256)
+  out->rows = rows == 1 || rows == 2 ? rows : 1;
+  const int64_t row_blocks = (n + 128 * out->rows - 1) / (128 * out->rows);
+  if (tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256) {
     out->tile_m = tile_m;
-  else
+  } else {
     out->tile_m = m <= 32 ? 32 : m <= 64 ? 64 : 128;
-  const int64_t token_tiles = (m + out->tile_m - 1) / out->tile_m;
-  if (rows == 1 || rows == 2)
-    out->rows = rows;
-  else
-    out->rows = out->tile_m == 128 && token_tiles * ((n + 255) / 256) >= sms ? 2 : 1;
+    /* Too few blocks even split in two: half the token tile (the weights are read twice,
+     * at the same time, so mostly once from memory). */
+    if (out->tile_m > 32 &&
+        (m + out->tile_m - 1) / out->tile_m * row_blocks * NVFP4_WGMMA_SPLIT_AUTO < sms / 2)
+      out->tile_m /= 2;
+  }
   if (out->rows == 2 && out->tile_m > 128)
     out->tile_m = 128; /* 2 x 64 x 256 accumulators do not fit a thread's registers */
-  const int64_t blocks = (m + out->tile_m - 1) / out->tile_m * ((n + 128 * out->rows - 1) / (128 * out->rows));
+  const int64_t blocks = (m + out->tile_m - 1) / out->tile_m * row_blocks;
   if (split > 0)
     out->split_k = nvfp4_clamp(split, 1, nvfp4_clamp(chunks, 1, NVFP4_MAX_SPLIT));
   else
     out->split_k = nvfp4_clamp(sms / (blocks > 0 ? blocks : 1), 1,
-                               nvfp4_clamp(chunks / NVFP4_WGMMA_SPLIT_CHUNKS, 1, NVFP4_MAX_SPLIT));
+                               nvfp4_clamp(chunks / NVFP4_WGMMA_SPLIT_CHUNKS, 1, NVFP4_WGMMA_SPLIT_AUTO));
 }
 
 /* Element k of a row of packed e2m1 codes (element 2i in the low nibble). */
