@@ -2,9 +2,13 @@
  * kernels.cu: the cuda-nvfp4 kernels and their extern "C" launchers
  * (contracts in cuda_nvfp4.h, layouts in layout.h).
  *
- * The W4A16 GEMM (Hopper has no FP4 tensor cores): y^T = W x^T with the
- * weight as the A operand of mma.m16n8k16. A block covers 128 output rows
- * (8 fragment tiles, one 128x4 scale atom per 64-K chunk) and up to 64 tokens.
+ * The W4A16 GEMM (Hopper has no FP4 tensor cores), three kernels that read the
+ * same PWAL layout: the streaming kernel (m <= 16), the wgmma kernel (m > 16 on
+ * compute capability 9.0, sm_90a) and the mma.sync ring kernel (routed MoE, and
+ * any m on other GPUs); nvfp4_gemm_plan picks one per call. The ring kernel:
+ * y^T = W x^T with the weight as the A operand of mma.m16n8k16. A block
+ * covers 128 output rows (8 fragment tiles, one 128x4 scale atom per 64-K
+ * chunk) and up to 64 tokens.
  * cp.async fills a ring of shared-memory stages (weights in their tiled
  * layout, the scale atom, the activations) a few stages ahead; each warp
  * reads its lane's 16 bytes of weights per chunk, turns them into fragments
