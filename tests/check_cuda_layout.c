@@ -378,18 +378,18 @@ START_TEST(test_x_bijection) {
     free(seen);
   }
   /* By hand: token 9 of a 32-token tile, k = 64 + 16 * 3 + 4 * 2 + 2 * 1 + 1 = 123: chunk 1,
-   * row 9, unit (j 2, h 1) = 5 swizzled with 9 % 8 = 1 to 4, element 2 * 3 + 1. */
-  ck_assert_int_eq(nvfp4_x_offset(9, 123, 4, 32), 1 * 64 * 32 + 9 * 64 + 4 * 8 + 7);
+   * run (j 2, h 1) = 5, token group 1, row 1, element 2 * 3 + 1. */
+  ck_assert_int_eq(nvfp4_x_offset(9, 123, 4, 32), 1 * 64 * 32 + (5 * 4 + 1) * 64 + 1 * 8 + 7);
 }
 END_TEST
 
 /*
  * Emulates a consumer warpgroup of the wgmma kernel: warp w of the group takes tile 4i + w's
  * words as its A fragments (as emulate_gemm), the B operand of k-step j is read through the
- * descriptor the kernel builds, as the PTX ISA defines its 128-byte swizzle (start 32 j bytes
- * into the 1024-byte-aligned chunk block, 128 bytes a row, stride 1024 bytes between 8-row
- * groups, then address bits 4..6 XOR bits 7..9) from activations staged by nvfp4_x_source;
- * then m64nNk16's definition. Must reproduce x W^T exactly.
+ * descriptor the kernel builds (start 32 * mt bytes per step, leading byte offset 16 * mt
+ * between the step's two core matrices, stride 128 bytes between 8-token groups, 16 bytes a
+ * token in a core matrix) from activations staged by nvfp4_x_source; then m64nNk16's
+ * definition. Must reproduce x W^T exactly.
  */
 static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int mt,
                           double *y) {
@@ -400,14 +400,14 @@ static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const f
     nvfp4_x_source(off, chunks, mt, &token, &kk);
     staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
   }
-  const int64_t sbo = 1024; /* bytes; 2 per element */
+  const int64_t lbo = 16 * mt, sbo = 128; /* bytes; 2 per element */
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t group = 0; group * 4 < tiles; group++)
     for (int64_t tt = 0; tt * mt < m; tt++)
       for (int64_t c = 0; c < chunks; c++)
         for (int j = 0; j < 4; j++) {
           const float *stage = staged + (tt * chunks + c) * 64 * mt;
-          const int64_t start = j * 32;
+          const int64_t start = j * 32 * mt;
           for (int w = 0; w < 4 && group * 4 + w < tiles; w++) {
             int64_t tile = group * 4 + w;
             float a[16][16] = {{0}};
@@ -427,8 +427,7 @@ static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const f
               for (int row = 0; row < 16; row++) {
                 double acc = 0;
                 for (int col = 0; col < 16; col++) {
-                  int64_t byte = start + (n / 8) * sbo + (n % 8) * 128 + col * 2;
-                  byte ^= ((byte >> 7) & 7) << 4;
+                  int64_t byte = start + (col / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (col % 8) * 2;
                   acc += (double)a[row][col] * stage[byte / 2];
                 }
                 int64_t r = tile * 16 + row;

@@ -785,14 +785,12 @@ template <int MT, int RWG> struct WgSmem {
   static constexpr int W_GROUP = G * 8 * NVFP4_TILE_BYTES; /* one group's weights in a stage */
   static constexpr int SF_GROUP = G * NVFP4_SF_ATOM;
   static constexpr int X_CHUNK = MT * NVFP4_CHUNK_K * 2;
-  /* Weights at 0; the activations 1024-byte aligned, as their swizzle needs. */
-  static constexpr int SF_OFF = RWG * W_GROUP, X_OFF = (SF_OFF + RWG * SF_GROUP + 1023) / 1024 * 1024;
-  static constexpr int STAGE = (X_OFF + G * X_CHUNK + 1023) / 1024 * 1024;
+  static constexpr int SF_OFF = RWG * W_GROUP, X_OFF = SF_OFF + RWG * SF_GROUP; /* weights at 0 */
+  static constexpr int STAGE = X_OFF + G * X_CHUNK;
   static constexpr int NS = (200 * 1024 / STAGE) < 8 ? (200 * 1024 / STAGE) : 8;
   static constexpr int RED_STRIDE = ROWS + 4; /* f32 words per token of the reduction tile */
   static constexpr int RED_BYTES = MT * RED_STRIDE * 4;
-  /* + 1024: the ring starts at the first 1024-byte boundary of dynamic shared memory. */
-  static constexpr int BYTES = (NS * STAGE > RED_BYTES ? NS * STAGE : RED_BYTES) + 1024;
+  static constexpr int BYTES = NS * STAGE > RED_BYTES ? NS *STAGE : RED_BYTES;
   static_assert(NS >= 3, "at least three stages");
 };
 
@@ -829,13 +827,13 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
       : "memory");
 }
 
-/* The B descriptor of k-step j of a staged chunk at smem x (1024-byte aligned): 128-byte
- * swizzle, the step 32 j bytes into each 128-byte row, 8-row groups 1024 bytes apart
- * (layout.h); the leading byte offset is unused with this swizzle (the step's 16 K lie in
- * one row). */
-__device__ __forceinline__ uint64_t x_desc(const unsigned char *x, int j) {
-  const uint32_t addr = smem_addr(x) + 32 * j;
-  return (uint64_t)((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+/* The B descriptor of k-step j of a staged chunk at smem x: no swizzle, leading (K) byte
+ * offset 16 * MT between the step's two core matrices, stride 128 bytes between 8-token
+ * groups (layout.h). */
+template <int MT> __device__ __forceinline__ uint64_t x_desc(const unsigned char *x, int j) {
+  const uint32_t addr = smem_addr(x + j * 32 * MT);
+  return (uint64_t)((addr & 0x3ffff) >> 4) | ((uint64_t)((16 * MT) >> 4) << 16) |
+         ((uint64_t)(128 >> 4) << 32);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -858,9 +856,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgSmem<MT, RWG>;
   const GemmArgs &a = wa.g;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[L::NS], empty[L::NS];
-  unsigned char *const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
   cg::cluster_group cluster = cg::this_cluster();
   const int split = (int)cluster.block_rank();
@@ -985,7 +982,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint64_t desc = x_desc(xs, j);
+      const uint64_t desc = x_desc<MT>(xs, j);
 #pragma unroll
       for (int r = 0; r < RWG; ++r)
         Wgmma<MT, BF16>::run(acc[r], frag[B][r][j], desc);
@@ -1054,7 +1051,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
  * Stages x [m, k] for the wgmma kernel (layout.h): one thread per (token, 64-K chunk) reads
  * the token's 64 activations (zero past m and k), rounds f32 to bf16, and writes them as
  * the 8 runs of 8 that steps j = 0..3, h = 0..1 take: run (j, h) holds 32-bit pairs
- * 8p + 2j + h, p = 0..3, of the chunk, at its swizzled place in the token's row.
+ * 8p + 2j + h, p = 0..3, of the chunk.
  */
 template <typename TI, typename TO>
 __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, long long items, TO *xs) {
@@ -1085,15 +1082,14 @@ __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, lo
         w[4 * v + 3] = bits_of(__floats2bfloat162_rn(f1.z, f1.w));
       }
     }
-    /* The token's 128-byte row of the chunk; run (j, h) at unit (2j + h) ^ (token % 8)
-     * (nvfp4_x_offset). */
-    TO *row = xs + ((long long)(token / mt) * chunks + c) * NVFP4_CHUNK_K * mt + (token % mt) * NVFP4_CHUNK_K;
+    /* Element (token, 64c + 16p + 4j + 2h) heads run (j, h) at nvfp4_x_offset. */
+    TO *base = xs + nvfp4_x_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint4 run = make_uint4(w[2 * j + h], w[8 + 2 * j + h], w[16 + 2 * j + h], w[24 + 2 * j + h]);
-        *reinterpret_cast<uint4 *>(row + ((2 * j + h) ^ (token & 7)) * 8) = run;
+        *reinterpret_cast<uint4 *>(base + (2 * j + h) * 8 * mt) = run;
       }
   }
 }

@@ -191,18 +191,17 @@ NVFP4_INLINE uint32_t nvfp4_bf16x2_to_f16x2(uint32_t p) {
  * (per warp, wgmma's A fragment is mma.m16n8k16's), so the K permutation inside each
  * 64-K chunk carries over: logical column c = 8h + 2t + e' (h, e' in 0..1, t in 0..3) of
  * k-step j holds k = 16t + 4j + 2h + e' of the chunk. The B operand (activations) comes
- * from shared memory through a descriptor, in wgmma's 128-byte-swizzled K-major layout: a
- * token's 64 logical K of a chunk are one 128-byte row, k-step j its bytes 32j .. 32j + 31,
- * and 16-byte unit u of row n sits at unit u ^ (n % 8) (the swizzle, so that the tensor
- * cores read 8 rows without bank conflicts); 8-row groups are 1024 bytes apart (the
- * descriptor's stride byte offset). A launch first stages x [m, K] (16-bit) into that
- * order, zero past m and K, tokens in tiles of `mt` (a multiple of 8): per tile and 64-K
- * chunk one block of mt rows,
+ * from shared memory through a descriptor, in wgmma's no-swizzle K-major layout: core
+ * matrices of 8 tokens x 8 logical K (16 bytes a token, 128 bytes each). A launch first
+ * stages x [m, K] (16-bit) into that order, zero past m and K, tokens in tiles of `mt`
+ * (a multiple of 8): per tile and 64-K chunk one block of mt x 64 elements,
  *
- *   [token][unit (2j + h) ^ (token % 8)][2t + e'],
+ *   [j 4][h 2][token / 8][token % 8][2t + e'],
  *
- * so a stage of the kernel's ring is one contiguous block (one bulk copy), which must land
- * 1024-byte aligned.
+ * so k-step j of a chunk starts at element j * 16 * mt, its two core matrices along K are
+ * 8 * mt elements apart (the descriptor's leading byte offset, 16 * mt bytes) and 8-token
+ * groups 64 elements apart (its stride byte offset, 128 bytes). A stage of the kernel's
+ * ring is one contiguous block (one bulk copy).
  */
 
 /* Elements of the staged activations of m tokens x k (tiles of mt tokens). */
@@ -214,15 +213,16 @@ NVFP4_INLINE int64_t nvfp4_x_elems(int64_t m, int64_t k, int mt) {
 NVFP4_INLINE int64_t nvfp4_x_offset(int64_t token, int64_t k, int64_t chunks, int mt) {
   int64_t tile = token / mt, n = token % mt, chunk = k / 64;
   int kk = (int)(k % 64), t = kk / 16, j = (kk % 16) / 4, h = (kk % 4) / 2, e = kk % 2;
-  return (tile * chunks + chunk) * 64 * mt + n * 64 + ((2 * j + h) ^ (int)(n % 8)) * 8 + 2 * t + e;
+  return (tile * chunks + chunk) * 64 * mt + ((2 * j + h) * (mt / 8) + n / 8) * 64 + (n % 8) * 8 + 2 * t + e;
 }
 
 /* The inverse: the (token, k) that element `offset` holds (padding included). */
 NVFP4_INLINE void nvfp4_x_source(int64_t offset, int64_t chunks, int mt, int64_t *token, int64_t *k) {
   int64_t block = offset / (64 * mt), inner = offset % (64 * mt);
-  int n = (int)(inner / 64), q = (int)(inner % 8), u = (int)((inner % 64) / 8) ^ (n % 8);
+  int q = (int)(inner % 8), n8 = (int)((inner / 64) % (mt / 8)), jh = (int)(inner / (8 * mt));
+  int n = n8 * 8 + (int)((inner / 8) % 8);
   *token = (block / chunks) * mt + n;
-  *k = (block % chunks) * 64 + 16 * (q / 2) + 4 * (u / 2) + 2 * (u % 2) + q % 2;
+  *k = (block % chunks) * 64 + 16 * (q / 2) + 4 * (jh / 2) + 2 * (jh % 2) + q % 2;
 }
 
 #endif
