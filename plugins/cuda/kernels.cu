@@ -419,7 +419,8 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
  * through distributed shared memory, in a fixed order (the same bits every time). BPS is
  * the blocks per SM the registers are capped for: 1 for U = 8; 2, or 3 (depth 3: half as
  * many bytes in flight again per SM, if the compiler keeps the batch's loads together in
- * fewer registers) for U = 4.
+ * fewer registers) for U = 4. On the H200 3 gained at most 3% at m <= 4 and lost at m = 16
+ * (docs/PERFORMANCE.md), so the plan keeps 2.
  */
 constexpr int kStreamWarps = NVFP4_STREAM_WARPS;
 
