@@ -194,6 +194,22 @@ static bool parse_int(const char *s, int lo, int hi, bool allow_auto, int *out) 
   return true;
 }
 
+/* What `qkeep plugins --verbose` lists; the core checks names and values against it first. */
+static const struct qkeep_backend_key cuda_keys[] = {
+    {"device", QKEEP_KEY_INT, "0..1023", "0", "CUDA device index"},
+    {"kernel", QKEEP_KEY_ENUM, "auto|ring|stream|wgmma", "auto",
+     "auto: stream for M <= 16, wgmma above on compute capability 9.0, ring elsewhere"},
+    {"tile_m", QKEEP_KEY_ENUM, "auto|8|16|32|64|128|256", "auto",
+     "tokens per block: ring 8, 16, 32 or 64; wgmma 8 to 256"},
+    {"split_k", QKEEP_KEY_ENUM, "auto|1|2|3|4|5|6|7|8", "auto", "K split across a thread-block cluster"},
+    {"depth", QKEEP_KEY_ENUM, "auto|1|2|3|4|5|6|7|8", "auto",
+     "ring kernel: pipeline depth; stream kernel: 3 caps registers for 3 blocks per SM"},
+    {"rows", QKEEP_KEY_ENUM, "auto|1|2|4", "auto",
+     "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
+    {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
+    {"pwal", QKEEP_KEY_ENUM, "gpu|host", "gpu", "where the layout transforms run (host: their CPU twins)"},
+};
+
 static int cuda_configure(const struct qkeep_backend *be, const char *key, const char *value) {
   struct cuda_backend *c = backend_of(be);
   int v;
@@ -588,6 +604,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .layer_cleanup = cuda_layer_cleanup,
       .fini = cuda_fini,
       .supports_layer = cuda_supports_layer,
+      .keys = cuda_keys,
+      .n_keys = sizeof cuda_keys / sizeof cuda_keys[0],
+      .key_size = sizeof cuda_keys[0],
   };
   *out = &c->be;
   return 0;
