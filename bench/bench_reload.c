@@ -89,7 +89,7 @@ int main(int argc, char **argv) {
     qkeep_model *m;
     if (qkeep_model_new(plugin, &m) || qkeep_model_load(m, w0))
       return fail("loading W0");
-    double cold[64], reload[64], raw[64];
+    double cold[64], reload[64], raw[64], phase[4][64]; /* the reload's open, validate, read, PWAL */
     int64_t raw_bytes = 0, peak_extra = 0;
     for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
       qkeep_model *c;
@@ -104,6 +104,8 @@ int main(int argc, char **argv) {
       if (qkeep_model_reload(m, r % 2 ? w0 : w1, 0))
         return fail("reload");
       double t3 = tu_now();
+      struct qkeep_load_stats st = {.size = sizeof st};
+      qkeep_model_load_stats(m, &st);
       struct qkeep_memory_stats after = {.size = sizeof after};
       qkeep_model_memory(m, &after, false);
       int64_t extra = after.storage_peak - mem.storage_bytes + after.staging_peak;
@@ -116,6 +118,8 @@ int main(int argc, char **argv) {
         cold[r] = t1 - t0;
         reload[r] = t3 - t2;
         raw[r] = t_raw;
+        phase[0][r] = st.open_seconds, phase[1][r] = st.validate_seconds;
+        phase[2][r] = st.read_seconds, phase[3][r] = st.pwal_seconds;
       }
     }
     double mc = tu_median(cold, runs), mr = tu_median(reload, runs), mw = tu_median(raw, runs);
@@ -124,10 +128,12 @@ int main(int argc, char **argv) {
         "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"
         "\"cold_over_reload\":%.2f,\"reload_over_raw\":%.2f,\"peak_extra_bytes\":%lld,\"largest_layer_"
         "bytes\":%lld,"
-        "\"extra_over_largest_layer\":%.3f}\n",
+        "\"extra_over_largest_layer\":%.3f,\"reload_open_ms\":%.2f,\"reload_validate_ms\":%.2f,"
+        "\"reload_read_ms\":%.2f,\"reload_pwal_ms\":%.2f}\n",
         backend, schemes[si], layers, (long long)raw_bytes, runs, 1e3 * mc, 1e3 * mr, 1e3 * mw, mc / mr,
         mr / mw, (long long)peak_extra, (long long)largest_layer(m),
-        (double)peak_extra / (double)largest_layer(m));
+        (double)peak_extra / (double)largest_layer(m), 1e3 * tu_median(phase[0], runs),
+        1e3 * tu_median(phase[1], runs), 1e3 * tu_median(phase[2], runs), 1e3 * tu_median(phase[3], runs));
     fflush(stdout);
     qkeep_model_free(m);
     free(w0);

@@ -13,7 +13,10 @@
  * Layers are created in name order, so any sharding of the same tensors gives
  * the same model.
  */
+#include <assert.h>
 #include <ctype.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,8 +53,13 @@ struct assembly {
   bool *used;
   struct layer_spec *specs;
   size_t n_specs, cap_specs;
-  struct entry *kv;
+  struct entry *kv; /* sorted by attention block, then scale name */
   size_t n_kv;
+  struct name_index module_index;   /* modules[i].name -> i */
+  struct name_index kv_spec_index;  /* a SPEC_KV spec's name -> its position in specs */
+  struct name_index kv_group_index; /* "<block>.attn" -> position of the block's first kv entry */
+  char **kv_group_names;            /* the keys of kv_group_index (owned) */
+  size_t n_kv_groups;
 };
 
 static const char *const kv_names[5] = {"k_scale", "v_scale", "kv_scale", "q_scale", "prob_scale"};
@@ -72,6 +80,27 @@ static int by_prefix_then_local(const void *a, const void *b) {
   if (x->prefix_len != y->prefix_len)
     return x->prefix_len < y->prefix_len ? -1 : 1;
   return strcmp(x->local, y->local);
+}
+
+/* For the kv entries: by block and scale name, then by full name so that a duplicate reads the same way
+ * every run. */
+static int by_block_then_name(const void *a, const void *b) {
+  int c = by_prefix_then_local(a, b);
+  return c ? c : strcmp(((const struct entry *)a)->name, ((const struct entry *)b)->name);
+}
+
+/* A malloc'd formatted name, or NULL (with the error set) when out of memory. */
+static char *PRINTF_LIKE(1, 2) name_printf(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  char *s = NULL;
+  int n = vasprintf(&s, fmt, ap);
+  va_end(ap);
+  if (n < 0) {
+    set_error(QKEEP_E_NOMEM, "out of memory");
+    return NULL;
+  }
+  return s;
 }
 
 static const char *last_component(const char *name) {
@@ -95,13 +124,36 @@ static bool proj_is(const char *start, const char *end, const char *word) {
 /* The attention block a kv scale belongs to: <attn>.k_proj.k_scale and <attn>.k_scale both give <attn>. */
 static size_t attention_prefix_len(const char *name, size_t prefix_len) {
   static const char *const projections[] = {"q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"};
-  char module[512];
-  snprintf(module, sizeof module, "%.*s", (int)prefix_len, name);
-  const char *last = last_component(module);
-  for (size_t i = 0; i < 5; i++)
-    if (strcmp(last, projections[i]) == 0 && last != module)
-      return (size_t)(last - module) - 1;
+  size_t start = prefix_len; /* of the module's last component */
+  while (start > 0 && name[start - 1] != '.')
+    start--;
+  for (size_t i = 0; i < 5 && start > 0; i++)
+    if (prefix_len - start == strlen(projections[i]) &&
+        !strncmp(name + start, projections[i], prefix_len - start))
+      return start - 1;
   return prefix_len;
+}
+
+/* Sorts the kv entries by attention block and indexes each block's first entry under "<block>.attn". */
+static int index_kv_groups(struct assembly *a) {
+  if (a->n_kv > 1)
+    qsort(a->kv, a->n_kv, sizeof *a->kv, by_block_then_name);
+  if (a->n_kv && !(a->kv_group_names = calloc(a->n_kv, sizeof *a->kv_group_names)))
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t k = 0; k < a->n_kv; k++) {
+    const struct entry *e = &a->kv[k], *prev = k ? &a->kv[k - 1] : NULL;
+    if (prev && prev->prefix_len == e->prefix_len && !strncmp(prev->name, e->name, e->prefix_len))
+      continue;
+    char *name = name_printf("%.*s.attn", (int)e->prefix_len, e->name);
+    if (!name)
+      return QKEEP_E_NOMEM;
+    a->kv_group_names[a->n_kv_groups++] = name;
+    int rc = name_index_put(&a->kv_group_index, name, k, NULL);
+    assert(rc != QKEEP_E_EXISTS); /* sorted by block: each block starts once */
+    if (rc)
+      return rc;
+  }
+  return 0;
 }
 
 /* Splits names into entries (kv scales aside), sorts them and forms modules. */
@@ -157,14 +209,19 @@ static int build_modules(struct assembly *a) {
     i = j;
   }
   a->used = calloc(a->n_modules ? a->n_modules : 1, sizeof *a->used);
-  return a->used ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  if (!a->used)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = name_index_reserve(&a->module_index, a->n_modules);
+  for (size_t i = 0; i < a->n_modules && !rc; i++)
+    rc = name_index_put(&a->module_index, a->modules[i].name, i, NULL);
+  assert(rc != QKEEP_E_EXISTS); /* one module per distinct prefix */
+  return rc ? rc : index_kv_groups(a);
 }
 
+/* The module of that name, or NULL. */
 static struct module *find_module(const struct assembly *a, const char *name) {
-  for (size_t i = 0; i < a->n_modules; i++)
-    if (strcmp(a->modules[i].name, name) == 0)
-      return &a->modules[i];
-  return NULL;
+  size_t at;
+  return name_index_get(&a->module_index, name, &at) ? &a->modules[at] : NULL;
 }
 
 static struct layer_spec *new_spec(struct assembly *a, enum spec_kind kind, const char *name) {
@@ -241,7 +298,13 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
   const struct quant_config *qc = &module_qc;
   int64_t n, k, g;
   *out = NULL;
-  if (qc->method != QM_NONE && !quant_config_ignores(qc, layer_name) && !quant_config_ignores(qc, m->name)) {
+  bool ignored = false;
+  int ignore_rc = qc->method == QM_NONE ? 0 : quant_config_match_ignore(qc, layer_name, &ignored);
+  if (!ignore_rc && !ignored && qc->method != QM_NONE)
+    ignore_rc = quant_config_match_ignore(qc, m->name, &ignored);
+  if (ignore_rc)
+    return ignore_rc;
+  if (qc->method != QM_NONE && !ignored) {
     const struct scheme *sch = scheme_by_name(qc->scheme);
     if (!sch)
       return set_error(QKEEP_E_UNSUPPORTED, "%s: no scheme '%s'", a->ck->path, qc->scheme);
@@ -327,22 +390,26 @@ static int plan_moe(struct assembly *a) {
     int proj;
     if (a->used[i] || !parse_expert(a->modules[i].name, &plen, &e, &proj))
       continue;
-    char block[512];
-    snprintf(block, sizeof block, "%.*s", (int)plen, a->modules[i].name);
+    const char *first = a->modules[i].name;
     long experts = 0;
-    for (size_t j = i; j < a->n_modules; j++) { /* the block's modules share its prefix */
+    /* The block's modules all begin "<P>.experts.", so in name order they follow module i
+     * together (i is the first: an earlier one would have planned the block). */
+    for (size_t j = i; j < a->n_modules && strncmp(a->modules[j].name, first, plen + 1) == 0; j++) {
       size_t pl;
       long ej;
       int pj;
-      if (parse_expert(a->modules[j].name, &pl, &ej, &pj) && pl == plen &&
-          strncmp(a->modules[j].name, block, plen) == 0 && ej + 1 > experts)
+      if (parse_expert(a->modules[j].name, &pl, &ej, &pj) && pl == plen && ej + 1 > experts)
         experts = ej + 1;
     }
     if (experts > 4096)
-      return set_error(QKEEP_E_FORMAT, "%s: MoE block %s claims %ld experts", a->ck->path, block, experts);
-    struct layer_spec *s = new_spec(a, SPEC_MOE, block);
+      return set_error(QKEEP_E_FORMAT, "%s: MoE block %.*s claims %ld experts", a->ck->path, (int)plen, first,
+                       experts);
+    char *block_name = strndup(first, plen);
+    struct layer_spec *s = block_name ? new_spec(a, SPEC_MOE, block_name) : NULL;
+    free(block_name);
     if (!s)
-      return QKEEP_E_NOMEM;
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    const char *block = s->name;
     s->experts = (int)experts;
     s->modules = calloc((size_t)experts * 3, sizeof *s->modules);
     if (!s->modules)
@@ -350,11 +417,13 @@ static int plan_moe(struct assembly *a) {
     static const char *const roles[3][2] = {{"gate_proj", "w1"}, {"up_proj", "w3"}, {"down_proj", "w2"}};
     for (long x = 0; x < experts; x++)
       for (int r = 0; r < 3; r++) {
-        char name[600];
         struct module *m = NULL;
         for (int alt = 0; alt < 2 && !m; alt++) {
-          snprintf(name, sizeof name, "%s.%ld.%s", block, x, roles[r][alt]);
+          char *name = name_printf("%s.%ld.%s", block, x, roles[r][alt]);
+          if (!name)
+            return QKEEP_E_NOMEM;
           m = find_module(a, name);
+          free(name);
         }
         if (!m)
           return set_error(QKEEP_E_FORMAT, "%s: MoE block %s: expert %ld has no %s (experts 0..%ld expected)",
@@ -417,10 +486,12 @@ static int plan_fusion(struct assembly *a) {
       const struct module *mods[8];
       const struct scheme *sch = NULL;
       bool complete = true;
-      char name[600];
       for (int m = 0; m < rules[r].n_members && complete; m++) {
-        snprintf(name, sizeof name, "%.*s.%s", (int)parent_len, a->modules[i].name, rules[r].members[m]);
+        char *name = name_printf("%.*s.%s", (int)parent_len, a->modules[i].name, rules[r].members[m]);
+        if (!name)
+          return QKEEP_E_NOMEM;
         mods[m] = find_module(a, name);
+        free(name);
         const struct scheme *ms = NULL;
         int rc = mods[m] ? resolve_scheme(a, mods[m], mods[m]->name, &ms) : 0;
         if (rc)
@@ -431,8 +502,9 @@ static int plan_fusion(struct assembly *a) {
       }
       if (!complete)
         continue;
-      snprintf(name, sizeof name, "%.*s.%s", (int)parent_len, a->modules[i].name, rules[r].fused);
-      struct layer_spec *s = new_spec(a, SPEC_LINEAR, name);
+      char *name = name_printf("%.*s.%s", (int)parent_len, a->modules[i].name, rules[r].fused);
+      struct layer_spec *s = name ? new_spec(a, SPEC_LINEAR, name) : NULL;
+      free(name);
       if (!s || !(s->modules = calloc((size_t)rules[r].n_members, sizeof *s->modules)))
         return set_error(QKEEP_E_NOMEM, "out of memory");
       s->sch = sch;
@@ -474,7 +546,6 @@ static int plan_rest(struct assembly *a) {
 /* One kv-scales layer per attention block: blocks with q/k/v projections or scale tensors. */
 static int plan_kv(struct assembly *a) {
   static const char *const attention_members[] = {"q_proj", "k_proj", "v_proj", "qkv_proj"};
-  char name[600];
   for (size_t i = 0; i < a->n_modules + a->n_kv; i++) {
     size_t plen;
     const char *base;
@@ -491,23 +562,29 @@ static int plan_kv(struct assembly *a) {
       base = a->kv[i - a->n_modules].name;
       plen = a->kv[i - a->n_modules].prefix_len;
     }
-    snprintf(name, sizeof name, "%.*s.attn", (int)plen, base);
-    bool seen = false;
-    for (size_t s = 0; s < a->n_specs && !seen; s++)
-      seen = a->specs[s].kind == SPEC_KV && strcmp(a->specs[s].name, name) == 0;
-    if (seen)
-      continue;
-    struct layer_spec *s = new_spec(a, SPEC_KV, name);
-    if (!s)
+    char *name = name_printf("%.*s.attn", (int)plen, base);
+    size_t first;
+    if (!name)
       return QKEEP_E_NOMEM;
-    for (size_t k = 0; k < a->n_kv; k++)
-      if (a->kv[k].prefix_len == plen && strncmp(a->kv[k].name, base, plen) == 0) {
-        int idx = kv_index(a->kv[k].local);
-        if (s->kv[idx])
-          return set_error(QKEEP_E_FORMAT, "%s: attention block %.*s has two %s tensors ('%s', '%s')",
-                           a->ck->path, (int)plen, base, kv_names[idx], s->kv[idx]->t->name, a->kv[k].name);
-        s->kv[idx] = a->kv[k].t;
-      }
+    if (name_index_get(&a->kv_spec_index, name, &first)) {
+      free(name);
+      continue;
+    }
+    struct layer_spec *s = new_spec(a, SPEC_KV, name);
+    free(name);
+    int rc = s ? name_index_put(&a->kv_spec_index, s->name, (size_t)(s - a->specs), NULL) : QKEEP_E_NOMEM;
+    if (rc)
+      return rc;
+    bool scales = name_index_get(&a->kv_group_index, s->name, &first);
+    for (size_t k = first; scales && k < a->n_kv; k++) {
+      if (a->kv[k].prefix_len != plen || strncmp(a->kv[k].name, base, plen) != 0)
+        break; /* the block's entries are contiguous (index_kv_groups sorted them) */
+      int idx = kv_index(a->kv[k].local);
+      if (s->kv[idx])
+        return set_error(QKEEP_E_FORMAT, "%s: attention block %.*s has two %s tensors ('%s', '%s')",
+                         a->ck->path, (int)plen, base, kv_names[idx], s->kv[idx]->t->name, a->kv[k].name);
+      s->kv[idx] = a->kv[k].t;
+    }
   }
   return 0;
 }
@@ -666,6 +743,12 @@ static void assembly_free(struct assembly *a) {
   free(a->entries);
   free(a->kv);
   free(a->used);
+  name_index_clear(&a->module_index);
+  name_index_clear(&a->kv_spec_index);
+  name_index_clear(&a->kv_group_index);
+  for (size_t i = 0; i < a->n_kv_groups; i++)
+    free(a->kv_group_names[i]);
+  free(a->kv_group_names);
 }
 
 int assemble_model(qkeep_model *model, const struct ckpt *ck) {

@@ -27,8 +27,8 @@
 
 /* config.json and hf_quant_config.json are a few KiB; 16 MiB is far past any real one. */
 #define CONFIG_MAX_BYTES ((size_t)16 << 20)
-/* An index lists every tensor (about 100 bytes each): 64 MiB covers over half a million. */
-#define INDEX_MAX_BYTES ((size_t)64 << 20)
+/* An index lists every tensor (about 100 bytes each): 256 MiB covers over two million. */
+#define INDEX_MAX_BYTES ((size_t)256 << 20)
 
 /* ---- files --------------------------------------------------------------------------- */
 
@@ -147,10 +147,6 @@ static int by_tensor_name(const void *a, const void *b) {
   return strcmp(((const struct ckpt_tensor *)a)->t->name, ((const struct ckpt_tensor *)b)->t->name);
 }
 
-static int name_vs_tensor(const void *key, const void *elem) {
-  return strcmp(key, ((const struct ckpt_tensor *)elem)->t->name);
-}
-
 static int by_string(const void *a, const void *b) {
   return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
@@ -185,20 +181,37 @@ static int open_single(struct ckpt *c, const char *path) {
 
 /* ---- the sharded index ------------------------------------------------------------------ */
 
-/* What an index says, borrowed from its JSON root. */
+/*
+ * What an index says. Its weight_map is read member by member (json_scan.c),
+ * never as one tree: names without escapes are used in place, cut out of the
+ * file's text by a NUL over their closing quote.
+ */
 struct index {
   const char *path;
-  const json_t *weight_map;
+  char *text; /* the file */
+  struct mapped {
+    const char *tensor, *shard;
+  } * map; /* weight_map, in file order */
+  size_t n_map, cap_map;
+  struct name_index by_tensor; /* map[i].tensor -> i */
+  char **owned;                /* decoded strings that held escapes */
+  size_t n_owned, cap_owned;
   const char **shards; /* distinct shard names, sorted (as c->files) */
   size_t n_shards;
 };
 
+static void index_free(struct index *ix) {
+  free(ix->text);
+  free(ix->map);
+  name_index_clear(&ix->by_tensor);
+  for (size_t i = 0; i < ix->n_owned; i++)
+    free(ix->owned[i]);
+  free(ix->owned);
+  free(ix->shards);
+}
+
 /* A shard name must be a plain file in the checkpoint's directory, nothing that escapes it. */
-static int check_shard_name(const struct index *ix, const char *tensor, const json_t *v) {
-  if (!json_is_string(v))
-    return set_error(QKEEP_E_FORMAT, "%s: weight_map entry for tensor '%s' is not a string", ix->path,
-                     tensor);
-  const char *shard = json_string_value(v);
+static int check_shard_name(const struct index *ix, const char *tensor, const char *shard) {
   if (!shard[0] || strchr(shard, '/') || strstr(shard, ".."))
     return set_error(
         QKEEP_E_FORMAT,
@@ -208,42 +221,141 @@ static int check_shard_name(const struct index *ix, const char *tensor, const js
   return 0;
 }
 
-/* Parses the index and collects its distinct shard names; *root is the caller's to json_decref. */
-static int read_index(struct index *ix, json_t **root) {
-  char *text;
-  int rc = read_text(ix->path, INDEX_MAX_BYTES, false, &text);
-  if (rc != 0)
-    return rc;
+/* The string at text[at, at + n) (quotes included): in place when it has no escapes, else decoded. */
+static int index_string(struct index *ix, const struct json_scan *s, size_t at, size_t n, bool escaped,
+                        const char **out) {
+  if (!escaped) {
+    ix->text[at + n - 1] = '\0'; /* over the closing quote, behind the scan */
+    *out = ix->text + at + 1;
+    return 0;
+  }
+  char *decoded;
+  int rc = grow_array((void **)&ix->owned, &ix->cap_owned, ix->n_owned + 1, sizeof *ix->owned);
+  if (!rc)
+    rc = json_scan_string(s, at, n, true, &decoded);
+  if (!rc)
+    *out = ix->owned[ix->n_owned++] = decoded;
+  return rc;
+}
+
+/* The members of weight_map: tensor -> shard, each tensor once, each shard a plain file name. */
+static int read_weight_map(struct index *ix, struct json_scan *s) {
+  struct json_member m = {.more = true};
+  int rc = json_scan_open(s);
+  while (!rc && !(rc = json_scan_member(s, &m)) && m.more) {
+    const char *tensor = NULL, *shard = NULL;
+    if ((rc = json_scan_value(s, &m)) != 0 ||
+        (rc = index_string(ix, s, m.key_at, m.key_len, m.key_escaped, &tensor)) != 0)
+      break;
+    if (s->text[m.value_at] != '"') {
+      json_t *v;
+      if ((rc = json_scan_parse(s, m.value_at, m.value_len, &v)) == 0)
+        rc = set_error(QKEEP_E_FORMAT, "%s: weight_map entry for tensor '%s' is not a string", ix->path,
+                       tensor);
+      json_decref(v);
+      break;
+    }
+    if ((rc = index_string(ix, s, m.value_at, m.value_len, m.value_escaped, &shard)) != 0 ||
+        (rc = check_shard_name(ix, tensor, shard)) != 0 ||
+        (rc = grow_array((void **)&ix->map, &ix->cap_map, ix->n_map + 1, sizeof *ix->map)) != 0)
+      break;
+    if ((rc = name_index_put(&ix->by_tensor, tensor, ix->n_map, NULL)) == QKEEP_E_EXISTS) {
+      char *why = NULL;
+      rc = asprintf(&why, "duplicate object key '%s' in weight_map", tensor) < 0
+               ? set_error(QKEEP_E_NOMEM, "out of memory")
+               : json_scan_error(s, m.key_at, why);
+      free(why);
+    }
+    if (!rc)
+      ix->map[ix->n_map++] = (struct mapped){tensor, shard};
+  }
+  return rc;
+}
+
+/* A top-level member other than weight_map must still be valid JSON, and metadata an object (or null). */
+static int read_other_member(const struct index *ix, const struct json_scan *s, const struct json_member *m,
+                             const char *key) {
+  json_t *v;
+  int rc = json_scan_parse(s, m->value_at, m->value_len, &v);
+  if (!rc && strcmp(key, "metadata") == 0 && !json_is_object(v) && !json_is_null(v))
+    rc = set_error(QKEEP_E_FORMAT, "%s: metadata is not an object", ix->path);
+  json_decref(v);
+  return rc;
+}
+
+/* The top level: weight_map (an object), metadata and any other keys once each. */
+static int read_top_level(struct index *ix, struct json_scan *s) {
+  struct json_member m = {.more = true};
+  struct name_index keys = {0};
+  char **names = NULL;
+  size_t n_names = 0, cap_names = 0;
+  bool have_map = false;
+  int rc = json_scan_open(s);
+  while (!rc && !(rc = json_scan_member(s, &m)) && m.more) {
+    char *key = NULL;
+    if ((rc = grow_array((void **)&names, &cap_names, n_names + 1, sizeof *names)) != 0 ||
+        (rc = json_scan_string(s, m.key_at, m.key_len, m.key_escaped, &key)) != 0)
+      break;
+    names[n_names++] = key;
+    if ((rc = name_index_put(&keys, key, 0, NULL)) == QKEEP_E_EXISTS) {
+      rc = json_scan_error(s, m.key_at, "duplicate object key at the top level");
+      break;
+    }
+    if (!rc && strcmp(key, "weight_map") == 0 && s->text[m.value_at] == '{') {
+      have_map = true;
+      rc = read_weight_map(ix, s);
+    } else if (!rc) {
+      if (!(rc = json_scan_value(s, &m)))
+        rc = read_other_member(ix, s, &m, key);
+      if (!rc && strcmp(key, "weight_map") == 0)
+        rc = set_error(QKEEP_E_FORMAT, "%s: weight_map is not an object", ix->path);
+    }
+  }
+  if (!rc)
+    rc = json_scan_end(s);
+  if (!rc && !have_map)
+    rc = set_error(QKEEP_E_FORMAT, "%s: no weight_map", ix->path);
+  if (!rc && ix->n_map == 0)
+    rc = set_error(QKEEP_E_FORMAT, "%s: weight_map is empty", ix->path);
+  name_index_clear(&keys);
+  for (size_t i = 0; i < n_names; i++)
+    free(names[i]);
+  free(names);
+  return rc;
+}
+
+/* A text that does not begin with '{' (after spaces): invalid JSON, or JSON that is not an object. */
+static int not_an_object(const struct index *ix) {
   json_error_t jerr;
-  /* Duplicate keys would let one tensor silently name two shards. */
-  *root = json_loads(text, JSON_REJECT_DUPLICATES, &jerr);
-  free(text);
-  if (!*root)
+  json_t *root = json_loads(ix->text, JSON_DECODE_ANY, &jerr);
+  if (!root)
     return set_error(QKEEP_E_FORMAT, "%s: invalid JSON at line %d, column %d: %s", ix->path, jerr.line,
                      jerr.column, jerr.text);
-  if (!json_is_object(*root))
-    return set_error(QKEEP_E_FORMAT, "%s: the top level is not an object", ix->path);
-  const json_t *meta = json_object_get(*root, "metadata");
-  if (meta && !json_is_object(meta) && !json_is_null(meta))
-    return set_error(QKEEP_E_FORMAT, "%s: metadata is not an object", ix->path);
-  ix->weight_map = json_object_get(*root, "weight_map");
-  if (!ix->weight_map)
-    return set_error(QKEEP_E_FORMAT, "%s: no weight_map", ix->path);
-  if (!json_is_object(ix->weight_map))
-    return set_error(QKEEP_E_FORMAT, "%s: weight_map is not an object", ix->path);
-  size_t n = json_object_size(ix->weight_map);
-  if (n == 0)
-    return set_error(QKEEP_E_FORMAT, "%s: weight_map is empty", ix->path);
+  json_decref(root);
+  return set_error(QKEEP_E_FORMAT, "%s: the top level is not an object", ix->path);
+}
 
-  if (!(ix->shards = malloc(n * sizeof *ix->shards)))
+/* Reads the index and collects its distinct shard names. */
+static int read_index(struct index *ix) {
+  int rc = read_text(ix->path, INDEX_MAX_BYTES, false, &ix->text);
+  if (rc != 0)
+    return rc;
+  size_t len = strlen(ix->text), start = strspn(ix->text, " \t\n\r");
+  if (start == len || ix->text[start] != '{')
+    return not_an_object(ix);
+  char *what = NULL;
+  if (asprintf(&what, "%s: invalid JSON", ix->path) < 0)
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
-  const char *tensor;
-  json_t *v;
-  json_object_foreach((json_t *)ix->weight_map, tensor, v) {
-    if ((rc = check_shard_name(ix, tensor, v)) != 0)
-      return rc;
-    ix->shards[ix->n_shards++] = json_string_value(v);
-  }
+  struct json_scan s = {.text = ix->text, .len = len, .pos = start, .what = what};
+  rc = read_top_level(ix, &s);
+  free(what);
+  if (rc != 0)
+    return rc;
+
+  if (!(ix->shards = malloc(ix->n_map * sizeof *ix->shards)))
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
+  for (size_t i = 0; i < ix->n_map; i++)
+    ix->shards[ix->n_shards++] = ix->map[i].shard;
   qsort(ix->shards, ix->n_shards, sizeof *ix->shards, by_string);
   size_t distinct = 0;
   for (size_t i = 0; i < ix->n_shards; i++)
@@ -283,48 +395,48 @@ static size_t shard_index(const struct index *ix, const char *shard) {
  * its own shard. Together these make the table a bijection with the map.
  */
 static int build_table(struct ckpt *c, const struct index *ix) {
-  const char *tensor;
-  json_t *v;
-  json_object_foreach((json_t *)ix->weight_map, tensor, v) {
-    const char *shard = json_string_value(v);
-    if (!st_find(c->files[shard_index(ix, shard)], tensor))
+  for (size_t i = 0; i < ix->n_map; i++) {
+    const struct mapped *e = &ix->map[i];
+    if (!st_find(c->files[shard_index(ix, e->shard)], e->tensor))
       return set_error(QKEEP_E_FORMAT,
                        "%s: weight_map puts tensor '%s' in shard '%s', which does not contain it", ix->path,
-                       tensor, shard);
+                       e->tensor, e->shard);
   }
-  size_t total = json_object_size(ix->weight_map);
+  size_t total = ix->n_map;
   if (!(c->tensors = calloc(total, sizeof *c->tensors)))
     return set_error(QKEEP_E_NOMEM, "%s: out of memory for %zu tensors", ix->path, total);
   for (size_t i = 0; i < c->n_files; i++) {
     const struct st_file *f = c->files[i];
     for (size_t j = 0; j < f->n_tensors; j++) {
       const struct st_tensor *t = &f->tensors[j];
-      const json_t *mapped = json_object_get(ix->weight_map, t->name);
-      if (!mapped)
+      size_t at;
+      if (!name_index_get(&ix->by_tensor, t->name, &at))
         return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' of shard '%s' is missing from the weight_map",
                          ix->path, t->name, ix->shards[i]);
-      if (strcmp(json_string_value(mapped), ix->shards[i]) != 0)
+      if (strcmp(ix->map[at].shard, ix->shards[i]) != 0)
         return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is in two shards, '%s' (as mapped) and '%s'",
-                         ix->path, t->name, json_string_value(mapped), ix->shards[i]);
+                         ix->path, t->name, ix->map[at].shard, ix->shards[i]);
       assert(c->n_tensors < total);
       c->tensors[c->n_tensors++] = (struct ckpt_tensor){.t = t, .file = f};
     }
   }
   assert(c->n_tensors == total);
   qsort(c->tensors, c->n_tensors, sizeof *c->tensors, by_tensor_name);
-  return 0;
+  int rc = name_index_reserve(&c->index, c->n_tensors);
+  for (size_t i = 0; i < c->n_tensors && !rc; i++)
+    rc = name_index_put(&c->index, c->tensors[i].t->name, i, NULL);
+  assert(rc != QKEEP_E_EXISTS); /* each tensor is in one shard, checked above */
+  return rc ? add_error_context(rc, "%s", ix->path) : 0;
 }
 
 static int open_index(struct ckpt *c, const char *index_path) {
   struct index ix = {.path = index_path};
-  json_t *root = NULL;
-  int rc = read_index(&ix, &root);
+  int rc = read_index(&ix);
   if (rc == 0)
     rc = open_shards(c, &ix);
   if (rc == 0)
     rc = build_table(c, &ix);
-  free(ix.shards);
-  json_decref(root);
+  index_free(&ix);
   return rc;
 }
 
@@ -487,17 +599,27 @@ void ckpt_close(struct ckpt *c) {
     st_close(c->files[i]);
   free(c->files);
   free(c->tensors);
+  name_index_clear(&c->index);
   quant_config_free(&c->qc);
   free(c->path);
   free(c->dir);
   free(c);
 }
 
-/* The tensor of that full name, or NULL; a binary search of the sorted table. */
+/*
+ * The tensor of that full name, or NULL. One file: its own index, whose
+ * positions are the table's (open_single copies the file's sorted table in
+ * order); sharded: the checkpoint's index.
+ */
 const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name) {
   if (!c || !name || c->n_tensors == 0)
     return NULL;
-  return bsearch(name, c->tensors, c->n_tensors, sizeof *c->tensors, name_vs_tensor);
+  size_t at;
+  if (c->n_files == 1) {
+    const struct st_tensor *t = st_find(c->files[0], name);
+    return t ? &c->tensors[t - c->files[0]->tensors] : NULL;
+  }
+  return name_index_get(&c->index, name, &at) ? &c->tensors[at] : NULL;
 }
 
 /* Reads one tensor's bytes with pread; QKEEP_E_IO names the shard and tensor when the file changed. */
@@ -505,4 +627,30 @@ int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst) {
   assert(c && t);
   (void)c;
   return st_read(t->file, t->t, dst);
+}
+
+/* One shard's part of a batch at a time (a batch is one layer's tensors: one shard, or a few). */
+int ckpt_read_many(const struct ckpt *c, const struct ckpt_tensor *const *ts, void *const *dsts, size_t n) {
+  assert(c);
+  (void)c;
+  const struct st_tensor **part = malloc((n ? n : 1) * sizeof *part);
+  void **part_dst = malloc((n ? n : 1) * sizeof *part_dst);
+  bool *done = calloc(n ? n : 1, sizeof *done);
+  int rc = part && part_dst && done ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n && !rc; i++) {
+    if (done[i])
+      continue;
+    size_t m = 0;
+    for (size_t j = i; j < n; j++)
+      if (!done[j] && ts[j]->file == ts[i]->file) {
+        part[m] = ts[j]->t;
+        part_dst[m++] = dsts[j];
+        done[j] = true;
+      }
+    rc = st_read_many(ts[i]->file, part, part_dst, m);
+  }
+  free(part);
+  free(part_dst);
+  free(done);
+  return rc;
 }

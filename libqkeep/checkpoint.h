@@ -24,6 +24,8 @@ enum quant_method {
   QM_CT_INT4,        /* compressed-tensors pack-quantized, 4-bit int weights (W4A16, W4A8) */
 };
 
+struct ignore_matcher;
+
 struct quant_config {
   enum quant_method method;
   const char *scheme;     /* "modelopt-nvfp4", "ct-nvfp4", "mxfp4", "w8a8-int8", "gptq-int4", "awq-int4",
@@ -38,13 +40,14 @@ struct quant_config {
   bool input_sym;         /* int8 activations symmetric (else an input_zero_point) */
   bool kv_cache_fp8;      /* the checkpoint carries (or expects) k/v scales */
   bool tie_word_embeddings;
-  char **ignore; /* modules left unquantized: exact names, or "re:REGEX" */
+  char **ignore; /* modules left unquantized: exact names, globs, or "re:REGEX" */
   size_t n_ignore;
   struct gptq_rule *dynamic; /* GPTQModel's per-module rules, in the config's order */
   size_t n_dynamic;
   bool mixed;       /* ModelOpt MIXED_PRECISION: only the modules `quantized` names are quantized */
   char **quantized; /* its quantized_layers (all NVFP4), names matched as plain ignore entries are */
   size_t n_quantized;
+  struct ignore_matcher *matcher; /* the ignore entries compiled for matching (ignore.c); NULL when none */
 };
 
 /* One GPTQ `dynamic` rule: "-:REGEX" excludes matching modules, "+:REGEX" (or a bare REGEX)
@@ -70,6 +73,7 @@ struct ckpt {
   size_t n_files;
   struct ckpt_tensor *tensors; /* every tensor once, sorted by name */
   size_t n_tensors;
+  struct name_index index; /* tensors[i] by name, for a sharded checkpoint (one file: its own index) */
   struct quant_config qc;
 };
 
@@ -89,9 +93,12 @@ struct ckpt {
  */
 int ckpt_open(const char *path, struct ckpt **out);
 void ckpt_close(struct ckpt *c);
+/* The tensor of that full name, or NULL; O(1) expected. */
 const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name);
 /* Reads a tensor's bytes (t->nbytes of them) into dst. */
 int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
+/* Reads n tensors, ts[i]'s bytes into dsts[i], batched per shard (st_read_many). */
+int ckpt_read_many(const struct ckpt *c, const struct ckpt_tensor *const *ts, void *const *dsts, size_t n);
 
 /* Parses a quantization config: config.json's text (may be NULL) and hf_quant_config.json's
  * (may be NULL). `where` is the directory holding both, so errors read WHERE/config.json
@@ -108,17 +115,39 @@ void quant_config_free(struct quant_config *qc);
  */
 int quant_config_parse_standalone(const char *text, const char *where, const char *file,
                                   struct quant_config *qc);
-/* True when the module (a layer name such as "model.layers.0.mlp.down_proj" or "lm_head")
- * is left unquantized: a GPTQ `dynamic` "-:" rule matches it first, a MIXED_PRECISION
- * config's quantized_layers do not name it (or a parent, at dot boundaries), or it is in the
- * ignore list: an entry matches at dot boundaries the module, a suffix of it
- * ("lm_head" ignores "model.lm_head"), a parent ("model.layers.0.mlp" ignores its
- * down_proj) or a parent's suffix; "re:REGEX" (POSIX extended) matches the whole name or a
- * parent's; an entry with *, ? or [ is a glob (fnmatch). */
+/*
+ * Sets *ignored when the module (a layer name such as "model.layers.0.mlp.down_proj" or
+ * "lm_head") is left unquantized: a GPTQ `dynamic` "-:" rule matches it first, a
+ * MIXED_PRECISION config's quantized_layers do not name it (or a parent, at dot boundaries),
+ * or it is in the ignore list: a plain entry matches at dot boundaries the module, a suffix of
+ * it ("lm_head" ignores "model.lm_head"), a parent ("model.layers.0.mlp" ignores its
+ * down_proj) or a parent's suffix (one hash lookup per run of components, whatever the list's
+ * length); "re:REGEX" matches as compressed-tensors' Python re.match does, anchored at the
+ * start of the module name but not at its end (PCRE2 syntax); an entry with *, ? or [ is a
+ * glob (fnmatch) on the module or a parent, in full. A regex that exceeds PCRE2's match limit
+ * (catastrophic backtracking) is QKEEP_E_FORMAT naming the file, key, entry and module, within
+ * milliseconds; QKEEP_E_NOMEM. Not for concurrent use with ignore_add.
+ */
+int quant_config_match_ignore(const struct quant_config *qc, const char *module, bool *ignored);
+/* quant_config_match_ignore's answer, with an error counted as not ignored (tests, fuzzing). */
 bool quant_config_ignores(const struct quant_config *qc, const char *module);
 /* The config a module loads with: *qc with the first GPTQ `dynamic` "+:" rule that matches
  * the module applied (group size, sym, desc_act); *qc itself when none does. out shares qc's
  * lists (do not free it). A "-:" match is an ignore (quant_config_ignores). */
 void quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out);
+
+/*
+ * Adds one entry to qc's ignore list (copied) unless it is already there, and
+ * compiles it for matching; `where` ("FILE: KEY.PATH") is kept for match-time
+ * errors. A "re:" entry that does not compile is QKEEP_E_FORMAT with PCRE2's
+ * reason in `why` and no error detail set (the caller names the key); nothing
+ * is added then. QKEEP_E_NOMEM. ignore_matcher_free (through
+ * quant_config_free) frees what it compiled.
+ */
+int ignore_add(struct quant_config *qc, size_t *cap, const char *entry, const char *where, char *why,
+               size_t why_len);
+void ignore_matcher_free(struct ignore_matcher *m);
+/* The ignore list alone (no GPTQ or MIXED_PRECISION rule): quant_config_match_ignore's last step. */
+int ignore_list_match(const struct quant_config *qc, const char *module, bool *ignored);
 
 #endif

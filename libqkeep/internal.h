@@ -51,6 +51,72 @@ const char *json_kind(const void *json_value);
 /* "[3, 4]" into buf; returns buf. */
 const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len);
 
+/* ---- name index (name_index.c) ------------------------------------------------------ */
+
+/*
+ * A hash table from a name to a value below 2^32 (a position in the caller's
+ * array), O(1) expected per operation. Names are borrowed, not copied: each
+ * must stay valid and unchanged while the index holds it (the malloc'd name of
+ * an entry, which stays put when the caller's array of entries grows). A
+ * zero-initialised struct is an empty index; name_index_clear frees it.
+ */
+struct name_slot {
+  const char *name; /* NULL: empty */
+  uint32_t hash;
+  uint32_t value;
+};
+struct name_index {
+  struct name_slot *slots;
+  size_t cap, count;
+};
+/* Adds name -> value. A name already present keeps its value, which goes to *existing
+ * (when non-NULL), and QKEEP_E_EXISTS is returned without an error detail (the caller sets
+ * one that says what the name is); QKEEP_E_NOMEM with a detail. */
+int name_index_put(struct name_index *ix, const char *name, size_t value, size_t *existing);
+/* Adds name -> value, or gives a name already present this value instead. */
+int name_index_set(struct name_index *ix, const char *name, size_t value);
+/* Makes room for n names without growing again. */
+int name_index_reserve(struct name_index *ix, size_t n);
+/* The value of the first len bytes of name (no NUL needed there), or false. */
+bool name_index_find(const struct name_index *ix, const char *name, size_t len, size_t *value);
+/* The value of a NUL-terminated name, or false. */
+bool name_index_get(const struct name_index *ix, const char *name, size_t *value);
+/* Frees the table; the index is empty (and reusable) afterwards. */
+void name_index_clear(struct name_index *ix);
+
+/* ---- large JSON objects, one member at a time (json_scan.c) ------------------------ */
+
+/*
+ * A scan over a JSON object's members: json_scan_open, then json_scan_member
+ * for each (stops with more false at the closing brace) with json_scan_value
+ * to step over its value, then json_scan_end. Values (and keys with escapes)
+ * are parsed by jansson one at a time with json_scan_parse / json_scan_string.
+ * Errors are QKEEP_E_FORMAT "WHAT: WHY (line L, column C)".
+ */
+struct json_scan {
+  const char *text;
+  size_t len, pos;
+  const char *what; /* the message prefix, e.g. "PATH: header is not valid JSON" */
+  bool first;
+};
+struct json_member {
+  bool more;              /* false: the object ended */
+  size_t key_at, key_len; /* the key's text, quotes included */
+  bool key_escaped;
+  size_t value_at, value_len; /* set by json_scan_value */
+  bool value_escaped;         /* a string value (or one inside it) holds a backslash */
+};
+int json_scan_open(struct json_scan *s);
+int json_scan_member(struct json_scan *s, struct json_member *m);
+int json_scan_value(struct json_scan *s, struct json_member *m);
+int json_scan_end(struct json_scan *s);
+/* jansson's parse of text[at, at + n) (a json_t *, the caller's); its errors placed in the whole text. */
+struct json_t;
+int json_scan_parse(const struct json_scan *s, size_t at, size_t n, struct json_t **out);
+/* The JSON string at text[at, at + n) (quotes included), decoded, malloc'd. */
+int json_scan_string(const struct json_scan *s, size_t at, size_t n, bool escaped, char **out);
+int json_scan_error(const struct json_scan *s, size_t at, const char *why);
+
 /* ---- devices and storage (storage.c) ------------------------------------------- */
 
 /* Bytes held in storages (params, buffers, result tensors) and host staging. */
@@ -183,7 +249,8 @@ struct qkeep_layer {
   size_t n_buffers, cap_buffers;
   struct name_entry *names; /* registration table */
   size_t n_names, cap_names;
-  struct source *sources; /* checkpoint tensors that load into this layer */
+  struct name_index name_index; /* names[i].name -> i */
+  struct source *sources;       /* checkpoint tensors that load into this layer */
   size_t n_sources, cap_sources;
 
   void *state; /* the backend's, freed by its layer_cleanup */
@@ -213,6 +280,12 @@ struct owner {
   size_t layers;   /* layers it owns (for reports) */
 };
 
+/* Where a checkpoint name loads: layer and position in its sources. */
+struct source_ref {
+  qkeep_layer *layer;
+  size_t source;
+};
+
 struct qkeep_model {
   struct owner *owners; /* the chain, in order; never resized */
   size_t n_owners;
@@ -230,9 +303,17 @@ struct qkeep_model {
   bool planning; /* assembling a checkpoint: params are planned, not allocated, until chain_assign */
   qkeep_layer **layers;
   size_t n_layers, cap_layers;
+  struct name_index layer_index; /* layer name -> position in layers */
+  /* Every checkpoint name -> its first source in layer order (what qkeep_model_lookup finds). */
+  struct name_index source_index; /* checkpoint name -> position in source_refs */
+  struct source_ref *source_refs;
+  size_t n_source_refs, cap_source_refs;
 };
 
+/* The entry registered under name, or NULL; O(1) expected. */
 struct name_entry *layer_find_name(const qkeep_layer *layer, const char *name);
+/* The first source (in layer order) that loads checkpoint tensor `name`, or NULL; O(1) expected. */
+const struct source_ref *model_find_source(const qkeep_model *model, const char *name);
 /* Registers name for a param or buffer (exactly one non-NULL). */
 int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, struct buffer *buffer);
 /* Records that checkpoint tensor `checkpoint_name` loads into param at dst_offset (contiguous). */
@@ -271,6 +352,7 @@ struct st_file {
   uint64_t header_len;
   size_t n_tensors;
   struct st_tensor *tensors; /* sorted by name */
+  struct name_index index;   /* tensors[i].name -> i */
   size_t n_metadata;
   char **metadata_keys; /* __metadata__, in header order */
   char **metadata_values;
@@ -285,7 +367,7 @@ struct st_file {
  */
 int st_open(const char *path, struct st_file **out);
 void st_close(struct st_file *f);
-/* The tensor of that name, or NULL. */
+/* The tensor of that name, or NULL; O(1) expected. */
 const struct st_tensor *st_find(const struct st_file *f, const char *name);
 /* Metadata value for key, or NULL. */
 const char *st_metadata(const struct st_file *f, const char *key);
@@ -295,6 +377,12 @@ const char *st_metadata(const struct st_file *f, const char *key);
  * never a signal.
  */
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
+/*
+ * Reads n tensors of f (tensors[i]'s bytes into dsts[i]), each run of tensors
+ * that lie back to back in the file with one preadv; the errors are st_read's.
+ */
+int st_read_many(const struct st_file *f, const struct st_tensor *const *tensors, void *const *dsts,
+                 size_t n);
 
 /* Builds a safetensors file in memory, then writes it. */
 struct st_writer;
@@ -393,6 +481,8 @@ struct provider {
   /* Every tensor name, for checking that the provider holds nothing the model lacks. */
   size_t (*count)(const struct provider *p);
   const char *(*name_at)(const struct provider *p, size_t i);
+  /* (optional) Copies n tensors into host memory, ts[i] to dsts[i], in one batch. */
+  int (*read_many)(const struct provider *p, const struct provided *ts, size_t n, void *const *dsts);
 };
 
 /* A provider over an open checkpoint. */

@@ -40,6 +40,10 @@ int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind 
   layer->dims.kind = kind;
   layer->dims.shards = 1;
   layer->first_dtype = -1;
+  if ((rc = name_index_put(&model->layer_index, layer->name, model->n_layers, NULL)) != 0) {
+    layer_destroy(layer);
+    return rc;
+  }
   model->layers[model->n_layers++] = layer;
   if (out)
     *out = layer;
@@ -68,10 +72,8 @@ int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info
 }
 
 struct name_entry *layer_find_name(const qkeep_layer *layer, const char *name) {
-  for (size_t i = 0; i < layer->n_names; i++)
-    if (strcmp(layer->names[i].name, name) == 0)
-      return &layer->names[i];
-  return NULL;
+  size_t i;
+  return name_index_get(&layer->name_index, name, &i) ? &layer->names[i] : NULL;
 }
 
 int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, struct buffer *buffer) {
@@ -85,6 +87,10 @@ int layer_register(qkeep_layer *layer, const char *name, qkeep_param *param, str
   char *copy = xstrdup(name);
   if (!copy)
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  if ((rc = name_index_put(&layer->name_index, copy, layer->n_names, NULL)) != 0) {
+    free(copy);
+    return rc;
+  }
   layer->names[layer->n_names++] = (struct name_entry){copy, param, buffer};
   return 0;
 }
@@ -135,6 +141,40 @@ int param_allocate(qkeep_param *p) {
   return storage_new(layer_device(p->layer), p->create_bytes, &p->view.storage);
 }
 
+/* The layer's position in its model. */
+static size_t layer_position(const qkeep_layer *layer) {
+  size_t at = 0;
+  bool found = name_index_get(&layer->model->layer_index, layer->name, &at);
+  assert(found && layer->model->layers[at] == layer);
+  (void)found;
+  return at;
+}
+
+/*
+ * Records that the layer's next source (not yet appended, at n_sources) loads the
+ * checkpoint tensor `name` (the source's own copy, which the index borrows). A name
+ * that loads into several places (one kv_scale feeding k_scale and v_scale) resolves to
+ * its first source in layer order, as a scan of the layers would find it.
+ */
+static int index_source(qkeep_layer *layer, const char *name) {
+  qkeep_model *m = layer->model;
+  int rc =
+      grow_array((void **)&m->source_refs, &m->cap_source_refs, m->n_source_refs + 1, sizeof *m->source_refs);
+  if (rc)
+    return rc;
+  size_t ref = m->n_source_refs, existing;
+  rc = name_index_put(&m->source_index, name, ref, &existing);
+  if (rc == QKEEP_E_EXISTS) {
+    if (layer_position(m->source_refs[existing].layer) <= layer_position(layer))
+      return 0; /* an earlier source (same or earlier layer) keeps the name */
+    rc = name_index_set(&m->source_index, name, ref);
+  }
+  if (rc)
+    return rc;
+  m->source_refs[m->n_source_refs++] = (struct source_ref){layer, layer->n_sources};
+  return 0;
+}
+
 int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                              size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
                              bool compare_only, const struct qkeep_spec *spec) {
@@ -151,6 +191,10 @@ int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qk
   char *copy = xstrdup(checkpoint_name);
   if (!copy)
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  if ((rc = index_source(layer, copy)) != 0) {
+    free(copy);
+    return rc;
+  }
   layer->sources[layer->n_sources++] =
       (struct source){copy, param, dst_offset, rows, row_bytes, dst_stride, compare_only, *spec, false};
   return 0;
@@ -204,6 +248,7 @@ void layer_destroy(qkeep_layer *layer) {
     free(layer->sources[i].checkpoint_name);
   free(layer->params);
   free(layer->buffers);
+  name_index_clear(&layer->name_index);
   free(layer->names);
   free(layer->sources);
   free(layer->name);

@@ -61,8 +61,19 @@ static const char *ck_name_at(const struct provider *p, size_t i) {
   return ((const struct ckpt *)p->ctx)->tensors[i].t->name;
 }
 
+static int ck_read_many(const struct provider *p, const struct provided *ts, size_t n, void *const *dsts) {
+  const struct ckpt_tensor **cts = malloc((n ? n : 1) * sizeof *cts);
+  if (!cts)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n; i++)
+    cts[i] = ts[i].handle;
+  int rc = ckpt_read_many(p->ctx, cts, dsts, n);
+  free(cts);
+  return rc;
+}
+
 void ckpt_provider(struct provider *p, const struct ckpt *ck) {
-  *p = (struct provider){ck->path, ck, ck_find, ck_read, NULL, NULL, ck_count, ck_name_at};
+  *p = (struct provider){ck->path, ck, ck_find, ck_read, NULL, NULL, ck_count, ck_name_at, ck_read_many};
 }
 
 int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
@@ -144,15 +155,51 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
   return 0;
 }
 
+/* True when the source's bytes can go from the provider's file straight into its param: host memory,
+ * one contiguous run, written (not compared), and no copy of them in memory already. */
+static bool reads_direct(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         const struct provided *t) {
+  return pv->read_many && layer_device(layer)->ops == host_device()->ops && src->rows == 1 &&
+         !src->compare_only && !(pv->device_bytes && pv->device_bytes(pv, t)) &&
+         !(pv->host_bytes && pv->host_bytes(pv, t));
+}
+
+/*
+ * Reads every source that can land straight in its param as one batch
+ * (pv->read_many: runs of adjacent tensors in one syscall each), marking them
+ * loaded; the rest are left to load_source.
+ */
+static int load_direct(qkeep_layer *layer, const struct provider *pv) {
+  size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
+  struct provided *ts = malloc(count * sizeof *ts);
+  void **dsts = malloc(count * sizeof *dsts);
+  size_t *which = malloc(count * sizeof *which);
+  int rc = ts && dsts && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    struct source *src = &layer->sources[i];
+    if ((rc = check_source(layer, pv, src, &ts[n])) == 0 && reads_direct(layer, pv, src, &ts[n])) {
+      dsts[n] = (char *)src->param->view.storage->data + src->dst_offset;
+      which[n++] = i;
+    }
+  }
+  if (!rc)
+    rc = pv->read_many(pv, ts, n, dsts);
+  for (size_t k = 0; k < n && !rc; k++)
+    layer->sources[which[k]].loaded = true;
+  free(ts);
+  free(dsts);
+  free(which);
+  return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
+}
+
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   for (size_t i = 0; i < layer->n_sources; i++)
     layer->sources[i].loaded = false;
-  for (size_t i = 0; i < layer->n_sources; i++) {
-    int rc = load_source(layer, pv, &layer->sources[i], st);
-    if (rc)
-      return rc;
-  }
-  return 0;
+  int rc = pv->read_many && layer_device(layer)->ops == host_device()->ops ? load_direct(layer, pv) : 0;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++)
+    if (!layer->sources[i].loaded)
+      rc = load_source(layer, pv, &layer->sources[i], st);
+  return rc;
 }
 
 /* Why the element is not a valid scale, or NULL. */
@@ -285,7 +332,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
       add_error_context(rc, "%s", ck->path); /* every load error names the checkpoint */
     model_clear(model);                      /* nothing half-loaded stays behind */
   } else {
-    model->stats = (struct qkeep_load_stats){sizeof model->stats, t1 - t0, t_read, t_pwal, 0};
+    model->stats = (struct qkeep_load_stats){sizeof model->stats, t1 - t0, t_read, t_pwal, 0, 0};
     for (size_t f = 0; f < ck->n_files; f++)
       model->stats.checkpoint_bytes += (int64_t)ck->files[f]->file_size;
   }

@@ -92,6 +92,11 @@ void model_clear(qkeep_model *model) {
   model->n_layers = model->cap_layers = 0;
   for (size_t i = 0; i < model->n_owners; i++)
     model->owners[i].layers = 0;
+  name_index_clear(&model->layer_index);
+  name_index_clear(&model->source_index);
+  free(model->source_refs);
+  model->source_refs = NULL;
+  model->n_source_refs = model->cap_source_refs = 0;
 }
 
 static void free_fusion(qkeep_model *model) {
@@ -215,12 +220,15 @@ qkeep_layer *qkeep_model_layer(const qkeep_model *model, size_t index) {
 }
 
 qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name) {
-  if (!model || !name)
+  size_t at;
+  if (!model || !name || !name_index_get(&model->layer_index, name, &at))
     return NULL;
-  for (size_t i = 0; i < model->n_layers; i++)
-    if (strcmp(model->layers[i]->name, name) == 0)
-      return model->layers[i];
-  return NULL;
+  return model->layers[at];
+}
+
+const struct source_ref *model_find_source(const qkeep_model *model, const char *name) {
+  size_t at;
+  return name_index_get(&model->source_index, name, &at) ? &model->source_refs[at] : NULL;
 }
 
 const char *qkeep_layer_backend(const qkeep_layer *layer) {
@@ -247,16 +255,12 @@ qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint
                                 qkeep_layer **layer_out) {
   if (!model || !checkpoint_name)
     return NULL;
-  for (size_t l = 0; l < model->n_layers; l++) {
-    qkeep_layer *layer = model->layers[l];
-    for (size_t i = 0; i < layer->n_sources; i++)
-      if (strcmp(layer->sources[i].checkpoint_name, checkpoint_name) == 0) {
-        if (layer_out)
-          *layer_out = layer;
-        return layer->sources[i].param;
-      }
-  }
-  return NULL;
+  const struct source_ref *ref = model_find_source(model, checkpoint_name);
+  if (!ref)
+    return NULL;
+  if (layer_out)
+    *layer_out = ref->layer;
+  return ref->layer->sources[ref->source].param;
 }
 
 /* Moves x to the device, runs the backend's kernel, and brings y back. */

@@ -196,10 +196,11 @@ QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);
 /* Where a cold start spent its time, and how many checkpoint bytes it read. */
 struct qkeep_load_stats {
   size_t size;
-  double open_seconds; /* opening the checkpoint and creating every layer and param */
+  double open_seconds; /* opening the checkpoint and creating every layer and param (a reload: opening W1) */
   double read_seconds; /* streaming tensors into params */
   double pwal_seconds; /* scheme normalisation and the backend's PWAL */
   int64_t checkpoint_bytes;
+  double validate_seconds; /* a reload: checking all of W1 before anything changes (0 for a load) */
 };
 /* The stats of the model's last successful load. */
 QKEEP_API int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *out);
@@ -223,12 +224,13 @@ QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
  */
 QKEEP_API int qkeep_model_set_fusion(qkeep_model *model, const char *spec);
 /* The param a full checkpoint name loads into (and its layer), or NULL: after PWAL every
- * checkpoint name still resolves to the same object. */
+ * checkpoint name still resolves to the same object. A name that loads into two places
+ * resolves to the first in layer order. O(1) expected (a hash of every checkpoint name). */
 QKEEP_API qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint_name,
                                           qkeep_layer **layer);
 
 /* Layers in model order (name order for a loaded checkpoint); NULL past the end or for an
- * unknown name. Layers belong to the model. */
+ * unknown name (found by hash, O(1) expected). Layers belong to the model. */
 QKEEP_API size_t qkeep_model_layer_count(const qkeep_model *model);
 QKEEP_API qkeep_layer *qkeep_model_layer(const qkeep_model *model, size_t index);
 QKEEP_API qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name);

@@ -12,7 +12,6 @@
  * quantization_config.group_size is a string, expected an integer".
  */
 #include <assert.h>
-#include <fnmatch.h>
 #include <jansson.h>
 #include <regex.h>
 #include <stdarg.h>
@@ -123,26 +122,10 @@ static int parse_object(const char *file, const char *text, json_t **out) {
 
 static bool has_prefix(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
 
-/* Compiles a "re:" entry anchored at both ends, so that it must match a name in full. */
-static int compile_anchored(const char *pattern, regex_t *re) {
-  size_t n = strlen(pattern) + 5;
-  char *anchored = malloc(n);
-  if (!anchored)
-    return REG_ESPACE;
-  snprintf(anchored, n, "^(%s)$", pattern);
-  int rc = regcomp(re, anchored, REG_EXTENDED | REG_NOSUB);
-  free(anchored);
-  return rc;
-}
-
-/* Only globs need fnmatch: module names never contain these characters. */
-static bool is_glob(const char *entry) { return strpbrk(entry, "*?[") != NULL; }
-
 /*
  * Appends the module names of obj[key] (an array of strings) to the ignore
- * list, skipping ones already there: ModelOpt repeats its exclude_modules in
- * both files, and the union is what both mean. Regexes are compiled once here
- * so that a broken one fails at open, not silently at match time.
+ * list (ignore.c), skipping ones already there. Regexes are compiled here so
+ * that a broken one fails at open, not silently at match time.
  */
 static int add_ignores(struct quant_config *qc, size_t *cap, const struct origin *o, const json_t *obj,
                        const char *key) {
@@ -151,35 +134,29 @@ static int add_ignores(struct quant_config *qc, size_t *cap, const struct origin
     return 0;
   if (!json_is_array(list))
     return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected an array of module names", json_kind(list));
+  struct sub_origin where;
+  descend(&where, o, key);
+  char *where_text = NULL;
+  if (asprintf(&where_text, "%s: %s", o->file, where.path) < 0)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", o->file);
   size_t i;
   json_t *item;
+  int rc = 0;
   json_array_foreach(list, i, item) {
-    if (!json_is_string(item))
-      return key_error(QKEEP_E_FORMAT, o, key, "entry %zu is %s, expected a string", i, json_kind(item));
-    const char *name = json_string_value(item);
-    if (has_prefix(name, "re:")) {
-      regex_t re;
-      int err = compile_anchored(name + 3, &re);
-      if (err != 0) {
-        char why[256];
-        regerror(err, NULL, why, sizeof why);
-        return key_error(QKEEP_E_FORMAT, o, key, "entry '%s' is not a POSIX extended regex: %s", name, why);
-      }
-      regfree(&re);
+    if (!json_is_string(item)) {
+      rc = key_error(QKEEP_E_FORMAT, o, key, "entry %zu is %s, expected a string", i, json_kind(item));
+      break;
     }
-    bool seen = false;
-    for (size_t j = 0; j < qc->n_ignore && !seen; j++)
-      seen = strcmp(qc->ignore[j], name) == 0;
-    if (seen)
-      continue;
-    int rc = grow_array((void **)&qc->ignore, cap, qc->n_ignore + 1, sizeof *qc->ignore);
-    if (rc != 0)
-      return rc;
-    if (!(qc->ignore[qc->n_ignore] = xstrdup(name)))
-      return set_error(QKEEP_E_NOMEM, "%s: out of memory", o->file);
-    qc->n_ignore++;
+    char why[512];
+    const char *name = json_string_value(item);
+    rc = ignore_add(qc, cap, name, where_text, why, sizeof why);
+    if (rc == QKEEP_E_FORMAT)
+      rc = key_error(rc, o, key, "entry '%s' is not a valid regular expression: %s", name, why);
+    if (rc)
+      break;
   }
-  return 0;
+  free(where_text);
+  return rc;
 }
 
 /*
@@ -201,64 +178,31 @@ static bool plain_match(const char *entry, const char *module) {
   return false;
 }
 
-/* Calls test on the module's name and on each parent's ("a.b.c", "a.b", "a"). */
-static bool match_self_or_parent(const char *module, bool (*test)(const void *arg, const char *name),
-                                 const void *arg) {
-  char *name = xstrdup(module);
-  if (!name)
-    return false;
-  bool hit = test(arg, name);
-  for (size_t i = strlen(name); i > 0 && !hit; i--)
-    if (name[i - 1] == '.') {
-      name[i - 1] = '\0';
-      hit = test(arg, name);
-    }
-  free(name);
-  return hit;
-}
-
-static bool regex_test(const void *arg, const char *name) { return regexec(arg, name, 0, NULL, 0) == 0; }
-
-/* FNM_NOESCAPE: Python's fnmatch (what ModelOpt and transformers use) has no backslash escapes. */
-static bool glob_test(const void *arg, const char *name) { return fnmatch(arg, name, FNM_NOESCAPE) == 0; }
-
-/*
- * True when an entry of the ignore list covers the module. Beyond the header's
- * contract (exact, "re:", dot-suffix), parents count for every kind of entry,
- * and an entry with * ? [ is a shell glob matched in full: gpt-oss writes
- * "model.layers.*.self_attn" and ModelOpt writes wildcards in exclude_modules.
- */
 static const struct gptq_rule *first_rule(const struct quant_config *qc, const char *module);
 
-bool quant_config_ignores(const struct quant_config *qc, const char *module) {
+/*
+ * A module is left unquantized when a GPTQ `dynamic` "-:" rule matches it
+ * first, when a MIXED_PRECISION config's quantized_layers do not name it, or
+ * when its ignore list covers it (ignore.c).
+ */
+int quant_config_match_ignore(const struct quant_config *qc, const char *module, bool *ignored) {
   const struct gptq_rule *rule = first_rule(qc, module);
+  *ignored = true;
   if (rule && rule->exclude)
-    return true;
+    return 0;
   if (qc->mixed) { /* MIXED_PRECISION: quantized only where quantized_layers says so */
     bool listed = false;
     for (size_t i = 0; i < qc->n_quantized && !listed; i++)
       listed = plain_match(qc->quantized[i], module);
     if (!listed)
-      return true;
+      return 0;
   }
-  for (size_t i = 0; i < qc->n_ignore; i++) {
-    const char *entry = qc->ignore[i];
-    bool hit;
-    if (has_prefix(entry, "re:")) {
-      regex_t re;
-      if (compile_anchored(entry + 3, &re) != 0)
-        continue; /* only on out of memory: the parse compiled it once already */
-      hit = match_self_or_parent(module, regex_test, &re);
-      regfree(&re);
-    } else if (is_glob(entry)) {
-      hit = match_self_or_parent(module, glob_test, entry);
-    } else {
-      hit = plain_match(entry, module);
-    }
-    if (hit)
-      return true;
-  }
-  return false;
+  return ignore_list_match(qc, module, ignored);
+}
+
+bool quant_config_ignores(const struct quant_config *qc, const char *module) {
+  bool ignored;
+  return quant_config_match_ignore(qc, module, &ignored) == 0 && ignored;
 }
 
 /* ---- GPTQ dynamic rules ---------------------------------------------------------------- */
@@ -1312,5 +1256,6 @@ void quant_config_free(struct quant_config *qc) {
   for (size_t i = 0; i < qc->n_quantized; i++)
     free(qc->quantized[i]);
   free(qc->quantized);
+  ignore_matcher_free(qc->matcher);
   *qc = (struct quant_config){.method = QM_NONE, .scheme = "unquantized"};
 }

@@ -41,43 +41,29 @@ static double now_seconds(void) {
 struct buffers {
   const struct qkeep_named_tensor *tensors;
   size_t n;
-  size_t *order; /* indices sorted by name, for binary search */
+  struct name_index index; /* tensors[i].name -> i (the caller's strings, borrowed for the call) */
 };
 
 static const struct buffers *buffers_of(const struct provider *p) { return p->ctx; }
 
-static int by_buffer_name(const void *a, const void *b, void *ctx) {
-  const struct qkeep_named_tensor *t = ctx;
-  return strcmp(t[*(const size_t *)a].name, t[*(const size_t *)b].name);
-}
-
 static bool buf_find(const struct provider *p, const char *name, struct provided *out) {
   const struct buffers *b = buffers_of(p);
-  size_t lo = 0, hi = b->n;
-  while (lo < hi) {
-    size_t mid = (lo + hi) / 2;
-    const struct qkeep_named_tensor *t = &b->tensors[b->order[mid]];
-    int c = strcmp(t->name, name);
-    if (c == 0) {
-      *out = (struct provided){t->name,
-                               (int)t->spec.dtype,
-                               qkeep_dtype_name(t->spec.dtype),
-                               t->spec.ndim,
-                               t->spec.shape,
-                               qkeep_spec_bytes(&t->spec),
-                               p->what,
-                               t,
-                               NULL,
-                               0,
-                               true};
-      return true;
-    }
-    if (c < 0)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return false;
+  size_t at;
+  if (!name_index_get(&b->index, name, &at))
+    return false;
+  const struct qkeep_named_tensor *t = &b->tensors[at];
+  *out = (struct provided){t->name,
+                           (int)t->spec.dtype,
+                           qkeep_dtype_name(t->spec.dtype),
+                           t->spec.ndim,
+                           t->spec.shape,
+                           qkeep_spec_bytes(&t->spec),
+                           p->what,
+                           t,
+                           NULL,
+                           0,
+                           true};
+  return true;
 }
 
 static int buf_read(const struct provider *p, const struct provided *t, void *dst) {
@@ -104,41 +90,174 @@ static const void *buf_device(const struct provider *p, const struct provided *t
 static size_t buf_count(const struct provider *p) { return buffers_of(p)->n; }
 static const char *buf_name_at(const struct provider *p, size_t i) { return buffers_of(p)->tensors[i].name; }
 
-/* ---- validation: nothing changes until all of W1 is known good ------------------------- */
+/* ---- validated scales: read once, checked, then loaded from the same bytes ----------------- */
 
-/* Reads a provided tensor to host memory (malloc'd) to look at its values. */
-static int provided_bytes(const struct device *dev, const struct provider *pv, const struct provided *t,
-                          unsigned char **out) {
-  unsigned char *buf = malloc(t->nbytes ? t->nbytes : 1);
-  if (!buf)
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
-  const void *on_host = pv->host_bytes ? pv->host_bytes(pv, t) : NULL;
-  int rc = on_device ? dev_d2h(dev, buf, on_device, t->nbytes)
-           : on_host ? (memcpy(buf, on_host, t->nbytes), 0)
-                     : pv->read(pv, t, buf);
-  if (rc) {
-    free(buf);
-    return rc;
-  }
-  *out = buf;
+/*
+ * A reload from files reads each scale tensor to check its values before
+ * anything changes. The bytes it checked are kept (up to SCALE_CACHE_MAX; the
+ * rest are read again) and the apply phase loads them from here: NVFP4 has
+ * three scale tensors per weight, so reading them twice was most of a reload's
+ * cost beyond the raw read, and the file cannot change between the check and
+ * the load of a kept tensor.
+ */
+#define SCALE_CACHE_MAX ((size_t)256 << 20)
+
+struct scale_cache {
+  const struct provider *inner; /* the provider validated */
+  unsigned char *bytes;         /* every kept tensor, back to back */
+  size_t used, cap;
+  struct name_index index; /* provided name (borrowed from the provider) -> entry */
+  size_t *offset;          /* per entry, into bytes */
+  size_t n, cap_entries;
+  bool complete; /* every scale tensor is kept (or lives in memory already) */
+};
+
+static bool cached_find(const struct provider *p, const char *name, struct provided *out) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->find(c->inner, name, out);
+}
+static int cached_read(const struct provider *p, const struct provided *t, void *dst) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->read(c->inner, t, dst);
+}
+static const void *cached_host(const struct provider *p, const struct provided *t) {
+  const struct scale_cache *c = p->ctx;
+  size_t at;
+  if (name_index_get(&c->index, t->name, &at))
+    return c->bytes + c->offset[at];
+  return c->inner->host_bytes ? c->inner->host_bytes(c->inner, t) : NULL;
+}
+static const void *cached_device(const struct provider *p, const struct provided *t) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->device_bytes ? c->inner->device_bytes(c->inner, t) : NULL;
+}
+static size_t cached_count(const struct provider *p) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->count(c->inner);
+}
+static const char *cached_name_at(const struct provider *p, size_t i) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->name_at(c->inner, i);
+}
+
+/* A provider that serves the kept scale bytes and passes everything else to the inner one. */
+static int cached_read_many(const struct provider *p, const struct provided *ts, size_t n,
+                            void *const *dsts) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->read_many(c->inner, ts, n, dsts);
+}
+
+static void cached_provider(struct provider *p, struct scale_cache *c) {
+  *p = (struct provider){c->inner->what,
+                         c,
+                         cached_find,
+                         cached_read,
+                         cached_host,
+                         cached_device,
+                         cached_count,
+                         cached_name_at,
+                         c->inner->read_many ? cached_read_many : NULL};
+}
+
+static void scale_cache_free(struct scale_cache *c) {
+  free(c->bytes);
+  free(c->offset);
+  name_index_clear(&c->index);
+}
+
+/* Room for the scale tensors of the model, up to SCALE_CACHE_MAX bytes. */
+static int scale_cache_reserve(struct scale_cache *c, const qkeep_model *model) {
+  size_t total = 0;
+  for (size_t l = 0; l < model->n_layers; l++)
+    for (size_t i = 0; i < model->layers[l]->n_sources; i++)
+      if (model->layers[l]->sources[i].param->scale)
+        total += qkeep_spec_bytes(&model->layers[l]->sources[i].spec);
+  c->cap = total < SCALE_CACHE_MAX ? total : SCALE_CACHE_MAX;
+  c->complete = true;
+  if (c->cap && !(c->bytes = malloc(c->cap)))
+    return set_error(QKEEP_E_NOMEM, "out of memory for %zu bytes of scales", c->cap);
   return 0;
 }
 
+/* True when the provider holds the tensor in memory already (nothing to keep: validation and apply
+ * see the same bytes). */
+static bool in_memory(const struct provider *pv, const struct provided *t) {
+  return (pv->device_bytes && pv->device_bytes(pv, t)) || (pv->host_bytes && pv->host_bytes(pv, t));
+}
+
+/*
+ * Reads the scale tensors ts[0..n) of one layer into the cache while it has
+ * room, as one batch (runs of adjacent tensors in one syscall each); those in
+ * memory already, or kept already (a kv_scale feeding k and v), are skipped.
+ */
+static int keep_scales(struct scale_cache *c, const struct provided *ts, size_t n) {
+  const struct provider *pv = c->inner;
+  struct provided *batch = malloc((n ? n : 1) * sizeof *batch);
+  void **dsts = malloc((n ? n : 1) * sizeof *dsts);
+  size_t m = 0, seen;
+  int rc = batch && dsts ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n && !rc; i++) {
+    const struct provided *t = &ts[i];
+    if (in_memory(pv, t) || name_index_get(&c->index, t->name, &seen))
+      continue;
+    if (c->cap - c->used < t->nbytes) {
+      c->complete = false; /* no room: read again by the apply, and checked again after it */
+      continue;
+    }
+    rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
+    if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
+      c->offset[c->n++] = c->used;
+      batch[m] = *t;
+      dsts[m++] = c->bytes + c->used;
+      c->used += t->nbytes;
+    }
+  }
+  if (!rc && pv->read_many)
+    rc = pv->read_many(pv, batch, m, dsts);
+  for (size_t i = 0; i < m && !rc && !pv->read_many; i++)
+    rc = pv->read(pv, &batch[i], dsts[i]);
+  free(batch);
+  free(dsts);
+  return rc;
+}
+
+/*
+ * Host bytes of a provided tensor to check: in place when the provider holds
+ * them in host memory or the cache kept them, else read (or copied from the
+ * device) into *scratch (malloc'd, the caller frees).
+ */
+static int scale_bytes(const struct scale_cache *c, const struct device *dev, const struct provided *t,
+                       const unsigned char **out, unsigned char **scratch) {
+  const struct provider *pv = c->inner;
+  const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
+  const void *on_host = pv->host_bytes ? pv->host_bytes(pv, t) : NULL;
+  size_t at;
+  if (on_host || (!on_device && name_index_get(&c->index, t->name, &at))) {
+    *out = on_host ? on_host : c->bytes + c->offset[at];
+    return 0;
+  }
+  if (!(*scratch = malloc(t->nbytes ? t->nbytes : 1)))
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  *out = *scratch;
+  return on_device ? dev_d2h(dev, *scratch, on_device, t->nbytes) : pv->read(pv, t, *scratch);
+}
+
+/* ---- validation: nothing changes until all of W1 is known good ------------------------- */
+
 /* A scale tensor's values must be valid before anything is written. */
-static int check_scale_values(const qkeep_layer *layer, const struct provider *pv, const struct provided *t) {
-  unsigned char *bytes = NULL;
-  int rc = provided_bytes(layer_device(layer), pv, t, &bytes);
-  if (rc)
-    return rc;
+static int check_scale_values(const qkeep_layer *layer, const struct scale_cache *c,
+                              const struct provided *t) {
+  const unsigned char *bytes = NULL;
+  unsigned char *scratch = NULL;
+  int rc = scale_bytes(c, layer_device(layer), t, &bytes, &scratch);
   size_t bad;
   const char *why =
-      bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype), &bad);
+      rc ? NULL : bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype), &bad);
   if (why)
     rc = set_error(QKEEP_E_FORMAT,
                    "%s: tensor '%s': element %zu is %s (scales must be finite and non-negative)", t->where,
                    t->name, bad, why);
-  free(bytes);
+  free(scratch);
   return rc;
 }
 
@@ -169,37 +288,55 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   return 0;
 }
 
+/* Every source of the layer is in the provider as the model expects; its scales are read (kept) and valid. */
+static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
+  const struct provider *pv = cache->inner;
+  size_t n = 0;
+  struct provided *scales = malloc((layer->n_sources ? layer->n_sources : 1) * sizeof *scales), t;
+  int rc = scales ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < layer->n_sources && !rc; i++)
+    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].param->scale)
+      scales[n++] = t;
+  if (!rc)
+    rc = keep_scales(cache, scales, n);
+  for (size_t i = 0; i < n && !rc; i++)
+    rc = check_scale_values(layer, cache, &scales[i]);
+  free(scales);
+  return rc;
+}
+
 /*
  * Decides which layers W1 updates (all of them, or with QKEEP_RELOAD_PARTIAL those it
  * has tensors for) and checks every tensor they load. Changes nothing.
  */
-static int validate(qkeep_model *model, const struct provider *pv, const struct quant_config *qc,
+static int validate(qkeep_model *model, struct scale_cache *cache, const struct quant_config *qc,
                     unsigned flags, bool *selected) {
+  const struct provider *pv = cache->inner;
   size_t chosen = 0;
   for (size_t l = 0; l < model->n_layers; l++) {
     qkeep_layer *layer = model->layers[l];
     size_t present = 0;
     struct provided t;
-    for (size_t i = 0; i < layer->n_sources; i++)
+    /* Only a partial reload skips layers W1 has nothing for (a full one checks every source below). */
+    for (size_t i = 0; i < layer->n_sources && (flags & QKEEP_RELOAD_PARTIAL) && !present; i++)
       present += pv->find(pv, layer->sources[i].checkpoint_name, &t);
     selected[l] = false;
     if (present == 0 && (flags & QKEEP_RELOAD_PARTIAL))
       continue;
-    for (size_t i = 0; i < layer->n_sources; i++) {
-      const struct source *src = &layer->sources[i];
-      int rc = check_source(layer, pv, src, &t);
-      if (!rc && src->param->scale)
-        rc = check_scale_values(layer, pv, &t);
-      if (rc)
-        return rc;
-    }
-    int rc = check_config(layer, qc, pv->what);
+    int rc = validate_sources(layer, cache);
+    if (!rc)
+      rc = check_config(layer, qc, pv->what);
     if (rc)
       return rc;
     selected[l] = true;
     chosen++;
   }
-  for (size_t i = 0; i < pv->count(pv); i++) {
+  /* Every checkpoint name of the model was found in W1 (above): when every layer was checked and W1 holds
+   * as many distinct names as the model loads, the two sets are equal and nothing is left over. */
+  size_t n = pv->count(pv);
+  if (chosen == model->n_layers && n == model->source_index.count)
+    n = 0;
+  for (size_t i = 0; i < n; i++) {
     const char *name = pv->name_at(pv, i);
     if (!qkeep_model_lookup(model, name, NULL))
       return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is not part of this model", pv->what, name);
@@ -247,8 +384,10 @@ static int restore_layer(qkeep_layer *layer) {
 }
 
 /* Restores, loads, checks and re-runs normalisation and PWAL for each selected layer. */
-static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, size_t *failed_at,
-                 double *t_read, double *t_pwal) {
+/* scales_checked: every scale byte comes from what validation checked, so the loaded values need no
+ * second look. */
+static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
+                 size_t *failed_at, double *t_read, double *t_pwal) {
   struct staging st = {0};
   int rc = 0;
   for (size_t l = 0; l < model->n_layers && !rc; l++) {
@@ -264,7 +403,7 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
     if (!rc)
       rc = load_layer_sources(layer, pv, &st);
     double b = now_seconds();
-    if (!rc)
+    if (!rc && !scales_checked)
       rc = validate_scales(layer);
     if (!rc)
       rc = finish_layer(layer);
@@ -299,7 +438,7 @@ static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at)
   long fault = model->fault_layer;
   model->fault_layer = -1; /* an injected fault is for the reload, not for its rollback */
   if (!rc)
-    rc = apply(model, &pv, redo, &at, &ignore_read, &ignore_pwal);
+    rc = apply(model, &pv, redo, false, &at, &ignore_read, &ignore_pwal);
   model->fault_layer = fault;
   free(redo);
   ckpt_close(ck);
@@ -315,17 +454,26 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     return set_error(QKEEP_E_STATE,
                      "reload: the model holds a mix of weights after a failed reload; a full reload "
                      "is needed, not a partial one");
+  double t_validate = now_seconds();
   bool *selected = calloc(model->n_layers, sizeof *selected);
   if (!selected)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  int rc = validate(model, pv, qc, flags, selected);
+  struct scale_cache cache = {.inner = pv};
+  int rc = scale_cache_reserve(&cache, model);
+  if (!rc)
+    rc = validate(model, &cache, qc, flags, selected);
   if (rc) {
+    scale_cache_free(&cache);
     free(selected);
     return rc; /* nothing was touched */
   }
   size_t failed_at = 0;
   double t0 = now_seconds(), t_read = 0, t_pwal = 0;
-  rc = apply(model, pv, selected, &failed_at, &t_read, &t_pwal);
+  t_validate = t0 - t_validate;
+  struct provider validated;
+  cached_provider(&validated, &cache);
+  rc = apply(model, &validated, selected, cache.complete, &failed_at, &t_read, &t_pwal);
+  scale_cache_free(&cache);
   if (rc) {
     char why[1024];
     snprintf(why, sizeof why, "%s", qkeep_errmsg());
@@ -348,8 +496,12 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   free(selected);
   if (full)
     model->poisoned = false;
-  model->stats = (struct qkeep_load_stats){sizeof model->stats, now_seconds() - t0 - t_read - t_pwal, t_read,
-                                           t_pwal, model->stats.checkpoint_bytes};
+  model->stats = (struct qkeep_load_stats){sizeof model->stats,
+                                           now_seconds() - t0 - t_read - t_pwal,
+                                           t_read,
+                                           t_pwal,
+                                           model->stats.checkpoint_bytes,
+                                           t_validate};
   /* Only a full reload from a file leaves the model equal to a file it can roll back to. */
   return model_set_source(model, full ? path : NULL);
 }
@@ -358,9 +510,11 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
   if (!model || !checkpoint)
     return set_error(QKEEP_E_INVAL, "qkeep_model_reload: NULL argument");
   struct ckpt *ck;
+  double t_open = now_seconds();
   int rc = ckpt_open(checkpoint, &ck);
   if (rc)
     return rc;
+  t_open = now_seconds() - t_open;
   struct provider pv;
   ckpt_provider(&pv, ck);
   /* A bare .safetensors file carries no config: only a directory's config is compared. */
@@ -368,6 +522,7 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
   bool bare_file = stat(checkpoint, &st) == 0 && S_ISREG(st.st_mode);
   rc = reload(model, &pv, bare_file ? NULL : &ck->qc, flags, checkpoint);
   if (!rc) {
+    model->stats.open_seconds += t_open;
     model->stats.checkpoint_bytes = 0;
     for (size_t f = 0; f < ck->n_files; f++)
       model->stats.checkpoint_bytes += (int64_t)ck->files[f]->file_size;
@@ -380,22 +535,17 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
 static int index_buffers(struct buffers *b, const struct qkeep_named_tensor *tensors, size_t n) {
   b->tensors = tensors;
   b->n = n;
-  b->order = malloc((n ? n : 1) * sizeof *b->order);
-  if (!b->order)
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t i = 0; i < n; i++) {
+  int rc = name_index_reserve(&b->index, n);
+  for (size_t i = 0; i < n && !rc; i++) {
     const struct qkeep_named_tensor *t = &tensors[i];
     if (!t->name || (!t->data && qkeep_spec_bytes(&t->spec)) ||
         (unsigned)t->spec.dtype >= QKEEP_DTYPE_COUNT || t->spec.ndim < 0 || t->spec.ndim > QKEEP_MAX_DIMS)
       return set_error(QKEEP_E_INVAL, "in-memory tensor %zu ('%s'): missing name or data, or a bad spec", i,
                        t->name ? t->name : "(null)");
-    b->order[i] = i;
+    if ((rc = name_index_put(&b->index, t->name, i, NULL)) == QKEEP_E_EXISTS)
+      return set_error(QKEEP_E_INVAL, "in-memory tensors: '%s' given twice", t->name);
   }
-  qsort_r(b->order, n, sizeof *b->order, by_buffer_name, (void *)tensors);
-  for (size_t i = 1; i < n; i++)
-    if (strcmp(tensors[b->order[i]].name, tensors[b->order[i - 1]].name) == 0)
-      return set_error(QKEEP_E_INVAL, "in-memory tensors: '%s' given twice", tensors[b->order[i]].name);
-  return 0;
+  return rc;
 }
 
 int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n,
@@ -405,11 +555,11 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   struct buffers b = {0};
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
-    struct provider pv = {"in-memory tensors", &b,        buf_find,   buf_read, buf_host,
-                          buf_device,          buf_count, buf_name_at};
+    struct provider pv = {"in-memory tensors", &b,        buf_find,    buf_read, buf_host,
+                          buf_device,          buf_count, buf_name_at, NULL};
     rc = reload(model, &pv, NULL, flags, NULL);
   }
-  free(b.order);
+  name_index_clear(&b.index);
   return rc;
 }
 
@@ -418,14 +568,13 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_tensor: NULL argument");
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
-  struct provider pv = {"in-memory tensor", &b,         buf_find,  buf_read,
-                        buf_host,           buf_device, buf_count, buf_name_at};
+  struct provider pv = {"in-memory tensor", &b,        buf_find,    buf_read, buf_host,
+                        buf_device,         buf_count, buf_name_at, NULL};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
-  for (size_t l = 0; !rc && l < model->n_layers && !src; l++)
-    for (size_t i = 0; i < model->layers[l]->n_sources && !src; i++)
-      if (strcmp(model->layers[l]->sources[i].checkpoint_name, tensor->name) == 0)
-        layer = model->layers[l], src = &layer->sources[i];
+  const struct source_ref *ref = rc ? NULL : model_find_source(model, tensor->name);
+  if (ref)
+    layer = ref->layer, src = &layer->sources[ref->source];
   if (!rc && !src)
     rc =
         set_error(QKEEP_E_NOTFOUND, "load_tensor: '%s' is not a checkpoint name of this model", tensor->name);
@@ -445,7 +594,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc)
     rc = check_source(layer, &pv, src, &t);
   if (!rc && src->param->scale)
-    rc = check_scale_values(layer, &pv, &t);
+    rc = check_scale_values(layer, &(struct scale_cache){.inner = &pv}, &t); /* no room: nothing kept */
   struct staging st = {0};
   if (!rc)
     rc = load_source(layer, &pv, src, &st); /* only this tensor: the rest of the layer keeps its bytes */
@@ -454,7 +603,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc)
     rc = model_set_source(model, NULL); /* no file holds these weights now */
   staging_free(&st);
-  free(b.order);
+  name_index_clear(&b.index);
   return rc;
 }
 

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -526,67 +527,90 @@ static int mark_big_integers(const struct st_file *f, char *text, size_t n, stru
   return 0;
 }
 
-/* The header's JSON root; integers above INT64_MAX go through mark_big_integers. */
-static int load_root(const struct st_file *f, const char *header, struct big_ints *big, json_t **out) {
+/*
+ * jansson's parse of one entry's value. An integer above INT64_MAX (a u64
+ * dimension or offset the reference accepts) overflows jansson: then the
+ * entry is parsed again from a copy with such literals as markers (see
+ * mark_big_integers), whose values go to *big.
+ */
+static int parse_value(struct st_file *f, const struct json_scan *h, const struct json_member *m,
+                       struct big_ints *big, json_t **out) {
   json_error_t jerr;
-  *out = json_loadb(header, (size_t)f->header_len, JSON_REJECT_DUPLICATES, &jerr);
+  big->n = 0;
+  *out = json_loadb(h->text + m->value_at, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
   if (!*out && json_error_code(&jerr) == json_error_numeric_overflow) {
-    char *copy = malloc((size_t)f->header_len + 1);
+    char *copy = strndup(h->text + m->value_at, m->value_len);
     if (!copy)
-      return file_error(QKEEP_E_NOMEM, f, "out of memory for a copy of the header");
-    memcpy(copy, header, (size_t)f->header_len + 1);
-    int rc = mark_big_integers(f, copy, (size_t)f->header_len, big);
+      return file_error(QKEEP_E_NOMEM, f, "out of memory for a copy of a header entry");
+    int rc = mark_big_integers(f, copy, m->value_len, big);
     if (!rc)
-      *out = json_loadb(copy, (size_t)f->header_len, JSON_REJECT_DUPLICATES, &jerr);
+      *out = json_loadb(copy, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
     free(copy);
     if (rc)
       return rc;
   }
-  if (!*out) {
-    if (json_error_code(&jerr) == json_error_out_of_memory)
-      return file_error(QKEEP_E_NOMEM, f, "out of memory parsing the header");
-    return file_error(QKEEP_E_FORMAT, f, "header is not valid JSON: %s (line %d, column %d)", jerr.text,
-                      jerr.line, jerr.column);
+  if (*out)
+    return 0;
+  if (json_error_code(&jerr) == json_error_out_of_memory)
+    return file_error(QKEEP_E_NOMEM, f, "out of memory parsing the header");
+  return json_scan_error(h, m->value_at + (size_t)(jerr.position > 0 ? jerr.position : 0), jerr.text);
+}
+
+/* One "key": value entry of the header: the metadata, or a tensor appended to f (its name to f->index). */
+static int parse_entry(struct st_file *f, const struct json_scan *h, const struct json_member *m, size_t *cap,
+                       bool *seen_metadata, struct big_ints *big) {
+  char *name = NULL;
+  json_t *value = NULL;
+  int rc = json_scan_string(h, m->key_at, m->key_len, m->key_escaped, &name);
+  if (!rc)
+    rc = parse_value(f, h, m, big, &value);
+  if (!rc && strcmp(name, "__metadata__") == 0) {
+    rc = *seen_metadata ? json_scan_error(h, m->key_at, "duplicate object key \"__metadata__\"")
+                        : parse_metadata(f, value);
+    *seen_metadata = true;
+    free(name);
+    json_decref(value);
+    return rc;
   }
-  if (!json_is_object(*out)) { /* whitespace then '{' was checked, so only an object parses */
-    json_decref(*out);
-    *out = NULL;
-    return file_error(QKEEP_E_FORMAT, f, "header is not a JSON object");
+  if (!rc)
+    rc = grow_array((void **)&f->tensors, cap, f->n_tensors + 1, sizeof *f->tensors);
+  if (!rc && (rc = name_index_put(&f->index, name, f->n_tensors, NULL)) == QKEEP_E_EXISTS) {
+    char *why = NULL;
+    rc = asprintf(&why, "duplicate object key \"%s\"", name) < 0
+             ? file_error(QKEEP_E_NOMEM, f, "out of memory")
+             : json_scan_error(h, m->key_at, why);
+    free(why);
   }
-  return 0;
+  if (rc) {
+    free(name);
+    json_decref(value);
+    return rc;
+  }
+  struct st_tensor *t = &f->tensors[f->n_tensors++];
+  memset(t, 0, sizeof *t);
+  t->name = name;
+  rc = parse_tensor(f, t, value, big->n ? big : NULL);
+  json_decref(value);
+  return rc;
 }
 
 /* Parses the header JSON into f's tensors and metadata (not yet sorted or laid out). */
 static int parse_header(struct st_file *f, const char *header) {
+  char *what = NULL;
+  if (asprintf(&what, "%s: header is not valid JSON", f->path) < 0)
+    return file_error(QKEEP_E_NOMEM, f, "out of memory");
+  struct json_scan h = {.text = header, .len = (size_t)f->header_len, .what = what};
+  struct json_member m = {.more = true};
+  size_t cap = 0;
+  bool seen_metadata = false;
   struct big_ints big = {0};
-  json_t *root = NULL;
-  int rc = load_root(f, header, &big, &root);
-  if (rc) {
-    free(big.values);
-    return rc;
-  }
-  size_t n = json_object_size(root);
-  if (n > 0 && !(f->tensors = calloc(n, sizeof *f->tensors)))
-    rc = file_error(QKEEP_E_NOMEM, f, "out of memory for %zu tensors", n);
-
-  const char *key;
-  json_t *value;
-  json_object_foreach(root, key, value) {
-    if (rc != 0)
-      break;
-    if (strcmp(key, "__metadata__") == 0) {
-      rc = parse_metadata(f, value);
-      continue;
-    }
-    struct st_tensor *t = &f->tensors[f->n_tensors];
-    if (!(t->name = xstrdup(key))) {
-      rc = file_error(QKEEP_E_NOMEM, f, "out of memory copying tensor names");
-      break;
-    }
-    f->n_tensors++;
-    rc = parse_tensor(f, t, value, big.n ? &big : NULL);
-  }
-  json_decref(root);
+  int rc = json_scan_open(&h);
+  while (!rc && !(rc = json_scan_member(&h, &m)) && m.more)
+    if (!(rc = json_scan_value(&h, &m)))
+      rc = parse_entry(f, &h, &m, &cap, &seen_metadata, &big);
+  if (!rc)
+    rc = json_scan_end(&h);
+  free(what);
   free(big.values);
   return rc;
 }
@@ -604,6 +628,14 @@ static int by_offset(const void *a, const void *b) {
 /* qsort order of the final table, which st_find searches: bytewise by name. */
 static int by_name(const void *a, const void *b) {
   return strcmp(((const struct st_tensor *)a)->name, ((const struct st_tensor *)b)->name);
+}
+
+/* Points the name index (built by the parse, which refused duplicates) at the sorted table. */
+static int index_tensors(struct st_file *f) {
+  int rc = 0;
+  for (size_t i = 0; i < f->n_tensors && !rc; i++)
+    rc = name_index_set(&f->index, f->tensors[i].name, i); /* every name is there: no growth */
+  return rc;
 }
 
 /*
@@ -654,7 +686,7 @@ static int check_layout(struct st_file *f) {
 
   if (f->n_tensors > 1)
     qsort(f->tensors, f->n_tensors, sizeof *f->tensors, by_name);
-  return 0;
+  return index_tensors(f);
 }
 
 /*
@@ -707,6 +739,7 @@ void st_close(struct st_file *f) {
     free(f->tensors[i].full_shape);
   }
   free(f->tensors);
+  name_index_clear(&f->index);
   for (size_t i = 0; i < f->n_metadata; i++) {
     free(f->metadata_keys[i]);
     free(f->metadata_values[i]);
@@ -717,16 +750,12 @@ void st_close(struct st_file *f) {
   free(f);
 }
 
-/* bsearch comparison of a name against a table entry. */
-static int name_vs_tensor(const void *key, const void *elem) {
-  return strcmp(key, ((const struct st_tensor *)elem)->name);
-}
-
-/* Binary search over the name-sorted table. The result is borrowed from f. */
+/* A hash lookup in the file's name index. The result is borrowed from f. */
 const struct st_tensor *st_find(const struct st_file *f, const char *name) {
-  if (!f || !name || f->n_tensors == 0)
+  size_t at;
+  if (!f || !name || !name_index_get(&f->index, name, &at))
     return NULL;
-  return bsearch(name, f->tensors, f->n_tensors, sizeof *f->tensors, name_vs_tensor);
+  return &f->tensors[at];
 }
 
 /* The value is borrowed from f. */
@@ -772,4 +801,87 @@ int st_read(const struct st_file *f, const struct st_tensor *t, void *dst) {
                         "unexpected end of file at byte %llu, %llu bytes short (did the file shrink?)",
                         (unsigned long long)(t->offset + got), (unsigned long long)(t->nbytes - got));
   return 0;
+}
+
+/* One tensor of a batch read and where it goes. */
+struct read_item {
+  const struct st_tensor *t;
+  void *dst;
+};
+
+static int by_file_offset(const void *a, const void *b) {
+  const struct st_tensor *x = ((const struct read_item *)a)->t, *y = ((const struct read_item *)b)->t;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* preadv of the whole run into its destinations; false when it came back short or failed (the caller
+ * then reads tensor by tensor, for the exact error). */
+static bool read_run(const struct st_file *f, const struct read_item *items, size_t n) {
+  struct iovec iov[64];
+  size_t done = 0, total = 0;
+  assert(n <= sizeof iov / sizeof iov[0]);
+  for (size_t i = 0; i < n; i++) {
+    iov[i] = (struct iovec){items[i].dst, (size_t)items[i].t->nbytes};
+    total += iov[i].iov_len;
+  }
+  while (done < total) {
+    ssize_t r;
+    do
+      r = preadv(f->fd, iov, (int)n, (off_t)(items[0].t->offset + done));
+    while (r < 0 && errno == EINTR);
+    if (r == (ssize_t)(total - done))
+      return true;
+    if (r <= 0 || done > 0)
+      return false; /* a second short read: let st_read say what is wrong */
+    done += (size_t)r;
+    /* Skip the iovecs the first short read filled. */
+    size_t skip = (size_t)r, k = 0;
+    while (k < n && skip >= iov[k].iov_len)
+      skip -= iov[k++].iov_len;
+    memmove(iov, iov + k, (n - k) * sizeof *iov);
+    n -= k;
+    iov[0].iov_base = (char *)iov[0].iov_base + skip;
+    iov[0].iov_len -= skip;
+  }
+  return true;
+}
+
+/*
+ * Reads n tensors of f, tensors[i] into dsts[i]; tensors that lie back to back
+ * in the file are read by one preadv, straight into their destinations (a
+ * checkpoint of 10^5 small tensors is mostly syscalls when read one by one).
+ * The size check of st_read runs once for the batch; a short or failed read
+ * falls back to st_read for that run, whose error names the tensor.
+ */
+int st_read_many(const struct st_file *f, const struct st_tensor *const *tensors, void *const *dsts,
+                 size_t n) {
+  if (n == 0)
+    return 0;
+  struct read_item *items = malloc(n * sizeof *items);
+  if (!items)
+    return file_error(QKEEP_E_NOMEM, f, "out of memory");
+  size_t m = 0;
+  for (size_t i = 0; i < n; i++)
+    if (tensors[i]->nbytes > 0)
+      items[m++] = (struct read_item){tensors[i], dsts[i]};
+  qsort(items, m, sizeof *items, by_file_offset);
+  struct stat sb;
+  int rc = 0;
+  if (m && fstat(f->fd, &sb) != 0)
+    rc = tensor_error(QKEEP_E_IO, f, items[0].t->name, "cannot stat: %s", strerror(errno));
+  else if (m && (uint64_t)sb.st_size != f->file_size)
+    rc = tensor_error(QKEEP_E_IO, f, items[0].t->name,
+                      "the file changed size since it was opened (%llu bytes, now %llu)",
+                      (unsigned long long)f->file_size, (unsigned long long)sb.st_size);
+  for (size_t i = 0; i < m && !rc;) {
+    size_t j = i + 1;
+    while (j < m && j - i < 64 && items[j].t->offset == items[j - 1].t->offset + items[j - 1].t->nbytes)
+      j++;
+    if (!read_run(f, items + i, j - i))
+      for (size_t k = i; k < j && !rc; k++)
+        rc = st_read(f, items[k].t, items[k].dst);
+    i = j;
+  }
+  free(items);
+  return rc;
 }

@@ -43,6 +43,7 @@ struct st_writer_meta {
 struct st_writer {
   struct st_writer_tensor *tensors; /* in the order added */
   size_t n_tensors, cap_tensors;
+  struct name_index index;         /* tensors[i].name -> i */
   struct st_writer_meta *metadata; /* in the order first set */
   size_t n_metadata, cap_metadata;
 };
@@ -133,6 +134,7 @@ void st_writer_free(struct st_writer *w) {
     free(w->tensors[i].data);
   }
   free(w->tensors);
+  name_index_clear(&w->index);
   for (size_t i = 0; i < w->n_metadata; i++) {
     free(w->metadata[i].key);
     free(w->metadata[i].value);
@@ -192,9 +194,9 @@ int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec
     return rc;
   if (nbytes > 0 && !data)
     return set_error(QKEEP_E_INVAL, "tensor '%s': no data for %zu bytes", name, nbytes);
-  for (size_t i = 0; i < w->n_tensors; i++)
-    if (strcmp(w->tensors[i].name, name) == 0)
-      return set_error(QKEEP_E_EXISTS, "tensor '%s' was already added", name);
+  size_t seen;
+  if (name_index_get(&w->index, name, &seen))
+    return set_error(QKEEP_E_EXISTS, "tensor '%s' was already added", name);
 
   if ((rc = grow_array((void **)&w->tensors, &w->cap_tensors, w->n_tensors + 1, sizeof *w->tensors)) != 0)
     return rc;
@@ -205,6 +207,11 @@ int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec
     free(t.name);
     free(t.data);
     return set_error(QKEEP_E_NOMEM, "tensor '%s': out of memory copying %zu bytes", name, nbytes);
+  }
+  if ((rc = name_index_put(&w->index, t.name, w->n_tensors, NULL)) != 0) {
+    free(t.name);
+    free(t.data);
+    return rc;
   }
   w->tensors[w->n_tensors++] = t;
   return 0;

@@ -461,6 +461,85 @@ START_TEST(test_ignores) {
 }
 END_TEST
 
+/* "re:" entries match as compressed-tensors' Python re.match: anchored at the start of the module name,
+ * free at its end, and on the module's own name (no parent rule, unlike plain entries and globs). */
+START_TEST(test_ignore_regex_is_re_match) {
+  struct quant_config qc;
+  parse_ok("{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'nvfp4-pack-quantized', "
+           "'ignore': ['re:model\\\\.layers\\\\.1\\\\.', 're:.*mlp$', 're:(?:vision|audio)_tower']}}",
+           NULL, &qc);
+  ck_assert_uint_eq(qc.n_ignore, 3);
+  /* a prefix of the name is enough (POSIX ^(...)$ needed all of it) */
+  ck_assert(quant_config_ignores(&qc, "model.layers.1.mlp.down_proj"));
+  ck_assert(quant_config_ignores(&qc, "model.layers.1.self_attn.q_proj"));
+  ck_assert(!quant_config_ignores(&qc, "model.layers.10.mlp.down_proj"));
+  /* anchored at the start: a match further in does not count */
+  ck_assert(!quant_config_ignores(&qc, "language_model.model.layers.1.mlp.down_proj"));
+  ck_assert(!quant_config_ignores(&qc, "model.vision_tower.blocks.0"));
+  ck_assert(quant_config_ignores(&qc, "audio_tower.blocks.0.attn"));
+  /* $ is the end of the module's own name: its children are not ignored through it */
+  ck_assert(quant_config_ignores(&qc, "model.layers.3.mlp"));
+  ck_assert(!quant_config_ignores(&qc, "model.layers.3.mlp.down_proj"));
+  quant_config_free(&qc);
+}
+END_TEST
+
+/* A pattern that backtracks catastrophically stops at PCRE2's match limit with an error naming the file,
+ * key, entry and module (milliseconds; a backtracking POSIX engine takes minutes on this). */
+START_TEST(test_ignore_catastrophic_regex_fails_clearly) {
+  struct quant_config qc;
+  parse_ok("{'quantization_config': {'quant_method': 'compressed-tensors', 'format': 'nvfp4-pack-quantized', "
+           "'ignore': ['lm_head', 're:(a|aa)+$', 're:(x+x+)+y']}}",
+           NULL, &qc);
+  bool ignored = true;
+  ck_assert_int_eq(quant_config_match_ignore(&qc, "model.layers.0.mlp", &ignored), 0);
+  ck_assert(!ignored);
+  ck_assert_int_eq(quant_config_match_ignore(&qc, "aaaa", &ignored), 0);
+  ck_assert(ignored);
+  const char *bad = "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx.y_proj";
+  ck_assert_int_eq(quant_config_match_ignore(&qc, bad, &ignored), QKEEP_E_FORMAT);
+  ck_assert(!ignored);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "ckdir/config.json") && strstr(msg, "quantization_config.ignore") &&
+                    strstr(msg, "'re:(x+x+)+y'") && strstr(msg, bad) && strstr(msg, "backtrack"),
+                "%s", msg);
+  ck_assert(!quant_config_ignores(&qc, bad)); /* the boolean form counts an error as not ignored */
+  quant_config_free(&qc);
+}
+END_TEST
+
+/* A long plain list (ModelOpt lists every excluded module) matches entry by entry, with repeats merged. */
+START_TEST(test_ignore_long_plain_list) {
+  enum { N = 20000 };
+  size_t cap = 0;
+  struct quant_config qc = {.method = QM_CT_NVFP4, .scheme = "ct-nvfp4"};
+  char why[256], name[96];
+  for (int round = 0; round < 2; round++) /* every entry twice: the second adds nothing */
+    for (int i = 0; i < N; i++) {
+      snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj", i / 128, i % 128);
+      ck_assert_int_eq(ignore_add(&qc, &cap, name, "cfg: ignore", why, sizeof why), 0);
+    }
+  ck_assert_uint_eq(qc.n_ignore, N);
+  ck_assert(quant_config_ignores(&qc, "model.layers.0.mlp.experts.0.down_proj"));
+  ck_assert(quant_config_ignores(&qc, "model.layers.156.mlp.experts.31.down_proj"));
+  ck_assert(!quant_config_ignores(&qc, "model.layers.156.mlp.experts.32.down_proj"));
+  ck_assert(!quant_config_ignores(&qc, "model.layers.0.mlp.experts.0.up_proj"));
+  ck_assert(!quant_config_ignores(&qc, "model.layers.0.mlp.experts.0.down"));
+  /* a parent entry covers its children; a dot-suffix entry the modules it ends */
+  ck_assert_int_eq(ignore_add(&qc, &cap, "model.layers.200.mlp", "cfg: ignore", why, sizeof why), 0);
+  ck_assert_int_eq(ignore_add(&qc, &cap, "shared_expert", "cfg: ignore", why, sizeof why), 0);
+  ck_assert(quant_config_ignores(&qc, "model.layers.200.mlp.experts.5.gate_proj"));
+  ck_assert(quant_config_ignores(&qc, "model.layers.7.mlp.shared_expert"));
+  ck_assert(quant_config_ignores(&qc, "model.layers.7.mlp.shared_expert.up_proj"));
+  ck_assert(!quant_config_ignores(&qc, "model.layers.7.mlp.shared_expert_gate"));
+  /* a regex that does not compile adds nothing and says why */
+  ck_assert_int_eq(ignore_add(&qc, &cap, "re:(unclosed", "cfg: ignore", why, sizeof why), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(why, "offset"), "%s", why);
+  ck_assert_uint_eq(qc.n_ignore, N + 2);
+  quant_config_free(&qc);
+}
+END_TEST
+
 /* ---- rejected checkpoints ------------------------------------------------------------------- */
 
 /* Two shards, a and b, and an index text for them (single quotes). */
@@ -733,6 +812,9 @@ static Suite *checkpoint_suite(void) {
   tc = tcase_create("config");
   tcase_add_loop_test(tc, test_config_forms, 0, (int)(sizeof config_cases / sizeof config_cases[0]));
   tcase_add_test(tc, test_ignores);
+  tcase_add_test(tc, test_ignore_regex_is_re_match);
+  tcase_add_test(tc, test_ignore_catastrophic_regex_fails_clearly);
+  tcase_add_test(tc, test_ignore_long_plain_list);
   suite_add_tcase(s, tc);
 
   tc = tcase_create("errors");

@@ -5,7 +5,7 @@
  * config (config.json / hf_quant_config.json, quant_config.c). Not built by
  * default. Build it from the source root (after ./configure, for config.h):
  *
- *   clang -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined -I libqkeep -I . -DPACKAGE_VERSION='"fuzz"' -DQKEEP_PLUGIN_DIR='"/nonexistent"' tests/fuzz_configs.c libqkeep/[a-z]*.c $(pkg-config --cflags --libs jansson inih libxxhash) -ldl -lm -o fuzz_configs
+ *   clang -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined -I libqkeep -I . -DPACKAGE_VERSION='"fuzz"' -DQKEEP_PLUGIN_DIR='"/nonexistent"' tests/fuzz_configs.c libqkeep/[a-z]*.c $(pkg-config --cflags --libs jansson inih libxxhash libpcre2-8) -ldl -lm -o fuzz_configs
  *
  * then run `./fuzz_configs -max_len=2048 CORPUS_DIR` (the .ini files in conf/ and the
  * examples' config.json files make a good seed corpus).
