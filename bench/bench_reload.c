@@ -6,7 +6,11 @@
  * runs after a warm-up, the three measurements interleaved, files in the
  * page cache for all three (the same conditions).
  *
- *   bench_reload [BACKEND] [LAYERS] [RUNS]
+ *   bench_reload [BACKEND] [LAYERS] [RUNS] [SCHEMES]
+ *
+ * BACKEND heads a chain that ends with the reference backend, so every scheme loads: with
+ * cuda-nvfp4 (make bench-gpu) the NVFP4 layers are on the GPU and the reload is a device
+ * reload. SCHEMES is a comma-separated subset of w8a8-int8,modelopt-nvfp4,gptq-int4.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,14 +75,19 @@ int main(int argc, char **argv) {
   const char *backend = argc > 1 ? argv[1] : "reference";
   int layers = argc > 2 ? atoi(argv[2]) : 4, runs = argc > 3 ? atoi(argv[3]) : 5;
   static const char *const schemes[] = {"w8a8-int8", "modelopt-nvfp4", "gptq-int4"};
+  const char *wanted = argc > 4 ? argv[4] : NULL;
   char *dir = tu_tmpdir("bench-reload");
   char *s0 = tu_path(dir, "w0.safetensors"), *s1 = tu_path(dir, "w1.safetensors");
-  qkeep_plugin *plugin;
+  qkeep_plugin *chain[2] = {NULL, NULL};
+  size_t n_chain = strcmp(backend, "reference") ? 2 : 1;
   if (!dir || write_source(s0, layers, 1) || write_source(s1, layers, 2))
     return fail("writing the source models");
-  if (qkeep_plugin_open(backend, NULL, &plugin))
+  if (qkeep_plugin_open(backend, NULL, &chain[0]) ||
+      (n_chain == 2 && qkeep_plugin_open("reference", NULL, &chain[1])))
     return fail("opening the backend");
   for (size_t si = 0; si < sizeof schemes / sizeof schemes[0]; si++) {
+    if (wanted && !strstr(wanted, schemes[si]))
+      continue;
     char q0[64], q1[64];
     snprintf(q0, sizeof q0, "%s-w0", schemes[si]);
     snprintf(q1, sizeof q1, "%s-w1", schemes[si]);
@@ -87,14 +96,14 @@ int main(int argc, char **argv) {
     if (qkeep_quantize(s0, w0, &o) || qkeep_quantize(s1, w1, &o))
       return fail("quantizing");
     qkeep_model *m;
-    if (qkeep_model_new(plugin, &m) || qkeep_model_load(m, w0))
+    if (qkeep_model_new_chain(chain, n_chain, &m) || qkeep_model_load(m, w0))
       return fail("loading W0");
     double cold[64], reload[64], raw[64], phase[4][64]; /* the reload's open, validate, read, PWAL */
     int64_t raw_bytes = 0, peak_extra = 0;
     for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
       qkeep_model *c;
       double t0 = tu_now();
-      if (qkeep_model_new(plugin, &c) || qkeep_model_load(c, w1))
+      if (qkeep_model_new_chain(chain, n_chain, &c) || qkeep_model_load(c, w1))
         return fail("cold start");
       double t1 = tu_now();
       qkeep_model_free(c);
@@ -139,7 +148,8 @@ int main(int argc, char **argv) {
     free(w0);
     free(w1);
   }
-  qkeep_plugin_close(plugin);
+  qkeep_plugin_close(chain[0]);
+  qkeep_plugin_close(chain[1]);
   tu_rmtree(dir);
   free(dir), free(s0), free(s1);
   return 0;
