@@ -23,6 +23,14 @@
   ((be)->size >= offsetof(struct qkeep_backend, supports_layer) + sizeof((be)->supports_layer) &&            \
    (be)->supports_layer)
 
+const struct qkeep_backend *layer_backend(const qkeep_layer *layer) {
+  return layer->owner && layer->owner->plugin ? layer->owner->plugin->be : NULL;
+}
+
+const struct device *layer_device(const qkeep_layer *layer) {
+  return layer->owner ? &layer->owner->dev : host_device();
+}
+
 /* What a backend is asked about a layer: its dims, kind, scheme and weight dtype. */
 static void layer_query(const qkeep_layer *layer, struct qkeep_layer_info *info) {
   *info = layer->dims;
@@ -159,9 +167,11 @@ int chain_assign(qkeep_model *model, const char *where) {
   /* Every owner is known: only now does any param get memory. */
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     qkeep_layer *layer = model->layers[i];
-    for (size_t p = 0; p < layer->n_params && !rc; p++)
-      if (!layer->params[p]->view.storage)
-        rc = param_allocate(layer->params[p]);
+    for (size_t p = 0; p < layer->n_params && !rc; p++) {
+      qkeep_param *param = layer->params[p];
+      if (!param->view.storage) /* planned without storage: zero-filled, in the owner's memory */
+        rc = storage_new(layer_device(layer), param->create_bytes, &param->view.storage);
+    }
     if (rc)
       rc = add_error_context(rc, "layer %s (backend %s)", layer->name,
                              layer_backend(layer) ? layer_backend(layer)->name : "host");

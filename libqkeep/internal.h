@@ -35,6 +35,7 @@ void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
 /* ---- small utilities (util.c) ---------------------------------------------- */
 
 char *xstrdup(const char *s); /* NULL on NULL or no memory */
+double now_seconds(void);     /* monotonic, for the load stats */
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
 /* The bytes of a spec, false when its dtype, rank or a dimension is invalid or the product
@@ -182,7 +183,7 @@ struct qkeep_tensor {
   struct tensor t;
 };
 
-/* ---- params, buffers, layers, models (layer.c, model.c) ---------------------------- */
+/* ---- params, buffers and layers (layer.c); the model's struct (model.c) --------------- */
 
 struct qkeep_param {
   qkeep_layer *layer;
@@ -446,7 +447,7 @@ int plugin_probe_once(qkeep_plugin *plugin, const char **msg);
 /* The host table handed to every backend. */
 const struct qkeep_host *host_table(void);
 
-/* ---- model (model.c) -------------------------------------------------------------------- */
+/* ---- loading: providers, staging, sources, the end of a layer's load (load.c) ------------ */
 
 /* One tensor a provider holds. */
 struct provided {
@@ -510,17 +511,19 @@ int validate_scales(qkeep_layer *layer);
 /* Normalisation then the backend's PWAL, once a layer has all its bytes. */
 int finish_layer(qkeep_layer *layer);
 
+/* ---- the model's state (model.c) ------------------------------------------------------ */
+
 /* Records the checkpoint the model's bytes now equal (NULL: none). */
 int model_set_source(qkeep_model *model, const char *path);
+/* Synchronises every device of the model's chain. */
+int model_sync(const qkeep_model *model);
+
+/* ---- the backend chain (chain.c) ------------------------------------------------------ */
 
 /* The backend table of the layer's owner, or NULL (host-only, or not yet chosen). */
 const struct qkeep_backend *layer_backend(const qkeep_layer *layer);
 /* The memory the layer's params live in (the host's while no owner is chosen). */
 const struct device *layer_device(const qkeep_layer *layer);
-/* Synchronises every device of the model's chain. */
-int model_sync(const qkeep_model *model);
-
-/* ---- the backend chain (chain.c) ------------------------------------------------------ */
 
 /*
  * Gives every layer of a freshly assembled model its owner: the first usable link
@@ -533,7 +536,5 @@ int chain_assign(qkeep_model *model, const char *where);
 /* Chooses the owner of a hand-built layer (qkeep_layer_add) when its first param, of
  * dtype first_dtype, is created. */
 int chain_assign_layer(qkeep_layer *layer, enum qkeep_dtype first_dtype);
-/* Creates the storage of a param planned without one (zero-filled, in its layer's memory). */
-int param_allocate(qkeep_param *p);
 
 #endif

@@ -13,43 +13,6 @@ static bool valid_spec(const struct qkeep_spec *spec) {
   return spec_bytes_checked(spec, &bytes);
 }
 
-int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind, const char *scheme,
-                    qkeep_layer **out) {
-  if (!model || !name || !*name || (unsigned)kind >= QKEEP_LAYER_KIND_COUNT)
-    return set_error(QKEEP_E_INVAL, "qkeep_layer_add: invalid argument");
-  if (qkeep_model_find_layer(model, name))
-    return set_error(QKEEP_E_EXISTS, "layer '%s' already exists", name);
-  int rc =
-      grow_array((void **)&model->layers, &model->cap_layers, model->n_layers + 1, sizeof *model->layers);
-  if (rc)
-    return rc;
-  qkeep_layer *layer = calloc(1, sizeof *layer);
-  if (!layer)
-    return set_error(QKEEP_E_NOMEM, "out of memory for layer '%s'", name);
-  layer->model = model;
-  layer->kind = kind;
-  layer->name = xstrdup(name);
-  layer->scheme = xstrdup(scheme ? scheme : "unquantized");
-  if (!layer->name || !layer->scheme) {
-    layer_destroy(layer);
-    return set_error(QKEEP_E_NOMEM, "out of memory for layer '%s'", name);
-  }
-  layer->dims.size = sizeof layer->dims;
-  layer->dims.name = layer->name;
-  layer->dims.scheme = layer->scheme;
-  layer->dims.kind = kind;
-  layer->dims.shards = 1;
-  layer->first_dtype = -1;
-  if ((rc = name_index_put(&model->layer_index, layer->name, model->n_layers, NULL)) != 0) {
-    layer_destroy(layer);
-    return rc;
-  }
-  model->layers[model->n_layers++] = layer;
-  if (out)
-    *out = layer;
-  return 0;
-}
-
 int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out) {
   if (!layer || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_layer_get_info: NULL argument");
@@ -120,7 +83,7 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
   if (!rc && !layer->owner && !layer->model->planning)
     rc = chain_assign_layer(layer, spec->dtype);
   if (!rc && layer->owner)
-    rc = param_allocate(p);
+    rc = storage_new(layer_device(layer), p->create_bytes, &p->view.storage);
   if (!rc)
     rc = layer_register(layer, name, p, NULL);
   if (rc) {
@@ -134,11 +97,6 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
   if (out)
     *out = p;
   return 0;
-}
-
-int param_allocate(qkeep_param *p) {
-  assert(!p->view.storage && p->layer->owner);
-  return storage_new(layer_device(p->layer), p->create_bytes, &p->view.storage);
 }
 
 /* The layer's position in its model. */

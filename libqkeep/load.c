@@ -14,12 +14,6 @@
 #include "numeric.h"
 #include "scheme.h"
 
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 void staging_free(struct staging *s) {
   free(s->data);
   free(s->compare);

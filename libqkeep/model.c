@@ -58,14 +58,6 @@ int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out) {
   return qkeep_model_new_chain(plugin ? &plugin : NULL, plugin ? 1 : 0, out);
 }
 
-const struct qkeep_backend *layer_backend(const qkeep_layer *layer) {
-  return layer->owner && layer->owner->plugin ? layer->owner->plugin->be : NULL;
-}
-
-const struct device *layer_device(const qkeep_layer *layer) {
-  return layer->owner ? &layer->owner->dev : host_device();
-}
-
 int model_sync(const qkeep_model *model) {
   for (size_t i = 0; i < model->n_owners; i++)
     if (model->owners[i].layers) {
@@ -229,6 +221,52 @@ qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name) 
 const struct source_ref *model_find_source(const qkeep_model *model, const char *name) {
   size_t at;
   return name_index_get(&model->source_index, name, &at) ? &model->source_refs[at] : NULL;
+}
+
+int model_set_source(qkeep_model *model, const char *path) {
+  char *copy = NULL;
+  if (path && !(copy = xstrdup(path)))
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  free(model->source_path);
+  model->source_path = copy;
+  return 0;
+}
+
+int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind, const char *scheme,
+                    qkeep_layer **out) {
+  if (!model || !name || !*name || (unsigned)kind >= QKEEP_LAYER_KIND_COUNT)
+    return set_error(QKEEP_E_INVAL, "qkeep_layer_add: invalid argument");
+  if (qkeep_model_find_layer(model, name))
+    return set_error(QKEEP_E_EXISTS, "layer '%s' already exists", name);
+  int rc =
+      grow_array((void **)&model->layers, &model->cap_layers, model->n_layers + 1, sizeof *model->layers);
+  if (rc)
+    return rc;
+  qkeep_layer *layer = calloc(1, sizeof *layer);
+  if (!layer)
+    return set_error(QKEEP_E_NOMEM, "out of memory for layer '%s'", name);
+  layer->model = model;
+  layer->kind = kind;
+  layer->name = xstrdup(name);
+  layer->scheme = xstrdup(scheme ? scheme : "unquantized");
+  if (!layer->name || !layer->scheme) {
+    layer_destroy(layer);
+    return set_error(QKEEP_E_NOMEM, "out of memory for layer '%s'", name);
+  }
+  layer->dims.size = sizeof layer->dims;
+  layer->dims.name = layer->name;
+  layer->dims.scheme = layer->scheme;
+  layer->dims.kind = kind;
+  layer->dims.shards = 1;
+  layer->first_dtype = -1;
+  if ((rc = name_index_put(&model->layer_index, layer->name, model->n_layers, NULL)) != 0) {
+    layer_destroy(layer);
+    return rc;
+  }
+  model->layers[model->n_layers++] = layer;
+  if (out)
+    *out = layer;
+  return 0;
 }
 
 const char *qkeep_layer_backend(const qkeep_layer *layer) {

@@ -21,21 +21,6 @@
 
 #include "scheme.h"
 
-int model_set_source(qkeep_model *model, const char *path) {
-  char *copy = NULL;
-  if (path && !(copy = xstrdup(path)))
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  free(model->source_path);
-  model->source_path = copy;
-  return 0;
-}
-
-static double now_seconds(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* ---- the in-memory provider (named buffers from the caller) -------------------------- */
 
 struct buffers {

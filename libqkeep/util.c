@@ -2,6 +2,7 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -83,4 +84,10 @@ bool spec_bytes_checked(const struct qkeep_spec *spec, size_t *bytes) {
     return false;
   *bytes = (bits + 7) / 8;
   return true;
+}
+
+double now_seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
