@@ -57,7 +57,6 @@ static struct qkeep_spec eval_spec(const struct param_template *t, enum qkeep_dt
 /* The per-layer facts scheme_create gathers before creating anything. */
 struct layout {
   const struct scheme *sch;
-  const char *prefix;
   const struct module *const *modules;
   int experts; /* 0: a linear layer (no leading expert dim) */
   int shards;
@@ -214,7 +213,7 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
   if (n_shards < 1 || n_shards > 8 || n_experts < 0)
     return set_error(QKEEP_E_INVAL, "%s: %d shards, %d experts", layer->name, n_shards, n_experts);
   struct layout L = {
-      .sch = sch, .prefix = prefix, .modules = modules, .experts = n_experts, .shards = n_shards};
+      .sch = sch, .modules = modules, .experts = n_experts, .shards = n_shards};
   size_t n_params = sch->n_params;
   const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
   int rc = gather_dims(&L, qc);

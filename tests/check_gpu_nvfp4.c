@@ -517,7 +517,7 @@ START_TEST(routed_moe) {
   void *d_ids = to_device(ids, sizeof ids), *d_w = to_device(weights, sizeof weights);
   void *dx13 = to_device(x13, sizeof x13), *dy13 = to_device(y13, sizeof y13);
   void *dx2 = to_device(x2, sizeof x2), *dy2 = to_device(y2, sizeof y2);
-  struct nvfp4_apply_args a = {.size = sizeof a,
+  struct qkeep_apply_args a = {.size = sizeof a,
                                .m = T,
                                .x = dx13,
                                .x_dtype = QKEEP_DTYPE_F32,

@@ -26,6 +26,9 @@ INI
 
 "$qkeep" version >"$tmp/out" 2>&1; check "version exits 0" test $? -eq 0
 check "version text" contains "$tmp/out" "plugin ABI 1.1"
+abi=$(sed -n 's/^backend_abi=//p' "$build/qkeep.pc")
+check "qkeep.pc exports the ABI the core has" contains "$tmp/out" "plugin ABI $abi)"
+check "qkeep-backend.pc exports it too" grep -qx "backend_abi=$abi" "$build/qkeep-backend.pc"
 
 "$qkeep" -c "$tmp/qkeep.ini" plugins >"$tmp/out" 2>&1; check "plugins exits 0" test $? -eq 0
 check "plugins lists reference" contains "$tmp/out" "reference"

@@ -527,9 +527,8 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   int rc = use_device(c);
   if (rc)
     return rc;
-  /* The appended fields (cuda_nvfp4.h) count only when the caller's struct has them all. */
-  const struct nvfp4_apply_args *ext =
-      args->size >= sizeof(struct nvfp4_apply_args) ? (const struct nvfp4_apply_args *)args : NULL;
+  /* The routed-MoE fields and the stream were appended: they count only when the caller's struct has them. */
+  const struct qkeep_apply_args *ext = args->size >= sizeof(struct qkeep_apply_args) ? args : NULL;
   void *stream = ext ? ext->stream : NULL;
   int err;
   if (st->dense) {

@@ -154,9 +154,6 @@ int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias, en
                    int64_t n, int64_t k, int64_t m, const void *x, enum qkeep_dtype x_dtype, void *y,
                    enum qkeep_dtype y_dtype, void *stream);
 
-/* The routed-MoE fields are part of struct qkeep_apply_args (topk, topk_ids, topk_weights,
- * stream); this name stays for the backend's and the GPU test's code. */
-#define nvfp4_apply_args qkeep_apply_args
 
 #ifdef __cplusplus
 }
