@@ -208,12 +208,82 @@ static int add_sources(qkeep_layer *layer, const struct layout *L, const struct 
   return 0;
 }
 
+/* A tensor no template names would be silently dropped: refuse it. */
+static int check_known_tensors(const qkeep_layer *layer, const struct layout *L,
+                               const struct param_template *params, size_t n_params) {
+  int experts = L->experts ? L->experts : 1;
+  for (int i = 0; i < experts * L->shards; i++)
+    for (size_t j = 0; j < L->modules[i]->n; j++) {
+      size_t t = 0;
+      while (t < n_params && strcmp(params[t].name, L->modules[i]->local[j]) != 0)
+        t++;
+      if (t == n_params)
+        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is not part of scheme %s (layer %s)",
+                         L->modules[i]->tensors[j]->file->path, L->modules[i]->tensors[j]->t->name,
+                         L->sch->name, layer->name);
+    }
+  return 0;
+}
+
+/* Every tensor of every template in every shard and expert: present (unless optional in all),
+ * the template's dtype and shape, one dtype across shards. Runs before anything is created. */
+static int check_templates(const qkeep_layer *layer, const struct layout *L,
+                           const struct param_template *params, size_t n_params) {
+  int experts = L->experts ? L->experts : 1;
+  for (size_t i = 0; i < n_params; i++) {
+    const struct param_template *t = &params[i];
+    int present = 0;
+    for (int e = 0; e < experts; e++)
+      for (int s = 0; s < L->shards; s++)
+        present += module_tensor(module_at(L, e, s), t->name) != NULL;
+    if (present == 0 && t->optional)
+      continue;
+    for (int e = 0; e < experts; e++)
+      for (int s = 0; s < L->shards; s++) {
+        const struct module *m = module_at(L, e, s);
+        const struct ckpt_tensor *ct = module_tensor(m, t->name);
+        enum qkeep_dtype dtype;
+        if (!ct)
+          return set_error(QKEEP_E_FORMAT, "checkpoint has no tensor '%s.%s' (scheme %s, layer %s)", m->name,
+                           t->name, L->sch->name, layer->name);
+        int rc = check_tensor(L, t, ct, L->shard_n[s], &dtype);
+        if (rc)
+          return rc;
+        if (ct->t->dtype != module_tensor(module_at(L, 0, 0), t->name)->t->dtype)
+          return set_error(QKEEP_E_FORMAT, "tensor '%s': dtype %s differs from the other shards'",
+                           ct->t->name, ct->t->dtype_name);
+      }
+  }
+  return 0;
+}
+
+/* One loader param per template the checkpoint has, named prefix + template, with its sources. */
+static int create_params(qkeep_layer *layer, const struct layout *L, const struct param_template *params,
+                         size_t n_params, const char *prefix) {
+  int rc = 0;
+  for (size_t i = 0; i < n_params && !rc; i++) {
+    const struct param_template *t = &params[i];
+    const struct ckpt_tensor *first = module_tensor(module_at(L, 0, 0), t->name);
+    if (!first)
+      continue;
+    char name[128]; /* a fixed prefix ("", "w13_", "w2_") and a template name of the code's own */
+    snprintf(name, sizeof name, "%s%s", prefix, t->name);
+    struct qkeep_spec spec = param_spec(L, t, (enum qkeep_dtype)first->t->dtype, first);
+    qkeep_param *p;
+    rc = qkeep_param_create(layer, name, &spec, &p);
+    if (!rc) {
+      p->scale = t->scale;
+      rc = add_sources(layer, L, t, p);
+    }
+  }
+  return rc;
+}
+
 int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct quant_config *qc,
                   const char *prefix, const struct module *const *modules, int n_experts, int n_shards) {
   if (n_shards < 1 || n_shards > 8 || n_experts < 0)
     return set_error(QKEEP_E_INVAL, "%s: %d shards, %d experts", layer->name, n_shards, n_experts);
-  struct layout L = {
-      .sch = sch, .modules = modules, .experts = n_experts, .shards = n_shards};
+  struct layout L = {.sch = sch, .modules = modules, .experts = n_experts, .shards = n_shards};
   size_t n_params = sch->n_params;
   const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
   int rc = gather_dims(&L, qc);
@@ -222,58 +292,9 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
   if (qc && qc->group_size > 0 && L.g > 0 && L.g != qc->group_size && strcmp(sch->name, "unquantized") != 0)
     return set_error(QKEEP_E_FORMAT, "layer %s: tensors imply group size %lld, the config says %lld",
                      layer->name, (long long)L.g, (long long)qc->group_size);
-  int experts = n_experts ? n_experts : 1;
-  /* A tensor no template names would be silently dropped: refuse it. */
-  for (int i = 0; i < experts * n_shards; i++)
-    for (size_t j = 0; j < modules[i]->n; j++) {
-      size_t t = 0;
-      while (t < n_params && strcmp(params[t].name, modules[i]->local[j]) != 0)
-        t++;
-      if (t == n_params)
-        return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is not part of scheme %s (layer %s)",
-                         modules[i]->tensors[j]->file->path, modules[i]->tensors[j]->t->name, sch->name,
-                         layer->name);
-    }
-  /* Check every tensor of every template first, so a bad checkpoint creates nothing. */
-  for (size_t i = 0; i < n_params; i++) {
-    const struct param_template *t = &params[i];
-    int present = 0;
-    for (int e = 0; e < experts; e++)
-      for (int s = 0; s < n_shards; s++)
-        present += module_tensor(module_at(&L, e, s), t->name) != NULL;
-    if (present == 0 && t->optional)
-      continue;
-    for (int e = 0; e < experts; e++)
-      for (int s = 0; s < n_shards; s++) {
-        const struct module *m = module_at(&L, e, s);
-        const struct ckpt_tensor *ct = module_tensor(m, t->name);
-        enum qkeep_dtype dtype;
-        if (!ct)
-          return set_error(QKEEP_E_FORMAT, "checkpoint has no tensor '%s.%s' (scheme %s, layer %s)", m->name,
-                           t->name, sch->name, layer->name);
-        if ((rc = check_tensor(&L, t, ct, L.shard_n[s], &dtype)))
-          return rc;
-        if (ct->t->dtype != module_tensor(module_at(&L, 0, 0), t->name)->t->dtype)
-          return set_error(QKEEP_E_FORMAT, "tensor '%s': dtype %s differs from the other shards'",
-                           ct->t->name, ct->t->dtype_name);
-      }
-  }
-  for (size_t i = 0; i < n_params && !rc; i++) {
-    const struct param_template *t = &params[i];
-    const struct ckpt_tensor *first = module_tensor(module_at(&L, 0, 0), t->name);
-    if (!first)
-      continue;
-    char name[128];
-    snprintf(name, sizeof name, "%s%s", prefix, t->name);
-    struct qkeep_spec spec = param_spec(&L, t, (enum qkeep_dtype)first->t->dtype, first);
-    qkeep_param *p;
-    rc = qkeep_param_create(layer, name, &spec, &p);
-    if (!rc) {
-      p->scale = t->scale;
-      rc = add_sources(layer, &L, t, p);
-    }
-  }
-  if (rc)
+  if ((rc = check_known_tensors(layer, &L, params, n_params)) ||
+      (rc = check_templates(layer, &L, params, n_params)) ||
+      (rc = create_params(layer, &L, params, n_params, prefix)))
     return rc;
   /* An MoE layer's dims are w13's ([2I, H], shards gate and up); w2 is [H, I]. */
   if (strcmp(prefix, "w2_") != 0) {
