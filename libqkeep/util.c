@@ -5,6 +5,7 @@
 #include <time.h>
 
 #include "internal.h"
+#include "qkeep_backend_util.h"
 
 char *xstrdup(const char *s) {
   if (!s)
@@ -31,14 +32,7 @@ int grow_array(void **array, size_t *cap, size_t need, size_t elem_size) {
   return 0;
 }
 
-bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) {
-  if (a->dtype != b->dtype || a->ndim != b->ndim)
-    return false;
-  for (int i = 0; i < a->ndim; i++)
-    if (a->shape[i] != b->shape[i])
-      return false;
-  return true;
-}
+bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b) { return qkeep_be_spec_equal(a, b); }
 
 const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len) {
   size_t used = 0;
