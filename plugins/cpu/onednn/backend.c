@@ -254,6 +254,30 @@ static int int8_static_zero_points(const struct od_backend *b, qkeep_layer *laye
   return 0;
 }
 
+/*
+ * Packs every expert's weight (plain_bytes each, of dtype dt, from the checkpoint view at `from`)
+ * into one result of `spec`, then replaces the weight with it: into the param's own storage when
+ * it fits, so a reload packs in place.
+ */
+static int pack_and_replace(struct od_backend *b, qkeep_layer *layer, struct od_layer *st,
+                            struct od_matrix *mt, enum qkeep_dtype dt, const void *from, size_t plain_bytes,
+                            const struct qkeep_spec *spec) {
+  qkeep_tensor *t;
+  int rc = b->host->tensor_new(layer, spec, &t);
+  if (rc)
+    return rc;
+  unsigned char *packed = b->host->tensor_data(t);
+  for (int64_t e = 0; !rc && e < mt->experts; e++)
+    rc = od_pack(b, st->stream, mt, dt, (const unsigned char *)from + (size_t)e * plain_bytes,
+                 packed + (size_t)e * mt->wbytes);
+  if (rc) {
+    b->host->tensor_free(t);
+    return rc;
+  }
+  char name[64];
+  return b->host->replace(layer, pname(name, sizeof name, mt, "weight"), t);
+}
+
 static int pwal_int8(struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
                      struct od_layer *st, struct od_matrix *mt) {
   struct qkeep_view w;
@@ -271,21 +295,8 @@ static int pwal_int8(struct od_backend *b, qkeep_layer *layer, const struct qkee
       (rc = int8_colsums(b, layer, moe, mt, w.data)) || (rc = int8_scales(b, layer, info, mt)) ||
       (rc = int8_static_zero_points(b, layer, info, mt)))
     return rc;
-  /* Pack every expert into one result, then replace: into the param's own storage when it fits. */
   struct qkeep_spec spec = per_expert_spec(mt, moe, QKEEP_DTYPE_I8, (int64_t)mt->wbytes);
-  qkeep_tensor *t;
-  if ((rc = b->host->tensor_new(layer, &spec, &t)))
-    return rc;
-  unsigned char *packed = b->host->tensor_data(t);
-  for (int64_t e = 0; !rc && e < mt->experts; e++)
-    rc = od_pack(b, st->stream, mt, QKEEP_DTYPE_I8, (const int8_t *)w.data + e * mt->n * mt->k,
-                 packed + (size_t)e * mt->wbytes);
-  if (rc) {
-    b->host->tensor_free(t);
-    return rc;
-  }
-  char name[64];
-  return b->host->replace(layer, pname(name, sizeof name, mt, "weight"), t);
+  return pack_and_replace(b, layer, st, mt, QKEEP_DTYPE_I8, w.data, (size_t)(mt->n * mt->k), &spec);
 }
 
 static int pwal_float(struct od_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
@@ -318,19 +329,7 @@ static int pwal_float(struct od_backend *b, qkeep_layer *layer, const struct qke
     return rc ? rc : od_pack(b, st->stream, mt, dt, w.data, buf.data);
   }
   mt->store = OD_IN_WEIGHT;
-  qkeep_tensor *t;
-  if ((rc = b->host->tensor_new(layer, &spec, &t)))
-    return rc;
-  unsigned char *packed = b->host->tensor_data(t);
-  for (int64_t e = 0; !rc && e < mt->experts; e++)
-    rc = od_pack(b, st->stream, mt, dt, (const unsigned char *)w.data + (size_t)e * plain_bytes,
-                 packed + (size_t)e * mt->wbytes);
-  if (rc) {
-    b->host->tensor_free(t);
-    return rc;
-  }
-  char name[64];
-  return b->host->replace(layer, pname(name, sizeof name, mt, "weight"), t);
+  return pack_and_replace(b, layer, st, mt, dt, w.data, plain_bytes, &spec);
 }
 
 /* The layer's state, created on the first PWAL; a later PWAL (reload) frees its primitives. */
