@@ -131,7 +131,7 @@ static int zentorch_supports_layer(const struct qkeep_backend *be, const struct 
   int64_t ks[2] = {info->k, moe ? info->n / 2 : info->k};
   for (int i = 0; i < 2; i++) {
     int64_t g = info->group_size ? info->group_size : ks[i];
-    if (ks[i] % 8 || info->n % 8 || g % 8 || ks[i] % g) {
+    if (ks[i] % 8 || info->n % 8 || g % 8 || (g > 0 && ks[i] % g)) {
       snprintf(reason, reason_len, "K %lld, N %lld, group %lld: needs K, N and the group size multiples of 8",
                (long long)ks[i], (long long)info->n, (long long)g);
       return 0;

@@ -91,7 +91,85 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
       _mm512_mask_storeu_ps(g->y + (m + r) * g->n + col0 + 16 * v, mask[v], acc[r][v]);
 }
 
+/*
+ * Many rows: each group of a block is decoded once into f32 codes in `dec` (words x 4 x 8
+ * vectors, in L1 for groups of 128), then every tile of ZT_MR_DEC rows multiplies with it;
+ * the f32 accumulators live in y between groups.
+ */
+#define ZT_MR_DEC 4
+
+ALWAYS_INLINE void w4a16_decoded_tile(const struct zt_gemm *g, const __m512 *dec, int64_t m, int mr, int64_t b,
+                                      int64_t grp, const __mmask16 *mask) {
+  int64_t col0 = b * ZT_BLOCK_N, words = g->k / 8 / g->groups;
+  __m512 part[ZT_MR_DEC][ZT_NV];
+  for (int r = 0; r < mr; r++)
+    for (int v = 0; v < ZT_NV; v++)
+      part[r][v] = _mm512_setzero_ps();
+  for (int64_t kw = 0; kw < words; kw++) {
+    const float *x = g->x + m * g->k + (grp * words + kw) * 8;
+    for (int v = 0; v < ZT_NV; v++)
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++) {
+        __m512 c = dec[(kw * ZT_NV + v) * 8 + j];
+        for (int r = 0; r < mr; r++)
+          part[r][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * g->k + j]), part[r][v]);
+      }
+  }
+  for (int v = 0; v < ZT_NV; v++) {
+    __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);
+    __m512 z = _mm512_cvtepi32_ps(
+        load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
+    for (int r = 0; r < mr; r++) {
+      float *y = g->y + (m + r) * g->n + col0 + 16 * v;
+      __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
+      __m512 prev = grp ? _mm512_maskz_loadu_ps(mask[v], y) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(y, mask[v], _mm512_fmadd_ps(t, s, prev));
+    }
+  }
+}
+
+static void w4a16_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, __m512 *dec) {
+  int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;
+  const int32_t *codes = g->codes + col0 * (g->k / 8);
+  int64_t words = g->k / 8 / g->groups;
+  __mmask16 mask[ZT_NV];
+  for (int v = 0; v < ZT_NV; v++)
+    mask[v] = lane_mask(width, v);
+  const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
+  for (int64_t grp = 0; grp < g->groups; grp++) {
+    for (int64_t kw = 0; kw < words; kw++)
+      for (int v = 0; v < ZT_NV; v++) {
+        __m512i w = _mm512_maskz_loadu_epi32(mask[v], codes + (grp * words + kw) * width + 16 * v);
+        for (int j = 0; j < 8; j++)
+          dec[(kw * ZT_NV + v) * 8 + j] = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w, 4 * j), nib, flip));
+      }
+    int64_t m = m0;
+    for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)
+      w4a16_decoded_tile(g, dec, m, ZT_MR_DEC, b, grp, mask);
+    switch (m1 - m) {
+    case 3:
+      w4a16_decoded_tile(g, dec, m, 3, b, grp, mask);
+      break;
+    case 2:
+      w4a16_decoded_tile(g, dec, m, 2, b, grp, mask);
+      break;
+    case 1:
+      w4a16_decoded_tile(g, dec, m, 1, b, grp, mask);
+      break;
+    }
+  }
+}
+
 void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  if (m1 - m0 >= ZT_MR_DEC) {
+    __m512 *dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * ZT_NV * 8 * sizeof *dec, 64);
+    if (dec) {
+      for (int64_t b = b0; b < b1; b++)
+        w4a16_decoded(g, m0, m1, b, dec);
+      _mm_free(dec);
+      return;
+    }
+  }
   for (int64_t b = b0; b < b1; b++)
     for (int64_t m = m0; m < m1; m += ZT_MR) {
       if (m1 - m >= 2)
@@ -153,33 +231,106 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     }                                                                                                      \
   }
 
+/* Many rows: each group of a block decoded once into u8 code vectors (lo, hi per word and vector). */
+#define DA8W4_DECODED(NAME, ATTR, DOT)                                                                    \
+  ATTR ALWAYS_INLINE void NAME##_tile(const struct zt_gemm *g, const __m512i *dec, int64_t m, int mr,       \
+                                      int64_t b, int64_t grp, const __mmask16 *mask) {                     \
+    int64_t col0 = b * ZT_BLOCK_N, words = g->k / 8 / g->groups;                                           \
+    const __m512i ones = _mm512_set1_epi16(1);                                                             \
+    (void)ones;                                                                                            \
+    __m512i part[ZT_MR_DEC][ZT_NV];                                                                        \
+    for (int r = 0; r < mr; r++)                                                                           \
+      for (int v = 0; v < ZT_NV; v++)                                                                      \
+        part[r][v] = _mm512_setzero_si512();                                                               \
+    for (int64_t kw = 0; kw < words; kw++) {                                                               \
+      const int32_t *xq = g->xq + m * (g->k / 4) + 2 * (grp * words + kw);                                 \
+      for (int v = 0; v < ZT_NV; v++) {                                                                    \
+        __m512i lo = dec[(kw * ZT_NV + v) * 2], hi = dec[(kw * ZT_NV + v) * 2 + 1];                        \
+        for (int r = 0; r < mr; r++)                                                                       \
+          DOT(part[r][v], lo, hi, _mm512_set1_epi32(xq[r * (g->k / 4)]),                                  \
+              _mm512_set1_epi32(xq[r * (g->k / 4) + 1]));                                                  \
+      }                                                                                                    \
+    }                                                                                                      \
+    bool last = grp == g->groups - 1;                                                                      \
+    for (int v = 0; v < ZT_NV; v++) {                                                                      \
+      __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);             \
+      __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]); \
+      for (int r = 0; r < mr; r++) {                                                                       \
+        float *y = g->y + (m + r) * g->n + col0 + 16 * v;                                                  \
+        __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                \
+        __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                               \
+        __m512 prev = grp ? _mm512_maskz_loadu_ps(mask[v], y) : _mm512_setzero_ps();                       \
+        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, prev);                                      \
+        if (last)                                                                                          \
+          acc = _mm512_mul_ps(acc, _mm512_set1_ps(g->xscale[m + r]));                                      \
+        _mm512_mask_storeu_ps(y, mask[v], acc);                                                            \
+      }                                                                                                    \
+    }                                                                                                      \
+  }                                                                                                        \
+  ATTR static void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, __m512i *dec) {        \
+    int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;            \
+    const int32_t *codes = g->codes + col0 * (g->k / 8);                                                   \
+    int64_t words = g->k / 8 / g->groups;                                                                  \
+    __mmask16 mask[ZT_NV];                                                                                 \
+    for (int v = 0; v < ZT_NV; v++)                                                                        \
+      mask[v] = lane_mask(width, v);                                                                       \
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808); \
+    for (int64_t grp = 0; grp < g->groups; grp++) {                                                        \
+      for (int64_t kw = 0; kw < words; kw++)                                                               \
+        for (int v = 0; v < ZT_NV; v++) {                                                                  \
+          __m512i w = _mm512_maskz_loadu_epi32(mask[v], codes + (grp * words + kw) * width + 16 * v);      \
+          dec[(kw * ZT_NV + v) * 2] = CODE(w, nib, flip);                                                  \
+          dec[(kw * ZT_NV + v) * 2 + 1] = CODE(_mm512_srli_epi32(w, 4), nib, flip);                        \
+        }                                                                                                  \
+      int64_t m = m0;                                                                                      \
+      for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)                                                          \
+        NAME##_tile(g, dec, m, ZT_MR_DEC, b, grp, mask);                                                   \
+      switch (m1 - m) {                                                                                    \
+      case 3:                                                                                              \
+        NAME##_tile(g, dec, m, 3, b, grp, mask);                                                           \
+        break;                                                                                             \
+      case 2:                                                                                              \
+        NAME##_tile(g, dec, m, 2, b, grp, mask);                                                           \
+        break;                                                                                             \
+      case 1:                                                                                              \
+        NAME##_tile(g, dec, m, 1, b, grp, mask);                                                           \
+        break;                                                                                             \
+      }                                                                                                    \
+    }                                                                                                      \
+  }
+
+/* The entry point of one DOT: the decoded path for many rows, direct tiles of ZT_MR rows for few. */
+#define DA8W4_ENTRY(NAME, ATTR, TILE, DECODED)                                                             \
+  ATTR void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {                \
+    if (m1 - m0 >= ZT_MR_DEC) {                                                                            \
+      __m512i *dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * ZT_NV * 2 * sizeof *dec, 64);             \
+      if (dec) {                                                                                           \
+        for (int64_t b = b0; b < b1; b++)                                                                  \
+          DECODED(g, m0, m1, b, dec);                                                                      \
+        _mm_free(dec);                                                                                     \
+        return;                                                                                            \
+      }                                                                                                    \
+    }                                                                                                      \
+    for (int64_t b = b0; b < b1; b++)                                                                      \
+      for (int64_t m = m0; m < m1; m += ZT_MR) {                                                           \
+        if (m1 - m >= 2)                                                                                   \
+          TILE(g, m, 2, b);                                                                                \
+        else                                                                                               \
+          TILE(g, m, 1, b);                                                                                \
+      }                                                                                                    \
+  }
+
 /* Without VNNI: u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, and 4 of them per lane pair
  * after adding lo and hi: no saturation), then pairs of int16 into int32. */
 #define DOT_BW(acc, lo, hi, xe, xo)                                                                       \
   acc = _mm512_add_epi32(                                                                                  \
       acc, _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)), ones))
 DA8W4_TILE(da8w4_tile_bw, , DOT_BW)
-
-void zt_da8w4_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b++)
-    for (int64_t m = m0; m < m1; m += ZT_MR) {
-      if (m1 - m >= 2)
-        da8w4_tile_bw(g, m, 2, b);
-      else
-        da8w4_tile_bw(g, m, 1, b);
-    }
-}
+DA8W4_DECODED(da8w4_decoded_bw, , DOT_BW)
+DA8W4_ENTRY(zt_da8w4_avx512, , da8w4_tile_bw, da8w4_decoded_bw)
 
 #define DOT_VNNI(acc, lo, hi, xe, xo) acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo)
-DA8W4_TILE(da8w4_tile_vnni, __attribute__((target("avx512vnni"))), DOT_VNNI)
-
-__attribute__((target("avx512vnni"))) void zt_da8w4_avx512_vnni(const struct zt_gemm *g, int64_t m0, int64_t m1,
-                                                                 int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; b++)
-    for (int64_t m = m0; m < m1; m += ZT_MR) {
-      if (m1 - m >= 2)
-        da8w4_tile_vnni(g, m, 2, b);
-      else
-        da8w4_tile_vnni(g, m, 1, b);
-    }
-}
+#define VNNI __attribute__((target("avx512vnni")))
+DA8W4_TILE(da8w4_tile_vnni, VNNI, DOT_VNNI)
+DA8W4_DECODED(da8w4_decoded_vnni, VNNI, DOT_VNNI)
+DA8W4_ENTRY(zt_da8w4_avx512_vnni, VNNI, da8w4_tile_vnni, da8w4_decoded_vnni)
