@@ -12,7 +12,7 @@
 void zt_quantise_row(const float *x, int64_t k, int64_t groups, int32_t *xq, int32_t *xsum, float *a) {
   float amax = 0.0f;
   for (int64_t i = 0; i < k; i++)
-    amax = fmaxf(amax, fabsf(x[i]));
+    amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
   float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   *a = amax / 127.0f;
   int64_t per_group = k / groups;

@@ -40,38 +40,38 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
   int64_t words = g->k / 8 / g->groups;
   const __m256i nib = _mm256_set1_epi32(0xf), flip = _mm256_set1_epi32(g->zeros ? 0 : 8);
   __m256 acc[ZT_MR][ZT_NV];
-  for (int r = 0; r < mr; r++)
-    for (int v = 0; v < nv; v++)
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
       acc[r][v] = _mm256_setzero_ps();
   for (int64_t grp = 0; grp < g->groups; grp++) {
     __m256 part[ZT_MR][ZT_NV];
-    for (int r = 0; r < mr; r++)
-      for (int v = 0; v < nv; v++)
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
         part[r][v] = _mm256_setzero_ps();
     for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
       const int32_t *row = codes + kw * width;
-      for (int v = 0; v < nv; v++) {
+      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * v));
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
           __m256 c = _mm256_cvtepi32_ps(_mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4 * j), nib), flip));
-          for (int r = 0; r < mr; r++)
+          _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
             part[r][v] = _mm256_fmadd_ps(c, _mm256_set1_ps(g->x[(m + r) * g->k + kw * 8 + j]), part[r][v]);
         }
       }
     }
-    for (int v = 0; v < nv; v++) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
       int64_t col = col0 + c0 + 8 * v;
       __m256 s = load_scales(g->scales + grp * g->n + col, g->scales_bf16);
       __m256 z = _mm256_cvtepi32_ps(load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col));
-      for (int r = 0; r < mr; r++) {
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
         __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
         acc[r][v] = _mm256_fmadd_ps(t, s, acc[r][v]);
       }
     }
   }
-  for (int r = 0; r < mr; r++)
-    for (int v = 0; v < nv; v++)
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
       _mm256_storeu_ps(g->y + (m + r) * g->n + col0 + c0 + 8 * v, acc[r][v]);
 }
 
@@ -82,21 +82,21 @@ ALWAYS_INLINE void da8w4_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
   const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), flip = _mm256_set1_epi32(g->zeros ? 0 : 0x08080808);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[ZT_MR][ZT_NV];
-  for (int r = 0; r < mr; r++)
-    for (int v = 0; v < nv; v++)
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
       acc[r][v] = _mm256_setzero_ps();
   for (int64_t grp = 0; grp < g->groups; grp++) {
     __m256i part[ZT_MR][ZT_NV];
-    for (int r = 0; r < mr; r++)
-      for (int v = 0; v < nv; v++)
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
         part[r][v] = _mm256_setzero_si256();
     for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
       const int32_t *row = codes + kw * width;
-      for (int v = 0; v < nv; v++) {
+      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * v));
         __m256i lo = _mm256_xor_si256(_mm256_and_si256(w, nib), flip);
         __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), nib), flip);
-        for (int r = 0; r < mr; r++) {
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
           const int32_t *xq = g->xq + (m + r) * (g->k / 4) + 2 * kw;
           __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[0])),
                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[1])));
@@ -104,20 +104,20 @@ ALWAYS_INLINE void da8w4_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
         }
       }
     }
-    for (int v = 0; v < nv; v++) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
       int64_t col = col0 + c0 + 8 * v;
       __m256 s = load_scales(g->scales + grp * g->n + col, g->scales_bf16);
       __m256i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col);
-      for (int r = 0; r < mr; r++) {
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
         __m256i xs = _mm256_set1_epi32(g->xsum[(m + r) * g->groups + grp]);
         __m256i t = _mm256_sub_epi32(part[r][v], _mm256_mullo_epi32(z, xs));
         acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, acc[r][v]);
       }
     }
   }
-  for (int r = 0; r < mr; r++) {
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
     __m256 a = _mm256_set1_ps(g->xscale[m + r]);
-    for (int v = 0; v < nv; v++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
       _mm256_storeu_ps(g->y + (m + r) * g->n + col0 + c0 + 8 * v, _mm256_mul_ps(acc[r][v], a));
   }
 }

@@ -52,42 +52,44 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
   const int32_t *codes = g->codes + col0 * (g->k / 8);
   int64_t words = g->k / 8 / g->groups;
   __mmask16 mask[ZT_NV];
-  for (int v = 0; v < ZT_NV; v++)
+  _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
     mask[v] = lane_mask(width, v);
   const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
   __m512 acc[ZT_MR][ZT_NV];
-  for (int r = 0; r < mr; r++)
-    for (int v = 0; v < ZT_NV; v++)
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
       acc[r][v] = _mm512_setzero_ps();
   for (int64_t grp = 0; grp < g->groups; grp++) {
     __m512 part[ZT_MR][ZT_NV];
-    for (int r = 0; r < mr; r++)
-      for (int v = 0; v < ZT_NV; v++)
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
         part[r][v] = _mm512_setzero_ps();
     for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
       const int32_t *row = codes + kw * width;
-      for (int v = 0; v < ZT_NV; v++) {
-        __m512i w = _mm512_maskz_loadu_epi32(mask[v], row + 16 * v);
+      __m512i w[ZT_NV];
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
+        w[v] = _mm512_maskz_loadu_epi32(mask[v], row + 16 * v);
+      /* j outermost: consecutive multiply-adds go to independent accumulators */
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) {
-          __m512 c = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w, 4 * j), nib, flip));
-          for (int r = 0; r < mr; r++)
+      for (int j = 0; j < 8; j++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {
+          __m512 c = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w[v], 4 * j), nib, flip));
+          _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
             part[r][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(g->x[(m + r) * g->k + kw * 8 + j]), part[r][v]);
         }
-      }
     }
-    for (int v = 0; v < ZT_NV; v++) {
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {
       __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);
       __m512 z = _mm512_cvtepi32_ps(load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL,
                                                col0 + 16 * v, g->n, mask[v]));
-      for (int r = 0; r < mr; r++) {
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
         __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
         acc[r][v] = _mm512_fmadd_ps(t, s, acc[r][v]);
       }
     }
   }
-  for (int r = 0; r < mr; r++)
-    for (int v = 0; v < ZT_NV; v++)
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
       _mm512_mask_storeu_ps(g->y + (m + r) * g->n + col0 + 16 * v, mask[v], acc[r][v]);
 }
 
@@ -102,24 +104,24 @@ ALWAYS_INLINE void w4a16_decoded_tile(const struct zt_gemm *g, const __m512 *dec
                                       int64_t grp, const __mmask16 *mask) {
   int64_t col0 = b * ZT_BLOCK_N, words = g->k / 8 / g->groups;
   __m512 part[ZT_MR_DEC][ZT_NV];
-  for (int r = 0; r < mr; r++)
-    for (int v = 0; v < ZT_NV; v++)
+  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
       part[r][v] = _mm512_setzero_ps();
   for (int64_t kw = 0; kw < words; kw++) {
     const float *x = g->x + m * g->k + (grp * words + kw) * 8;
-    for (int v = 0; v < ZT_NV; v++)
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < 8; j++)
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {
         __m512 c = dec[(kw * ZT_NV + v) * 8 + j];
-        for (int r = 0; r < mr; r++)
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
           part[r][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * g->k + j]), part[r][v]);
       }
   }
-  for (int v = 0; v < ZT_NV; v++) {
+  _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {
     __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);
     __m512 z = _mm512_cvtepi32_ps(
         load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
-    for (int r = 0; r < mr; r++) {
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
       float *y = g->y + (m + r) * g->n + col0 + 16 * v;
       __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
       __m512 prev = grp ? _mm512_maskz_loadu_ps(mask[v], y) : _mm512_setzero_ps();
@@ -133,12 +135,12 @@ static void w4a16_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1, int64
   const int32_t *codes = g->codes + col0 * (g->k / 8);
   int64_t words = g->k / 8 / g->groups;
   __mmask16 mask[ZT_NV];
-  for (int v = 0; v < ZT_NV; v++)
+  _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)
     mask[v] = lane_mask(width, v);
   const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
   for (int64_t grp = 0; grp < g->groups; grp++) {
     for (int64_t kw = 0; kw < words; kw++)
-      for (int v = 0; v < ZT_NV; v++) {
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {
         __m512i w = _mm512_maskz_loadu_epi32(mask[v], codes + (grp * words + kw) * width + 16 * v);
         for (int j = 0; j < 8; j++)
           dec[(kw * ZT_NV + v) * 8 + j] = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w, 4 * j), nib, flip));
@@ -189,44 +191,44 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     const int32_t *codes = g->codes + col0 * (g->k / 8);                                                   \
     int64_t words = g->k / 8 / g->groups;                                                                  \
     __mmask16 mask[ZT_NV];                                                                                 \
-    for (int v = 0; v < ZT_NV; v++)                                                                        \
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)                                                                        \
       mask[v] = lane_mask(width, v);                                                                       \
     const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808); \
     const __m512i ones = _mm512_set1_epi16(1);                                                             \
     (void)ones;                                                                                            \
     __m512 acc[ZT_MR][ZT_NV];                                                                              \
-    for (int r = 0; r < mr; r++)                                                                           \
-      for (int v = 0; v < ZT_NV; v++)                                                                      \
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                                           \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)                                                                      \
         acc[r][v] = _mm512_setzero_ps();                                                                   \
     for (int64_t grp = 0; grp < g->groups; grp++) {                                                        \
       __m512i part[ZT_MR][ZT_NV];                                                                          \
-      for (int r = 0; r < mr; r++)                                                                         \
-        for (int v = 0; v < ZT_NV; v++)                                                                    \
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                                         \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)                                                                    \
           part[r][v] = _mm512_setzero_si512();                                                             \
       for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {                                       \
         const int32_t *row = codes + kw * width;                                                           \
-        for (int v = 0; v < ZT_NV; v++) {                                                                  \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                                  \
           __m512i w = _mm512_maskz_loadu_epi32(mask[v], row + 16 * v);                                     \
           __m512i lo = CODE(w, nib, flip), hi = CODE(_mm512_srli_epi32(w, 4), nib, flip);                  \
-          for (int r = 0; r < mr; r++) {                                                                   \
+          _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                                   \
             const int32_t *xq = g->xq + (m + r) * (g->k / 4) + 2 * kw;                                     \
             DOT(part[r][v], lo, hi, _mm512_set1_epi32(xq[0]), _mm512_set1_epi32(xq[1]));                   \
           }                                                                                                \
         }                                                                                                  \
       }                                                                                                    \
-      for (int v = 0; v < ZT_NV; v++) {                                                                    \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                                    \
         __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);           \
         __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]); \
-        for (int r = 0; r < mr; r++) {                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                                     \
           __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                              \
           __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                             \
           acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r][v]);                                \
         }                                                                                                  \
       }                                                                                                    \
     }                                                                                                      \
-    for (int r = 0; r < mr; r++) {                                                                         \
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                                         \
       __m512 a = _mm512_set1_ps(g->xscale[m + r]);                                                         \
-      for (int v = 0; v < ZT_NV; v++)                                                                      \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)                                                                      \
         _mm512_mask_storeu_ps(g->y + (m + r) * g->n + col0 + 16 * v, mask[v], _mm512_mul_ps(acc[r][v], a)); \
     }                                                                                                      \
   }
@@ -239,23 +241,23 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     const __m512i ones = _mm512_set1_epi16(1);                                                             \
     (void)ones;                                                                                            \
     __m512i part[ZT_MR_DEC][ZT_NV];                                                                        \
-    for (int r = 0; r < mr; r++)                                                                           \
-      for (int v = 0; v < ZT_NV; v++)                                                                      \
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                                           \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)                                                                      \
         part[r][v] = _mm512_setzero_si512();                                                               \
     for (int64_t kw = 0; kw < words; kw++) {                                                               \
       const int32_t *xq = g->xq + m * (g->k / 4) + 2 * (grp * words + kw);                                 \
-      for (int v = 0; v < ZT_NV; v++) {                                                                    \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                                    \
         __m512i lo = dec[(kw * ZT_NV + v) * 2], hi = dec[(kw * ZT_NV + v) * 2 + 1];                        \
-        for (int r = 0; r < mr; r++)                                                                       \
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                                       \
           DOT(part[r][v], lo, hi, _mm512_set1_epi32(xq[r * (g->k / 4)]),                                  \
               _mm512_set1_epi32(xq[r * (g->k / 4) + 1]));                                                  \
       }                                                                                                    \
     }                                                                                                      \
     bool last = grp == g->groups - 1;                                                                      \
-    for (int v = 0; v < ZT_NV; v++) {                                                                      \
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                                      \
       __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);             \
       __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]); \
-      for (int r = 0; r < mr; r++) {                                                                       \
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                                       \
         float *y = g->y + (m + r) * g->n + col0 + 16 * v;                                                  \
         __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                \
         __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                               \
@@ -272,12 +274,12 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     const int32_t *codes = g->codes + col0 * (g->k / 8);                                                   \
     int64_t words = g->k / 8 / g->groups;                                                                  \
     __mmask16 mask[ZT_NV];                                                                                 \
-    for (int v = 0; v < ZT_NV; v++)                                                                        \
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++)                                                                        \
       mask[v] = lane_mask(width, v);                                                                       \
     const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808); \
     for (int64_t grp = 0; grp < g->groups; grp++) {                                                        \
       for (int64_t kw = 0; kw < words; kw++)                                                               \
-        for (int v = 0; v < ZT_NV; v++) {                                                                  \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                                  \
           __m512i w = _mm512_maskz_loadu_epi32(mask[v], codes + (grp * words + kw) * width + 16 * v);      \
           dec[(kw * ZT_NV + v) * 2] = CODE(w, nib, flip);                                                  \
           dec[(kw * ZT_NV + v) * 2 + 1] = CODE(_mm512_srli_epi32(w, 4), nib, flip);                        \
