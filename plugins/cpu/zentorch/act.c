@@ -1,7 +1,6 @@
 /*
  * act.c: what apply computes from the activations before a GEMM (zentorch.h): the
- * da8w4 per-token int8 quantisation with its group sums, the w4a16 group sums, and the
- * f16 conversion of scales and biases. Plain C, vectorised by the compiler where it can;
+ * da8w4 per-token int8 quantisation with its group sums, and the w4a16 group sums. Plain C, vectorised by the compiler where it can;
  * the results must not depend on the instruction set, so no fused multiply-add is allowed
  * to form here (the file is built with -ffp-contract=off).
  */
@@ -45,10 +44,4 @@ void zt_group_sums(const float *x, int64_t k, int64_t groups, float *xsum) {
       s += x[g * per_group + i];
     xsum[g] = s;
   }
-}
-
-float zt_f16_to_f32(uint16_t h) {
-  int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  float v = exp == 0 ? ldexpf((float)man, -24) : exp == 31 ? (man ? NAN : INFINITY) : ldexpf((float)(man | 0x400), exp - 25);
-  return sign ? -v : v;
 }

@@ -111,6 +111,14 @@ static int zentorch_configure(const struct qkeep_backend *be, const char *key, c
   return b->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (cpu-zentorch takes mode, threads, isa)", key);
 }
 
+static const struct qkeep_backend_key zentorch_keys[] = {
+    {"mode", QKEEP_KEY_ENUM, "w4a16|da8w4", "w4a16",
+     "f32/bf16 activations (w4a16), or activations quantised per token to int8 with int32 accumulation (da8w4)"},
+    {"threads", QKEEP_KEY_INT, "1..4096", "all online cores", "OpenMP threads of the int4 kernels"},
+    {"isa", QKEEP_KEY_ENUM, "auto|avx2|avx512|avx512_vnni", "auto",
+     "the highest instruction set the kernels use (lower ones force a slower path; QKEEP_ZENTORCH_MAX_ISA too)"},
+};
+
 static bool int4_scheme(const char *scheme) {
   return strcmp(scheme, "gptq-int4") == 0 || strcmp(scheme, "awq-int4") == 0;
 }
@@ -153,12 +161,6 @@ static const char *pname(char *buf, size_t len, const struct zt_matrix *mt, cons
   return buf;
 }
 
-static int64_t spec_numel(const struct qkeep_spec *s) {
-  int64_t n = 1;
-  for (int i = 0; i < s->ndim; i++)
-    n *= s->shape[i];
-  return n;
-}
 
 /* The live view of `name`, of dtype `dtype` (or -1: f16/bf16) and exactly `numel` elements. */
 static int operand_view(const struct zt_backend *b, qkeep_layer *layer, const char *layer_name, const char *name,
@@ -169,10 +171,10 @@ static int operand_view(const struct zt_backend *b, qkeep_layer *layer, const ch
     return rc;
   bool dtype_ok = dtype >= 0 ? v->spec.dtype == (enum qkeep_dtype)dtype
                              : v->spec.dtype == QKEEP_DTYPE_F16 || v->spec.dtype == QKEEP_DTYPE_BF16;
-  if (v->state != QKEEP_PARAM_LIVE || !dtype_ok || spec_numel(&v->spec) != numel)
+  if (v->state != QKEEP_PARAM_LIVE || !dtype_ok || qkeep_be_spec_numel(&v->spec) != numel)
     return b->host->set_error(QKEEP_E_STATE,
                               "%s.%s: state %d, dtype %d, %lld elements; cpu-zentorch expects a live %s of %lld",
-                              layer_name, name, (int)v->state, (int)v->spec.dtype, (long long)spec_numel(&v->spec),
+                              layer_name, name, (int)v->state, (int)v->spec.dtype, (long long)qkeep_be_spec_numel(&v->spec),
                               dtype >= 0 ? "int32 tensor" : "f16/bf16 tensor", (long long)numel);
   return 0;
 }
@@ -266,7 +268,7 @@ static int pwal_matrix(struct zt_backend *b, qkeep_layer *layer, const struct qk
   sv.size = sizeof sv;
   if ((rc = b->host->view(layer, pname(name, sizeof name, mt, "scales"), &sv)))
     return rc;
-  mt->groups = spec_numel(&sv.spec) / mt->experts / mt->n;
+  mt->groups = qkeep_be_spec_numel(&sv.spec) / mt->experts / mt->n;
   if (mt->groups < 1 || mt->k % mt->groups || (mt->k / mt->groups) % 8)
     return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s.%s: %lld groups over K = %lld: needs groups of a multiple of 8",
                               info->name, name, (long long)mt->groups, (long long)mt->k);
@@ -379,7 +381,7 @@ static int resolve(const struct zt_backend *b, qkeep_layer *layer, const struct 
   *bias = NULL;
   v.size = sizeof v;
   if (b->host->view(layer, pname(name, sizeof name, mt, "bias"), &v) == 0 && v.state == QKEEP_PARAM_LIVE) {
-    size_t es = v.spec.dtype == QKEEP_DTYPE_F32 ? 4 : 2;
+    size_t es = qkeep_be_dtype_size(v.spec.dtype);
     if (v.nbytes < (size_t)(mt->experts * mt->n) * es)
       return b->host->set_error(QKEEP_E_STATE, "%s.%s: %zu bytes, expected %lld per expert", info->name, name,
                                 v.nbytes, (long long)mt->n);
@@ -394,12 +396,6 @@ static int resolve(const struct zt_backend *b, qkeep_layer *layer, const struct 
   return 0;
 }
 
-static float load_float(const void *p, enum qkeep_dtype dt, int64_t i) {
-  if (dt == QKEEP_DTYPE_F32)
-    return ((const float *)p)[i];
-  uint16_t h = ((const uint16_t *)p)[i];
-  return dt == QKEEP_DTYPE_BF16 ? zt_bf16_to_f32(h) : zt_f16_to_f32(h);
-}
 
 /* Scratch of one apply: activations in kernel order and their da8w4 or w4a16 operands, an f32 output. */
 struct scratch {
@@ -452,7 +448,7 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
       float *xr = own_x ? s.x + r * k : NULL;
       if (own_x)
         for (int64_t i = 0; i < k; i++)
-          xr[i] = load_float(a->x, a->x_dtype, r * k + (perm ? perm[i] : i));
+          xr[i] = qkeep_load_float(a->x, a->x_dtype, (size_t)(r * k + (perm ? perm[i] : i)));
       const float *row = x + r * k;
       if (da8w4)
         zt_quantise_row(row, k, g->groups, s.xq + r * (k / 4), s.xsum + r * g->groups, s.xscale + r);
@@ -466,9 +462,9 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++)
       for (int64_t j = 0; j < n; j++) {
-        float v = y[r * n + j] + (bias ? load_float(bias, bias_dtype, j) : 0.0f);
+        float v = y[r * n + j] + (bias ? qkeep_load_float(bias, bias_dtype, (size_t)j) : 0.0f);
         if (own_y)
-          ((uint16_t *)a->y)[r * n + j] = zt_f32_to_bf16(v);
+          ((uint16_t *)a->y)[r * n + j] = qkeep_f32_to_bf16(v);
         else
           y[r * n + j] = v;
       }
@@ -558,6 +554,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .layer_cleanup = zentorch_layer_cleanup,
       .fini = zentorch_fini,
       .supports_layer = zentorch_supports_layer,
+      .keys = zentorch_keys,
+      .n_keys = sizeof zentorch_keys / sizeof zentorch_keys[0],
+      .key_size = sizeof zentorch_keys[0],
   };
   *out = &b->be;
   return 0;

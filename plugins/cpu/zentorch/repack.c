@@ -8,15 +8,12 @@
 
 #include "zentorch.h"
 
-/* AWQ packs columns {0, 2, 4, 6, 1, 3, 5, 7} into nibbles 0..7: column c is in nibble awq_nibble[c]. */
-static const int awq_nibble[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
 static inline uint32_t nibble(uint32_t word, int j) { return (word >> (4 * j)) & 0xfu; }
 
 /* The u4 code of row `row`, column `col` of a checkpoint qweight. */
 static inline uint32_t code_at(enum zt_source src, const int32_t *in, int64_t n, int64_t row, int64_t col) {
   if (src == ZT_AWQ)
-    return nibble((uint32_t)in[row * (n / 8) + col / 8], awq_nibble[col % 8]);
+    return nibble((uint32_t)in[row * (n / 8) + col / 8], qkeep_awq_nibble((int)(col % 8)));
   return nibble((uint32_t)in[(row / 8) * n + col], (int)(row % 8));
 }
 
@@ -58,7 +55,7 @@ void zt_repack_zeros(enum zt_source src, bool gptq_v2, int32_t *zeros, int64_t n
   for (int64_t i = 0; i < groups * (n / 8); i++) {
     uint32_t in = (uint32_t)zeros[i], out = 0;
     for (int c = 0; c < 8; c++) {
-      uint32_t z = src == ZT_AWQ ? nibble(in, awq_nibble[c]) : gptq_v2 ? nibble(in, c) : (nibble(in, c) + 1) & 0xfu;
+      uint32_t z = src == ZT_AWQ ? nibble(in, qkeep_awq_nibble(c)) : gptq_v2 ? nibble(in, c) : (nibble(in, c) + 1) & 0xfu;
       out |= z << (4 * c);
     }
     zeros[i] = (int32_t)out;

@@ -47,6 +47,7 @@
 #include <stdint.h>
 
 #include "qkeep_backend.h"
+#include "qkeep_backend_util.h"
 
 #define ZT_BLOCK_N 64
 
@@ -155,24 +156,5 @@ void zt_quantise_row(const float *x, int64_t k, int64_t groups, int32_t *xq, int
 /* The f32 group sums of one row x[k] (w4a16's zero-point correction), summed in order. */
 void zt_group_sums(const float *x, int64_t k, int64_t groups, float *xsum);
 
-/* Small conversions (local: plugins include only the installed headers). */
-static inline float zt_bf16_to_f32(uint16_t h) {
-  union {
-    uint32_t u;
-    float f;
-  } v = {.u = (uint32_t)h << 16};
-  return v.f;
-}
-/* Round to nearest even; NaN stays NaN. */
-static inline uint16_t zt_f32_to_bf16(float f) {
-  union {
-    float f;
-    uint32_t u;
-  } v = {.f = f};
-  if ((v.u & 0x7fffffffu) > 0x7f800000u)
-    return (uint16_t)((v.u >> 16) | 0x40);
-  return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1)) >> 16);
-}
-float zt_f16_to_f32(uint16_t h);
 
 #endif
