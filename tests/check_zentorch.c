@@ -301,7 +301,7 @@ static void quantise_dequantise(const float *x, int64_t m, int64_t k, float *xd)
   }
 }
 
-static const int64_t ms[] = {1, 2, 5};
+static const int64_t ms[] = {1, 2, 6, 7}; /* direct tiles of 1-2 rows; decoded tiles of 4 and the 2- and 3-row tails */
 
 /* The GEMM under the current mode against the oracle, at each of ms, activations from `seed`. */
 static void check_gemm(const struct gemm *g, bool da8w4, uint64_t seed, const char *what) {
