@@ -319,8 +319,8 @@ static void bench_shape(const struct context *cx, int64_t k, int64_t n) {
              "\"ceiling_us\":%.1f,\"ceiling_ratio\":%.2f,\"copy_gbps\":%.1f,\"int4_bytes\":%zu,"
              "\"weight_copies\":%d,\"llc_mib\":%zu,\"backend\":\"%s\",\"peer_backend\":\"%s\"}\n",
              modes[md], (long long)m, (long long)k, (long long)n, GROUP, cx->threads, runs, us[md], us[2],
-             us[2] / us[md], us[3], us[3] / us[md], ceiling_us, us[md] / ceiling_us, cx->copy_bw / 1e9, int4_bytes,
-             zt_copies, cx->llc >> 20, cx->zt_probe, cx->od_probe);
+             us[2] / us[md], us[3], us[3] / us[md], ceiling_us, us[md] / ceiling_us, cx->copy_bw / 1e9,
+             int4_bytes, zt_copies, cx->llc >> 20, cx->zt_probe, cx->od_probe);
     fflush(stdout);
     omp_set_num_threads(saved);
     f32_free(&f);
@@ -334,7 +334,9 @@ static void bench_shape(const struct context *cx, int64_t k, int64_t n) {
 
 int main(int argc, char **argv) {
   const char *env = getenv("QKEEP_BENCH_THREADS"), *secs = getenv("QKEEP_BENCH_SECONDS");
-  struct context cx = {.threads = argc > 1 ? atoi(argv[1]) : env ? atoi(env) : (int)sysconf(_SC_NPROCESSORS_ONLN),
+  struct context cx = {.threads = argc > 1 ? atoi(argv[1])
+                                  : env    ? atoi(env)
+                                           : (int)sysconf(_SC_NPROCESSORS_ONLN),
                        .seconds = secs ? atof(secs) : 0.5};
   if (cx.threads < 1)
     cx.threads = 1;

@@ -207,11 +207,12 @@ static void rewrite(const char *in, const char *out, const struct variant *v, in
   ck_assert_int_eq(st_writer_write(w, dst), 0);
   st_writer_free(w);
   char json[512], *config = tu_path(out, "config.json");
-  snprintf(json, sizeof json,
-           "{\"tie_word_embeddings\": false, \"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4, "
-           "\"group_size\": %lld, \"desc_act\": %s, \"sym\": %s, \"checkpoint_format\": \"%s\"}}",
-           (long long)group, v->act_order ? "true" : "false", v->asym || v->all_eight ? "false" : "true",
-           v->v2 ? "gptq_v2" : "gptq");
+  snprintf(
+      json, sizeof json,
+      "{\"tie_word_embeddings\": false, \"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4, "
+      "\"group_size\": %lld, \"desc_act\": %s, \"sym\": %s, \"checkpoint_format\": \"%s\"}}",
+      (long long)group, v->act_order ? "true" : "false", v->asym || v->all_eight ? "false" : "true",
+      v->v2 ? "gptq_v2" : "gptq");
   ck_assert_int_eq(tu_write_file(config, json, strlen(json)), 0);
   free(config);
   free(src);
@@ -268,8 +269,9 @@ struct gemm {
 };
 
 static int apply(qkeep_layer *layer, const struct gemm *g, int64_t m, const float *x, float *y) {
-  return g->moe ? qkeep_layer_apply_expert_f32(layer, g->expert, g->w2 ? QKEEP_MOE_W2 : QKEEP_MOE_W13, m, x, y)
-                : qkeep_layer_apply_f32(layer, m, x, y);
+  return g->moe
+             ? qkeep_layer_apply_expert_f32(layer, g->expert, g->w2 ? QKEEP_MOE_W2 : QKEEP_MOE_W13, m, x, y)
+             : qkeep_layer_apply_f32(layer, m, x, y);
 }
 
 /* |W| of the reference, [k, n], from its columns (the reference applied to unit rows). */
@@ -301,7 +303,8 @@ static void quantise_dequantise(const float *x, int64_t m, int64_t k, float *xd)
   }
 }
 
-static const int64_t ms[] = {1, 2, 6, 7}; /* direct tiles of 1-2 rows; decoded tiles of 4 and the 2- and 3-row tails */
+static const int64_t ms[] = {1, 2, 6,
+                             7}; /* direct tiles of 1-2 rows; decoded tiles of 4 and the 2- and 3-row tails */
 
 /* The GEMM under the current mode against the oracle, at each of ms, activations from `seed`. */
 static void check_gemm(const struct gemm *g, bool da8w4, uint64_t seed, const char *what) {
@@ -325,9 +328,10 @@ static void check_gemm(const struct gemm *g, bool da8w4, uint64_t seed, const ch
         for (int64_t k = 0; k < g->k; k++)
           bound += fabs((double)xd[r * g->k + k]) * absw[k * g->n + n];
         double diff = fabs((double)y[r * g->n + n] - yr[r * g->n + n]);
-        ck_assert_msg(diff <= 2e-6 * bound + 1e-7, "%s: %s expert %d%s m %lld row %lld col %lld: %.9g vs %.9g",
-                      what, g->layer->name, (int)g->expert, g->w2 ? " w2" : "", (long long)m,
-                      (long long)r, (long long)n, y[r * g->n + n], yr[r * g->n + n]);
+        ck_assert_msg(diff <= 2e-6 * bound + 1e-7,
+                      "%s: %s expert %d%s m %lld row %lld col %lld: %.9g vs %.9g", what, g->layer->name,
+                      (int)g->expert, g->w2 ? " w2" : "", (long long)m, (long long)r, (long long)n,
+                      y[r * g->n + n], yr[r * g->n + n]);
       }
     free(x), free(xd), free(y), free(yr);
   }
@@ -343,8 +347,8 @@ static int check_model(qkeep_model *m, qkeep_model *r, bool da8w4, const char *w
       continue;
     struct qkeep_layer_info info = {.size = sizeof info};
     ck_assert_int_eq(qkeep_layer_get_info(layer, &info), 0);
-    struct gemm g = {layer, qkeep_model_find_layer(r, info.name), info.kind == QKEEP_LAYER_MOE, false, 0, info.n,
-                     info.k};
+    struct gemm g = {
+        layer, qkeep_model_find_layer(r, info.name), info.kind == QKEEP_LAYER_MOE, false, 0, info.n, info.k};
     if (!g.moe) {
       check_gemm(&g, da8w4, 100 + l, what), checked++;
       continue;
@@ -534,7 +538,11 @@ START_TEST(bf16_activations) {
   for (int md = 0; md < 2; md++) {
     ck_assert_int_eq(set_key("mode", modes[md]), 0);
     ck_assert_int_eq(qkeep_layer_apply_f32(layer, rows, x, y), 0);
-    struct qkeep_apply_args a = {.size = sizeof a, .m = rows, .x = xb, .x_dtype = QKEEP_DTYPE_BF16, .y = yb,
+    struct qkeep_apply_args a = {.size = sizeof a,
+                                 .m = rows,
+                                 .x = xb,
+                                 .x_dtype = QKEEP_DTYPE_BF16,
+                                 .y = yb,
                                  .y_dtype = QKEEP_DTYPE_BF16};
     ck_assert_msg(be->apply(be, layer, &a) == 0, "%s", qkeep_errmsg());
     for (int64_t i = 0; i < rows * info.n; i++)
@@ -567,16 +575,23 @@ START_TEST(config_keys_and_refusals) {
     int64_t group;
     int verdict;
   } cases[] = {
-      {"gptq-int4", QKEEP_LAYER_LINEAR, 32, 1},   {"awq-int4", QKEEP_LAYER_MOE, 32, 1},
-      {"gptq-int4", QKEEP_LAYER_LINEAR, 0, 1},    {"gptq-int4", QKEEP_LAYER_LINEAR, 4, 0},
-      {"unquantized", QKEEP_LAYER_LINEAR, 0, 0},  {"w8a8-int8", QKEEP_LAYER_LINEAR, 0, 0},
+      {"gptq-int4", QKEEP_LAYER_LINEAR, 32, 1},     {"awq-int4", QKEEP_LAYER_MOE, 32, 1},
+      {"gptq-int4", QKEEP_LAYER_LINEAR, 0, 1},      {"gptq-int4", QKEEP_LAYER_LINEAR, 4, 0},
+      {"unquantized", QKEEP_LAYER_LINEAR, 0, 0},    {"w8a8-int8", QKEEP_LAYER_LINEAR, 0, 0},
       {"unquantized", QKEEP_LAYER_EMBEDDING, 0, 0}, {"unquantized", QKEEP_LAYER_OTHER, 0, 0},
       {"kv-scales", QKEEP_LAYER_KV_SCALES, 0, 0},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    struct qkeep_layer_info info = {.size = sizeof info, .name = "l", .scheme = cases[i].scheme,
-                                    .kind = cases[i].kind, .n = 64, .k = 64, .experts = 2,
-                                    .group_size = cases[i].group, .shards = 1, .weight_dtype = -1};
+    struct qkeep_layer_info info = {.size = sizeof info,
+                                    .name = "l",
+                                    .scheme = cases[i].scheme,
+                                    .kind = cases[i].kind,
+                                    .n = 64,
+                                    .k = 64,
+                                    .experts = 2,
+                                    .group_size = cases[i].group,
+                                    .shards = 1,
+                                    .weight_dtype = -1};
     char reason[256] = "";
     ck_assert_int_eq(be->supports_layer(be, &info, reason, sizeof reason), cases[i].verdict);
     ck_assert_msg(cases[i].verdict || reason[0], "case %zu refused without a reason", i);
@@ -655,7 +670,8 @@ START_TEST(bad_act_order_is_refused) {
     g_idx[i] = (i * 7) % 16 / 8;
   ck_assert_int_eq(zt_act_order_perm(g_idx, 16, 2, perm, &bad), 0);
   for (int i = 1; i < 16; i++)
-    ck_assert(g_idx[perm[i - 1]] < g_idx[perm[i]] || (g_idx[perm[i - 1]] == g_idx[perm[i]] && perm[i - 1] < perm[i]));
+    ck_assert(g_idx[perm[i - 1]] < g_idx[perm[i]] ||
+              (g_idx[perm[i - 1]] == g_idx[perm[i]] && perm[i - 1] < perm[i]));
 }
 END_TEST
 

@@ -1,8 +1,8 @@
 /*
  * act.c: what apply computes from the activations before a GEMM (zentorch.h): the
- * da8w4 per-token int8 quantisation with its group sums, and the w4a16 group sums. Plain C, vectorised by the compiler where it can;
- * the results must not depend on the instruction set, so no fused multiply-add is allowed
- * to form here (the file is built with -ffp-contract=off).
+ * da8w4 per-token int8 quantisation with its group sums, and the w4a16 group sums. Plain C, vectorised by the
+ * compiler where it can; the results must not depend on the instruction set, so no fused multiply-add is
+ * allowed to form here (the file is built with -ffp-contract=off).
  */
 #include <math.h>
 

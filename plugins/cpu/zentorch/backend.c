@@ -68,8 +68,8 @@ static int zentorch_probe(const struct qkeep_backend *be, char *msg, size_t msg_
     snprintf(msg, msg_len, "cpu-zentorch needs an x86 CPU with AVX2 and FMA; this one has neither");
     return QKEEP_E_NODEV;
   }
-  snprintf(msg, msg_len, "int4 kernels on %s (CPU: %s), mode %s, %s", isa_names[b->isa], isa_names[b->cpu_isa],
-           b->mode == ZT_DA8W4 ? "da8w4" : "w4a16",
+  snprintf(msg, msg_len, "int4 kernels on %s (CPU: %s), mode %s, %s", isa_names[b->isa],
+           isa_names[b->cpu_isa], b->mode == ZT_DA8W4 ? "da8w4" : "w4a16",
            b->isa == ZT_ISA_AVX512_VNNI ? "vpdpbusd" : "vpmaddubsw + vpmaddwd");
   return 0;
 }
@@ -97,7 +97,8 @@ static int zentorch_configure(const struct qkeep_backend *be, const char *key, c
   if (strcmp(key, "isa") == 0) {
     enum zt_isa isa = b->cpu_isa;
     if (strcmp(value, "auto") != 0 && isa_of_name(value, &isa))
-      return b->host->set_error(QKEEP_E_CONFIG, "isa = '%s': expected auto, avx2, avx512 or avx512_vnni", value);
+      return b->host->set_error(QKEEP_E_CONFIG, "isa = '%s': expected auto, avx2, avx512 or avx512_vnni",
+                                value);
     if (isa > b->cpu_isa)
       return b->host->set_error(QKEEP_E_CONFIG, "isa = '%s': this CPU has %s at most", value,
                                 isa_names[b->cpu_isa]);
@@ -113,10 +114,12 @@ static int zentorch_configure(const struct qkeep_backend *be, const char *key, c
 
 static const struct qkeep_backend_key zentorch_keys[] = {
     {"mode", QKEEP_KEY_ENUM, "w4a16|da8w4", "w4a16",
-     "f32/bf16 activations (w4a16), or activations quantised per token to int8 with int32 accumulation (da8w4)"},
+     "f32/bf16 activations (w4a16), or activations quantised per token to int8 with int32 accumulation "
+     "(da8w4)"},
     {"threads", QKEEP_KEY_INT, "1..4096", "all online cores", "OpenMP threads of the int4 kernels"},
     {"isa", QKEEP_KEY_ENUM, "auto|avx2|avx512|avx512_vnni", "auto",
-     "the highest instruction set the kernels use (lower ones force a slower path; QKEEP_ZENTORCH_MAX_ISA too)"},
+     "the highest instruction set the kernels use (lower ones force a slower path; QKEEP_ZENTORCH_MAX_ISA "
+     "too)"},
 };
 
 static bool int4_scheme(const char *scheme) {
@@ -161,10 +164,9 @@ static const char *pname(char *buf, size_t len, const struct zt_matrix *mt, cons
   return buf;
 }
 
-
 /* The live view of `name`, of dtype `dtype` (or -1: f16/bf16) and exactly `numel` elements. */
-static int operand_view(const struct zt_backend *b, qkeep_layer *layer, const char *layer_name, const char *name,
-                        int dtype, int64_t numel, struct qkeep_view *v) {
+static int operand_view(const struct zt_backend *b, qkeep_layer *layer, const char *layer_name,
+                        const char *name, int dtype, int64_t numel, struct qkeep_view *v) {
   v->size = sizeof *v;
   int rc = b->host->view(layer, name, v);
   if (rc)
@@ -172,10 +174,10 @@ static int operand_view(const struct zt_backend *b, qkeep_layer *layer, const ch
   bool dtype_ok = dtype >= 0 ? v->spec.dtype == (enum qkeep_dtype)dtype
                              : v->spec.dtype == QKEEP_DTYPE_F16 || v->spec.dtype == QKEEP_DTYPE_BF16;
   if (v->state != QKEEP_PARAM_LIVE || !dtype_ok || qkeep_be_spec_numel(&v->spec) != numel)
-    return b->host->set_error(QKEEP_E_STATE,
-                              "%s.%s: state %d, dtype %d, %lld elements; cpu-zentorch expects a live %s of %lld",
-                              layer_name, name, (int)v->state, (int)v->spec.dtype, (long long)qkeep_be_spec_numel(&v->spec),
-                              dtype >= 0 ? "int32 tensor" : "f16/bf16 tensor", (long long)numel);
+    return b->host->set_error(
+        QKEEP_E_STATE, "%s.%s: state %d, dtype %d, %lld elements; cpu-zentorch expects a live %s of %lld",
+        layer_name, name, (int)v->state, (int)v->spec.dtype, (long long)qkeep_be_spec_numel(&v->spec),
+        dtype >= 0 ? "int32 tensor" : "f16/bf16 tensor", (long long)numel);
   return 0;
 }
 
@@ -208,7 +210,8 @@ static int pwal_zeros(struct zt_backend *b, qkeep_layer *layer, const struct qke
   char name[64];
   struct qkeep_view zv;
   int64_t count = mt->experts * mt->groups * (mt->n / 8);
-  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "qzeros"), QKEEP_DTYPE_I32, count, &zv);
+  int rc =
+      operand_view(b, layer, info->name, pname(name, sizeof name, mt, "qzeros"), QKEEP_DTYPE_I32, count, &zv);
   if (rc)
     return rc;
   int32_t *zeros = malloc((size_t)count * sizeof *zeros);
@@ -230,13 +233,15 @@ static int pwal_zeros(struct zt_backend *b, qkeep_layer *layer, const struct qke
   return rc;
 }
 
-/* Act order: g_idx of every expert into its permutation, replaced into g_idx's storage; *perm keeps a copy. */
+/* Act order: g_idx of every expert into its permutation, replaced into g_idx's storage; *perm keeps a copy.
+ */
 static int pwal_act_order(struct zt_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
                           const struct zt_matrix *mt, bool moe, int32_t **perm) {
   char name[64];
   struct qkeep_view gv;
   int64_t count = mt->experts * mt->k;
-  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "g_idx"), QKEEP_DTYPE_I32, count, &gv);
+  int rc =
+      operand_view(b, layer, info->name, pname(name, sizeof name, mt, "g_idx"), QKEEP_DTYPE_I32, count, &gv);
   if (rc)
     return rc;
   if (!(*perm = malloc((size_t)count * sizeof **perm)))
@@ -244,11 +249,12 @@ static int pwal_act_order(struct zt_backend *b, qkeep_layer *layer, const struct
   for (int64_t e = 0; e < mt->experts; e++) {
     int64_t bad = 0;
     if (zt_act_order_perm((const int32_t *)gv.data + e * mt->k, mt->k, mt->groups, *perm + e * mt->k, &bad))
-      return b->host->set_error(QKEEP_E_FORMAT,
-                                "%s.%s (expert %lld): act order needs every group index in [0, %lld) and %lld rows "
-                                "per group; row or group %lld breaks that",
-                                info->name, name, (long long)e, (long long)mt->groups,
-                                (long long)(mt->k / mt->groups), (long long)bad);
+      return b->host->set_error(
+          QKEEP_E_FORMAT,
+          "%s.%s (expert %lld): act order needs every group index in [0, %lld) and %lld rows "
+          "per group; row or group %lld breaks that",
+          info->name, name, (long long)e, (long long)mt->groups, (long long)(mt->k / mt->groups),
+          (long long)bad);
   }
   struct qkeep_spec s = spec_of(QKEEP_DTYPE_I32, mt->experts, moe, mt->k, 0);
   return replace_with(b, layer, name, &s, *perm, (size_t)count * sizeof **perm);
@@ -270,8 +276,9 @@ static int pwal_matrix(struct zt_backend *b, qkeep_layer *layer, const struct qk
     return rc;
   mt->groups = qkeep_be_spec_numel(&sv.spec) / mt->experts / mt->n;
   if (mt->groups < 1 || mt->k % mt->groups || (mt->k / mt->groups) % 8)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s.%s: %lld groups over K = %lld: needs groups of a multiple of 8",
-                              info->name, name, (long long)mt->groups, (long long)mt->k);
+    return b->host->set_error(QKEEP_E_UNSUPPORTED,
+                              "%s.%s: %lld groups over K = %lld: needs groups of a multiple of 8", info->name,
+                              name, (long long)mt->groups, (long long)mt->k);
   if ((rc = operand_view(b, layer, info->name, name, -1, mt->experts * mt->groups * mt->n, &sv)))
     return rc;
   mt->scales_bf16 = sv.spec.dtype == QKEEP_DTYPE_BF16;
@@ -343,7 +350,9 @@ typedef void (*zt_kernel)(const struct zt_gemm *g, int64_t m0, int64_t m1, int64
 static zt_kernel kernel_for(enum zt_isa isa, enum zt_mode mode) {
   if (mode == ZT_W4A16)
     return isa >= ZT_ISA_AVX512 ? zt_w4a16_avx512 : zt_w4a16_avx2;
-  return isa == ZT_ISA_AVX512_VNNI ? zt_da8w4_avx512_vnni : isa == ZT_ISA_AVX512 ? zt_da8w4_avx512 : zt_da8w4_avx2;
+  return isa == ZT_ISA_AVX512_VNNI ? zt_da8w4_avx512_vnni
+         : isa == ZT_ISA_AVX512    ? zt_da8w4_avx512
+                                   : zt_da8w4_avx2;
 }
 
 /* The operands of expert e of matrix mt, read from the layer's params now (nothing is cached). */
@@ -396,7 +405,6 @@ static int resolve(const struct zt_backend *b, qkeep_layer *layer, const struct 
   return 0;
 }
 
-
 /* Scratch of one apply: activations in kernel order and their da8w4 or w4a16 operands, an f32 output. */
 struct scratch {
   float *x, *xsumf, *xscale, *y;
@@ -407,8 +415,9 @@ static void scratch_free(struct scratch *s) {
   free(s->x), free(s->xsumf), free(s->xscale), free(s->y), free(s->xq), free(s->xsum);
 }
 
-static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct zt_gemm *g, const int32_t *perm,
-               const void *bias, enum qkeep_dtype bias_dtype, const struct qkeep_apply_args *a) {
+static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct zt_gemm *g,
+               const int32_t *perm, const void *bias, enum qkeep_dtype bias_dtype,
+               const struct qkeep_apply_args *a) {
   int64_t m = a->m, n = g->n, k = g->k;
   struct scratch s = {0};
   bool da8w4 = b->mode == ZT_DA8W4, own_x = perm || a->x_dtype != QKEEP_DTYPE_F32,
@@ -473,7 +482,8 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
   return 0;
 }
 
-static int zentorch_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a) {
+static int zentorch_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                          const struct qkeep_apply_args *a) {
   struct zt_backend *b = zt_of(be);
   struct qkeep_layer_info info = {.size = sizeof info};
   int rc = b->host->layer_info(layer, &info);
@@ -481,13 +491,13 @@ static int zentorch_apply(const struct qkeep_backend *be, qkeep_layer *layer, co
     return rc;
   struct zt_layer *st = b->host->get_state(layer);
   if (!st || !st->n_mat)
-    return b->host->set_error(QKEEP_E_STATE, "%s: cpu-zentorch has no kernel for this layer (PWAL did not run)",
-                              info.name);
+    return b->host->set_error(QKEEP_E_STATE,
+                              "%s: cpu-zentorch has no kernel for this layer (PWAL did not run)", info.name);
   bool x_ok = a->x_dtype == QKEEP_DTYPE_F32 || a->x_dtype == QKEEP_DTYPE_BF16,
        y_ok = a->y_dtype == QKEEP_DTYPE_F32 || a->y_dtype == QKEEP_DTYPE_BF16;
   if (a->size < offsetof(struct qkeep_apply_args, expert) || !x_ok || !y_ok || a->m < 0)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-zentorch takes f32 or bf16 activations and outputs",
-                              info.name);
+    return b->host->set_error(QKEEP_E_UNSUPPORTED,
+                              "%s: cpu-zentorch takes f32 or bf16 activations and outputs", info.name);
   /* Slots past args->size are absent: expert 0, w13, no routing. */
   bool has_expert = a->size >= offsetof(struct qkeep_apply_args, matrix) + sizeof a->matrix;
   bool has_topk = a->size >= offsetof(struct qkeep_apply_args, topk) + sizeof a->topk;
@@ -533,8 +543,10 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
     enum zt_isa cap;
     if (isa_of_name(env, &cap)) {
       free(b);
-      return host->set_error(QKEEP_E_CONFIG, "cpu-zentorch: QKEEP_ZENTORCH_MAX_ISA=%s: expected avx2, avx512 or "
-                                             "avx512_vnni", env);
+      return host->set_error(QKEEP_E_CONFIG,
+                             "cpu-zentorch: QKEEP_ZENTORCH_MAX_ISA=%s: expected avx2, avx512 or "
+                             "avx512_vnni",
+                             env);
     }
     if (cap < b->isa)
       b->isa = cap;
@@ -544,7 +556,8 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,
       .abi_minor = 0,
       .name = "cpu-zentorch",
-      .description = "int4 GPTQ/AWQ linear and MoE layers on the zentorch layout (w4a16, da8w4; AVX2, AVX-512, VNNI)",
+      .description =
+          "int4 GPTQ/AWQ linear and MoE layers on the zentorch layout (w4a16, da8w4; AVX2, AVX-512, VNNI)",
       .probe = zentorch_probe,
       .configure = zentorch_configure,
       .memory = NULL,

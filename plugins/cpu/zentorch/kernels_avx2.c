@@ -30,7 +30,8 @@ ALWAYS_INLINE __m256i load_zeros(const int32_t *zeros, int64_t col) {
   if (!zeros)
     return _mm256_set1_epi32(8);
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(zeros[col / 8]), shifts), _mm256_set1_epi32(0xf));
+  return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(zeros[col / 8]), shifts),
+                          _mm256_set1_epi32(0xf));
 }
 
 /* Columns [c0, c0 + 8 nv) of block b (width `width`), rows m..m+mr-1. */
@@ -40,38 +41,49 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
   int64_t words = g->k / 8 / g->groups;
   const __m256i nib = _mm256_set1_epi32(0xf), flip = _mm256_set1_epi32(g->zeros ? 0 : 8);
   __m256 acc[ZT_MR][ZT_NV];
-  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++)
       acc[r][v] = _mm256_setzero_ps();
   for (int64_t grp = 0; grp < g->groups; grp++) {
     __m256 part[ZT_MR][ZT_NV];
-    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
-      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+      for (int v = 0; v < nv; v++)
         part[r][v] = _mm256_setzero_ps();
     for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
       const int32_t *row = codes + kw * width;
-      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * v));
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-          __m256 c = _mm256_cvtepi32_ps(_mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4 * j), nib), flip));
-          _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
+          __m256 c =
+              _mm256_cvtepi32_ps(_mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4 * j), nib), flip));
+#pragma GCC unroll 4
+          for (int r = 0; r < mr; r++)
             part[r][v] = _mm256_fmadd_ps(c, _mm256_set1_ps(g->x[(m + r) * g->k + kw * 8 + j]), part[r][v]);
         }
       }
     }
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) {
       int64_t col = col0 + c0 + 8 * v;
       __m256 s = load_scales(g->scales + grp * g->n + col, g->scales_bf16);
       __m256 z = _mm256_cvtepi32_ps(load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col));
-      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+      for (int r = 0; r < mr; r++) {
         __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
         acc[r][v] = _mm256_fmadd_ps(t, s, acc[r][v]);
       }
     }
   }
-  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++)
       _mm256_storeu_ps(g->y + (m + r) * g->n + col0 + c0 + 8 * v, acc[r][v]);
 }
 
@@ -82,21 +94,27 @@ ALWAYS_INLINE void da8w4_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
   const __m256i nib = _mm256_set1_epi32(0x0f0f0f0f), flip = _mm256_set1_epi32(g->zeros ? 0 : 0x08080808);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[ZT_MR][ZT_NV];
-  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++)
       acc[r][v] = _mm256_setzero_ps();
   for (int64_t grp = 0; grp < g->groups; grp++) {
     __m256i part[ZT_MR][ZT_NV];
-    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)
-      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+      for (int v = 0; v < nv; v++)
         part[r][v] = _mm256_setzero_si256();
     for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
       const int32_t *row = codes + kw * width;
-      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) {
         __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * v));
         __m256i lo = _mm256_xor_si256(_mm256_and_si256(w, nib), flip);
         __m256i hi = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), nib), flip);
-        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++) {
           const int32_t *xq = g->xq + (m + r) * (g->k / 4) + 2 * kw;
           __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[0])),
                                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[1])));
@@ -104,42 +122,46 @@ ALWAYS_INLINE void da8w4_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
         }
       }
     }
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) {
       int64_t col = col0 + c0 + 8 * v;
       __m256 s = load_scales(g->scales + grp * g->n + col, g->scales_bf16);
       __m256i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col);
-      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+      for (int r = 0; r < mr; r++) {
         __m256i xs = _mm256_set1_epi32(g->xsum[(m + r) * g->groups + grp]);
         __m256i t = _mm256_sub_epi32(part[r][v], _mm256_mullo_epi32(z, xs));
         acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, acc[r][v]);
       }
     }
   }
-  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++) {
     __m256 a = _mm256_set1_ps(g->xscale[m + r]);
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++)
       _mm256_storeu_ps(g->y + (m + r) * g->n + col0 + c0 + 8 * v, _mm256_mul_ps(acc[r][v], a));
   }
 }
 
 /* Every (row pair, 16-column pass) of blocks [b0, b1), rows [m0, m1), through TILE. */
-#define SWEEP(TILE)                                                                                     \
-  for (int64_t b = b0; b < b1; b++) {                                                                    \
-    int64_t width = g->n - b * ZT_BLOCK_N < ZT_BLOCK_N ? g->n - b * ZT_BLOCK_N : ZT_BLOCK_N;             \
-    for (int64_t c0 = 0; c0 < width; c0 += 8 * ZT_NV) {                                                  \
-      bool two = width - c0 >= 16;                                                                       \
-      for (int64_t m = m0; m < m1; m += ZT_MR) {                                                         \
-        bool pair = m1 - m >= 2;                                                                         \
-        if (pair && two)                                                                                 \
-          TILE(g, m, 2, b, c0, 2);                                                                       \
-        else if (pair)                                                                                   \
-          TILE(g, m, 2, b, c0, 1);                                                                       \
-        else if (two)                                                                                    \
-          TILE(g, m, 1, b, c0, 2);                                                                       \
-        else                                                                                             \
-          TILE(g, m, 1, b, c0, 1);                                                                       \
-      }                                                                                                  \
-    }                                                                                                    \
+#define SWEEP(TILE)                                                                                          \
+  for (int64_t b = b0; b < b1; b++) {                                                                        \
+    int64_t width = g->n - b * ZT_BLOCK_N < ZT_BLOCK_N ? g->n - b * ZT_BLOCK_N : ZT_BLOCK_N;                 \
+    for (int64_t c0 = 0; c0 < width; c0 += 8 * ZT_NV) {                                                      \
+      bool two = width - c0 >= 16;                                                                           \
+      for (int64_t m = m0; m < m1; m += ZT_MR) {                                                             \
+        bool pair = m1 - m >= 2;                                                                             \
+        if (pair && two)                                                                                     \
+          TILE(g, m, 2, b, c0, 2);                                                                           \
+        else if (pair)                                                                                       \
+          TILE(g, m, 2, b, c0, 1);                                                                           \
+        else if (two)                                                                                        \
+          TILE(g, m, 1, b, c0, 2);                                                                           \
+        else                                                                                                 \
+          TILE(g, m, 1, b, c0, 1);                                                                           \
+      }                                                                                                      \
+    }                                                                                                        \
   }
 
 /*
@@ -153,22 +175,29 @@ ALWAYS_INLINE void w4a16_dec_tile(const struct zt_gemm *g, const __m256 *dec, in
                                   int nv, int64_t grp) {
   int64_t words = g->k / 8 / g->groups;
   __m256 part[ZT_MR_DEC][ZT_NV];
-  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++)
       part[r][v] = _mm256_setzero_ps();
   for (int64_t kw = 0; kw < words; kw++) {
     const float *x = g->x + m * g->k + (grp * words + kw) * 8;
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++)
-      _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) {
         __m256 c = dec[(kw * ZT_NV + v) * 8 + j];
-        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) part[r][v] =
-            _mm256_fmadd_ps(c, _mm256_set1_ps(x[r * g->k + j]), part[r][v]);
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+          part[r][v] = _mm256_fmadd_ps(c, _mm256_set1_ps(x[r * g->k + j]), part[r][v]);
       }
   }
-  _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+  for (int v = 0; v < nv; v++) {
     __m256 s = load_scales(g->scales + grp * g->n + col + 8 * v, g->scales_bf16);
     __m256 z = _mm256_cvtepi32_ps(load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col + 8 * v));
-    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
       float *y = g->y + (m + r) * g->n + col + 8 * v;
       __m256 t = _mm256_fnmadd_ps(z, _mm256_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
       _mm256_storeu_ps(y, _mm256_fmadd_ps(t, s, grp ? _mm256_loadu_ps(y) : _mm256_setzero_ps()));
@@ -181,13 +210,18 @@ ALWAYS_INLINE void da8w4_dec_tile(const struct zt_gemm *g, const __m256i *dec, i
   int64_t words = g->k / 8 / g->groups;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i part[ZT_MR_DEC][ZT_NV];
-  _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++)
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++)
       part[r][v] = _mm256_setzero_si256();
   for (int64_t kw = 0; kw < words; kw++) {
     const int32_t *xq = g->xq + m * (g->k / 4) + 2 * (grp * words + kw);
-    _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) {
       __m256i lo = dec[(kw * ZT_NV + v) * 2], hi = dec[(kw * ZT_NV + v) * 2 + 1];
-      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+      for (int r = 0; r < mr; r++) {
         __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[r * (g->k / 4)])),
                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[r * (g->k / 4) + 1])));
         part[r][v] = _mm256_add_epi32(part[r][v], _mm256_madd_epi16(p, ones));
@@ -195,13 +229,15 @@ ALWAYS_INLINE void da8w4_dec_tile(const struct zt_gemm *g, const __m256i *dec, i
     }
   }
   bool last = grp == g->groups - 1;
-  _Pragma("GCC unroll 4") for (int v = 0; v < nv; v++) {
+#pragma GCC unroll 4
+  for (int v = 0; v < nv; v++) {
     __m256 s = load_scales(g->scales + grp * g->n + col + 8 * v, g->scales_bf16);
     __m256i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col + 8 * v);
-    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
       float *y = g->y + (m + r) * g->n + col + 8 * v;
-      __m256i t =
-          _mm256_sub_epi32(part[r][v], _mm256_mullo_epi32(z, _mm256_set1_epi32(g->xsum[(m + r) * g->groups + grp])));
+      __m256i t = _mm256_sub_epi32(
+          part[r][v], _mm256_mullo_epi32(z, _mm256_set1_epi32(g->xsum[(m + r) * g->groups + grp])));
       __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), s, grp ? _mm256_loadu_ps(y) : _mm256_setzero_ps());
       if (last)
         acc = _mm256_mul_ps(acc, _mm256_set1_ps(g->xscale[m + r]));
@@ -211,17 +247,17 @@ ALWAYS_INLINE void da8w4_dec_tile(const struct zt_gemm *g, const __m256i *dec, i
 }
 
 /* Every tile of rows [m0, m1) over one decoded group, ZT_MR_DEC rows at a time, nv vectors wide. */
-#define DEC_ROWS(TILE, NV)                                                                              \
-  do {                                                                                                   \
-    int64_t m = m0;                                                                                      \
-    for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)                                                          \
-      TILE(g, dec, m, ZT_MR_DEC, col, NV, grp);                                                          \
-    if (m1 - m == 3)                                                                                     \
-      TILE(g, dec, m, 3, col, NV, grp);                                                                  \
-    else if (m1 - m == 2)                                                                                \
-      TILE(g, dec, m, 2, col, NV, grp);                                                                  \
-    else if (m1 - m == 1)                                                                                \
-      TILE(g, dec, m, 1, col, NV, grp);                                                                  \
+#define DEC_ROWS(TILE, NV)                                                                                   \
+  do {                                                                                                       \
+    int64_t m = m0;                                                                                          \
+    for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)                                                              \
+      TILE(g, dec, m, ZT_MR_DEC, col, NV, grp);                                                              \
+    if (m1 - m == 3)                                                                                         \
+      TILE(g, dec, m, 3, col, NV, grp);                                                                      \
+    else if (m1 - m == 2)                                                                                    \
+      TILE(g, dec, m, 2, col, NV, grp);                                                                      \
+    else if (m1 - m == 1)                                                                                    \
+      TILE(g, dec, m, 1, col, NV, grp);                                                                      \
   } while (0)
 
 static void w4a16_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, __m256 *dec) {
@@ -237,8 +273,8 @@ static void w4a16_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1, int64
         for (int v = 0; v < nv; v++) {
           __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (grp * words + kw) * width + 8 * v));
           for (int j = 0; j < 8; j++)
-            dec[(kw * ZT_NV + v) * 8 + j] =
-                _mm256_cvtepi32_ps(_mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4 * j), nib), flip));
+            dec[(kw * ZT_NV + v) * 8 + j] = _mm256_cvtepi32_ps(
+                _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4 * j), nib), flip));
         }
       if (nv == 2)
         DEC_ROWS(w4a16_dec_tile, 2);
@@ -261,7 +297,8 @@ static void da8w4_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1, int64
         for (int v = 0; v < nv; v++) {
           __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (grp * words + kw) * width + 8 * v));
           dec[(kw * ZT_NV + v) * 2] = _mm256_xor_si256(_mm256_and_si256(w, nib), flip);
-          dec[(kw * ZT_NV + v) * 2 + 1] = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), nib), flip);
+          dec[(kw * ZT_NV + v) * 2 + 1] =
+              _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi32(w, 4), nib), flip);
         }
       if (nv == 2)
         DEC_ROWS(da8w4_dec_tile, 2);

@@ -17,8 +17,8 @@ static inline uint32_t code_at(enum zt_source src, const int32_t *in, int64_t n,
   return nibble((uint32_t)in[(row / 8) * n + col], (int)(row % 8));
 }
 
-void zt_repack_codes(enum zt_source src, const int32_t *in, int64_t n, int64_t k, const int32_t *perm, bool s4,
-                     int32_t *out) {
+void zt_repack_codes(enum zt_source src, const int32_t *in, int64_t n, int64_t k, const int32_t *perm,
+                     bool s4, int32_t *out) {
   uint32_t flip = s4 ? 0x88888888u : 0;
   if (src == ZT_GPTQ && !perm) {
     for (int64_t i = 0; i < k / 8 * n; i++)
@@ -55,7 +55,9 @@ void zt_repack_zeros(enum zt_source src, bool gptq_v2, int32_t *zeros, int64_t n
   for (int64_t i = 0; i < groups * (n / 8); i++) {
     uint32_t in = (uint32_t)zeros[i], out = 0;
     for (int c = 0; c < 8; c++) {
-      uint32_t z = src == ZT_AWQ ? nibble(in, qkeep_awq_nibble(c)) : gptq_v2 ? nibble(in, c) : (nibble(in, c) + 1) & 0xfu;
+      uint32_t z = src == ZT_AWQ ? nibble(in, qkeep_awq_nibble(c))
+                   : gptq_v2     ? nibble(in, c)
+                                 : (nibble(in, c) + 1) & 0xfu;
       out |= z << (4 * c);
     }
     zeros[i] = (int32_t)out;

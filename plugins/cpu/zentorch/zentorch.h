@@ -98,8 +98,8 @@ static inline uint32_t zt_s4_word(uint32_t u4) { return u4 ^ 0x88888888u; }
  * with the rows of K taken in `perm` order when perm is non-NULL (row i = source row
  * perm[i]), as s4 when `s4`. in and out must not overlap.
  */
-void zt_repack_codes(enum zt_source src, const int32_t *in, int64_t n, int64_t k, const int32_t *perm, bool s4,
-                     int32_t *out);
+void zt_repack_codes(enum zt_source src, const int32_t *in, int64_t n, int64_t k, const int32_t *perm,
+                     bool s4, int32_t *out);
 /* Rewrites zentorch words [K/8, N] (`plain`) into the blocked form described above (`blocked`). */
 void zt_block_codes(const int32_t *plain, int64_t n, int64_t k, int32_t *blocked);
 /* The index of word (kw, col) in the blocked form. */
@@ -129,7 +129,7 @@ struct zt_gemm {
   const float *x;     /* [m, k], already in kernel row order */
   const float *xsumf; /* [m, groups] sum of x over each group */
   /* da8w4: */
-  const int32_t *xq;  /* [m, k/8, 2]: per 8 k's, the s8 codes of k 0,2,4,6 then of k 1,3,5,7 */
+  const int32_t *xq;   /* [m, k/8, 2]: per 8 k's, the s8 codes of k 0,2,4,6 then of k 1,3,5,7 */
   const int32_t *xsum; /* [m, groups] sum of the s8 codes over each group */
   const float *xscale; /* [m] a, the dequantisation scale of each row */
   float *y;            /* [m, n] f32 */
@@ -155,6 +155,5 @@ void zt_da8w4_avx512_vnni(const struct zt_gemm *g, int64_t m0, int64_t m1, int64
 void zt_quantise_row(const float *x, int64_t k, int64_t groups, int32_t *xq, int32_t *xsum, float *a);
 /* The f32 group sums of one row x[k] (w4a16's zero-point correction), summed in order. */
 void zt_group_sums(const float *x, int64_t k, int64_t groups, float *xsum);
-
 
 #endif
