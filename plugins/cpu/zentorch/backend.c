@@ -415,6 +415,34 @@ static void scratch_free(struct scratch *s) {
   free(s->x), free(s->xsumf), free(s->xscale), free(s->y), free(s->xq), free(s->xsum);
 }
 
+/* Row r of the activations in kernel order (permuted, widened to f32) and its da8w4 or w4a16 operands. */
+static void prepare_row(const struct scratch *s, const struct zt_gemm *g, const struct qkeep_apply_args *a,
+                        const int32_t *perm, bool own_x, bool da8w4, int64_t r) {
+  int64_t k = g->k;
+  if (own_x)
+    for (int64_t i = 0; i < k; i++)
+      s->x[r * k + i] = qkeep_load_float(a->x, a->x_dtype, (size_t)(r * k + (perm ? perm[i] : i)));
+  const float *row = g->x + r * k;
+  if (da8w4)
+    zt_quantise_row(row, k, g->groups, s->xq + r * (k / 4), s->xsum + r * g->groups, s->xscale + r);
+  else
+    zt_group_sums(row, k, g->groups, s->xsumf + r * g->groups);
+}
+
+/* Bias and the output dtype for rows [m0, m1) of column block blk (the kernel wrote f32 into g->y). */
+static void finish_tile(const struct zt_gemm *g, const struct qkeep_apply_args *a, const void *bias,
+                        enum qkeep_dtype bias_dtype, bool own_y, int64_t m0, int64_t m1, int64_t blk) {
+  int64_t n = g->n, c0 = blk * ZT_BLOCK_N, c1 = c0 + ZT_BLOCK_N < n ? c0 + ZT_BLOCK_N : n;
+  for (int64_t r = m0; r < m1; r++)
+    for (int64_t j = c0; j < c1; j++) {
+      float v = g->y[r * n + j] + (bias ? qkeep_load_float(bias, bias_dtype, (size_t)j) : 0.0f);
+      if (own_y)
+        ((uint16_t *)a->y)[r * n + j] = qkeep_f32_to_bf16(v);
+      else
+        g->y[r * n + j] = v;
+    }
+}
+
 static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct zt_gemm *g,
                const int32_t *perm, const void *bias, enum qkeep_dtype bias_dtype,
                const struct qkeep_apply_args *a) {
@@ -450,32 +478,27 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
   zt_kernel kernel = kernel_for(b->isa, b->mode);
   int64_t blocks = (n + ZT_BLOCK_N - 1) / ZT_BLOCK_N, chunk = 64, chunks = (m + chunk - 1) / chunk;
   int threads = b->threads > 0 ? b->threads : omp_get_max_threads();
+  bool epilogue = bias || own_y;
+  /* Few rows: the activations take less time than a barrier, so they are prepared before the
+   * one parallel loop; many rows: in parallel, behind one barrier. */
+  bool parallel_prep = m >= 16;
+  if (!parallel_prep)
+    for (int64_t r = 0; r < m; r++)
+      prepare_row(&s, g, a, perm, own_x, da8w4, r);
 #pragma omp parallel num_threads(threads)
   {
+    if (parallel_prep) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++) {
-      float *xr = own_x ? s.x + r * k : NULL;
-      if (own_x)
-        for (int64_t i = 0; i < k; i++)
-          xr[i] = qkeep_load_float(a->x, a->x_dtype, (size_t)(r * k + (perm ? perm[i] : i)));
-      const float *row = x + r * k;
-      if (da8w4)
-        zt_quantise_row(row, k, g->groups, s.xq + r * (k / 4), s.xsum + r * g->groups, s.xscale + r);
-      else
-        zt_group_sums(row, k, g->groups, s.xsumf + r * g->groups);
+      for (int64_t r = 0; r < m; r++)
+        prepare_row(&s, g, a, perm, own_x, da8w4, r);
     }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t c = 0; c < chunks; c++)
-      for (int64_t blk = 0; blk < blocks; blk++)
-        kernel(g, c * chunk, (c + 1) * chunk < m ? (c + 1) * chunk : m, blk, blk + 1);
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++)
-      for (int64_t j = 0; j < n; j++) {
-        float v = y[r * n + j] + (bias ? qkeep_load_float(bias, bias_dtype, (size_t)j) : 0.0f);
-        if (own_y)
-          ((uint16_t *)a->y)[r * n + j] = qkeep_f32_to_bf16(v);
-        else
-          y[r * n + j] = v;
+      for (int64_t blk = 0; blk < blocks; blk++) {
+        int64_t m0 = c * chunk, m1 = (c + 1) * chunk < m ? (c + 1) * chunk : m;
+        kernel(g, m0, m1, blk, blk + 1);
+        if (epilogue)
+          finish_tile(g, a, bias, bias_dtype, own_y, m0, m1, blk);
       }
   }
   scratch_free(&s);
