@@ -3,12 +3,11 @@
  * same checkpoint, and its layouts against this file's own reading of the formats.
  *
  * Checkpoints: an unquantized model (fused q/k/v with biases and gate/up, an MoE block, an
- * embedding and lm_head) quantized by qkeep_quantize into gptq-int4 and awq-int4, symmetric
- * and asymmetric, then rewritten here into the variants the quantizer does not write: GPTQ
- * v2 zero points, act order (g_idx a shuffled group assignment, desc_act true), and an
- * asymmetric config whose zero points are all 8. Two sets of dims: N off every multiple of
- * 64 (the blocked layout's narrow last block) with groups of 8, and multiples of 64 with
- * groups of 32.
+ * embedding and lm_head) quantized by qkeep_quantize into gptq-int4, awq-int4 and ct-int4
+ * (compressed-tensors pack-quantized), symmetric and asymmetric, then rewritten here into the variants the
+ * quantizer does not write: GPTQ v2 zero points, act order (g_idx a shuffled group assignment, desc_act
+ * true), and an asymmetric config whose zero points are all 8. Two sets of dims: N off every multiple of 64
+ * (the blocked layout's narrow last block) with groups of 8, and multiples of 64 with groups of 32.
  *
  * For every variant x mode (w4a16, da8w4) x every ISA this CPU can run (lower ones forced
  * through the `isa` key), every linear layer and MoE expert matrix agrees with
@@ -150,6 +149,8 @@ static const struct variant variants[] = {
     {"gptq-all-eight", "gptq-int4", false, false, false, true},
     {"awq-sym", "awq-int4", false, false, false, false},
     {"awq-asym", "awq-int4", true, false, false, false},
+    {"ct-sym", "ct-int4", false, false, false, false},
+    {"ct-asym", "ct-int4", true, false, false, false},
 };
 #define N_VARIANTS (int)(sizeof variants / sizeof variants[0])
 
@@ -405,19 +406,23 @@ static void check_layout(qkeep_model *m, const char *path, const struct variant 
   struct ckpt *ck;
   ck_assert_int_eq(ckpt_open(path, &ck), 0);
   /* The q_proj shard's checkpoint codes: columns [0, h) of the fused layer. */
-  const struct ckpt_tensor *t = ckpt_find(ck, "model.layers.0.self_attn.q_proj.qweight");
+  bool awq = v->scheme[0] == 'a', ct = v->scheme[0] == 'c', sym = !v->asym;
+  const char *codes = ct ? "weight_packed" : "qweight", *zeros = ct ? "weight_zero_point" : "qzeros",
+             *g_idx = ct ? "weight_g_idx" : "g_idx";
+  char tname[128];
+  snprintf(tname, sizeof tname, "model.layers.0.self_attn.q_proj.%s", codes);
+  const struct ckpt_tensor *t = ckpt_find(ck, tname);
   ck_assert_ptr_nonnull(t);
   int32_t *words = malloc(t->t->nbytes);
   ck_assert_int_eq(ckpt_read(ck, t, words), 0);
-  bool awq = v->scheme[0] == 'a', sym = !v->asym;
-  int64_t nq = awq ? t->t->shape[1] * 8 : t->t->shape[1];
-  struct qkeep_view qw = view_of(layer, "qweight");
+  int64_t nq = awq ? t->t->shape[1] * 8 : ct ? t->t->shape[0] : t->t->shape[1];
+  struct qkeep_view qw = view_of(layer, codes);
   ck_assert_int_eq(qw.spec.dtype, QKEEP_DTYPE_I32);
   ck_assert_int_eq(qw.spec.ndim, 1);
   ck_assert_int_eq(qw.spec.shape[0], k / 8 * n);
   const int32_t *perm = NULL;
   if (v->act_order) {
-    struct qkeep_view gv = view_of(layer, "g_idx");
+    struct qkeep_view gv = view_of(layer, g_idx);
     ck_assert_int_eq(gv.state, QKEEP_PARAM_LIVE);
     perm = gv.data;
   }
@@ -425,25 +430,34 @@ static void check_layout(qkeep_model *m, const char *path, const struct variant 
   for (int64_t i = 0; i < k; i++)
     for (int64_t col = 0; col < nq; col++) {
       int64_t row = perm ? perm[i] : i;
-      uint32_t want = awq ? ((uint32_t)words[row * (nq / 8) + col / 8] >> (4 * awq_nibble[col % 8])) & 0xf
-                          : ((uint32_t)words[(row / 8) * nq + col] >> (4 * (row % 8))) & 0xf;
+      uint32_t want = awq  ? ((uint32_t)words[row * (nq / 8) + col / 8] >> (4 * awq_nibble[col % 8])) & 0xf
+                      : ct ? ((uint32_t)words[col * (k / 8) + row / 8] >> (4 * (row % 8))) & 0xf
+                           : ((uint32_t)words[(row / 8) * nq + col] >> (4 * (row % 8))) & 0xf;
       if (sym)
         want ^= 8;
       uint32_t word = (uint32_t)((const int32_t *)qw.data)[zt_blocked_index(n, k, i / 8, col)];
       ck_assert_msg(((word >> (4 * (i % 8))) & 0xf) == want, "%s: code (%lld, %lld)", v->name, (long long)i,
                     (long long)col);
     }
-  struct qkeep_view zv = view_of(layer, "qzeros");
+  if (ct && sym) { /* a symmetric compressed-tensors checkpoint has no zero points */
+    free(words);
+    ckpt_close(ck);
+    return;
+  }
+  struct qkeep_view zv = view_of(layer, zeros);
   ck_assert_int_eq(zv.state, sym ? QKEEP_PARAM_RETIRED : QKEEP_PARAM_LIVE);
   if (!sym) {
     /* The zero itself, natural column order: the reference's zero of q_proj column 5, group 0. */
-    const struct ckpt_tensor *zt_ = ckpt_find(ck, "model.layers.0.self_attn.q_proj.qzeros");
+    snprintf(tname, sizeof tname, "model.layers.0.self_attn.q_proj.%s", zeros);
+    const struct ckpt_tensor *zt_ = ckpt_find(ck, tname);
     int32_t *z = malloc(zt_->t->nbytes);
     ck_assert_int_eq(ckpt_read(ck, zt_, z), 0);
     for (int64_t col = 0; col < nq; col++) {
-      uint32_t stored = awq ? ((uint32_t)z[col / 8] >> (4 * awq_nibble[col % 8])) & 0xf
-                            : ((uint32_t)z[col / 8] >> (4 * (col % 8))) & 0xf;
-      uint32_t zero = awq || v->v2 ? stored : (stored + 1) & 0xf;
+      /* group 0: AWQ and GPTQ [groups, N/8] (row 0), compressed-tensors [N/8, groups] (column 0) */
+      int32_t word = ct ? z[(col / 8) * zt_->t->shape[1]] : z[col / 8];
+      uint32_t stored = awq ? ((uint32_t)word >> (4 * awq_nibble[col % 8])) & 0xf
+                            : ((uint32_t)word >> (4 * (col % 8))) & 0xf;
+      uint32_t zero = awq || ct || v->v2 ? stored : (stored + 1) & 0xf;
       ck_assert_uint_eq(((uint32_t)((const int32_t *)zv.data)[col / 8] >> (4 * (col % 8))) & 0xf, zero);
     }
     free(z);
@@ -608,8 +622,9 @@ static int within(void *user, const struct qkeep_layer_error *e) {
 }
 
 START_TEST(chain_on_checkpoints_from_the_cli) {
-  static const char *const args[] = {"--scheme gptq-int4", "--scheme gptq-int4 --asym", "--scheme awq-int4",
-                                     "--scheme awq-int4 --asym --group 64"};
+  static const char *const args[] = {"--scheme gptq-int4", "--scheme gptq-int4 --asym",
+                                     "--scheme awq-int4",  "--scheme awq-int4 --asym --group 64",
+                                     "--scheme ct-int4",   "--scheme ct-int4 --asym"};
   char *ini = tu_path(dir, "chain.ini");
   char text[512];
   snprintf(text, sizeof text,

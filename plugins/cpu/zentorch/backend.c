@@ -123,7 +123,8 @@ static const struct qkeep_backend_key zentorch_keys[] = {
 };
 
 static bool int4_scheme(const char *scheme) {
-  return strcmp(scheme, "gptq-int4") == 0 || strcmp(scheme, "awq-int4") == 0;
+  return strcmp(scheme, "gptq-int4") == 0 || strcmp(scheme, "awq-int4") == 0 ||
+         strcmp(scheme, "ct-int4") == 0;
 }
 
 /* Linear and MoE layers of gptq-int4 and awq-int4 whose dims fit the layout; nothing else. */
@@ -131,11 +132,11 @@ static int zentorch_supports_layer(const struct qkeep_backend *be, const struct 
                                    char *reason, size_t reason_len) {
   (void)be;
   if (info->kind != QKEEP_LAYER_LINEAR && info->kind != QKEEP_LAYER_MOE) {
-    snprintf(reason, reason_len, "runs int4 linear and MoE layers only (gptq-int4, awq-int4)");
+    snprintf(reason, reason_len, "runs int4 linear and MoE layers only (gptq-int4, awq-int4, ct-int4)");
     return 0;
   }
   if (!int4_scheme(info->scheme)) {
-    snprintf(reason, reason_len, "runs gptq-int4 and awq-int4 layers, not %s", info->scheme);
+    snprintf(reason, reason_len, "runs gptq-int4, awq-int4 and ct-int4 layers, not %s", info->scheme);
     return 0;
   }
   bool moe = info->kind == QKEEP_LAYER_MOE;
@@ -172,12 +173,13 @@ static int operand_view(const struct zt_backend *b, qkeep_layer *layer, const ch
   if (rc)
     return rc;
   bool dtype_ok = dtype >= 0 ? v->spec.dtype == (enum qkeep_dtype)dtype
-                             : v->spec.dtype == QKEEP_DTYPE_F16 || v->spec.dtype == QKEEP_DTYPE_BF16;
+                             : v->spec.dtype == QKEEP_DTYPE_F16 || v->spec.dtype == QKEEP_DTYPE_BF16 ||
+                                   v->spec.dtype == QKEEP_DTYPE_F32;
   if (v->state != QKEEP_PARAM_LIVE || !dtype_ok || qkeep_be_spec_numel(&v->spec) != numel)
     return b->host->set_error(
         QKEEP_E_STATE, "%s.%s: state %d, dtype %d, %lld elements; cpu-zentorch expects a live %s of %lld",
         layer_name, name, (int)v->state, (int)v->spec.dtype, (long long)qkeep_be_spec_numel(&v->spec),
-        dtype >= 0 ? "int32 tensor" : "f16/bf16 tensor", (long long)numel);
+        dtype >= 0 ? "int32 tensor" : "f16/bf16/f32 tensor", (long long)numel);
   return 0;
 }
 
@@ -210,15 +212,22 @@ static int pwal_zeros(struct zt_backend *b, qkeep_layer *layer, const struct qke
   char name[64];
   struct qkeep_view zv;
   int64_t count = mt->experts * mt->groups * (mt->n / 8);
-  int rc =
-      operand_view(b, layer, info->name, pname(name, sizeof name, mt, "qzeros"), QKEEP_DTYPE_I32, count, &zv);
+  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->zeros_name), QKEEP_DTYPE_I32,
+                        count, &zv);
   if (rc)
     return rc;
   int32_t *zeros = malloc((size_t)count * sizeof *zeros);
   if (!zeros)
     return b->host->set_error(QKEEP_E_NOMEM, "%s: out of memory repacking %s", info->name, name);
-  memcpy(zeros, zv.data, (size_t)count * sizeof *zeros);
-  zt_repack_zeros(src, (info->flags & QKEEP_LAYER_F_GPTQ_V2) != 0, zeros, mt->n, mt->experts * mt->groups);
+  int64_t per_expert = mt->groups * (mt->n / 8);
+  if (src == ZT_CT)
+    for (int64_t e = 0; e < mt->experts; e++)
+      zt_repack_ct_zeros((const int32_t *)zv.data + e * per_expert, mt->n, mt->groups,
+                         zeros + e * per_expert);
+  else {
+    memcpy(zeros, zv.data, (size_t)count * sizeof *zeros);
+    zt_repack_zeros(src, (info->flags & QKEEP_LAYER_F_GPTQ_V2) != 0, zeros, mt->n, mt->experts * mt->groups);
+  }
   bool all_eight = true;
   for (int64_t i = 0; i < count && all_eight; i++)
     all_eight = (uint32_t)zeros[i] == 0x88888888u;
@@ -240,8 +249,8 @@ static int pwal_act_order(struct zt_backend *b, qkeep_layer *layer, const struct
   char name[64];
   struct qkeep_view gv;
   int64_t count = mt->experts * mt->k;
-  int rc =
-      operand_view(b, layer, info->name, pname(name, sizeof name, mt, "g_idx"), QKEEP_DTYPE_I32, count, &gv);
+  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->g_idx_name), QKEEP_DTYPE_I32,
+                        count, &gv);
   if (rc)
     return rc;
   if (!(*perm = malloc((size_t)count * sizeof **perm)))
@@ -260,19 +269,39 @@ static int pwal_act_order(struct zt_backend *b, qkeep_layer *layer, const struct
   return replace_with(b, layer, name, &s, *perm, (size_t)count * sizeof **perm);
 }
 
+/* compressed-tensors weight_scale [E?, N, groups] transposed into [E?, groups, N], in its own storage. */
+static int pwal_ct_scales(const struct zt_backend *b, qkeep_layer *layer, const struct zt_matrix *mt,
+                          bool moe, const struct qkeep_view *sv) {
+  size_t es = qkeep_be_dtype_size(sv->spec.dtype);
+  struct qkeep_spec s = spec_of(sv->spec.dtype, mt->experts, moe, mt->groups, mt->n);
+  qkeep_tensor *t;
+  int rc = b->host->tensor_new(layer, &s, &t);
+  if (rc)
+    return rc;
+  unsigned char *out = b->host->tensor_data(t);
+  const unsigned char *in = sv->data;
+  for (int64_t e = 0; e < mt->experts; e++)
+    for (int64_t col = 0; col < mt->n; col++)
+      for (int64_t g = 0; g < mt->groups; g++)
+        memcpy(out + ((size_t)((e * mt->groups + g) * mt->n + col)) * es,
+               in + ((size_t)((e * mt->n + col) * mt->groups + g)) * es, es);
+  char name[64];
+  return b->host->replace(layer, pname(name, sizeof name, mt, mt->scales_name), t);
+}
+
 static int pwal_matrix(struct zt_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
                        struct zt_matrix *mt) {
-  bool moe = info->kind == QKEEP_LAYER_MOE, awq = info->scheme[0] == 'a';
-  enum zt_source src = awq ? ZT_AWQ : ZT_GPTQ;
+  bool moe = info->kind == QKEEP_LAYER_MOE;
+  enum zt_source src = mt->src;
   char name[64];
   struct qkeep_view qv, sv;
   int64_t words = mt->k / 8 * mt->n;
-  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "qweight"), QKEEP_DTYPE_I32,
+  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->codes_name), QKEEP_DTYPE_I32,
                         mt->experts * words, &qv);
   if (rc)
     return rc;
   sv.size = sizeof sv;
-  if ((rc = b->host->view(layer, pname(name, sizeof name, mt, "scales"), &sv)))
+  if ((rc = b->host->view(layer, pname(name, sizeof name, mt, mt->scales_name), &sv)))
     return rc;
   mt->groups = qkeep_be_spec_numel(&sv.spec) / mt->experts / mt->n;
   if (mt->groups < 1 || mt->k % mt->groups || (mt->k / mt->groups) % 8)
@@ -281,9 +310,11 @@ static int pwal_matrix(struct zt_backend *b, qkeep_layer *layer, const struct qk
                               name, (long long)mt->groups, (long long)mt->k);
   if ((rc = operand_view(b, layer, info->name, name, -1, mt->experts * mt->groups * mt->n, &sv)))
     return rc;
-  mt->scales_bf16 = sv.spec.dtype == QKEEP_DTYPE_BF16;
+  mt->scale_dtype = sv.spec.dtype;
   mt->sym = (info->flags & QKEEP_LAYER_F_WEIGHT_SYM) != 0;
-  mt->act_order = !awq && (info->flags & QKEEP_LAYER_F_ACT_ORDER);
+  mt->act_order = src != ZT_AWQ && (info->flags & QKEEP_LAYER_F_ACT_ORDER);
+  if (src == ZT_CT && (rc = pwal_ct_scales(b, layer, mt, moe, &sv)))
+    return rc;
   if (!mt->sym && (rc = pwal_zeros(b, layer, info, mt, src, moe)))
     return rc;
   int32_t *perm = NULL, *plain = NULL;
@@ -304,7 +335,7 @@ static int pwal_matrix(struct zt_backend *b, qkeep_layer *layer, const struct qk
                       mt->sym, plain);
       zt_block_codes(plain, mt->n, mt->k, blocked + e * words);
     }
-    rc = b->host->replace(layer, pname(name, sizeof name, mt, "qweight"), t);
+    rc = b->host->replace(layer, pname(name, sizeof name, mt, mt->codes_name), t);
   }
   free(plain);
   free(perm);
@@ -336,6 +367,15 @@ static int zentorch_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
     st->mat[1] = (struct zt_matrix){.n = info.k, .k = info.n / 2, .experts = info.experts};
     snprintf(st->mat[1].prefix, sizeof st->mat[1].prefix, "w2_");
   }
+  bool ct = strcmp(info.scheme, "ct-int4") == 0;
+  for (int i = 0; i < st->n_mat; i++) {
+    struct zt_matrix *mt = &st->mat[i];
+    mt->src = ct ? ZT_CT : info.scheme[0] == 'a' ? ZT_AWQ : ZT_GPTQ;
+    mt->codes_name = ct ? "weight_packed" : "qweight";
+    mt->scales_name = ct ? "weight_scale" : "scales";
+    mt->zeros_name = ct ? "weight_zero_point" : "qzeros";
+    mt->g_idx_name = ct ? "weight_g_idx" : "g_idx";
+  }
   for (int i = 0; !rc && i < st->n_mat; i++)
     rc = pwal_matrix(b, layer, &info, &st->mat[i]);
   if (rc)
@@ -362,28 +402,29 @@ static int resolve(const struct zt_backend *b, qkeep_layer *layer, const struct 
   char name[64];
   struct qkeep_view v;
   int64_t words = mt->k / 8 * mt->n;
-  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "qweight"), QKEEP_DTYPE_I32,
+  int rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->codes_name), QKEEP_DTYPE_I32,
                         mt->experts * words, &v);
   if (rc)
     return rc;
   g->codes = (const int32_t *)v.data + e * words;
-  if ((rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "scales"), -1,
+  if ((rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->scales_name), -1,
                          mt->experts * mt->groups * mt->n, &v)))
     return rc;
-  if ((v.spec.dtype == QKEEP_DTYPE_BF16) != mt->scales_bf16)
+  if (v.spec.dtype != mt->scale_dtype)
     return b->host->set_error(QKEEP_E_STATE, "%s.%s: dtype changed since PWAL", info->name, name);
-  g->scales = (const uint16_t *)v.data + e * mt->groups * mt->n;
+  g->scales =
+      (const unsigned char *)v.data + (size_t)(e * mt->groups * mt->n) * qkeep_be_dtype_size(v.spec.dtype);
   g->zeros = NULL;
   if (!mt->sym) {
-    if ((rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "qzeros"), QKEEP_DTYPE_I32,
-                           mt->experts * mt->groups * (mt->n / 8), &v)))
+    if ((rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->zeros_name),
+                           QKEEP_DTYPE_I32, mt->experts * mt->groups * (mt->n / 8), &v)))
       return rc;
     g->zeros = (const int32_t *)v.data + e * mt->groups * (mt->n / 8);
   }
   *perm = NULL;
   if (mt->act_order) {
-    if ((rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, "g_idx"), QKEEP_DTYPE_I32,
-                           mt->experts * mt->k, &v)))
+    if ((rc = operand_view(b, layer, info->name, pname(name, sizeof name, mt, mt->g_idx_name),
+                           QKEEP_DTYPE_I32, mt->experts * mt->k, &v)))
       return rc;
     *perm = (const int32_t *)v.data + e * mt->k;
   }
@@ -401,7 +442,7 @@ static int resolve(const struct zt_backend *b, qkeep_layer *layer, const struct 
   g->n = mt->n;
   g->k = mt->k;
   g->groups = mt->groups;
-  g->scales_bf16 = mt->scales_bf16;
+  g->scale_dtype = mt->scale_dtype;
   return 0;
 }
 

@@ -18,9 +18,12 @@
 #define ZT_NV 2
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-ALWAYS_INLINE __m256 load_scales(const uint16_t *scales, bool bf16) {
-  __m128i h = _mm_loadu_si128((const __m128i *)scales);
-  if (bf16)
+/* f32 scales of elements at..at+7 of g's scales [groups, n]. */
+ALWAYS_INLINE __m256 load_scales(const struct zt_gemm *g, int64_t at) {
+  if (g->scale_dtype == QKEEP_DTYPE_F32)
+    return _mm256_loadu_ps((const float *)g->scales + at);
+  __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)g->scales + at));
+  if (g->scale_dtype == QKEEP_DTYPE_BF16)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   return _mm256_cvtph_ps(h);
 }
@@ -71,7 +74,7 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
 #pragma GCC unroll 4
     for (int v = 0; v < nv; v++) {
       int64_t col = col0 + c0 + 8 * v;
-      __m256 s = load_scales(g->scales + grp * g->n + col, g->scales_bf16);
+      __m256 s = load_scales(g, grp * g->n + col);
       __m256 z = _mm256_cvtepi32_ps(load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col));
 #pragma GCC unroll 4
       for (int r = 0; r < mr; r++) {
@@ -125,7 +128,7 @@ ALWAYS_INLINE void da8w4_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
 #pragma GCC unroll 4
     for (int v = 0; v < nv; v++) {
       int64_t col = col0 + c0 + 8 * v;
-      __m256 s = load_scales(g->scales + grp * g->n + col, g->scales_bf16);
+      __m256 s = load_scales(g, grp * g->n + col);
       __m256i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col);
 #pragma GCC unroll 4
       for (int r = 0; r < mr; r++) {
@@ -194,7 +197,7 @@ ALWAYS_INLINE void w4a16_dec_tile(const struct zt_gemm *g, const __m256 *dec, in
   }
 #pragma GCC unroll 4
   for (int v = 0; v < nv; v++) {
-    __m256 s = load_scales(g->scales + grp * g->n + col + 8 * v, g->scales_bf16);
+    __m256 s = load_scales(g, grp * g->n + col + 8 * v);
     __m256 z = _mm256_cvtepi32_ps(load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col + 8 * v));
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {
@@ -231,7 +234,7 @@ ALWAYS_INLINE void da8w4_dec_tile(const struct zt_gemm *g, const __m256i *dec, i
   bool last = grp == g->groups - 1;
 #pragma GCC unroll 4
   for (int v = 0; v < nv; v++) {
-    __m256 s = load_scales(g->scales + grp * g->n + col + 8 * v, g->scales_bf16);
+    __m256 s = load_scales(g, grp * g->n + col + 8 * v);
     __m256i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col + 8 * v);
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++) {

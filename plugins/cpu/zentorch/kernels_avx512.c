@@ -23,10 +23,12 @@ ALWAYS_INLINE __mmask16 lane_mask(int64_t width, int v) {
   return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
 }
 
-/* f32 scales of columns col..col+15 (masked) of group row `scales`. */
-ALWAYS_INLINE __m512 load_scales(const uint16_t *scales, bool bf16, __mmask16 mask) {
-  __m256i h = _mm256_maskz_loadu_epi16(mask, scales);
-  if (bf16)
+/* f32 scales of elements at..at+15 (masked) of g's scales [groups, n]. */
+ALWAYS_INLINE __m512 load_scales(const struct zt_gemm *g, int64_t at, __mmask16 mask) {
+  if (g->scale_dtype == QKEEP_DTYPE_F32)
+    return _mm512_maskz_loadu_ps(mask, (const float *)g->scales + at);
+  __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)g->scales + at);
+  if (g->scale_dtype == QKEEP_DTYPE_BF16)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   return _mm512_cvtph_ps(h);
 }
@@ -88,7 +90,7 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
     }
 #pragma GCC unroll 4
     for (int v = 0; v < ZT_NV; v++) {
-      __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);
+      __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);
       __m512 z = _mm512_cvtepi32_ps(
           load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
 #pragma GCC unroll 4
@@ -135,7 +137,7 @@ ALWAYS_INLINE void w4a16_decoded_tile(const struct zt_gemm *g, const __m512 *dec
   }
 #pragma GCC unroll 4
   for (int v = 0; v < ZT_NV; v++) {
-    __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);
+    __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);
     __m512 z = _mm512_cvtepi32_ps(
         load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
 #pragma GCC unroll 4
@@ -228,7 +230,7 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
         }                                                                                                    \
       }                                                                                                      \
       _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                              \
-        __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);             \
+        __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);                                      \
         __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]); \
         _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                               \
           __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                \
@@ -265,7 +267,7 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     }                                                                                                        \
     bool last = grp == g->groups - 1;                                                                        \
     _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                \
-      __m512 s = load_scales(g->scales + grp * g->n + col0 + 16 * v, g->scales_bf16, mask[v]);               \
+      __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);                                        \
       __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]);   \
       _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                 \
         float *y = g->y + (m + r) * g->n + col0 + 16 * v;                                                    \

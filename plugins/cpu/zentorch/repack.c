@@ -11,7 +11,10 @@
 static inline uint32_t nibble(uint32_t word, int j) { return (word >> (4 * j)) & 0xfu; }
 
 /* The u4 code of row `row`, column `col` of a checkpoint qweight. */
-static inline uint32_t code_at(enum zt_source src, const int32_t *in, int64_t n, int64_t row, int64_t col) {
+static inline uint32_t code_at(enum zt_source src, const int32_t *in, int64_t n, int64_t k, int64_t row,
+                               int64_t col) {
+  if (src == ZT_CT)
+    return nibble((uint32_t)in[col * (k / 8) + row / 8], (int)(row % 8));
   if (src == ZT_AWQ)
     return nibble((uint32_t)in[row * (n / 8) + col / 8], qkeep_awq_nibble((int)(col % 8)));
   return nibble((uint32_t)in[(row / 8) * n + col], (int)(row % 8));
@@ -25,12 +28,18 @@ void zt_repack_codes(enum zt_source src, const int32_t *in, int64_t n, int64_t k
       out[i] = (int32_t)((uint32_t)in[i] ^ flip);
     return;
   }
+  if (src == ZT_CT && !perm) { /* a word transpose */
+    for (int64_t col = 0; col < n; col++)
+      for (int64_t kw = 0; kw < k / 8; kw++)
+        out[kw * n + col] = (int32_t)((uint32_t)in[col * (k / 8) + kw] ^ flip);
+    return;
+  }
   for (int64_t kw = 0; kw < k / 8; kw++)
     for (int64_t col = 0; col < n; col++) {
       uint32_t word = 0;
       for (int j = 0; j < 8; j++) {
         int64_t row = perm ? perm[kw * 8 + j] : kw * 8 + j;
-        word |= code_at(src, in, n, row, col) << (4 * j);
+        word |= code_at(src, in, n, k, row, col) << (4 * j);
       }
       out[kw * n + col] = (int32_t)(word ^ flip);
     }
@@ -62,6 +71,12 @@ void zt_repack_zeros(enum zt_source src, bool gptq_v2, int32_t *zeros, int64_t n
     }
     zeros[i] = (int32_t)out;
   }
+}
+
+void zt_repack_ct_zeros(const int32_t *in, int64_t n, int64_t groups, int32_t *out) {
+  for (int64_t w = 0; w < n / 8; w++)
+    for (int64_t g = 0; g < groups; g++)
+      out[g * (n / 8) + w] = in[w * groups + g];
 }
 
 int zt_act_order_perm(const int32_t *g_idx, int64_t k, int64_t groups, int32_t *perm, int64_t *bad) {

@@ -58,7 +58,7 @@ enum zt_isa { ZT_ISA_NONE = 0, ZT_ISA_AVX2, ZT_ISA_AVX512, ZT_ISA_AVX512_VNNI, Z
 enum zt_mode { ZT_W4A16 = 0, ZT_DA8W4 = 1 };
 
 /* The checkpoint layout a matrix comes from. */
-enum zt_source { ZT_GPTQ = 0, ZT_AWQ = 1 };
+enum zt_source { ZT_GPTQ = 0, ZT_AWQ = 1, ZT_CT = 2 /* compressed-tensors pack-quantized (ct-int4) */ };
 
 /* The backend instance: the table first, so the core's pointer is ours. */
 struct zt_backend {
@@ -72,13 +72,16 @@ struct zt_backend {
 
 /* One weight matrix of a layer: a linear layer's, or an MoE layer's w13 or w2 (every expert alike). */
 struct zt_matrix {
-  char prefix[8];  /* "", "w13_" or "w2_" */
-  int64_t n, k;    /* y[M, n] = x[M, k] W^T */
-  int64_t experts; /* 1 for a linear layer */
-  int64_t groups;  /* scale groups along K */
-  bool sym;        /* s4 codes, zero 8; qzeros retired */
-  bool act_order;  /* g_idx holds the K permutation */
-  bool scales_bf16;
+  char prefix[8]; /* "", "w13_" or "w2_" */
+  enum zt_source src;
+  /* The checkpoint names of its codes, scales, zero points and g_idx (without the prefix). */
+  const char *codes_name, *scales_name, *zeros_name, *g_idx_name;
+  int64_t n, k;                 /* y[M, n] = x[M, k] W^T */
+  int64_t experts;              /* 1 for a linear layer */
+  int64_t groups;               /* scale groups along K */
+  bool sym;                     /* s4 codes, zero 8; qzeros retired */
+  bool act_order;               /* g_idx holds the K permutation */
+  enum qkeep_dtype scale_dtype; /* f16, bf16 or f32 (ct-int4 keeps the model's dtype) */
 };
 
 /* A layer's private state (host->set_state), rebuilt by every PWAL; holds no pointer into a param. */
@@ -94,7 +97,8 @@ static inline uint32_t zt_s4_word(uint32_t u4) { return u4 ^ 0x88888888u; }
 
 /*
  * Fills out[k/8 * n] with the zentorch words [K/8, N] of one matrix: from GPTQ qweight
- * [K/8, N] (the same words) or AWQ qweight [K, N/8] (packed along N, AWQ's column order),
+ * [K/8, N] (the same words), AWQ qweight [K, N/8] (packed along N, AWQ's column order) or
+ * compressed-tensors weight_packed [N, K/8] (the words transposed; codes already u4 = q + 8),
  * with the rows of K taken in `perm` order when perm is non-NULL (row i = source row
  * perm[i]), as s4 when `s4`. in and out must not overlap.
  */
@@ -109,6 +113,8 @@ int64_t zt_blocked_index(int64_t n, int64_t k, int64_t kw, int64_t col);
  * (column order {0,2,4,6,1,3,5,7}) into zentorch zero points (the zero, column n in nibble n % 8).
  */
 void zt_repack_zeros(enum zt_source src, bool gptq_v2, int32_t *zeros, int64_t n, int64_t groups);
+/* compressed-tensors weight_zero_point [N/8, groups] transposed into zentorch zero points [groups, N/8]. */
+void zt_repack_ct_zeros(const int32_t *in, int64_t n, int64_t groups, int32_t *out);
 /*
  * The act-order permutation of g_idx [K]: perm[i] = the i-th row of K in order of its group
  * (stable). 0, or -1 when a group index is outside [0, groups) or a group does not hold
@@ -121,9 +127,9 @@ int zt_act_order_perm(const int32_t *g_idx, int64_t k, int64_t groups, int32_t *
 /* One GEMM of apply: y[m, n] = x[m, k] W^T for one matrix (one expert), all pointers resolved. */
 struct zt_gemm {
   int64_t m, n, k, groups;
-  const int32_t *codes;   /* blocked zentorch words */
-  const uint16_t *scales; /* [groups, n], f16 or bf16 */
-  bool scales_bf16;
+  const int32_t *codes; /* blocked zentorch words */
+  const void *scales;   /* [groups, n] of scale_dtype */
+  enum qkeep_dtype scale_dtype;
   const int32_t *zeros; /* [groups, n/8] zentorch zero points; NULL: every zero is 8 (s4 codes) */
   /* w4a16: */
   const float *x;     /* [m, k], already in kernel row order */
