@@ -3,16 +3,20 @@
  * supports_layer, PWAL under the rules, apply, and per-layer cleanup.
  *
  * Schemes: gptq-int4 (v1 and v2 zero points, symmetric and asymmetric, act order through
- * g_idx) and awq-int4 (GEMM layout), linear and MoE layers, on x86 CPUs with AVX2, FMA and
- * F16C at least. It is a chain member: it takes its int4 layers and passes every other layer
- * (unquantized, other schemes, embeddings, norms, kv scales) down the chain with a reason.
+ * g_idx), awq-int4 (GEMM layout) and ct-int4 (compressed-tensors pack-quantized: weight_packed,
+ * weight_scale, weight_zero_point and weight_g_idx play the parts of qweight, scales, qzeros and
+ * g_idx below; weight_scale is transposed to [groups, N] in its own storage, f32 allowed), linear
+ * and MoE layers, on x86 CPUs with AVX2, FMA and F16C at least. It is a chain member: it takes
+ * its int4 layers and passes every other layer (unquantized, other schemes, embeddings, norms,
+ * kv scales) down the chain with a reason.
  *
  * What PWAL leaves behind, per weight matrix ("" for a linear layer, "w13_" and "w2_" for
  * MoE); every byte stays in its own param (zentorch.h describes the layouts):
  *
  *   qweight  the blocked zentorch codes, u4 or s4, as int32 [E?, K N / 8], replaced into
  *            its own storage (same bytes count, so always in place)
- *   scales   as loaded: [E?, groups, N] is the zentorch scale layout already
+ *   scales   as loaded: [E?, groups, N] is the zentorch scale layout already (ct-int4:
+ *            transposed from [E?, N, groups] in place)
  *   qzeros   asymmetric: the zentorch zero points [E?, groups, N/8], replaced in place;
  *            symmetric (the config says so, or every zero point is 8): retired, its bytes kept
  *   g_idx    act order: the K permutation int32 [E?, K], replaced in place (no act order:
