@@ -987,7 +987,7 @@ START_TEST(ct_pack_quantized_actorder_group) {
   static const struct int4_opts o = {.g = 32, .act_order = true};
   struct layout L = {.linear = ct_int4_actorder_fn, .opts = &o};
   run_layout(&L, w4a16_actorder, "model.safetensors", 1, "model.layers.0.self_attn.qkv_proj", "ct-int4",
-             NULL);
+             "cpu-zentorch");
 }
 END_TEST
 
