@@ -7,7 +7,7 @@
  *
  * Chain members: test-picky (ABI 1.1, takes the unquantized linear layers named by its
  * `take` key), test-legacy (an ABI 1.0 table), test-nodev (no device), cpu-onednn when
- * built, and reference.
+ * built, and reference; cpu-zentorch, when built, answers the ABI 1.0 check with the others.
  */
 #include <check.h>
 #include <stdio.h>
@@ -101,7 +101,7 @@ static char *quantize(const char *source, const char *scheme, const char *out) {
 
 /* ---- the chain's plugins ---------------------------------------------------------------------- */
 
-static qkeep_plugin *picky, *legacy, *nodev, *onednn; /* onednn: NULL where it is not built */
+static qkeep_plugin *picky, *legacy, *nodev, *onednn, *zentorch; /* NULL where not built */
 
 static void chain_setup(void) {
   fixture_name = "chain";
@@ -111,6 +111,8 @@ static void chain_setup(void) {
   ck_assert_msg(qkeep_plugin_open("test-nodev", NULL, &nodev) == 0, "%s", qkeep_errmsg());
   if (qkeep_plugin_open("cpu-onednn", NULL, &onednn) != 0)
     onednn = NULL;
+  if (qkeep_plugin_open("cpu-zentorch", NULL, &zentorch) != 0)
+    zentorch = NULL;
 }
 
 static void chain_teardown(void) {
@@ -118,7 +120,8 @@ static void chain_teardown(void) {
   qkeep_plugin_close(legacy);
   qkeep_plugin_close(nodev);
   qkeep_plugin_close(onednn);
-  picky = legacy = nodev = onednn = NULL;
+  qkeep_plugin_close(zentorch);
+  picky = legacy = nodev = onednn = zentorch = NULL;
   teardown();
 }
 
@@ -429,8 +432,8 @@ END_TEST
 START_TEST(in_tree_backends_also_serve_an_abi_1_0_core) {
   static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4", "mxfp4",
                                         "w8a8-int8",   "gptq-int4",      "awq-int4"};
-  qkeep_plugin *backends[] = {plugin, onednn};
-  for (size_t b = 0; b < 2; b++) {
+  qkeep_plugin *backends[] = {plugin, onednn, zentorch};
+  for (size_t b = 0; b < 3; b++) {
     if (!backends[b])
       continue;
     const struct qkeep_backend *be = qkeep_plugin_backend(backends[b]);

@@ -1,0 +1,344 @@
+/*
+ * kernels_avx512.c: the AVX-512 kernels (F, BW, VL, DQ; VNNI for one of them) of
+ * cpu-zentorch on the blocked zentorch layout (zentorch.h). Built for these instruction
+ * sets whatever the compiler's default; backend.c calls them only on a CPU that has them.
+ *
+ * Each call covers column blocks [b0, b1) and rows [m0, m1). A tile is ZT_MR rows by one
+ * block (four 16-lane vectors, masked for a narrower last block): per group, the code
+ * products accumulate in registers (f32 for w4a16, int32 for da8w4), then the group's
+ * zero-point correction is subtracted and the result scaled into the f32 accumulators.
+ */
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#include <immintrin.h>
+
+#include "zentorch.h"
+
+#define ZT_MR 2 /* rows per tile */
+#define ZT_NV 4 /* 16-lane vectors per tile: one block */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* The lanes of vector v of a block `width` columns wide. */
+ALWAYS_INLINE __mmask16 lane_mask(int64_t width, int v) {
+  int64_t left = width - 16 * v;
+  return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+/* f32 scales of elements at..at+15 (masked) of g's scales [groups, n]. */
+ALWAYS_INLINE __m512 load_scales(const struct zt_gemm *g, int64_t at, __mmask16 mask) {
+  if (g->scale_dtype == QKEEP_DTYPE_F32)
+    return _mm512_maskz_loadu_ps(mask, (const float *)g->scales + at);
+  __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)g->scales + at);
+  if (g->scale_dtype == QKEEP_DTYPE_BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+/* The zero points of columns col..col+15 (col a multiple of 16) of group row `zeros`, as int32 lanes. */
+ALWAYS_INLINE __m512i load_zeros(const int32_t *zeros, int64_t col, int64_t n, __mmask16 mask) {
+  if (!zeros)
+    return _mm512_set1_epi32(8);
+  if (!mask)
+    return _mm512_setzero_si512();
+  const int32_t *w = zeros + col / 8;
+  __m512i both =
+      _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(w[0]), _mm512_set1_epi32(col + 8 < n ? w[1] : 0));
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  return _mm512_and_si512(_mm512_srlv_epi32(both, shifts), _mm512_set1_epi32(0xf));
+}
+
+/* (a & b) ^ c in one instruction: the u4 code of a masked nibble, s4 codes flipped back. */
+#define CODE(a, b, c) _mm512_ternarylogic_epi32((a), (b), (c), 0x6a)
+
+ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_t b) {
+  int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;
+  const int32_t *codes = g->codes + col0 * (g->k / 8);
+  int64_t words = g->k / 8 / g->groups;
+  __mmask16 mask[ZT_NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < ZT_NV; v++)
+    mask[v] = lane_mask(width, v);
+  const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
+  __m512 acc[ZT_MR][ZT_NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++)
+      acc[r][v] = _mm512_setzero_ps();
+  for (int64_t grp = 0; grp < g->groups; grp++) {
+    __m512 part[ZT_MR][ZT_NV];
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++)
+        part[r][v] = _mm512_setzero_ps();
+    for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
+      const int32_t *row = codes + kw * width;
+      __m512i w[ZT_NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++)
+        w[v] = _mm512_maskz_loadu_epi32(mask[v], row + 16 * v);
+        /* j outermost: consecutive multiply-adds go to independent accumulators */
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; j++)
+#pragma GCC unroll 4
+        for (int v = 0; v < ZT_NV; v++) {
+          __m512 c = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w[v], 4 * j), nib, flip));
+#pragma GCC unroll 4
+          for (int r = 0; r < mr; r++)
+            part[r][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(g->x[(m + r) * g->k + kw * 8 + j]), part[r][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++) {
+      __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);
+      __m512 z = _mm512_cvtepi32_ps(
+          load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
+#pragma GCC unroll 4
+      for (int r = 0; r < mr; r++) {
+        __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(t, s, acc[r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++)
+      _mm512_mask_storeu_ps(g->y + (m + r) * g->n + col0 + 16 * v, mask[v], acc[r][v]);
+}
+
+/*
+ * Many rows: each group of a block is decoded once into f32 codes in `dec` (words x 4 x 8
+ * vectors, in L1 for groups of 128), then every tile of ZT_MR_DEC rows multiplies with it;
+ * the f32 accumulators live in y between groups.
+ */
+#define ZT_MR_DEC 4
+
+ALWAYS_INLINE void w4a16_decoded_tile(const struct zt_gemm *g, const __m512 *dec, int64_t m, int mr,
+                                      int64_t b, int64_t grp, const __mmask16 *mask) {
+  int64_t col0 = b * ZT_BLOCK_N, words = g->k / 8 / g->groups;
+  __m512 part[ZT_MR_DEC][ZT_NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++)
+      part[r][v] = _mm512_setzero_ps();
+  for (int64_t kw = 0; kw < words; kw++) {
+    const float *x = g->x + m * g->k + (grp * words + kw) * 8;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++)
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++) {
+        __m512 c = dec[(kw * ZT_NV + v) * 8 + j];
+#pragma GCC unroll 4
+        for (int r = 0; r < mr; r++)
+          part[r][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(x[r * g->k + j]), part[r][v]);
+      }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < ZT_NV; v++) {
+    __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);
+    __m512 z = _mm512_cvtepi32_ps(
+        load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
+#pragma GCC unroll 4
+    for (int r = 0; r < mr; r++) {
+      float *y = g->y + (m + r) * g->n + col0 + 16 * v;
+      __m512 t = _mm512_fnmadd_ps(z, _mm512_set1_ps(g->xsumf[(m + r) * g->groups + grp]), part[r][v]);
+      __m512 prev = grp ? _mm512_maskz_loadu_ps(mask[v], y) : _mm512_setzero_ps();
+      _mm512_mask_storeu_ps(y, mask[v], _mm512_fmadd_ps(t, s, prev));
+    }
+  }
+}
+
+static void w4a16_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, __m512 *dec) {
+  int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;
+  const int32_t *codes = g->codes + col0 * (g->k / 8);
+  int64_t words = g->k / 8 / g->groups;
+  __mmask16 mask[ZT_NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < ZT_NV; v++)
+    mask[v] = lane_mask(width, v);
+  const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
+  for (int64_t grp = 0; grp < g->groups; grp++) {
+    for (int64_t kw = 0; kw < words; kw++)
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++) {
+        __m512i w = _mm512_maskz_loadu_epi32(mask[v], codes + (grp * words + kw) * width + 16 * v);
+        for (int j = 0; j < 8; j++)
+          dec[(kw * ZT_NV + v) * 8 + j] = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w, 4 * j), nib, flip));
+      }
+    int64_t m = m0;
+    for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)
+      w4a16_decoded_tile(g, dec, m, ZT_MR_DEC, b, grp, mask);
+    switch (m1 - m) {
+    case 3: w4a16_decoded_tile(g, dec, m, 3, b, grp, mask); break;
+    case 2: w4a16_decoded_tile(g, dec, m, 2, b, grp, mask); break;
+    case 1: w4a16_decoded_tile(g, dec, m, 1, b, grp, mask); break;
+    }
+  }
+}
+
+void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  if (m1 - m0 >= ZT_MR_DEC) {
+    __m512 *dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * ZT_NV * 8 * sizeof *dec, 64);
+    if (dec) {
+      for (int64_t b = b0; b < b1; b++)
+        w4a16_decoded(g, m0, m1, b, dec);
+      _mm_free(dec);
+      return;
+    }
+  }
+  for (int64_t b = b0; b < b1; b++)
+    for (int64_t m = m0; m < m1; m += ZT_MR) {
+      if (m1 - m >= 2)
+        w4a16_tile(g, m, 2, b);
+      else
+        w4a16_tile(g, m, 1, b);
+    }
+}
+
+/*
+ * The da8w4 tile, once per way of forming the int32 dot products: ZT_DOT(acc, codes, act)
+ * adds, per 32-bit lane, the four products of the u8 code bytes and the s8 activation bytes.
+ */
+#define DA8W4_TILE(NAME, ATTR, DOT)                                                                          \
+  ATTR ALWAYS_INLINE void NAME(const struct zt_gemm *g, int64_t m, int mr, int64_t b) {                      \
+    int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;              \
+    const int32_t *codes = g->codes + col0 * (g->k / 8);                                                     \
+    int64_t words = g->k / 8 / g->groups;                                                                    \
+    __mmask16 mask[ZT_NV];                                                                                   \
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) mask[v] = lane_mask(width, v);                   \
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808);  \
+    const __m512i ones = _mm512_set1_epi16(1);                                                               \
+    (void)ones;                                                                                              \
+    __m512 acc[ZT_MR][ZT_NV];                                                                                \
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                     \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) acc[r][v] = _mm512_setzero_ps();             \
+    for (int64_t grp = 0; grp < g->groups; grp++) {                                                          \
+      __m512i part[ZT_MR][ZT_NV];                                                                            \
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                   \
+          _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) part[r][v] = _mm512_setzero_si512();       \
+      for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {                                         \
+        const int32_t *row = codes + kw * width;                                                             \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                            \
+          __m512i w = _mm512_maskz_loadu_epi32(mask[v], row + 16 * v);                                       \
+          __m512i lo = CODE(w, nib, flip), hi = CODE(_mm512_srli_epi32(w, 4), nib, flip);                    \
+          _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                             \
+            const int32_t *xq = g->xq + (m + r) * (g->k / 4) + 2 * kw;                                       \
+            DOT(part[r][v], lo, hi, _mm512_set1_epi32(xq[0]), _mm512_set1_epi32(xq[1]));                     \
+          }                                                                                                  \
+        }                                                                                                    \
+      }                                                                                                      \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                              \
+        __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);                                      \
+        __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]); \
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                               \
+          __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                \
+          __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                               \
+          acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[r][v]);                                  \
+        }                                                                                                    \
+      }                                                                                                      \
+    }                                                                                                        \
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                   \
+      __m512 a = _mm512_set1_ps(g->xscale[m + r]);                                                           \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) _mm512_mask_storeu_ps(                         \
+          g->y + (m + r) * g->n + col0 + 16 * v, mask[v], _mm512_mul_ps(acc[r][v], a));                      \
+    }                                                                                                        \
+  }
+
+/* Many rows: each group of a block decoded once into u8 code vectors (lo, hi per word and vector). */
+#define DA8W4_DECODED(NAME, ATTR, DOT)                                                                       \
+  ATTR ALWAYS_INLINE void NAME##_tile(const struct zt_gemm *g, const __m512i *dec, int64_t m, int mr,        \
+                                      int64_t b, int64_t grp, const __mmask16 *mask) {                       \
+    int64_t col0 = b * ZT_BLOCK_N, words = g->k / 8 / g->groups;                                             \
+    const __m512i ones = _mm512_set1_epi16(1);                                                               \
+    (void)ones;                                                                                              \
+    __m512i part[ZT_MR_DEC][ZT_NV];                                                                          \
+    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                     \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) part[r][v] = _mm512_setzero_si512();         \
+    for (int64_t kw = 0; kw < words; kw++) {                                                                 \
+      const int32_t *xq = g->xq + m * (g->k / 4) + 2 * (grp * words + kw);                                   \
+      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                              \
+        __m512i lo = dec[(kw * ZT_NV + v) * 2], hi = dec[(kw * ZT_NV + v) * 2 + 1];                          \
+        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                 \
+            DOT(part[r][v], lo, hi, _mm512_set1_epi32(xq[r * (g->k / 4)]),                                   \
+                _mm512_set1_epi32(xq[r * (g->k / 4) + 1]));                                                  \
+      }                                                                                                      \
+    }                                                                                                        \
+    bool last = grp == g->groups - 1;                                                                        \
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                \
+      __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);                                        \
+      __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]);   \
+      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                 \
+        float *y = g->y + (m + r) * g->n + col0 + 16 * v;                                                    \
+        __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                  \
+        __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                                 \
+        __m512 prev = grp ? _mm512_maskz_loadu_ps(mask[v], y) : _mm512_setzero_ps();                         \
+        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, prev);                                        \
+        if (last)                                                                                            \
+          acc = _mm512_mul_ps(acc, _mm512_set1_ps(g->xscale[m + r]));                                        \
+        _mm512_mask_storeu_ps(y, mask[v], acc);                                                              \
+      }                                                                                                      \
+    }                                                                                                        \
+  }                                                                                                          \
+  ATTR static void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, __m512i *dec) {          \
+    int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;              \
+    const int32_t *codes = g->codes + col0 * (g->k / 8);                                                     \
+    int64_t words = g->k / 8 / g->groups;                                                                    \
+    __mmask16 mask[ZT_NV];                                                                                   \
+    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) mask[v] = lane_mask(width, v);                   \
+    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808);  \
+    for (int64_t grp = 0; grp < g->groups; grp++) {                                                          \
+      for (int64_t kw = 0; kw < words; kw++)                                                                 \
+        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                            \
+          __m512i w = _mm512_maskz_loadu_epi32(mask[v], codes + (grp * words + kw) * width + 16 * v);        \
+          dec[(kw * ZT_NV + v) * 2] = CODE(w, nib, flip);                                                    \
+          dec[(kw * ZT_NV + v) * 2 + 1] = CODE(_mm512_srli_epi32(w, 4), nib, flip);                          \
+        }                                                                                                    \
+      int64_t m = m0;                                                                                        \
+      for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)                                                            \
+        NAME##_tile(g, dec, m, ZT_MR_DEC, b, grp, mask);                                                     \
+      switch (m1 - m) {                                                                                      \
+      case 3: NAME##_tile(g, dec, m, 3, b, grp, mask); break;                                                \
+      case 2: NAME##_tile(g, dec, m, 2, b, grp, mask); break;                                                \
+      case 1: NAME##_tile(g, dec, m, 1, b, grp, mask); break;                                                \
+      }                                                                                                      \
+    }                                                                                                        \
+  }
+
+/* The entry point of one DOT: the decoded path for many rows, direct tiles of ZT_MR rows for few. */
+#define DA8W4_ENTRY(NAME, ATTR, TILE, DECODED)                                                               \
+  ATTR void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {                  \
+    if (m1 - m0 >= ZT_MR_DEC) {                                                                              \
+      __m512i *dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * ZT_NV * 2 * sizeof *dec, 64);               \
+      if (dec) {                                                                                             \
+        for (int64_t b = b0; b < b1; b++)                                                                    \
+          DECODED(g, m0, m1, b, dec);                                                                        \
+        _mm_free(dec);                                                                                       \
+        return;                                                                                              \
+      }                                                                                                      \
+    }                                                                                                        \
+    for (int64_t b = b0; b < b1; b++)                                                                        \
+      for (int64_t m = m0; m < m1; m += ZT_MR) {                                                             \
+        if (m1 - m >= 2)                                                                                     \
+          TILE(g, m, 2, b);                                                                                  \
+        else                                                                                                 \
+          TILE(g, m, 1, b);                                                                                  \
+      }                                                                                                      \
+  }
+
+/* Without VNNI: u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, and 4 of them per lane pair
+ * after adding lo and hi: no saturation), then pairs of int16 into int32. */
+#define DOT_BW(acc, lo, hi, xe, xo)                                                                          \
+  acc = _mm512_add_epi32(                                                                                    \
+      acc,                                                                                                   \
+      _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)), ones))
+DA8W4_TILE(da8w4_tile_bw, , DOT_BW)
+DA8W4_DECODED(da8w4_decoded_bw, , DOT_BW)
+DA8W4_ENTRY(zt_da8w4_avx512, , da8w4_tile_bw, da8w4_decoded_bw)
+
+#define DOT_VNNI(acc, lo, hi, xe, xo) acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo)
+#define VNNI __attribute__((target("avx512vnni")))
+DA8W4_TILE(da8w4_tile_vnni, VNNI, DOT_VNNI)
+DA8W4_DECODED(da8w4_decoded_vnni, VNNI, DOT_VNNI)
+DA8W4_ENTRY(zt_da8w4_avx512_vnni, VNNI, da8w4_tile_vnni, da8w4_decoded_vnni)
