@@ -26,6 +26,7 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
+#include "benchutil.h"
 #include "internal.h"
 #include "numeric.h"
 #include "testutil.h"
@@ -35,49 +36,6 @@
 static void die(const char *what) {
   fprintf(stderr, "bench_int4: %s: %s\n", what, qkeep_errmsg());
   exit(1);
-}
-
-/* The last-level cache in bytes: sysfs (what lscpu shows), else sysconf, else 32 MiB. */
-static size_t llc_bytes(void) {
-  FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
-  unsigned long kb = 0;
-  int got = f ? fscanf(f, "%luK", &kb) : 0;
-  if (f)
-    fclose(f);
-  if (got == 1 && kb)
-    return (size_t)kb << 10;
-  long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  return v > 0 ? (size_t)v : (size_t)32 << 20;
-}
-
-/* memcpy bandwidth with `threads` threads over buffers of 2 x LLC: bytes read plus written per second. */
-static double copy_bandwidth(size_t llc, int threads) {
-  size_t bytes = 2 * llc;
-  unsigned char *a = malloc(bytes), *b = malloc(bytes);
-  if (!a || !b)
-    die("out of memory for the bandwidth test");
-  memset(a, 1, bytes);
-  memset(b, 2, bytes);
-  double t[7];
-  for (int r = 0; r < 7; r++) {
-    double t0 = tu_now();
-#pragma omp parallel num_threads(threads)
-    {
-      int n = omp_get_num_threads(), i = omp_get_thread_num();
-      size_t part = bytes / (size_t)n, off = part * (size_t)i;
-      memcpy(b + off, a + off, i == n - 1 ? bytes - off : part);
-    }
-    t[r] = tu_now() - t0;
-  }
-  free(a);
-  free(b);
-  return 2.0 * (double)bytes / tu_median(t, 7);
-}
-
-/* How many copies of `bytes` of weights exceed twice the LLC (at least 2). */
-static int copies_for(size_t bytes, size_t llc) {
-  size_t c = (2 * llc + bytes - 1) / bytes;
-  return c < 2 ? 2 : (int)c;
 }
 
 /* ---- a backend's side: layers built by hand, PWAL and apply through the backend's table ---- */
