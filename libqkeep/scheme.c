@@ -486,3 +486,30 @@ int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int6
                      w->file->path, w->t->name, (long long)*k);
   return 0;
 }
+
+int check_group_index(qkeep_layer *layer, const char *name, int64_t group_size) {
+  qkeep_param *p = qkeep_param_lookup(layer, name);
+  if (!p || p->state != QKEEP_PARAM_LIVE || p->create_spec.dtype != QKEEP_DTYPE_I32 ||
+      p->create_spec.ndim < 1 || group_size <= 0)
+    return 0;
+  int64_t k = p->create_spec.shape[p->create_spec.ndim - 1], groups = k / group_size;
+  size_t count = (size_t)qkeep_spec_numel(&p->create_spec);
+  int32_t *v = malloc((count ? count : 1) * sizeof *v);
+  int rc = v ? dev_d2h(layer_device(layer), v, tensor_ptr(&p->view), count * sizeof *v)
+             : set_error(QKEEP_E_NOMEM, "out of memory");
+  const char *tensor = p->checkpoint_name; /* the checkpoint tensor that loaded it, when one did */
+  for (size_t i = 0; i < layer->n_sources; i++)
+    if (layer->sources[i].param == p && !layer->sources[i].compare_only) {
+      tensor = layer->sources[i].checkpoint_name;
+      break;
+    }
+  for (size_t i = 0; !rc && i < count; i++)
+    if (v[i] < 0 || v[i] >= groups)
+      rc = set_error(QKEEP_E_FORMAT,
+                     "tensor '%s' (layer %s): element %zu is %ld, outside the %lld groups of K = %lld (group "
+                     "size %lld)",
+                     tensor, layer->name, i, (long)v[i], (long long)groups, (long long)k,
+                     (long long)group_size);
+  free(v);
+  return rc;
+}

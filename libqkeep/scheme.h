@@ -120,6 +120,13 @@ int for_each_matrix(qkeep_layer *layer, int (*fn)(qkeep_layer *layer, const char
 bool param_was_loaded(const qkeep_layer *layer, const char *name);
 /* "<prefix><name>" into buf. */
 const char *prefixed(char *buf, size_t len, const char *prefix, const char *name);
+/*
+ * An act-order group index (GPTQ g_idx, compressed-tensors weight_g_idx: I32 [K] or [E, K]) must
+ * name a group of its matrix: every value in [0, K / group_size). A kernel indexes scales with it,
+ * so a value outside (10^8, or one past the last group) is QKEEP_E_FORMAT naming the checkpoint
+ * tensor, the element and the range. A param that is absent or retired is not read: 0.
+ */
+int check_group_index(qkeep_layer *layer, const char *name, int64_t group_size);
 /* Writes `value` into a f32 param that the checkpoint did not provide (a placeholder). */
 int fill_f32(qkeep_layer *layer, const char *name, float value);
 

@@ -94,7 +94,16 @@ static int check_and_retire_shape(qkeep_layer *layer, const char *prefix) {
   return rc ? rc : qkeep_retire(layer, name);
 }
 
-static int ct_int4_normalize(qkeep_layer *layer) { return for_each_matrix(layer, check_and_retire_shape); }
+/* weight_shape checked and retired; an act-order weight_g_idx names groups of its matrix. */
+static int ct_int4_matrix(qkeep_layer *layer, const char *prefix) {
+  char name[64];
+  int rc = check_and_retire_shape(layer, prefix);
+  return rc ? rc
+            : check_group_index(layer, prefixed(name, sizeof name, prefix, "weight_g_idx"),
+                                layer->dims.group_size);
+}
+
+static int ct_int4_normalize(qkeep_layer *layer) { return for_each_matrix(layer, ct_int4_matrix); }
 
 static uint32_t ct_int4_flags(const struct quant_config *qc) {
   uint32_t f = 0;

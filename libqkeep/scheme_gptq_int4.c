@@ -56,6 +56,8 @@ static int gptq_retire_unread(qkeep_layer *layer, const char *prefix) {
     rc = qkeep_retire(layer, qzeros);
   if (!rc && !(layer->dims.flags & QKEEP_LAYER_F_ACT_ORDER) && qkeep_param_lookup(layer, g_idx))
     rc = qkeep_retire(layer, g_idx);
+  if (!rc && (layer->dims.flags & QKEEP_LAYER_F_ACT_ORDER)) /* kernels index scales with it */
+    rc = check_group_index(layer, g_idx, layer->dims.group_size);
   return rc;
 }
 

@@ -1281,6 +1281,26 @@ START_TEST(gptq_act_order_g_idx_differs) {
 }
 END_TEST
 
+/* Act order: a group index outside the matrix's groups (10^8, or one past the last) would have
+ * the kernels read scales out of bounds; the load refuses it, naming the tensor. */
+START_TEST(gptq_act_order_g_idx_out_of_range) {
+  static const int32_t bad[] = {100000000, -1, 0 /* set to the group count below */};
+  for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+    char *ck = copy_variant(V_GPTQ);
+    set_quant_key(ck, "desc_act", json_true());
+    struct tensors ts = weights_of(ck);
+    const struct item *scales = get(&ts, L0 "mlp.down_proj.scales");
+    int32_t value = b == 2 ? (int32_t)scales->spec.shape[0] : bad[b]; /* one past the last group */
+    struct item *g_idx = get(&ts, L0 "mlp.down_proj.g_idx");
+    memcpy(g_idx->data + 4, &value, 4);
+    save_weights(&ts, ck);
+    expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "'" L0 "mlp.down_proj.g_idx'", "outside the", NULL);
+    tu_rmtree(ck); /* the next value gets a fresh copy under the same name */
+    free(ck);
+  }
+}
+END_TEST
+
 /* Static int8 activations with a zero point: fused shards must share it. */
 START_TEST(w8a8_fused_zero_points_differ) {
   char *ck = copy_variant(V_W8A8_ASYM);
@@ -1557,6 +1577,7 @@ static Suite *badckpt_suite(void) {
   tcase_add_test(tc, modelopt_bias_wrong_shape);
   tcase_add_test(tc, fused_qkv_shards_differ_in_k);
   tcase_add_test(tc, gptq_act_order_g_idx_differs);
+  tcase_add_test(tc, gptq_act_order_g_idx_out_of_range);
   tcase_add_test(tc, w8a8_fused_zero_points_differ);
   tcase_add_test(tc, fused_name_taken_by_a_module);
   /* kv-cache scales */
