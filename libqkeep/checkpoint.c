@@ -629,6 +629,12 @@ int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst) {
   return st_read(t->file, t->t, dst);
 }
 
+int ckpt_read_range(const struct ckpt *c, const struct ckpt_tensor *t, size_t offset, size_t n, void *dst) {
+  assert(c && t);
+  (void)c;
+  return st_read_range(t->file, t->t, offset, n, dst);
+}
+
 /* One shard's part of a batch at a time (a batch is one layer's tensors: one shard, or a few). */
 int ckpt_read_many(const struct ckpt *c, const struct ckpt_tensor *const *ts, void *const *dsts, size_t n) {
   assert(c);

@@ -97,6 +97,8 @@ void ckpt_close(struct ckpt *c);
 const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name);
 /* Reads a tensor's bytes (t->nbytes of them) into dst. */
 int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
+/* Reads bytes [offset, offset + n) of a tensor (a range within it) into dst. */
+int ckpt_read_range(const struct ckpt *c, const struct ckpt_tensor *t, size_t offset, size_t n, void *dst);
 /* Reads n tensors, ts[i]'s bytes into dsts[i], batched per shard (st_read_many). */
 int ckpt_read_many(const struct ckpt *c, const struct ckpt_tensor *const *ts, void *const *dsts, size_t n);
 

@@ -137,6 +137,8 @@ const struct device *host_device(void);
 /* Whether a backend's memory table provides every slot the core calls (plugin.c refuses a
  * table that is set but short, so a device backend never gets host pointers). */
 bool memory_ops_complete(const struct qkeep_memory_ops *ops);
+/* Whether the table has ABI 1.2's pinned staging and asynchronous copy (all three slots). */
+bool memory_ops_async(const struct qkeep_memory_ops *ops);
 /* A device for a backend: its memory ops when it has them, else host memory. */
 void device_init(struct device *dev, const struct qkeep_backend *be);
 
@@ -147,6 +149,10 @@ int dev_d2h(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n);
 int dev_sync(const struct device *dev);
+/* ABI 1.2 slots; only for a device whose ops pass memory_ops_async. */
+int dev_host_alloc(const struct device *dev, size_t bytes, void **out);
+void dev_host_free(const struct device *dev, void *ptr);
+int dev_h2d_async(const struct device *dev, void *dst, const void *src, size_t n);
 
 /* Refcounted memory on one device. capacity 0 means empty (data NULL). */
 struct storage {
@@ -378,6 +384,8 @@ const char *st_metadata(const struct st_file *f, const char *key);
  * never a signal.
  */
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
+/* Reads bytes [offset, offset + n) of the tensor (within it) into dst; the checks and errors are st_read's. */
+int st_read_range(const struct st_file *f, const struct st_tensor *t, size_t offset, size_t n, void *dst);
 /*
  * Reads n tensors of f (tensors[i]'s bytes into dsts[i]), each run of tensors
  * that lie back to back in the file with one preadv; the errors are st_read's.
@@ -484,17 +492,28 @@ struct provider {
   const char *(*name_at)(const struct provider *p, size_t i);
   /* (optional) Copies n tensors into host memory, ts[i] to dsts[i], in one batch. */
   int (*read_many)(const struct provider *p, const struct provided *ts, size_t n, void *const *dsts);
+  /* (optional) Copies bytes [offset, offset + n) of the tensor (a range within it) into host memory. */
+  int (*read_range)(const struct provider *p, const struct provided *t, size_t offset, size_t n, void *dst);
 };
 
 /* A provider over an open checkpoint. */
 void ckpt_provider(struct provider *p, const struct ckpt *ck);
 
-/* Host staging for one tensor, grown as needed. */
+/*
+ * Host staging for one tensor, grown as needed; and, for a device whose memory ops copy
+ * asynchronously from pinned host memory, two pinned chunks that alternate: the file read
+ * into one overlaps the copy to the device out of the other.
+ */
 struct staging {
   unsigned char *data, *compare;
   size_t cap;
+  const struct device *pinned_dev; /* whose host_alloc the chunks came from, or NULL */
+  unsigned char *pinned[2];
+  bool busy[2]; /* a copy out of the chunk may still be running */
+  int next;     /* the chunk to fill next */
 };
-void staging_free(struct staging *s);
+/* Waits for the copies out of the pinned chunks, then frees everything; returns the wait's error. */
+int staging_free(struct staging *s);
 
 /* Lands one tensor in its param as the source describes (checked against the source first). */
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);

@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 1
+#define QKEEP_BACKEND_ABI_MINOR 2
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -101,7 +101,23 @@ struct qkeep_memory_ops {
   int (*copy_d2h)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
   int (*copy_d2d)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
   int (*fill)(const struct qkeep_backend *be, void *dst, int byte, size_t n);
+  /* Waits until every operation the backend started on the device has completed
+   * (copy_h2d_async's copies included) and reports the first error among them. */
   int (*sync)(const struct qkeep_backend *be);
+  /*
+   * ABI 1.2, optional (the core uses the three together or not at all; a table that ends
+   * at sync, or leaves one NULL, stages through pageable memory and copy_h2d):
+   * host_alloc returns host memory the device copies from fastest (page-locked); the core
+   * uses it only as staging for checkpoint bytes bound for the device, a few MiB of it per
+   * load or reload, and gives it back through host_free (after sync) before that load or
+   * reload returns. copy_h2d_async starts copying n bytes from memory host_alloc returned
+   * into device memory and may return before the copy is done: every later memory op, PWAL
+   * and apply of the backend must see the copied bytes (one stream, or ordered after it),
+   * and the core neither changes nor frees src until sync has returned.
+   */
+  int (*host_alloc)(const struct qkeep_backend *be, size_t bytes, void **out);
+  void (*host_free)(const struct qkeep_backend *be, void *ptr);
+  int (*copy_h2d_async)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
 };
 
 /* The type of a configuration key a backend declares (ABI 1.1). */

@@ -132,6 +132,12 @@ static int cached_read_many(const struct provider *p, const struct provided *ts,
   return c->inner->read_many(c->inner, ts, n, dsts);
 }
 
+static int cached_read_range(const struct provider *p, const struct provided *t, size_t offset, size_t n,
+                             void *dst) {
+  const struct scale_cache *c = p->ctx;
+  return c->inner->read_range(c->inner, t, offset, n, dst);
+}
+
 static void cached_provider(struct provider *p, struct scale_cache *c) {
   *p = (struct provider){c->inner->what,
                          c,
@@ -141,7 +147,8 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
                          cached_device,
                          cached_count,
                          cached_name_at,
-                         c->inner->read_many ? cached_read_many : NULL};
+                         c->inner->read_many ? cached_read_many : NULL,
+                         c->inner->read_range ? cached_read_range : NULL};
 }
 
 static void scale_cache_free(struct scale_cache *c) {
@@ -399,8 +406,8 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
   }
   if (!rc)
     rc = model_sync(model);
-  staging_free(&st);
-  return rc;
+  int staged = staging_free(&st);
+  return rc ? rc : staged;
 }
 
 /* Puts the layers [0, failed_at] that W1 touched back to W0, from the checkpoint W0 came from. */
@@ -541,7 +548,7 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
     struct provider pv = {"in-memory tensors", &b,        buf_find,    buf_read, buf_host,
-                          buf_device,          buf_count, buf_name_at, NULL};
+                          buf_device,          buf_count, buf_name_at, NULL, NULL};
     rc = reload(model, &pv, NULL, flags, NULL);
   }
   name_index_clear(&b.index);
@@ -554,7 +561,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
   struct provider pv = {"in-memory tensor", &b,        buf_find,    buf_read, buf_host,
-                        buf_device,         buf_count, buf_name_at, NULL};
+                        buf_device,         buf_count, buf_name_at, NULL, NULL};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
   const struct source_ref *ref = rc ? NULL : model_find_source(model, tensor->name);
@@ -585,9 +592,11 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
     rc = load_source(layer, &pv, src, &st); /* only this tensor: the rest of the layer keeps its bytes */
   if (!rc)
     rc = model_sync(model);
+  int staged = staging_free(&st);
+  if (!rc)
+    rc = staged;
   if (!rc)
     rc = model_set_source(model, NULL); /* no file holds these weights now */
-  staging_free(&st);
   name_index_clear(&b.index);
   return rc;
 }

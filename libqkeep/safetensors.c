@@ -776,12 +776,22 @@ const char *st_metadata(const struct st_file *f, const char *key) {
  */
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst) {
   assert(f && t && t >= f->tensors && t < f->tensors + f->n_tensors);
-  if (t->nbytes == 0)
-    return 0;
-  assert(dst);
   if (t->nbytes > SIZE_MAX)
     return tensor_error(QKEEP_E_NOMEM, f, t->name, "%llu bytes do not fit in memory",
                         (unsigned long long)t->nbytes);
+  return st_read_range(f, t, 0, (size_t)t->nbytes, dst);
+}
+
+/*
+ * Copies bytes [offset, offset + n) of t into dst, with st_read's checks and errors (the
+ * byte numbers in them are the file's). The range must lie within the tensor.
+ */
+int st_read_range(const struct st_file *f, const struct st_tensor *t, size_t offset, size_t n, void *dst) {
+  assert(f && t && t >= f->tensors && t < f->tensors + f->n_tensors);
+  assert(offset <= t->nbytes && n <= t->nbytes - offset);
+  if (n == 0)
+    return 0;
+  assert(dst);
 
   struct stat sb;
   if (fstat(f->fd, &sb) != 0)
@@ -792,14 +802,15 @@ int st_read(const struct st_file *f, const struct st_tensor *t, void *dst) {
                         (unsigned long long)f->file_size, (unsigned long long)sb.st_size);
 
   size_t got;
-  int err = pread_full(f->fd, dst, (size_t)t->nbytes, t->offset, &got);
+  uint64_t at = t->offset + offset;
+  int err = pread_full(f->fd, dst, n, at, &got);
   if (err)
-    return tensor_error(QKEEP_E_IO, f, t->name, "read failed at byte %llu: %s",
-                        (unsigned long long)(t->offset + got), strerror(err));
-  if (got < t->nbytes)
+    return tensor_error(QKEEP_E_IO, f, t->name, "read failed at byte %llu: %s", (unsigned long long)(at + got),
+                        strerror(err));
+  if (got < n)
     return tensor_error(QKEEP_E_IO, f, t->name,
                         "unexpected end of file at byte %llu, %llu bytes short (did the file shrink?)",
-                        (unsigned long long)(t->offset + got), (unsigned long long)(t->nbytes - got));
+                        (unsigned long long)(at + got), (unsigned long long)(n - got));
   return 0;
 }
 

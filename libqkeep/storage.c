@@ -55,6 +55,11 @@ bool memory_ops_complete(const struct qkeep_memory_ops *ops) {
          ops->free && ops->copy_h2d && ops->copy_d2h && ops->copy_d2d && ops->fill && ops->sync;
 }
 
+bool memory_ops_async(const struct qkeep_memory_ops *ops) {
+  return ops && ops->size >= offsetof(struct qkeep_memory_ops, copy_h2d_async) + sizeof(ops->copy_h2d_async) &&
+         ops->host_alloc && ops->host_free && ops->copy_h2d_async;
+}
+
 void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->be = be;
   dev->ops = (be && memory_ops_complete(be->memory)) ? be->memory : &host_ops;
@@ -86,6 +91,20 @@ int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n) {
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n) {
   int rc = n ? dev->ops->fill(dev->be, dst, byte, n) : 0;
   return rc ? set_error(rc, "device fill of %zu bytes failed", n) : 0;
+}
+int dev_host_alloc(const struct device *dev, size_t bytes, void **out) {
+  int rc = dev->ops->host_alloc(dev->be, bytes, out);
+  if (rc)
+    *out = NULL;
+  return rc ? set_error(rc, "cannot allocate %zu bytes of pinned host memory", bytes) : 0;
+}
+void dev_host_free(const struct device *dev, void *ptr) {
+  if (ptr)
+    dev->ops->host_free(dev->be, ptr);
+}
+int dev_h2d_async(const struct device *dev, void *dst, const void *src, size_t n) {
+  int rc = n ? dev->ops->copy_h2d_async(dev->be, dst, src, n) : 0;
+  return rc ? set_error(rc, "asynchronous host-to-device copy of %zu bytes failed", n) : 0;
 }
 int dev_sync(const struct device *dev) {
   int rc = dev->ops->sync(dev->be);

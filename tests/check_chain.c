@@ -308,6 +308,53 @@ START_TEST(an_abi_1_0_plugin_takes_part_in_a_chain) {
 }
 END_TEST
 
+/* A checkpoint whose linear weight spans several pinned staging chunks (4 MiB each). */
+static char *write_large(const char *file, uint64_t seed) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.norm.weight", QKEEP_DTYPE_BF16, 2048, 0, seed);
+  add(w, "model.layers.0.mlp.down_proj.weight", QKEEP_DTYPE_F32, 1536, 2048, seed); /* 12 MiB */
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+static void assert_digest(qkeep_model *m, const char *path) {
+  qkeep_model *ref = load(path);
+  struct qkeep_digest a, b;
+  ck_assert_int_eq(qkeep_digest(m, &a), 0);
+  ck_assert_int_eq(qkeep_digest(ref, &b), 0);
+  ck_assert_msg(a.hi == b.hi && a.lo == b.lo, "the device holds other bytes than the reference loaded");
+  qkeep_model_free(ref);
+}
+
+/* test-async completes its copies only at sync: a chunk refilled or freed before the core waits
+ * for its copy shows up as other bytes than a reference load holds (or an abort in host_free). */
+START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = write_large("large-w0.safetensors", 11), *w1 = write_large("large-w1.safetensors", 12);
+  qkeep_plugin *chain[] = {async};
+  qkeep_model *m = load_chain(chain, 1, w0);
+  ck_assert_str_eq(owner(m, "model.layers.0.mlp.down_proj"), "test-async");
+  struct qkeep_memory_stats mem = {.size = sizeof mem};
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, true), 0);
+  ck_assert_int_ge(mem.staging_peak, 8 << 20); /* the two pinned chunks */
+  ck_assert_int_lt(mem.staging_peak, 12 << 20); /* not the whole 12 MiB tensor as well */
+  assert_digest(m, w0);
+  forward_check(m, w0, 1e-5);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  assert_digest(m, w1);
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  ck_assert_int_lt(mem.staging_peak, 12 << 20);
+  qkeep_model_free(m);
+  reload_in_place(chain, 1, w0, w1);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
 START_TEST(a_layer_no_backend_takes_fails_before_any_allocation) {
   char *src = write_source("w0.safetensors", 7, false, QKEEP_DTYPE_BF16);
   take("-");
@@ -469,6 +516,7 @@ static Suite *chain_suite(void) {
   tcase_add_test(tc, nvfp4_on_the_reference_and_the_rest_on_onednn);
   tcase_add_test(tc, an_abi_1_0_plugin_takes_part_in_a_chain);
   tcase_add_test(tc, a_layer_no_backend_takes_fails_before_any_allocation);
+  tcase_add_test(tc, a_device_with_async_copies_loads_through_pinned_chunks);
   tcase_add_test(tc, the_weight_dtype_reaches_supports_layer);
   tcase_add_test(tc, a_tied_lm_head_stays_with_its_embedding);
   tcase_add_test(tc, a_hand_built_layer_gets_its_owner_at_its_first_param);

@@ -196,6 +196,34 @@ START_TEST(bytes_changed_after_open_fail_cleanly) {
 }
 END_TEST
 
+/* What a one-byte scale is, by the formats' definitions (the oracle for bad_scales' word-wide scan). */
+static bool byte_is_bad(enum qkeep_dtype dtype, unsigned b) {
+  if (dtype == QKEEP_DTYPE_F8_E4M3)
+    return (b & 0x7f) == 0x7f || ((b & 0x80) && (b & 0x7f)); /* NaN, or negative and not -0 */
+  return b == 0xff;                                         /* e8m0's NaN */
+}
+
+/* Every byte value at every position of runs of 1..40 good bytes: found, and the first one named. */
+START_TEST(one_byte_scales_are_judged_at_every_position) {
+  static const enum qkeep_dtype dtypes[] = {QKEEP_DTYPE_F8_E4M3, QKEEP_DTYPE_F8_E8M0, QKEEP_DTYPE_U8};
+  unsigned char buf[40];
+  for (size_t d = 0; d < 3; d++)
+    for (size_t n = 1; n <= sizeof buf; n++)
+      for (size_t at = 0; at < n; at++)
+        for (unsigned v = 0; v < 256; v++) {
+          for (size_t i = 0; i < n; i++)
+            buf[i] = (unsigned char)(0x38 + i % 3); /* good in all three */
+          buf[at] = (unsigned char)v;
+          size_t index = 99;
+          const char *why = bad_scales(dtypes[d], buf, n, &index);
+          ck_assert_msg((why != NULL) == byte_is_bad(dtypes[d], v), "dtype %d byte 0x%02x at %zu of %zu",
+                        dtypes[d], v, at, n);
+          if (why)
+            ck_assert_uint_eq(index, at);
+        }
+}
+END_TEST
+
 static Suite *load_suite(void) {
   Suite *s = suite_create("load");
   TCase *tc = tcase_create("load");
@@ -207,6 +235,7 @@ static Suite *load_suite(void) {
   tcase_add_test(tc, host_only_model_loads_without_a_backend);
   tcase_add_test(tc, failures_leave_nothing_half_loaded);
   tcase_add_test(tc, bytes_changed_after_open_fail_cleanly);
+  tcase_add_test(tc, one_byte_scales_are_judged_at_every_position);
   suite_add_tcase(s, tc);
   return s;
 }

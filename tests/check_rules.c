@@ -450,8 +450,9 @@ static int mock_sync(const struct qkeep_backend *be) {
 }
 
 START_TEST(params_live_in_the_backends_memory) {
-  struct qkeep_memory_ops ops = {sizeof ops, mock_alloc, mock_free, mock_copy,
-                                 mock_copy,  mock_copy,  mock_fill, mock_sync};
+  struct qkeep_memory_ops ops = {.size = sizeof ops, .alloc = mock_alloc, .free = mock_free,
+                                 .copy_h2d = mock_copy, .copy_d2h = mock_copy, .copy_d2d = mock_copy,
+                                 .fill = mock_fill,     .sync = mock_sync};
   struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
   struct qkeep_plugin plugin = {.path = "mock", .be = &be};
   qkeep_model *m;

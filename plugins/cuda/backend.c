@@ -132,6 +132,37 @@ static int mem_fill(const struct qkeep_backend *be, void *dst, int byte, size_t 
   return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaMemset");
 }
 
+/* Page-locked host memory: copies from it run on the copy engine, without the driver's staging. */
+static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  const struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  cudaError_t err = cudaHostAlloc(out, bytes ? bytes : 1, cudaHostAllocDefault);
+  if (err != cudaSuccess) {
+    *out = NULL;
+    return cuda_error(c, err, "cudaHostAlloc");
+  }
+  return 0;
+}
+
+static void mem_host_free(const struct qkeep_backend *be, void *ptr) {
+  (void)be;
+  if (ptr)
+    (void)cudaFreeHost(ptr);
+}
+
+/* On the legacy default stream, which every other copy, fill and kernel of the backend uses: the
+ * bytes are there for whatever runs next; the host waits for them in mem_sync. */
+static int mem_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  const struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc || !n)
+    return rc;
+  cudaError_t err = cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, 0);
+  return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaMemcpyAsync");
+}
+
 static int mem_sync(const struct qkeep_backend *be) {
   const struct cuda_backend *c = backend_of(be);
   int rc = use_device(c);
@@ -585,6 +616,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .copy_d2d = mem_d2d,
       .fill = mem_fill,
       .sync = mem_sync,
+      .host_alloc = mem_host_alloc,
+      .host_free = mem_host_free,
+      .copy_h2d_async = mem_h2d_async,
   };
   c->be = (struct qkeep_backend){
       .size = sizeof(struct qkeep_backend),

@@ -17,6 +17,10 @@
  *             none with take = -), refusing the rest with a reason; a real f32 kernel
  *   LEGACY    built against ABI 1.0: its table ends at fini, supports() says unquantized
  *             linear only, so the core gives it every other kind of layer; the same kernel
+ *   ASYNC     LEGACY's layers and kernel on a device in host memory with ABI 1.2's pinned
+ *             staging: copy_h2d_async only queues the copy, and the queue runs when sync (or
+ *             any other memory op) is called, so a core that refills or frees a staging chunk
+ *             before sync loads wrong bytes (caught by the digest) or aborts here
  *
  * init allocates the table, so a loader that forgets fini on a failure path
  * shows up as a leak under valgrind and ASan.
@@ -47,6 +51,8 @@
 #define TEST_NAME "test-picky"
 #elif defined(VARIANT_LEGACY)
 #define TEST_NAME "test-legacy"
+#elif defined(VARIANT_ASYNC)
+#define TEST_NAME "test-async"
 #else
 #error "define one VARIANT_* (see Makefile.am)"
 #endif
@@ -56,6 +62,12 @@ struct test_backend {
   const struct qkeep_host *host;
   long threads;
   char take[128]; /* PICKY: the name part a layer must contain ("" takes all, "-" none) */
+  struct pending {  /* ASYNC: copies started and not yet done */
+    void *dst;
+    const void *src;
+    size_t n;
+  } * queue;
+  size_t queued, queue_cap;
 };
 
 #if !defined(VARIANT_INITFAIL) /* INITFAIL never builds a table */
@@ -106,7 +118,7 @@ static int test_supports(const struct qkeep_backend *be, const char *scheme, enu
   return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
 }
 
-#if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY)
+#if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY) || defined(VARIANT_ASYNC)
 #if defined(VARIANT_PICKY)
 static int test_configure(const struct qkeep_backend *be, const char *key, const char *value) {
   struct test_backend *tb = (struct test_backend *)(void *)(uintptr_t)be;
@@ -181,6 +193,92 @@ static int test_apply(const struct qkeep_backend *be, qkeep_layer *layer, const 
 }
 #endif
 
+#if defined(VARIANT_ASYNC)
+static struct test_backend *async_of(const struct qkeep_backend *be) {
+  return (struct test_backend *)(void *)(uintptr_t)be; /* the instance behind the const table is ours */
+}
+
+/* Completes every queued copy, oldest first (what a stream does by the time it is waited on). */
+static void async_flush(const struct qkeep_backend *be) {
+  struct test_backend *tb = async_of(be);
+  for (size_t i = 0; i < tb->queued; i++)
+    memcpy(tb->queue[i].dst, tb->queue[i].src, tb->queue[i].n);
+  tb->queued = 0;
+}
+
+/* Every op below runs after the queued copies, as on one stream. */
+static int async_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  async_flush(be);
+  *out = calloc(1, bytes ? bytes : 1);
+  return *out ? 0 : QKEEP_E_NOMEM;
+}
+static void async_free(const struct qkeep_backend *be, void *ptr) {
+  async_flush(be);
+  free(ptr);
+}
+static int async_copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  async_flush(be);
+  memmove(dst, src, n);
+  return 0;
+}
+static int async_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
+  async_flush(be);
+  memset(dst, byte, n);
+  return 0;
+}
+static int async_sync(const struct qkeep_backend *be) {
+  async_flush(be);
+  return 0;
+}
+/* "Pinned" memory: its size sits in the 64 bytes before the pointer handed out. */
+static int async_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  (void)be;
+  char *p = malloc(64 + bytes);
+  if (!p)
+    return QKEEP_E_NOMEM;
+  memcpy(p, &bytes, sizeof bytes);
+  *out = p + 64;
+  return 0;
+}
+/* Freeing staging that a queued copy still reads is the core's bug: stop here. */
+static void async_host_free(const struct qkeep_backend *be, void *ptr) {
+  struct test_backend *tb = async_of(be);
+  char *base = (char *)ptr - 64;
+  size_t bytes;
+  memcpy(&bytes, base, sizeof bytes);
+  for (size_t i = 0; i < tb->queued; i++)
+    if ((const char *)tb->queue[i].src >= (char *)ptr && (const char *)tb->queue[i].src < (char *)ptr + bytes)
+      abort();
+  free(base);
+}
+static int async_h2d(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  struct test_backend *tb = async_of(be);
+  if (tb->queued == tb->queue_cap) {
+    size_t cap = tb->queue_cap ? 2 * tb->queue_cap : 16;
+    struct pending *q = realloc(tb->queue, cap * sizeof *q);
+    if (!q)
+      return QKEEP_E_NOMEM;
+    tb->queue = q, tb->queue_cap = cap;
+  }
+  tb->queue[tb->queued++] = (struct pending){dst, src, n};
+  return 0;
+}
+
+static const struct qkeep_memory_ops async_ops = {
+    .size = sizeof(struct qkeep_memory_ops),
+    .alloc = async_alloc,
+    .free = async_free,
+    .copy_h2d = async_copy,
+    .copy_d2h = async_copy,
+    .copy_d2d = async_copy,
+    .fill = async_fill,
+    .sync = async_sync,
+    .host_alloc = async_host_alloc,
+    .host_free = async_host_free,
+    .copy_h2d_async = async_h2d,
+};
+#endif
+
 /* Leaves params as loaded: the loader tests need no conversion. */
 static int test_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   (void)be;
@@ -194,7 +292,11 @@ static void test_fini(const struct qkeep_backend *be) {
   abort(); /* a core that calls this read a slot of a table whose layout it does not know */
 }
 #else
-static void test_fini(const struct qkeep_backend *be) { free((void *)(uintptr_t)be); }
+static void test_fini(const struct qkeep_backend *be) {
+  struct test_backend *tb = (struct test_backend *)(void *)(uintptr_t)be;
+  free(tb->queue);
+  free(tb);
+}
 #endif
 #endif
 
@@ -230,7 +332,7 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
 #if defined(VARIANT_GOOD) || defined(VARIANT_PICKY)
     .configure = test_configure,
 #endif
-#if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY)
+#if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY) || defined(VARIANT_ASYNC)
     .apply = test_apply,
 #endif
 #if defined(VARIANT_PICKY)
@@ -242,6 +344,10 @@ QKEEP_BACKEND_EXPORT int INIT_FUNCTION(const struct qkeep_host *host, const stru
 #if defined(VARIANT_SHORTMEM)
   static const struct qkeep_memory_ops short_ops = {.size = offsetof(struct qkeep_memory_ops, sync)};
   tb->be.memory = &short_ops;
+#endif
+#if defined(VARIANT_ASYNC)
+  tb->be.memory = &async_ops;
+  tb->be.abi_minor = 2;
 #endif
 #if defined(VARIANT_LEGACY)
   /* What a plugin compiled against ABI 1.0 hands over: a table that ends at fini. */
