@@ -125,11 +125,23 @@ struct mem_stats {
   int64_t storage_bytes, storage_peak, staging_peak;
 };
 
+/*
+ * The memory of the last result tensor a load or reload freed on a device, kept for the next
+ * one: PWAL makes a result per transform, and a device allocator's alloc and free (cudaFree
+ * waits for the device) cost more than the transform. Only while `on` (a load or reload).
+ */
+struct spare {
+  bool on;
+  void *data;   /* NULL: none kept */
+  size_t bytes; /* its allocation */
+};
+
 /* Memory of one device: a backend's ops, or host memory when be is NULL. */
 struct device {
   const struct qkeep_backend *be;
   const struct qkeep_memory_ops *ops;
   struct mem_stats *stats; /* the owning model's counters; NULL for the shared host device */
+  struct spare *spare;     /* the owner's; NULL for the shared host device */
 };
 
 /* The host device (memcpy-based ops). */
@@ -158,12 +170,19 @@ int dev_h2d_async(const struct device *dev, void *dst, const void *src, size_t n
 struct storage {
   int refs;
   void *data;
-  size_t capacity;
+  size_t capacity; /* the bytes it offers */
+  size_t held;     /* the bytes allocated (more than capacity when it reuses a larger spare) */
+  bool result;     /* a result tensor's: its memory may go to the device's spare */
   const struct device *dev;
 };
 
 /* A new zero-filled storage with one reference. */
 int storage_new(const struct device *dev, size_t bytes, struct storage **out);
+/* The same for a result tensor: it may reuse (and, freed, refill) the device's spare. */
+int storage_new_result(const struct device *dev, size_t bytes, struct storage **out);
+/* Starts or ends keeping a spare on dev; ending frees the one kept. */
+void spare_begin(const struct device *dev);
+void spare_end(const struct device *dev);
 void storage_ref(struct storage *s);
 void storage_unref(struct storage *s);
 
@@ -282,6 +301,7 @@ struct fusion_rule {
 struct owner {
   qkeep_plugin *plugin; /* NULL: host memory, no PWAL, no kernels */
   struct device dev;
+  struct spare spare; /* dev.spare points here */
   int probe_rc;    /* 0: usable; otherwise the probe's code, and the link takes no layer */
   char *probe_msg; /* why the probe failed ("" when it did not) */
   size_t layers;   /* layers it owns (for reports) */
@@ -536,6 +556,8 @@ int finish_layer(qkeep_layer *layer);
 int model_set_source(qkeep_model *model, const char *path);
 /* Synchronises every device of the model's chain. */
 int model_sync(const qkeep_model *model);
+/* Starts (on) or ends every owner's spare result memory: on for the layer loop of a load or reload. */
+void model_spares(qkeep_model *model, bool on);
 
 /* ---- the backend chain (chain.c) ------------------------------------------------------ */
 

@@ -405,6 +405,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   if (!rc)
     rc = chain_assign(model, ck->path);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;
+  model_spares(model, true);
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     double a = now_seconds();
     rc = load_layer_sources(model->layers[i], &pv, &st);
@@ -421,6 +422,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st); /* before any storage is freed: no copy may still write to it */
+  model_spares(model, false);
   if (!rc)
     rc = staged;
   if (!rc)

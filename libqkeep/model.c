@@ -44,6 +44,7 @@ int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **
     o->plugin = n ? plugins[i] : NULL;
     device_init(&o->dev, o->plugin ? o->plugin->be : NULL);
     o->dev.stats = &m->mem;
+    o->dev.spare = &o->spare;
     rc = probe_owner(o);
   }
   if (rc) {
@@ -66,6 +67,11 @@ int model_sync(const qkeep_model *model) {
         return rc;
     }
   return 0;
+}
+
+void model_spares(qkeep_model *model, bool on) {
+  for (size_t i = 0; i < model->n_owners; i++)
+    (on ? spare_begin : spare_end)(&model->owners[i].dev);
 }
 
 void model_clear(qkeep_model *model) {

@@ -382,6 +382,7 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
                  size_t *failed_at, double *t_read, double *t_pwal) {
   struct staging st = {0};
   int rc = 0;
+  model_spares(model, true);
   for (size_t l = 0; l < model->n_layers && !rc; l++) {
     if (!selected[l])
       continue;
@@ -407,6 +408,7 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st);
+  model_spares(model, false);
   return rc ? rc : staged;
 }
 

@@ -38,7 +38,7 @@ int qkeep_tensor_new(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_te
     return set_error(QKEEP_E_NOMEM, "out of memory for a result tensor");
   t->layer = layer;
   t->t.spec = *spec;
-  int rc = storage_new(layer_device(layer), bytes, &t->t.storage);
+  int rc = storage_new_result(layer_device(layer), bytes, &t->t.storage);
   if (rc) {
     free(t);
     return add_error_context(rc, "%s: result tensor", layer->name);
@@ -79,11 +79,22 @@ int qkeep_replace(qkeep_layer *layer, const char *name, qkeep_tensor *result) {
                          name);
   } else if (bytes <= own->capacity) {
     rc = dev_d2d(layer_device(layer), own->data, tensor_ptr(&result->t), bytes);
-  } else {
+  } else if (result->t.storage->held == result->t.storage->capacity) {
     /* Larger than the param's storage: rebind to the result's storage, which keeps C1. */
     storage_ref(result->t.storage);
+    result->t.storage->result = false; /* a param's now: never a spare */
     storage_unref(own);
     p->view.storage = result->t.storage;
+  } else {
+    /* The result sits in a larger spare: the param gets memory of its own size, not the spare. */
+    struct storage *fit;
+    rc = storage_new(layer_device(layer), result->t.storage->capacity, &fit);
+    if (!rc && (rc = dev_d2d(layer_device(layer), fit->data, result->t.storage->data, bytes)))
+      storage_unref(fit);
+    if (!rc) {
+      storage_unref(own);
+      p->view.storage = fit;
+    }
   }
   if (!rc) {
     p->view.spec = result->t.spec;

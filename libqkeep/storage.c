@@ -46,7 +46,7 @@ static const struct qkeep_memory_ops host_ops = {
     .sync = host_sync,
 };
 
-static const struct device host_dev = {NULL, &host_ops, NULL};
+static const struct device host_dev = {NULL, &host_ops, NULL, NULL};
 
 const struct device *host_device(void) { return &host_dev; }
 
@@ -64,6 +64,7 @@ void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->be = be;
   dev->ops = (be && memory_ops_complete(be->memory)) ? be->memory : &host_ops;
   dev->stats = NULL;
+  dev->spare = NULL;
 }
 
 int dev_alloc(const struct device *dev, size_t bytes, void **out) {
@@ -111,40 +112,86 @@ int dev_sync(const struct device *dev) {
   return rc ? set_error(rc, "device synchronisation failed") : 0;
 }
 
-int storage_new(const struct device *dev, size_t bytes, struct storage **out) {
+/* Counts bytes allocated on the device (a spare stays counted: the device still holds it). */
+static void count_held(const struct device *dev, int64_t bytes) {
+  if (!dev->stats)
+    return;
+  dev->stats->storage_bytes += bytes;
+  if (dev->stats->storage_bytes > dev->stats->storage_peak)
+    dev->stats->storage_peak = dev->stats->storage_bytes;
+}
+
+static int storage_make(const struct device *dev, size_t bytes, bool result, struct storage **out) {
   struct storage *s = calloc(1, sizeof *s);
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory for a storage");
   s->refs = 1;
   s->dev = dev;
-  s->capacity = bytes;
-  /* Every storage has an address, even a zero-byte one, so the census can tell storages apart. */
-  int rc = dev_alloc(dev, bytes, &s->data);
+  s->capacity = s->held = bytes;
+  s->result = result;
+  struct spare *sp = result ? dev->spare : NULL;
+  int rc = 0;
+  if (sp && sp->on && sp->data && sp->bytes >= bytes) {
+    s->data = sp->data, s->held = sp->bytes;
+    sp->data = NULL;
+  } else {
+    /* Every storage has an address, even a zero-byte one, so the census can tell storages apart. */
+    rc = dev_alloc(dev, bytes, &s->data);
+    if (!rc)
+      count_held(dev, (int64_t)bytes);
+  }
   if (!rc)
     rc = dev_fill(dev, s->data, 0, bytes);
   if (rc) {
-    dev_free(dev, s->data);
-    free(s);
+    storage_unref(s);
     return rc;
-  }
-  if (dev->stats) {
-    dev->stats->storage_bytes += (int64_t)bytes;
-    if (dev->stats->storage_bytes > dev->stats->storage_peak)
-      dev->stats->storage_peak = dev->stats->storage_bytes;
   }
   *out = s;
   return 0;
 }
 
+int storage_new(const struct device *dev, size_t bytes, struct storage **out) {
+  return storage_make(dev, bytes, false, out);
+}
+
+int storage_new_result(const struct device *dev, size_t bytes, struct storage **out) {
+  return storage_make(dev, bytes, true, out);
+}
+
 void storage_ref(struct storage *s) { s->refs++; }
 
+static void free_held(const struct device *dev, void *data, size_t bytes) {
+  count_held(dev, -(int64_t)bytes);
+  dev_free(dev, data);
+}
+
+/* The larger of a freed result's memory and the spare stays; the other is freed. */
 void storage_unref(struct storage *s) {
   if (!s || --s->refs > 0)
     return;
-  if (s->dev->stats)
-    s->dev->stats->storage_bytes -= (int64_t)s->capacity;
-  dev_free(s->dev, s->data);
+  struct spare *sp = s->result ? s->dev->spare : NULL;
+  if (sp && sp->on && s->data && (!sp->data || sp->bytes < s->held)) {
+    if (sp->data)
+      free_held(s->dev, sp->data, sp->bytes);
+    sp->data = s->data, sp->bytes = s->held;
+  } else if (s->data) {
+    free_held(s->dev, s->data, s->held);
+  }
   free(s);
+}
+
+void spare_begin(const struct device *dev) {
+  if (dev->spare)
+    dev->spare->on = true;
+}
+
+void spare_end(const struct device *dev) {
+  struct spare *sp = dev->spare;
+  if (!sp)
+    return;
+  if (sp->data)
+    free_held(dev, sp->data, sp->bytes);
+  *sp = (struct spare){0};
 }
 
 void tensor_to_view(const struct tensor *t, enum qkeep_param_state state, struct qkeep_view *out) {

@@ -484,6 +484,60 @@ START_TEST(params_live_in_the_backends_memory) {
 }
 END_TEST
 
+/* During a load, a freed result's memory serves the next result (zero-filled again) instead of a
+ * free and an alloc; a param never keeps a spare larger than itself; ending the load frees it. */
+START_TEST(results_reuse_a_spare_during_a_load) {
+  struct qkeep_memory_ops ops = {.size = sizeof ops, .alloc = mock_alloc, .free = mock_free,
+                                 .copy_h2d = mock_copy, .copy_d2h = mock_copy, .copy_d2d = mock_copy,
+                                 .fill = mock_fill,     .sync = mock_sync};
+  struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
+  struct qkeep_plugin plugin = {.path = "mock", .be = &be};
+  qkeep_model *m;
+  qkeep_layer *l;
+  allocs = frees = copies = 0;
+  ck_assert_int_eq(qkeep_model_new(&plugin, &m), 0);
+  ck_assert_int_eq(qkeep_layer_add(m, "x", QKEEP_LAYER_LINEAR, NULL, &l), 0);
+  struct qkeep_spec small = spec1(QKEEP_DTYPE_U8, 16), big = spec1(QKEEP_DTYPE_U8, 1000),
+                    mid = spec1(QKEEP_DTYPE_U8, 500);
+  ck_assert_int_eq(qkeep_param_create(l, "weight", &small, NULL), 0);
+  struct qkeep_memory_stats now = {.size = sizeof now};
+  ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
+  ck_assert_int_eq(now.storage_bytes, 16);
+  model_spares(m, true);
+  qkeep_tensor *t;
+  ck_assert_int_eq(qkeep_tensor_new(l, &big, &t), 0);
+  void *first = qkeep_tensor_data(t);
+  memset(first, 0xab, 1000);
+  qkeep_tensor_free(t);
+  int allocated = allocs;
+  ck_assert_int_eq(qkeep_tensor_new(l, &mid, &t), 0);
+  ck_assert_ptr_eq(qkeep_tensor_data(t), first); /* the spare, not a new allocation */
+  ck_assert_int_eq(allocs, allocated);
+  for (size_t i = 0; i < 500; i++)
+    ck_assert_uint_eq(((unsigned char *)qkeep_tensor_data(t))[i], 0); /* zero-filled as promised */
+  ((unsigned char *)qkeep_tensor_data(t))[7] = 7;
+  /* 500 bytes do not fit the 16-byte weight: it is rebound, to memory of its own size */
+  ck_assert_int_eq(qkeep_replace(l, "weight", t), 0);
+  struct qkeep_view v = {.size = sizeof v};
+  ck_assert_int_eq(qkeep_view_of(l, "weight", &v), 0);
+  ck_assert_ptr_ne(v.data, first);
+  ck_assert_uint_eq(v.capacity, 500);
+  ck_assert_uint_eq(((const unsigned char *)v.data)[7], 7);
+  ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
+  ck_assert_int_eq(now.storage_bytes, 500 + 1000); /* the weight, and the spare the device still holds */
+  model_spares(m, false);
+  ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
+  ck_assert_int_eq(now.storage_bytes, 500);
+  ck_assert_int_eq(frees, allocs - 1); /* only the weight is left */
+  /* Outside a load, a freed result's memory goes back at once. */
+  ck_assert_int_eq(qkeep_tensor_new(l, &mid, &t), 0);
+  qkeep_tensor_free(t);
+  ck_assert_int_eq(frees, allocs - 1);
+  qkeep_model_free(m);
+  ck_assert_int_eq(allocs, frees);
+}
+END_TEST
+
 START_TEST(errors_name_layer_and_param) {
   ck_assert_int_eq(qkeep_retire(layer, "weight_scale"), QKEEP_E_NOTFOUND);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "model.layers.0.mlp.down_proj"));
@@ -517,6 +571,7 @@ static Suite *rules_suite(void) {
   tcase_add_test(tc, census_catches_planted_missing);
   tcase_add_test(tc, digest_tracks_bytes_dtype_shape_and_names);
   tcase_add_test(tc, params_live_in_the_backends_memory);
+  tcase_add_test(tc, results_reuse_a_spare_during_a_load);
   tcase_add_test(tc, errors_name_layer_and_param);
   suite_add_tcase(s, tc);
   return s;
