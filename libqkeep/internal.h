@@ -521,16 +521,17 @@ void ckpt_provider(struct provider *p, const struct ckpt *ck);
 
 /*
  * Host staging for one tensor, grown as needed; and, for a device whose memory ops copy
- * asynchronously from pinned host memory, two pinned chunks that alternate: the file read
- * into one overlaps the copy to the device out of the other.
+ * asynchronously from pinned host memory, two pinned chunks that alternate: tensors are
+ * packed into one (a large one in pieces) while the copies out of the other run.
  */
 struct staging {
   unsigned char *data, *compare;
   size_t cap;
   const struct device *pinned_dev; /* whose host_alloc the chunks came from, or NULL */
   unsigned char *pinned[2];
-  bool busy[2]; /* a copy out of the chunk may still be running */
-  int next;     /* the chunk to fill next */
+  size_t used[2]; /* bytes of the chunk handed out since its copies were last waited for */
+  bool busy[2];   /* a copy out of the chunk may still be running */
+  int cur;        /* the chunk being filled */
 };
 /* Waits for the copies out of the pinned chunks, then frees everything; returns the wait's error. */
 int staging_free(struct staging *s);

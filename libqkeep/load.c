@@ -26,6 +26,33 @@ static int pinned_wait(struct staging *s) {
   return dev_sync(s->pinned_dev);
 }
 
+/* Smallest piece worth a copy of its own: below it, the rest of a chunk is left unused. */
+#define PINNED_MIN_PIECE ((size_t)64 << 10)
+
+/*
+ * Up to `want` bytes of pinned room in the current chunk (*got of them), moving to the other
+ * chunk when the current one is nearly full; that chunk's copies are waited for first.
+ */
+static int pinned_room(struct staging *s, size_t want, unsigned char **at, size_t *got) {
+  int c = s->cur;
+  size_t left = PINNED_CHUNK - s->used[c], floor = want < PINNED_MIN_PIECE ? want : PINNED_MIN_PIECE;
+  if (left < floor) {
+    c = s->cur = 1 - c;
+    int rc = s->busy[c] ? pinned_wait(s) : 0;
+    if (rc)
+      return rc;
+    s->used[c] = 0;
+    left = PINNED_CHUNK;
+  }
+  *got = want < left ? want : left;
+  *at = s->pinned[c] + s->used[c];
+  s->used[c] += (*got + 63) & ~(size_t)63; /* each piece 64-byte aligned, as DMA prefers */
+  if (s->used[c] > PINNED_CHUNK)
+    s->used[c] = PINNED_CHUNK;
+  s->busy[c] = true;
+  return 0;
+}
+
 static int pinned_release(struct staging *s) {
   int rc = s->pinned_dev ? pinned_wait(s) : 0;
   for (int i = 0; i < 2 && s->pinned_dev; i++)
@@ -54,7 +81,8 @@ static int pinned_reserve(struct staging *s, const struct device *dev) {
     rc = dev_host_alloc(dev, PINNED_CHUNK, (void **)&s->pinned[i]);
   if (rc)
     (void)pinned_release(s);
-  s->next = 0;
+  s->cur = 0;
+  s->used[0] = s->used[1] = 0;
   return rc;
 }
 
@@ -165,25 +193,22 @@ static int compare_source(const struct device *dev, const struct provider *pv, c
 }
 
 /*
- * A contiguous tensor from the provider's file to device memory at dst, chunk by chunk
- * through the two pinned chunks: the read of one chunk overlaps the copy of the other.
+ * A contiguous tensor to device memory at dst through the pinned chunks, piece by piece: read
+ * from the provider's file (or copied from host bytes it holds) into pinned room, then an
+ * asynchronous copy, so the reads of the next pieces overlap it. Small tensors share a chunk.
  */
 static int stream_to_device(const struct device *dev, const struct provider *pv, const struct provided *t,
-                            char *dst, struct staging *st) {
+                            const unsigned char *on_host, char *dst, struct staging *st) {
   int rc = pinned_reserve(st, dev);
-  for (size_t at = 0; !rc && at < t->nbytes; at += PINNED_CHUNK) {
-    size_t n = t->nbytes - at < PINNED_CHUNK ? t->nbytes - at : PINNED_CHUNK;
-    int slot = st->next;
-    if (st->busy[slot])
-      rc = pinned_wait(st);
+  for (size_t at = 0, n; !rc && at < t->nbytes; at += n) {
+    unsigned char *room;
+    rc = pinned_room(st, t->nbytes - at, &room, &n);
+    if (!rc && on_host)
+      memcpy(room, on_host + at, n);
+    else if (!rc)
+      rc = pv->read_range(pv, t, at, n, room);
     if (!rc)
-      rc = pv->read_range(pv, t, at, n, st->pinned[slot]);
-    if (!rc)
-      rc = dev_h2d_async(dev, dst + at, st->pinned[slot], n);
-    if (!rc) {
-      st->busy[slot] = true;
-      st->next = 1 - slot;
-    }
+      rc = dev_h2d_async(dev, dst + at, room, n);
   }
   return rc;
 }
@@ -202,8 +227,8 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
     rc = compare_source(dev, pv, &t, on_device, on_host, dst, st);
   } else if (!on_device && !on_host && dev->ops == host_device()->ops && src->rows == 1) {
     rc = pv->read(pv, &t, dst); /* straight into the param: no staging */
-  } else if (!on_device && !on_host && src->rows == 1 && pv->read_range && memory_ops_async(dev->ops)) {
-    rc = stream_to_device(dev, pv, &t, dst, st);
+  } else if (!on_device && src->rows == 1 && (on_host || pv->read_range) && memory_ops_async(dev->ops)) {
+    rc = stream_to_device(dev, pv, &t, on_host, dst, st);
   } else {
     const unsigned char *from = on_device ? on_device : on_host;
     if (!from && !(rc = staging_reserve(st, t.nbytes)) && !(rc = pv->read(pv, &t, st->data)))

@@ -348,6 +348,24 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   assert_digest(m, w1);
   ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
   ck_assert_int_lt(mem.staging_peak, 12 << 20);
+  /* W0 again from host buffers (RL weight sync): copied into the pinned chunks, then to the device */
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w0, &ck), 0);
+  struct qkeep_named_tensor ts[2];
+  void *bytes[2];
+  ck_assert_uint_eq(ck->n_tensors, 2);
+  for (size_t i = 0; i < 2; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    bytes[i] = malloc((size_t)t->nbytes);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bytes[i]), 0);
+    ts[i] = (struct qkeep_named_tensor){.name = t->name, .data = bytes[i], .on_device = false};
+    ts[i].spec = (struct qkeep_spec){.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(ts[i].spec.shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+  }
+  ck_assert_msg(qkeep_model_reload_tensors(m, ts, 2, 0) == 0, "%s", qkeep_errmsg());
+  assert_digest(m, w0);
+  ckpt_close(ck);
+  free(bytes[0]), free(bytes[1]);
   qkeep_model_free(m);
   reload_in_place(chain, 1, w0, w1);
   qkeep_plugin_close(async);
