@@ -28,6 +28,9 @@ static int pinned_wait(struct staging *s) {
 
 /* Smallest piece worth a copy of its own: below it, the rest of a chunk is left unused. */
 #define PINNED_MIN_PIECE ((size_t)64 << 10)
+/* Largest piece: moving to the other chunk waits for every copy (sync), the last piece's too, so
+ * pieces stay short (about 25 us of copy) to keep that wait short. */
+#define PINNED_MAX_PIECE ((size_t)1 << 20)
 
 /*
  * Up to `want` bytes of pinned room in the current chunk (*got of them), moving to the other
@@ -45,6 +48,8 @@ static int pinned_room(struct staging *s, size_t want, unsigned char **at, size_
     left = PINNED_CHUNK;
   }
   *got = want < left ? want : left;
+  if (*got > PINNED_MAX_PIECE)
+    *got = PINNED_MAX_PIECE;
   *at = s->pinned[c] + s->used[c];
   s->used[c] += (*got + 63) & ~(size_t)63; /* each piece 64-byte aligned, as DMA prefers */
   if (s->used[c] > PINNED_CHUNK)
