@@ -519,21 +519,40 @@ struct provider {
 /* A provider over an open checkpoint. */
 void ckpt_provider(struct provider *p, const struct ckpt *ck);
 
+/* ---- streaming to a device (stream.c) ---- */
+
+/* A pinned ring, reader threads and the device they feed (see stream.c). */
+struct stream;
+/* One tensor for the device: from the provider's file, or from host bytes it holds. */
+struct stream_item {
+  struct provided t;
+  const unsigned char *on_host; /* NULL: read from the provider's file (read_range) */
+  char *dst;                    /* its device memory */
+};
+/* A stream to dev (its ops pass memory_ops_async): the ring from its host_alloc, and readers. */
+int stream_new(const struct device *dev, struct stream **out);
+/* Waits for the copies (stream_wait), stops the readers and frees the ring. */
+void stream_free(struct stream *s);
+const struct device *stream_device(const struct stream *s);
+/* Pinned bytes the stream holds (0 for NULL). */
+size_t stream_bytes(const struct stream *s);
 /*
- * Host staging for one tensor, grown as needed; and, for a device whose memory ops copy
- * asynchronously from pinned host memory, two pinned chunks that alternate: tensors are
- * packed into one (a large one in pieces) while the copies out of the other run.
+ * Streams the items' bytes to their device memory: read in parallel into the ring, copied by
+ * copy_h2d_async in order. On return every copy has been started (not necessarily finished:
+ * later work on the device's stream sees the bytes; stream_wait waits for them). On a read or
+ * copy error nothing further is started and the first error is returned, with its message.
  */
+int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items);
+/* Waits until every copy the stream started has finished (dev_sync), freeing their slots. */
+int stream_wait(struct stream *s);
+
+/* Host staging for one tensor, grown as needed; and the stream to the device being loaded. */
 struct staging {
   unsigned char *data, *compare;
   size_t cap;
-  const struct device *pinned_dev; /* whose host_alloc the chunks came from, or NULL */
-  unsigned char *pinned[2];
-  size_t used[2]; /* bytes of the chunk handed out since its copies were last waited for */
-  bool busy[2];   /* a copy out of the chunk may still be running */
-  int cur;        /* the chunk being filled */
+  struct stream *stream; /* NULL until a layer of a device with asynchronous copies loads */
 };
-/* Waits for the copies out of the pinned chunks, then frees everything; returns the wait's error. */
+/* Waits for the stream's copies, then frees everything; returns the wait's error. */
 int staging_free(struct staging *s);
 
 /* Lands one tensor in its param as the source describes (checked against the source first). */

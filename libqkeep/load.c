@@ -14,61 +14,10 @@
 #include "numeric.h"
 #include "scheme.h"
 
-/* Bytes of one pinned staging chunk: a pread of this size takes far longer than its copy to a
- * device (about 1 ms against 0.1 ms), so two chunks keep the copy engine fed. */
-#define PINNED_CHUNK ((size_t)4 << 20)
-
-/* Waits for the copies out of the pinned chunks (they are then free to reuse). */
-static int pinned_wait(struct staging *s) {
-  if (!s->busy[0] && !s->busy[1])
-    return 0;
-  s->busy[0] = s->busy[1] = false;
-  return dev_sync(s->pinned_dev);
-}
-
-/* Smallest piece worth a copy of its own: below it, the rest of a chunk is left unused. */
-#define PINNED_MIN_PIECE ((size_t)64 << 10)
-/* Largest piece: moving to the other chunk waits for every copy (sync), the last piece's too, so
- * pieces stay short (about 25 us of copy) to keep that wait short. */
-#define PINNED_MAX_PIECE ((size_t)1 << 20)
-
-/*
- * Up to `want` bytes of pinned room in the current chunk (*got of them), moving to the other
- * chunk when the current one is nearly full; that chunk's copies are waited for first.
- */
-static int pinned_room(struct staging *s, size_t want, unsigned char **at, size_t *got) {
-  int c = s->cur;
-  size_t left = PINNED_CHUNK - s->used[c], floor = want < PINNED_MIN_PIECE ? want : PINNED_MIN_PIECE;
-  if (left < floor) {
-    c = s->cur = 1 - c;
-    int rc = s->busy[c] ? pinned_wait(s) : 0;
-    if (rc)
-      return rc;
-    s->used[c] = 0;
-    left = PINNED_CHUNK;
-  }
-  *got = want < left ? want : left;
-  if (*got > PINNED_MAX_PIECE)
-    *got = PINNED_MAX_PIECE;
-  *at = s->pinned[c] + s->used[c];
-  s->used[c] += (*got + 63) & ~(size_t)63; /* each piece 64-byte aligned, as DMA prefers */
-  if (s->used[c] > PINNED_CHUNK)
-    s->used[c] = PINNED_CHUNK;
-  s->busy[c] = true;
-  return 0;
-}
-
-static int pinned_release(struct staging *s) {
-  int rc = s->pinned_dev ? pinned_wait(s) : 0;
-  for (int i = 0; i < 2 && s->pinned_dev; i++)
-    dev_host_free(s->pinned_dev, s->pinned[i]);
-  s->pinned[0] = s->pinned[1] = NULL;
-  s->pinned_dev = NULL;
-  return rc;
-}
-
 int staging_free(struct staging *s) {
-  int rc = pinned_release(s);
+  int rc = s->stream ? stream_wait(s->stream) : 0;
+  stream_free(s->stream);
+  s->stream = NULL;
   free(s->data);
   free(s->compare);
   s->data = s->compare = NULL;
@@ -76,25 +25,18 @@ int staging_free(struct staging *s) {
   return rc;
 }
 
-/* Two pinned chunks from dev (those of another device are given back first). */
-static int pinned_reserve(struct staging *s, const struct device *dev) {
-  if (s->pinned_dev == dev)
+/* A stream to dev in the staging (one to another device is waited for and freed first). */
+static int staging_stream(struct staging *s, const struct device *dev) {
+  if (s->stream && stream_device(s->stream) == dev)
     return 0;
-  int rc = pinned_release(s);
-  s->pinned_dev = dev;
-  for (int i = 0; i < 2 && !rc; i++)
-    rc = dev_host_alloc(dev, PINNED_CHUNK, (void **)&s->pinned[i]);
-  if (rc)
-    (void)pinned_release(s);
-  s->cur = 0;
-  s->used[0] = s->used[1] = 0;
-  return rc;
+  int rc = s->stream ? stream_wait(s->stream) : 0;
+  stream_free(s->stream);
+  s->stream = NULL;
+  return rc ? rc : stream_new(dev, &s->stream);
 }
 
 /* Host bytes staging holds now (the peak the model reports). */
-static size_t staging_bytes(const struct staging *s) {
-  return 2 * s->cap + (s->pinned_dev ? 2 * PINNED_CHUNK : 0);
-}
+static size_t staging_bytes(const struct staging *s) { return 2 * s->cap + stream_bytes(s->stream); }
 
 static int staging_reserve(struct staging *s, size_t bytes) {
   if (bytes <= s->cap)
@@ -197,27 +139,6 @@ static int compare_source(const struct device *dev, const struct provider *pv, c
   return rc;
 }
 
-/*
- * A contiguous tensor to device memory at dst through the pinned chunks, piece by piece: read
- * from the provider's file (or copied from host bytes it holds) into pinned room, then an
- * asynchronous copy, so the reads of the next pieces overlap it. Small tensors share a chunk.
- */
-static int stream_to_device(const struct device *dev, const struct provider *pv, const struct provided *t,
-                            const unsigned char *on_host, char *dst, struct staging *st) {
-  int rc = pinned_reserve(st, dev);
-  for (size_t at = 0, n; !rc && at < t->nbytes; at += n) {
-    unsigned char *room;
-    rc = pinned_room(st, t->nbytes - at, &room, &n);
-    if (!rc && on_host)
-      memcpy(room, on_host + at, n);
-    else if (!rc)
-      rc = pv->read_range(pv, t, at, n, room);
-    if (!rc)
-      rc = dev_h2d_async(dev, dst + at, room, n);
-  }
-  return rc;
-}
-
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st) {
   const struct device *dev = layer_device(layer);
   struct provided t;
@@ -232,8 +153,6 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
     rc = compare_source(dev, pv, &t, on_device, on_host, dst, st);
   } else if (!on_device && !on_host && dev->ops == host_device()->ops && src->rows == 1) {
     rc = pv->read(pv, &t, dst); /* straight into the param: no staging */
-  } else if (!on_device && src->rows == 1 && (on_host || pv->read_range) && memory_ops_async(dev->ops)) {
-    rc = stream_to_device(dev, pv, &t, on_host, dst, st);
   } else {
     const unsigned char *from = on_device ? on_device : on_host;
     if (!from && !(rc = staging_reserve(st, t.nbytes)) && !(rc = pv->read(pv, &t, st->data)))
@@ -290,13 +209,58 @@ static int load_direct(qkeep_layer *layer, const struct provider *pv) {
   return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
 }
 
+/*
+ * Streams every source that goes to a device with asynchronous copies as one contiguous
+ * run (written, not compared; not in device memory already) through the staging's stream,
+ * marking them loaded; the rest are left to load_source.
+ */
+static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  const struct device *dev = layer_device(layer);
+  size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
+  struct stream_item *items = malloc(count * sizeof *items);
+  size_t *which = malloc(count * sizeof *which);
+  int rc = items && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    struct source *src = &layer->sources[i];
+    struct stream_item *it = &items[n];
+    if (src->compare_only || src->rows != 1 || (rc = check_source(layer, pv, src, &it->t)))
+      continue;
+    if (pv->device_bytes && pv->device_bytes(pv, &it->t))
+      continue;
+    it->on_host = pv->host_bytes ? pv->host_bytes(pv, &it->t) : NULL;
+    if (!it->on_host && !pv->read_range)
+      continue;
+    it->dst = (char *)src->param->view.storage->data + src->dst_offset;
+    which[n++] = i;
+  }
+  if (!rc && n)
+    rc = staging_stream(st, dev);
+  if (!rc && n)
+    rc = stream_items(st->stream, pv, items, n);
+  for (size_t k = 0; k < n && !rc; k++)
+    layer->sources[which[k]].loaded = true;
+  struct mem_stats *mem = &layer->model->mem;
+  if ((int64_t)staging_bytes(st) > mem->staging_peak)
+    mem->staging_peak = (int64_t)staging_bytes(st);
+  free(items);
+  free(which);
+  return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
+}
+
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   for (size_t i = 0; i < layer->n_sources; i++)
     layer->sources[i].loaded = false;
-  int rc = pv->read_many && layer_device(layer)->ops == host_device()->ops ? load_direct(layer, pv) : 0;
-  for (size_t i = 0; i < layer->n_sources && !rc; i++)
-    if (!layer->sources[i].loaded)
-      rc = load_source(layer, pv, &layer->sources[i], st);
+  const struct device *dev = layer_device(layer);
+  int rc = 0;
+  if (pv->read_many && dev->ops == host_device()->ops)
+    rc = load_direct(layer, pv);
+  else if (memory_ops_async(dev->ops))
+    rc = load_streamed(layer, pv, st);
+  /* What is compared against an earlier shard goes last, once every shard's copy has started. */
+  for (int pass = 0; pass < 2; pass++)
+    for (size_t i = 0; i < layer->n_sources && !rc; i++)
+      if (!layer->sources[i].loaded && layer->sources[i].compare_only == (pass == 1))
+        rc = load_source(layer, pv, &layer->sources[i], st);
   return rc;
 }
 

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "fixture.h"
@@ -329,6 +330,13 @@ static void assert_digest(qkeep_model *m, const char *path) {
   qkeep_model_free(ref);
 }
 
+/* Truncates the file named by user after the first layer arrived (once). */
+static void shrink_after_first(void *user, size_t done, size_t total, const char *layer) {
+  (void)total, (void)layer;
+  if (done == 1)
+    ck_assert_int_eq(truncate(user, 4096), 0);
+}
+
 /* test-async completes its copies only at sync: a chunk refilled or freed before the core waits
  * for its copy shows up as other bytes than a reference load holds (or an abort in host_free). */
 START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
@@ -364,6 +372,17 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   }
   ck_assert_msg(qkeep_model_reload_tensors(m, ts, 2, 0) == 0, "%s", qkeep_errmsg());
   assert_digest(m, w0);
+  /* A read that fails in a reader thread fails the load with the reader's message. */
+  char *w2 = write_large("large-w2.safetensors", 13);
+  qkeep_model *c;
+  ck_assert_int_eq(qkeep_model_new_chain(chain, 1, &c), 0);
+  qkeep_model_set_progress(c, shrink_after_first, w2);
+  ck_assert_int_eq(qkeep_model_load(c, w2), QKEEP_E_IO);
+  ck_assert_msg(strstr(qkeep_errmsg(), "tensor 'model.") && strstr(qkeep_errmsg(), "large-w2"), "%s",
+                qkeep_errmsg());
+  ck_assert_uint_eq(qkeep_model_layer_count(c), 0);
+  qkeep_model_free(c);
+  free(w2);
   ckpt_close(ck);
   free(bytes[0]), free(bytes[1]);
   qkeep_model_free(m);
