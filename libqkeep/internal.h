@@ -142,6 +142,7 @@ struct device {
   const struct qkeep_memory_ops *ops;
   struct mem_stats *stats; /* the owning model's counters; NULL for the shared host device */
   struct spare *spare;     /* the owner's; NULL for the shared host device */
+  struct stream **stream;  /* the owner's stream to it, made at its first streamed load; NULL likewise */
 };
 
 /* The host device (memcpy-based ops). */
@@ -301,7 +302,8 @@ struct fusion_rule {
 struct owner {
   qkeep_plugin *plugin; /* NULL: host memory, no PWAL, no kernels */
   struct device dev;
-  struct spare spare; /* dev.spare points here */
+  struct spare spare;     /* dev.spare points here */
+  struct stream *stream;  /* dev.stream points here; freed with the model */
   int probe_rc;    /* 0: usable; otherwise the probe's code, and the link takes no layer */
   char *probe_msg; /* why the probe failed ("" when it did not) */
   size_t layers;   /* layers it owns (for reports) */
@@ -529,9 +531,12 @@ struct stream_item {
   const unsigned char *on_host; /* NULL: read from the provider's file (read_range) */
   char *dst;                    /* its device memory */
 };
-/* A stream to dev (its ops pass memory_ops_async): the ring from its host_alloc, and readers. */
+/* A stream to dev (its ops pass memory_ops_async): the ring from its host_alloc; readers start
+ * with the first stream_items. */
 int stream_new(const struct device *dev, struct stream **out);
-/* Waits for the copies (stream_wait), stops the readers and frees the ring. */
+/* The end of a load: waits for the copies (stream_wait) and stops the readers; the ring stays. */
+int stream_end(struct stream *s);
+/* stream_end, then frees the ring. */
 void stream_free(struct stream *s);
 const struct device *stream_device(const struct stream *s);
 /* Pinned bytes the stream holds (0 for NULL). */
@@ -551,8 +556,9 @@ struct staging {
   unsigned char *data, *compare;
   size_t cap;
   struct stream *stream; /* NULL until a layer of a device with asynchronous copies loads */
+  bool own_stream;       /* made for this load (a device with no owner to keep it), freed with it */
 };
-/* Waits for the stream's copies, then frees everything; returns the wait's error. */
+/* Ends the stream (its copies waited for), then frees the rest; returns the wait's error. */
 int staging_free(struct staging *s);
 
 /* Lands one tensor in its param as the source describes (checked against the source first). */

@@ -15,9 +15,11 @@
 #include "scheme.h"
 
 int staging_free(struct staging *s) {
-  int rc = s->stream ? stream_wait(s->stream) : 0;
-  stream_free(s->stream);
+  int rc = stream_end(s->stream);
+  if (s->own_stream)
+    stream_free(s->stream);
   s->stream = NULL;
+  s->own_stream = false;
   free(s->data);
   free(s->compare);
   s->data = s->compare = NULL;
@@ -25,14 +27,22 @@ int staging_free(struct staging *s) {
   return rc;
 }
 
-/* A stream to dev in the staging (one to another device is waited for and freed first). */
+/* The stream to dev in the staging: its owner's (made once), else one for this load. One to another
+ * device is ended first. */
 static int staging_stream(struct staging *s, const struct device *dev) {
   if (s->stream && stream_device(s->stream) == dev)
     return 0;
-  int rc = s->stream ? stream_wait(s->stream) : 0;
-  stream_free(s->stream);
+  int rc = stream_end(s->stream);
+  if (s->own_stream)
+    stream_free(s->stream);
   s->stream = NULL;
-  return rc ? rc : stream_new(dev, &s->stream);
+  s->own_stream = !dev->stream;
+  struct stream **slot = dev->stream ? dev->stream : &s->stream;
+  if (!rc && !*slot)
+    rc = stream_new(dev, slot);
+  if (!rc)
+    s->stream = *slot;
+  return rc;
 }
 
 /* Host bytes staging holds now (the peak the model reports). */

@@ -45,6 +45,7 @@ int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **
     device_init(&o->dev, o->plugin ? o->plugin->be : NULL);
     o->dev.stats = &m->mem;
     o->dev.spare = &o->spare;
+    o->dev.stream = &o->stream;
     rc = probe_owner(o);
   }
   if (rc) {
@@ -114,8 +115,10 @@ void qkeep_model_free(qkeep_model *model) {
   model_clear(model);
   free_fusion(model);
   free(model->source_path);
-  for (size_t i = 0; i < model->n_owners; i++)
+  for (size_t i = 0; i < model->n_owners; i++) {
+    stream_free(model->owners[i].stream);
     free(model->owners[i].probe_msg);
+  }
   free(model->owners);
   free(model);
 }
@@ -194,8 +197,11 @@ int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *ou
 int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks) {
   if (!model || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_model_memory: NULL argument");
+  int64_t pinned = 0;
+  for (size_t i = 0; i < model->n_owners; i++)
+    pinned += (int64_t)stream_bytes(model->owners[i].stream);
   struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak,
-                                 model->mem.staging_peak};
+                                 model->mem.staging_peak, pinned};
   copy_sized(out, &m, sizeof m);
   if (reset_peaks) {
     model->mem.storage_peak = model->mem.storage_bytes;

@@ -211,6 +211,9 @@ struct qkeep_memory_stats {
   int64_t storage_bytes; /* params, buffers and live result tensors, now */
   int64_t storage_peak;  /* the most at any time */
   int64_t staging_peak;  /* host staging for tensors that cannot land directly */
+  int64_t pinned_bytes;  /* page-locked host memory kept for streaming to the model's devices (8 MiB per
+                            device backend with asynchronous copies, from its first load to the model's
+                            free); counted in staging_peak too */
 };
 /* Fills *out; with reset_peaks, the peaks restart from the current bytes. */
 QKEEP_API int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks);

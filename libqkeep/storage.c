@@ -46,7 +46,7 @@ static const struct qkeep_memory_ops host_ops = {
     .sync = host_sync,
 };
 
-static const struct device host_dev = {NULL, &host_ops, NULL, NULL};
+static const struct device host_dev = {NULL, &host_ops, NULL, NULL, NULL};
 
 const struct device *host_device(void) { return &host_dev; }
 
@@ -65,6 +65,7 @@ void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->ops = (be && memory_ops_complete(be->memory)) ? be->memory : &host_ops;
   dev->stats = NULL;
   dev->spare = NULL;
+  dev->stream = NULL;
 }
 
 int dev_alloc(const struct device *dev, size_t bytes, void **out) {

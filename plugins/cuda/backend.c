@@ -440,20 +440,16 @@ static int make_alpha(const struct matrix *m, bool ct, const float **alpha) {
     return host->set_error(QKEEP_E_FORMAT,
                            "cuda-nvfp4: %s.%s: expected %lld merged f32 scale(s), have %zu bytes",
                            m->layer_name, name, (long long)experts, v.nbytes);
-  float *values = malloc(sizeof(float) * (size_t)experts);
-  if (!values)
-    return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of host memory");
-  rc = mem_d2h(&m->c->be, values, v.data, sizeof(float) * (size_t)experts);
-  /* compressed-tensors stores the encode factor 2688/amax; 0 marks an all-zero tensor. */
-  for (int64_t e = 0; ct && e < experts; e++)
-    values[e] = values[e] == 0.0f ? 0.0f : 1.0f / values[e];
   struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_F32, .ndim = m->experts ? 1 : 0, .shape = {m->experts}};
   struct qkeep_view b = {.size = sizeof b};
-  if (!rc)
-    rc = host->add_buffer(m->layer, full_name(m, "alpha", buffer, sizeof buffer), &spec, &b);
-  if (!rc)
-    rc = mem_h2d(&m->c->be, b.data, values, sizeof(float) * (size_t)experts);
-  free(values);
+  rc = host->add_buffer(m->layer, full_name(m, "alpha", buffer, sizeof buffer), &spec, &b);
+  /* On the device, queued behind the loads (no wait for them). compressed-tensors stores the encode
+   * factor 2688/amax, inverted here; 0 marks an all-zero tensor. */
+  if (!rc) {
+    int err = nvfp4_alpha_gpu(v.data, b.data, experts, ct, NULL);
+    if (err)
+      rc = cuda_error(m->c, (cudaError_t)err, "computing alpha");
+  }
   if (!rc)
     rc = host->retire(m->layer, name);
   *alpha = b.data;

@@ -44,6 +44,9 @@ int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t experts, int64_t 
                            void *stream);
 int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t cols,
                              void *stream);
+/* alpha[e] = scale[e] for experts merged global scales (f32, device memory); invert: the
+ * compressed-tensors encode factor, alpha = 1 / scale (0 when scale is 0). Queued on stream. */
+int nvfp4_alpha_gpu(const float *scale, float *alpha, int64_t experts, int invert, void *stream);
 
 /* ---- the W4A16 GEMM ------------------------------------------------------------------------ */
 

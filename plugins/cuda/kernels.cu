@@ -1471,6 +1471,15 @@ __global__ void swizzle_scales_kernel(const uint8_t *src, uint8_t *dst, long lon
   }
 }
 
+/* alpha[e] = the merged global scale, or for compressed-tensors the inverse of its encode factor (0 stays 0). */
+__global__ void alpha_kernel(const float *scale, float *alpha, long long experts, int invert) {
+  for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < experts;
+       e += (long long)gridDim.x * blockDim.x) {
+    const float v = scale[e];
+    alpha[e] = invert ? (v == 0.0f ? 0.0f : 1.0f / v) : v;
+  }
+}
+
 /* ---- unquantized layers ----------------------------------------------------------------------- */
 
 template <typename T> __host__ __device__ constexpr int dtype_of() {
@@ -1523,6 +1532,13 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   long long bytes = experts * nvfp4_sf_bytes(rows, cols);
   swizzle_scales_kernel<<<grid_for(bytes, 256), 256, 0, (cudaStream_t)stream>>>(
       static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, cols);
+  return cudaGetLastError();
+}
+
+extern "C" int nvfp4_alpha_gpu(const float *scale, float *alpha, int64_t experts, int invert, void *stream) {
+  if (experts < 1)
+    return cudaErrorInvalidValue;
+  alpha_kernel<<<grid_for(experts, 128), 128, 0, (cudaStream_t)stream>>>(scale, alpha, experts, invert);
   return cudaGetLastError();
 }
 
