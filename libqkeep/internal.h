@@ -222,6 +222,11 @@ struct qkeep_param {
   char *release_reason;
   bool scale;       /* a scale: every value must be finite and non-negative */
   bool transformed; /* replaced since its bytes were loaded: no longer the checkpoint layout */
+  /* A host copy of a small scale param's loaded bytes (create_bytes of them), taken as they streamed
+   * to a device, so normalisation reads them without waiting for the device; valid while the param
+   * holds exactly what its sources loaded (mirror_valid, not transformed). */
+  unsigned char *mirror;
+  bool mirror_valid;
   /* NULL, or the checkpoint's shape when it does not fit a qkeep_spec (rank > QKEEP_MAX_DIMS or a
    * dimension >= 2^63): create_spec is then the collapsed shape (struct st_tensor), and this full
    * one is what a reload must match and what the digest hashes. Owned. */
@@ -530,6 +535,7 @@ struct stream_item {
   struct provided t;
   const unsigned char *on_host; /* NULL: read from the provider's file (read_range) */
   char *dst;                    /* its device memory */
+  unsigned char *mirror;        /* NULL, or host memory that gets a copy of the bytes too */
 };
 /* A stream to dev (its ops pass memory_ops_async): the ring from its host_alloc; readers start
  * with the first stream_items. */

@@ -193,6 +193,7 @@ void layer_destroy(qkeep_layer *layer) {
     free(p->runtime_name);
     free(p->release_reason);
     free(p->full_shape);
+    free(p->mirror);
     free(p);
   }
   for (size_t i = 0; i < layer->n_buffers; i++) {

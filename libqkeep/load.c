@@ -157,6 +157,8 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
     return rc;
   struct mem_stats *mem = &layer->model->mem;
   char *dst = (char *)src->param->view.storage->data + src->dst_offset;
+  if (!src->compare_only)
+    src->param->mirror_valid = false; /* its bytes change here, not through the stream */
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, &t) : NULL;
   const void *on_host = on_device || !pv->host_bytes ? NULL : pv->host_bytes(pv, &t);
   if (src->compare_only) {
@@ -224,6 +226,9 @@ static int load_direct(qkeep_layer *layer, const struct provider *pv) {
  * run (written, not compared; not in device memory already) through the staging's stream,
  * marking them loaded; the rest are left to load_source.
  */
+/* Largest scale param that keeps a host mirror (per-tensor and per-shard scales, not block scales). */
+#define MIRROR_MAX 256
+
 static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   const struct device *dev = layer_device(layer);
   size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
@@ -241,6 +246,12 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
     if (!it->on_host && !pv->read_range)
       continue;
     it->dst = (char *)src->param->view.storage->data + src->dst_offset;
+    it->mirror = NULL;
+    qkeep_param *p = src->param;
+    if (p->scale && p->create_bytes <= MIRROR_MAX && !p->mirror && p->create_bytes)
+      p->mirror = malloc(p->create_bytes); /* none: normalisation reads the device */
+    if (p->mirror)
+      it->mirror = p->mirror + src->dst_offset;
     which[n++] = i;
   }
   if (!rc && n)
@@ -249,6 +260,14 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
     rc = stream_items(st->stream, pv, items, n);
   for (size_t k = 0; k < n && !rc; k++)
     layer->sources[which[k]].loaded = true;
+  /* A mirror is valid when every source that writes its param streamed (and so filled it). */
+  for (size_t i = 0; i < layer->n_params && !rc; i++)
+    layer->params[i]->mirror_valid = layer->params[i]->mirror != NULL;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    const struct source *src = &layer->sources[i];
+    if (!src->compare_only && (!src->loaded || src->rows != 1))
+      src->param->mirror_valid = false;
+  }
   struct mem_stats *mem = &layer->model->mem;
   if ((int64_t)staging_bytes(st) > mem->staging_peak)
     mem->staging_peak = (int64_t)staging_bytes(st);
@@ -260,6 +279,8 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   for (size_t i = 0; i < layer->n_sources; i++)
     layer->sources[i].loaded = false;
+  for (size_t i = 0; i < layer->n_params; i++)
+    layer->params[i]->mirror_valid = false;
   const struct device *dev = layer_device(layer);
   int rc = 0;
   if (pv->read_many && dev->ops == host_device()->ops)

@@ -316,8 +316,12 @@ static int read_f32(qkeep_layer *layer, qkeep_param *p, float **out, size_t *cou
   size_t bytes = qkeep_spec_bytes(&p->view.spec), n = (size_t)qkeep_spec_numel(&p->view.spec);
   unsigned char *raw = malloc(bytes ? bytes : 1);
   float *v = malloc((n ? n : 1) * sizeof *v);
-  int rc = raw && v ? dev_d2h(layer_device(layer), raw, tensor_ptr(&p->view), bytes)
-                    : set_error(QKEEP_E_NOMEM, "out of memory");
+  /* The host mirror of what was loaded, when the param still holds exactly that: no device wait. */
+  bool mirrored = p->mirror_valid && !p->transformed && p->view.offset == 0 && bytes == p->create_bytes &&
+                  spec_equal(&p->view.spec, &p->create_spec);
+  int rc = !raw || !v   ? set_error(QKEEP_E_NOMEM, "out of memory")
+           : mirrored ? (memcpy(raw, p->mirror, bytes), 0)
+                      : dev_d2h(layer_device(layer), raw, tensor_ptr(&p->view), bytes);
   for (size_t i = 0; !rc && i < n; i++)
     v[i] = qk_load_float(raw, p->view.spec.dtype, i);
   free(raw);

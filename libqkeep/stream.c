@@ -30,6 +30,7 @@ struct piece {
   const unsigned char *on_host; /* the provider's host bytes, or NULL: read from its file */
   size_t at, n;                 /* the range of the tensor */
   char *dst;                    /* device memory for byte `at` */
+  unsigned char *mirror;        /* host memory for byte `at`, or NULL */
   int slot;
   bool done; /* read into the slot (or failed) */
   int rc;
@@ -176,7 +177,8 @@ static struct piece *cut(const struct stream_item *items, size_t n_items, size_t
                             .on_host = items[i].on_host,
                             .at = at,
                             .n = items[i].t.nbytes - at < PIECE ? items[i].t.nbytes - at : PIECE,
-                            .dst = items[i].dst + at};
+                            .dst = items[i].dst + at,
+                            .mirror = items[i].mirror ? items[i].mirror + at : NULL};
   *n_pieces = n;
   return p;
 }
@@ -211,10 +213,13 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
     while (!p->done)
       pthread_cond_wait(&s->done, &s->mu);
     pthread_mutex_unlock(&s->mu);
+    const unsigned char *room = s->ring + (size_t)p->slot * PIECE;
     if (p->rc)
       rc = set_error(p->rc, "%s", p->msg ? p->msg : "read failed");
     else
-      rc = dev_h2d_async(s->dev, p->dst, s->ring + (size_t)p->slot * PIECE, p->n);
+      rc = dev_h2d_async(s->dev, p->dst, room, p->n);
+    if (!rc && p->mirror)
+      memcpy(p->mirror, room, p->n);
     s->slot[p->slot] = rc ? SLOT_FREE : SLOT_COPYING;
     copied++;
   }

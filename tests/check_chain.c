@@ -393,6 +393,35 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
 }
 END_TEST
 
+/* Quantized layers with fused shards on the async device: the shard scales merge from the host
+ * mirror of what streamed (no device wait), and the bytes equal a reference load's, cold and after
+ * a reload. */
+START_TEST(quantized_layers_normalise_on_an_async_device) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *src = write_source("w0.safetensors", 21, false, QKEEP_DTYPE_BF16);
+  char *src1 = write_source("w1.safetensors", 22, false, QKEEP_DTYPE_BF16);
+  static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "w8a8-int8", "gptq-int4"};
+  for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
+    char o0[64], o1[64];
+    snprintf(o0, sizeof o0, "async-%s-w0", schemes[i]);
+    snprintf(o1, sizeof o1, "async-%s-w1", schemes[i]);
+    char *w0 = quantize(src, schemes[i], o0), *w1 = quantize(src1, schemes[i], o1);
+    qkeep_plugin *chain[] = {async};
+    qkeep_model *m = load_chain(chain, 1, w0);
+    ck_assert_str_eq(owner(m, "model.layers.0.self_attn.qkv_proj"), "test-async");
+    assert_digest(m, w0);
+    tu_assert_census_clean(m);
+    ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s: %s", schemes[i], qkeep_errmsg());
+    assert_digest(m, w1);
+    qkeep_model_free(m);
+    free(w0), free(w1);
+  }
+  qkeep_plugin_close(async);
+  free(src), free(src1);
+}
+END_TEST
+
 START_TEST(a_layer_no_backend_takes_fails_before_any_allocation) {
   char *src = write_source("w0.safetensors", 7, false, QKEEP_DTYPE_BF16);
   take("-");
@@ -555,6 +584,7 @@ static Suite *chain_suite(void) {
   tcase_add_test(tc, an_abi_1_0_plugin_takes_part_in_a_chain);
   tcase_add_test(tc, a_layer_no_backend_takes_fails_before_any_allocation);
   tcase_add_test(tc, a_device_with_async_copies_loads_through_pinned_chunks);
+  tcase_add_test(tc, quantized_layers_normalise_on_an_async_device);
   tcase_add_test(tc, the_weight_dtype_reaches_supports_layer);
   tcase_add_test(tc, a_tied_lm_head_stays_with_its_embedding);
   tcase_add_test(tc, a_hand_built_layer_gets_its_owner_at_its_first_param);

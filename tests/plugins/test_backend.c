@@ -17,7 +17,7 @@
  *             none with take = -), refusing the rest with a reason; a real f32 kernel
  *   LEGACY    built against ABI 1.0: its table ends at fini, supports() says unquantized
  *             linear only, so the core gives it every other kind of layer; the same kernel
- *   ASYNC     LEGACY's layers and kernel on a device in host memory with ABI 1.2's pinned
+ *   ASYNC     every layer, LEGACY's kernel, on a device in host memory with ABI 1.2's pinned
  *             staging: copy_h2d_async only queues the copy, and the queue runs when sync (or
  *             any other memory op) is called, so a core that refills or frees a staging chunk
  *             before sync loads wrong bytes (caught by the digest) or aborts here
@@ -115,7 +115,12 @@ static int test_configure(const struct qkeep_backend *be, const char *key, const
 
 static int test_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
   (void)be;
+#if defined(VARIANT_ASYNC)
+  (void)scheme, (void)kind;
+  return 1; /* every layer, so quantized ones normalise in its memory too (its kernel runs f32/bf16 only) */
+#else
   return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
+#endif
 }
 
 #if defined(VARIANT_PICKY) || defined(VARIANT_LEGACY) || defined(VARIANT_ASYNC)
