@@ -556,6 +556,11 @@ size_t stream_bytes(const struct stream *s);
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items);
 /* Waits until every copy the stream started has finished (dev_sync), freeing their slots. */
 int stream_wait(struct stream *s);
+/* Whether a load is streaming through s now (its readers run): puts are then waited for by its end. */
+bool stream_active(const struct stream *s);
+/* Copies n bytes (at most 1 MiB) of host memory to device memory at dst through a slot, without
+ * waiting for the device: small puts share one slot. src may change once it returns. */
+int stream_put(struct stream *s, void *dst, const void *src, size_t n);
 
 /* Host staging for one tensor, grown as needed; and the stream to the device being loaded. */
 struct staging {

@@ -346,9 +346,15 @@ static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; !rc && half && i < n; i++)
     half[i] = spec->dtype == QKEEP_DTYPE_F16 ? qk_f32_to_f16(values[i]) : qk_f32_to_bf16(values[i]);
+  /* During a streamed load, through the stream: a plain copy from pageable memory would wait for
+   * the layer's copies first. */
+  const struct device *dev = layer_device(layer);
+  struct stream *s = dev->stream ? *dev->stream : NULL;
+  const void *from = half ? (const void *)half : values;
+  size_t bytes = qkeep_spec_bytes(spec);
   if (!rc)
-    rc = dev_h2d(layer_device(layer), qkeep_tensor_data(t), half ? (const void *)half : values,
-                 qkeep_spec_bytes(spec));
+    rc = stream_active(s) && bytes <= ((size_t)1 << 20) ? stream_put(s, qkeep_tensor_data(t), from, bytes)
+                                                         : dev_h2d(dev, qkeep_tensor_data(t), from, bytes);
   free(half);
   if (rc) {
     qkeep_tensor_free(t);

@@ -39,6 +39,10 @@ struct piece {
 
 enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 
+/* The last slot also takes small puts (stream_put), packed, until a wait frees it. */
+#define ARENA (SLOTS - 1)
+#define SMALL_PUT ((size_t)4 << 10)
+
 struct stream {
   const struct device *dev;
   unsigned char *ring; /* SLOTS * PIECE pinned bytes */
@@ -48,6 +52,7 @@ struct stream {
   pthread_mutex_t mu;
   pthread_cond_t work, done;
   bool quit;
+  size_t arena_used; /* bytes of the arena slot holding small puts (it is SLOT_COPYING when > 0) */
   /* the layer being streamed (readers take pieces [taken, submitted)) */
   const struct provider *pv;
   struct piece *pieces;
@@ -150,7 +155,34 @@ int stream_wait(struct stream *s) {
   for (int i = 0; i < SLOTS; i++)
     if (s->slot[i] == SLOT_COPYING)
       copying = true, s->slot[i] = SLOT_FREE;
+  s->arena_used = 0;
   return copying ? dev_sync(s->dev) : 0;
+}
+
+bool stream_active(const struct stream *s) { return s && s->n_readers > 0; }
+
+int stream_put(struct stream *s, void *dst, const void *src, size_t n) {
+  if (n > PIECE)
+    return set_error(QKEEP_E_INVAL, "stream_put: %zu bytes exceed a slot", n);
+  int slot = n <= SMALL_PUT && s->slot[ARENA] != SLOT_READING ? ARENA : -1;
+  size_t at = slot == ARENA ? s->arena_used : 0;
+  if (slot == ARENA && at + n > PIECE)
+    slot = -1; /* the arena is full: a wait empties it */
+  if (slot < 0) {
+    int rc = stream_wait(s);
+    if (rc)
+      return rc;
+    slot = n <= SMALL_PUT ? ARENA : 0, at = 0;
+  }
+  unsigned char *room = s->ring + (size_t)slot * PIECE + at;
+  memcpy(room, src, n);
+  int rc = dev_h2d_async(s->dev, dst, room, n);
+  if (rc)
+    return rc;
+  s->slot[slot] = SLOT_COPYING;
+  if (slot == ARENA)
+    s->arena_used = at + ((n + 63) & ~(size_t)63);
+  return 0;
 }
 
 static int free_slot(const struct stream *s) {
