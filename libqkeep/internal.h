@@ -554,6 +554,13 @@ size_t stream_bytes(const struct stream *s);
  * copy error nothing further is started and the first error is returned, with its message.
  */
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items);
+/*
+ * Starts reading the items ahead (their dst and mirror are not needed yet, nor looked at) into
+ * free slots, and returns at once; a stream_items call with the same items (tensors and order)
+ * then continues from what was read. Best effort: returns 0 even when it could not start.
+ */
+int stream_prefetch(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                    size_t n_items);
 /* Waits until every copy the stream started has finished (dev_sync), freeing their slots. */
 int stream_wait(struct stream *s);
 /* Whether a load is streaming through s now (its readers run): puts are then waited for by its end. */
@@ -574,6 +581,9 @@ int staging_free(struct staging *s);
 
 /* Lands one tensor in its param as the source describes (checked against the source first). */
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);
+/* Starts reading the next layer's device-bound bytes into the stream's free slots (when it goes to
+ * the device being streamed to), so they arrive while the current layer's PWAL runs. Best effort. */
+void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st);
 /* Loads every source of a layer from the provider (strided and compare-only ones too). */
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st);
 /* Checks that the provider's tensor matches what the source expects (name found, dtype, shape). */

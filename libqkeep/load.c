@@ -229,12 +229,15 @@ static int load_direct(qkeep_layer *layer, const struct provider *pv) {
 /* Largest scale param that keeps a host mirror (per-tensor and per-shard scales, not block scales). */
 #define MIRROR_MAX 256
 
-static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
-  const struct device *dev = layer_device(layer);
-  size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
-  struct stream_item *items = malloc(count * sizeof *items);
-  size_t *which = malloc(count * sizeof *which);
-  int rc = items && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+/*
+ * The sources of the layer that stream to its device: written (not compared), one contiguous run,
+ * not in device memory already, from a file (read_range) or host bytes. With `place`, each item's
+ * dst (and, for a small scale param, a host mirror) is set; which[] gets their source indices.
+ */
+static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool place, struct stream_item *items,
+                            size_t *which, size_t *n_out) {
+  size_t n = 0;
+  int rc = 0;
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     struct source *src = &layer->sources[i];
     struct stream_item *it = &items[n];
@@ -245,15 +248,29 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
     it->on_host = pv->host_bytes ? pv->host_bytes(pv, &it->t) : NULL;
     if (!it->on_host && !pv->read_range)
       continue;
-    it->dst = (char *)src->param->view.storage->data + src->dst_offset;
-    it->mirror = NULL;
+    it->dst = NULL, it->mirror = NULL;
     qkeep_param *p = src->param;
-    if (p->scale && p->create_bytes <= MIRROR_MAX && !p->mirror && p->create_bytes)
-      p->mirror = malloc(p->create_bytes); /* none: normalisation reads the device */
-    if (p->mirror)
-      it->mirror = p->mirror + src->dst_offset;
+    if (place) {
+      it->dst = (char *)p->view.storage->data + src->dst_offset;
+      if (p->scale && p->create_bytes <= MIRROR_MAX && !p->mirror && p->create_bytes)
+        p->mirror = malloc(p->create_bytes); /* none: normalisation reads the device */
+      if (p->mirror)
+        it->mirror = p->mirror + src->dst_offset;
+    }
     which[n++] = i;
   }
+  *n_out = n;
+  return rc;
+}
+
+static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  const struct device *dev = layer_device(layer);
+  size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
+  struct stream_item *items = malloc(count * sizeof *items);
+  size_t *which = malloc(count * sizeof *which);
+  int rc = items && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  if (!rc)
+    rc = streamed_sources(layer, pv, true, items, which, &n);
   if (!rc && n)
     rc = staging_stream(st, dev);
   if (!rc && n)
@@ -274,6 +291,18 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
   free(items);
   free(which);
   return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
+}
+
+void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st) {
+  if (!next || !st->stream || stream_device(st->stream) != layer_device(next))
+    return;
+  size_t n = 0, count = next->n_sources ? next->n_sources : 1;
+  struct stream_item *items = malloc(count * sizeof *items);
+  size_t *which = malloc(count * sizeof *which);
+  if (items && which && streamed_sources(next, pv, false, items, which, &n) == 0)
+    (void)stream_prefetch(st->stream, pv, items, n);
+  free(items);
+  free(which);
 }
 
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
@@ -435,6 +464,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     double a = now_seconds();
     rc = load_layer_sources(model->layers[i], &pv, &st);
     double b = now_seconds();
+    if (!rc && i + 1 < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
+      load_read_ahead(model->layers[i + 1], &pv, &st);
     if (!rc)
       rc = validate_scales(model->layers[i]);
     if (!rc)

@@ -396,6 +396,11 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
     if (!rc)
       rc = load_layer_sources(layer, pv, &st);
     double b = now_seconds();
+    size_t next = l + 1;
+    while (next < model->n_layers && !selected[next])
+      next++;
+    if (!rc && next < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
+      load_read_ahead(model->layers[next], pv, &st);
     if (!rc && !scales_checked)
       rc = validate_scales(layer);
     if (!rc)

@@ -29,7 +29,8 @@ struct piece {
   struct provided t;
   const unsigned char *on_host; /* the provider's host bytes, or NULL: read from its file */
   size_t at, n;                 /* the range of the tensor */
-  char *dst;                    /* device memory for byte `at` */
+  size_t item;                  /* which item of the batch */
+  char *dst;                    /* device memory for byte `at` (set when it is copied) */
   unsigned char *mirror;        /* host memory for byte `at`, or NULL */
   int slot;
   bool done; /* read into the slot (or failed) */
@@ -53,10 +54,12 @@ struct stream {
   pthread_cond_t work, done;
   bool quit;
   size_t arena_used; /* bytes of the arena slot holding small puts (it is SLOT_COPYING when > 0) */
-  /* the layer being streamed (readers take pieces [taken, submitted)) */
+  /* the batch being streamed or read ahead (readers take pieces [taken, submitted)) */
   const struct provider *pv;
   struct piece *pieces;
-  size_t submitted, taken;
+  size_t n_pieces, submitted, taken;
+  struct stream_item *items; /* the batch's items (their dst unknown while reading ahead) */
+  size_t n_items;
 };
 
 static void read_piece(const struct stream *s, struct piece *p) {
@@ -95,9 +98,12 @@ static int reader_count(void) {
   return cores < 1 ? 1 : cores > MAX_READERS ? MAX_READERS : (int)cores;
 }
 
+static void batch_drop(struct stream *s);
+
 int stream_end(struct stream *s) {
   if (!s)
     return 0;
+  batch_drop(s); /* a read ahead the load did not use (it failed, or the next layer went elsewhere) */
   int rc = stream_wait(s);
   pthread_mutex_lock(&s->mu);
   s->quit = true;
@@ -185,9 +191,10 @@ int stream_put(struct stream *s, void *dst, const void *src, size_t n) {
   return 0;
 }
 
+/* A free slot for a piece (the arena is kept for stream_put). */
 static int free_slot(const struct stream *s) {
   for (int i = 0; i < SLOTS; i++)
-    if (s->slot[i] == SLOT_FREE)
+    if (i != ARENA && s->slot[i] == SLOT_FREE)
       return i;
   return -1;
 }
@@ -207,41 +214,114 @@ static struct piece *cut(const struct stream_item *items, size_t n_items, size_t
     for (size_t at = 0; at < items[i].t.nbytes; at += PIECE, k++)
       p[k] = (struct piece){.t = items[i].t,
                             .on_host = items[i].on_host,
+                            .item = i,
                             .at = at,
-                            .n = items[i].t.nbytes - at < PIECE ? items[i].t.nbytes - at : PIECE,
-                            .dst = items[i].dst + at,
-                            .mirror = items[i].mirror ? items[i].mirror + at : NULL};
+                            .n = items[i].t.nbytes - at < PIECE ? items[i].t.nbytes - at : PIECE};
   *n_pieces = n;
   return p;
 }
 
-int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items) {
-  size_t n = 0, copied = 0;
-  int started = s->n_readers ? 0 : start_readers(s);
-  if (started)
-    return started;
+/* Makes the items the stream's batch (nothing submitted yet). */
+static int batch_begin(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                       size_t n_items) {
+  size_t n = 0;
   struct piece *pieces = cut(items, n_items, &n);
-  if (!pieces)
-    return QKEEP_E_NOMEM;
+  struct stream_item *copy = malloc((n_items ? n_items : 1) * sizeof *copy);
+  if (!pieces || !copy) {
+    free(pieces);
+    free(copy);
+    return set_error(QKEEP_E_NOMEM, "out of memory for the device stream's batch");
+  }
+  memcpy(copy, items, n_items * sizeof *copy);
   pthread_mutex_lock(&s->mu);
-  s->pv = pv, s->pieces = pieces, s->submitted = s->taken = 0;
+  s->pv = pv, s->pieces = pieces, s->n_pieces = n, s->submitted = s->taken = 0;
   pthread_mutex_unlock(&s->mu);
-  int rc = 0;
+  s->items = copy, s->n_items = n_items;
+  return 0;
+}
+
+/* Hands pieces to the readers while slots are free. Called with s->mu held. */
+static void batch_submit(struct stream *s) {
+  int slot;
+  while (s->submitted < s->n_pieces && (slot = free_slot(s)) >= 0) {
+    s->pieces[s->submitted].slot = slot;
+    s->slot[slot] = SLOT_READING;
+    s->submitted++;
+    pthread_cond_signal(&s->work);
+  }
+}
+
+/* Ends the batch: the readers finish what they took, nothing else is read, its slots not copied from
+ * are free again. */
+static void batch_drop(struct stream *s) {
+  if (!s->pieces)
+    return;
+  pthread_mutex_lock(&s->mu);
+  s->submitted = s->taken;
+  for (size_t i = 0; i < s->taken; i++)
+    while (!s->pieces[i].done)
+      pthread_cond_wait(&s->done, &s->mu);
+  struct piece *pieces = s->pieces;
+  size_t n = s->n_pieces;
+  s->pieces = NULL, s->n_pieces = s->submitted = s->taken = 0;
+  pthread_mutex_unlock(&s->mu);
+  for (size_t i = 0; i < n; i++)
+    free(pieces[i].msg);
+  for (int i = 0; i < SLOTS; i++) /* read and never copied */
+    if (s->slot[i] == SLOT_READING)
+      s->slot[i] = SLOT_FREE;
+  free(pieces);
+  free(s->items);
+  s->items = NULL, s->n_items = 0;
+}
+
+/* Whether the batch read ahead is these items (the same tensors and sources, in order). */
+static bool batch_is(const struct stream *s, const struct stream_item *items, size_t n_items) {
+  if (!s->pieces || s->n_items != n_items)
+    return false;
+  for (size_t i = 0; i < n_items; i++)
+    if (s->items[i].t.handle != items[i].t.handle || s->items[i].t.nbytes != items[i].t.nbytes ||
+        s->items[i].t.name != items[i].t.name || s->items[i].on_host != items[i].on_host)
+      return false;
+  return true;
+}
+
+int stream_prefetch(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                    size_t n_items) {
+  batch_drop(s);
+  if (!n_items || (!s->n_readers && start_readers(s)) || batch_begin(s, pv, items, n_items))
+    return 0; /* reading ahead is only a head start: without it the load reads later */
+  pthread_mutex_lock(&s->mu);
+  batch_submit(s);
+  pthread_mutex_unlock(&s->mu);
+  return 0;
+}
+
+int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items) {
+  int rc = s->n_readers ? 0 : start_readers(s);
+  if (rc)
+    return rc;
+  if (!batch_is(s, items, n_items)) {
+    batch_drop(s);
+    if ((rc = batch_begin(s, pv, items, n_items)))
+      return rc;
+  }
+  /* Where each piece goes is known now (a read ahead did not know it). */
+  for (size_t k = 0; k < s->n_pieces; k++) {
+    struct piece *p = &s->pieces[k];
+    p->dst = items[p->item].dst + p->at;
+    p->mirror = items[p->item].mirror ? items[p->item].mirror + p->at : NULL;
+  }
+  size_t copied = 0, n = s->n_pieces;
   while (copied < n && !rc) {
-    int slot;
     pthread_mutex_lock(&s->mu);
-    while (s->submitted < n && (slot = free_slot(s)) >= 0) {
-      pieces[s->submitted].slot = slot;
-      s->slot[slot] = SLOT_READING;
-      s->submitted++;
-      pthread_cond_signal(&s->work);
-    }
+    batch_submit(s);
     if (copied == s->submitted) { /* every slot waits on a copy: let the device finish them */
       pthread_mutex_unlock(&s->mu);
       rc = stream_wait(s);
       continue;
     }
-    struct piece *p = &pieces[copied];
+    struct piece *p = &s->pieces[copied];
     while (!p->done)
       pthread_cond_wait(&s->done, &s->mu);
     pthread_mutex_unlock(&s->mu);
@@ -255,19 +335,6 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
     s->slot[p->slot] = rc ? SLOT_FREE : SLOT_COPYING;
     copied++;
   }
-  /* After a failure, the readers finish what they took before the pieces go. */
-  pthread_mutex_lock(&s->mu);
-  s->submitted = s->taken;
-  for (size_t i = 0; i < s->taken; i++)
-    while (!pieces[i].done)
-      pthread_cond_wait(&s->done, &s->mu);
-  s->pieces = NULL, s->submitted = s->taken = 0;
-  pthread_mutex_unlock(&s->mu);
-  for (size_t i = 0; i < n; i++)
-    free(pieces[i].msg);
-  for (int i = 0; i < SLOTS; i++) /* read and never copied (a failure stopped the loop) */
-    if (s->slot[i] == SLOT_READING)
-      s->slot[i] = SLOT_FREE;
-  free(pieces);
+  batch_drop(s); /* after a failure, the readers finish what they took first */
   return rc;
 }

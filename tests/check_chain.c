@@ -321,6 +321,18 @@ static char *write_large(const char *file, uint64_t seed) {
   return path;
 }
 
+/* Two linears of 12 MiB each: the second is larger than what a read ahead takes (7 slots of 1 MiB). */
+static char *write_two_large(const char *file, uint64_t seed) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.layers.0.mlp.down_proj.weight", QKEEP_DTYPE_F32, 1536, 2048, seed);
+  add(w, "model.layers.0.self_attn.o_proj.weight", QKEEP_DTYPE_F32, 1536, 2048, seed);
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
 static void assert_digest(qkeep_model *m, const char *path) {
   qkeep_model *ref = load(path);
   struct qkeep_digest a, b;
@@ -373,8 +385,9 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   }
   ck_assert_msg(qkeep_model_reload_tensors(m, ts, 2, 0) == 0, "%s", qkeep_errmsg());
   assert_digest(m, w0);
-  /* A read that fails in a reader thread fails the load with the reader's message. */
-  char *w2 = write_large("large-w2.safetensors", 13);
+  /* A read that fails in a reader thread fails the load with the reader's message (the file shrinks
+   * once the first layer is in, with the second read ahead only in part). */
+  char *w2 = write_two_large("large-w2.safetensors", 13);
   qkeep_model *c;
   ck_assert_int_eq(qkeep_model_new_chain(chain, 1, &c), 0);
   qkeep_model_set_progress(c, shrink_after_first, w2);
