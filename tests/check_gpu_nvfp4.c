@@ -572,7 +572,7 @@ START_TEST(probe_and_config) {
   ck_assert_int_eq(backend()->configure(backend(), "split_k", "9"), QKEEP_E_CONFIG);
   ck_assert_int_eq(backend()->configure(backend(), "threads", "2"), QKEEP_E_CONFIG);
   ck_assert(backend()->supports(backend(), "ct-nvfp4", QKEEP_LAYER_MOE));
-  ck_assert(!backend()->supports(backend(), "mxfp4", QKEEP_LAYER_LINEAR));
+  ck_assert(!backend()->supports(backend(), "gptq-int4", QKEEP_LAYER_LINEAR));
 }
 END_TEST
 

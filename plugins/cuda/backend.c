@@ -21,6 +21,9 @@
  * before it calls PWAL again, so a reload gives the bytes of a cold start and
  * replace copies into the same storage (no pointer moves). The per-layer state
  * only caches the device pointers PWAL leaves.
+ *
+ * `mxfp4` layers (gpt-oss and compressed-tensors) run on the MXFP4 kernels shared
+ * with rocm-mxfp4 (plugins/gpu: mxfp4_pwal.c repacks, mxfp4.cu launches).
  */
 #include <cuda_runtime_api.h>
 #include <stdbool.h>
@@ -30,6 +33,7 @@
 
 #include "cuda_nvfp4.h"
 #include "layout.h"
+#include "mxfp4.h"
 #include "qkeep_backend_util.h"
 
 struct cuda_backend {
@@ -43,7 +47,8 @@ struct cuda_backend {
 
 /* What apply needs of a layer, cached by PWAL (pointers do not move between PWALs). */
 struct layer_state {
-  bool dense, moe;
+  bool dense, moe, mxfp4;
+  struct mxfp4_layer mx;         /* mxfp4 layers */
   struct nvfp4_weights nvfp4[2]; /* linear: [0]; MoE: [QKEEP_MOE_W13], [QKEEP_MOE_W2] */
   const void *w, *bias;          /* dense */
   enum qkeep_dtype w_dtype, bias_dtype;
@@ -300,7 +305,7 @@ static bool is_nvfp4(const char *scheme) {
 
 static int cuda_supports(const struct qkeep_backend *be, const char *scheme, enum qkeep_layer_kind kind) {
   (void)be;
-  if (is_nvfp4(scheme))
+  if (is_nvfp4(scheme) || strcmp(scheme, "mxfp4") == 0)
     return kind == QKEEP_LAYER_LINEAR || kind == QKEEP_LAYER_MOE;
   return strcmp(scheme, "unquantized") == 0 && kind == QKEEP_LAYER_LINEAR;
 }
@@ -312,7 +317,7 @@ static int cuda_supports_layer(const struct qkeep_backend *be, const struct qkee
     return 1;
   if (cuda_supports(be, info->scheme, info->kind))
     return 1;
-  snprintf(reason, reason_len, "runs NVFP4 linear and MoE layers and unquantized linear ones, not %s %s",
+  snprintf(reason, reason_len, "runs NVFP4 and MXFP4 linear and MoE layers and unquantized linear ones, not %s %s",
            info->scheme, info->kind == QKEEP_LAYER_MOE ? "MoE" : "linear");
   return 0;
 }
@@ -509,6 +514,21 @@ static int pwal_dense(const struct cuda_backend *c, qkeep_layer *layer, const st
   return 0;
 }
 
+/* The MXFP4 layout transform on the GPU (mxfp4_pwal.c's tile_gpu). */
+static int mxfp4_tile(void *ctx, bool scales, const void *src, void *dst, int64_t experts, int64_t rows,
+                      int64_t k) {
+  int err = mxfp4_tile_gpu_run(scales, src, dst, experts, rows, k, NULL);
+  return err ? cuda_error(ctx, (cudaError_t)err, scales ? "tiling MXFP4 scales" : "tiling MXFP4 codes") : 0;
+}
+
+static int pwal_mxfp4(struct cuda_backend *c, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                      struct layer_state *st) {
+  const struct mxfp4_device dev = {c->host, &c->be, "cuda-nvfp4", 32, c->pwal_on_host, mxfp4_tile, c};
+  st->dense = false, st->mxfp4 = true;
+  int rc = mxfp4_pwal(&dev, layer, info, &st->mx);
+  return rc ? rc : mem_sync(&c->be);
+}
+
 static int cuda_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   struct cuda_backend *c = backend_of(be);
   const struct qkeep_host *host = c->host;
@@ -524,10 +544,12 @@ static int cuda_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
       return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of host memory");
     host->set_state(layer, st);
   }
+  if (strcmp(info.scheme, "mxfp4") == 0)
+    return pwal_mxfp4(c, layer, &info, st);
   if (!is_nvfp4(info.scheme))
     return pwal_dense(c, layer, &info, st);
   bool ct = info.scheme[0] == 'c';
-  st->dense = false;
+  st->dense = st->mxfp4 = false;
   st->moe = info.kind == QKEEP_LAYER_MOE;
   if (info.kind == QKEEP_LAYER_MOE) {
     struct matrix w13 = {c, layer, info.name, "w13_", info.n, info.k, info.experts};
@@ -544,6 +566,25 @@ static int cuda_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
 
 /* ---- apply ------------------------------------------------------------------------------------ */
 
+/* An mxfp4 layer's apply: the linear matrix, one expert, or routed MoE. */
+static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *st,
+                       const struct qkeep_apply_args *args, const struct qkeep_apply_args *ext, void *stream) {
+  if (!st->mx.moe)
+    return mxfp4_gemm_run(&st->mx.w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
+                          c->tuning.split_k, stream);
+  if ((unsigned)args->matrix > QKEEP_MOE_W2)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: MoE matrix %d", (int)args->matrix);
+  const struct mxfp4_weights *wt = &st->mx.w[args->matrix];
+  if (ext && ext->topk > 0)
+    return mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights, args->matrix == QKEEP_MOE_W2,
+                         args->x, args->x_dtype, args->y, args->y_dtype, stream);
+  if (args->expert < 0 || args->expert >= wt->experts)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
+                              (long long)wt->experts);
+  return mxfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
+                        c->tuning.split_k, stream);
+}
+
 static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                       const struct qkeep_apply_args *args) {
   struct cuda_backend *c = backend_of(be);
@@ -558,7 +599,11 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   const struct qkeep_apply_args *ext = args->size >= sizeof(struct qkeep_apply_args) ? args : NULL;
   void *stream = ext ? ext->stream : NULL;
   int err;
-  if (st->dense) {
+  if (st->mxfp4) {
+    err = apply_mxfp4(c, st, args, ext, stream);
+    if (err < 0)
+      return err; /* a QKEEP_E_* code, detail set */
+  } else if (st->dense) {
     err = dense_gemm_run(st->w, st->w_dtype, st->bias, st->bias_dtype, st->n, st->k, args->m, args->x,
                          args->x_dtype, args->y, args->y_dtype, stream);
   } else if (!st->moe) {
