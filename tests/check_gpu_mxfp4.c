@@ -24,13 +24,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "checkutil.h"
 #include "internal.h"
+#include "mxfp4_fixture.h"
 #include "mxfp4.h"
 #include "numeric.h"
-#include "quant.h"
 #include "testutil.h"
 
 #define H 224  /* hidden: a multiple of 32, not of 64 */
@@ -64,18 +63,8 @@ static void teardown(void) {
 
 /* ---- the checkpoints ------------------------------------------------------------------------ */
 
-static float *random_matrix(const char *name, int64_t rows, int64_t cols, uint64_t seed, float scale) {
-  float *v = malloc((size_t)(rows * cols) * sizeof *v);
-  uint64_t s = seed;
-  for (const char *p = name; *p; p++)
-    s = s * 31 + (unsigned char)*p;
-  for (int64_t i = 0; i < rows * cols; i++)
-    v[i] = tu_randf(&s) * scale;
-  return v;
-}
-
 static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed, float scale) {
-  float *v = cols ? random_matrix(name, rows, cols, seed, scale) : malloc((size_t)rows * sizeof *v);
+  float *v = cols ? mxfp4_random_matrix(name, rows, cols, seed, scale) : malloc((size_t)rows * sizeof *v);
   for (int64_t i = 0; !cols && i < rows; i++)
     v[i] = 1.0f;
   struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
@@ -139,57 +128,6 @@ static char *quantize(const char *source, const char *out) {
   struct qkeep_quantize_options o = {.size = sizeof o, .scheme = "mxfp4", .kv_cache_scales = true, .activation_amax = 4};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s", qkeep_errmsg());
   return path;
-}
-
-/* gpt-oss's pre-stacked MXFP4 experts (gate_up_proj_blocks [E, 2I, H/32, 16] ...) with bf16 biases and a
- * router, in a directory of its own. Expert e's weights are scaled by 2^(4e - 4), so the e8m0 scales
- * of the three experts span a wide range. */
-static char *write_gptoss(const char *name, uint64_t seed) {
-  enum { GE = 3, GI = 96, GH = 160 }; /* 2 GI = 192 rows; K = GH = 160 (not a multiple of 64) */
-  char *d = tu_path(dir, name);
-  ck_assert_int_eq(mkdir(d, 0755), 0);
-  struct st_writer *w;
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  static const struct {
-    const char *name;
-    int64_t rows, cols;
-  } mats[2] = {{"gate_up_proj", 2 * GI, GH}, {"down_proj", GH, GI}};
-  for (int m = 0; m < 2; m++) {
-    int64_t rows = mats[m].rows, cols = mats[m].cols;
-    uint8_t *blocks = malloc((size_t)(GE * rows * cols / 2)), *sc = malloc((size_t)(GE * rows * cols / 32));
-    uint16_t *bias = malloc((size_t)(GE * rows) * 2);
-    for (int e = 0; e < GE; e++) {
-      char tag[64];
-      snprintf(tag, sizeof tag, "%s.%d", mats[m].name, e);
-      float *v = random_matrix(tag, rows, cols, seed, ldexpf(1.0f, 4 * e - 4));
-      ck_assert_int_eq(quant_mxfp4(v, rows, cols, blocks + e * rows * cols / 2, sc + e * rows * cols / 32), 0);
-      free(v);
-      for (int64_t r = 0; r < rows; r++)
-        bias[e * rows + r] = qk_f32_to_bf16(0.01f * (float)((r + e + (int64_t)seed) % 7));
-    }
-    char tensor[128];
-    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {GE, rows, cols / 32, 16}},
-                      ss = {QKEEP_DTYPE_U8, 3, {GE, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {GE, rows}};
-    snprintf(tensor, sizeof tensor, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, tensor, &bs, blocks), 0);
-    snprintf(tensor, sizeof tensor, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, tensor, &ss, sc), 0);
-    snprintf(tensor, sizeof tensor, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, tensor, &bb, bias), 0);
-    free(blocks), free(sc), free(bias);
-  }
-  float *router = random_matrix("router", GE, GH, seed, 0.25f);
-  struct qkeep_spec rs = {QKEEP_DTYPE_F32, 2, {GE, GH}};
-  ck_assert_int_eq(st_writer_add(w, "model.layers.0.mlp.router.weight", &rs, router), 0);
-  free(router);
-  char *file = tu_path(d, "model.safetensors"), *config = tu_path(d, "config.json");
-  ck_assert_int_eq(st_writer_write(w, file), 0);
-  st_writer_free(w);
-  const char *cfg = "{\"quantization_config\": {\"quant_method\": \"mxfp4\", \"modules_to_not_convert\": "
-                    "[\"model.layers.*.mlp.router\"]}}";
-  ck_assert_int_eq(tu_write_file(config, cfg, strlen(cfg)), 0);
-  free(file), free(config);
-  return d;
 }
 
 static qkeep_model *load(qkeep_plugin *plugin, const char *path, const char *fusion) {
@@ -276,7 +214,7 @@ START_TEST(compressed_tensors_agrees_with_reference) {
 END_TEST
 
 START_TEST(gptoss_agrees_with_reference) {
-  char *path = write_gptoss("gptoss", 1);
+  char *path = mxfp4_write_gptoss(dir, "gptoss", 1);
   qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
   assert_census_clean(m);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
@@ -337,7 +275,7 @@ static void assert_matrix_layout(qkeep_layer *g, qkeep_layer *r, const char *pre
 }
 
 START_TEST(layouts_match_cpu_transforms) {
-  char *source = write_source("source.safetensors", 3), *path = quantize(source, "q"), *oss = write_gptoss("oss", 3);
+  char *source = write_source("source.safetensors", 3), *path = quantize(source, "q"), *oss = mxfp4_write_gptoss(dir, "oss", 3);
   qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
   static const char *const linear[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                                        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"};
@@ -435,7 +373,7 @@ START_TEST(reload_equals_cold_start_in_place) {
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
   char *w0 = quantize(s0, "q0"), *w1 = quantize(s1, "q1");
   assert_reload_in_place(w0, w1, "model.layers.0.self_attn.qkv_proj", false, H, H + 2 * KV);
-  char *g0 = write_gptoss("g0", 1), *g1 = write_gptoss("g1", 2);
+  char *g0 = mxfp4_write_gptoss(dir, "g0", 1), *g1 = mxfp4_write_gptoss(dir, "g1", 2);
   assert_reload_in_place(g0, g1, "model.layers.0.mlp.experts", true, 160, 192);
   free(s0), free(s1), free(w0), free(w1), free(g0), free(g1);
 }
@@ -579,7 +517,7 @@ static void assert_routed(qkeep_layer *moe, int64_t rows13, int64_t hidden, int6
 }
 
 START_TEST(routed_moe) {
-  char *source = write_source("source.safetensors", 7), *path = quantize(source, "q"), *oss = write_gptoss("oss", 7);
+  char *source = write_source("source.safetensors", 7), *path = quantize(source, "q"), *oss = mxfp4_write_gptoss(dir, "oss", 7);
   qkeep_model *m = load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);

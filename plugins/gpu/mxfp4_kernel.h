@@ -112,7 +112,9 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
   const int btok = MX_WAVE == 32 ? lane / 4 : lane % 16; /* the lane's token inside an MMA token block */
 
   float acc[NB][4];
+  #pragma unroll
   for (int nb = 0; nb < NB; nb++)
+    #pragma unroll
     for (int i = 0; i < 4; i++)
       acc[nb][i] = 0.0f;
 
@@ -125,8 +127,10 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
         mx_load_words<kLaneWords>(wp + (c0 + c) * MXFP4_UNIT_BYTES, words[c]);
         mx_load_words<kScaleWords>(sp + (c0 + c) * MXFP4_UNIT_SCALES, sw[c]);
       } else {
+        #pragma unroll
         for (int i = 0; i < kLaneWords; i++)
           words[c][i] = 0;
+        #pragma unroll
         for (int i = 0; i < kScaleWords; i++)
           sw[c][i] = 0;
       }
@@ -148,7 +152,9 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
 #pragma unroll
       for (int b = 0; b < 2; b++) {
         float part[NB][4];
+        #pragma unroll
         for (int nb = 0; nb < NB; nb++)
+          #pragma unroll
           for (int i = 0; i < 4; i++)
             part[nb][i] = 0.0f;
         uint32_t bx[NB][4];
@@ -168,12 +174,14 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
         }
         /* 2^(e8m0 - 127) of each accumulator row, exact in f32 */
         float scale[kDrpl];
+        #pragma unroll
         for (int i = 0; i < kDrpl; i++) {
           const int byte = b * kDrpl + i;
           scale[i] = mx_bits_f32(mxfp4_e8m0_f32_bits((sw[c][byte / 4] >> (8 * (byte % 4))) & 0xffu));
         }
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
+          #pragma unroll
           for (int i = 0; i < 4; i++)
             acc[nb][i] += part[nb][i] * scale[mx_acc_row(i)];
       }
@@ -181,7 +189,9 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
   }
   if (!active)
     return;
+  #pragma unroll
   for (int nb = 0; nb < NB; nb++)
+    #pragma unroll
     for (int i = 0; i < 4; i++) {
       const int64_t row = tile * MXFP4_TILE_ROWS + mxfp4_d_row(lane, mx_acc_row(i), MX_WAVE);
       const int64_t t = nb * MX_MMA_N + mx_acc_token(lane, i);

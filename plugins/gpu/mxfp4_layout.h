@@ -48,8 +48,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#if defined(__CUDACC__) || defined(__HIP__)
+#if defined(__CUDACC__)
 #define MXFP4_INLINE static inline __host__ __device__
+#elif defined(__HIP__) /* built without the HIP headers (mxfp4_mma.h) */
+#define MXFP4_INLINE static inline __attribute__((host, device))
 #else
 #define MXFP4_INLINE static inline
 #endif

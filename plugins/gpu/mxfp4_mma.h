@@ -51,9 +51,8 @@
 #define MX_MMA_N 16
 #define MX_A_REGS 2
 
-struct __attribute__((aligned(16))) mx_u4 {
-  uint32_t x, y, z, w;
-};
+/* A 16-byte vector (.x .y .z .w): a vector type, so that it lives in registers, never in scratch. */
+typedef uint32_t mx_u4 __attribute__((ext_vector_type(4)));
 
 MX_DEVICE inline int mx_thread() { return (int)__builtin_amdgcn_workitem_id_x(); }
 MX_DEVICE inline int mx_block_x() { return (int)__builtin_amdgcn_workgroup_id_x(); }
