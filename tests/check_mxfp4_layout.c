@@ -334,6 +334,9 @@ START_TEST(plan_covers_every_chunk) {
           /* the splits cover every chunk once, none empty */
           ck_assert(p.split * p.chunks_per_split >= chunks);
           ck_assert((p.split - 1) * p.chunks_per_split < chunks);
+          /* automatic: the partial sums within a quarter of the weight bytes */
+          if (split == 0 && p.split > 1)
+            ck_assert_int_le(8 * (int64_t)p.split * m * n, (mxfp4_code_bytes(n, k) + mxfp4_scale_bytes(n, k)) / 4 + 8 * m * n);
           /* LDS: the HIP build's 64 KiB per workgroup, with room to spare */
           ck_assert_uint_le(mxfp4_stage_bytes(p.tokens, p.stage), 40 * 1024);
         }
@@ -344,6 +347,10 @@ START_TEST(plan_covers_every_chunk) {
   ck_assert_int_eq(p.grid_x, 64);
   ck_assert_int_eq(p.split, 4);
   ck_assert_int_eq(p.chunks_per_split, 32);
+  /* at m = 64 the partial sums would outweigh the split: two splits, not five */
+  mxfp4_plan_gemm(64, 8192, 8192, 32, 132, 0, &p);
+  ck_assert_int_eq(p.tokens, 64);
+  ck_assert_int_eq(p.split, 2);
 }
 END_TEST
 

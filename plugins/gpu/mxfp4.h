@@ -68,9 +68,10 @@ struct mxfp4_plan {
  * The plan for m tokens (m >= 1) of an [n, k] matrix on `units` multiprocessors / compute units
  * with waves of `wave` lanes; plain arithmetic, tested in CI. Tokens: the smallest block that
  * holds m, at most 64 (larger m runs in groups of 64). Waves per block: 8 on wave 32, 4 on wave
- * 64 (256 threads either way). Split: enough K splits that the grid covers every unit twice
- * (each split keeping at least two stages), at most MXFP4_MAX_SPLIT; `split_k` > 0 forces it
- * (still capped by the chunks).
+ * 64 (256 threads either way). Split: enough K splits that the grid covers every unit twice,
+ * each split keeping at least two stages, the f32 partial sums (8 m n bytes per split, written
+ * and read) within a quarter of the weight bytes, at most MXFP4_MAX_SPLIT; `split_k` > 0 forces
+ * it (still capped by the chunks).
  */
 void mxfp4_plan_gemm(int64_t m, int64_t n, int64_t k, int wave, int units, int split_k, struct mxfp4_plan *out);
 

@@ -28,6 +28,11 @@ void mxfp4_plan_gemm(int64_t m, int64_t n, int64_t k, int wave, int units, int s
     int64_t most = stages / 2 < MXFP4_MAX_SPLIT ? stages / 2 : MXFP4_MAX_SPLIT; /* two stages a split */
     int64_t blocks = out->grid_x * out->grid_y;
     split = ceil_div(2 * (int64_t)(units > 0 ? units : 1), blocks);
+    /* The partial sums (written and read once each) stay within a quarter of the weight bytes. */
+    int64_t weight_bytes = mxfp4_code_bytes(n, k) + mxfp4_scale_bytes(n, k);
+    int64_t cheap = weight_bytes / (32 * m * n);
+    if (split > cheap)
+      split = cheap;
     if (split > most)
       split = most;
     if (split < 1)
