@@ -153,7 +153,7 @@ START_TEST(transforms_round_trip_with_zero_padding) {
         uint32_t word;
         memcpy(&word, tc + 4 * w, 4);
         if (r >= rows || kk >= k)
-          ck_assert_uint_eq(mxfp4_w_get(word, slot), 0);
+          ck_assert_uint_eq(mxfp4_w_get(word, slot, wave), 0);
       }
     for (int64_t o = 0; o < (int64_t)tsb; o++) {
       int64_t r, b;
@@ -172,7 +172,10 @@ static const float e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -
 
 /* The value of one 16-bit half of an A register after the kernel's rescale (mx_rescale): the bf16
  * pattern code * 2^-126 times 2^126, or its f16 twin code * 2^-14 times 2^14. */
-static double operand_value(uint32_t reg, int half, bool f16) {
+static double operand_value(uint32_t reg, int half, bool f16, int wave) {
+  if (wave == 64) /* the wave-64 decode gives the values themselves */
+    return f16 ? (double)qk_f16_to_f32((uint16_t)(reg >> (16 * half)))
+               : (double)qk_bf16_to_f32((uint16_t)(reg >> (16 * half)));
   if (!f16)
     return (double)qk_bf16_to_f32((uint16_t)(reg >> (16 * half))) * ldexp(1.0, 126);
   uint32_t h = mxfp4_bf16x2_to_f16x2(reg);
@@ -211,8 +214,11 @@ static void emulated_gemm(const uint8_t *tc, const uint8_t *ts, int64_t rows, in
               /* the kernel's register choice (a_operand) */
               uint32_t a[4];
               int n_a = wave == 32 ? 4 : 2;
-              for (int i = 0; i < n_a; i++)
-                a[i] = wave == 32 ? mxfp4_pair_bf16(words[2 * b + s], i) : mxfp4_pair_bf16(words[b], 2 * s + i);
+              if (wave == 32)
+                for (int i = 0; i < n_a; i++)
+                  a[i] = mxfp4_pair_bf16(words[2 * b + s], i);
+              else
+                mxfp4_w64_operand(words[b], s, f16, a); /* through the model of v_perm_b32 */
               /* B: x at K 32 b + 8 q + 4 s + 2 j + e, j = register, e = half */
               double bv[2][2];
               for (int j = 0; j < 2; j++)
@@ -225,16 +231,16 @@ static void emulated_gemm(const uint8_t *tc, const uint8_t *ts, int64_t rows, in
               if (wave == 32) {
                 int g = l / 4, t = l % 4;
                 for (int e = 0; e < 2; e++) {
-                  A[g][2 * t + e] = operand_value(a[0], e, f16);
-                  A[g + 8][2 * t + e] = operand_value(a[1], e, f16);
-                  A[g][2 * t + 8 + e] = operand_value(a[2], e, f16);
-                  A[g + 8][2 * t + 8 + e] = operand_value(a[3], e, f16);
+                  A[g][2 * t + e] = operand_value(a[0], e, f16, wave);
+                  A[g + 8][2 * t + e] = operand_value(a[1], e, f16, wave);
+                  A[g][2 * t + 8 + e] = operand_value(a[2], e, f16, wave);
+                  A[g + 8][2 * t + 8 + e] = operand_value(a[3], e, f16, wave);
                   B[2 * t + e][g] = bv[0][e];
                   B[2 * t + 8 + e][g] = bv[1][e];
                 }
               } else {
                 for (int i = 0; i < 4; i++) {
-                  A[l % 16][4 * (l / 16) + i] = operand_value(a[i / 2], i % 2, f16);
+                  A[l % 16][4 * (l / 16) + i] = operand_value(a[i / 2], i % 2, f16, wave);
                   B[4 * (l / 16) + i][l % 16] = bv[i / 2][i % 2];
                 }
               }

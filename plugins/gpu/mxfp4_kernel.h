@@ -14,8 +14,9 @@
  * 8 bytes of codes, 4 or 8 of scales), the block stages the tokens'
  * activations for the stage in shared memory / LDS (zero past m and K),
  * then each wave, per chunk and scale block, decodes the two k-steps' A
- * operands from the code words (a mask and a multiply per register:
- * mxfp4_pair_bf16, then MX's exact 2^126 or 2^14 rescale), runs the MMAs
+ * operands from the code words (wave 32: a mask and a multiply per register,
+ * mxfp4_pair_bf16 then the exact 2^126 or 2^14 rescale; wave 64: byte-permute
+ * table lookups, mxfp4_w64_operand), runs the MMAs
  * into a zeroed block accumulator, and adds it times the rows' e8m0 scale
  * (an f32 multiply by 2^(s - 127), exact) to the running sum. So the scale
  * never touches the 4-bit codes, every e8m0 value (0..254) is exact, and the
@@ -26,8 +27,8 @@
 #define QKEEP_GPU_MXFP4_KERNEL_H
 
 #include "mxfp4_args.h"
+#include "mxfp4_mma.h" /* first: it may define MXFP4_PERM for mxfp4_layout.h */
 #include "mxfp4_layout.h"
-#include "mxfp4_mma.h"
 
 namespace mxfp4 {
 
@@ -64,10 +65,9 @@ template <bool F16> MX_DEVICE inline void a_operand(const uint32_t *words, int b
   a[2] = mx_rescale<F16>(mxfp4_pair_bf16(w, 2));
   a[3] = mx_rescale<F16>(mxfp4_pair_bf16(w, 3));
 #else
-  /* pairs 2s and 2s + 1 of word b are MFMA's four A elements */
-  const uint32_t w = words[b];
-  a[0] = mx_rescale<F16>(mxfp4_pair_bf16(w, 2 * s));
-  a[1] = mx_rescale<F16>(mxfp4_pair_bf16(w, 2 * s + 1));
+  /* pairs 2s and 2s + 1 of word b (its low nibbles for s 0, high for s 1) are MFMA's four A
+   * elements, looked up by byte permutes as exact bf16 / f16 values: no rescale */
+  mxfp4_w64_operand(words[b], s, F16, a);
 #endif
 }
 
@@ -86,7 +86,7 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
   MX_SHARED mx_u4 xs_raw[kTokens * kRow / 8];
   uint16_t *xs = reinterpret_cast<uint16_t *>(xs_raw);
 
-  const int tid = mx_thread(), lane = tid % MX_WAVE, wave = tid / MX_WAVE;
+  const int tid = mx_thread(), lane = tid % MX_WAVE, wave = mx_uniform(tid / MX_WAVE);
   const int64_t tile = (int64_t)mx_block_x() * MX_WAVES + wave;
   const int64_t group = mx_block_y();
   int64_t out0, xrow0, ntok;
@@ -121,11 +121,13 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
   for (int64_t c0 = c_begin; c0 < c_end; c0 += STAGE) {
     /* The stage's weights first: their loads fly while the block stages activations. */
     uint32_t words[STAGE][kLaneWords], sw[STAGE][kScaleWords];
+    const uint8_t *wc = wp + c0 * MXFP4_UNIT_BYTES, *sc = sp + c0 * MXFP4_UNIT_SCALES;
+    const int64_t left = active ? c_end - c0 : 0; /* chunks of this stage the wave reads */
 #pragma unroll
     for (int c = 0; c < STAGE; c++) {
-      if (active && c0 + c < c_end) {
-        mx_load_words<kLaneWords>(wp + (c0 + c) * MXFP4_UNIT_BYTES, words[c]);
-        mx_load_words<kScaleWords>(sp + (c0 + c) * MXFP4_UNIT_SCALES, sw[c]);
+      if (c < left) { /* constant offsets from one base per stage */
+        mx_load_words<kLaneWords>(wc + c * MXFP4_UNIT_BYTES, words[c]);
+        mx_load_words<kScaleWords>(sc + c * MXFP4_UNIT_SCALES, sw[c]);
       } else {
         #pragma unroll
         for (int i = 0; i < kLaneWords; i++)
@@ -177,7 +179,7 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
         #pragma unroll
         for (int i = 0; i < kDrpl; i++) {
           const int byte = b * kDrpl + i;
-          scale[i] = mx_bits_f32(mxfp4_e8m0_f32_bits((sw[c][byte / 4] >> (8 * (byte % 4))) & 0xffu));
+          scale[i] = mx_e8m0((sw[c][byte / 4] >> (8 * (byte % 4))) & 0xffu);
         }
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
@@ -260,7 +262,7 @@ MX_DEVICE inline void tile_codes(const mxfp4_tile_args &a) {
       int64_t r, k;
       mxfp4_w_source(w, slot, chunks, MX_WAVE, &r, &k);
       if (r < a.rows && k < a.k)
-        word = mxfp4_w_put(word, slot, (a.src[e * src_bytes + r * (a.k / 2) + k / 2] >> (4 * (k % 2))) & 0xfu);
+        word = mxfp4_w_put(word, slot, MX_WAVE, (a.src[e * src_bytes + r * (a.k / 2) + k / 2] >> (4 * (k % 2))) & 0xfu);
     }
     reinterpret_cast<uint32_t *>(a.dst)[i] = word;
   }

@@ -16,7 +16,7 @@ void mxfp4_tile_codes(const uint8_t *src, int64_t rows, int64_t k, int wave, uin
       int64_t r, kk;
       mxfp4_w_source(w, slot, chunks, wave, &r, &kk);
       if (r < rows && kk < k)
-        word = mxfp4_w_put(word, slot, (src[r * (k / 2) + kk / 2] >> (4 * (kk % 2))) & 0xfu);
+        word = mxfp4_w_put(word, slot, wave, (src[r * (k / 2) + kk / 2] >> (4 * (kk % 2))) & 0xfu);
     }
     memcpy(dst + 4 * w, &word, 4); /* little-endian words, as the GPU reads them */
   }
@@ -32,7 +32,7 @@ void mxfp4_untile_codes(const uint8_t *src, int64_t rows, int64_t k, int wave, u
         int64_t w = mxfp4_w_position(r, kk + e, chunks, wave, &slot);
         uint32_t word;
         memcpy(&word, src + 4 * w, 4);
-        byte |= (uint8_t)(mxfp4_w_get(word, slot) << (4 * e));
+        byte |= (uint8_t)(mxfp4_w_get(word, slot, wave) << (4 * e));
       }
       dst[r * (k / 2) + kk / 2] = byte;
     }

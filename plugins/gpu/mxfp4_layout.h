@@ -17,8 +17,12 @@
  * lane l owns the 512 / W bytes at l * 512 / W (16 bytes, 4 words, on wave
  * 32; 8 bytes, 2 words, on wave 64). Each 32-bit word holds four "pairs",
  * each pair the two codes that make one 32-bit register of the MMA's A
- * operand (two consecutive K of one row), with the bits placed where a bf16
- * conversion wants them (mxfp4_w_bits). Pair P of a lane (P = 4 * word +
+ * operand (two consecutive K of one row), with the bits placed for the
+ * decode of each build (mxfp4_w_bits): on wave 32 where a bf16 conversion by
+ * masks wants them; on wave 64 as plain nibbles, pairs 0 and 1 in the low
+ * nibbles of bytes 0, 1 and 2, 3, pairs 2 and 3 in the high nibbles, so that
+ * a byte permute (v_perm_b32) looks four codes' bf16 bytes up at once
+ * (mxfp4_w64_operand). Pair P of a lane (P = 4 * word +
  * pair) is, with rpl the A rows per lane (2 on wave 32, 1 on wave 64),
  *   h = P % rpl, j = (P / rpl) % 2, s = (P / (2 rpl)) % 2, b = P / (4 rpl),
  * and its element e (0, 1) is code
@@ -79,32 +83,35 @@ MXFP4_INLINE int mxfp4_rpl(int wave) { return wave == 32 ? 2 : 1; }
 MXFP4_INLINE int mxfp4_drpl(int wave) { return wave == 32 ? 2 : 4; }
 
 /*
- * Bit positions of slot `slot` (0..7: pair slot / 2, element slot % 2) of a code word:
- * the code's m, e0, e1 and sign bits in bits[0..3]. Pair 0 sits at the bits of a bf16x2
- * (e1 e0 m at 8..6 / 24..22, sign at 15 / 31), pairs 1 and 2 at the same bits shifted
- * down by 3 and by 6, pair 3 in the bits left over (mxfp4_pair_bf16 decodes them).
+ * Bit positions of slot `slot` (0..7: pair slot / 2, element slot % 2) of a code word of
+ * wave `wave`: the code's m, e0, e1 and sign bits in bits[0..3]. Wave 32: pair 0 sits at
+ * the bits of a bf16x2 (e1 e0 m at 8..6 / 24..22, sign at 15 / 31), pairs 1 and 2 at the
+ * same bits shifted down by 3 and by 6, pair 3 in the bits left over (mxfp4_pair_bf16
+ * decodes them). Wave 64: plain nibbles, element e of pair p in byte e + 2 (p % 2), the low
+ * nibble for pairs 0 and 1, the high one for pairs 2 and 3.
  */
-MXFP4_INLINE void mxfp4_w_bits(int slot, int bits[4]) {
+MXFP4_INLINE void mxfp4_w_bits(int slot, int wave, int bits[4]) {
   static const unsigned char pos[8][4] = {{6, 7, 8, 15},    {22, 23, 24, 31}, {3, 4, 5, 12},
                                           {19, 20, 21, 28}, {0, 1, 2, 9},     {16, 17, 18, 25},
                                           {10, 11, 13, 14}, {26, 27, 29, 30}};
+  int pair = slot / 2, base = 8 * (slot % 2 + 2 * (pair % 2)) + 4 * (pair / 2);
   for (int i = 0; i < 4; i++)
-    bits[i] = pos[slot][i];
+    bits[i] = wave == 32 ? pos[slot][i] : base + i;
 }
 
 /* Word with the 4-bit code stored in `slot` (whose bits must be clear). */
-MXFP4_INLINE uint32_t mxfp4_w_put(uint32_t word, int slot, unsigned code) {
+MXFP4_INLINE uint32_t mxfp4_w_put(uint32_t word, int slot, int wave, unsigned code) {
   int bits[4];
-  mxfp4_w_bits(slot, bits);
+  mxfp4_w_bits(slot, wave, bits);
   for (int i = 0; i < 4; i++)
     word |= (uint32_t)((code >> i) & 1u) << bits[i];
   return word;
 }
 
 /* The code in `slot` of word. */
-MXFP4_INLINE unsigned mxfp4_w_get(uint32_t word, int slot) {
+MXFP4_INLINE unsigned mxfp4_w_get(uint32_t word, int slot, int wave) {
   int bits[4];
-  mxfp4_w_bits(slot, bits);
+  mxfp4_w_bits(slot, wave, bits);
   unsigned code = 0;
   for (int i = 0; i < 4; i++)
     code |= ((word >> bits[i]) & 1u) << i;
@@ -127,6 +134,46 @@ MXFP4_INLINE uint32_t mxfp4_pair_bf16(uint32_t q, int pair) {
 
 /* The same pair as f16 bit patterns, code * 2^-14 each (e1 e0 m move from bits 8..6 to 11..9). */
 MXFP4_INLINE uint32_t mxfp4_bf16x2_to_f16x2(uint32_t p) { return (p & 0x80008000u) | ((p << 3) & 0x0e000e00u); }
+
+/*
+ * v_perm_b32's byte permute, for the selector bytes used here: 0..7 pick byte n of the
+ * 8 bytes {lo (bytes 0..3), hi (4..7)}, 12 gives 0x00. The HIP build runs the instruction
+ * (mxfp4_mma.h defines MXFP4_PERM first); elsewhere this is its model, so CI tests the decode.
+ */
+MXFP4_INLINE uint32_t mxfp4_perm_model(uint32_t hi, uint32_t lo, uint32_t sel) {
+  uint64_t t = ((uint64_t)hi << 32) | lo;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; i++) {
+    unsigned s = (sel >> (8 * i)) & 0xffu;
+    uint32_t byte = s < 8 ? (uint32_t)(t >> (8 * s)) & 0xffu : 0u;
+    d |= byte << (8 * i);
+  }
+  return d;
+}
+#ifndef MXFP4_PERM
+#define MXFP4_PERM mxfp4_perm_model
+#endif
+
+/*
+ * The two A registers of k-step s (0: the low nibbles, 1: the high ones) of a wave-64 code
+ * word, as the codes' exact bf16 (f16 0) or f16 values: one byte permute looks up the high
+ * bytes of four codes' values by their magnitudes, one the low bytes (f16's are all zero),
+ * the signs go into the high bytes, two more permutes interleave them into pairs.
+ */
+MXFP4_INLINE void mxfp4_w64_operand(uint32_t word, int s, int f16, uint32_t a[2]) {
+  const uint32_t q = s ? word >> 4 : word, mag = q & 0x07070707u, sign = (q & 0x08080808u) << 4;
+  /* magnitudes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 */
+  if (f16) {
+    const uint32_t h = MXFP4_PERM(0x46444240u, 0x3e3c3800u, mag) | sign;
+    a[0] = MXFP4_PERM(h, 0u, 0x050c040cu);
+    a[1] = MXFP4_PERM(h, 0u, 0x070c060cu);
+  } else {
+    const uint32_t h = MXFP4_PERM(0x40404040u, 0x3f3f3f00u, mag) | sign;
+    const uint32_t l = MXFP4_PERM(0xc0804000u, 0xc0800000u, mag);
+    a[0] = MXFP4_PERM(h, l, 0x05010400u);
+    a[1] = MXFP4_PERM(h, l, 0x07030602u);
+  }
+}
 
 /* ---- codes: (row, k) <-> (word, slot) ------------------------------------------------------- */
 

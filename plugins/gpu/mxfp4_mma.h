@@ -6,9 +6,11 @@
  *   MX_MMA_N, MX_A_REGS    tokens per MMA (its N), A registers per k-step
  *   mx_mma<F16>(c, a, b)   c[4] += A (16 rows x 16 K) B (16 K x MX_MMA_N), f32 accumulators
  *   mx_acc_row(i), mx_acc_token(lane, i)   which accumulator row index / token c[i] holds
- *   mx_rescale<F16>(p)     a register of two codes * 2^-126 (bf16 bits, mxfp4_pair_bf16)
- *                          -> the codes' exact bf16 (or f16) values
- *   thread/block ids, barrier, 16-byte vectors, loads, bit casts, f16 conversions.
+ *   mx_rescale<F16>(p)     (wave 32) a register of two codes * 2^-126 (bf16 bits,
+ *                          mxfp4_pair_bf16) -> the codes' exact bf16 (or f16) values
+ *   mx_e8m0(s)             2^(s - 127) as f32 (s 0..254 exact)
+ *   thread/block ids, a wave-uniform value, barrier, 16-byte vectors, loads, bit casts,
+ *   f16 conversions.
  *
  * CUDA (nvcc, sm_90): mma.sync.m16n8k16 (row.col, f32 accumulate); A's registers
  * a0a1 a2a3 a4a5 a6a7 are rows g, g + 8, g, g + 8 (g = lane / 4) at the logical K 2t, 2t,
@@ -17,8 +19,10 @@
  * (2^14), exact.
  * HIP (clang, gfx942): v_mfma_f32_16x16x16_bf16 (the _1k variant) / _f16; lane l holds A row
  * l % 16 and B token l % 16 at the logical K 4 (l / 16) .. + 3, and outputs rows
- * 4 (l / 16) + i, token l % 16. gfx942 has no packed bf16 multiply: the bf16 rescale goes
- * through f32 (two shifts, two multiplies by 2^126, one merge), exact; f16 uses v_pk_mul_f16.
+ * 4 (l / 16) + i, token l % 16. gfx942 has no packed bf16 multiply, so its layout stores
+ * plain nibbles and the A registers come from v_perm_b32 table lookups
+ * (mxfp4_w64_operand: 8 instructions for four codes, bf16 or f16, no rescale); the e8m0
+ * scale is one v_ldexp_f32 (255, e8m0's NaN, gives 2^128 there).
  * Compiled without the HIP headers (-nogpuinc): the few attributes and builtins are spelt out.
  */
 #ifndef QKEEP_GPU_MXFP4_MMA_H
@@ -26,6 +30,9 @@
 
 #include <stdint.h>
 
+#if defined(__HIP__)
+#define MXFP4_PERM(hi, lo, sel) __builtin_amdgcn_perm((hi), (lo), (sel)) /* v_perm_b32 */
+#endif
 #include "mxfp4_layout.h"
 
 #if defined(__HIP__)
@@ -55,6 +62,8 @@
 typedef uint32_t mx_u4 __attribute__((ext_vector_type(4)));
 
 MX_DEVICE inline int mx_thread() { return (int)__builtin_amdgcn_workitem_id_x(); }
+/* A value the same in every lane of the wave, so kept in a scalar register. */
+MX_DEVICE inline int mx_uniform(int v) { return __builtin_amdgcn_readfirstlane(v); }
 MX_DEVICE inline int mx_block_x() { return (int)__builtin_amdgcn_workgroup_id_x(); }
 MX_DEVICE inline int mx_block_y() { return (int)__builtin_amdgcn_workgroup_id_y(); }
 MX_DEVICE inline int mx_block_z() { return (int)__builtin_amdgcn_workgroup_id_z(); }
@@ -81,16 +90,7 @@ template <int N> MX_DEVICE inline void mx_load_words(const uint8_t *p, uint32_t 
     out[i] = v[i];
 }
 
-template <bool F16> MX_DEVICE inline uint32_t mx_rescale(uint32_t p) {
-  if (F16) {
-    typedef _Float16 half2 __attribute__((ext_vector_type(2)));
-    const half2 h = __builtin_bit_cast(half2, mxfp4_bf16x2_to_f16x2(p));
-    const half2 two14 = {(_Float16)16384.0f, (_Float16)16384.0f};
-    return __builtin_bit_cast(uint32_t, h * two14);
-  }
-  const float lo = mx_bits_f32(p << 16) * 0x1p126f, hi = mx_bits_f32(p & 0xffff0000u) * 0x1p126f;
-  return (mx_f32_bits(lo) >> 16) | (mx_f32_bits(hi) & 0xffff0000u);
-}
+MX_DEVICE inline float mx_e8m0(unsigned s) { return __builtin_amdgcn_ldexpf(0x1p-127f, (int)s); }
 
 template <bool F16> MX_DEVICE inline void mx_mma(float *c, const uint32_t *a, const uint32_t *b) {
   typedef float float4_t __attribute__((ext_vector_type(4)));
@@ -133,6 +133,7 @@ struct __align__(16) mx_u4 {
 };
 
 MX_DEVICE inline int mx_thread() { return (int)threadIdx.x; }
+MX_DEVICE inline int mx_uniform(int v) { return v; }
 MX_DEVICE inline int mx_block_x() { return (int)blockIdx.x; }
 MX_DEVICE inline int mx_block_y() { return (int)blockIdx.y; }
 MX_DEVICE inline int mx_block_z() { return (int)blockIdx.z; }
@@ -185,6 +186,8 @@ template <bool F16> MX_DEVICE inline void mx_mma(float *c, const uint32_t *a, co
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+MX_DEVICE inline float mx_e8m0(unsigned s) { return __uint_as_float(mxfp4_e8m0_f32_bits(s)); }
 
 MX_DEVICE inline int mx_acc_row(int i) { return i / 2; }
 MX_DEVICE inline int mx_acc_token(int lane, int i) { return 2 * (lane % 4) + i % 2; }

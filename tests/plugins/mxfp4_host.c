@@ -111,7 +111,7 @@ static void gemm(const struct mxfp4_weights *w, int wave, int64_t e, int64_t m, 
       int slot;
       uint32_t word;
       memcpy(&word, codes + 4 * mxfp4_w_position(r, k, chunks, wave, &slot), 4);
-      row[k] = e2m1[mxfp4_w_get(word, slot)] * qkeep_e8m0_to_f32(scales[mxfp4_s_offset(r, k / 32, chunks, wave)]);
+      row[k] = e2m1[mxfp4_w_get(word, slot, wave)] * qkeep_e8m0_to_f32(scales[mxfp4_s_offset(r, k / 32, chunks, wave)]);
     }
     for (int64_t t = 0; t < m; t++) {
       float acc = 0.0f;
