@@ -55,7 +55,8 @@ constexpr int kMinLaunches = 200;
 
 /* Random checkpoint-layout codes and e8m0 scales in [2^-8, 2^-1] (bytes 119..126), deterministic. */
 __global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, size_t n_scales, uint64_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_codes; i += (size_t)gridDim.x * blockDim.x) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_codes;
+       i += (size_t)gridDim.x * blockDim.x) {
     uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ULL;
     z ^= z >> 31, z *= 0xbf58476d1ce4e5b9ULL, z ^= z >> 29;
     codes[i] = (uint8_t)z;
@@ -73,9 +74,11 @@ __global__ void random_bf16_kernel(__nv_bfloat16 *x, size_t n, uint64_t seed) {
 }
 
 /* The checkpoint-layout weight as bf16 [n, k] for cuBLAS (exact: every MXFP4 value is a bf16). */
-__global__ void dequant_kernel(const uint8_t *codes, const uint8_t *scales, __nv_bfloat16 *w, int64_t n, int64_t k) {
+__global__ void dequant_kernel(const uint8_t *codes, const uint8_t *scales, __nv_bfloat16 *w, int64_t n,
+                               int64_t k) {
   const float e2m1[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n * k; i += (int64_t)gridDim.x * blockDim.x) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n * k;
+       i += (int64_t)gridDim.x * blockDim.x) {
     int64_t r = i / k, c = i % k;
     uint8_t b = codes[r * (k / 2) + c / 2], code = (c & 1) ? b >> 4 : b & 0xf;
     w[i] = __float2bfloat16(e2m1[code] * ldexpf(1.0f, (int)scales[r * (k / 32) + c / 32] - 127));
@@ -178,7 +181,8 @@ Layer make_layer(int64_t n, int64_t k, cudaStream_t stream) {
   Layer L;
   L.n = n, L.k = k;
   const size_t code_bytes = (size_t)mxfp4_code_bytes(n, k), scale_bytes = (size_t)mxfp4_scale_bytes(n, k);
-  L.copies_q = (int)std::max<size_t>(2, (kCycleBytes + code_bytes + scale_bytes - 1) / (code_bytes + scale_bytes));
+  L.copies_q =
+      (int)std::max<size_t>(2, (kCycleBytes + code_bytes + scale_bytes - 1) / (code_bytes + scale_bytes));
   L.copies_b = (int)std::max<size_t>(2, (kCycleBytes + (size_t)(n * k) * 2 - 1) / ((size_t)(n * k) * 2));
   uint8_t *codes, *scales;
   CHECK_CUDA(cudaMalloc(&codes, (size_t)(n * k / 2)));
@@ -225,15 +229,15 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int 
     for (int64_t m : ms) {
       auto qkeep_with = [&](int split) {
         return [&, split](int c) {
-          CHECK_CUDA((cudaError_t)mxfp4_gemm_run(&L.q[c], 0, m, x, QKEEP_DTYPE_BF16, y, QKEEP_DTYPE_BF16, split,
-                                                 stream));
+          CHECK_CUDA((cudaError_t)mxfp4_gemm_run(&L.q[c], 0, m, x, QKEEP_DTYPE_BF16, y, QKEEP_DTYPE_BF16,
+                                                 split, stream));
         };
       };
       auto peer = [&](int c) {
         const float one = 1.0f, zero = 0.0f;
         CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, (int)m, (int)k, &one, L.bf16[c],
-                                  CUDA_R_16BF, (int)k, x, CUDA_R_16BF, (int)k, &zero, y_ref, CUDA_R_16BF, (int)n,
-                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                  CUDA_R_16BF, (int)k, x, CUDA_R_16BF, (int)k, &zero, y_ref, CUDA_R_16BF,
+                                  (int)n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       };
       qkeep_with(0)(0);
       peer(0);
@@ -247,13 +251,14 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int 
       mxfp4_plan plan;
       mxfp4_plan_gemm(m, n, k, 32, sms, 0, &plan);
       double q_us = median(q_runs), p_us = median(p_runs), ceiling = 1e6 * read_bytes / bandwidth;
-      printf("{\"bench\":\"mxfp4_w4a16\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
-             "\"peer\":\"cublas_bf16\",\"peer_us\":%.2f,\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,"
-             "\"weight_tbps\":%.2f,\"tokens\":%d,\"split_k\":%d,\"grid\":[%lld,%lld,%d],\"max_rel_err\":%.2e,"
-             "\"runs\":%d,\"method\":\"graph\"}\n",
-             (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
-             read_bytes / q_us / 1e6, plan.tokens, plan.split, (long long)plan.grid_x, (long long)plan.grid_y,
-             plan.split, err, 3 * kRuns);
+      printf(
+          "{\"bench\":\"mxfp4_w4a16\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
+          "\"peer\":\"cublas_bf16\",\"peer_us\":%.2f,\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,"
+          "\"weight_tbps\":%.2f,\"tokens\":%d,\"split_k\":%d,\"grid\":[%lld,%lld,%d],\"max_rel_err\":%.2e,"
+          "\"runs\":%d,\"method\":\"graph\"}\n",
+          (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
+          read_bytes / q_us / 1e6, plan.tokens, plan.split, (long long)plan.grid_x, (long long)plan.grid_y,
+          plan.split, err, 3 * kRuns);
       fflush(stdout);
       for (int split = 1; sweep && split <= MXFP4_MAX_SPLIT; split *= 2) {
         qkeep_with(split)(0);

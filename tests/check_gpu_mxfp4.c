@@ -27,8 +27,8 @@
 
 #include "checkutil.h"
 #include "internal.h"
-#include "mxfp4_fixture.h"
 #include "mxfp4.h"
+#include "mxfp4_fixture.h"
 #include "numeric.h"
 #include "testutil.h"
 
@@ -63,7 +63,8 @@ static void teardown(void) {
 
 /* ---- the checkpoints ------------------------------------------------------------------------ */
 
-static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed, float scale) {
+static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed,
+                float scale) {
   float *v = cols ? mxfp4_random_matrix(name, rows, cols, seed, scale) : malloc((size_t)rows * sizeof *v);
   for (int64_t i = 0; !cols && i < rows; i++)
     v[i] = 1.0f;
@@ -125,7 +126,8 @@ static char *write_source(const char *file, uint64_t seed) {
 
 static char *quantize(const char *source, const char *out) {
   char *path = tu_path(dir, out);
-  struct qkeep_quantize_options o = {.size = sizeof o, .scheme = "mxfp4", .kv_cache_scales = true, .activation_amax = 4};
+  struct qkeep_quantize_options o = {
+      .size = sizeof o, .scheme = "mxfp4", .kv_cache_scales = true, .activation_amax = 4};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s", qkeep_errmsg());
   return path;
 }
@@ -267,7 +269,8 @@ static void assert_matrix_layout(qkeep_layer *g, qkeep_layer *r, const char *pre
   for (int64_t e = 0; e < e_count; e++) {
     mxfp4_tile_codes((const uint8_t *)rw.data + e * rows * k / 2, rows, k, 32, want_w);
     mxfp4_tile_scales((const uint8_t *)rs.data + e * rows * (k / 32), rows, k, 32, want_s);
-    ck_assert_msg(memcmp(have_w + (size_t)e * w_bytes, want_w, w_bytes) == 0, "%sweight: tiles differ", prefix);
+    ck_assert_msg(memcmp(have_w + (size_t)e * w_bytes, want_w, w_bytes) == 0, "%sweight: tiles differ",
+                  prefix);
     ck_assert_msg(memcmp(have_s + (size_t)e * s_bytes, want_s, s_bytes) == 0, "%sweight_scale: tiles differ",
                   prefix);
   }
@@ -275,7 +278,8 @@ static void assert_matrix_layout(qkeep_layer *g, qkeep_layer *r, const char *pre
 }
 
 START_TEST(layouts_match_cpu_transforms) {
-  char *source = write_source("source.safetensors", 3), *path = quantize(source, "q"), *oss = mxfp4_write_gptoss(dir, "oss", 3);
+  char *source = write_source("source.safetensors", 3), *path = quantize(source, "q"),
+       *oss = mxfp4_write_gptoss(dir, "oss", 3);
   qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
   static const char *const linear[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                                        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"};
@@ -444,7 +448,8 @@ START_TEST(half_precision_activations) {
       for (int64_t i = 0; i < M * H; i++)
         got[i] = widen(yh, types[t], (size_t)i);
       double err = rel_error(got, want, (size_t)(M * H));
-      ck_assert_msg(err <= 2 * TOLERANCE, "%s activations, m %lld: %g", t ? "f16" : "bf16", (long long)M, err);
+      ck_assert_msg(err <= 2 * TOLERANCE, "%s activations, m %lld: %g", t ? "f16" : "bf16", (long long)M,
+                    err);
       backend()->memory->free(backend(), dx);
       backend()->memory->free(backend(), dy);
       free(xh);
@@ -490,7 +495,8 @@ static void assert_routed(qkeep_layer *moe, int64_t rows13, int64_t hidden, int6
   for (int p = 0; p < P; p++) {
     if (ids[p] < 0)
       continue;
-    ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W13, 1, x13 + (p / TOPK) * nh, one), 0);
+    ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W13, 1, x13 + (p / TOPK) * nh, one),
+                     0);
     double err = rel_error(y13 + (size_t)p * n13, one, n13);
     ck_assert_msg(err <= 1e-5, "w13 pair %d: %g", p, err);
   }
@@ -517,7 +523,8 @@ static void assert_routed(qkeep_layer *moe, int64_t rows13, int64_t hidden, int6
 }
 
 START_TEST(routed_moe) {
-  char *source = write_source("source.safetensors", 7), *path = quantize(source, "q"), *oss = mxfp4_write_gptoss(dir, "oss", 7);
+  char *source = write_source("source.safetensors", 7), *path = quantize(source, "q"),
+       *oss = mxfp4_write_gptoss(dir, "oss", 7);
   qkeep_model *m = load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);

@@ -58,8 +58,8 @@ static void set_wave(int i) {
 static int check_error(void *user, const struct qkeep_layer_error *e) {
   int *count = user;
   ++*count;
-  ck_assert_msg(e->max_rel <= 1e-5, "%s[%d] matrix %d: relative error %g", e->layer, e->expert, (int)e->matrix,
-                e->max_rel);
+  ck_assert_msg(e->max_rel <= 1e-5, "%s[%d] matrix %d: relative error %g", e->layer, e->expert,
+                (int)e->matrix, e->max_rel);
   return 0;
 }
 
@@ -144,9 +144,10 @@ START_TEST(gptoss_checkpoint) {
   assert_loaded(m, r);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
   ck_assert_ptr_nonnull(moe);
-  static const char *const names[][2] = {{"gate_up_proj_blocks", "w13_weight"}, {"gate_up_proj_scales", "w13_weight_scale"},
-                                         {"gate_up_proj_bias", "w13_bias"},     {"down_proj_blocks", "w2_weight"},
-                                         {"down_proj_scales", "w2_weight_scale"}, {"down_proj_bias", "w2_bias"}};
+  static const char *const names[][2] = {
+      {"gate_up_proj_blocks", "w13_weight"},   {"gate_up_proj_scales", "w13_weight_scale"},
+      {"gate_up_proj_bias", "w13_bias"},       {"down_proj_blocks", "w2_weight"},
+      {"down_proj_scales", "w2_weight_scale"}, {"down_proj_bias", "w2_bias"}};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
     ck_assert_ptr_nonnull(qkeep_param_lookup(moe, names[i][0]));
     ck_assert_ptr_eq(qkeep_param_lookup(moe, names[i][0]), qkeep_param_lookup(moe, names[i][1]));

@@ -90,18 +90,18 @@ START_TEST(spot_positions) {
   ck_assert_int_eq(mxfp4_w_position(0, 1, 1, 32, &slot), 0);
   ck_assert_int_eq(slot, 1);
   ck_assert_int_eq(mxfp4_w_position(8, 0, 1, 32, &slot), 0);
-  ck_assert_int_eq(slot, 2);  /* h 1 */
+  ck_assert_int_eq(slot, 2); /* h 1 */
   ck_assert_int_eq(mxfp4_w_position(0, 2, 1, 32, &slot), 0);
-  ck_assert_int_eq(slot, 4);  /* j 1 */
+  ck_assert_int_eq(slot, 4); /* j 1 */
   ck_assert_int_eq(mxfp4_w_position(0, 4, 1, 32, &slot), 1);
-  ck_assert_int_eq(slot, 0);  /* s 1 */
+  ck_assert_int_eq(slot, 0); /* s 1 */
   ck_assert_int_eq(mxfp4_w_position(0, 32, 1, 32, &slot), 2);
   ck_assert_int_eq(slot, 0); /* b 1 */
   ck_assert_int_eq(mxfp4_w_position(0, 8, 1, 32, &slot), 4);
-  ck_assert_int_eq(slot, 0);  /* lane 1 */
-  ck_assert_int_eq(mxfp4_w_position(1, 0, 1, 32, &slot), 16);                            /* lane 4 */
-  ck_assert_int_eq(mxfp4_w_position(16, 0, 3, 32, &slot), 3 * 128);                      /* unit 3 */
-  ck_assert_int_eq(mxfp4_w_position(0, 64, 3, 32, &slot), 128);                          /* unit 1 */
+  ck_assert_int_eq(slot, 0);                                        /* lane 1 */
+  ck_assert_int_eq(mxfp4_w_position(1, 0, 1, 32, &slot), 16);       /* lane 4 */
+  ck_assert_int_eq(mxfp4_w_position(16, 0, 3, 32, &slot), 3 * 128); /* unit 3 */
+  ck_assert_int_eq(mxfp4_w_position(0, 64, 3, 32, &slot), 128);     /* unit 1 */
   /* wave 64: lane r % 16 + 16 ((k % 32) / 8) owns 2 words; word b, pair 2 s + j */
   ck_assert_int_eq(mxfp4_w_position(1, 0, 1, 64, &slot), 2);
   ck_assert_int_eq(slot, 0);
@@ -282,7 +282,8 @@ START_TEST(emulated_mma_reproduces_the_product) {
     int64_t rows = shapes[s][0], k = shapes[s][1], tokens = 19;
     size_t cb = (size_t)(rows * k / 2), sb = (size_t)(rows * k / 32);
     uint8_t *codes = xmalloc(cb), *scales = xmalloc(sb);
-    uint8_t *tc = xmalloc((size_t)mxfp4_code_bytes(rows, k)), *ts = xmalloc((size_t)mxfp4_scale_bytes(rows, k));
+    uint8_t *tc = xmalloc((size_t)mxfp4_code_bytes(rows, k)),
+            *ts = xmalloc((size_t)mxfp4_scale_bytes(rows, k));
     fill_random(codes, cb, 7 + s);
     uint64_t rng = 11 + s;
     for (size_t i = 0; i < sb; i++) /* the whole e8m0 range bf16 products stay finite in, f16 a narrow one */
@@ -300,7 +301,8 @@ START_TEST(emulated_mma_reproduces_the_product) {
         for (int64_t b = 0; b < k / 32; b++) {
           double block = 0;
           for (int64_t kk = 32 * b; kk < 32 * b + 32; kk++) {
-            float xv = f16 ? qk_f16_to_f32(qk_f32_to_f16(x[t * k + kk])) : qk_bf16_to_f32(qk_f32_to_bf16(x[t * k + kk]));
+            float xv = f16 ? qk_f16_to_f32(qk_f32_to_f16(x[t * k + kk]))
+                           : qk_bf16_to_f32(qk_f32_to_bf16(x[t * k + kk]));
             double w = e2m1[(codes[r * (k / 2) + kk / 2] >> (4 * (kk % 2))) & 0xf];
             block += w * xv;
             mag += fabs(w * xv) * ldexp(1.0, scales[r * (k / 32) + b] - 127);
@@ -308,9 +310,9 @@ START_TEST(emulated_mma_reproduces_the_product) {
           want += block * ldexp(1.0, scales[r * (k / 32) + b] - 127);
         }
         double got = y[t * rows + r];
-        ck_assert_msg(fabs(got - want) <= 1e-12 * (mag + 1e-300), "wave %d %s [%lld, %lld] t %lld r %lld: %g vs %g",
-                      wave, f16 ? "f16" : "bf16", (long long)rows, (long long)k, (long long)t, (long long)r, got,
-                      want);
+        ck_assert_msg(fabs(got - want) <= 1e-12 * (mag + 1e-300),
+                      "wave %d %s [%lld, %lld] t %lld r %lld: %g vs %g", wave, f16 ? "f16" : "bf16",
+                      (long long)rows, (long long)k, (long long)t, (long long)r, got, want);
       }
     free(codes), free(scales), free(tc), free(ts), free(x), free(y);
   }
@@ -342,7 +344,8 @@ START_TEST(plan_covers_every_chunk) {
           ck_assert((p.split - 1) * p.chunks_per_split < chunks);
           /* automatic: the partial sums within a quarter of the weight bytes */
           if (split == 0 && p.split > 1)
-            ck_assert_int_le(8 * (int64_t)p.split * m * n, (mxfp4_code_bytes(n, k) + mxfp4_scale_bytes(n, k)) / 4 + 8 * m * n);
+            ck_assert_int_le(8 * (int64_t)p.split * m * n,
+                             (mxfp4_code_bytes(n, k) + mxfp4_scale_bytes(n, k)) / 4 + 8 * m * n);
           /* LDS: the HIP build's 64 KiB per workgroup, with room to spare */
           ck_assert_uint_le(mxfp4_stage_bytes(p.tokens, p.stage), 40 * 1024);
         }

@@ -19,7 +19,8 @@
 #include "testutil.h"
 
 /* A [rows, cols] matrix of uniform values in [-scale, scale), from the name and seed. */
-static inline float *mxfp4_random_matrix(const char *name, int64_t rows, int64_t cols, uint64_t seed, float scale) {
+static inline float *mxfp4_random_matrix(const char *name, int64_t rows, int64_t cols, uint64_t seed,
+                                         float scale) {
   float *v = malloc((size_t)(rows * cols) * sizeof *v);
   uint64_t s = seed;
   for (const char *p = name; *p; p++)
@@ -50,7 +51,8 @@ static inline char *mxfp4_write_gptoss(const char *dir, const char *name, uint64
       char tag[64];
       snprintf(tag, sizeof tag, "%s.%d", mats[m].name, e);
       float *v = mxfp4_random_matrix(tag, rows, cols, seed, ldexpf(1.0f, 4 * e - 4));
-      ck_assert_int_eq(quant_mxfp4(v, rows, cols, blocks + e * rows * cols / 2, sc + e * rows * cols / 32), 0);
+      ck_assert_int_eq(quant_mxfp4(v, rows, cols, blocks + e * rows * cols / 2, sc + e * rows * cols / 32),
+                       0);
       free(v);
       for (int64_t r = 0; r < rows; r++)
         bias[e * rows + r] = qk_f32_to_bf16(0.01f * (float)((r + e + (int64_t)seed) % 7));

@@ -317,8 +317,9 @@ static int cuda_supports_layer(const struct qkeep_backend *be, const struct qkee
     return 1;
   if (cuda_supports(be, info->scheme, info->kind))
     return 1;
-  snprintf(reason, reason_len, "runs NVFP4 and MXFP4 linear and MoE layers and unquantized linear ones, not %s %s",
-           info->scheme, info->kind == QKEEP_LAYER_MOE ? "MoE" : "linear");
+  snprintf(reason, reason_len,
+           "runs NVFP4 and MXFP4 linear and MoE layers and unquantized linear ones, not %s %s", info->scheme,
+           info->kind == QKEEP_LAYER_MOE ? "MoE" : "linear");
   return 0;
 }
 
@@ -568,7 +569,8 @@ static int cuda_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
 
 /* An mxfp4 layer's apply: the linear matrix, one expert, or routed MoE. */
 static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *st,
-                       const struct qkeep_apply_args *args, const struct qkeep_apply_args *ext, void *stream) {
+                       const struct qkeep_apply_args *args, const struct qkeep_apply_args *ext,
+                       void *stream) {
   if (!st->mx.moe)
     return mxfp4_gemm_run(&st->mx.w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
                           c->tuning.split_k, stream);
@@ -576,8 +578,9 @@ static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *s
     return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: MoE matrix %d", (int)args->matrix);
   const struct mxfp4_weights *wt = &st->mx.w[args->matrix];
   if (ext && ext->topk > 0)
-    return mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights, args->matrix == QKEEP_MOE_W2,
-                         args->x, args->x_dtype, args->y, args->y_dtype, stream);
+    return mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights,
+                         args->matrix == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype,
+                         stream);
   if (args->expert < 0 || args->expert >= wt->experts)
     return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
                               (long long)wt->experts);

@@ -46,8 +46,8 @@ unsigned flat_blocks(int64_t total) {
 }
 
 /* x as 16-bit activations: itself, or a stream-ordered bf16 copy of f32 (*scratch, freed by the caller). */
-cudaError_t activations(const void *x, enum qkeep_dtype dtype, int64_t elems, cudaStream_t s, const uint16_t **out,
-                        void **scratch) {
+cudaError_t activations(const void *x, enum qkeep_dtype dtype, int64_t elems, cudaStream_t s,
+                        const uint16_t **out, void **scratch) {
   *scratch = nullptr;
   if (dtype != QKEEP_DTYPE_F32) {
     *out = static_cast<const uint16_t *>(x);
@@ -105,14 +105,20 @@ extern "C" int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, in
     a.partial = static_cast<float *>(partial);
   }
   if (err == cudaSuccess) {
-    pick(plan.tokens, x_dtype == QKEEP_DTYPE_F16)<<<dim3((unsigned)plan.grid_x, (unsigned)plan.grid_y,
-                                                         (unsigned)plan.split),
-                                                    MXFP4_THREADS, 0, s>>>(a);
+    pick(plan.tokens, x_dtype == QKEEP_DTYPE_F16)<<<
+        dim3((unsigned)plan.grid_x, (unsigned)plan.grid_y, (unsigned)plan.split), MXFP4_THREADS, 0, s>>>(a);
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && partial) {
-    mxfp4_reduce_args r = {static_cast<const float *>(partial), wt->bias, y, m, wt->n, plan.split, a.bias_dtype,
-                           (int32_t)y_dtype, expert};
+    mxfp4_reduce_args r = {static_cast<const float *>(partial),
+                           wt->bias,
+                           y,
+                           m,
+                           wt->n,
+                           plan.split,
+                           a.bias_dtype,
+                           (int32_t)y_dtype,
+                           expert};
     mxfp4_k_reduce<<<flat_blocks(m * wt->n), MXFP4_THREADS, 0, s>>>(r);
     err = cudaGetLastError();
   }
@@ -149,8 +155,17 @@ extern "C" int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t 
     err = cudaGetLastError();
   }
   if (err == cudaSuccess && combine) {
-    mxfp4_combine_args c = {static_cast<const float *>(partial), wt->bias, topk_ids, topk_weights, y, m, wt->n,
-                            topk, (int32_t)wt->experts, a.bias_dtype, (int32_t)y_dtype};
+    mxfp4_combine_args c = {static_cast<const float *>(partial),
+                            wt->bias,
+                            topk_ids,
+                            topk_weights,
+                            y,
+                            m,
+                            wt->n,
+                            topk,
+                            (int32_t)wt->experts,
+                            a.bias_dtype,
+                            (int32_t)y_dtype};
     mxfp4_k_combine<<<flat_blocks(m * wt->n), MXFP4_THREADS, 0, s>>>(c);
     err = cudaGetLastError();
   }
@@ -161,8 +176,8 @@ extern "C" int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t 
   return err;
 }
 
-extern "C" int mxfp4_tile_gpu_run(bool scales, const void *src, void *dst, int64_t experts, int64_t rows, int64_t k,
-                                  void *stream) {
+extern "C" int mxfp4_tile_gpu_run(bool scales, const void *src, void *dst, int64_t experts, int64_t rows,
+                                  int64_t k, void *stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   mxfp4_tile_args t = {static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, k};
   if (scales)

@@ -73,7 +73,8 @@ struct mxfp4_plan {
  * and read) within a quarter of the weight bytes, at most MXFP4_MAX_SPLIT; `split_k` > 0 forces
  * it (still capped by the chunks).
  */
-void mxfp4_plan_gemm(int64_t m, int64_t n, int64_t k, int wave, int units, int split_k, struct mxfp4_plan *out);
+void mxfp4_plan_gemm(int64_t m, int64_t n, int64_t k, int wave, int units, int split_k,
+                     struct mxfp4_plan *out);
 
 /* Bytes of LDS / shared memory a block of `tokens` tokens and `stage` chunks stages. */
 size_t mxfp4_stage_bytes(int tokens, int stage);

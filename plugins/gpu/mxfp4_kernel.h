@@ -27,8 +27,8 @@
 #define QKEEP_GPU_MXFP4_KERNEL_H
 
 #include "mxfp4_args.h"
-#include "mxfp4_mma.h" /* first: it may define MXFP4_PERM for mxfp4_layout.h */
 #include "mxfp4_layout.h"
+#include "mxfp4_mma.h"
 
 namespace mxfp4 {
 
@@ -71,10 +71,10 @@ template <bool F16> MX_DEVICE inline void a_operand(const uint32_t *words, int b
 #endif
 }
 
-constexpr int kLaneWords = MXFP4_UNIT_BYTES / 4 / MX_WAVE;   /* code words per lane per chunk */
-constexpr int kDrpl = MX_WAVE == 32 ? 2 : 4;                 /* accumulator rows per lane */
-constexpr int kScaleWords = 2 * kDrpl / 4;                   /* scale words per lane per chunk */
-constexpr int kGroupLanes = MX_WAVE == 32 ? 4 : 16;          /* lanes that share a scale group */
+constexpr int kLaneWords = MXFP4_UNIT_BYTES / 4 / MX_WAVE; /* code words per lane per chunk */
+constexpr int kDrpl = MX_WAVE == 32 ? 2 : 4;               /* accumulator rows per lane */
+constexpr int kScaleWords = 2 * kDrpl / 4;                 /* scale words per lane per chunk */
+constexpr int kGroupLanes = MX_WAVE == 32 ? 4 : 16;        /* lanes that share a scale group */
 
 /*
  * The GEMM body for NB token blocks of MX_MMA_N tokens, STAGE chunks staged at a time, F16
@@ -105,16 +105,17 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
   const int64_t c_end = c_begin + a.chunks_per_split < a.chunks ? c_begin + a.chunks_per_split : a.chunks;
   const bool active = tile < a.tiles; /* waves past the last tile still stage and meet every barrier */
   const int64_t unit0 = (active ? tile : 0) * a.chunks;
-  const uint8_t *wp = a.codes + expert * a.expert_code_bytes + unit0 * MXFP4_UNIT_BYTES + lane * (4 * kLaneWords);
+  const uint8_t *wp =
+      a.codes + expert * a.expert_code_bytes + unit0 * MXFP4_UNIT_BYTES + lane * (4 * kLaneWords);
   const uint8_t *sp = a.scales + expert * a.expert_scale_bytes + unit0 * MXFP4_UNIT_SCALES +
                       (lane / kGroupLanes) * (2 * kDrpl);
-  const int q = MX_WAVE == 32 ? lane % 4 : lane / 16; /* the lane's 8-K run inside a scale block */
+  const int q = MX_WAVE == 32 ? lane % 4 : lane / 16;    /* the lane's 8-K run inside a scale block */
   const int btok = MX_WAVE == 32 ? lane / 4 : lane % 16; /* the lane's token inside an MMA token block */
 
   float acc[NB][4];
-  #pragma unroll
+#pragma unroll
   for (int nb = 0; nb < NB; nb++)
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < 4; i++)
       acc[nb][i] = 0.0f;
 
@@ -129,10 +130,10 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
         mx_load_words<kLaneWords>(wc + c * MXFP4_UNIT_BYTES, words[c]);
         mx_load_words<kScaleWords>(sc + c * MXFP4_UNIT_SCALES, sw[c]);
       } else {
-        #pragma unroll
+#pragma unroll
         for (int i = 0; i < kLaneWords; i++)
           words[c][i] = 0;
-        #pragma unroll
+#pragma unroll
         for (int i = 0; i < kScaleWords; i++)
           sw[c][i] = 0;
       }
@@ -154,9 +155,9 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
 #pragma unroll
       for (int b = 0; b < 2; b++) {
         float part[NB][4];
-        #pragma unroll
+#pragma unroll
         for (int nb = 0; nb < NB; nb++)
-          #pragma unroll
+#pragma unroll
           for (int i = 0; i < 4; i++)
             part[nb][i] = 0.0f;
         uint32_t bx[NB][4];
@@ -176,14 +177,14 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
         }
         /* 2^(e8m0 - 127) of each accumulator row, exact in f32 */
         float scale[kDrpl];
-        #pragma unroll
+#pragma unroll
         for (int i = 0; i < kDrpl; i++) {
           const int byte = b * kDrpl + i;
           scale[i] = mx_e8m0((sw[c][byte / 4] >> (8 * (byte % 4))) & 0xffu);
         }
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
-          #pragma unroll
+#pragma unroll
           for (int i = 0; i < 4; i++)
             acc[nb][i] += part[nb][i] * scale[mx_acc_row(i)];
       }
@@ -191,9 +192,9 @@ template <int NB, int STAGE, bool F16> MX_DEVICE inline void gemm(const mxfp4_ge
   }
   if (!active)
     return;
-  #pragma unroll
+#pragma unroll
   for (int nb = 0; nb < NB; nb++)
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < 4; i++) {
       const int64_t row = tile * MXFP4_TILE_ROWS + mxfp4_d_row(lane, mx_acc_row(i), MX_WAVE);
       const int64_t t = nb * MX_MMA_N + mx_acc_token(lane, i);
@@ -262,7 +263,8 @@ MX_DEVICE inline void tile_codes(const mxfp4_tile_args &a) {
       int64_t r, k;
       mxfp4_w_source(w, slot, chunks, MX_WAVE, &r, &k);
       if (r < a.rows && k < a.k)
-        word = mxfp4_w_put(word, slot, MX_WAVE, (a.src[e * src_bytes + r * (a.k / 2) + k / 2] >> (4 * (k % 2))) & 0xfu);
+        word = mxfp4_w_put(word, slot, MX_WAVE,
+                           (a.src[e * src_bytes + r * (a.k / 2) + k / 2] >> (4 * (k % 2))) & 0xfu);
     }
     reinterpret_cast<uint32_t *>(a.dst)[i] = word;
   }
@@ -270,7 +272,8 @@ MX_DEVICE inline void tile_codes(const mxfp4_tile_args &a) {
 
 /* One output byte of the tiled scales per thread: the device twin of mxfp4_tile_scales. */
 MX_DEVICE inline void tile_scales(const mxfp4_tile_args &a) {
-  const int64_t chunks = mxfp4_chunks(a.k), bytes = mxfp4_scale_bytes(a.rows, a.k), blocks = a.k / MXFP4_BLOCK;
+  const int64_t chunks = mxfp4_chunks(a.k), bytes = mxfp4_scale_bytes(a.rows, a.k),
+                blocks = a.k / MXFP4_BLOCK;
   for (int64_t i = (int64_t)mx_block_x() * MXFP4_THREADS + mx_thread(); i < a.experts * bytes;
        i += (int64_t)mx_grid_x() * MXFP4_THREADS) {
     const int64_t e = i / bytes;
@@ -287,17 +290,17 @@ MX_DEVICE inline void tile_scales(const mxfp4_tile_args &a) {
  * (hipModuleGetFunction) and the CUDA build launches the same symbols. Token blocks: 1, 2, 4
  * and 8 on wave 32 (8 to 64 tokens); 1, 2 and 4 on wave 64 (16 to 64).
  */
-#define MXFP4_GEMM_KERNEL(name, NB, STAGE, F16)                                                             \
+#define MXFP4_GEMM_KERNEL(name, NB, STAGE, F16)                                                              \
   extern "C" MX_GLOBAL void MX_BOUNDS name(const mxfp4_gemm_args a) { mxfp4::gemm<NB, STAGE, F16>(a); }
-#define MXFP4_GEMM_KERNELS(tokens, NB, STAGE)                                                               \
+#define MXFP4_GEMM_KERNELS(tokens, NB, STAGE)                                                                \
   MXFP4_GEMM_KERNEL(mxfp4_k_gemm_bf16_t##tokens, NB, STAGE, false)                                           \
   MXFP4_GEMM_KERNEL(mxfp4_k_gemm_f16_t##tokens, NB, STAGE, true)
 
-#define MXFP4_OTHER_KERNELS                                                                                 \
+#define MXFP4_OTHER_KERNELS                                                                                  \
   extern "C" MX_GLOBAL void MX_BOUNDS mxfp4_k_reduce(const mxfp4_reduce_args a) { mxfp4::reduce(a); }        \
   extern "C" MX_GLOBAL void MX_BOUNDS mxfp4_k_combine(const mxfp4_combine_args a) { mxfp4::combine(a); }     \
   extern "C" MX_GLOBAL void MX_BOUNDS mxfp4_k_convert(const mxfp4_convert_args a) { mxfp4::convert(a); }     \
-  extern "C" MX_GLOBAL void MX_BOUNDS mxfp4_k_tile_codes(const mxfp4_tile_args a) { mxfp4::tile_codes(a); } \
+  extern "C" MX_GLOBAL void MX_BOUNDS mxfp4_k_tile_codes(const mxfp4_tile_args a) { mxfp4::tile_codes(a); }  \
   extern "C" MX_GLOBAL void MX_BOUNDS mxfp4_k_tile_scales(const mxfp4_tile_args a) { mxfp4::tile_scales(a); }
 
 #endif

@@ -60,16 +60,18 @@
 #define MXFP4_INLINE static inline
 #endif
 
-#define MXFP4_BLOCK 32        /* K elements per e8m0 scale */
-#define MXFP4_TILE_ROWS 16    /* rows of a unit */
-#define MXFP4_CHUNK_K 64      /* K of a unit (two scale blocks) */
-#define MXFP4_UNIT_BYTES 512  /* code bytes of a unit */
-#define MXFP4_UNIT_SCALES 32  /* scale bytes of a unit: 16 rows x 2 blocks */
+#define MXFP4_BLOCK 32       /* K elements per e8m0 scale */
+#define MXFP4_TILE_ROWS 16   /* rows of a unit */
+#define MXFP4_CHUNK_K 64     /* K of a unit (two scale blocks) */
+#define MXFP4_UNIT_BYTES 512 /* code bytes of a unit */
+#define MXFP4_UNIT_SCALES 32 /* scale bytes of a unit: 16 rows x 2 blocks */
 
 MXFP4_INLINE int64_t mxfp4_round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 /* Tiles, chunks and bytes of one expert's tiled codes and scales ([rows, k] matrix). */
-MXFP4_INLINE int64_t mxfp4_tiles(int64_t rows) { return mxfp4_round_up(rows, MXFP4_TILE_ROWS) / MXFP4_TILE_ROWS; }
+MXFP4_INLINE int64_t mxfp4_tiles(int64_t rows) {
+  return mxfp4_round_up(rows, MXFP4_TILE_ROWS) / MXFP4_TILE_ROWS;
+}
 MXFP4_INLINE int64_t mxfp4_chunks(int64_t k) { return mxfp4_round_up(k, MXFP4_CHUNK_K) / MXFP4_CHUNK_K; }
 MXFP4_INLINE int64_t mxfp4_code_bytes(int64_t rows, int64_t k) {
   return mxfp4_tiles(rows) * mxfp4_chunks(k) * MXFP4_UNIT_BYTES;
@@ -133,12 +135,14 @@ MXFP4_INLINE uint32_t mxfp4_pair_bf16(uint32_t q, int pair) {
 }
 
 /* The same pair as f16 bit patterns, code * 2^-14 each (e1 e0 m move from bits 8..6 to 11..9). */
-MXFP4_INLINE uint32_t mxfp4_bf16x2_to_f16x2(uint32_t p) { return (p & 0x80008000u) | ((p << 3) & 0x0e000e00u); }
+MXFP4_INLINE uint32_t mxfp4_bf16x2_to_f16x2(uint32_t p) {
+  return (p & 0x80008000u) | ((p << 3) & 0x0e000e00u);
+}
 
 /*
  * v_perm_b32's byte permute, for the selector bytes used here: 0..7 pick byte n of the
- * 8 bytes {lo (bytes 0..3), hi (4..7)}, 12 gives 0x00. The HIP build runs the instruction
- * (mxfp4_mma.h defines MXFP4_PERM first); elsewhere this is its model, so CI tests the decode.
+ * 8 bytes {lo (bytes 0..3), hi (4..7)}, 12 gives 0x00. HIP device code runs the instruction
+ * (MXFP4_PERM); elsewhere this is its model, so CI tests the decode.
  */
 MXFP4_INLINE uint32_t mxfp4_perm_model(uint32_t hi, uint32_t lo, uint32_t sel) {
   uint64_t t = ((uint64_t)hi << 32) | lo;
@@ -150,7 +154,9 @@ MXFP4_INLINE uint32_t mxfp4_perm_model(uint32_t hi, uint32_t lo, uint32_t sel) {
   }
   return d;
 }
-#ifndef MXFP4_PERM
+#if defined(__HIP__) && defined(__HIP_DEVICE_COMPILE__)
+#define MXFP4_PERM(hi, lo, sel) __builtin_amdgcn_perm((hi), (lo), (sel)) /* v_perm_b32 */
+#else
 #define MXFP4_PERM mxfp4_perm_model
 #endif
 
@@ -227,7 +233,9 @@ MXFP4_INLINE void mxfp4_s_source(int64_t offset, int64_t chunks, int wave, int64
 }
 
 /* The d-row (row within the tile) of accumulator row index i of lane l. */
-MXFP4_INLINE int mxfp4_d_row(int lane, int i, int wave) { return wave == 32 ? lane / 4 + 8 * i : 4 * (lane / 16) + i; }
+MXFP4_INLINE int mxfp4_d_row(int lane, int i, int wave) {
+  return wave == 32 ? lane / 4 + 8 * i : 4 * (lane / 16) + i;
+}
 
 /* 2^(e8m0 - 127) as f32 bits: 0 is 2^-127 (a subnormal), 255 is NaN. */
 MXFP4_INLINE uint32_t mxfp4_e8m0_f32_bits(unsigned s) {

@@ -30,9 +30,6 @@
 
 #include <stdint.h>
 
-#if defined(__HIP__)
-#define MXFP4_PERM(hi, lo, sel) __builtin_amdgcn_perm((hi), (lo), (sel)) /* v_perm_b32 */
-#endif
 #include "mxfp4_layout.h"
 
 #if defined(__HIP__)
@@ -99,8 +96,8 @@ template <bool F16> MX_DEVICE inline void mx_mma(float *c, const uint32_t *a, co
     typedef _Float16 half4 __attribute__((ext_vector_type(4)));
     typedef uint32_t u2 __attribute__((ext_vector_type(2)));
     const u2 av = {a[0], a[1]}, bv = {b[0], b[1]};
-    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(half4, av), __builtin_bit_cast(half4, bv), acc,
-                                                0, 0, 0);
+    acc = __builtin_amdgcn_mfma_f32_16x16x16f16(__builtin_bit_cast(half4, av), __builtin_bit_cast(half4, bv),
+                                                acc, 0, 0, 0);
   } else {
     typedef short short4 __attribute__((ext_vector_type(4)));
     typedef uint32_t u2 __attribute__((ext_vector_type(2)));
@@ -156,8 +153,8 @@ MX_DEVICE inline uint16_t mx_f32_to_f16_bits(float f) {
 template <int N> MX_DEVICE inline void mx_load_words(const uint8_t *p, uint32_t *out) {
   if (N == 4) {
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
-                 : "l"(p));
+        : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3])
+        : "l"(p));
   } else if (N == 2) {
     asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(out[0]), "=r"(out[1]) : "l"(p));
   } else {
@@ -168,7 +165,9 @@ template <int N> MX_DEVICE inline void mx_load_words(const uint8_t *p, uint32_t 
 template <bool F16> MX_DEVICE inline uint32_t mx_rescale(uint32_t p) {
   uint32_t d;
   if (F16)
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(mxfp4_bf16x2_to_f16x2(p)), "r"(0x74007400u), "r"(0x80008000u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;"
+        : "=r"(d)
+        : "r"(mxfp4_bf16x2_to_f16x2(p)), "r"(0x74007400u), "r"(0x80008000u));
   else
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(p), "r"(0x7e807e80u), "r"(0x80008000u));
   return d;
@@ -177,14 +176,14 @@ template <bool F16> MX_DEVICE inline uint32_t mx_rescale(uint32_t p) {
 template <bool F16> MX_DEVICE inline void mx_mma(float *c, const uint32_t *a, const uint32_t *b) {
   if (F16)
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   else
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 MX_DEVICE inline float mx_e8m0(unsigned s) { return __uint_as_float(mxfp4_e8m0_f32_bits(s)); }

@@ -11,7 +11,8 @@ size_t mxfp4_stage_bytes(int tokens, int stage) {
   return (size_t)tokens * (size_t)(stage * MXFP4_CHUNK_K + MXFP4_X_PAD) * 2;
 }
 
-void mxfp4_plan_gemm(int64_t m, int64_t n, int64_t k, int wave, int units, int split_k, struct mxfp4_plan *out) {
+void mxfp4_plan_gemm(int64_t m, int64_t n, int64_t k, int wave, int units, int split_k,
+                     struct mxfp4_plan *out) {
   int tokens = wave == 32 ? 8 : 16;
   while (tokens < MXFP4_MAX_TOKENS && tokens < m)
     tokens *= 2;

@@ -77,18 +77,20 @@ static int transform(const struct matrix *m, bool scales, const void **data) {
   int rc = host->view(m->layer, name, &v);
   enum qkeep_dtype dtype = scales ? v.spec.dtype : QKEEP_DTYPE_U8;
   int64_t ckpt_shape[2] = {m->rows, scales ? m->k / MXFP4_BLOCK : m->k / 2};
-  int64_t kernel_shape[3] = {mxfp4_tiles(m->rows), mxfp4_chunks(m->k), scales ? MXFP4_UNIT_SCALES : MXFP4_UNIT_BYTES};
+  int64_t kernel_shape[3] = {mxfp4_tiles(m->rows), mxfp4_chunks(m->k),
+                             scales ? MXFP4_UNIT_SCALES : MXFP4_UNIT_BYTES};
   struct qkeep_spec want = stacked(dtype, m->experts, 2, ckpt_shape);
   struct qkeep_spec kernel = stacked(dtype, m->experts, 3, kernel_shape);
   if (!rc && scales && dtype != QKEEP_DTYPE_U8 && dtype != QKEEP_DTYPE_F8_E8M0)
-    rc = host->set_error(QKEEP_E_FORMAT, "%s: %s.%s: dtype %d, expected U8 or F8_E8M0 scales", m->d->backend_name,
-                         m->layer_name, name, (int)dtype);
+    rc = host->set_error(QKEEP_E_FORMAT, "%s: %s.%s: dtype %d, expected U8 or F8_E8M0 scales",
+                         m->d->backend_name, m->layer_name, name, (int)dtype);
   if (!rc && !qkeep_be_spec_equal(&v.spec, &want))
-    rc = host->set_error(qkeep_be_spec_equal(&v.spec, &kernel) ? QKEEP_E_STATE : QKEEP_E_FORMAT,
-                         "%s: %s.%s is not in its checkpoint layout (%s); PWAL transforms checkpoint bytes only, "
-                         "and reload restores them before it runs again",
-                         m->d->backend_name, m->layer_name, name,
-                         qkeep_be_spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
+    rc = host->set_error(
+        qkeep_be_spec_equal(&v.spec, &kernel) ? QKEEP_E_STATE : QKEEP_E_FORMAT,
+        "%s: %s.%s is not in its checkpoint layout (%s); PWAL transforms checkpoint bytes only, "
+        "and reload restores them before it runs again",
+        m->d->backend_name, m->layer_name, name,
+        qkeep_be_spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
   qkeep_tensor *result = NULL;
   if (!rc)
     rc = host->tensor_new(m->layer, &kernel, &result);

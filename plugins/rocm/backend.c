@@ -37,9 +37,10 @@ static struct rocm_backend *backend_of(const struct qkeep_backend *be) { return 
 static int hip_error(const struct rocm_backend *r, hipError_t err, const char *what) {
   const char *why;
   const struct hip_api *hip = rocm_hip(&why); /* loaded: an error came from it */
-  (void)hip->GetLastError(); /* clear it, so that the next call starts clean */
-  return r->host->set_error(err == hipErrorOutOfMemory ? QKEEP_E_NOMEM : QKEEP_E_DEVICE, "rocm-mxfp4: %s: %s (%s)",
-                            what, hip->GetErrorString(err), hip->GetErrorName(err));
+  (void)hip->GetLastError();                  /* clear it, so that the next call starts clean */
+  return r->host->set_error(err == hipErrorOutOfMemory ? QKEEP_E_NOMEM : QKEEP_E_DEVICE,
+                            "rocm-mxfp4: %s: %s (%s)", what, hip->GetErrorString(err),
+                            hip->GetErrorName(err));
 }
 
 /* The runtime, the configured device current on this thread, its kernels loaded. */
@@ -157,7 +158,8 @@ static int rocm_probe(const struct qkeep_backend *be, char *msg, size_t msg_len)
   int count = 0;
   hipError_t err = hip->GetDeviceCount(&count);
   if (err != hipSuccess || count == 0) {
-    snprintf(msg, msg_len, "no device: no AMD GPU (%s)", err != hipSuccess ? hip->GetErrorName(err) : "0 devices");
+    snprintf(msg, msg_len, "no device: no AMD GPU (%s)",
+             err != hipSuccess ? hip->GetErrorName(err) : "0 devices");
     (void)hip->GetLastError();
     return QKEEP_E_NODEV;
   }
@@ -170,8 +172,8 @@ static int rocm_probe(const struct qkeep_backend *be, char *msg, size_t msg_len)
   if (err == hipSuccess)
     err = rocm_kernels_load(&r->kernels, &what);
   if (err != hipSuccess) {
-    snprintf(msg, msg_len, "no device: HIP device %d cannot run the gfx942 code object: %s: %s", r->device, what,
-             hip->GetErrorName(err));
+    snprintf(msg, msg_len, "no device: HIP device %d cannot run the gfx942 code object: %s: %s", r->device,
+             what, hip->GetErrorName(err));
     (void)hip->GetLastError();
     return QKEEP_E_NODEV;
   }
@@ -205,7 +207,8 @@ static int rocm_configure(const struct qkeep_backend *be, const char *key, const
       return r->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);
     r->pwal_on_host = value[0] == 'h';
   } else {
-    return r->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (rocm-mxfp4 takes device, split_k, pwal)", key);
+    return r->host->set_error(QKEEP_E_CONFIG, "unknown key '%s' (rocm-mxfp4 takes device, split_k, pwal)",
+                              key);
   }
   return 0;
 }
@@ -215,11 +218,12 @@ static int rocm_supports(const struct qkeep_backend *be, const char *scheme, enu
   return strcmp(scheme, "mxfp4") == 0 && (kind == QKEEP_LAYER_LINEAR || kind == QKEEP_LAYER_MOE);
 }
 
-static int rocm_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info, char *reason,
-                               size_t reason_len) {
+static int rocm_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                               char *reason, size_t reason_len) {
   if (rocm_supports(be, info->scheme, info->kind))
     return 1;
-  snprintf(reason, reason_len, "runs MXFP4 linear and MoE layers only, not %s (%s)", info->name, info->scheme);
+  snprintf(reason, reason_len, "runs MXFP4 linear and MoE layers only, not %s (%s)", info->name,
+           info->scheme);
   return 0;
 }
 
@@ -252,7 +256,8 @@ static int rocm_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   return rc ? rc : mem_sync(be);
 }
 
-static int rocm_apply(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *args) {
+static int rocm_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                      const struct qkeep_apply_args *args) {
   struct rocm_backend *r = backend_of(be);
   const struct mxfp4_layer *st = r->host->get_state(layer);
   if (!st)
@@ -265,26 +270,28 @@ static int rocm_apply(const struct qkeep_backend *be, qkeep_layer *layer, const 
   void *stream = ext ? ext->stream : NULL;
   int err;
   if (!st->moe) {
-    err = mxfp4_gemm_run(&st->w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype, r->split_k, stream);
+    err = mxfp4_gemm_run(&st->w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype, r->split_k,
+                         stream);
   } else {
     if ((unsigned)args->matrix > QKEEP_MOE_W2)
       return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: MoE matrix %d", (int)args->matrix);
     const struct mxfp4_weights *wt = &st->w[args->matrix];
     if (ext && ext->topk > 0) {
-      err = mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights, args->matrix == QKEEP_MOE_W2,
-                          args->x, args->x_dtype, args->y, args->y_dtype, stream);
+      err =
+          mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights,
+                        args->matrix == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype, stream);
     } else {
       if (args->expert < 0 || args->expert >= wt->experts)
         return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: expert %d of %lld", (int)args->expert,
                                   (long long)wt->experts);
-      err = mxfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype, r->split_k,
-                           stream);
+      err = mxfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
+                           r->split_k, stream);
     }
   }
   if (err == hipErrorInvalidValue)
-    return r->host->set_error(QKEEP_E_INVAL,
-                              "rocm-mxfp4: apply: unsupported arguments (x and y must be F32, F16 or BF16 and x "
-                              "16-byte aligned; routed MoE needs topk_ids, W2 also topk_weights)");
+    return r->host->set_error(
+        QKEEP_E_INVAL, "rocm-mxfp4: apply: unsupported arguments (x and y must be F32, F16 or BF16 and x "
+                       "16-byte aligned; routed MoE needs topk_ids, W2 also topk_weights)");
   return err ? hip_error(r, (hipError_t)err, "apply") : 0;
 }
 
@@ -319,8 +326,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,
       .abi_minor = 0,
       .name = "rocm-mxfp4",
-      .description = "MXFP4 (gpt-oss, compressed-tensors) linear and MoE on AMD gfx942 (MI300): e2m1 decoded in "
-                     "vector code, bf16/f16 MFMA, e8m0 block scales on the accumulators",
+      .description =
+          "MXFP4 (gpt-oss, compressed-tensors) linear and MoE on AMD gfx942 (MI300): e2m1 decoded in "
+          "vector code, bf16/f16 MFMA, e8m0 block scales on the accumulators",
       .probe = rocm_probe,
       .configure = rocm_configure,
       .memory = &r->memory,

@@ -99,8 +99,8 @@ hipError_t rocm_kernels_load(struct rocm_kernels *k, const char **what) {
   }
   int device = 0, units = 0;
   if (err == hipSuccess && api.GetDevice(&device) == hipSuccess &&
-      api.DeviceGetAttribute(&units, hipDeviceAttributeMultiprocessorCount, device) == hipSuccess && units > 0 &&
-      units <= 4096)
+      api.DeviceGetAttribute(&units, hipDeviceAttributeMultiprocessorCount, device) == hipSuccess &&
+      units > 0 && units <= 4096)
     k->compute_units = units;
   else
     k->compute_units = 304; /* MI300X */

@@ -48,8 +48,8 @@ static void scratch_free(void *p, hipStream_t s) {
   }
 }
 
-static hipError_t activations(const struct rocm_kernels *k, const void *x, enum qkeep_dtype dtype, int64_t elems,
-                              hipStream_t s, const uint16_t **out, void **scratch) {
+static hipError_t activations(const struct rocm_kernels *k, const void *x, enum qkeep_dtype dtype,
+                              int64_t elems, hipStream_t s, const uint16_t **out, void **scratch) {
   *scratch = NULL;
   if (dtype != QKEEP_DTYPE_F32) {
     *out = x;
@@ -107,7 +107,8 @@ int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, co
     err = launch(k->gemm[x_dtype == QKEEP_DTYPE_F16][size_index(plan.tokens)], (unsigned)plan.grid_x,
                  (unsigned)plan.grid_y, (unsigned)plan.split, &a, s);
   if (err == hipSuccess && partial) {
-    struct mxfp4_reduce_args r = {partial, wt->bias, y, m, wt->n, plan.split, a.bias_dtype, (int32_t)y_dtype, expert};
+    struct mxfp4_reduce_args r = {partial,      wt->bias,         y,     m, wt->n, plan.split,
+                                  a.bias_dtype, (int32_t)y_dtype, expert};
     err = launch(k->reduce, flat_blocks(m * wt->n), 1, 1, &r, s);
   }
   scratch_free(partial, s);
@@ -137,10 +138,12 @@ int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const
     a.partial = partial;
   }
   if (err == hipSuccess)
-    err = launch(k->gemm[x_dtype == QKEEP_DTYPE_F16][0], (unsigned)((a.tiles + 3) / 4), (unsigned)slots, 1, &a, s);
+    err = launch(k->gemm[x_dtype == QKEEP_DTYPE_F16][0], (unsigned)((a.tiles + 3) / 4), (unsigned)slots, 1,
+                 &a, s);
   if (err == hipSuccess && combine) {
-    struct mxfp4_combine_args c = {partial, wt->bias, topk_ids, topk_weights, y, m, wt->n,
-                                   topk, (int32_t)wt->experts, a.bias_dtype, (int32_t)y_dtype};
+    struct mxfp4_combine_args c = {
+        partial,      wt->bias,        topk_ids, topk_weights, y, m, wt->n, topk, (int32_t)wt->experts,
+        a.bias_dtype, (int32_t)y_dtype};
     err = launch(k->combine, flat_blocks(m * wt->n), 1, 1, &c, s);
   }
   scratch_free(partial, s);

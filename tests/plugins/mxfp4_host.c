@@ -64,8 +64,8 @@ static int host_supports(const struct qkeep_backend *be, const char *scheme, enu
   return strcmp(scheme, "mxfp4") == 0 && (kind == QKEEP_LAYER_LINEAR || kind == QKEEP_LAYER_MOE);
 }
 
-static int host_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info, char *reason,
-                               size_t reason_len) {
+static int host_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
+                               char *reason, size_t reason_len) {
   if (host_supports(be, info->scheme, info->kind))
     return 1;
   snprintf(reason, reason_len, "mxfp4 linear and MoE layers only");
@@ -111,7 +111,8 @@ static void gemm(const struct mxfp4_weights *w, int wave, int64_t e, int64_t m, 
       int slot;
       uint32_t word;
       memcpy(&word, codes + 4 * mxfp4_w_position(r, k, chunks, wave, &slot), 4);
-      row[k] = e2m1[mxfp4_w_get(word, slot, wave)] * qkeep_e8m0_to_f32(scales[mxfp4_s_offset(r, k / 32, chunks, wave)]);
+      row[k] = e2m1[mxfp4_w_get(word, slot, wave)] *
+               qkeep_e8m0_to_f32(scales[mxfp4_s_offset(r, k / 32, chunks, wave)]);
     }
     for (int64_t t = 0; t < m; t++) {
       float acc = 0.0f;
