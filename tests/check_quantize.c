@@ -37,14 +37,17 @@
 #define INTER 1056 /* gate/up: 1024 + 32 rows, two row blocks at K = 256; down: K = 1056 */
 #define VOCAB 512
 
-/* A bf16 tensor of random weights (about +-0.1) added to w; nan_at >= 0 plants a NaN there. */
+/* A bf16 tensor of random weights added to w; nan_at >= 0 plants a NaN there. */
 static void add_bf16(struct st_writer *w, const char *name, int64_t n, int64_t k, uint64_t *seed,
                      int64_t nan_at) {
   int64_t count = n * (k ? k : 1);
   uint16_t *v = malloc((size_t)count * 2);
   ck_assert_ptr_nonnull(v);
+  /* each tensor and each row of it with its own range (rows grow), so that a scale taken from part of a
+   * tensor or of a fused group is not the whole one's */
+  float range = 0.05f + 0.05f * (float)(*seed % 7);
   for (int64_t i = 0; i < count; i++)
-    v[i] = qkeep_f32_to_bf16(tu_randf(seed) * 0.1f);
+    v[i] = qkeep_f32_to_bf16(tu_randf(seed) * range * (1.0f + (float)(i / (k ? k : 1)) / (float)n));
   if (nan_at >= 0)
     v[nan_at] = 0x7fc0;
   struct qkeep_spec s = {.dtype = QKEEP_DTYPE_BF16, .ndim = k ? 2 : 1, .shape = {n, k}};
