@@ -22,6 +22,9 @@ uint8_t qk_e4m3_encode(float x);
 /* MXFP4 shared scale byte for a block's amax: floor(log2(amax)) - 2 from the float's
  * exponent (amax 0 uses FP32_MIN_NORMAL), clamped to [-127, 127], stored + 127. */
 uint8_t qk_e8m0_from_amax(float amax);
+/* qk_e4m3_decode's value of a byte other than NaN (0x7f, 0xff), without libm: what the NVFP4
+ * quantizer divides by. */
+float quant_e4m3_value(uint8_t b);
 
 /*
  * NVFP4 (k % 16 == 0). packed u8 [n, k/2]; block_scale e4m3 [n, k/16].

@@ -79,7 +79,8 @@ static inline uint8_t e2m1_code(float x) {
 
 uint8_t qk_e2m1_encode(float x) { return e2m1_code(x); }
 
-uint8_t qk_e4m3_encode(float x) {
+/* qk_e4m3_encode, inlined into the NVFP4 block loop. */
+static inline uint8_t e4m3_code(float x) {
   /* e4m3 copies the sign bit like torch's and ml_dtypes' casts do, so that every
    * finite byte, 0x80 (-0.0) included, survives decode then encode. Block scales
    * are never negative, so the quantizers do not depend on this choice. */
@@ -104,6 +105,25 @@ uint8_t qk_e4m3_encode(float x) {
   assert(byte >= 0 && byte <= 0x7e);
   return (uint8_t)(sign | byte);
 }
+
+uint8_t qk_e4m3_encode(float x) { return e4m3_code(x); }
+
+/* qk_e4m3_decode of a byte that is not NaN, from its bits (no libm call): a normal
+ * 1.m * 2^(e-7) is the f32 with exponent e - 7 and m in the top mantissa bits; a
+ * subnormal is m * 2^-9, a product by a power of two, exact. */
+static inline float e4m3_value(uint8_t b) {
+  uint32_t exp = (b >> 3) & 0xfu, man = b & 7u;
+  float v;
+  if (exp == 0) {
+    v = (float)man * 0x1p-9f;
+  } else {
+    uint32_t bits = (exp - 7 + 127) << 23 | man << 20;
+    memcpy(&v, &bits, sizeof v);
+  }
+  return b & 0x80 ? -v : v;
+}
+
+float quant_e4m3_value(uint8_t b) { return e4m3_value(b); }
 
 uint8_t qk_e8m0_from_amax(float amax) {
   uint32_t bits = qk_f32_bits(amax) & 0x7fffffffu;
@@ -235,12 +255,12 @@ static void nvfp4_block(const float *x, bool ct, float ws2, float global, uint8_
     if (s_b == 0.0f)
       s_b = 1.0f;
   }
-  uint8_t sc = qk_e4m3_encode(fminf(s_b, E4M3_MAX));
+  uint8_t sc = e4m3_code(s_b < E4M3_MAX ? s_b : E4M3_MAX); /* fminf: s_b is not NaN */
   bool zero_scale = sc == 0;
   if (zero_scale && ct)
     sc = E4M3_EIGHTH;
   *scale_byte = sc;
-  float divisor = ct ? qk_e4m3_decode(sc) / global : qk_e4m3_decode(sc) * ws2;
+  float divisor = ct ? e4m3_value(sc) / global : e4m3_value(sc) * ws2;
   uint8_t *out = packed + first / 2;
   if (zero_scale) {
     memset(out, 0, NVFP4_BLOCK / 2);
@@ -424,10 +444,25 @@ static uint32_t word_u32(int32_t s) {
  * uses [-1, 1].
  */
 static void gptq_params(const float *x, int64_t g, bool sym, float *scale, int *zero) {
-  float xmin = 0.0f, xmax = 0.0f;
-  for (int64_t i = 0; i < g; i++) { /* finite inputs: plain comparisons are fminf / fmaxf */
-    xmin = x[i] < xmin ? x[i] : xmin;
-    xmax = x[i] > xmax ? x[i] : xmax;
+  /* Finite inputs: plain comparisons are fminf / fmaxf (a signed zero's sign never
+   * matters below); four running extremes, one per vector lane, exact in any order. */
+  float lo[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hi[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t quads = g / 4;
+  for (int64_t q = 0; q < quads; q++)
+    for (int l = 0; l < 4; l++) {
+      float v = x[4 * q + l];
+      lo[l] = v < lo[l] ? v : lo[l];
+      hi[l] = v > hi[l] ? v : hi[l];
+    }
+  for (int l = 0; l < (int)(g % 4); l++) {
+    float v = x[4 * quads + l];
+    lo[l] = v < lo[l] ? v : lo[l];
+    hi[l] = v > hi[l] ? v : hi[l];
+  }
+  float xmin = lo[0], xmax = hi[0];
+  for (int l = 1; l < 4; l++) {
+    xmin = lo[l] < xmin ? lo[l] : xmin;
+    xmax = hi[l] > xmax ? hi[l] : xmax;
   }
   if (sym) {
     xmax = fmaxf(fabsf(xmin), xmax);

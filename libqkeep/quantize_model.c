@@ -28,6 +28,7 @@
  * depend on which thread ran which block. Errors are kept per block and per
  * unit and the first in input order wins, as a single thread would report it.
  */
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -614,12 +615,12 @@ static int finish_shards(struct quantizer *q) {
 /* ---- units ----------------------------------------------------------------------------- */
 
 /* Rows of f32 from a member's input bytes. */
-static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *dst) {
+static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *restrict dst) {
   int64_t count = rows * m->k, first = row0 * m->k;
   switch ((enum qkeep_dtype)m->in->t->dtype) {
   case QKEEP_DTYPE_F32: memcpy(dst, (const float *)m->raw + first, (size_t)count * sizeof *dst); break;
   case QKEEP_DTYPE_BF16: {
-    const uint16_t *src = (const uint16_t *)m->raw + first;
+    const uint16_t *restrict src = (const uint16_t *)m->raw + first;
     for (int64_t i = 0; i < count; i++) { /* bf16 is the top half of an f32 */
       uint32_t bits = (uint32_t)src[i] << 16;
       memcpy(&dst[i], &bits, sizeof bits);
@@ -629,6 +630,44 @@ static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *ds
   default:
     for (int64_t i = 0; i < count; i++)
       dst[i] = qk_load_float(m->raw, m->in->t->dtype, (size_t)(first + i));
+  }
+}
+
+/*
+ * The rows' amax, and whether they are all finite, from the input's bits: for finite
+ * values the magnitude's bits order as the magnitudes do, so an integer max (a vector
+ * loop, no conversion) gives quant_check_rows's amax exactly. False when a NaN or Inf
+ * is there (quant_check_rows then names it).
+ */
+static bool raw_amax(const struct member *m, int64_t row0, int64_t rows, float *amax) {
+  int64_t count = rows * m->k, first = row0 * m->k;
+  switch ((enum qkeep_dtype)m->in->t->dtype) {
+  case QKEEP_DTYPE_BF16:
+  case QKEEP_DTYPE_F16: {
+    const uint16_t *src = (const uint16_t *)m->raw + first;
+    uint16_t top = 0;
+    for (int64_t i = 0; i < count; i++) {
+      uint16_t a = src[i] & 0x7fffu;
+      top = a > top ? a : top;
+    }
+    bool bf16 = m->in->t->dtype == QKEEP_DTYPE_BF16;
+    if (top >= (bf16 ? 0x7f80u : 0x7c00u)) /* the exponent all ones */
+      return false;
+    *amax = bf16 ? qk_bf16_to_f32(top) : qk_f16_to_f32(top);
+    return true;
+  }
+  default: {
+    const uint32_t *src = (const uint32_t *)m->raw + first; /* f32, as malloc'd bytes */
+    uint32_t top = 0;
+    for (int64_t i = 0; i < count; i++) {
+      uint32_t a = src[i] & 0x7fffffffu;
+      top = a > top ? a : top;
+    }
+    if (top >= 0x7f800000u)
+      return false;
+    memcpy(amax, &top, sizeof *amax);
+    return true;
+  }
   }
 }
 
@@ -751,14 +790,19 @@ static void run_block(const struct quantizer *q, struct unit *u, int stage, int6
   int64_t r0, rows;
   struct member *m = block_rows(u, b, &r0, &rows);
   struct block_result *res = &u->results[b];
-  to_f32(m, r0, rows, scratch);
   bool check = stage == 0, last = stage == u->n_stages - 1;
   int rc;
-  if (check && (rc = quant_check_rows(scratch, r0, rows, m->k, &res->amax))) {
+  if (check && !raw_amax(m, r0, rows, &res->amax)) {
+    to_f32(m, r0, rows, scratch);
+    rc = quant_check_rows(scratch, r0, rows, m->k, &res->amax);
+    assert(rc);
     keep_error(rc, &res->finite_rc, &res->finite_msg);
     return;
   }
-  if (last && (rc = quantize_rows(q, u, m, r0, rows, scratch)))
+  if (!last)
+    return;
+  to_f32(m, r0, rows, scratch);
+  if ((rc = quantize_rows(q, u, m, r0, rows, scratch)))
     keep_error(rc, &res->other_rc, &res->other_msg);
 }
 

@@ -440,6 +440,18 @@ START_TEST(layout_is_the_written_file) {
 }
 END_TEST
 
+/* The NVFP4 quantizer's own e4m3 decode (no libm) against the shared one, bit for bit. */
+START_TEST(e4m3_values_are_the_decoders) {
+  for (int b = 0; b < 256; b++) {
+    if ((b & 0x7f) == 0x7f)
+      continue; /* NaN */
+    float mine = quant_e4m3_value((uint8_t)b), theirs = qkeep_e4m3_to_f32((uint8_t)b);
+    ck_assert_msg(memcmp(&mine, &theirs, sizeof mine) == 0, "byte 0x%02x: %g, expected %g", b, (double)mine,
+                  (double)theirs);
+  }
+}
+END_TEST
+
 static Suite *quantize_suite(void) {
   Suite *s = suite_create("quantize");
   TCase *tc = tcase_create("streaming");
@@ -450,6 +462,7 @@ static Suite *quantize_suite(void) {
   tcase_add_test(tc, memory_stays_under_the_stated_bound);
   tcase_add_test(tc, the_first_error_wins_at_any_thread_count);
   tcase_add_test(tc, layout_is_the_written_file);
+  tcase_add_test(tc, e4m3_values_are_the_decoders);
   suite_add_tcase(s, tc);
   return s;
 }
