@@ -9,11 +9,11 @@
  *   quantize   qkeep_quantize into each scheme (modelopt-nvfp4, mxfp4, w8a8-int8,
  *              gptq-int4, ct-int4), at 1 thread and at every thread count given
  *              (default: 1 and every online core); each output removed at once.
- * Rates are input bytes per second. Per run the ratio to that run's raw rate; at the
- * end the medians, the ratio of the medians and the speed-up over 1 thread, the
- * peak buffer bytes qkeep_quantize reports against the model's size, and the
- * process's peak resident memory. One JSON object per line; lscpu's model first.
- * The temporary directory is removed at the end.
+ * Rates are input bytes per second; cpu_s is the process's CPU time (user + system, every
+ * thread) for the same work, which tells what a loaded machine's wall clock cannot. Per run the ratio to that
+ * run's raw rate; at the end the medians, the ratio of the medians and the speed-up over 1 thread, the peak
+ * buffer bytes qkeep_quantize reports against the model's size, and the process's peak resident memory. One
+ * JSON object per line; lscpu's model first. The temporary directory is removed at the end.
  *
  *   bench_quantize [SIZE_MB [RUNS [THREADS...]]]      defaults: 1100 3 (1 and all)
  */
@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -128,13 +129,21 @@ static int64_t write_model(const char *path, int64_t target) {
   return size;
 }
 
+/* CPU seconds of the process so far, every thread's, user and system. */
+static double cpu_seconds(void) {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return (double)ru.ru_utime.tv_sec + 1e-6 * (double)ru.ru_utime.tv_usec + (double)ru.ru_stime.tv_sec +
+         1e-6 * (double)ru.ru_stime.tv_usec;
+}
+
 /* Seconds for a raw read + write of the file (one thread, 8 MiB chunks); the copy is removed. */
-static double raw_copy(const char *from, const char *to) {
+static double raw_copy(const char *from, const char *to, double *cpu) {
   char *buf = malloc(CHUNK);
   int in = open(from, O_RDONLY), out = open(to, O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (!buf || in < 0 || out < 0)
     die("raw copy");
-  double t0 = tu_now();
+  double t0 = tu_now(), c0 = cpu_seconds();
   off_t at = 0;
   for (;;) {
     ssize_t r = pread(in, buf, CHUNK, at);
@@ -147,6 +156,7 @@ static double raw_copy(const char *from, const char *to) {
   }
   close(out);
   double t = tu_now() - t0;
+  *cpu = cpu_seconds() - c0;
   close(in);
   unlink(to);
   free(buf);
@@ -164,14 +174,15 @@ static void remove_dir(const char *dir) {
 }
 
 static double quantize(const char *in, const char *out, const char *scheme, int threads,
-                       struct qkeep_quantize_progress *summary) {
+                       struct qkeep_quantize_progress *summary, double *cpu) {
   *summary = (struct qkeep_quantize_progress){.size = sizeof *summary};
   struct qkeep_quantize_options o = {
       .size = sizeof o, .scheme = scheme, .threads = threads, .activation_amax = 4, .summary = summary};
-  double t0 = tu_now();
+  double t0 = tu_now(), c0 = cpu_seconds();
   if (qkeep_quantize(in, out, &o))
     die(scheme);
   double t = tu_now() - t0;
+  *cpu = cpu_seconds() - c0;
   remove_dir(out);
   return t;
 }
@@ -220,39 +231,46 @@ int main(int argc, char **argv) {
   int64_t bytes = write_model(model, size_mb << 20);
   printf("{\"bench\":\"quantize_input\",\"bytes\":%lld,\"write_s\":%.2f}\n", (long long)bytes, tu_now() - t0);
   fflush(stdout);
-  static double raw[MAX_RUNS], rate[N_SCHEMES][MAX_THREADS][MAX_RUNS];
+  static double raw[MAX_RUNS], raw_cpu[MAX_RUNS], rate[N_SCHEMES][MAX_THREADS][MAX_RUNS],
+      cpu[N_SCHEMES][MAX_THREADS][MAX_RUNS];
   int64_t peak[N_SCHEMES] = {0}, bound[N_SCHEMES] = {0};
   for (int r = -1; r < runs; r++) { /* run -1 warms the page cache and is not kept */
-    double raw_s = raw_copy(model, copy);
-    if (r >= 0)
+    double raw_c, raw_s = raw_copy(model, copy, &raw_c);
+    if (r >= 0) {
       raw[r] = (double)bytes / raw_s;
+      raw_cpu[r] = raw_c;
+    }
     for (size_t s = 0; s < N_SCHEMES; s++)
       for (int t = 0; t < n_threads; t++) {
         struct qkeep_quantize_progress sum;
-        double sec = quantize(model, out, schemes[s], threads[t], &sum);
+        double c, sec = quantize(model, out, schemes[s], threads[t], &sum, &c);
         if (r < 0)
           continue;
         rate[s][t][r] = (double)bytes / sec;
+        cpu[s][t][r] = c;
         peak[s] = sum.peak_buffer_bytes > peak[s] ? sum.peak_buffer_bytes : peak[s];
         bound[s] = sum.buffer_bound;
-        printf("{\"bench\":\"quantize_run\",\"run\":%d,\"scheme\":\"%s\",\"threads\":%d,\"seconds\":%.3f,"
-               "\"mb_per_s\":%.1f,\"raw_mb_per_s\":%.1f,\"ratio_raw\":%.3f}\n",
-               r, schemes[s], sum.threads, sec, rate[s][t][r] / 1e6, raw[r] / 1e6, rate[s][t][r] / raw[r]);
+        printf(
+            "{\"bench\":\"quantize_run\",\"run\":%d,\"scheme\":\"%s\",\"threads\":%d,\"seconds\":%.3f,"
+            "\"cpu_s\":%.3f,\"mb_per_s\":%.1f,\"raw_mb_per_s\":%.1f,\"raw_cpu_s\":%.3f,\"ratio_raw\":%.3f}\n",
+            r, schemes[s], sum.threads, sec, c, rate[s][t][r] / 1e6, raw[r] / 1e6, raw_cpu[r],
+            rate[s][t][r] / raw[r]);
         fflush(stdout);
       }
   }
   double raw_med = tu_median(raw, runs);
-  printf("{\"bench\":\"quantize_raw\",\"bytes\":%lld,\"runs\":%d,\"mb_per_s\":%.1f}\n", (long long)bytes,
-         runs, raw_med / 1e6);
+  printf("{\"bench\":\"quantize_raw\",\"bytes\":%lld,\"runs\":%d,\"mb_per_s\":%.1f,\"cpu_s\":%.3f}\n",
+         (long long)bytes, runs, raw_med / 1e6, tu_median(raw_cpu, runs));
   for (size_t s = 0; s < N_SCHEMES; s++) {
     double one = tu_median(rate[s][0], runs);
     for (int t = 0; t < n_threads; t++) {
       double med = tu_median(rate[s][t], runs);
-      printf("{\"bench\":\"quantize\",\"scheme\":\"%s\",\"threads\":%d,\"runs\":%d,\"input_bytes\":%lld,"
-             "\"mb_per_s\":%.1f,\"raw_mb_per_s\":%.1f,\"ratio_raw\":%.3f,\"speedup_vs_1\":%.2f,"
-             "\"peak_buffer_bytes\":%lld,\"buffer_bound\":%lld}\n",
-             schemes[s], threads[t], runs, (long long)bytes, med / 1e6, raw_med / 1e6, med / raw_med,
-             med / one, (long long)peak[s], (long long)bound[s]);
+      printf(
+          "{\"bench\":\"quantize\",\"scheme\":\"%s\",\"threads\":%d,\"runs\":%d,\"input_bytes\":%lld,"
+          "\"mb_per_s\":%.1f,\"raw_mb_per_s\":%.1f,\"ratio_raw\":%.3f,\"speedup_vs_1\":%.2f,\"cpu_s\":%.3f,"
+          "\"peak_buffer_bytes\":%lld,\"buffer_bound\":%lld}\n",
+          schemes[s], threads[t], runs, (long long)bytes, med / 1e6, raw_med / 1e6, med / raw_med, med / one,
+          tu_median(cpu[s][t], runs), (long long)peak[s], (long long)bound[s]);
     }
   }
   printf("{\"bench\":\"quantize_memory\",\"model_bytes\":%lld,\"peak_rss_bytes\":%lld}\n", (long long)bytes,
