@@ -317,11 +317,12 @@ static long long status_bytes(const char *field) {
   return kb < 0 ? -1 : kb * 1024;
 }
 
-/* ASan's allocator keeps freed memory in quarantine, so resident memory says nothing there. */
-#if defined(__SANITIZE_ADDRESS__)
+/* ASan's allocator keeps freed memory in quarantine (and TSan's shadows it), so resident memory says
+ * nothing there. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 static const bool under_asan = true;
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 static const bool under_asan = true;
 #else
 static const bool under_asan = false;
