@@ -46,6 +46,9 @@
 #define BLOCK_ELEMENTS ((int64_t)1 << 18) /* a row block's f32 scratch: 1 MiB */
 #define MAX_OUTPUTS 4                     /* tensors one quantized weight writes */
 #define MAX_MEMBERS 3                     /* weights of one NVFP4 fusion group */
+/* Inner loops run in pieces of a constant length: compilers that vectorize only loops whose
+ * count they know (GCC's -O2 cost model) vectorize those. */
+#define VECTOR_RUN 64
 
 /* An appended option, or 0 / NULL when the caller's struct is older. */
 #define OPTION(opt, field)                                                                                   \
@@ -619,9 +622,15 @@ static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *re
   int64_t count = rows * m->k, first = row0 * m->k;
   switch ((enum qkeep_dtype)m->in->t->dtype) {
   case QKEEP_DTYPE_F32: memcpy(dst, (const float *)m->raw + first, (size_t)count * sizeof *dst); break;
-  case QKEEP_DTYPE_BF16: {
+  case QKEEP_DTYPE_BF16: { /* bf16 is the top half of an f32 */
     const uint16_t *restrict src = (const uint16_t *)m->raw + first;
-    for (int64_t i = 0; i < count; i++) { /* bf16 is the top half of an f32 */
+    int64_t i = 0;
+    for (; i + VECTOR_RUN <= count; i += VECTOR_RUN)
+      for (int j = 0; j < VECTOR_RUN; j++) {
+        uint32_t bits = (uint32_t)src[i + j] << 16;
+        memcpy(&dst[i + j], &bits, sizeof bits);
+      }
+    for (; i < count; i++) {
       uint32_t bits = (uint32_t)src[i] << 16;
       memcpy(&dst[i], &bits, sizeof bits);
     }
@@ -645,15 +654,21 @@ static bool raw_amax(const struct member *m, int64_t row0, int64_t rows, float *
   case QKEEP_DTYPE_BF16:
   case QKEEP_DTYPE_F16: {
     const uint16_t *src = (const uint16_t *)m->raw + first;
-    uint16_t top = 0;
-    for (int64_t i = 0; i < count; i++) {
-      uint16_t a = src[i] & 0x7fffu;
+    int16_t top = 0; /* magnitudes fit int16: a signed max, which SSE2 has */
+    int64_t i = 0;
+    for (; i + VECTOR_RUN <= count; i += VECTOR_RUN)
+      for (int j = 0; j < VECTOR_RUN; j++) {
+        int16_t a = (int16_t)(src[i + j] & 0x7fffu);
+        top = a > top ? a : top;
+      }
+    for (; i < count; i++) {
+      int16_t a = (int16_t)(src[i] & 0x7fffu);
       top = a > top ? a : top;
     }
     bool bf16 = m->in->t->dtype == QKEEP_DTYPE_BF16;
-    if (top >= (bf16 ? 0x7f80u : 0x7c00u)) /* the exponent all ones */
+    if (top >= (bf16 ? 0x7f80 : 0x7c00)) /* the exponent all ones */
       return false;
-    *amax = bf16 ? qk_bf16_to_f32(top) : qk_f16_to_f32(top);
+    *amax = bf16 ? qk_bf16_to_f32((uint16_t)top) : qk_f16_to_f32((uint16_t)top);
     return true;
   }
   default: {
