@@ -79,7 +79,7 @@ int fail(int code) {
 
 /* Options that take a value, and flags, as "--name" (values also as "--name=value"). */
 static const char *const value_options[] = {"scheme",    "group", "activation-amax", "shard-bytes", "rows",
-                                            "tolerance", "seed"};
+                                            "tolerance", "seed",  "threads"};
 static const char *const flag_options[] = {"asym", "static-input", "asym-input", "kv-scales", "verbose"};
 
 static int parse_args(int argc, char **argv, struct options *o) {

@@ -434,6 +434,18 @@ int st_writer_set_metadata(struct st_writer *w, const char *key, const char *val
  * Writes to a temporary name and renames, so a failure leaves no partial file.
  */
 int st_writer_write(struct st_writer *w, const char *path);
+/* Adds a tensor's name and spec without bytes, for st_writer_layout (a streaming writer). */
+int st_writer_plan(struct st_writer *w, const char *name, const struct qkeep_spec *spec);
+/* Where every byte of the file st_writer_write would write goes (the bytes of planned tensors
+ * are the caller's to write at their offsets). */
+struct st_layout {
+  char *header;      /* the head of the file: 8-byte length, JSON, padding */
+  size_t header_len; /* bytes of header; the data starts here */
+  uint64_t *offsets; /* absolute file offset of each tensor, in the order added */
+  uint64_t file_size;
+};
+int st_writer_layout(const struct st_writer *w, struct st_layout *out);
+void st_layout_free(struct st_layout *l);
 
 /* ---- config (config.c) ------------------------------------------------------------ */
 

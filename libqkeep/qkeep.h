@@ -428,6 +428,19 @@ QKEEP_API int qkeep_compare(qkeep_model *model, qkeep_model *reference, int64_t 
 
 /* ---- quantizing checkpoints ------------------------------------------------------ */
 
+/* Where a qkeep_quantize stands (progress callback) or how it went (summary). Input bytes and tensors
+ * count every tensor of the input; a tensor is done when its output bytes are written. */
+struct qkeep_quantize_progress {
+  size_t size;
+  int64_t tensors_done, tensors_total;
+  int64_t bytes_done, bytes_total; /* input bytes */
+  int64_t bytes_written;           /* output bytes, headers included */
+  double seconds;                  /* since qkeep_quantize started */
+  int threads;                     /* threads used, the calling one included */
+  int64_t peak_buffer_bytes;       /* the most bytes its buffers held at once (the memory bound) */
+  int64_t buffer_bound;            /* the bound it keeps them under (see qkeep_quantize) */
+};
+
 struct qkeep_quantize_options {
   size_t size;
   const char *scheme;      /* modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4 */
@@ -438,6 +451,12 @@ struct qkeep_quantize_options {
   bool kv_cache_scales;    /* write FP8 k_scale / v_scale for each attention block */
   float activation_amax;   /* the |x| bound static scales are derived from (no calibration; default 1) */
   int64_t max_shard_bytes; /* > 0: shard the output (model-0000i-of-0000n + index) */
+  /* Appended (read only when size covers them; absent means 0 / NULL): */
+  int threads; /* worker threads, the calling thread included; 0: every online core */
+  /* (optional) called on the calling thread, about 10 times a second and once at the end */
+  void (*progress)(void *user, const struct qkeep_quantize_progress *p);
+  void *progress_user;
+  struct qkeep_quantize_progress *summary; /* (optional) filled on success (its size set by the caller) */
 };
 
 /*
@@ -446,7 +465,20 @@ struct qkeep_quantize_options {
  * directory), with the scheme's real tensor names, config.json and, for
  * ModelOpt, hf_quant_config.json. Fused shards (q/k/v, gate/up, each expert's
  * gate/up) share one NVFP4 global scale. Deterministic: the same input and
- * options give the same bytes. On failure nothing is left in out_dir.
+ * options give the same bytes, whatever the number of threads. On failure
+ * nothing is left in out_dir, and the error is the one a single thread
+ * reports (the first failing tensor in the input's name order).
+ *
+ * Streaming: the output's headers are laid out from the input's header before
+ * any data is read (every output size follows from the input shapes and the
+ * scheme); then each tensor is read, quantized by row blocks on `threads`
+ * threads, and written at its offset. A unit of work is one tensor, or one
+ * NVFP4 fusion group (q/k/v or gate/up: the tensors that share a global
+ * scale). Units stay in memory (input, output and scratch bytes) only while in
+ * flight, and at most 2 x the largest unit's bytes are in flight (one unit of
+ * any size always is), plus 1 MiB of scratch per thread and an 8 MiB buffer
+ * for tensors copied unchanged (copied in chunks): peak memory is that bound,
+ * not the model's size (summary->buffer_bound and ->peak_buffer_bytes).
  */
 QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opts);
 

@@ -22,6 +22,9 @@ uint8_t qk_e4m3_encode(float x);
 /* MXFP4 shared scale byte for a block's amax: floor(log2(amax)) - 2 from the float's
  * exponent (amax 0 uses FP32_MIN_NORMAL), clamped to [-127, 127], stored + 127. */
 uint8_t qk_e8m0_from_amax(float amax);
+/* qk_e4m3_decode's value of a byte other than NaN (0x7f, 0xff), without libm: what the NVFP4
+ * quantizer divides by. */
+float quant_e4m3_value(uint8_t b);
 
 /*
  * NVFP4 (k % 16 == 0). packed u8 [n, k/2]; block_scale e4m3 [n, k/16].
@@ -67,5 +70,38 @@ void dequant_gptq_int4(const int32_t *qweight, const uint16_t *scales, const int
  */
 int quant_ct_int4(const float *w, int64_t n, int64_t k, int64_t g, bool sym, int32_t *packed, float *scales,
                   int32_t *zero_points);
+
+/*
+ * Row ranges, for quantizing one matrix on several threads (quantize_model.c). Each
+ * call covers rows [row0, row0 + rows) of an [n, k] matrix: w points at row row0's
+ * f32 values, and the outputs at that row's first output (row0's bytes of packed,
+ * block scales, q, ...), except where said. The shape and the options are checked by
+ * the caller (the whole-matrix functions above show which checks apply). Together,
+ * the ranges of a matrix write exactly the bytes of the whole-matrix call, and a
+ * range's error is the one the whole-matrix call reports when that range holds the
+ * matrix's first offending row (row numbers count from row 0 of the matrix).
+ */
+/* Refuses NaN and Inf (naming element, row and column of the matrix); *amax (may be NULL)
+ * gets max |w| of the rows. */
+int quant_check_rows(const float *w, int64_t row0, int64_t rows, int64_t k, float *amax);
+/* The NVFP4 global scale (as quant_nvfp4 stores it) for a matrix's amax; QKEEP_E_INVAL
+ * when that scale would be subnormal. */
+int quant_nvfp4_global(float amax, bool ct, float *global);
+/* NVFP4 codes and block scales of finite rows, given the whole matrix's amax. */
+void quant_nvfp4_rows(const float *w, int64_t rows, int64_t k, bool ct, float amax, uint8_t *packed,
+                      uint8_t *block_scale);
+/* MXFP4 of finite rows. */
+void quant_mxfp4_rows(const float *w, int64_t rows, int64_t k, uint8_t *packed, uint8_t *scales);
+/* int8 per channel of finite rows. */
+int quant_int8_rows(const float *w, int64_t row0, int64_t rows, int64_t k, int8_t *q, float *scales);
+/* GPTQ int4 of finite rows (row0 and rows multiples of 8): qweight, scales and qzeros are
+ * the whole [k/8, n], [k/g, n] and [k/g, n/8] tensors (a row is a column there); the
+ * caller fills g_idx. */
+int quant_gptq_int4_rows(const float *w, int64_t row0, int64_t rows, int64_t n, int64_t k, int64_t g,
+                         bool sym, int32_t *qweight, uint16_t *scales, int32_t *qzeros);
+/* pack-quantized int4 of finite rows (row0 and rows multiples of 8): zero_points points at
+ * word row0 / 8 * (k / g). */
+void quant_ct_int4_rows(const float *w, int64_t rows, int64_t k, int64_t g, bool sym, int32_t *packed,
+                        float *scales, int32_t *zero_points);
 
 #endif

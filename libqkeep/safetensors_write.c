@@ -32,7 +32,8 @@ struct st_writer_tensor {
   char *name;
   struct qkeep_spec spec;
   size_t nbytes;
-  void *data; /* owned copy; NULL when nbytes is 0 */
+  void *data;   /* owned copy; NULL when nbytes is 0 or the tensor was planned */
+  bool planned; /* added by st_writer_plan: a spec without bytes (st_writer_layout only) */
 };
 
 struct st_writer_meta {
@@ -180,7 +181,8 @@ static int check_spec(const char *name, const struct qkeep_spec *spec, size_t *n
  * invalid spec or missing data; QKEEP_E_EXISTS when the name was already
  * added; QKEEP_E_NOMEM. On error the writer is unchanged.
  */
-int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec *spec, const void *data) {
+static int add_tensor(struct st_writer *w, const char *name, const struct qkeep_spec *spec, const void *data,
+                      bool planned) {
   assert(w);
   if (!name)
     return set_error(QKEEP_E_INVAL, "st_writer_add: no tensor name given");
@@ -192,7 +194,7 @@ int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec
   int rc = check_spec(name, spec, &nbytes);
   if (rc != 0)
     return rc;
-  if (nbytes > 0 && !data)
+  if (nbytes > 0 && !data && !planned)
     return set_error(QKEEP_E_INVAL, "tensor '%s': no data for %zu bytes", name, nbytes);
   size_t seen;
   if (name_index_get(&w->index, name, &seen))
@@ -200,10 +202,10 @@ int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec
 
   if ((rc = grow_array((void **)&w->tensors, &w->cap_tensors, w->n_tensors + 1, sizeof *w->tensors)) != 0)
     return rc;
-  struct st_writer_tensor t = {.name = xstrdup(name), .spec = *spec, .nbytes = nbytes};
-  if (nbytes > 0 && (t.data = malloc(nbytes)) != NULL)
+  struct st_writer_tensor t = {.name = xstrdup(name), .spec = *spec, .nbytes = nbytes, .planned = planned};
+  if (nbytes > 0 && !planned && (t.data = malloc(nbytes)) != NULL)
     memcpy(t.data, data, nbytes);
-  if (!t.name || (nbytes > 0 && !t.data)) {
+  if (!t.name || (nbytes > 0 && !planned && !t.data)) {
     free(t.name);
     free(t.data);
     return set_error(QKEEP_E_NOMEM, "tensor '%s': out of memory copying %zu bytes", name, nbytes);
@@ -215,6 +217,20 @@ int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec
   }
   w->tensors[w->n_tensors++] = t;
   return 0;
+}
+
+int st_writer_add(struct st_writer *w, const char *name, const struct qkeep_spec *spec, const void *data) {
+  return add_tensor(w, name, spec, data, false);
+}
+
+/*
+ * Adds tensor `name` with spec's dtype and shape but no bytes: the file's layout
+ * (st_writer_layout) counts it, and the caller writes its bytes at the offset
+ * the layout gives. A writer holding a planned tensor cannot st_writer_write.
+ * Errors as st_writer_add; on error the writer is unchanged.
+ */
+int st_writer_plan(struct st_writer *w, const char *name, const struct qkeep_spec *spec) {
+  return add_tensor(w, name, spec, NULL, true);
 }
 
 /*
@@ -420,6 +436,59 @@ static int write_file(const char *tmp_path, const struct strbuf *header,
 }
 
 /*
+ * The layout of the file st_writer_write would write for w, without writing it:
+ * out->header is the whole head of the file (the 8-byte little-endian length,
+ * then the padded JSON), out->offsets[i] the absolute file offset of the i-th
+ * tensor added (planned or not), out->file_size the file's size. The caller
+ * owns out (st_layout_free). QKEEP_E_NOMEM, QKEEP_E_INVAL (header too large).
+ */
+int st_writer_layout(const struct st_writer *w, struct st_layout *out) {
+  assert(w && out);
+  *out = (struct st_layout){0};
+  struct st_writer_tensor **order = NULL;
+  struct strbuf json = {0};
+  int rc = 0;
+  size_t n = w->n_tensors;
+  if (n > 0 && (!(order = malloc(n * sizeof *order)) || !(out->offsets = malloc(n * sizeof *out->offsets))))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory laying out a safetensors file");
+  if (rc == 0) {
+    for (size_t i = 0; i < n; i++)
+      order[i] = &w->tensors[i];
+    if (n > 1)
+      qsort(order, n, sizeof *order, by_alignment_then_name);
+    rc = build_header(w, order, &json);
+  }
+  if (rc == 0 && !(out->header = malloc(json.len + 8)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory laying out a safetensors file");
+  if (rc == 0) {
+    for (int i = 0; i < 8; i++)
+      out->header[i] = (char)(unsigned char)((uint64_t)json.len >> (8 * i));
+    memcpy(out->header + 8, json.data, json.len);
+    out->header_len = json.len + 8;
+    uint64_t offset = out->header_len;
+    for (size_t i = 0; i < n; i++) {
+      out->offsets[order[i] - w->tensors] = offset;
+      offset += order[i]->nbytes;
+    }
+    out->file_size = offset;
+  }
+  free(json.data);
+  free(order);
+  if (rc != 0)
+    st_layout_free(out);
+  return rc;
+}
+
+/* Frees what st_writer_layout allocated; a zeroed layout is a no-op. */
+void st_layout_free(struct st_layout *l) {
+  if (!l)
+    return;
+  free(l->header);
+  free(l->offsets);
+  *l = (struct st_layout){0};
+}
+
+/*
  * Writes every tensor and the metadata to `path` in the reference layout. The
  * bytes go to "PATH.tmp-PID" first, which is renamed over PATH; on any error
  * the temporary file is removed and PATH is left as it was. QKEEP_E_IO naming
@@ -430,6 +499,10 @@ int st_writer_write(struct st_writer *w, const char *path) {
   assert(w);
   if (!path)
     return set_error(QKEEP_E_INVAL, "st_writer_write: no path given");
+  for (size_t i = 0; i < w->n_tensors; i++)
+    if (w->tensors[i].planned)
+      return set_error(QKEEP_E_INVAL, "%s: tensor '%s' was planned without bytes (st_writer_plan)", path,
+                       w->tensors[i].name);
 
   struct st_writer_tensor **order = NULL;
   struct strbuf header = {0};

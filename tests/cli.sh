@@ -90,6 +90,19 @@ check "quantize shards" test -f "$tmp/w1/model.safetensors.index.json"
 check "quantize refuses an existing output" test $? -eq 1
 "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/bad" >"$tmp/out" 2>&1
 check "quantize needs --scheme" test $? -eq 2
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/bad" --scheme mxfp4 --threads 0 >"$tmp/out" 2>&1
+check "quantize refuses --threads 0" test $? -eq 2
+"$qkeep" --json quantize "$tmp/tiny.safetensors" "$tmp/t1" --scheme mxfp4 --kv-scales --threads 1 >"$tmp/q1.json" 2>&1
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/t3" --scheme mxfp4 --kv-scales --threads 3 >/dev/null 2>"$tmp/q3.err"
+check "quantize writes the same bytes at 1 and 3 threads" cmp -s "$tmp/t1/model.safetensors" "$tmp/t3/model.safetensors"
+check "quantize is silent off a terminal" test ! -s "$tmp/q3.err"
+if command -v script >/dev/null 2>&1; then # util-linux's script gives it a terminal
+  script -qec "'$qkeep' quantize '$tmp/tiny.safetensors' '$tmp/tty' --scheme mxfp4" /dev/null >"$tmp/tty.out" 2>&1
+  check "quantize shows progress on a terminal" grep -Eq "[0-9]+/[0-9]+ tensors, .* MB/s, ETA" "$tmp/tty.out"
+fi
+check "quantize --json sums up" test "$("$build/tests/jsonget" threads <"$tmp/q1.json")" = 1
+check "quantize --json counts the bytes written" test "$("$build/tests/jsonget" output_bytes <"$tmp/q1.json")" = \
+  "$(stat -c %s "$tmp/t1/model.safetensors")"
 "$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" >"$tmp/out" 2>&1; rc=$?
 check "run exits 0" test $rc -eq 0
 # the reference against itself: exactly 0 (the default-config runs below compare other backends)
