@@ -11,8 +11,11 @@
  * and the scheme's normalisation and the backend's PWAL run again - in place,
  * by the replace rule. The result equals a cold start on W1 byte for byte.
  * If applying fails part-way, the layers already changed are reloaded from
- * the checkpoint the model held before (W0); if that is impossible the model
- * refuses to run until a reload succeeds, so it never serves a silent mix.
+ * the checkpoint the model held before (W0), and each must then hash to the
+ * digest it had just before the reload touched it: W0's files may have changed
+ * on disk since (a trainer saving into the same directory), and re-reading them
+ * would otherwise give a silent mix. If the bytes differ, or no file holds W0,
+ * the model refuses to run until a reload succeeds.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -375,11 +378,19 @@ static int restore_layer(qkeep_layer *layer) {
   return 0;
 }
 
-/* Restores, loads, checks and re-runs normalisation and PWAL for each selected layer. */
-/* scales_checked: every scale byte comes from what validation checked, so the loaded values need no
- * second look. */
+/* A layer's digest just before a reload changed it: what a rollback must give back. */
+struct layer_before {
+  bool known;
+  struct qkeep_digest digest;
+};
+
+/*
+ * Restores, loads, checks and re-runs normalisation and PWAL for each selected layer.
+ * scales_checked: every scale byte comes from what validation checked, so the loaded values need no
+ * second look. before (NULL: not kept): each selected layer's digest is taken there first.
+ */
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
-                 size_t *failed_at, double *t_read, double *t_pwal) {
+                 struct layer_before *before, double *t_read, double *t_pwal) {
   struct staging st = {0};
   int rc = 0;
   model_spares(model, true);
@@ -387,9 +398,10 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
     if (!selected[l])
       continue;
     qkeep_layer *layer = model->layers[l];
-    *failed_at = l;
     double a = now_seconds();
-    if ((long)l == model->fault_layer)
+    if (before && !(rc = digest_layer(layer, &before[l].digest)))
+      before[l].known = true;
+    if (!rc && (long)l == model->fault_layer)
       rc = set_error(model->fault_code, "injected fault at layer %s", layer->name);
     if (!rc)
       rc = restore_layer(layer);
@@ -412,8 +424,11 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
   return rc ? rc : staged;
 }
 
-/* Puts the layers [0, failed_at] that W1 touched back to W0, from the checkpoint W0 came from. */
-static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at) {
+/*
+ * Puts the layers that W1 touched (those with a digest in `before`) back to W0, from the
+ * checkpoint W0 came from, and checks that each hashes to its digest from before the reload.
+ */
+static int roll_back(qkeep_model *model, const struct layer_before *before) {
   if (!model->source_path)
     return set_error(QKEEP_E_STATE, "no checkpoint holds the model's previous weights");
   struct ckpt *ck;
@@ -425,15 +440,23 @@ static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at)
   bool *redo = calloc(model->n_layers ? model->n_layers : 1, sizeof *redo);
   if (!redo)
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t l = 0; !rc && l <= failed_at && l < model->n_layers; l++)
-    redo[l] = selected[l];
-  size_t at;
+  for (size_t l = 0; !rc && l < model->n_layers; l++)
+    redo[l] = before[l].known;
   double ignore_read = 0, ignore_pwal = 0;
   long fault = model->fault_layer;
   model->fault_layer = -1; /* an injected fault is for the reload, not for its rollback */
   if (!rc)
-    rc = apply(model, &pv, redo, false, &at, &ignore_read, &ignore_pwal);
+    rc = apply(model, &pv, redo, false, NULL, &ignore_read, &ignore_pwal);
   model->fault_layer = fault;
+  for (size_t l = 0; !rc && l < model->n_layers; l++) {
+    struct qkeep_digest now;
+    if (redo[l] && !(rc = digest_layer(model->layers[l], &now)) &&
+        (now.hi != before[l].digest.hi || now.lo != before[l].digest.lo))
+      rc = set_error(QKEEP_E_STATE,
+                     "%s no longer holds the model's previous weights (layer %s reads back other bytes: "
+                     "its files changed since they were loaded)",
+                     model->source_path, model->layers[l]->name);
+  }
   free(redo);
   ckpt_close(ck);
   return rc;
@@ -450,8 +473,12 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
                      "is needed, not a partial one");
   double t_validate = now_seconds();
   bool *selected = calloc(model->n_layers, sizeof *selected);
-  if (!selected)
+  struct layer_before *before = calloc(model->n_layers, sizeof *before);
+  if (!selected || !before) {
+    free(selected);
+    free(before);
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
   struct scale_cache cache = {.inner = pv};
   int rc = scale_cache_reserve(&cache, model);
   if (!rc)
@@ -459,35 +486,45 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   if (rc) {
     scale_cache_free(&cache);
     free(selected);
+    free(before);
     return rc; /* nothing was touched */
   }
-  size_t failed_at = 0;
   double t0 = now_seconds(), t_read = 0, t_pwal = 0;
   t_validate = t0 - t_validate;
   struct provider validated;
   cached_provider(&validated, &cache);
-  rc = apply(model, &validated, selected, cache.complete, &failed_at, &t_read, &t_pwal);
+  rc = apply(model, &validated, selected, cache.complete, before, &t_read, &t_pwal);
   scale_cache_free(&cache);
   if (rc) {
-    char why[1024];
-    snprintf(why, sizeof why, "%s", qkeep_errmsg());
-    int back = roll_back(model, selected, failed_at);
-    if (back == 0) {
-      set_error(rc, "%s; the model was rolled back to %s", why, model->source_path);
+    char *why = xstrdup(qkeep_errmsg());
+    int back = roll_back(model, before);
+    if (back == 0 && model->poisoned) {
+      set_error(rc,
+                "%s; the layers it touched were rolled back, but the model held a mix after an earlier "
+                "failed reload and still refuses to run until a reload succeeds",
+                why ? why : "");
+    } else if (back == 0) {
+      set_error(rc,
+                "%s; the model was rolled back to %s (every layer the reload touched has its earlier bytes "
+                "again, by digest)",
+                why ? why : "", model->source_path);
     } else {
-      char how[512];
-      snprintf(how, sizeof how, "%s", qkeep_errmsg());
+      char *how = xstrdup(qkeep_errmsg());
       model->poisoned = true;
-      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds", why,
-                how);
+      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds",
+                why ? why : "", how ? how : "out of memory");
+      free(how);
     }
+    free(why);
     free(selected);
+    free(before);
     return rc;
   }
   bool full = !(flags & QKEEP_RELOAD_PARTIAL);
   for (size_t l = 0; l < model->n_layers && full; l++)
     full = selected[l];
   free(selected);
+  free(before);
   if (full)
     model->poisoned = false;
   model->stats = (struct qkeep_load_stats){sizeof model->stats,

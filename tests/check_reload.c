@@ -265,6 +265,58 @@ START_TEST(fault_at_every_layer_rolls_back) {
 }
 END_TEST
 
+/* Copies every file of checkpoint directory `from` over the same names in `to` (a trainer saving its
+ * new weights into the directory the model was loaded from). */
+static void overwrite_dir(const char *from, const char *to) {
+  static const char *const files[] = {"model.safetensors", "config.json"};
+  for (size_t i = 0; i < 2; i++) {
+    char *src = tu_path(from, files[i]), *dst = tu_path(to, files[i]);
+    size_t n;
+    void *bytes = tu_read_file(src, &n);
+    ck_assert_ptr_nonnull(bytes);
+    ck_assert_int_eq(tu_write_file(dst, bytes, n), 0);
+    free(bytes), free(src), free(dst);
+  }
+}
+
+/* W0's files change on disk after the cold start, then a reload fails late: re-reading W0 would give a
+ * mix that claims to be W0. The rollback checks the bytes it restores against the digests taken before
+ * the reload touched each layer, so the model refuses to run, and says so. */
+START_TEST(rollback_after_w0_changed_on_disk_refuses_to_run) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2),
+       *s2 = write_source("w2.safetensors", 3);
+  char *w0 = quantize(s0, "w8a8-int8", "q0", 0, false), *w1 = quantize(s1, "w8a8-int8", "q1", 0, false),
+       *w2 = quantize(s2, "w8a8-int8", "q2", 0, false);
+  qkeep_model *m = load(w0);
+  struct qkeep_digest d0 = digest(m);
+  size_t n_layers = qkeep_model_layer_count(m);
+  /* Unchanged files: a late fault rolls back to exactly W0. */
+  m->fault_layer = (long)n_layers - 1;
+  m->fault_code = QKEEP_E_IO;
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "rolled back"));
+  ck_assert(same(digest(m), d0));
+  /* Now W0's directory holds other weights of the same shapes. */
+  overwrite_dir(w2, w0);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "refuses to run") && !strstr(msg, "rolled back to"), "%s", msg);
+  ck_assert_msg(strstr(msg, "changed since"), "%s", msg);
+  float x[H] = {0}, y[H];
+  qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), QKEEP_E_STATE);
+  /* A full reload that succeeds makes it run again, equal to a cold start. */
+  m->fault_layer = -1;
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), 0);
+  qkeep_model *cold = load(w1);
+  ck_assert(same(digest(m), digest(cold)));
+  ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), 0);
+  qkeep_model_free(cold);
+  qkeep_model_free(m);
+  free(s0), free(s1), free(s2), free(w0), free(w1), free(w2);
+}
+END_TEST
+
 /* Every tensor of a checkpoint in host buffers. */
 struct tensors {
   struct ckpt *ck;
@@ -430,6 +482,7 @@ static Suite *reload_suite(void) {
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, (int)(sizeof schemes / sizeof schemes[0]));
   tcase_add_test(tc, bad_w1_changes_nothing);
   tcase_add_test(tc, fault_at_every_layer_rolls_back);
+  tcase_add_test(tc, rollback_after_w0_changed_on_disk_refuses_to_run);
   tcase_add_test(tc, reload_from_memory_buffers);
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);
