@@ -19,7 +19,6 @@
  */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include "scheme.h"
@@ -261,7 +260,13 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   const struct scheme *sch = layer->scheme_ops;
   if (!qc || !sch || sch == &scheme_unquantized || sch == &scheme_kv_scales)
     return 0;
-  if (qc->method == QM_NONE || strcmp(qc->scheme, layer->scheme) != 0)
+  /* As at a cold start, quantized tensors need a config that declares them: a bare .safetensors file has none. */
+  if (qc->method == QM_NONE)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: the checkpoint declares no quantization (no quantization config found; a bare "
+                     ".safetensors file has none, reload its directory), layer %s of the model is %s",
+                     where, layer->name, layer->scheme);
+  if (strcmp(qc->scheme, layer->scheme) != 0)
     return set_error(QKEEP_E_FORMAT, "%s: the checkpoint is %s, layer %s of the model is %s", where,
                      qc->scheme, layer->name, layer->scheme);
   uint32_t mask = QKEEP_LAYER_F_WEIGHT_SYM | QKEEP_LAYER_F_ACT_ORDER | QKEEP_LAYER_F_GPTQ_V2 |
@@ -548,10 +553,8 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
   t_open = now_seconds() - t_open;
   struct provider pv;
   ckpt_provider(&pv, ck);
-  /* A bare .safetensors file carries no config: only a directory's config is compared. */
-  struct stat st;
-  bool bare_file = stat(checkpoint, &st) == 0 && S_ISREG(st.st_mode);
-  rc = reload(model, &pv, bare_file ? NULL : &ck->qc, flags, checkpoint);
+  /* The config as a cold start finds it: a directory's files; none for a bare .safetensors file. */
+  rc = reload(model, &pv, &ck->qc, flags, checkpoint);
   if (!rc) {
     model->stats.open_seconds += t_open;
     model->stats.checkpoint_bytes = 0;

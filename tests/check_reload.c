@@ -231,6 +231,24 @@ START_TEST(bad_w1_changes_nothing) {
   qkeep_model *g = load(g0);
   ck_assert_int_eq(qkeep_model_reload(g, g1a, 0), QKEEP_E_FORMAT);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "quantization config"));
+  /* The same W1 by its bare model.safetensors: no config there, as a cold start on that path finds
+   * none; it used to reload unchecked and discard the zero points. */
+  char *g1a_file = tu_path(g1a, "model.safetensors");
+  struct qkeep_digest dg = digest(g);
+  ck_assert_int_eq(qkeep_model_reload(g, g1a_file, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "declares no quantization"), "%s", qkeep_errmsg());
+  ck_assert(same(digest(g), dg));
+  qkeep_model *bare;
+  ck_assert_int_eq(qkeep_model_new(plugin, &bare), 0);
+  ck_assert_int_ne(qkeep_model_load(bare, g1a_file), 0); /* what a cold start says of that path */
+  qkeep_model_free(bare);
+  free(g1a_file);
+  /* Unquantized bare files carry all they need: those reload as they cold-start. */
+  qkeep_model *u = load(s0), *u1 = load(s1);
+  ck_assert_msg(qkeep_model_reload(u, s1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(u), digest(u1)));
+  qkeep_model_free(u);
+  qkeep_model_free(u1);
   tu_release_snapshot(&before);
   qkeep_model_free(m);
   qkeep_model_free(g);
