@@ -260,7 +260,8 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   const struct scheme *sch = layer->scheme_ops;
   if (!qc || !sch || sch == &scheme_unquantized || sch == &scheme_kv_scales)
     return 0;
-  /* As at a cold start, quantized tensors need a config that declares them: a bare .safetensors file has none. */
+  /* As at a cold start, quantized tensors need a config that declares them: a bare .safetensors file has
+   * none. */
   if (qc->method == QM_NONE)
     return set_error(QKEEP_E_FORMAT,
                      "%s: the checkpoint declares no quantization (no quantization config found; a bare "
@@ -630,8 +631,15 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc && src->param->scale)
     rc = check_scale_values(layer, &(struct scale_cache){.inner = &pv}, &t); /* no room: nothing kept */
   struct staging st = {0};
-  if (!rc)
-    rc = load_source(layer, &pv, src, &st); /* only this tensor: the rest of the layer keeps its bytes */
+  /* Only this tensor: the rest of the layer keeps its bytes. One tensor may feed two params (a single
+   * kv_scale is both k_scale and v_scale): every source of that name is written. */
+  for (size_t i = 0; i < layer->n_sources && !rc; i++)
+    if (&layer->sources[i] == src || strcmp(layer->sources[i].checkpoint_name, tensor->name) == 0)
+      rc = load_source(layer, &pv, &layer->sources[i], &st);
+  /* Kv-cache scales a checkpoint lacks are placeholders derived from those it has (v from k): they
+   * follow, as a cold start derives them. Normalisation writes only placeholders there. */
+  if (!rc && layer->scheme_ops == &scheme_kv_scales)
+    rc = layer->scheme_ops->normalize(layer);
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st);

@@ -30,8 +30,9 @@ static void add(struct st_writer *w, const char *name, int64_t rows, int64_t col
   free(v);
 }
 
-/* An unquantized model (fused attention and MLP, an MoE block) with weights from `seed`. */
-static char *write_source(const char *file, uint64_t seed) {
+/* An unquantized model (fused attention and MLP, an MoE block) with weights from `seed`, and when kv_name
+ * is not NULL a kv-cache scale of that local name (k_scale, v_scale, kv_scale) in its attention block. */
+static char *write_source_kv(const char *file, uint64_t seed, const char *kv_name, float kv) {
   struct st_writer *w;
   char name[160];
   ck_assert_int_eq(st_writer_new(&w), 0);
@@ -55,11 +56,18 @@ static char *write_source(const char *file, uint64_t seed) {
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
     add(w, name, H, H, seed);
   }
+  if (kv_name) {
+    struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
+    snprintf(name, sizeof name, "model.layers.0.self_attn.%s", kv_name);
+    ck_assert_int_eq(st_writer_add(w, name, &scalar, &kv), 0);
+  }
   char *path = tu_path(dir, file);
   ck_assert_int_eq(st_writer_write(w, path), 0);
   st_writer_free(w);
   return path;
 }
+
+static char *write_source(const char *file, uint64_t seed) { return write_source_kv(file, seed, NULL, 0); }
 
 static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
                       bool asym) {
@@ -482,6 +490,29 @@ START_TEST(direct_load_into_live_params) {
 }
 END_TEST
 
+/* A kv-cache scale loaded directly: the placeholder derived from it (v from k, or both from a single
+ * kv_scale) follows, as a cold start on the same tensors derives it. Each used to keep the old value. */
+START_TEST(direct_load_of_a_kv_scale_updates_what_derives_from_it) {
+  static const char *const names[] = {"k_scale", "v_scale", "kv_scale"};
+  for (size_t i = 0; i < 3; i++) {
+    char f0[32], f1[32], full[96];
+    snprintf(f0, sizeof f0, "kv0-%zu.safetensors", i);
+    snprintf(f1, sizeof f1, "kv1-%zu.safetensors", i);
+    snprintf(full, sizeof full, "model.layers.0.self_attn.%s", names[i]);
+    char *p0 = write_source_kv(f0, 1, names[i], 0.5f), *p1 = write_source_kv(f1, 1, names[i], 3.0f);
+    qkeep_model *m = load(p0), *cold = load(p1);
+    ck_assert(!same(digest(m), digest(cold)));
+    float value = 3.0f;
+    struct qkeep_named_tensor t = {full, {QKEEP_DTYPE_F32, 0, {0}}, &value, false};
+    ck_assert_msg(qkeep_model_load_tensor(m, &t) == 0, "%s: %s", full, qkeep_errmsg());
+    ck_assert_msg(same(digest(m), digest(cold)), "%s: differs from a cold start after a direct load", full);
+    qkeep_model_free(m);
+    qkeep_model_free(cold);
+    free(p0), free(p1);
+  }
+}
+END_TEST
+
 START_TEST(reload_needs_a_loaded_model) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
@@ -505,6 +536,7 @@ static Suite *reload_suite(void) {
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);
   tcase_add_test(tc, reload_needs_a_loaded_model);
+  tcase_add_test(tc, direct_load_of_a_kv_scale_updates_what_derives_from_it);
   suite_add_tcase(s, tc);
   return s;
 }
