@@ -513,6 +513,89 @@ START_TEST(direct_load_of_a_kv_scale_updates_what_derives_from_it) {
 }
 END_TEST
 
+/* Writes a checkpoint of one attention block `block` (q/k/v/o) and the given scalar kv-cache scales. */
+static char *write_attention(const char *file, const char *block, const char *const *scales, size_t n) {
+  struct st_writer *w;
+  char *name;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  for (int p = 0; p < 4; p++) {
+    ck_assert_int_ne(asprintf(&name, "%s.%s.weight", block, proj[p]), -1);
+    add(w, name, H, H, 1);
+    free(name);
+  }
+  for (size_t i = 0; i < n; i++) {
+    struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
+    float v = 0.25f * (float)(i + 1);
+    ck_assert_int_ne(asprintf(&name, "%s.%s", block, scales[i]), -1);
+    ck_assert_int_eq(st_writer_add(w, name, &scalar, &v), 0);
+    free(name);
+  }
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+/* Cold start and reload take the same tensors: what a cold start accepts, a reload of the same
+ * checkpoint accepts to the same digest; what no layer takes is an error at both. */
+START_TEST(cold_start_and_reload_take_the_same_tensors) {
+  /* A kv_scale beside k_scale / v_scale: kv_scale is the older name of both, so the two namings
+   * disagree about the same scales. The cold start ignored kv_scale (never read: a NaN passed); the
+   * reload refused it. */
+  static const char *const both[] = {"k_scale", "v_scale", "kv_scale"};
+  static const char *const k_and_kv[] = {"k_scale", "kv_scale"};
+  const char *const *sets[] = {both, k_and_kv};
+  size_t counts[] = {3, 2};
+  for (size_t i = 0; i < 2; i++) {
+    char *path = write_attention(i ? "kv2.safetensors" : "kv3.safetensors", "model.layers.0.self_attn",
+                                 sets[i], counts[i]);
+    qkeep_model *m;
+    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+    ck_assert_int_eq(qkeep_model_load(m, path), QKEEP_E_FORMAT);
+    ck_assert_msg(strstr(qkeep_errmsg(), "kv_scale"), "%s", qkeep_errmsg());
+    qkeep_model_free(m);
+    free(path);
+  }
+  /* Two attention blocks whose names agree in their first 700 characters: two kv-scales layers, and
+   * a reload of the same file takes every tensor. */
+  char *a = malloc(800), *b = malloc(800);
+  memset(a, 'x', 700);
+  strcpy(a + 700, ".a.self_attn");
+  memset(b, 'x', 700);
+  strcpy(b + 700, ".b.self_attn");
+  static const char *const kv[] = {"k_scale", "v_scale"};
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  const char *blocks[] = {a, b};
+  for (int k = 0; k < 2; k++)
+    for (int s = 0; s < 2; s++) {
+      char *name;
+      struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
+      float v = 0.5f + (float)(k * 2 + s);
+      ck_assert_int_ne(asprintf(&name, "%s.%s", blocks[k], kv[s]), -1);
+      ck_assert_int_eq(st_writer_add(w, name, &scalar, &v), 0);
+      free(name);
+    }
+  char *path = tu_path(dir, "long.safetensors");
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  qkeep_model *m = load(path);
+  struct qkeep_digest d = digest(m);
+  ck_assert_msg(qkeep_model_reload(m, path, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d));
+  for (int k = 0; k < 2; k++)
+    for (int s = 0; s < 2; s++) {
+      char *name;
+      ck_assert_int_ne(asprintf(&name, "%s.%s", blocks[k], kv[s]), -1);
+      ck_assert_msg(qkeep_model_lookup(m, name, NULL), "%s is taken by no layer", name);
+      free(name);
+    }
+  qkeep_model_free(m);
+  free(path), free(a), free(b);
+}
+END_TEST
+
 START_TEST(reload_needs_a_loaded_model) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
@@ -536,6 +619,7 @@ static Suite *reload_suite(void) {
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);
   tcase_add_test(tc, reload_needs_a_loaded_model);
+  tcase_add_test(tc, cold_start_and_reload_take_the_same_tensors);
   tcase_add_test(tc, direct_load_of_a_kv_scale_updates_what_derives_from_it);
   suite_add_tcase(s, tc);
   return s;
