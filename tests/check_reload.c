@@ -69,10 +69,12 @@ static char *write_source_kv(const char *file, uint64_t seed, const char *kv_nam
 
 static char *write_source(const char *file, uint64_t seed) { return write_source_kv(file, seed, NULL, 0); }
 
-static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
-                      bool asym) {
+static char *quantize_opts(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
+                           bool asym, bool asym_input) {
   char *path = tu_path(dir, out);
   struct qkeep_quantize_options o = {.size = sizeof o,
+                                     .static_input = asym_input,
+                                     .asym_input = asym_input,
                                      .scheme = scheme,
                                      .group_size = 32,
                                      .kv_cache_scales = true,
@@ -81,6 +83,11 @@ static char *quantize(const char *source, const char *scheme, const char *out, i
                                      .asym_weights = asym};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
   return path;
+}
+
+static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
+                      bool asym) {
+  return quantize_opts(source, scheme, out, shard_bytes, asym, false);
 }
 
 static struct qkeep_digest digest(qkeep_model *m) {
@@ -199,6 +206,62 @@ static void wrong_shape(struct st_writer *w, const struct st_tensor *t, void *by
   }
   add_as_is(w, t, bytes);
 }
+
+static bool ends_with(const char *s, const char *tail) {
+  size_t n = strlen(s), m = strlen(tail);
+  return n >= m && strcmp(s + n - m, tail) == 0;
+}
+
+/* compressed-tensors' w8a8 asymmetric activations store input_zero_point as I8. */
+static void zero_points_as_i8(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  if (ends_with(t->name, ".input_zero_point") && t->dtype == QKEEP_DTYPE_I32) {
+    size_t n = t->nbytes / 4;
+    int8_t *narrow = malloc(n ? n : 1);
+    for (size_t i = 0; i < n; i++) {
+      int32_t v;
+      memcpy(&v, (char *)bytes + 4 * i, 4);
+      ck_assert(v >= -128 && v <= 127);
+      narrow[i] = (int8_t)v;
+    }
+    struct qkeep_spec s = {QKEEP_DTYPE_I8, t->ndim, {0}};
+    memcpy(s.shape, t->shape, sizeof s.shape);
+    ck_assert_int_eq(st_writer_add(w, t->name, &s, narrow), 0);
+    free(narrow);
+    return;
+  }
+  add_as_is(w, t, bytes);
+}
+
+/* Issue 10, item 9: I8 input zero points on fused layers (q/k/v, gate/up, experts). The shard merge read
+ * 4 bytes per 1-byte shard, so a valid checkpoint was refused with heap bytes in the message. They load,
+ * run as the I32 ones do, and reload. */
+START_TEST(i8_input_zero_points_on_fused_layers) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize_opts(s0, "w8a8-int8", "q0", 0, false, true),
+       *w1 = quantize_opts(s1, "w8a8-int8", "q1", 0, false, true);
+  char *n0 = rewrite(w0, "n0", zero_points_as_i8), *n1 = rewrite(w1, "n1", zero_points_as_i8);
+  qkeep_model *wide = load(w0), *narrow = load(n0), *cold1 = load(n1);
+  ck_assert_ptr_nonnull(qkeep_model_lookup(narrow, "model.layers.0.self_attn.k_proj.input_zero_point", NULL));
+  tu_assert_census_clean(narrow);
+  float x[H], ya[2 * I], yb[2 * I]; /* gate_up's N is the widest */
+  for (int i = 0; i < H; i++)
+    x[i] = (float)(i % 9) / 4 - 1.0f;
+  static const char *const fused[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"};
+  for (int f = 0; f < 2; f++) {
+    qkeep_layer *a = qkeep_model_find_layer(wide, fused[f]), *b = qkeep_model_find_layer(narrow, fused[f]);
+    ck_assert_ptr_nonnull(b);
+    ck_assert_int_eq(qkeep_layer_apply_f32(a, 1, x, ya), 0);
+    ck_assert_int_eq(qkeep_layer_apply_f32(b, 1, x, yb), 0);
+    ck_assert_msg(memcmp(ya, yb, sizeof(float) * (size_t)a->dims.n) == 0, "%s", fused[f]);
+  }
+  ck_assert_msg(qkeep_model_reload(narrow, n1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(narrow), digest(cold1)));
+  qkeep_model_free(wide);
+  qkeep_model_free(narrow);
+  qkeep_model_free(cold1);
+  free(s0), free(s1), free(w0), free(w1), free(n0), free(n1);
+}
+END_TEST
 
 START_TEST(bad_w1_changes_nothing) {
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
@@ -613,6 +676,7 @@ static Suite *reload_suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, (int)(sizeof schemes / sizeof schemes[0]));
   tcase_add_test(tc, bad_w1_changes_nothing);
+  tcase_add_test(tc, i8_input_zero_points_on_fused_layers);
   tcase_add_test(tc, fault_at_every_layer_rolls_back);
   tcase_add_test(tc, rollback_after_w0_changed_on_disk_refuses_to_run);
   tcase_add_test(tc, reload_from_memory_buffers);
