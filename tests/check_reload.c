@@ -1,6 +1,7 @@
 /*
- * check_reload.c: layerwise reload W0 -> W1 for every scheme through the
- * reference backend: equal to a cold start on W1 (digest, and every storage
+ * check_reload.c: layerwise reload W0 -> W1 for every scheme, on every backend this
+ * build has whose device is present (each in the chain "backend, reference"; the
+ * reference alone first): equal to a cold start on W1 (digest, and every storage
  * byte, padding included), no data pointer moves, W0 -> W1 -> W0 returns to
  * W0, a bad W1 changes nothing, a fault at any layer rolls back, in-memory
  * tensors, partial updates, and direct loads into live params.
@@ -669,8 +670,8 @@ START_TEST(reload_needs_a_loaded_model) {
 }
 END_TEST
 
-static Suite *reload_suite(void) {
-  Suite *s = suite_create("reload");
+static Suite *reload_suite(const char *backend) {
+  Suite *s = suite_create(backend);
   TCase *tc = tcase_create("reload");
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 120);
@@ -691,5 +692,18 @@ static Suite *reload_suite(void) {
 
 int main(void) {
   fixture_name = "reload";
-  return tu_run_suite(reload_suite(), CK_NORMAL);
+  /* Every built backend whose device is here, each in the chain "backend, reference". */
+  static const char *const backends[] = {"reference", "cpu-onednn", "cpu-zentorch", "cuda-nvfp4"};
+  int failed = 0, ran = 0;
+  fixture_backend_dir = tu_path(tu_builddir(), "plugins/cuda/.libs"); /* the tests' path lacks it */
+  for (size_t b = 0; b < sizeof backends / sizeof backends[0]; b++) {
+    if (!fixture_backend_usable(backends[b]))
+      continue;
+    fixture_backend = backends[b];
+    printf("backend %s\n", backends[b]);
+    failed |= tu_run_suite(reload_suite(backends[b]), CK_NORMAL) != EXIT_SUCCESS;
+    ran++;
+  }
+  free(fixture_backend_dir);
+  return ran && !failed ? EXIT_SUCCESS : EXIT_FAILURE;
 }
