@@ -499,7 +499,9 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   t_validate = t0 - t_validate;
   struct provider validated;
   cached_provider(&validated, &cache);
-  rc = apply(model, &validated, selected, cache.complete, before, &t_read, &t_pwal);
+  /* The digests cost one hash of the model's bytes: only worth it when a file can give W0 back. */
+  rc = apply(model, &validated, selected, cache.complete, model->source_path ? before : NULL, &t_read,
+             &t_pwal);
   scale_cache_free(&cache);
   if (rc) {
     char *why = xstrdup(qkeep_errmsg());
