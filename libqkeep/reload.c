@@ -593,7 +593,7 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
     struct provider pv = {"in-memory tensors", &b,        buf_find,    buf_read, buf_host,
-                          buf_device,          buf_count, buf_name_at, NULL, NULL};
+                          buf_device,          buf_count, buf_name_at, NULL,     NULL};
     rc = reload(model, &pv, NULL, flags, NULL);
   }
   name_index_clear(&b.index);
@@ -606,7 +606,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
   struct provider pv = {"in-memory tensor", &b,        buf_find,    buf_read, buf_host,
-                        buf_device,         buf_count, buf_name_at, NULL, NULL};
+                        buf_device,         buf_count, buf_name_at, NULL,     NULL};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
   const struct source_ref *ref = rc ? NULL : model_find_source(model, tensor->name);
@@ -635,7 +635,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   struct staging st = {0};
   /* Only this tensor: the rest of the layer keeps its bytes. One tensor may feed two params (a single
    * kv_scale is both k_scale and v_scale): every source of that name is written. */
-  for (size_t i = 0; i < layer->n_sources && !rc; i++)
+  for (size_t i = 0; !rc && i < layer->n_sources; i++) /* rc first: layer is NULL when the name is unknown */
     if (&layer->sources[i] == src || strcmp(layer->sources[i].checkpoint_name, tensor->name) == 0)
       rc = load_source(layer, &pv, &layer->sources[i], &st);
   /* Kv-cache scales a checkpoint lacks are placeholders derived from those it has (v from k): they

@@ -93,10 +93,13 @@ static int put(const char *dir, const char *sub, const char *name, const void *a
   unsigned char *all = malloc(na + nb + nc + nd + 1);
   int rc = all ? 0 : QKEEP_E_NOMEM;
   if (!rc) {
-    memcpy(all, a, na);
-    memcpy(all + na, b, nb);
-    memcpy(all + na + nb, c, nc);
-    memcpy(all + na + nb + nc, d, nd);
+    const void *parts[4] = {a, b, c, d};
+    size_t lens[4] = {na, nb, nc, nd}, at = 0;
+    for (int i = 0; i < 4; i++) {
+      if (lens[i]) /* an absent part is (NULL, 0): memcpy may not be given NULL */
+        memcpy(all + at, parts[i], lens[i]);
+      at += lens[i];
+    }
     rc = tu_write_file(path, all, na + nb + nc + nd);
   }
   free(all);
