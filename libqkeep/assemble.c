@@ -585,6 +585,14 @@ static int plan_kv(struct assembly *a) {
                          a->ck->path, (int)plen, base, kv_names[idx], s->kv[idx]->t->name, a->kv[k].name);
       s->kv[idx] = a->kv[k].t;
     }
+    /* vLLM reads a bare kv_scale as the older name of both k_scale and v_scale: beside either, two
+     * namings claim the same scale, and no exporter writes both. */
+    if (s->kv[2] && (s->kv[0] || s->kv[1]))
+      return set_error(QKEEP_E_FORMAT,
+                       "%s: attention block %.*s has '%s' and '%s': kv_scale is the older name of both the k "
+                       "and the v scale, so one checkpoint holds one naming or the other",
+                       a->ck->path, (int)plen, base, s->kv[2]->t->name,
+                       (s->kv[0] ? s->kv[0] : s->kv[1])->t->name);
   }
   return 0;
 }

@@ -7,6 +7,13 @@
  * tensors, each in exactly one shard, before anything is loaded. The JSON
  * files are read whole, with a size cap, since a config is small and an
  * index large only in proportion to the tensor count.
+ *
+ * Symbolic links: a file a directory names (configs, index, shards, the weights) may be a
+ * link only to a file inside the same directory tree, or, in the Hugging Face hub cache's
+ * layout (<repo>/snapshots/<revision>/FILE -> ../../blobs/<hash>), into the repository's
+ * blobs/ directory. Anything else is refused before it is opened: a checkpoint someone else
+ * wrote could otherwise make qkeep read (and quote in its errors) any file the caller can
+ * read. A path the caller names itself is the caller's choice and is followed.
  */
 #include <assert.h>
 #include <dirent.h>
@@ -139,6 +146,72 @@ static int read_text(const char *path, size_t max_bytes, bool optional, char **o
   }
   *out = buf;
   return 0;
+}
+
+/* ---- symbolic links inside a checkpoint directory ---------------------------------------- */
+
+/* Whether the resolved path `target` is `root` itself or below it (both canonical, from realpath). */
+static bool below(const char *target, const char *root) {
+  size_t n = strlen(root);
+  if (n == 1 && root[0] == '/')
+    return true;
+  return strncmp(target, root, n) == 0 && (target[n] == '/' || target[n] == '\0');
+}
+
+/* The hub cache's blobs directory of a snapshot directory (<repo>/snapshots/<rev> -> <repo>/blobs), or
+ * NULL when real_dir is not laid out so (or out of memory). */
+static char *hub_blobs(const char *real_dir) {
+  const char *rev = strrchr(real_dir, '/');
+  if (!rev || rev == real_dir)
+    return NULL;
+  const char *snapshots = rev;
+  while (snapshots > real_dir && snapshots[-1] != '/')
+    snapshots--;
+  if ((size_t)(rev - snapshots) != strlen("snapshots") || strncmp(snapshots, "snapshots", 9) != 0 ||
+      snapshots == real_dir + 1)
+    return NULL;
+  size_t repo_len = (size_t)(snapshots - real_dir) - 1; /* "<repo>" without the slash */
+  char *blobs = malloc(repo_len + sizeof "/blobs");
+  if (blobs) {
+    memcpy(blobs, real_dir, repo_len);
+    memcpy(blobs + repo_len, "/blobs", sizeof "/blobs");
+  }
+  return blobs;
+}
+
+/*
+ * A file of the checkpoint directory c->dir: when `path` is a symbolic link, its target must lie
+ * in the directory's tree or in the hub cache's blobs/ (see the top of this file). 0 for a file
+ * that is no link or does not exist (the caller reports a missing one as it always does).
+ */
+static int check_link(const struct ckpt *c, const char *path) {
+  struct stat st;
+  if (lstat(path, &st) != 0 || !S_ISLNK(st.st_mode))
+    return 0;
+  char *target = realpath(path, NULL), *root = realpath(c->dir, NULL), *blobs = NULL;
+  int rc = 0;
+  if (!target)
+    rc = set_error(errno == ENOENT ? QKEEP_E_NOTFOUND : QKEEP_E_IO,
+                   "%s: a symbolic link that does not resolve: %s", path, strerror(errno));
+  else if (!root)
+    rc = set_error(QKEEP_E_IO, "%s: cannot resolve the directory: %s", c->dir, strerror(errno));
+  else if (!below(target, root) && !((blobs = hub_blobs(root)) && below(target, blobs)))
+    rc = set_error(QKEEP_E_FORMAT,
+                   "%s: a symbolic link to %s, outside the checkpoint directory %s (a checkpoint's files "
+                   "may link only inside its own tree, or into the hub cache's ../../blobs/)",
+                   path, target, root);
+  free(target);
+  free(root);
+  free(blobs);
+  return rc;
+}
+
+/* read_text for a file of the checkpoint directory, after check_link. */
+static int read_dir_text(const struct ckpt *c, const char *path, size_t max_bytes, bool optional,
+                         char **out) {
+  *out = NULL;
+  int rc = check_link(c, path);
+  return rc ? rc : read_text(path, max_bytes, optional, out);
 }
 
 /* ---- the tensor table -------------------------------------------------------------------- */
@@ -372,7 +445,9 @@ static int open_shards(struct ckpt *c, const struct index *ix) {
     if (!path)
       return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
     struct st_file *f;
-    int rc = st_open(path, &f);
+    int rc = check_link(c, path);
+    if (!rc)
+      rc = st_open(path, &f);
     free(path);
     if (rc != 0)
       return add_error_context(rc, "%s: shard '%s'", ix->path, ix->shards[i]);
@@ -450,16 +525,17 @@ static int read_configs(struct ckpt *c) {
   if (!cfg_path || !hf_path)
     rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
   if (rc == 0)
-    rc = read_text(cfg_path, CONFIG_MAX_BYTES, true, &cfg);
+    rc = read_dir_text(c, cfg_path, CONFIG_MAX_BYTES, true, &cfg);
   if (rc == 0)
-    rc = read_text(hf_path, CONFIG_MAX_BYTES, true, &hf);
+    rc = read_dir_text(c, hf_path, CONFIG_MAX_BYTES, true, &hf);
   if (rc == 0)
     rc = quant_config_parse(cfg, hf, c->dir, &c->qc);
   /* GPTQ and AWQ exports that predate config.json's quantization_config keep it in a file of their own. */
   static const char *const standalone[] = {"quantize_config.json", "quant_config.json"};
   for (size_t i = 0; rc == 0 && c->qc.method == QM_NONE && i < 2; i++) {
     char *path = join_path(c->dir, standalone[i]), *text = NULL;
-    rc = path ? read_text(path, CONFIG_MAX_BYTES, true, &text) : set_error(QKEEP_E_NOMEM, "out of memory");
+    rc = path ? read_dir_text(c, path, CONFIG_MAX_BYTES, true, &text)
+              : set_error(QKEEP_E_NOMEM, "out of memory");
     if (rc == 0 && text)
       rc = quant_config_parse_standalone(text, c->dir, standalone[i], &c->qc);
     free(text);
@@ -513,7 +589,9 @@ static int open_only_file(struct ckpt *c) {
                    count > 2 ? ", ..." : "", INDEX_NAME, SINGLE_NAME);
   } else if (!rc) {
     char *path = join_path(c->dir, first);
-    rc = path ? open_single(c, path) : set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+    rc = path ? check_link(c, path) : set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+    if (!rc)
+      rc = open_single(c, path);
     free(path);
   }
   free(first);
@@ -525,9 +603,9 @@ static int open_only_file(struct ckpt *c) {
 static int open_weights(struct ckpt *c, const char *index, const char *single) {
   int rc = exists(index);
   if (rc != 0)
-    return rc < 0 ? rc : open_index(c, index);
+    return rc < 0 ? rc : (rc = check_link(c, index)) != 0 ? rc : open_index(c, index);
   if ((rc = exists(single)) != 0)
-    return rc < 0 ? rc : open_single(c, single);
+    return rc < 0 ? rc : (rc = check_link(c, single)) != 0 ? rc : open_single(c, single);
   return open_only_file(c);
 }
 

@@ -30,6 +30,11 @@ static int hash_tensor(XXH3_state_t *st, const struct device *dev, const char *n
     XXH3_128bits_update(st, p->full_shape, sizeof *p->full_shape * (size_t)p->full_ndim);
   size_t bytes = t->storage ? qkeep_spec_bytes(&t->spec) : 0;
   const char *src = tensor_ptr(t);
+  if (dev->ops == host_device()->ops) { /* host memory: hashed where it is */
+    if (bytes)
+      XXH3_128bits_update(st, src, bytes);
+    return 0;
+  }
   for (size_t done = 0; done < bytes;) {
     size_t n = bytes - done < STAGING_BYTES ? bytes - done : STAGING_BYTES;
     int rc = dev_d2h(dev, staging, src + done, n);
@@ -41,33 +46,36 @@ static int hash_tensor(XXH3_state_t *st, const struct device *dev, const char *n
   return 0;
 }
 
-int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out) {
-  if (!model || !out)
-    return set_error(QKEEP_E_INVAL, "digest: NULL argument");
+/* Hashes one layer into st: its name, then each registered name in sorted order (*sorted: scratch). */
+static int hash_layer(XXH3_state_t *st, const qkeep_layer *layer, unsigned char *staging,
+                      const struct name_entry ***sorted) {
+  XXH3_128bits_update(st, layer->name, strlen(layer->name) + 1);
+  free(*sorted);
+  *sorted = malloc((layer->n_names ? layer->n_names : 1) * sizeof **sorted);
+  if (!*sorted)
+    return set_error(QKEEP_E_NOMEM, "out of memory for the digest");
+  for (size_t i = 0; i < layer->n_names; i++)
+    (*sorted)[i] = &layer->names[i];
+  qsort(*sorted, layer->n_names, sizeof **sorted, by_name);
+  int rc = 0;
+  for (size_t i = 0; i < layer->n_names && !rc; i++) {
+    const struct name_entry *e = (*sorted)[i];
+    const struct tensor *t = e->param ? &e->param->view : &e->buffer->view;
+    rc = hash_tensor(st, layer_device(layer), e->name, e->buffer != NULL, t, e->param, staging);
+  }
+  return rc;
+}
+
+/* The digest of layers[0, n) (all of a model's, or one). */
+static int digest_layers(qkeep_layer *const *layers, size_t n, struct qkeep_digest *out) {
   XXH3_state_t *st = XXH3_createState();
   unsigned char *staging = malloc(STAGING_BYTES);
   const struct name_entry **sorted = NULL;
   int rc = (st && staging) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory for the digest");
   if (!rc)
     XXH3_128bits_reset(st);
-  for (size_t l = 0; l < model->n_layers && !rc; l++) {
-    const qkeep_layer *layer = model->layers[l];
-    XXH3_128bits_update(st, layer->name, strlen(layer->name) + 1);
-    free(sorted);
-    sorted = malloc((layer->n_names ? layer->n_names : 1) * sizeof *sorted);
-    if (!sorted) {
-      rc = set_error(QKEEP_E_NOMEM, "out of memory for the digest");
-      break;
-    }
-    for (size_t i = 0; i < layer->n_names; i++)
-      sorted[i] = &layer->names[i];
-    qsort(sorted, layer->n_names, sizeof *sorted, by_name);
-    for (size_t i = 0; i < layer->n_names && !rc; i++) {
-      const struct name_entry *e = sorted[i];
-      const struct tensor *t = e->param ? &e->param->view : &e->buffer->view;
-      rc = hash_tensor(st, layer_device(layer), e->name, e->buffer != NULL, t, e->param, staging);
-    }
-  }
+  for (size_t l = 0; l < n && !rc; l++)
+    rc = hash_layer(st, layers[l], staging, &sorted);
   if (!rc) {
     XXH128_hash_t h = XXH3_128bits_digest(st);
     out->hi = h.high64;
@@ -78,6 +86,14 @@ int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out) {
   XXH3_freeState(st);
   return rc;
 }
+
+int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out) {
+  if (!model || !out)
+    return set_error(QKEEP_E_INVAL, "digest: NULL argument");
+  return digest_layers(model->layers, model->n_layers, out);
+}
+
+int digest_layer(qkeep_layer *layer, struct qkeep_digest *out) { return digest_layers(&layer, 1, out); }
 
 void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]) {
   snprintf(out, 33, "%016llx%016llx", (unsigned long long)d->hi, (unsigned long long)d->lo);

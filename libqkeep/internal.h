@@ -618,6 +618,11 @@ int model_sync(const qkeep_model *model);
 /* Starts (on) or ends every owner's spare result memory: on for the layer loop of a load or reload. */
 void model_spares(qkeep_model *model, bool on);
 
+/* ---- digests (digest.c) --------------------------------------------------------------- */
+
+/* The digest of one layer alone, as qkeep_digest hashes it (what a rollback compares). */
+int digest_layer(qkeep_layer *layer, struct qkeep_digest *out);
+
 /* ---- the backend chain (chain.c) ------------------------------------------------------ */
 
 /* The backend table of the layer's owner, or NULL (host-only, or not yet chosen). */

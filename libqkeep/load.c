@@ -442,6 +442,17 @@ int finish_layer(qkeep_layer *layer) {
   return 0;
 }
 
+/* Every tensor of the checkpoint is a source of some layer: one that no layer takes would be neither read
+ * nor checked, and a reload of the same checkpoint would refuse it (it checks W1 against the model's
+ * names). Assembly gives every tensor a place, so this holds unless a scheme drops one. */
+static int check_all_taken(const qkeep_model *model, const struct ckpt *ck) {
+  for (size_t i = 0; i < ck->n_tensors; i++)
+    if (!model_find_source(model, ck->tensors[i].t->name))
+      return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is taken by no layer of the model",
+                       ck->tensors[i].file->path, ck->tensors[i].t->name);
+  return 0;
+}
+
 int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   if (!model || !checkpoint)
     return set_error(QKEEP_E_INVAL, "qkeep_model_load: NULL argument");
@@ -456,6 +467,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     return rc;
   ckpt_provider(&pv, ck);
   rc = assemble_model(model, ck);
+  if (!rc)
+    rc = check_all_taken(model, ck);
   if (!rc)
     rc = chain_assign(model, ck->path);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;

@@ -11,12 +11,14 @@
  * and the scheme's normalisation and the backend's PWAL run again - in place,
  * by the replace rule. The result equals a cold start on W1 byte for byte.
  * If applying fails part-way, the layers already changed are reloaded from
- * the checkpoint the model held before (W0); if that is impossible the model
- * refuses to run until a reload succeeds, so it never serves a silent mix.
+ * the checkpoint the model held before (W0), and each must then hash to the
+ * digest it had just before the reload touched it: W0's files may have changed
+ * on disk since (a trainer saving into the same directory), and re-reading them
+ * would otherwise give a silent mix. If the bytes differ, or no file holds W0,
+ * the model refuses to run until a reload succeeds.
  */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <time.h>
 
 #include "scheme.h"
@@ -258,7 +260,14 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   const struct scheme *sch = layer->scheme_ops;
   if (!qc || !sch || sch == &scheme_unquantized || sch == &scheme_kv_scales)
     return 0;
-  if (qc->method == QM_NONE || strcmp(qc->scheme, layer->scheme) != 0)
+  /* As at a cold start, quantized tensors need a config that declares them: a bare .safetensors file has
+   * none. */
+  if (qc->method == QM_NONE)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: the checkpoint declares no quantization (no quantization config found; a bare "
+                     ".safetensors file has none, reload its directory), layer %s of the model is %s",
+                     where, layer->name, layer->scheme);
+  if (strcmp(qc->scheme, layer->scheme) != 0)
     return set_error(QKEEP_E_FORMAT, "%s: the checkpoint is %s, layer %s of the model is %s", where,
                      qc->scheme, layer->name, layer->scheme);
   uint32_t mask = QKEEP_LAYER_F_WEIGHT_SYM | QKEEP_LAYER_F_ACT_ORDER | QKEEP_LAYER_F_GPTQ_V2 |
@@ -375,11 +384,19 @@ static int restore_layer(qkeep_layer *layer) {
   return 0;
 }
 
-/* Restores, loads, checks and re-runs normalisation and PWAL for each selected layer. */
-/* scales_checked: every scale byte comes from what validation checked, so the loaded values need no
- * second look. */
+/* A layer's digest just before a reload changed it: what a rollback must give back. */
+struct layer_before {
+  bool known;
+  struct qkeep_digest digest;
+};
+
+/*
+ * Restores, loads, checks and re-runs normalisation and PWAL for each selected layer.
+ * scales_checked: every scale byte comes from what validation checked, so the loaded values need no
+ * second look. before (NULL: not kept): each selected layer's digest is taken there first.
+ */
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
-                 size_t *failed_at, double *t_read, double *t_pwal) {
+                 struct layer_before *before, double *t_read, double *t_pwal) {
   struct staging st = {0};
   int rc = 0;
   model_spares(model, true);
@@ -387,9 +404,10 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
     if (!selected[l])
       continue;
     qkeep_layer *layer = model->layers[l];
-    *failed_at = l;
     double a = now_seconds();
-    if ((long)l == model->fault_layer)
+    if (before && !(rc = digest_layer(layer, &before[l].digest)))
+      before[l].known = true;
+    if (!rc && (long)l == model->fault_layer)
       rc = set_error(model->fault_code, "injected fault at layer %s", layer->name);
     if (!rc)
       rc = restore_layer(layer);
@@ -417,8 +435,11 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
   return rc ? rc : staged;
 }
 
-/* Puts the layers [0, failed_at] that W1 touched back to W0, from the checkpoint W0 came from. */
-static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at) {
+/*
+ * Puts the layers that W1 touched (those with a digest in `before`) back to W0, from the
+ * checkpoint W0 came from, and checks that each hashes to its digest from before the reload.
+ */
+static int roll_back(qkeep_model *model, const struct layer_before *before) {
   if (!model->source_path)
     return set_error(QKEEP_E_STATE, "no checkpoint holds the model's previous weights");
   struct ckpt *ck;
@@ -430,15 +451,23 @@ static int roll_back(qkeep_model *model, const bool *selected, size_t failed_at)
   bool *redo = calloc(model->n_layers ? model->n_layers : 1, sizeof *redo);
   if (!redo)
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t l = 0; !rc && l <= failed_at && l < model->n_layers; l++)
-    redo[l] = selected[l];
-  size_t at;
+  for (size_t l = 0; !rc && l < model->n_layers; l++)
+    redo[l] = before[l].known;
   double ignore_read = 0, ignore_pwal = 0;
   long fault = model->fault_layer;
   model->fault_layer = -1; /* an injected fault is for the reload, not for its rollback */
   if (!rc)
-    rc = apply(model, &pv, redo, false, &at, &ignore_read, &ignore_pwal);
+    rc = apply(model, &pv, redo, false, NULL, &ignore_read, &ignore_pwal);
   model->fault_layer = fault;
+  for (size_t l = 0; !rc && l < model->n_layers; l++) {
+    struct qkeep_digest now;
+    if (redo[l] && !(rc = digest_layer(model->layers[l], &now)) &&
+        (now.hi != before[l].digest.hi || now.lo != before[l].digest.lo))
+      rc = set_error(QKEEP_E_STATE,
+                     "%s no longer holds the model's previous weights (layer %s reads back other bytes: "
+                     "its files changed since they were loaded)",
+                     model->source_path, model->layers[l]->name);
+  }
   free(redo);
   ckpt_close(ck);
   return rc;
@@ -455,8 +484,12 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
                      "is needed, not a partial one");
   double t_validate = now_seconds();
   bool *selected = calloc(model->n_layers, sizeof *selected);
-  if (!selected)
+  struct layer_before *before = calloc(model->n_layers, sizeof *before);
+  if (!selected || !before) {
+    free(selected);
+    free(before);
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
   struct scale_cache cache = {.inner = pv};
   int rc = scale_cache_reserve(&cache, model);
   if (!rc)
@@ -464,35 +497,47 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   if (rc) {
     scale_cache_free(&cache);
     free(selected);
+    free(before);
     return rc; /* nothing was touched */
   }
-  size_t failed_at = 0;
   double t0 = now_seconds(), t_read = 0, t_pwal = 0;
   t_validate = t0 - t_validate;
   struct provider validated;
   cached_provider(&validated, &cache);
-  rc = apply(model, &validated, selected, cache.complete, &failed_at, &t_read, &t_pwal);
+  /* The digests cost one hash of the model's bytes: only worth it when a file can give W0 back. */
+  rc = apply(model, &validated, selected, cache.complete, model->source_path ? before : NULL, &t_read,
+             &t_pwal);
   scale_cache_free(&cache);
   if (rc) {
-    char why[1024];
-    snprintf(why, sizeof why, "%s", qkeep_errmsg());
-    int back = roll_back(model, selected, failed_at);
-    if (back == 0) {
-      set_error(rc, "%s; the model was rolled back to %s", why, model->source_path);
+    char *why = xstrdup(qkeep_errmsg());
+    int back = roll_back(model, before);
+    if (back == 0 && model->poisoned) {
+      set_error(rc,
+                "%s; the layers it touched were rolled back, but the model held a mix after an earlier "
+                "failed reload and still refuses to run until a reload succeeds",
+                why ? why : "");
+    } else if (back == 0) {
+      set_error(rc,
+                "%s; the model was rolled back to %s (every layer the reload touched has its earlier bytes "
+                "again, by digest)",
+                why ? why : "", model->source_path);
     } else {
-      char how[512];
-      snprintf(how, sizeof how, "%s", qkeep_errmsg());
+      char *how = xstrdup(qkeep_errmsg());
       model->poisoned = true;
-      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds", why,
-                how);
+      set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds",
+                why ? why : "", how ? how : "out of memory");
+      free(how);
     }
+    free(why);
     free(selected);
+    free(before);
     return rc;
   }
   bool full = !(flags & QKEEP_RELOAD_PARTIAL);
   for (size_t l = 0; l < model->n_layers && full; l++)
     full = selected[l];
   free(selected);
+  free(before);
   if (full)
     model->poisoned = false;
   model->stats = (struct qkeep_load_stats){sizeof model->stats,
@@ -516,10 +561,8 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
   t_open = now_seconds() - t_open;
   struct provider pv;
   ckpt_provider(&pv, ck);
-  /* A bare .safetensors file carries no config: only a directory's config is compared. */
-  struct stat st;
-  bool bare_file = stat(checkpoint, &st) == 0 && S_ISREG(st.st_mode);
-  rc = reload(model, &pv, bare_file ? NULL : &ck->qc, flags, checkpoint);
+  /* The config as a cold start finds it: a directory's files; none for a bare .safetensors file. */
+  rc = reload(model, &pv, &ck->qc, flags, checkpoint);
   if (!rc) {
     model->stats.open_seconds += t_open;
     model->stats.checkpoint_bytes = 0;
@@ -555,7 +598,7 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
     struct provider pv = {"in-memory tensors", &b,        buf_find,    buf_read, buf_host,
-                          buf_device,          buf_count, buf_name_at, NULL, NULL};
+                          buf_device,          buf_count, buf_name_at, NULL,     NULL};
     rc = reload(model, &pv, NULL, flags, NULL);
   }
   name_index_clear(&b.index);
@@ -568,7 +611,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
   struct provider pv = {"in-memory tensor", &b,        buf_find,    buf_read, buf_host,
-                        buf_device,         buf_count, buf_name_at, NULL, NULL};
+                        buf_device,         buf_count, buf_name_at, NULL,     NULL};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
   const struct source_ref *ref = rc ? NULL : model_find_source(model, tensor->name);
@@ -595,8 +638,15 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc && src->param->scale)
     rc = check_scale_values(layer, &(struct scale_cache){.inner = &pv}, &t); /* no room: nothing kept */
   struct staging st = {0};
-  if (!rc)
-    rc = load_source(layer, &pv, src, &st); /* only this tensor: the rest of the layer keeps its bytes */
+  /* Only this tensor: the rest of the layer keeps its bytes. One tensor may feed two params (a single
+   * kv_scale is both k_scale and v_scale): every source of that name is written. */
+  for (size_t i = 0; !rc && i < layer->n_sources; i++) /* rc first: layer is NULL when the name is unknown */
+    if (&layer->sources[i] == src || strcmp(layer->sources[i].checkpoint_name, tensor->name) == 0)
+      rc = load_source(layer, &pv, &layer->sources[i], &st);
+  /* Kv-cache scales a checkpoint lacks are placeholders derived from those it has (v from k): they
+   * follow, as a cold start derives them. Normalisation writes only placeholders there. */
+  if (!rc && layer->scheme_ops == &scheme_kv_scales)
+    rc = layer->scheme_ops->normalize(layer);
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st);

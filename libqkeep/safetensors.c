@@ -233,6 +233,14 @@ static int read_header(struct st_file *f, char **out) {
     return file_error(QKEEP_E_FORMAT, f, "header is not valid UTF-8 (bad byte 0x%02x at header offset %zu)",
                       bad_byte, bad_at);
   }
+  /* JSON text holds no raw NUL (a string escapes it as \u0000), and jansson would read one as the end
+   * of a value's text. */
+  const char *nul = memchr(header, '\0', (size_t)n);
+  if (nul) {
+    size_t at = (size_t)(nul - header);
+    free(header);
+    return file_error(QKEEP_E_FORMAT, f, "header holds a NUL byte at header offset %zu, not JSON text", at);
+  }
   /* JSON whitespace may come first (the reference accepts it: writers pad the header to page-align
    * the data); then the object. */
   size_t lead = strspn(header, " \t\n\r");
@@ -539,9 +547,12 @@ static int parse_value(struct st_file *f, const struct json_scan *h, const struc
   big->n = 0;
   *out = json_loadb(h->text + m->value_at, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
   if (!*out && json_error_code(&jerr) == json_error_numeric_overflow) {
-    char *copy = strndup(h->text + m->value_at, m->value_len);
+    /* The value's every byte, a NUL among them included (strndup would stop there, short of value_len). */
+    char *copy = malloc(m->value_len + 1);
     if (!copy)
       return file_error(QKEEP_E_NOMEM, f, "out of memory for a copy of a header entry");
+    memcpy(copy, h->text + m->value_at, m->value_len);
+    copy[m->value_len] = '\0';
     int rc = mark_big_integers(f, copy, m->value_len, big);
     if (!rc)
       *out = json_loadb(copy, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);

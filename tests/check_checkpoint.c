@@ -12,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "checkutil.h"
@@ -798,6 +800,124 @@ END_TEST
 
 /* ---- suite --------------------------------------------------------------------------------- */
 
+/* ---- symbolic links ------------------------------------------------------------------ */
+
+/* mkdir -p of dir/sub; returns the malloc'd path. */
+static char *subdir(const char *sub) {
+  char *path = tu_path(dir, sub);
+  for (char *p = path + strlen(dir) + 1; *p; p++)
+    if (*p == '/') {
+      *p = '\0';
+      mkdir(path, 0755);
+      *p = '/';
+    }
+  mkdir(path, 0755);
+  return path;
+}
+
+static void link_at(const char *target, const char *sub, const char *file) {
+  char *d = tu_path(dir, sub), *path = tu_path(d, file);
+  ck_assert_int_eq(symlink(target, path), 0);
+  free(d);
+  free(path);
+}
+
+static void put_text(const char *sub, const char *file, const char *text) {
+  char *d = tu_path(dir, sub), *path = tu_path(d, file);
+  ck_assert_int_eq(tu_write_file(path, text, strlen(text)), 0);
+  free(d);
+  free(path);
+}
+
+static const char *const link_tensors[] = {"model.a.weight", "model.b.weight", NULL};
+
+/* Issue 10, item 15: a checkpoint directory's links are followed only inside its own tree (or into the hub
+ * cache's blobs/). Outside, they were followed and the errors quoted the target's bytes: a secret file's
+ * first 8 bytes printed as a header length, `near 'root'` from /etc/passwd. */
+START_TEST(test_links_leaving_the_directory_are_refused) {
+  static const char secret[] = "SECRET!!root:x:0:0:root:/root:/bin/bash\n";
+  free(subdir("outside"));
+  put_text("outside", "passwd", secret);
+  char number[32];
+  uint64_t len = 0;
+  for (int i = 7; i >= 0; i--)
+    len = len << 8 | (unsigned char)secret[i];
+  snprintf(number, sizeof number, "%llu", (unsigned long long)len);
+  /* config.json, model.safetensors, a shard and an index, each a link to the secret file. */
+  static const char *const cases[][2] = {{"c1", "config.json"},
+                                         {"c2", "model.safetensors"},
+                                         {"c3", "model.safetensors.index.json"},
+                                         {"c4", "hf_quant_config.json"},
+                                         {"c5", "only.safetensors"}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *d = subdir(cases[i][0]);
+    if (strcmp(cases[i][1], "model.safetensors") != 0 && strcmp(cases[i][1], "only.safetensors") != 0) {
+      char *rel = tu_path(cases[i][0], "model.safetensors");
+      put_shard(rel, link_tensors);
+      free(rel);
+    }
+    link_at("../outside/passwd", cases[i][0], cases[i][1]);
+    struct ckpt *c = (struct ckpt *)1;
+    ck_assert_int_eq(ckpt_open(d, &c), QKEEP_E_FORMAT);
+    ck_assert_ptr_null(c);
+    const char *msg = qkeep_errmsg();
+    ck_assert_msg(strstr(msg, "symbolic link") && strstr(msg, cases[i][1]), "%s: %s", cases[i][1], msg);
+    ck_assert_msg(!strstr(msg, "root") && !strstr(msg, "SECRET") && !strstr(msg, number), "%s quotes it: %s",
+                  cases[i][1], msg);
+    free(d);
+  }
+  /* A shard named by an index. */
+  char *d = subdir("c6");
+  put_text(
+      "c6", "model.safetensors.index.json",
+      "{\"weight_map\": {\"model.a.weight\": \"s.safetensors\", \"model.b.weight\": \"s.safetensors\"}}");
+  link_at("../outside/passwd", "c6", "s.safetensors");
+  struct ckpt *c;
+  ck_assert_int_eq(ckpt_open(d, &c), QKEEP_E_FORMAT);
+  expect_msg("symbolic link", "s.safetensors", NULL);
+  ck_assert(!strstr(qkeep_errmsg(), number));
+  free(d);
+}
+END_TEST
+
+/* Links inside the tree, and the hub cache's snapshots/<rev>/FILE -> ../../blobs/<hash>, load. */
+START_TEST(test_links_inside_and_hub_cache_layout_load) {
+  free(subdir("in"));
+  put_shard("in/weights.bin", link_tensors);
+  link_at("weights.bin", "in", "model.safetensors");
+  char *d = tu_path(dir, "in");
+  struct ckpt *c;
+  ck_assert_msg(ckpt_open(d, &c) == 0, "%s", qkeep_errmsg());
+  check_tensor(c, "model.a.weight", "model.safetensors");
+  ckpt_close(c);
+  free(d);
+  free(subdir("hub/models--org--m/blobs"));
+  free(subdir("hub/models--org--m/snapshots/0123abcd"));
+  put_shard("hub/models--org--m/blobs/4f2e", link_tensors);
+  put_text("hub/models--org--m/blobs", "9a01", "{\"model_type\": \"llama\"}");
+  link_at("../../blobs/4f2e", "hub/models--org--m/snapshots/0123abcd", "model.safetensors");
+  link_at("../../blobs/9a01", "hub/models--org--m/snapshots/0123abcd", "config.json");
+  d = tu_path(dir, "hub/models--org--m/snapshots/0123abcd");
+  ck_assert_msg(ckpt_open(d, &c) == 0, "%s", qkeep_errmsg());
+  check_tensor(c, "model.b.weight", NULL);
+  ckpt_close(c);
+  /* ... but not past blobs/: a snapshot's link to the repository's other files is refused. */
+  put_text("hub/models--org--m", "notes", "{}");
+  link_at("../../notes", "hub/models--org--m/snapshots/0123abcd", "hf_quant_config.json");
+  ck_assert_int_eq(ckpt_open(d, &c), QKEEP_E_FORMAT);
+  expect_msg("symbolic link", "hf_quant_config.json", NULL);
+  free(d);
+  /* A bare path the caller names is followed wherever it points. */
+  put_shard("elsewhere.safetensors", link_tensors);
+  free(subdir("named"));
+  link_at("../elsewhere.safetensors", "named", "x.safetensors");
+  d = tu_path(dir, "named/x.safetensors");
+  ck_assert_msg(ckpt_open(d, &c) == 0, "%s", qkeep_errmsg());
+  ckpt_close(c);
+  free(d);
+}
+END_TEST
+
 static Suite *checkpoint_suite(void) {
   Suite *s = suite_create("checkpoint");
   TCase *tc = tcase_create("open");
@@ -829,6 +949,12 @@ static Suite *checkpoint_suite(void) {
   tcase_add_test(tc, test_corrupt_shard);
   tcase_add_loop_test(tc, test_config_errors_in_dir, 0, 7);
   tcase_add_loop_test(tc, test_config_errors, 0, (int)(sizeof config_errors / sizeof config_errors[0]));
+  suite_add_tcase(s, tc);
+
+  tc = tcase_create("links");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_test(tc, test_links_leaving_the_directory_are_refused);
+  tcase_add_test(tc, test_links_inside_and_hub_cache_layout_load);
   suite_add_tcase(s, tc);
   return s;
 }

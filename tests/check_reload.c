@@ -1,6 +1,7 @@
 /*
- * check_reload.c: layerwise reload W0 -> W1 for every scheme through the
- * reference backend: equal to a cold start on W1 (digest, and every storage
+ * check_reload.c: layerwise reload W0 -> W1 for every scheme, on every backend this
+ * build has whose device is present (each in the chain "backend, reference"; the
+ * reference alone first): equal to a cold start on W1 (digest, and every storage
  * byte, padding included), no data pointer moves, W0 -> W1 -> W0 returns to
  * W0, a bad W1 changes nothing, a fault at any layer rolls back, in-memory
  * tensors, partial updates, and direct loads into live params.
@@ -30,8 +31,9 @@ static void add(struct st_writer *w, const char *name, int64_t rows, int64_t col
   free(v);
 }
 
-/* An unquantized model (fused attention and MLP, an MoE block) with weights from `seed`. */
-static char *write_source(const char *file, uint64_t seed) {
+/* An unquantized model (fused attention and MLP, an MoE block) with weights from `seed`, and when kv_name
+ * is not NULL a kv-cache scale of that local name (k_scale, v_scale, kv_scale) in its attention block. */
+static char *write_source_kv(const char *file, uint64_t seed, const char *kv_name, float kv) {
   struct st_writer *w;
   char name[160];
   ck_assert_int_eq(st_writer_new(&w), 0);
@@ -55,16 +57,25 @@ static char *write_source(const char *file, uint64_t seed) {
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
     add(w, name, H, H, seed);
   }
+  if (kv_name) {
+    struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
+    snprintf(name, sizeof name, "model.layers.0.self_attn.%s", kv_name);
+    ck_assert_int_eq(st_writer_add(w, name, &scalar, &kv), 0);
+  }
   char *path = tu_path(dir, file);
   ck_assert_int_eq(st_writer_write(w, path), 0);
   st_writer_free(w);
   return path;
 }
 
-static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
-                      bool asym) {
+static char *write_source(const char *file, uint64_t seed) { return write_source_kv(file, seed, NULL, 0); }
+
+static char *quantize_opts(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
+                           bool asym, bool asym_input) {
   char *path = tu_path(dir, out);
   struct qkeep_quantize_options o = {.size = sizeof o,
+                                     .static_input = asym_input,
+                                     .asym_input = asym_input,
                                      .scheme = scheme,
                                      .group_size = 32,
                                      .kv_cache_scales = true,
@@ -73,6 +84,11 @@ static char *quantize(const char *source, const char *scheme, const char *out, i
                                      .asym_weights = asym};
   ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
   return path;
+}
+
+static char *quantize(const char *source, const char *scheme, const char *out, int64_t shard_bytes,
+                      bool asym) {
+  return quantize_opts(source, scheme, out, shard_bytes, asym, false);
 }
 
 static struct qkeep_digest digest(qkeep_model *m) {
@@ -192,6 +208,62 @@ static void wrong_shape(struct st_writer *w, const struct st_tensor *t, void *by
   add_as_is(w, t, bytes);
 }
 
+static bool ends_with(const char *s, const char *tail) {
+  size_t n = strlen(s), m = strlen(tail);
+  return n >= m && strcmp(s + n - m, tail) == 0;
+}
+
+/* compressed-tensors' w8a8 asymmetric activations store input_zero_point as I8. */
+static void zero_points_as_i8(struct st_writer *w, const struct st_tensor *t, void *bytes) {
+  if (ends_with(t->name, ".input_zero_point") && t->dtype == QKEEP_DTYPE_I32) {
+    size_t n = t->nbytes / 4;
+    int8_t *narrow = malloc(n ? n : 1);
+    for (size_t i = 0; i < n; i++) {
+      int32_t v;
+      memcpy(&v, (char *)bytes + 4 * i, 4);
+      ck_assert(v >= -128 && v <= 127);
+      narrow[i] = (int8_t)v;
+    }
+    struct qkeep_spec s = {QKEEP_DTYPE_I8, t->ndim, {0}};
+    memcpy(s.shape, t->shape, sizeof s.shape);
+    ck_assert_int_eq(st_writer_add(w, t->name, &s, narrow), 0);
+    free(narrow);
+    return;
+  }
+  add_as_is(w, t, bytes);
+}
+
+/* Issue 10, item 9: I8 input zero points on fused layers (q/k/v, gate/up, experts). The shard merge read
+ * 4 bytes per 1-byte shard, so a valid checkpoint was refused with heap bytes in the message. They load,
+ * run as the I32 ones do, and reload. */
+START_TEST(i8_input_zero_points_on_fused_layers) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize_opts(s0, "w8a8-int8", "q0", 0, false, true),
+       *w1 = quantize_opts(s1, "w8a8-int8", "q1", 0, false, true);
+  char *n0 = rewrite(w0, "n0", zero_points_as_i8), *n1 = rewrite(w1, "n1", zero_points_as_i8);
+  qkeep_model *wide = load(w0), *narrow = load(n0), *cold1 = load(n1);
+  ck_assert_ptr_nonnull(qkeep_model_lookup(narrow, "model.layers.0.self_attn.k_proj.input_zero_point", NULL));
+  tu_assert_census_clean(narrow);
+  float x[H], ya[2 * I], yb[2 * I]; /* gate_up's N is the widest */
+  for (int i = 0; i < H; i++)
+    x[i] = (float)(i % 9) / 4 - 1.0f;
+  static const char *const fused[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"};
+  for (int f = 0; f < 2; f++) {
+    qkeep_layer *a = qkeep_model_find_layer(wide, fused[f]), *b = qkeep_model_find_layer(narrow, fused[f]);
+    ck_assert_ptr_nonnull(b);
+    ck_assert_int_eq(qkeep_layer_apply_f32(a, 1, x, ya), 0);
+    ck_assert_int_eq(qkeep_layer_apply_f32(b, 1, x, yb), 0);
+    ck_assert_msg(memcmp(ya, yb, sizeof(float) * (size_t)a->dims.n) == 0, "%s", fused[f]);
+  }
+  ck_assert_msg(qkeep_model_reload(narrow, n1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(narrow), digest(cold1)));
+  qkeep_model_free(wide);
+  qkeep_model_free(narrow);
+  qkeep_model_free(cold1);
+  free(s0), free(s1), free(w0), free(w1), free(n0), free(n1);
+}
+END_TEST
+
 START_TEST(bad_w1_changes_nothing) {
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
   char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false),
@@ -231,6 +303,24 @@ START_TEST(bad_w1_changes_nothing) {
   qkeep_model *g = load(g0);
   ck_assert_int_eq(qkeep_model_reload(g, g1a, 0), QKEEP_E_FORMAT);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "quantization config"));
+  /* The same W1 by its bare model.safetensors: no config there, as a cold start on that path finds
+   * none; it used to reload unchecked and discard the zero points. */
+  char *g1a_file = tu_path(g1a, "model.safetensors");
+  struct qkeep_digest dg = digest(g);
+  ck_assert_int_eq(qkeep_model_reload(g, g1a_file, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "declares no quantization"), "%s", qkeep_errmsg());
+  ck_assert(same(digest(g), dg));
+  qkeep_model *bare;
+  ck_assert_int_eq(qkeep_model_new(plugin, &bare), 0);
+  ck_assert_int_ne(qkeep_model_load(bare, g1a_file), 0); /* what a cold start says of that path */
+  qkeep_model_free(bare);
+  free(g1a_file);
+  /* Unquantized bare files carry all they need: those reload as they cold-start. */
+  qkeep_model *u = load(s0), *u1 = load(s1);
+  ck_assert_msg(qkeep_model_reload(u, s1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(u), digest(u1)));
+  qkeep_model_free(u);
+  qkeep_model_free(u1);
   tu_release_snapshot(&before);
   qkeep_model_free(m);
   qkeep_model_free(g);
@@ -262,6 +352,58 @@ START_TEST(fault_at_every_layer_rolls_back) {
   qkeep_model_free(m);
   qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
+/* Copies every file of checkpoint directory `from` over the same names in `to` (a trainer saving its
+ * new weights into the directory the model was loaded from). */
+static void overwrite_dir(const char *from, const char *to) {
+  static const char *const files[] = {"model.safetensors", "config.json"};
+  for (size_t i = 0; i < 2; i++) {
+    char *src = tu_path(from, files[i]), *dst = tu_path(to, files[i]);
+    size_t n;
+    void *bytes = tu_read_file(src, &n);
+    ck_assert_ptr_nonnull(bytes);
+    ck_assert_int_eq(tu_write_file(dst, bytes, n), 0);
+    free(bytes), free(src), free(dst);
+  }
+}
+
+/* W0's files change on disk after the cold start, then a reload fails late: re-reading W0 would give a
+ * mix that claims to be W0. The rollback checks the bytes it restores against the digests taken before
+ * the reload touched each layer, so the model refuses to run, and says so. */
+START_TEST(rollback_after_w0_changed_on_disk_refuses_to_run) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2),
+       *s2 = write_source("w2.safetensors", 3);
+  char *w0 = quantize(s0, "w8a8-int8", "q0", 0, false), *w1 = quantize(s1, "w8a8-int8", "q1", 0, false),
+       *w2 = quantize(s2, "w8a8-int8", "q2", 0, false);
+  qkeep_model *m = load(w0);
+  struct qkeep_digest d0 = digest(m);
+  size_t n_layers = qkeep_model_layer_count(m);
+  /* Unchanged files: a late fault rolls back to exactly W0. */
+  m->fault_layer = (long)n_layers - 1;
+  m->fault_code = QKEEP_E_IO;
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "rolled back"));
+  ck_assert(same(digest(m), d0));
+  /* Now W0's directory holds other weights of the same shapes. */
+  overwrite_dir(w2, w0);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "refuses to run") && !strstr(msg, "rolled back to"), "%s", msg);
+  ck_assert_msg(strstr(msg, "changed since"), "%s", msg);
+  float x[H] = {0}, y[H];
+  qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), QKEEP_E_STATE);
+  /* A full reload that succeeds makes it run again, equal to a cold start. */
+  m->fault_layer = -1;
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), 0);
+  qkeep_model *cold = load(w1);
+  ck_assert(same(digest(m), digest(cold)));
+  ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), 0);
+  qkeep_model_free(cold);
+  qkeep_model_free(m);
+  free(s0), free(s1), free(s2), free(w0), free(w1), free(w2);
 }
 END_TEST
 
@@ -412,6 +554,112 @@ START_TEST(direct_load_into_live_params) {
 }
 END_TEST
 
+/* A kv-cache scale loaded directly: the placeholder derived from it (v from k, or both from a single
+ * kv_scale) follows, as a cold start on the same tensors derives it. Each used to keep the old value. */
+START_TEST(direct_load_of_a_kv_scale_updates_what_derives_from_it) {
+  static const char *const names[] = {"k_scale", "v_scale", "kv_scale"};
+  for (size_t i = 0; i < 3; i++) {
+    char f0[32], f1[32], full[96];
+    snprintf(f0, sizeof f0, "kv0-%zu.safetensors", i);
+    snprintf(f1, sizeof f1, "kv1-%zu.safetensors", i);
+    snprintf(full, sizeof full, "model.layers.0.self_attn.%s", names[i]);
+    char *p0 = write_source_kv(f0, 1, names[i], 0.5f), *p1 = write_source_kv(f1, 1, names[i], 3.0f);
+    qkeep_model *m = load(p0), *cold = load(p1);
+    ck_assert(!same(digest(m), digest(cold)));
+    float value = 3.0f;
+    struct qkeep_named_tensor t = {full, {QKEEP_DTYPE_F32, 0, {0}}, &value, false};
+    ck_assert_msg(qkeep_model_load_tensor(m, &t) == 0, "%s: %s", full, qkeep_errmsg());
+    ck_assert_msg(same(digest(m), digest(cold)), "%s: differs from a cold start after a direct load", full);
+    qkeep_model_free(m);
+    qkeep_model_free(cold);
+    free(p0), free(p1);
+  }
+}
+END_TEST
+
+/* Writes a checkpoint of one attention block `block` (q/k/v/o) and the given scalar kv-cache scales. */
+static char *write_attention(const char *file, const char *block, const char *const *scales, size_t n) {
+  struct st_writer *w;
+  char *name;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+  for (int p = 0; p < 4; p++) {
+    ck_assert_int_ne(asprintf(&name, "%s.%s.weight", block, proj[p]), -1);
+    add(w, name, H, H, 1);
+    free(name);
+  }
+  for (size_t i = 0; i < n; i++) {
+    struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
+    float v = 0.25f * (float)(i + 1);
+    ck_assert_int_ne(asprintf(&name, "%s.%s", block, scales[i]), -1);
+    ck_assert_int_eq(st_writer_add(w, name, &scalar, &v), 0);
+    free(name);
+  }
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+/* Cold start and reload take the same tensors: what a cold start accepts, a reload of the same
+ * checkpoint accepts to the same digest; what no layer takes is an error at both. */
+START_TEST(cold_start_and_reload_take_the_same_tensors) {
+  /* A kv_scale beside k_scale / v_scale: kv_scale is the older name of both, so the two namings
+   * disagree about the same scales. The cold start ignored kv_scale (never read: a NaN passed); the
+   * reload refused it. */
+  static const char *const both[] = {"k_scale", "v_scale", "kv_scale"};
+  static const char *const k_and_kv[] = {"k_scale", "kv_scale"};
+  const char *const *sets[] = {both, k_and_kv};
+  size_t counts[] = {3, 2};
+  for (size_t i = 0; i < 2; i++) {
+    char *path = write_attention(i ? "kv2.safetensors" : "kv3.safetensors", "model.layers.0.self_attn",
+                                 sets[i], counts[i]);
+    qkeep_model *m;
+    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+    ck_assert_int_eq(qkeep_model_load(m, path), QKEEP_E_FORMAT);
+    ck_assert_msg(strstr(qkeep_errmsg(), "kv_scale"), "%s", qkeep_errmsg());
+    qkeep_model_free(m);
+    free(path);
+  }
+  /* Two attention blocks whose names agree in their first 700 characters: two kv-scales layers, and
+   * a reload of the same file takes every tensor. */
+  char *a = malloc(800), *b = malloc(800);
+  memset(a, 'x', 700);
+  strcpy(a + 700, ".a.self_attn");
+  memset(b, 'x', 700);
+  strcpy(b + 700, ".b.self_attn");
+  static const char *const kv[] = {"k_scale", "v_scale"};
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  const char *blocks[] = {a, b};
+  for (int k = 0; k < 2; k++)
+    for (int s = 0; s < 2; s++) {
+      char *name;
+      struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
+      float v = 0.5f + (float)(k * 2 + s);
+      ck_assert_int_ne(asprintf(&name, "%s.%s", blocks[k], kv[s]), -1);
+      ck_assert_int_eq(st_writer_add(w, name, &scalar, &v), 0);
+      free(name);
+    }
+  char *path = tu_path(dir, "long.safetensors");
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  qkeep_model *m = load(path);
+  struct qkeep_digest d = digest(m);
+  ck_assert_msg(qkeep_model_reload(m, path, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d));
+  for (int k = 0; k < 2; k++)
+    for (int s = 0; s < 2; s++) {
+      char *name;
+      ck_assert_int_ne(asprintf(&name, "%s.%s", blocks[k], kv[s]), -1);
+      ck_assert_msg(qkeep_model_lookup(m, name, NULL), "%s is taken by no layer", name);
+      free(name);
+    }
+  qkeep_model_free(m);
+  free(path), free(a), free(b);
+}
+END_TEST
+
 START_TEST(reload_needs_a_loaded_model) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
@@ -422,23 +670,40 @@ START_TEST(reload_needs_a_loaded_model) {
 }
 END_TEST
 
-static Suite *reload_suite(void) {
-  Suite *s = suite_create("reload");
+static Suite *reload_suite(const char *backend) {
+  Suite *s = suite_create(backend);
   TCase *tc = tcase_create("reload");
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, (int)(sizeof schemes / sizeof schemes[0]));
   tcase_add_test(tc, bad_w1_changes_nothing);
+  tcase_add_test(tc, i8_input_zero_points_on_fused_layers);
   tcase_add_test(tc, fault_at_every_layer_rolls_back);
+  tcase_add_test(tc, rollback_after_w0_changed_on_disk_refuses_to_run);
   tcase_add_test(tc, reload_from_memory_buffers);
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);
   tcase_add_test(tc, reload_needs_a_loaded_model);
+  tcase_add_test(tc, cold_start_and_reload_take_the_same_tensors);
+  tcase_add_test(tc, direct_load_of_a_kv_scale_updates_what_derives_from_it);
   suite_add_tcase(s, tc);
   return s;
 }
 
 int main(void) {
   fixture_name = "reload";
-  return tu_run_suite(reload_suite(), CK_NORMAL);
+  /* Every built backend whose device is here, each in the chain "backend, reference". */
+  static const char *const backends[] = {"reference", "cpu-onednn", "cpu-zentorch", "cuda-nvfp4"};
+  int failed = 0, ran = 0;
+  fixture_backend_dir = tu_path(tu_builddir(), "plugins/cuda/.libs"); /* the tests' path lacks it */
+  for (size_t b = 0; b < sizeof backends / sizeof backends[0]; b++) {
+    if (!fixture_backend_usable(backends[b]))
+      continue;
+    fixture_backend = backends[b];
+    printf("backend %s\n", backends[b]);
+    failed |= tu_run_suite(reload_suite(backends[b]), CK_NORMAL) != EXIT_SUCCESS;
+    ran++;
+  }
+  free(fixture_backend_dir);
+  return ran && !failed ? EXIT_SUCCESS : EXIT_FAILURE;
 }

@@ -295,6 +295,23 @@ START_TEST(test_header_past_eof) {
 }
 END_TEST
 
+/* Found by fuzz_safetensors: a NUL byte after a literal above INT64_MAX in one entry's value. The
+ * re-parse of that value copied it with strndup, which stops at the NUL, then scanned the whole
+ * length of the value (a heap over-read: ASan, valgrind), and jansson took the NUL as the end of the
+ * text, so the file opened. A raw NUL is no JSON: refused wherever it is. */
+START_TEST(test_nul_after_big_integer) {
+  static const char header[] = "{\"w\":{\"dtype\":\"U8\",\"shape\":[0,9223372036854775808\0],"
+                               "\"data_offsets\":[0,0]}}";
+  char *path = put_st_n("nul.safetensors", header, sizeof header - 1, 0);
+  expect_open_error(path, QKEEP_E_FORMAT, NULL, NULL);
+  free(path);
+  static const char trailing[] = "{\"w\":[18446744073709551615,\"\0";
+  path = put_st_n("nul2.safetensors", trailing, sizeof trailing - 1, 0);
+  expect_open_error(path, QKEEP_E_FORMAT, NULL, NULL);
+  free(path);
+}
+END_TEST
+
 START_TEST(test_missing_file) {
   char *path = tu_path(dir, "nope.safetensors");
   expect_open_error(path, QKEEP_E_NOTFOUND, NULL, "no such file");
@@ -879,6 +896,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_test(tc, test_file_too_short);
   tcase_add_test(tc, test_header_too_large);
   tcase_add_test(tc, test_header_past_eof);
+  tcase_add_test(tc, test_nul_after_big_integer);
   tcase_add_test(tc, test_missing_file);
   tcase_add_test(tc, test_not_a_regular_file);
   suite_add_tcase(s, tc);
