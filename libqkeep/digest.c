@@ -66,7 +66,7 @@ static int hash_layer(XXH3_state_t *st, const qkeep_layer *layer, unsigned char 
   return rc;
 }
 
-/* The digest of layers[0, n) (all of a model's, or one). */
+/* The digest of layers[0, n). */
 static int digest_layers(qkeep_layer *const *layers, size_t n, struct qkeep_digest *out) {
   XXH3_state_t *st = XXH3_createState();
   unsigned char *staging = malloc(STAGING_BYTES);
@@ -92,8 +92,6 @@ int qkeep_digest(const qkeep_model *model, struct qkeep_digest *out) {
     return set_error(QKEEP_E_INVAL, "digest: NULL argument");
   return digest_layers(model->layers, model->n_layers, out);
 }
-
-int digest_layer(qkeep_layer *layer, struct qkeep_digest *out) { return digest_layers(&layer, 1, out); }
 
 void qkeep_digest_hex(const struct qkeep_digest *d, char out[33]) {
   snprintf(out, 33, "%016llx%016llx", (unsigned long long)d->hi, (unsigned long long)d->lo);

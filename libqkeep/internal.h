@@ -320,6 +320,12 @@ struct source_ref {
   size_t source;
 };
 
+/* A file as it was when the model read it: a rollback re-reads W0 only if it is still that file. */
+struct file_id {
+  uint64_t dev, ino, size;
+  int64_t mtime_s, mtime_ns, ctime_s, ctime_ns;
+};
+
 struct qkeep_model {
   struct owner *owners; /* the chain, in order; never resized */
   size_t n_owners;
@@ -331,6 +337,8 @@ struct qkeep_model {
   struct qkeep_load_stats stats;
   struct mem_stats mem;
   char *source_path; /* the checkpoint whose bytes the model holds (rollback source), or NULL */
+  struct file_id *source_ids; /* each of its files when it was read (model_set_source) */
+  size_t n_source_ids;
   bool poisoned;     /* a failed reload could not roll back: kernels refuse until a reload succeeds */
   long fault_layer;  /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
   int fault_code;
@@ -612,16 +620,16 @@ int finish_layer(qkeep_layer *layer);
 /* ---- the model's state (model.c) ------------------------------------------------------ */
 
 /* Records the checkpoint the model's bytes now equal (NULL: none). */
-int model_set_source(qkeep_model *model, const char *path);
+/* The checkpoint whose bytes the model holds now (NULL: none), and the identity of each of its
+ * files as opened (ck: the open checkpoint, or NULL with path NULL), for a rollback to check. */
+int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck);
+/* Whether ck's files are the ones the model's source had when it was loaded (same count, device,
+ * inode, size, modification and change times); else an error naming the first that differs. */
+int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck);
 /* Synchronises every device of the model's chain. */
 int model_sync(const qkeep_model *model);
 /* Starts (on) or ends every owner's spare result memory: on for the layer loop of a load or reload. */
 void model_spares(qkeep_model *model, bool on);
-
-/* ---- digests (digest.c) --------------------------------------------------------------- */
-
-/* The digest of one layer alone, as qkeep_digest hashes it (what a rollback compares). */
-int digest_layer(qkeep_layer *layer, struct qkeep_digest *out);
 
 /* ---- the backend chain (chain.c) ------------------------------------------------------ */
 

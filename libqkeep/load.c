@@ -495,7 +495,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   if (!rc)
     rc = staged;
   if (!rc)
-    rc = model_set_source(model, checkpoint);
+    rc = model_set_source(model, checkpoint, ck);
   if (rc) {
     if (!strstr(qkeep_errmsg(), ck->path))
       add_error_context(rc, "%s", ck->path); /* every load error names the checkpoint */

@@ -3,9 +3,12 @@
  * a layer's kernel through the backend.
  */
 #include <ctype.h>
+#include <errno.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint.h"
 #include "internal.h"
 
 /* Probes one link (once per plugin); a link whose device is absent takes no layer. */
@@ -115,6 +118,7 @@ void qkeep_model_free(qkeep_model *model) {
   model_clear(model);
   free_fusion(model);
   free(model->source_path);
+  free(model->source_ids);
   for (size_t i = 0; i < model->n_owners; i++) {
     stream_free(model->owners[i].stream);
     free(model->owners[i].probe_msg);
@@ -235,12 +239,57 @@ const struct source_ref *model_find_source(const qkeep_model *model, const char 
   return name_index_get(&model->source_index, name, &at) ? &model->source_refs[at] : NULL;
 }
 
-int model_set_source(qkeep_model *model, const char *path) {
+static int file_id_of(const struct st_file *f, struct file_id *out) {
+  struct stat sb;
+  if (fstat(f->fd, &sb) != 0)
+    return set_error(QKEEP_E_IO, "%s: cannot stat: %s", f->path, strerror(errno));
+  *out = (struct file_id){(uint64_t)sb.st_dev,    (uint64_t)sb.st_ino,     (uint64_t)sb.st_size,
+                          sb.st_mtim.tv_sec,      sb.st_mtim.tv_nsec,      sb.st_ctim.tv_sec,
+                          sb.st_ctim.tv_nsec};
+  return 0;
+}
+
+int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck) {
   char *copy = NULL;
+  struct file_id *ids = NULL;
+  size_t n = path && ck ? ck->n_files : 0;
   if (path && !(copy = xstrdup(path)))
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  if (n && !(ids = malloc(n * sizeof *ids))) {
+    free(copy);
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  for (size_t f = 0; f < n; f++) {
+    int rc = file_id_of(ck->files[f], &ids[f]);
+    if (rc) {
+      free(copy);
+      free(ids);
+      return rc;
+    }
+  }
   free(model->source_path);
+  free(model->source_ids);
   model->source_path = copy;
+  model->source_ids = ids;
+  model->n_source_ids = n;
+  return 0;
+}
+
+int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck) {
+  if (ck->n_files != model->n_source_ids)
+    return set_error(QKEEP_E_STATE, "%s now has %zu weight files, %zu when the model read it", ck->path,
+                     ck->n_files, model->n_source_ids);
+  for (size_t f = 0; f < ck->n_files; f++) {
+    struct file_id now;
+    int rc = file_id_of(ck->files[f], &now);
+    if (rc)
+      return rc;
+    if (memcmp(&now, &model->source_ids[f], sizeof now) != 0)
+      return set_error(QKEEP_E_STATE,
+                       "%s changed since the model read it (another file, or written to: its inode, size or "
+                       "times differ)",
+                       ck->files[f]->path);
+  }
   return 0;
 }
 

@@ -384,10 +384,9 @@ static int restore_layer(qkeep_layer *layer) {
   return 0;
 }
 
-/* A layer's digest just before a reload changed it: what a rollback must give back. */
+/* Whether a reload started changing the layer: what a rollback must give back. */
 struct layer_before {
   bool known;
-  struct qkeep_digest digest;
 };
 
 /*
@@ -405,9 +404,9 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
       continue;
     qkeep_layer *layer = model->layers[l];
     double a = now_seconds();
-    if (before && !(rc = digest_layer(layer, &before[l].digest)))
+    if (before)
       before[l].known = true;
-    if (!rc && (long)l == model->fault_layer)
+    if ((long)l == model->fault_layer)
       rc = set_error(model->fault_code, "injected fault at layer %s", layer->name);
     if (!rc)
       rc = restore_layer(layer);
@@ -456,18 +455,15 @@ static int roll_back(qkeep_model *model, const struct layer_before *before) {
   double ignore_read = 0, ignore_pwal = 0;
   long fault = model->fault_layer;
   model->fault_layer = -1; /* an injected fault is for the reload, not for its rollback */
+  /* W0's files must be the very files the model read (a trainer may have saved into the same
+   * directory since), before the re-read and after it: else the re-read would give a mix. */
+  if (!rc && (rc = model_source_unchanged(model, ck)))
+    add_error_context(rc, "%s no longer holds the model's previous weights", model->source_path);
   if (!rc)
     rc = apply(model, &pv, redo, false, NULL, &ignore_read, &ignore_pwal);
   model->fault_layer = fault;
-  for (size_t l = 0; !rc && l < model->n_layers; l++) {
-    struct qkeep_digest now;
-    if (redo[l] && !(rc = digest_layer(model->layers[l], &now)) &&
-        (now.hi != before[l].digest.hi || now.lo != before[l].digest.lo))
-      rc = set_error(QKEEP_E_STATE,
-                     "%s no longer holds the model's previous weights (layer %s reads back other bytes: "
-                     "its files changed since they were loaded)",
-                     model->source_path, model->layers[l]->name);
-  }
+  if (!rc && (rc = model_source_unchanged(model, ck)))
+    add_error_context(rc, "%s changed while the rollback read it", model->source_path);
   free(redo);
   ckpt_close(ck);
   return rc;
@@ -475,7 +471,7 @@ static int roll_back(qkeep_model *model, const struct layer_before *before) {
 
 /* The whole reload, from any provider. `path` is W1's checkpoint (NULL for buffers). */
 static int reload(qkeep_model *model, const struct provider *pv, const struct quant_config *qc,
-                  unsigned flags, const char *path) {
+                  unsigned flags, const char *path, const struct ckpt *ck) {
   if (!model->n_layers)
     return set_error(QKEEP_E_STATE, "reload: the model holds no layers (load a checkpoint first)");
   if (model->poisoned && (flags & QKEEP_RELOAD_PARTIAL))
@@ -504,9 +500,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   t_validate = t0 - t_validate;
   struct provider validated;
   cached_provider(&validated, &cache);
-  /* The digests cost one hash of the model's bytes: only worth it when a file can give W0 back. */
-  rc = apply(model, &validated, selected, cache.complete, model->source_path ? before : NULL, &t_read,
-             &t_pwal);
+  rc = apply(model, &validated, selected, cache.complete, before, &t_read, &t_pwal);
   scale_cache_free(&cache);
   if (rc) {
     char *why = xstrdup(qkeep_errmsg());
@@ -519,7 +513,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     } else if (back == 0) {
       set_error(rc,
                 "%s; the model was rolled back to %s (every layer the reload touched has its earlier bytes "
-                "again, by digest)",
+                "again, from the same unchanged files)",
                 why ? why : "", model->source_path);
     } else {
       char *how = xstrdup(qkeep_errmsg());
@@ -547,7 +541,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
                                            model->stats.checkpoint_bytes,
                                            t_validate};
   /* Only a full reload from a file leaves the model equal to a file it can roll back to. */
-  return model_set_source(model, full ? path : NULL);
+  return model_set_source(model, full ? path : NULL, full ? ck : NULL);
 }
 
 int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flags) {
@@ -562,7 +556,7 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
   struct provider pv;
   ckpt_provider(&pv, ck);
   /* The config as a cold start finds it: a directory's files; none for a bare .safetensors file. */
-  rc = reload(model, &pv, &ck->qc, flags, checkpoint);
+  rc = reload(model, &pv, &ck->qc, flags, checkpoint, ck);
   if (!rc) {
     model->stats.open_seconds += t_open;
     model->stats.checkpoint_bytes = 0;
@@ -599,7 +593,7 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   if (!rc) {
     struct provider pv = {"in-memory tensors", &b,        buf_find,    buf_read, buf_host,
                           buf_device,          buf_count, buf_name_at, NULL,     NULL};
-    rc = reload(model, &pv, NULL, flags, NULL);
+    rc = reload(model, &pv, NULL, flags, NULL, NULL);
   }
   name_index_clear(&b.index);
   return rc;
@@ -653,7 +647,7 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc)
     rc = staged;
   if (!rc)
-    rc = model_set_source(model, NULL); /* no file holds these weights now */
+    rc = model_set_source(model, NULL, NULL); /* no file holds these weights now */
   name_index_clear(&b.index);
   return rc;
 }

@@ -9,7 +9,9 @@
 #include <check.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "fixture.h"
@@ -370,8 +372,8 @@ static void overwrite_dir(const char *from, const char *to) {
 }
 
 /* W0's files change on disk after the cold start, then a reload fails late: re-reading W0 would give a
- * mix that claims to be W0. The rollback checks the bytes it restores against the digests taken before
- * the reload touched each layer, so the model refuses to run, and says so. */
+ * mix that claims to be W0. The rollback re-reads only the very files the model read (same inode,
+ * size and times), so the model refuses to run, and says so. */
 START_TEST(rollback_after_w0_changed_on_disk_refuses_to_run) {
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2),
        *s2 = write_source("w2.safetensors", 3);
@@ -404,6 +406,33 @@ START_TEST(rollback_after_w0_changed_on_disk_refuses_to_run) {
   qkeep_model_free(cold);
   qkeep_model_free(m);
   free(s0), free(s1), free(s2), free(w0), free(w1), free(w2);
+}
+END_TEST
+
+/* The quietest change: one byte of W0's weights rewritten in place, size kept and the modification
+ * time set back; only the change time (which no user can set) tells. */
+START_TEST(rollback_sees_an_in_place_rewrite_that_keeps_size_and_mtime) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "w8a8-int8", "q0", 0, false), *w1 = quantize(s1, "w8a8-int8", "q1", 0, false);
+  qkeep_model *m = load(w0);
+  char *file = tu_path(w0, "model.safetensors");
+  struct stat before;
+  ck_assert_int_eq(stat(file, &before), 0);
+  int fd = open(file, O_WRONLY);
+  ck_assert_int_ge(fd, 0);
+  unsigned char b = 0x5a;
+  ck_assert_int_eq(pwrite(fd, &b, 1, (off_t)before.st_size - 1), 1); /* the last byte of the last tensor */
+  close(fd);
+  struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ck_assert_int_eq(utimensat(AT_FDCWD, file, times, 0), 0);
+  m->fault_layer = (long)qkeep_model_layer_count(m) - 1;
+  m->fault_code = QKEEP_E_IO;
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "refuses to run") && strstr(msg, "changed since the model read it"), "%s", msg);
+  m->fault_layer = -1;
+  qkeep_model_free(m);
+  free(file), free(s0), free(s1), free(w0), free(w1);
 }
 END_TEST
 
@@ -680,6 +709,7 @@ static Suite *reload_suite(const char *backend) {
   tcase_add_test(tc, i8_input_zero_points_on_fused_layers);
   tcase_add_test(tc, fault_at_every_layer_rolls_back);
   tcase_add_test(tc, rollback_after_w0_changed_on_disk_refuses_to_run);
+  tcase_add_test(tc, rollback_sees_an_in_place_rewrite_that_keeps_size_and_mtime);
   tcase_add_test(tc, reload_from_memory_buffers);
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);
