@@ -21,6 +21,13 @@ struct options {
 
 /* The value of --name, or NULL. */
 const char *option_value(const struct options *o, const char *name);
+/*
+ * --name's value as a whole decimal integer in [min, max] or a finite float >= min (NULL text:
+ * *out untouched). 0, or 2 after printing "qkeep: COMMAND: --name VALUE: why" (a usage error): no
+ * option value is ever replaced by a default behind the user's back.
+ */
+int option_int(const struct options *o, const char *name, long long min, long long max, long long *out);
+int option_float(const struct options *o, const char *name, double min, double *out);
 /* Whether the flag --name was given. */
 bool option_flag(const struct options *o, const char *name);
 /* Loads the config: -c, $QKEEP_CONFIG, the build tree's (a qkeep run from its build tree), then the

@@ -1,5 +1,7 @@
 /* cmd_quantize.c: `qkeep quantize IN OUT --scheme S`. */
 #include <errno.h>
+#include <float.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -50,10 +52,20 @@ static long long parse_count(const char *s) {
 }
 
 int cmd_quantize(const struct options *o) {
-  const char *scheme = option_value(o, "scheme"), *group = option_value(o, "group");
-  const char *amax = option_value(o, "activation-amax"), *shard = option_value(o, "shard-bytes");
+  const char *scheme = option_value(o, "scheme");
   if (o->n_args != 2 || !scheme) {
     fputs(usage_quantize, stderr);
+    return 2;
+  }
+  long long group = 0, shard = 0;
+  double amax = 0;
+  /* the library refuses these too; here the message names the option as the user typed it */
+  if (option_int(o, "group", 1, INT32_MAX, &group) || option_float(o, "activation-amax", 0, &amax) ||
+      option_int(o, "shard-bytes", 1, INT64_MAX, &shard))
+    return 2;
+  if (amax > FLT_MAX || (amax > 0 && amax < FLT_MIN)) {
+    fprintf(stderr, "qkeep: quantize: --activation-amax %s: out of the float range\n",
+            option_value(o, "activation-amax"));
     return 2;
   }
   const char *threads = option_value(o, "threads");
@@ -66,13 +78,13 @@ int cmd_quantize(const struct options *o) {
   struct qkeep_quantize_options q = {
       .size = sizeof q,
       .scheme = scheme,
-      .group_size = group ? strtoll(group, NULL, 10) : 0,
+      .group_size = group,
       .asym_weights = option_flag(o, "asym"),
       .static_input = option_flag(o, "static-input"),
       .asym_input = option_flag(o, "asym-input"),
       .kv_cache_scales = option_flag(o, "kv-scales"),
-      .activation_amax = amax ? strtof(amax, NULL) : 0,
-      .max_shard_bytes = shard ? strtoll(shard, NULL, 10) : 0,
+      .activation_amax = (float)amax,
+      .max_shard_bytes = shard,
       .threads = (int)n_threads,
       .progress = isatty(STDERR_FILENO) && !o->json ? show_progress : NULL,
       .summary = &summary,

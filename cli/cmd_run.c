@@ -4,6 +4,7 @@
  * linear layer and MoE expert against the reference backend on random
  * activations, with the time of each phase.
  */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -98,16 +99,14 @@ struct run {
 
 /* --rows, --tolerance, --seed; 2 (usage) when out of range. */
 static int parse_run_options(struct run *r) {
-  const char *rows_s = option_value(r->o, "rows"), *tol_s = option_value(r->o, "tolerance"),
-             *seed_s = option_value(r->o, "seed");
-  r->rows = rows_s ? strtoll(rows_s, NULL, 10) : 4;
-  r->seed = seed_s ? strtoull(seed_s, NULL, 10) : 1;
-  r->check =
-      (struct check){.json = r->o->json, .tolerance = tol_s ? strtod(tol_s, NULL) : 0.05, .out = stdout};
-  if (r->rows < 1 || r->rows > 4096 || !(r->check.tolerance >= 0)) {
-    fprintf(stderr, "qkeep: run: --rows must be 1..4096 and --tolerance >= 0\n");
+  long long rows = 4, seed = 1;
+  double tolerance = 0.05;
+  if (option_int(r->o, "rows", 1, 4096, &rows) || option_float(r->o, "tolerance", 0, &tolerance) ||
+      option_int(r->o, "seed", 0, INT64_MAX, &seed))
     return 2;
-  }
+  r->rows = rows;
+  r->seed = (uint64_t)seed;
+  r->check = (struct check){.json = r->o->json, .tolerance = tolerance, .out = stdout};
   return 0;
 }
 

@@ -11,6 +11,8 @@
  *
  * Exit status: 0 success, 1 failure (or rule violations found by census), 2 usage.
  */
+#include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -136,6 +138,37 @@ const char *option_value(const struct options *o, const char *name) {
     if (strcmp(value_options[v], name) == 0)
       return o->values[v];
   return NULL;
+}
+
+int option_int(const struct options *o, const char *name, long long min, long long max, long long *out) {
+  const char *text = option_value(o, name);
+  if (!text)
+    return 0;
+  char *end;
+  errno = 0;
+  long long v = strtoll(text, &end, 10);
+  if (end == text || *end || errno || v < min || v > max) {
+    fprintf(stderr, "qkeep: %s: --%s %s: expected a whole number from %lld to %lld\n", o->command, name, text,
+            min, max);
+    return 2;
+  }
+  *out = v;
+  return 0;
+}
+
+int option_float(const struct options *o, const char *name, double min, double *out) {
+  const char *text = option_value(o, name);
+  if (!text)
+    return 0;
+  char *end;
+  errno = 0;
+  double v = strtod(text, &end);
+  if (end == text || *end || errno || !isfinite(v) || v < min) {
+    fprintf(stderr, "qkeep: %s: --%s %s: expected a finite number >= %g\n", o->command, name, text, min);
+    return 2;
+  }
+  *out = v;
+  return 0;
 }
 
 bool option_flag(const struct options *o, const char *name) {

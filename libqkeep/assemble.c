@@ -382,6 +382,9 @@ static bool parse_expert(const char *name, size_t *prefix_len, long *expert, int
   return false;
 }
 
+/* The most experts one MoE block may stack. */
+#define MAX_EXPERTS 4096
+
 /* Collects the per-expert modules of MoE blocks into MoE specs. */
 static int plan_moe(struct assembly *a) {
   for (size_t i = 0; i < a->n_modules; i++) {
@@ -398,12 +401,15 @@ static int plan_moe(struct assembly *a) {
       size_t pl;
       long ej;
       int pj;
-      if (parse_expert(a->modules[j].name, &pl, &ej, &pj) && pl == plen && ej + 1 > experts)
+      if (!parse_expert(a->modules[j].name, &pl, &ej, &pj) || pl != plen)
+        continue;
+      if (ej >= MAX_EXPERTS) /* before any arithmetic on it: strtol gives up to LONG_MAX */
+        return set_error(QKEEP_E_FORMAT,
+                         "%s: MoE block %.*s: expert index %ld (module %s), at most %d experts", a->ck->path,
+                         (int)plen, first, ej, a->modules[j].name, MAX_EXPERTS);
+      if (ej + 1 > experts)
         experts = ej + 1;
     }
-    if (experts > 4096)
-      return set_error(QKEEP_E_FORMAT, "%s: MoE block %.*s claims %ld experts", a->ck->path, (int)plen, first,
-                       experts);
     char *block_name = strndup(first, plen);
     struct layer_spec *s = block_name ? new_spec(a, SPEC_MOE, block_name) : NULL;
     free(block_name);

@@ -19,9 +19,18 @@ static uint64_t next_random(uint64_t *state) {
 
 /* Runs one GEMM on both layers and fills the error fields of e. */
 static int compare_one(qkeep_layer *a, qkeep_layer *b, struct qkeep_layer_error *e, uint64_t *rng) {
-  size_t xn = (size_t)(e->m * e->k), yn = (size_t)(e->m * e->n);
-  float *x = malloc(xn * sizeof *x), *ya = malloc(yn * sizeof *ya), *yb = malloc(yn * sizeof *yb);
-  int rc = x && ya && yb ? 0 : set_error(QKEEP_E_NOMEM, "out of memory for the forward check");
+  size_t x_bytes, y_bytes;
+  if (!f32_matrix_bytes(e->m, e->k, &x_bytes) || !f32_matrix_bytes(e->m, e->n, &y_bytes))
+    return set_error(
+        QKEEP_E_INVAL,
+        "forward check of layer %s: %lld rows of %lld inputs and %lld outputs do not fit in memory", e->layer,
+        (long long)e->m, (long long)e->k, (long long)e->n);
+  size_t xn = x_bytes / sizeof(float), yn = y_bytes / sizeof(float);
+  float *x = malloc(x_bytes ? x_bytes : 1), *ya = malloc(y_bytes ? y_bytes : 1),
+        *yb = malloc(y_bytes ? y_bytes : 1);
+  int rc = x && ya && yb
+               ? 0
+               : set_error(QKEEP_E_NOMEM, "out of memory for the forward check of layer %s", e->layer);
   for (size_t i = 0; !rc && i < xn; i++)
     x[i] = (float)((next_random(rng) >> 40) * (2.0 / 16777216.0) - 1.0);
   bool moe = a->kind == QKEEP_LAYER_MOE;

@@ -41,6 +41,14 @@ bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
 /* The bytes of a spec, false when its dtype, rank or a dimension is invalid or the product
  * does not fit in size_t (so no size ever wraps to a small number). */
 bool spec_bytes_checked(const struct qkeep_spec *spec, size_t *bytes);
+/* Checked size arithmetic, the one place the core multiplies or adds dimensions, counts and
+ * byte sizes that came from a file or a caller: false (and *out untouched) when an operand is
+ * negative or the result does not fit, so no product ever wraps or overflows a signed type. */
+bool dim_mul(int64_t a, int64_t b, int64_t *out);
+bool dim_add(int64_t a, int64_t b, int64_t *out);
+bool size_mul(size_t a, size_t b, size_t *out);
+/* The bytes of a rows x cols f32 matrix, false when negative or too large for size_t. */
+bool f32_matrix_bytes(int64_t rows, int64_t cols, size_t *bytes);
 /*
  * Copies a size-prefixed struct out through the ABI: `out` starts with the caller's
  * size_t size (0 means "mine"); copies min(that, in_size) bytes of `in` and stores the
@@ -221,6 +229,7 @@ struct qkeep_param {
   struct tensor view;
   char *release_reason;
   bool scale;       /* a scale: every value must be finite and non-negative */
+  bool positive;    /* a static activation scale: and non-zero */
   bool transformed; /* replaced since its bytes were loaded: no longer the checkpoint layout */
   /* A host copy of a small scale param's loaded bytes (create_bytes of them), taken as they streamed
    * to a device, so normalisation reads them without waiting for the device; valid while the param
@@ -610,7 +619,10 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
 int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
                  struct provided *out);
 /* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
-const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, size_t *index);
+/* What a scale param's values must be, for messages. */
+const char *scale_rule(const qkeep_param *p);
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index);
 /* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and
  * e8m0 not NaN), naming the checkpoint tensor and element of the first bad one. */
 int validate_scales(qkeep_layer *layer);

@@ -324,13 +324,20 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
   return rc;
 }
 
+const char *scale_rule(const qkeep_param *p) {
+  return p->positive ? "a static activation scale must be finite and positive"
+                     : "scales must be finite and non-negative";
+}
+
 /* Why the element is not a valid scale, or NULL. */
-static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p) {
+static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p, bool positive) {
   float v;
   switch (dtype) {
   case QKEEP_DTYPE_F8_E4M3:
     if ((*p & 0x7f) == 0x7f)
       return "NaN";
+    if (positive && !(*p & 0x7f))
+      return "zero";
     return (*p & 0x80) && (*p & 0x7f) ? "negative" : NULL;
   case QKEEP_DTYPE_F8_E8M0:
   case QKEEP_DTYPE_U8: return *p == 0xff ? "NaN (e8m0 0xff)" : NULL;
@@ -344,7 +351,7 @@ static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p) {
   }
   default: return NULL;
   }
-  return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : NULL;
+  return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : positive && v == 0 ? "zero" : NULL;
 }
 
 /*
@@ -371,13 +378,14 @@ static bool any_bad_bytes(enum qkeep_dtype dtype, const unsigned char *bytes, si
   return (bad & (high | 1)) != 0;
 }
 
-const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, size_t *index) {
-  if ((dtype == QKEEP_DTYPE_F8_E4M3 || dtype == QKEEP_DTYPE_F8_E8M0 || dtype == QKEEP_DTYPE_U8) &&
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index) {
+  if (!positive && (dtype == QKEEP_DTYPE_F8_E4M3 || dtype == QKEEP_DTYPE_F8_E8M0 || dtype == QKEEP_DTYPE_U8) &&
       !any_bad_bytes(dtype, bytes, n))
     return NULL; /* the common case, at memory speed; the loop below names the first bad one */
   size_t esize = qkeep_dtype_size(dtype);
   for (size_t i = 0; i < n; i++) {
-    const char *why = bad_scale(dtype, bytes + i * esize);
+    const char *why = bad_scale(dtype, bytes + i * esize, positive);
     if (why) {
       *index = i;
       return why;
@@ -416,14 +424,13 @@ int validate_scales(qkeep_layer *layer) {
       return set_error(QKEEP_E_NOMEM, "out of memory");
     int rc = dev_d2h(layer_device(layer), host, p->view.storage->data, bytes);
     size_t bad;
-    const char *why = rc ? NULL : bad_scales(p->create_spec.dtype, host, bytes / esize, &bad);
+    const char *why = rc ? NULL : bad_scales(p->create_spec.dtype, host, bytes / esize, p->positive, &bad);
     if (why) {
       const char *name;
       size_t elem;
       locate(layer, p, bad * esize, &name, &elem);
-      rc = set_error(QKEEP_E_FORMAT,
-                     "tensor '%s': element %zu is %s (scales must be finite and non-negative; layer %s)",
-                     name, elem, why, layer->name);
+      rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (%s; layer %s)", name, elem, why,
+                     scale_rule(p), layer->name);
     }
     free(host);
     if (rc)

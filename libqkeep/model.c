@@ -372,7 +372,11 @@ static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_
     return set_error(QKEEP_E_STATE,
                      "apply %s: a reload failed and could not roll back; reload before running", layer->name);
   const struct device *dev = layer_device(layer);
-  size_t x_bytes = (size_t)m * (size_t)k * sizeof(float), y_bytes = (size_t)m * (size_t)n * sizeof(float);
+  size_t x_bytes, y_bytes;
+  if (!f32_matrix_bytes(m, k, &x_bytes) || !f32_matrix_bytes(m, n, &y_bytes))
+    return set_error(QKEEP_E_INVAL,
+                     "apply %s: %lld rows of %lld inputs and %lld outputs (f32) do not fit in memory",
+                     layer->name, (long long)m, (long long)k, (long long)n);
   void *dx = NULL, *dy = NULL;
   int rc = dev_alloc(dev, x_bytes, &dx);
   if (!rc)

@@ -1414,9 +1414,44 @@ static void quantizer_free(struct quantizer *q) {
   free(q->tmp_paths);
 }
 
+/* The options, before anything is created: a bad value is an error, never a silent default. */
+static int check_options(const struct qkeep_quantize_options *opt) {
+  if (opt->group_size < 0 || opt->group_size > INT32_MAX)
+    return set_error(QKEEP_E_INVAL, "qkeep_quantize: group size %lld (0 for the default, else 1 to %d)",
+                     (long long)opt->group_size, INT32_MAX);
+  if (!isfinite(opt->activation_amax) || opt->activation_amax < 0)
+    return set_error(QKEEP_E_INVAL,
+                     "qkeep_quantize: activation amax %g (0 for the default 1, else finite and > 0)",
+                     (double)opt->activation_amax);
+  if (opt->max_shard_bytes < 0)
+    return set_error(QKEEP_E_INVAL, "qkeep_quantize: shard size %lld bytes (0: one file, else > 0)",
+                     (long long)opt->max_shard_bytes);
+  return 0;
+}
+
+/* Every 2-D float weight loads as a linear layer (quantized or copied); one with a zero dimension
+ * would be refused at load, so it is refused here rather than written. */
+static int check_input(const struct ckpt *ck) {
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct ckpt_tensor *t = &ck->tensors[i];
+    size_t len = strlen(t->t->name);
+    bool weight = len > 7 && strcmp(t->t->name + len - 7, ".weight") == 0;
+    if (weight && t->t->ndim == 2 && t->t->dtype >= 0 && (DT_FLOAT & (1u << t->t->dtype)) &&
+        (t->t->shape[0] == 0 || t->t->shape[1] == 0))
+      return set_error(QKEEP_E_FORMAT,
+                       "%s: tensor '%s': shape [%lld, %lld]: a linear weight with a zero "
+                       "dimension cannot be quantized (the load refuses such a layer)",
+                       t->file->path, t->t->name, (long long)t->t->shape[0], (long long)t->t->shape[1]);
+  }
+  return 0;
+}
+
 int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opt) {
   if (!in || !out_dir || !opt || !opt->scheme)
     return set_error(QKEEP_E_INVAL, "qkeep_quantize: NULL argument");
+  int rc = check_options(opt);
+  if (rc)
+    return rc;
   const struct scheme *sch = scheme_by_name(opt->scheme);
   if (!sch || sch == &scheme_unquantized)
     return set_error(QKEEP_E_INVAL,
@@ -1434,7 +1469,9 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
     return set_error(errno == EEXIST ? QKEEP_E_EXISTS : QKEEP_E_IO,
                      "%s: cannot create the output directory: %s", out_dir, strerror(errno));
   struct ckpt *ck;
-  int rc = ckpt_open(in, &ck);
+  rc = ckpt_open(in, &ck);
+  if (!rc && (rc = check_input(ck)))
+    ckpt_close(ck);
   if (rc) {
     rmdir(out_dir);
     return rc;

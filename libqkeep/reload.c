@@ -239,18 +239,18 @@ static int scale_bytes(const struct scale_cache *c, const struct device *dev, co
 /* ---- validation: nothing changes until all of W1 is known good ------------------------- */
 
 /* A scale tensor's values must be valid before anything is written. */
-static int check_scale_values(const qkeep_layer *layer, const struct scale_cache *c,
+static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, const struct scale_cache *c,
                               const struct provided *t) {
   const unsigned char *bytes = NULL;
   unsigned char *scratch = NULL;
   int rc = scale_bytes(c, layer_device(layer), t, &bytes, &scratch);
   size_t bad;
-  const char *why =
-      rc ? NULL : bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype), &bad);
+  const char *why = rc ? NULL
+                       : bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype),
+                                    p->positive, &bad);
   if (why)
-    rc = set_error(QKEEP_E_FORMAT,
-                   "%s: tensor '%s': element %zu is %s (scales must be finite and non-negative)", t->where,
-                   t->name, bad, why);
+    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (%s)", t->where, t->name, bad, why,
+                   scale_rule(p));
   free(scratch);
   return rc;
 }
@@ -294,15 +294,19 @@ static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache)
   const struct provider *pv = cache->inner;
   size_t n = 0;
   struct provided *scales = malloc((layer->n_sources ? layer->n_sources : 1) * sizeof *scales), t;
-  int rc = scales ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  const qkeep_param **params = malloc((layer->n_sources ? layer->n_sources : 1) * sizeof *params);
+  int rc = scales && params ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < layer->n_sources && !rc; i++)
-    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].param->scale)
+    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].param->scale) {
+      params[n] = layer->sources[i].param;
       scales[n++] = t;
+    }
   if (!rc)
     rc = keep_scales(cache, scales, n);
   for (size_t i = 0; i < n && !rc; i++)
-    rc = check_scale_values(layer, cache, &scales[i]);
+    rc = check_scale_values(layer, params[i], cache, &scales[i]);
   free(scales);
+  free(params);
   return rc;
 }
 
@@ -630,7 +634,8 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc)
     rc = check_source(layer, &pv, src, &t);
   if (!rc && src->param->scale)
-    rc = check_scale_values(layer, &(struct scale_cache){.inner = &pv}, &t); /* no room: nothing kept */
+    rc = check_scale_values(layer, src->param, &(struct scale_cache){.inner = &pv},
+                            &t); /* no room: nothing kept */
   struct staging st = {0};
   /* Only this tensor: the rest of the layer keeps its bytes. One tensor may feed two params (a single
    * kv_scale is both k_scale and v_scale): every source of that name is written. */

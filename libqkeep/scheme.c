@@ -68,8 +68,34 @@ static const struct module *module_at(const struct layout *L, int e, int s) {
   return L->modules[(size_t)e * (size_t)L->shards + (size_t)s];
 }
 
+/* The tensor that carries a module's N and K, for messages: its weight in any family's naming. */
+static const struct ckpt_tensor *weight_of(const struct module *m) {
+  static const char *const names[] = {"weight", "qweight", "weight_packed"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    const struct ckpt_tensor *t = module_tensor(m, names[i]);
+    if (t)
+      return t;
+  }
+  return m->tensors[0];
+}
+
+/*
+ * A linear (or an MoE expert's matrix) with N = 0 or K = 0 has no weights to load and no product
+ * to run; kernels divide by both (and oneDNN rejects empty matrices with a floating-point trap), so
+ * every scheme refuses it here, at plan time, before anything is allocated.
+ */
+static int refuse_empty(const qkeep_layer *layer, const struct module *m, int64_t n, int64_t k) {
+  if (n > 0 && k > 0)
+    return 0;
+  const struct ckpt_tensor *w = weight_of(m);
+  return set_error(QKEEP_E_FORMAT,
+                   "%s: tensor '%s' (layer %s): N = %lld, K = %lld: a linear layer with a zero dimension is "
+                   "refused",
+                   w->file->path, w->t->name, layer->name, (long long)n, (long long)k);
+}
+
 /* Reads N/K/G from every module and checks that they agree. */
-static int gather_dims(struct layout *L, const struct quant_config *qc) {
+static int gather_dims(const qkeep_layer *layer, struct layout *L, const struct quant_config *qc) {
   int experts = L->experts ? L->experts : 1;
   for (int e = 0; e < experts; e++)
     for (int s = 0; s < L->shards; s++) {
@@ -79,6 +105,8 @@ static int gather_dims(struct layout *L, const struct quant_config *qc) {
       if (rc == QKEEP_E_NOTFOUND)
         return set_error(QKEEP_E_FORMAT, "module %s: tensors do not match scheme %s (%s)", m->name,
                          L->sch->name, qkeep_errmsg());
+      if (!rc)
+        rc = refuse_empty(layer, m, n, k);
       if (rc)
         return rc;
       if (e == 0 && s == 0) {
@@ -97,7 +125,9 @@ static int gather_dims(struct layout *L, const struct quant_config *qc) {
     }
   L->n = 0;
   for (int s = 0; s < L->shards; s++)
-    L->n += L->shard_n[s];
+    if (!dim_add(L->n, L->shard_n[s], &L->n))
+      return set_error(QKEEP_E_FORMAT, "layer %s: the N of its %d fused shards add up past 64 bits",
+                       layer->name, L->shards);
   return 0;
 }
 
@@ -273,6 +303,7 @@ static int create_params(qkeep_layer *layer, const struct layout *L, const struc
     rc = qkeep_param_create(layer, name, &spec, &p);
     if (!rc) {
       p->scale = t->scale;
+      p->positive = t->positive;
       rc = add_sources(layer, L, t, p);
     }
   }
@@ -286,7 +317,7 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
   struct layout L = {.sch = sch, .modules = modules, .experts = n_experts, .shards = n_shards};
   size_t n_params = sch->n_params;
   const struct param_template *params = sch->templates_for ? sch->templates_for(qc, &n_params) : sch->params;
-  int rc = gather_dims(&L, qc);
+  int rc = gather_dims(layer, &L, qc);
   if (rc)
     return rc;
   if (qc && qc->group_size > 0 && L.g > 0 && L.g != qc->group_size && strcmp(sch->name, "unquantized") != 0)
@@ -338,7 +369,7 @@ static int read_f32(qkeep_layer *layer, qkeep_param *p, float **out, size_t *cou
  * must be exact in it), through the replace rule. */
 static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                        const float *values) {
-  qkeep_tensor *t;
+  qkeep_tensor *t = NULL; /* qkeep_tensor_new leaves it unset when it fails */
   int rc = qkeep_tensor_new(layer, spec, &t);
   size_t n = (size_t)qkeep_spec_numel(spec);
   uint16_t *half = spec->dtype == QKEEP_DTYPE_F32 ? NULL : malloc((n ? n : 1) * sizeof *half);
@@ -480,6 +511,16 @@ const char *prefixed(char *buf, size_t len, const char *prefix, const char *name
   return buf;
 }
 
+int packed_dim(const struct ckpt_tensor *t, int axis, int64_t per_unit, int64_t *out) {
+  assert(axis >= 0 && axis < t->t->ndim);
+  if (!dim_mul(t->t->shape[axis], per_unit, out))
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: tensor '%s': dimension %d (%lld) times %lld elements per stored unit "
+                     "does not fit in 64 bits",
+                     t->file->path, t->t->name, axis, (long long)t->t->shape[axis], (long long)per_unit);
+  return 0;
+}
+
 /* N and K from the packed weight; the block scales must be e4m3 [N, K/16]. */
 int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int64_t *k, int64_t *g) {
   const struct ckpt_tensor *w = module_tensor(m, weight_name), *s = module_tensor(m, "weight_scale");
@@ -489,8 +530,10 @@ int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int6
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path,
                      w->t->name);
   *n = w->t->shape[0];
-  *k = w->t->shape[1] * 2;
   *g = 16;
+  int rc = packed_dim(w, 1, 2, k);
+  if (rc)
+    return rc;
   if (*k % 16)
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': K = %lld is not a multiple of the NVFP4 block 16",
                      w->file->path, w->t->name, (long long)*k);

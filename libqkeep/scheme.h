@@ -36,6 +36,8 @@ struct param_template {
   enum fuse_mode fuse;
   bool optional; /* absent in some checkpoints (e.g. a static input_scale) */
   bool scale;    /* values must be finite and non-negative (checked after loading) */
+  bool positive; /* a static activation scale: zero is refused too (kernels divide by it or by
+                  * its reciprocal; ModelOpt and compressed-tensors never export one) */
 };
 
 /* One checkpoint module: tensors sharing a name prefix. */
@@ -100,6 +102,10 @@ int int4_group_dims(const struct module *m, const struct ckpt_tensor *scales, in
                     const struct quant_config *qc, int64_t *g);
 
 /* N and K of an NVFP4 module from its packed weight (named weight_name) and e4m3 block scales. */
+/* Dimension `axis` of t times `per_unit` (the elements one stored unit packs: 8 int4 codes in an
+ * i32, 2 FP4 codes in a byte, 32 MXFP4 elements per block) into *out; QKEEP_E_FORMAT naming the
+ * file and tensor when the product does not fit in 64 bits. */
+int packed_dim(const struct ckpt_tensor *t, int axis, int64_t per_unit, int64_t *out);
 int nvfp4_dims(const struct module *m, const char *weight_name, int64_t *n, int64_t *k, int64_t *g);
 
 /* ---- normalisation helpers shared by the scheme files (libqkeep/scheme.c) ---- */

@@ -7,10 +7,10 @@
 #include "scheme.h"
 
 static const struct param_template awq_params[] = {
-    {"qweight", DT(I32), 2, {D_K, D_N_8}, F_COLS, false, false},
-    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false},
-    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
+    {"qweight", DT(I32), 2, {D_K, D_N_8}, F_COLS, false, false, false},
+    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false, false},
+    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
 };
 
 static int awq_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
@@ -18,7 +18,8 @@ static int awq_dims(const struct module *m, const struct quant_config *qc, int64
   const struct ckpt_tensor *w = module_tensor(m, "qweight"), *s = module_tensor(m, "scales");
   if (!w || !s)
     return set_error(QKEEP_E_NOTFOUND, "no qweight and scales");
-  if (w->t->ndim != 2 || s->t->ndim != 2 || s->t->shape[1] != w->t->shape[1] * 8)
+  int64_t packed_n = 0;
+  if (w->t->ndim != 2 || s->t->ndim != 2 || packed_dim(w, 1, 8, &packed_n) || s->t->shape[1] != packed_n)
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected qweight [K, N/8] with scales [K/G, N]",
                      w->file->path, w->t->name);
   *k = w->t->shape[0];

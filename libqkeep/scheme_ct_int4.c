@@ -16,12 +16,12 @@
 #include "scheme.h"
 
 static const struct param_template ct_int4_params[] = {
-    {"weight_packed", DT(I32), 2, {D_N, D_K_8}, F_ROWS, false, false},
-    {"weight_scale", DT_FLOAT, 2, {D_N, D_K_G}, F_ROWS, false, true},
-    {"weight_shape", DT(I64), 1, {D_2}, F_STACKED, false, false},
-    {"weight_zero_point", DT(I32), 2, {D_N_8, D_K_G}, F_ROWS, true, false},
-    {"weight_g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
+    {"weight_packed", DT(I32), 2, {D_N, D_K_8}, F_ROWS, false, false, false},
+    {"weight_scale", DT_FLOAT, 2, {D_N, D_K_G}, F_ROWS, false, true, false},
+    {"weight_shape", DT(I64), 1, {D_2}, F_STACKED, false, false, false},
+    {"weight_zero_point", DT(I32), 2, {D_N_8, D_K_G}, F_ROWS, true, false, false},
+    {"weight_g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
 };
 
 /* N and K from weight_packed [N, K/8], G from weight_scale [N, K/G]; the optional tensors as the config says.
@@ -36,7 +36,9 @@ static int ct_int4_dims(const struct module *m, const struct quant_config *qc, i
                      "%s: tensor '%s': expected weight_packed [N, K/8] with weight_scale [N, K/G]",
                      w->file->path, w->t->name);
   *n = w->t->shape[0];
-  *k = w->t->shape[1] * 8;
+  int rc = packed_dim(w, 1, 8, k);
+  if (rc)
+    return rc;
   if (*k % s->t->shape[1])
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %lld groups do not divide K = %lld", s->file->path,
                      s->t->name, (long long)s->t->shape[1], (long long)*k);

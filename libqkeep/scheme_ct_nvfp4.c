@@ -8,11 +8,11 @@
 #include "scheme.h"
 
 static const struct param_template ct_params[] = {
-    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false},
-    {"weight_scale", DT(F8_E4M3), 2, {D_N, D_K_16}, F_ROWS, false, true},
-    {"weight_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, false, true},
-    {"input_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
+    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false},
+    {"weight_scale", DT(F8_E4M3), 2, {D_N, D_K_16}, F_ROWS, false, true, false},
+    {"weight_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, false, true, false},
+    {"input_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true, true},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
 };
 
 static int ct_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,

@@ -9,11 +9,11 @@
 #include "scheme.h"
 
 static const struct param_template gptq_params[] = {
-    {"qweight", DT(I32), 2, {D_K_8, D_N}, F_COLS, false, false},
-    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false},
-    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true},
-    {"g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
+    {"qweight", DT(I32), 2, {D_K_8, D_N}, F_COLS, false, false, false},
+    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false, false},
+    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true, false},
+    {"g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
 };
 
 /* Reads N, K and G from qweight [K/8, N] and scales [K/G, N]. */
@@ -42,9 +42,9 @@ static int gptq_dims(const struct module *m, const struct quant_config *qc, int6
     return set_error(QKEEP_E_NOTFOUND, "no qweight and scales");
   if (w->t->ndim != 2)
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected qweight [K/8, N]", w->file->path, w->t->name);
-  *k = w->t->shape[0] * 8;
   *n = w->t->shape[1];
-  return int4_group_dims(m, s, *n, *k, qc, g);
+  int rc = packed_dim(w, 0, 8, k);
+  return rc ? rc : int4_group_dims(m, s, *n, *k, qc, g);
 }
 
 static int gptq_retire_unread(qkeep_layer *layer, const char *prefix) {

@@ -10,9 +10,9 @@
 #include "scheme.h"
 
 static const struct param_template mxfp4_params[] = {
-    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false},
-    {"weight_scale", DT(U8) | DT(F8_E8M0), 2, {D_N, D_K_32}, F_ROWS, false, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
+    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false},
+    {"weight_scale", DT(U8) | DT(F8_E8M0), 2, {D_N, D_K_32}, F_ROWS, false, true, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
 };
 
 static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,
@@ -25,8 +25,10 @@ static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': expected a 2-D packed weight", w->file->path,
                      w->t->name);
   *n = w->t->shape[0];
-  *k = w->t->shape[1] * 2;
   *g = 32;
+  int rc = packed_dim(w, 1, 2, k);
+  if (rc)
+    return rc;
   if (*k % 32)
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': K = %lld is not a multiple of the MXFP4 block 32",
                      w->file->path, w->t->name, (long long)*k);
@@ -102,12 +104,23 @@ int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
   if (!gu || !dn || gu->t->ndim != 4 || dn->t->ndim != 4)
     return set_error(QKEEP_E_FORMAT,
                      "module %s: gpt-oss MoE needs 4-D gate_up_proj_blocks and down_proj_blocks", m->name);
-  int64_t e = gu->t->shape[0], i2 = gu->t->shape[1], h = gu->t->shape[2] * 32, inter = dn->t->shape[2] * 32;
+  int64_t e = gu->t->shape[0], i2 = gu->t->shape[1], h, inter, twice_inter = -1;
+  int rc = packed_dim(gu, 2, 32, &h);
+  if (!rc)
+    rc = packed_dim(dn, 2, 32, &inter);
+  if (rc)
+    return rc;
+  if (e < 1 || i2 < 1 || h < 1 || inter < 1)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: tensor '%s' (layer %s): %lld experts, N %lld, K %lld, down K %lld: a linear with a "
+                     "zero dimension is refused",
+                     gu->file->path, gu->t->name, layer->name, (long long)e, (long long)i2, (long long)h,
+                     (long long)inter);
   const int64_t shapes[6][4] = {{e, i2, h / 32, 16},    {e, i2, h / 32},    {e, i2},
                                 {e, h, inter / 32, 16}, {e, h, inter / 32}, {e, h}};
   const uint32_t dtypes[6] = {DT(U8), DT(U8) | DT(F8_E8M0), DT_FLOAT, DT(U8), DT(U8) | DT(F8_E8M0), DT_FLOAT};
   const int ndims[6] = {4, 3, 2, 4, 3, 2};
-  if (i2 != 2 * inter)
+  if (!dim_mul(inter, 2, &twice_inter) || i2 != twice_inter)
     return set_error(QKEEP_E_FORMAT, "module %s: gate_up rows %lld are not twice the down input %lld",
                      m->name, (long long)i2, (long long)inter);
   for (size_t j = 0; j < m->n; j++) {
@@ -117,7 +130,7 @@ int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
     if (i == 6)
       return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is not part of a gpt-oss MXFP4 MoE block",
                        m->tensors[j]->file->path, m->tensors[j]->t->name);
-    int rc = expect(m->tensors[j], dtypes[i], ndims[i], shapes[i]);
+    rc = expect(m->tensors[j], dtypes[i], ndims[i], shapes[i]);
     if (rc)
       return rc;
   }
@@ -126,7 +139,7 @@ int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
     struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
     memcpy(spec.shape, t->shape, sizeof spec.shape);
     qkeep_param *p;
-    int rc = qkeep_param_create(layer, m->local[j], &spec, &p);
+    rc = qkeep_param_create(layer, m->local[j], &spec, &p);
     if (!rc) {
       p->scale = strstr(m->local[j], "_scales") != NULL;
       rc = layer_add_source(layer, t->name, p, 0, &spec);

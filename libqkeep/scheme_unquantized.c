@@ -7,8 +7,8 @@
 #include "scheme.h"
 
 static const struct param_template unquantized_params[] = {
-    {"weight", DT_FLOAT, 2, {D_N, D_K}, F_ROWS, false, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false},
+    {"weight", DT_FLOAT, 2, {D_N, D_K}, F_ROWS, false, false, false},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
 };
 
 static int unquantized_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,

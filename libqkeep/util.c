@@ -80,6 +80,36 @@ bool spec_bytes_checked(const struct qkeep_spec *spec, size_t *bytes) {
   return true;
 }
 
+bool dim_mul(int64_t a, int64_t b, int64_t *out) {
+  int64_t r;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r))
+    return false;
+  *out = r;
+  return true;
+}
+
+bool dim_add(int64_t a, int64_t b, int64_t *out) {
+  int64_t r;
+  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r))
+    return false;
+  *out = r;
+  return true;
+}
+
+bool size_mul(size_t a, size_t b, size_t *out) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r))
+    return false;
+  *out = r;
+  return true;
+}
+
+bool f32_matrix_bytes(int64_t rows, int64_t cols, size_t *bytes) {
+  int64_t elements;
+  return dim_mul(rows, cols, &elements) && (uint64_t)elements <= SIZE_MAX &&
+         size_mul((size_t)elements, sizeof(float), bytes);
+}
+
 double now_seconds(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
