@@ -399,11 +399,15 @@ static int read_top_level(struct index *ix, struct json_scan *s) {
 
 /* A text that does not begin with '{' (after spaces): invalid JSON, or JSON that is not an object. */
 static int not_an_object(const struct index *ix) {
-  json_error_t jerr;
-  json_t *root = json_loads(ix->text, JSON_DECODE_ANY, &jerr);
-  if (!root)
-    return set_error(QKEEP_E_FORMAT, "%s: invalid JSON at line %d, column %d: %s", ix->path, jerr.line,
-                     jerr.column, jerr.text);
+  json_t *root;
+  int line, column, position;
+  char why[160];
+  int rc = json_parse(ix->text, strlen(ix->text), JSON_DECODE_ANY, &root, &line, &column, &position, why);
+  if (rc == QKEEP_E_NOMEM)
+    return set_error(rc, "%s: out of memory parsing JSON", ix->path);
+  if (rc)
+    return set_error(QKEEP_E_FORMAT, "%s: invalid JSON at line %d, column %d: %s", ix->path, line, column,
+                     why);
   json_decref(root);
   return set_error(QKEEP_E_FORMAT, "%s: the top level is not an object", ix->path);
 }

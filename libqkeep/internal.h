@@ -119,8 +119,19 @@ int json_scan_open(struct json_scan *s);
 int json_scan_member(struct json_scan *s, struct json_member *m);
 int json_scan_value(struct json_scan *s, struct json_member *m);
 int json_scan_end(struct json_scan *s);
-/* jansson's parse of text[at, at + n) (a json_t *, the caller's); its errors placed in the whole text. */
 struct json_t;
+/*
+ * jansson's json_loadb with its allocation failures told apart from invalid text (jansson reports
+ * some as syntax errors, and survives others with a damaged result; see util.c). 0 (*out the
+ * caller's), QKEEP_E_NOMEM (no detail set), or QKEEP_E_FORMAT with *line, *column, *position
+ * and why (a buffer of at least 160 bytes) describing the text's error.
+ */
+int json_parse(const char *text, size_t len, size_t flags, struct json_t **out, int *line, int *column,
+               int *position, char *why);
+/* json_loadb (err a json_error_t *), NULL with *no_memory set when jansson could not allocate during
+ * it, even where it still returned a (then damaged, and freed) result; see util.c. */
+struct json_t *json_loadb_watched(const char *text, size_t len, size_t flags, void *err, bool *no_memory);
+/* jansson's parse of text[at, at + n) (a json_t *, the caller's); its errors placed in the whole text. */
 int json_scan_parse(const struct json_scan *s, size_t at, size_t n, struct json_t **out);
 /* The JSON string at text[at, at + n) (quotes included), decoded, malloc'd. */
 int json_scan_string(const struct json_scan *s, size_t at, size_t n, bool escaped, char **out);
@@ -633,7 +644,18 @@ int finish_layer(qkeep_layer *layer);
 
 /* Records the checkpoint the model's bytes now equal (NULL: none). */
 /* The checkpoint whose bytes the model holds now (NULL: none), and the identity of each of its
- * files as opened (ck: the open checkpoint, or NULL with path NULL), for a rollback to check. */
+ * files as opened (ck: the open checkpoint, or NULL with path NULL), for a rollback to check.
+ * model_source_prepare does the part that can fail (copies, fstat), model_source_take installs a
+ * prepared one and cannot fail (a reload prepares before W1 changes anything), and
+ * model_source_discard frees one not taken. */
+struct model_source {
+  char *path;
+  struct file_id *ids;
+  size_t n;
+};
+int model_source_prepare(const char *path, const struct ckpt *ck, struct model_source *out);
+void model_source_take(qkeep_model *model, struct model_source *src);
+void model_source_discard(struct model_source *src);
 int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck);
 /* Whether ck's files are the ones the model's source had when it was loaded (same count, device,
  * inode, size, modification and change times); else an error naming the first that differs. */

@@ -139,15 +139,13 @@ int json_scan_end(struct json_scan *s) {
 }
 
 int json_scan_parse(const struct json_scan *s, size_t at, size_t n, json_t **out) {
-  json_error_t jerr;
-  *out = json_loadb(s->text + at, n, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
-  if (*out)
-    return 0;
-#if JANSSON_VERSION_HEX >= 0x020b00
-  if (json_error_code(&jerr) == json_error_out_of_memory)
-    return set_error(QKEEP_E_NOMEM, "%s: out of memory", s->what);
-#endif
-  return json_scan_error(s, at + (size_t)(jerr.position > 0 ? jerr.position : 0), jerr.text);
+  int line, column, position;
+  char why[160];
+  int rc = json_parse(s->text + at, n, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, out, &line, &column,
+                      &position, why);
+  if (rc == QKEEP_E_NOMEM)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory parsing JSON", s->what);
+  return rc ? json_scan_error(s, at + (size_t)(position > 0 ? position : 0), why) : 0;
 }
 
 int json_scan_string(const struct json_scan *s, size_t at, size_t n, bool escaped, char **out) {

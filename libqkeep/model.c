@@ -249,30 +249,47 @@ static int file_id_of(const struct st_file *f, struct file_id *out) {
   return 0;
 }
 
-int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck) {
-  char *copy = NULL;
-  struct file_id *ids = NULL;
+int model_source_prepare(const char *path, const struct ckpt *ck, struct model_source *out) {
+  *out = (struct model_source){0};
   size_t n = path && ck ? ck->n_files : 0;
-  if (path && !(copy = xstrdup(path)))
+  if (path && !(out->path = xstrdup(path)))
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  if (n && !(ids = malloc(n * sizeof *ids))) {
-    free(copy);
+  if (n && !(out->ids = malloc(n * sizeof *out->ids))) {
+    model_source_discard(out);
     return set_error(QKEEP_E_NOMEM, "out of memory");
   }
   for (size_t f = 0; f < n; f++) {
-    int rc = file_id_of(ck->files[f], &ids[f]);
+    int rc = file_id_of(ck->files[f], &out->ids[f]);
     if (rc) {
-      free(copy);
-      free(ids);
+      model_source_discard(out);
       return rc;
     }
   }
+  out->n = n;
+  return 0;
+}
+
+void model_source_take(qkeep_model *model, struct model_source *src) {
   free(model->source_path);
   free(model->source_ids);
-  model->source_path = copy;
-  model->source_ids = ids;
-  model->n_source_ids = n;
-  return 0;
+  model->source_path = src->path;
+  model->source_ids = src->ids;
+  model->n_source_ids = src->n;
+  *src = (struct model_source){0};
+}
+
+void model_source_discard(struct model_source *src) {
+  free(src->path);
+  free(src->ids);
+  *src = (struct model_source){0};
+}
+
+int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck) {
+  struct model_source src;
+  int rc = model_source_prepare(path, ck, &src);
+  if (!rc)
+    model_source_take(model, &src);
+  return rc;
 }
 
 int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck) {

@@ -104,11 +104,14 @@ static int get_object(const struct origin *o, const json_t *obj, const char *key
 
 /* Parses JSON text that must be an object; the caller owns *out. */
 static int parse_object(const char *file, const char *text, json_t **out) {
-  json_error_t jerr;
-  json_t *root = json_loads(text, 0, &jerr);
-  if (!root)
-    return set_error(QKEEP_E_FORMAT, "%s: invalid JSON at line %d, column %d: %s", file, jerr.line,
-                     jerr.column, jerr.text);
+  json_t *root;
+  int line, column, position;
+  char why[160];
+  int parsed = json_parse(text, strlen(text), 0, &root, &line, &column, &position, why);
+  if (parsed == QKEEP_E_NOMEM)
+    return set_error(parsed, "%s: out of memory parsing JSON", file);
+  if (parsed)
+    return set_error(QKEEP_E_FORMAT, "%s: invalid JSON at line %d, column %d: %s", file, line, column, why);
   if (!json_is_object(root)) {
     int rc = set_error(QKEEP_E_FORMAT, "%s: the top level is %s, expected an object", file, json_kind(root));
     json_decref(root);

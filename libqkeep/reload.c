@@ -485,10 +485,13 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   double t_validate = now_seconds();
   bool *selected = calloc(model->n_layers, sizeof *selected);
   struct layer_before *before = calloc(model->n_layers, sizeof *before);
-  if (!selected || !before) {
+  struct model_source new_source; /* now: once W1 is in, nothing may fail */
+  int prepared = model_source_prepare(path, ck, &new_source);
+  if (!selected || !before || prepared) {
     free(selected);
     free(before);
-    return set_error(QKEEP_E_NOMEM, "out of memory");
+    model_source_discard(&new_source);
+    return prepared ? prepared : set_error(QKEEP_E_NOMEM, "out of memory");
   }
   struct scale_cache cache = {.inner = pv};
   int rc = scale_cache_reserve(&cache, model);
@@ -498,6 +501,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     scale_cache_free(&cache);
     free(selected);
     free(before);
+    model_source_discard(&new_source);
     return rc; /* nothing was touched */
   }
   double t0 = now_seconds(), t_read = 0, t_pwal = 0;
@@ -529,6 +533,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     free(why);
     free(selected);
     free(before);
+    model_source_discard(&new_source);
     return rc;
   }
   bool full = !(flags & QKEEP_RELOAD_PARTIAL);
@@ -545,7 +550,10 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
                                            model->stats.checkpoint_bytes,
                                            t_validate};
   /* Only a full reload from a file leaves the model equal to a file it can roll back to. */
-  return model_set_source(model, full ? path : NULL, full ? ck : NULL);
+  if (!full)
+    model_source_discard(&new_source); /* a partial reload matches no file: no source */
+  model_source_take(model, &new_source);
+  return 0;
 }
 
 int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flags) {

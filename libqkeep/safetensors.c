@@ -545,7 +545,11 @@ static int parse_value(struct st_file *f, const struct json_scan *h, const struc
                        struct big_ints *big, json_t **out) {
   json_error_t jerr;
   big->n = 0;
-  *out = json_loadb(h->text + m->value_at, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
+  bool no_memory;
+  *out = json_loadb_watched(h->text + m->value_at, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES,
+                            &jerr, &no_memory);
+  if (no_memory)
+    return file_error(QKEEP_E_NOMEM, f, "out of memory parsing the header");
   if (!*out && json_error_code(&jerr) == json_error_numeric_overflow) {
     /* The value's every byte, a NUL among them included (strndup would stop there, short of value_len). */
     char *copy = malloc(m->value_len + 1);
@@ -555,10 +559,13 @@ static int parse_value(struct st_file *f, const struct json_scan *h, const struc
     copy[m->value_len] = '\0';
     int rc = mark_big_integers(f, copy, m->value_len, big);
     if (!rc)
-      *out = json_loadb(copy, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr);
+      *out =
+          json_loadb_watched(copy, m->value_len, JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &jerr, &no_memory);
     free(copy);
     if (rc)
       return rc;
+    if (no_memory)
+      return file_error(QKEEP_E_NOMEM, f, "out of memory parsing the header");
   }
   if (*out)
     return 0;

@@ -1,5 +1,7 @@
 /* util.c: small helpers shared by the core's files. */
 #include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -108,6 +110,70 @@ bool f32_matrix_bytes(int64_t rows, int64_t cols, size_t *bytes) {
   int64_t elements;
   return dim_mul(rows, cols, &elements) && (uint64_t)elements <= SIZE_MAX &&
          size_mul((size_t)elements, sizeof(float), bytes);
+}
+
+/*
+ * jansson 2.14 drops a character when its token buffer cannot grow (load.c's lex_save ignores
+ * strbuffer_append_byte's failure), so a parse can succeed with a key or a number cut short. To
+ * tell, the core wraps jansson's allocator once (json_set_alloc_funcs, chained to whatever was
+ * installed before, so an application's own functions keep serving every block) and a failed
+ * allocation during a parse marks this thread's parse as out of memory. The library's destructor
+ * puts the previous functions back when they are still ours (a dlclose must not leave jansson
+ * calling into unmapped code).
+ */
+static json_malloc_t json_next_malloc;
+static json_free_t json_next_free;
+static _Thread_local bool json_alloc_failed;
+static pthread_once_t json_wrap_once = PTHREAD_ONCE_INIT;
+
+static void *json_watched_malloc(size_t n) {
+  void *p = json_next_malloc(n);
+  if (!p)
+    json_alloc_failed = true;
+  return p;
+}
+
+static void json_forward_free(void *p) { json_next_free(p); }
+
+static void json_wrap_allocator(void) {
+  json_get_alloc_funcs(&json_next_malloc, &json_next_free);
+  json_set_alloc_funcs(json_watched_malloc, json_forward_free);
+}
+
+__attribute__((destructor)) static void json_unwrap_allocator(void) {
+  json_malloc_t m;
+  json_free_t f;
+  json_get_alloc_funcs(&m, &f);
+  if (m == json_watched_malloc && json_next_malloc)
+    json_set_alloc_funcs(json_next_malloc, json_next_free);
+}
+
+json_t *json_loadb_watched(const char *text, size_t len, size_t flags, void *error, bool *alloc_failed) {
+  json_error_t *err = error;
+  pthread_once(&json_wrap_once, json_wrap_allocator);
+  json_alloc_failed = false;
+  json_t *root = json_loadb(text, len, flags, err);
+  *alloc_failed = json_alloc_failed || (!root && json_error_code(err) == json_error_out_of_memory);
+  if (*alloc_failed) {
+    json_decref(root);
+    return NULL;
+  }
+  return root;
+}
+
+int json_parse(const char *text, size_t len, size_t flags, json_t **out, int *line, int *column,
+               int *position, char *why) {
+  json_error_t err;
+  bool no_memory;
+  if ((*out = json_loadb_watched(text, len, flags, &err, &no_memory)))
+    return 0;
+  if (no_memory)
+    return QKEEP_E_NOMEM;
+  *line = err.line;
+  *column = err.column;
+  *position = err.position;
+  snprintf(why, 160, "%s", err.text);
+  return QKEEP_E_FORMAT;
 }
 
 double now_seconds(void) {
