@@ -58,13 +58,13 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
         (long long)e->k, e->max_abs, e->max_rel);
     return 0;
   }
-  char label[160];
+  char expert[40] = ""; /* "[E].w13": an int and a fixed word */
   if (e->expert >= 0)
-    snprintf(label, sizeof label, "%s[%d].%s", e->layer, e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13");
-  else
-    snprintf(label, sizeof label, "%s", e->layer);
-  printf("  %-48s %-15s %-12s %5lldx%-5lld %10.3g %10.3g%s\n", label, e->scheme, backend, (long long)e->n,
-         (long long)e->k, e->max_abs, e->max_rel, over ? "  TOO LARGE" : "");
+    snprintf(expert, sizeof expert, "[%d].%s", e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13");
+  int width = 48 - (int)(strlen(e->layer) + strlen(expert)); /* the layer name whole, however long */
+  printf("  %s%s%*s %-15s %-12s %5lldx%-5lld %10.3g %10.3g%s\n", e->layer, expert, width > 0 ? width : 0, "",
+         e->scheme, backend, (long long)e->n, (long long)e->k, e->max_abs, e->max_rel,
+         over ? "  TOO LARGE" : "");
   return 0;
 }
 

@@ -185,10 +185,12 @@ bool option_flag(const struct options *o, const char *name) {
  */
 static const char *build_tree_config(void) {
 #if defined(QKEEP_BUILD_DIR) && defined(__linux__)
-  static char exe[4096];
-  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  char *exe = realpath("/proc/self/exe", NULL); /* malloc'd, as long as the path is */
   size_t dir_len = strlen(QKEEP_BUILD_DIR);
-  if (n > 0 && (size_t)n > dir_len && strncmp(exe, QKEEP_BUILD_DIR, dir_len) == 0 && exe[dir_len] == '/')
+  bool in_tree =
+      exe && strlen(exe) > dir_len && strncmp(exe, QKEEP_BUILD_DIR, dir_len) == 0 && exe[dir_len] == '/';
+  free(exe);
+  if (in_tree)
     return QKEEP_BUILD_DIR "/conf/qkeep.ini";
 #endif
   return NULL;

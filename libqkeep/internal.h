@@ -57,7 +57,9 @@ bool f32_matrix_bytes(int64_t rows, int64_t cols, size_t *bytes);
 void copy_sized(void *out, const void *in, size_t in_size);
 /* "an integer", "a string"...: what a JSON value is, for messages (a json_t *). */
 const char *json_kind(const void *json_value);
-/* "[3, 4]" into buf; returns buf. */
+/* Room for any spec's shape string: QKEEP_MAX_DIMS dimensions of up to 20 digits, ", " between. */
+#define SHAPE_STR_LEN (2 + QKEEP_MAX_DIMS * 22 + 1)
+/* "[3, 4]" into buf (SHAPE_STR_LEN bytes hold any); returns buf. */
 const char *spec_shape_str(const struct qkeep_spec *spec, char *buf, size_t len);
 
 /* ---- name index (name_index.c) ------------------------------------------------------ */

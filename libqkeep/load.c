@@ -111,7 +111,7 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, const stru
   struct qkeep_spec got = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
   memcpy(got.shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim > 0 ? t->ndim : 0));
   if (t->dtype < 0 || !spec_equal(&got, &src->spec) || t->nbytes != qkeep_spec_bytes(&src->spec)) {
-    char a[96], b[96];
+    char a[SHAPE_STR_LEN], b[SHAPE_STR_LEN];
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, the model expects %s %s (layer %s)", t->where,
                      t->name, t->dtype_name, spec_shape_str(&got, a, sizeof a),
                      qkeep_dtype_name(src->spec.dtype), spec_shape_str(&src->spec, b, sizeof b), layer->name);

@@ -121,14 +121,15 @@ static char *plugin_file(const char *dir, const char *name) {
 }
 
 /* The same alphabet as the config's backend names; a name becomes part of a file name. */
-static bool valid_name(const char *s) {
-  if (!s || !*s)
-    return false;
-  for (; *s; s++)
-    if (!((*s >= 'a' && *s <= 'z') || (*s >= '0' && *s <= '9') || *s == '_' || *s == '-'))
+/* Whether s[0, n) is a backend name: a-z, 0-9, '-' and '_', at least one. */
+static bool valid_name_n(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= '0' && s[i] <= '9') || s[i] == '_' || s[i] == '-'))
       return false;
-  return true;
+  return n > 0;
 }
+
+static bool valid_name(const char *s) { return s && valid_name_n(s, strlen(s)); }
 
 static bool is_regular_file(const char *path) {
   struct stat sb;
@@ -322,17 +323,21 @@ int qkeep_plugin_open_path(const char *path, qkeep_plugin **out) {
 
 /* The not-found error lists every file the search looked at. */
 static int not_found_error(const char *name, const struct strlist *sp) {
-  char tried[1536];
-  size_t used = 0;
-  tried[0] = '\0';
-  for (size_t i = 0; i < sp->n && used < sizeof tried; i++) {
+  char *tried = NULL;
+  size_t tried_len = 0;
+  FILE *list = open_memstream(&tried, &tried_len); /* as long as the search path is */
+  for (size_t i = 0; list && i < sp->n; i++) {
     char *file = plugin_file(sp->items[i], name);
-    used += (size_t)snprintf(tried + used, sizeof tried - used, "%s%s", i ? ", " : "",
-                             file ? file : sp->items[i]);
+    fprintf(list, "%s%s", i ? ", " : "", file ? file : sp->items[i]);
     free(file);
   }
-  return set_error(QKEEP_E_NOTFOUND, PLUGIN_PREFIX "%s" PLUGIN_SUFFIX " not found (core ABI %d.%d); tried %s",
-                   name, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR, tried);
+  bool listed = list && fclose(list) == 0 && tried;
+  int rc =
+      set_error(QKEEP_E_NOTFOUND, PLUGIN_PREFIX "%s" PLUGIN_SUFFIX " not found (core ABI %d.%d); tried %s",
+                name, QKEEP_BACKEND_ABI_MAJOR, QKEEP_BACKEND_ABI_MINOR,
+                listed ? tried : "(the search path; out of memory listing it)");
+  free(tried);
+  return rc;
 }
 
 int qkeep_plugin_open(const char *name, const char *plugin_dir, qkeep_plugin **out) {
@@ -614,18 +619,16 @@ int plugin_probe_once(qkeep_plugin *plugin, const char **msg) {
 
 /* ---- scan ------------------------------------------------------------------------------------ */
 
-/* The backend name of a directory entry "backend-NAME.so", copied into name; false if it is not one. */
-static bool entry_backend_name(const char *entry, char *name, size_t name_len) {
+/* The backend name of a directory entry "backend-NAME.so" (its start and length in entry); false if it
+ * is not one. */
+static bool entry_backend_name(const char *entry, const char **name, size_t *name_len) {
   size_t len = strlen(entry), pre = strlen(PLUGIN_PREFIX), suf = strlen(PLUGIN_SUFFIX);
   if (len <= pre + suf || strncmp(entry, PLUGIN_PREFIX, pre) != 0 ||
       strcmp(entry + len - suf, PLUGIN_SUFFIX) != 0)
     return false;
-  size_t n = len - pre - suf;
-  if (n >= name_len)
-    return false;
-  memcpy(name, entry + pre, n);
-  name[n] = '\0';
-  return valid_name(name);
+  *name = entry + pre;
+  *name_len = len - pre - suf;
+  return valid_name_n(*name, *name_len);
 }
 
 static int compare_names(const void *a, const void *b) {
@@ -640,10 +643,11 @@ static int list_dir(const char *dir, struct strlist *names) {
     return 0;
   int rc = 0;
   struct dirent *ent;
-  char name[256];
+  const char *name;
+  size_t name_len;
   while (!rc && (ent = readdir(d)) != NULL)
-    if (entry_backend_name(ent->d_name, name, sizeof name))
-      rc = strlist_add(names, name, strlen(name));
+    if (entry_backend_name(ent->d_name, &name, &name_len))
+      rc = strlist_add(names, name, name_len);
   closedir(d);
   if (rc)
     strlist_free(names);

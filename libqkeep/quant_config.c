@@ -24,17 +24,47 @@
 #define NVFP4_GROUP 16
 #define MXFP4_GROUP 32
 
-/* Where a JSON object sits, for messages: the file and the key path inside it. */
+/*
+ * Where a JSON object sits, for messages: the file and the key path inside it, as a chain of
+ * keys up to the file's top ("quantization_config" <- "config_groups" <- "group_0" <- "weights").
+ * The path is spelled out only when a message needs it, at any length.
+ */
 struct origin {
-  const char *file; /* "DIR/config.json" */
-  const char *path; /* "quantization_config.config_groups.group_0.weights" */
+  const char *file;            /* "DIR/config.json" */
+  const struct origin *parent; /* the object this one is a member of; NULL at the top */
+  const char *key;             /* its key there; "" for the file's top object */
 };
 
-/* A key path one level down, with room for it. */
+/* A key one level down (a struct of its own so that call sites read as before). */
 struct sub_origin {
   struct origin o;
-  char path[512];
 };
+
+/* The dotted key path of o, malloc'd (NULL when out of memory). */
+static char *origin_path(const struct origin *o) {
+  size_t len = 0, keys = 0;
+  for (const struct origin *p = o; p; p = p->parent)
+    if (p->key[0]) {
+      len += strlen(p->key);
+      keys++;
+    }
+  len += keys ? keys - 1 : 0;
+  char *s = malloc(len + 1);
+  if (!s)
+    return NULL;
+  s[len] = '\0';
+  size_t at = len;
+  for (const struct origin *p = o; p; p = p->parent) {
+    size_t n = strlen(p->key);
+    if (!n)
+      continue;
+    at -= n;
+    memcpy(s + at, p->key, n);
+    if (at)
+      s[--at] = '.';
+  }
+  return s;
+}
 
 /* Sets "FILE: PATH.KEY DETAIL" (key may be NULL) and returns code. */
 static int PRINTF_LIKE(4, 5)
@@ -44,17 +74,16 @@ static int PRINTF_LIKE(4, 5)
   va_start(ap, fmt);
   vsnprintf(detail, sizeof detail, fmt, ap);
   va_end(ap);
-  const char *dot = o->path[0] && key ? "." : "";
-  return set_error(code, "%s: %s%s%s %s", o->file, o->path, dot, key ? key : "", detail);
+  char *path = origin_path(o);
+  const char *dot = path && path[0] && key ? "." : "";
+  set_error(code, "%s: %s%s%s %s", o->file, path ? path : "", dot, key ? key : "", detail);
+  free(path);
+  return code;
 }
 
 /* The origin of obj[key], so that messages about nested keys give their full path. */
 static void descend(struct sub_origin *sub, const struct origin *o, const char *key) {
-  int n = snprintf(sub->path, sizeof sub->path, "%s%s%s", o->path, o->path[0] ? "." : "", key);
-  if (n >= (int)sizeof sub->path) /* a very long key path: keep its start, marked as cut */
-    memcpy(sub->path + sizeof sub->path - 4, "...", 4);
-  sub->o.file = o->file;
-  sub->o.path = sub->path;
+  sub->o = (struct origin){o->file, o, key}; /* key: a literal or a key of the parsed tree */
 }
 
 /*
@@ -139,8 +168,10 @@ static int add_ignores(struct quant_config *qc, size_t *cap, const struct origin
     return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected an array of module names", json_kind(list));
   struct sub_origin where;
   descend(&where, o, key);
-  char *where_text = NULL;
-  if (asprintf(&where_text, "%s: %s", o->file, where.path) < 0)
+  char *where_text = NULL, *where_path = origin_path(&where.o);
+  int printed = where_path ? asprintf(&where_text, "%s: %s", o->file, where_path) : -1;
+  free(where_path);
+  if (printed < 0)
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", o->file);
   size_t i;
   json_t *item;
@@ -318,12 +349,14 @@ struct modelopt_decl {
   bool kv_cache_fp8;
   const json_t *quantized_layers; /* MIXED_PRECISION: {"<layer>": {"quant_algo", "group_size"}, ...} */
   const char *file;               /* where quant_algo was found, for messages */
-  char path[512];
+  const char *path;               /* its object's key: "quantization" or "quantization_config" */
 };
 
+/* o is a member of a file's top object (its key a literal of this file's). */
 static void decl_at(struct modelopt_decl *d, const struct origin *o) {
+  assert(!o->parent || !o->parent->key[0]);
   d->file = o->file;
-  snprintf(d->path, sizeof d->path, "%s", o->path);
+  d->path = o->key;
 }
 
 /* NVFP4 with its one group size; every other algorithm the exporter writes is a different layout. */
@@ -333,7 +366,7 @@ static void decl_at(struct modelopt_decl *d, const struct origin *o) {
  * does not read: refused, naming the layer.
  */
 static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc) {
-  const struct origin at = {d->file, d->path};
+  const struct origin at = {d->file, NULL, d->path};
   if (!d->quantized_layers)
     return key_error(QKEEP_E_FORMAT, &at, "quantized_layers", "is missing (quant_algo MIXED_PRECISION)");
   struct sub_origin ol;
@@ -376,7 +409,7 @@ static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc
 }
 
 static int modelopt_check(const struct modelopt_decl *d) {
-  const struct origin at = {d->file, d->path}, *o = &at;
+  const struct origin at = {d->file, NULL, d->path}, *o = &at;
   if (strcasecmp(d->quant_algo, "MIXED_PRECISION") == 0 && d->quantized_layers)
     return 0; /* each listed layer's algorithm is checked by modelopt_mixed */
   if (strcasecmp(d->quant_algo, "NVFP4") != 0)
@@ -1041,7 +1074,7 @@ static int parse_method(const struct origin *o, const char *method, const json_t
 static int parse_modelopt(const struct origin *cfg_o, const json_t *qcfg, const char *hf_file,
                           const json_t *hf_root, struct quant_config *qc, size_t *cap) {
   struct modelopt_decl from_hf = {.group_size = NVFP4_GROUP}, from_cfg = {.group_size = NVFP4_GROUP};
-  struct origin hf_top = {hf_file, ""};
+  struct origin hf_top = {hf_file, NULL, ""};
   int rc;
   if (hf_root && (rc = modelopt_read_hf(&hf_top, hf_root, qc, cap, &from_hf)) != 0)
     return rc;
@@ -1067,7 +1100,7 @@ static int parse_modelopt(const struct origin *cfg_o, const json_t *qcfg, const 
 
 /* Everything of config.json that is not the quantization itself: tie_word_embeddings. */
 static int parse_model_fields(const char *cfg_file, const json_t *cfg_root, struct quant_config *qc) {
-  struct origin top = {cfg_file, ""};
+  struct origin top = {cfg_file, NULL, ""};
   int rc = get_bool(&top, cfg_root, "tie_word_embeddings", &qc->tie_word_embeddings);
   return rc < 0 ? rc : 0;
 }
@@ -1079,7 +1112,7 @@ static int parse_model_fields(const char *cfg_file, const json_t *cfg_root, stru
 static int find_quant_config(const char *cfg_file, const json_t *cfg_root, const json_t **qcfg,
                              const char **key) {
   static const char *const keys[] = {"quantization_config", "compression_config"};
-  struct origin top = {cfg_file, ""};
+  struct origin top = {cfg_file, NULL, ""};
   for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
     int rc = get_object(&top, cfg_root, keys[i], qcfg);
     if (rc != 0) {
@@ -1130,7 +1163,7 @@ static int parse_roots(const char *cfg_file, const json_t *cfg_root, const char 
     if ((rc = find_quant_config(cfg_file, cfg_root, &qcfg, &key)) != 0)
       return rc;
   }
-  struct origin o = {cfg_file, key};
+  struct origin o = {cfg_file, NULL, key};
   const char *method = NULL;
   if (qcfg) {
     if ((rc = get_string(&o, qcfg, "quant_method", &method)) < 0)
@@ -1218,7 +1251,7 @@ int quant_config_parse_standalone(const char *text, const char *where, const cha
   struct quant_config parsed = *qc;
   size_t cap = parsed.n_ignore;
   int rc = parse_object(path, text, &root);
-  struct origin o = {path, ""};
+  struct origin o = {path, NULL, ""};
   const char *method = NULL;
   if (!rc && (rc = get_string(&o, root, "quant_method", &method)) > 0)
     rc = 0;

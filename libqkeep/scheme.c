@@ -135,9 +135,9 @@ static int gather_dims(const qkeep_layer *layer, struct layout *L, const struct 
 static int check_tensor(const struct layout *L, const struct param_template *t, const struct ckpt_tensor *ct,
                         int64_t n_s, enum qkeep_dtype *dtype) {
   const struct st_tensor *st = ct->t;
-  char want[96], got[96];
+  char want[SHAPE_STR_LEN], got[SHAPE_STR_LEN];
   if (st->dtype < 0 || !(t->dtypes & (1u << st->dtype))) {
-    char expected[96] = "";
+    char expected[QKEEP_DTYPE_COUNT * 16] = ""; /* every dtype name, " or " between */
     for (int d = 0; d < QKEEP_DTYPE_COUNT; d++)
       if (t->dtypes & (1u << d))
         snprintf(expected + strlen(expected), sizeof expected - strlen(expected), "%s%s",

@@ -90,7 +90,7 @@ static int expect(const struct ckpt_tensor *ct, uint32_t dtypes, int ndim, const
     return 0;
   struct qkeep_spec want = {.dtype = QKEEP_DTYPE_U8, .ndim = ndim},
                     got = {.dtype = QKEEP_DTYPE_U8, .ndim = t->ndim};
-  char w[96], g[96];
+  char w[SHAPE_STR_LEN], g[SHAPE_STR_LEN];
   memcpy(want.shape, shape, sizeof(int64_t) * (size_t)ndim);
   memcpy(got.shape, t->shape, sizeof got.shape);
   return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, expected %s (gpt-oss MXFP4 MoE)", ct->file->path,

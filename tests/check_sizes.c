@@ -608,6 +608,69 @@ START_TEST(quantizer_refuses_a_zero_sized_weight) {
 }
 END_TEST
 
+/* A GPTQ dynamic rule whose key (a regular expression) is 600 characters: the message about its
+ * value names the whole key path (it was cut at 512 characters). */
+START_TEST(long_config_key_paths_are_named_whole) {
+  char *ck = copy_variant(V_GPTQ, "dynamic"), *cfg = tu_path(ck, "config.json");
+  json_error_t err;
+  json_t *root = json_load_file(cfg, 0, &err);
+  ck_assert_ptr_nonnull(root);
+  char *pattern = long_prefix(600, 'z');
+  char *key = cat3("+:", pattern, "");
+  json_t *rules = json_object();
+  json_object_set_new(rules, key, json_pack("{s:i}", "bits", 3));
+  json_object_set_new(json_object_get(root, "quantization_config"), "dynamic", rules);
+  ck_assert_int_eq(json_dump_file(root, cfg, 0), 0);
+  json_decref(root);
+  char *needle = cat3("quantization_config.dynamic.", key, ".bits");
+  qkeep_plugin *plugin;
+  ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_int_eq(qkeep_model_load(m, ck), QKEEP_E_UNSUPPORTED);
+  ck_assert_msg(strstr(qkeep_errmsg(), needle) != NULL, "the key path is not whole: %s", qkeep_errmsg());
+  qkeep_model_free(m);
+  qkeep_plugin_close(plugin);
+  free(needle);
+  free(key);
+  free(pattern);
+  free(cfg);
+  free(ck);
+}
+END_TEST
+
+/* A plugin search path of three 500-character directories: the not-found message lists all three
+ * (it was cut at 1536 characters). */
+START_TEST(plugin_not_found_lists_a_long_search_path) {
+  char *a = long_prefix(500, 'a'), *b = long_prefix(500, 'b'), *c = long_prefix(500, 'c');
+  for (char **d = (char *[]){a, b, c, NULL}; *d; d++)
+    for (char *p = *d; *p; p++)
+      if (*p == '.')
+        *p = '/'; /* a deep path rather than dots */
+  char *ab = cat3(a, ":/", b), *path = cat3("/", ab, ":/");
+  char *full = cat3(path, c, "");
+  const char *old = getenv("QKEEP_PLUGIN_PATH");
+  char *saved = old ? strdup(old) : NULL;
+  setenv("QKEEP_PLUGIN_PATH", full, 1);
+  qkeep_plugin *p = NULL;
+  int rc = qkeep_plugin_open("nosuchbackend", NULL, &p);
+  if (saved)
+    setenv("QKEEP_PLUGIN_PATH", saved, 1);
+  else
+    unsetenv("QKEEP_PLUGIN_PATH");
+  ck_assert_int_eq(rc, QKEEP_E_NOTFOUND);
+  ck_assert_msg(strstr(qkeep_errmsg(), c) != NULL, "the third directory is not in the message: %s",
+                qkeep_errmsg());
+  free(saved);
+  free(full);
+  free(path);
+  free(ab);
+  free(a);
+  free(b);
+  free(c);
+}
+END_TEST
+
 static Suite *sizes_suite(void) {
   Suite *s = suite_create("sizes");
   TCase *tc = tcase_create("sizes");
@@ -623,6 +686,8 @@ static Suite *sizes_suite(void) {
   tcase_add_test(tc, names_of_5000_characters_load);
   tcase_add_test(tc, expert_index_long_max_is_refused);
   tcase_add_test(tc, quantizer_refuses_a_zero_sized_weight);
+  tcase_add_test(tc, long_config_key_paths_are_named_whole);
+  tcase_add_test(tc, plugin_not_found_lists_a_long_search_path);
   suite_add_tcase(s, tc);
   return s;
 }
