@@ -16,6 +16,8 @@
 #include "qkeep_backend_util.h"
 
 int od_fail(const struct od_backend *b, int code, dnnl_status_t status, const char *what) {
+  if (status == dnnl_out_of_memory) /* an allocation failure inside oneDNN is the caller's NOMEM */
+    code = QKEEP_E_NOMEM;
   return b->host->set_error(code, "cpu-onednn: %s: oneDNN status %s", what, dnnl_status2str(status));
 }
 

@@ -187,7 +187,8 @@ int od_apply(struct od_backend *b, struct od_layer *st, struct od_matrix *mt, co
 /* Frees a layer state's scratch, primitives and stream (not the struct). */
 void od_layer_release(struct od_layer *st);
 
-/* Error detail from a oneDNN status: sets the host error and returns the code. */
+/* Error detail from a oneDNN status: sets the host error and returns the code (QKEEP_E_NOMEM for
+ * dnnl_out_of_memory, whatever code the caller gave). */
 int od_fail(const struct od_backend *b, int code, dnnl_status_t status, const char *what);
 
 #endif
