@@ -14,6 +14,7 @@
 #define ERRMSG_MAX 2048
 
 static _Thread_local char errmsg[ERRMSG_MAX];
+static _Thread_local unsigned long errmsg_generation; /* how many times this thread set a detail */
 
 static void (*log_fn)(void *user, enum qkeep_log_level level, const char *msg);
 static void *log_user;
@@ -41,7 +42,10 @@ const char *qkeep_strerror(int code) {
 
 const char *qkeep_errmsg(void) { return errmsg; }
 
+unsigned long error_generation(void) { return errmsg_generation; }
+
 int set_error_v(int code, const char *fmt, va_list ap) {
+  errmsg_generation++;
   vsnprintf(errmsg, sizeof errmsg, fmt, ap);
   return code;
 }
@@ -61,6 +65,7 @@ int add_error_context(int code, const char *fmt, ...) {
   vsnprintf(prefix, sizeof prefix, fmt, ap);
   va_end(ap);
   memcpy(old, errmsg, sizeof old);
+  errmsg_generation++;
   /* A detail longer than the buffer is cut; the start carries the context that matters. */
   int len = snprintf(errmsg, sizeof errmsg, "%s: %s", prefix, old[0] ? old : qkeep_strerror(code));
   (void)len;

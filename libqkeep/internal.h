@@ -27,6 +27,8 @@
 /* Records the calling thread's error detail and returns `code`. */
 int set_error(int code, const char *fmt, ...) PRINTF_LIKE(2, 3);
 int set_error_v(int code, const char *fmt, va_list ap);
+/* Changes whenever this thread's detail is set: tells whether a call (a backend's) left one. */
+unsigned long error_generation(void);
 /* Prefixes the current detail with more context ("layer x: " + detail). */
 int add_error_context(int code, const char *fmt, ...) PRINTF_LIKE(2, 3);
 void log_msg(enum qkeep_log_level level, const char *fmt, ...) PRINTF_LIKE(2, 3);

@@ -69,7 +69,10 @@ void device_init(struct device *dev, const struct qkeep_backend *be) {
 }
 
 int dev_alloc(const struct device *dev, size_t bytes, void **out) {
+  unsigned long before = error_generation();
   int rc = dev->ops->alloc(dev->be, bytes, out);
+  if (rc && error_generation() != before) /* the backend said why (no device, out of memory): keep it */
+    return add_error_context(rc, "cannot allocate %zu bytes of device memory", bytes);
   if (rc)
     return set_error(rc, "cannot allocate %zu bytes of device memory", bytes);
   return 0;

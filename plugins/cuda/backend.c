@@ -59,8 +59,14 @@ static struct cuda_backend *backend_of(const struct qkeep_backend *be) { return 
 
 static int cuda_error(const struct cuda_backend *c, cudaError_t err, const char *what) {
   (void)cudaGetLastError(); /* clear a non-sticky error so that the next call starts clean */
-  return c->host->set_error(err == cudaErrorMemoryAllocation ? QKEEP_E_NOMEM : QKEEP_E_DEVICE,
-                            "cuda-nvfp4: %s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+  /* No GPU, or none this driver can use: what the probe would have said, not an allocation failure. */
+  bool no_device = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+                   err == cudaErrorInvalidDevice || err == cudaErrorDevicesUnavailable;
+  return c->host->set_error(err == cudaErrorMemoryAllocation ? QKEEP_E_NOMEM
+                            : no_device                      ? QKEEP_E_NODEV
+                                                             : QKEEP_E_DEVICE,
+                            "cuda-nvfp4: %s: %s%s (%s)", what, no_device ? "no device: " : "",
+                            cudaGetErrorString(err), cudaGetErrorName(err));
 }
 
 /* Makes the configured device current for this thread. */
