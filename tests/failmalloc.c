@@ -24,6 +24,10 @@
 
 #include "failmalloc.h"
 
+/* The sanitizer runtime calls malloc while it starts, before its shadow memory exists: code here
+ * must not be instrumented (an instrumented access would read the missing shadow). */
+#define RAW __attribute__((no_sanitize("address", "undefined")))
+
 /* The prototypes of the functions replaced here (some are not in the headers included above). */
 void *malloc(size_t n);
 void *calloc(size_t count, size_t n);
@@ -52,11 +56,11 @@ static atomic_long calls;  /* allocation calls since fm_arm */
 static atomic_bool failed; /* the armed call has failed */
 static atomic_long live;   /* blocks handed out by the next allocator and not freed */
 
-static bool in_arena(const void *p) {
+RAW static bool in_arena(const void *p) {
   return (const unsigned char *)p >= arena && (const unsigned char *)p < arena + sizeof arena;
 }
 
-static void *arena_alloc(size_t n) {
+RAW static void *arena_alloc(size_t n) {
   size_t rounded = (n + 63) & ~(size_t)63, at = atomic_fetch_add(&arena_used, rounded);
   if (at + rounded > sizeof arena)
     return NULL;
@@ -64,7 +68,7 @@ static void *arena_alloc(size_t n) {
 }
 
 /* Resolves the next allocator once; true when it is known. */
-static bool resolve(void) {
+RAW static bool resolve(void) {
   if (next_free)
     return true;
   if (atomic_exchange(&resolving, 1))
@@ -87,7 +91,7 @@ static bool resolve(void) {
 static const char *const *exempt;
 
 /* Whether the allocation was called from an exempt object (caller: the return address). */
-static bool exempt_caller(const void *caller) {
+RAW static bool exempt_caller(const void *caller) {
   Dl_info info;
   if (!exempt || !dladdr(caller, &info) || !info.dli_fname)
     return false;
@@ -98,7 +102,7 @@ static bool exempt_caller(const void *caller) {
 }
 
 /* Whether this allocation call (from caller) is the one that fails. */
-static bool fail_now_from(const void *caller) {
+RAW static bool fail_now_from(const void *caller) {
   long t = atomic_load(&target);
   if (!t || exempt_caller(caller))
     return false;
@@ -113,13 +117,13 @@ static bool fail_now_from(const void *caller) {
   return true;
 }
 
-static void *counted(void *p) {
+RAW static void *counted(void *p) {
   if (p)
     atomic_fetch_add(&live, 1);
   return p;
 }
 
-static void *malloc_from(size_t n, const void *caller) {
+RAW static void *malloc_from(size_t n, const void *caller) {
   if (!resolve())
     return arena_alloc(n);
   if (fail_now_from(caller)) {
@@ -129,9 +133,9 @@ static void *malloc_from(size_t n, const void *caller) {
   return counted(next_malloc(n));
 }
 
-void *malloc(size_t n) { return malloc_from(n, __builtin_return_address(0)); }
+RAW void *malloc(size_t n) { return malloc_from(n, __builtin_return_address(0)); }
 
-void *calloc(size_t count, size_t n) {
+RAW void *calloc(size_t count, size_t n) {
   if (!resolve()) {
     size_t bytes;
     return __builtin_mul_overflow(count, n, &bytes) ? NULL : arena_alloc(bytes); /* static: zeroed */
@@ -143,7 +147,7 @@ void *calloc(size_t count, size_t n) {
   return counted(next_calloc(count, n));
 }
 
-void *realloc(void *p, size_t n) {
+RAW void *realloc(void *p, size_t n) {
   if (!resolve() || in_arena(p)) {
     void *q = resolve() ? malloc(n) : arena_alloc(n);
     if (q && p) /* an arena block's size is unknown: copy what fits of the rest of the arena */
@@ -166,7 +170,7 @@ void *realloc(void *p, size_t n) {
   return next_realloc(p, n);
 }
 
-void free(void *p) {
+RAW void free(void *p) {
   if (!p || in_arena(p))
     return;
   if (!resolve())
@@ -175,7 +179,7 @@ void free(void *p) {
   next_free(p);
 }
 
-int posix_memalign(void **out, size_t alignment, size_t n) {
+RAW int posix_memalign(void **out, size_t alignment, size_t n) {
   if (!resolve())
     return ENOMEM;
   if (fail_now_from(__builtin_return_address(0)))
@@ -186,7 +190,7 @@ int posix_memalign(void **out, size_t alignment, size_t n) {
   return rc;
 }
 
-void *aligned_alloc(size_t alignment, size_t n) {
+RAW void *aligned_alloc(size_t alignment, size_t n) {
   if (!resolve())
     return NULL;
   if (fail_now_from(__builtin_return_address(0))) {
@@ -196,7 +200,7 @@ void *aligned_alloc(size_t alignment, size_t n) {
   return counted(next_aligned_alloc(alignment, n));
 }
 
-void *memalign(size_t alignment, size_t n) {
+RAW void *memalign(size_t alignment, size_t n) {
   if (!resolve())
     return NULL;
   if (fail_now_from(__builtin_return_address(0))) {
@@ -206,7 +210,7 @@ void *memalign(size_t alignment, size_t n) {
   return counted(next_memalign(alignment, n));
 }
 
-char *strdup(const char *s) {
+RAW char *strdup(const char *s) {
   size_t n = strlen(s) + 1;
   char *d = malloc_from(n, __builtin_return_address(0));
   if (d)
@@ -214,7 +218,7 @@ char *strdup(const char *s) {
   return d;
 }
 
-char *strndup(const char *s, size_t n) {
+RAW char *strndup(const char *s, size_t n) {
   size_t len = strnlen(s, n);
   char *d = malloc_from(len + 1, __builtin_return_address(0));
   if (d) {
@@ -224,20 +228,20 @@ char *strndup(const char *s, size_t n) {
   return d;
 }
 
-void fm_arm(long n) {
+RAW void fm_arm(long n) {
   atomic_store(&target, 0);
   atomic_store(&calls, 0);
   atomic_store(&failed, false);
   atomic_store(&target, n);
 }
 
-void fm_exempt(const char *const *objects) { exempt = objects; }
+RAW void fm_exempt(const char *const *objects) { exempt = objects; }
 
-long fm_disarm(void) {
+RAW long fm_disarm(void) {
   atomic_store(&target, 0);
   return atomic_load(&calls);
 }
 
-bool fm_failed(void) { return atomic_load(&failed); }
+RAW bool fm_failed(void) { return atomic_load(&failed); }
 
-long fm_live(void) { return atomic_load(&live); }
+RAW long fm_live(void) { return atomic_load(&live); }
