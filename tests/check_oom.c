@@ -10,8 +10,12 @@
  *   - QKEEP_E_NOMEM with a message, the model empty (a failed load) or, for reload, its digest
  *     that of W0 (nothing half-changed);
  * and every block allocated during it is freed (fm_live() as before; LeakSanitizer and valgrind
- * check the same at exit). The reference backend covers every N; cpu-onednn (threads = 1) a
- * stride of N (QKEEP_OOM_STRIDE, default T / 150) since each of its loads costs more.
+ * check the same at exit). Every N on the reference backend and on the chain test-async,
+ * reference (a device whose memory and pinned staging the plugin allocates, so device allocations
+ * fail too); cpu-onednn (threads = 1) a stride of N (QKEEP_OOM_STRIDE, default T / 150), with
+ * oneDNN's own allocations left alone (see allocations_fail_cleanly_on_cpu_onednn).
+ * To rerun one case: QKEEP_OOM_BODY=census|run|reload QKEEP_OOM_FIRST=N QKEEP_OOM_STRIDE=10000000
+ * CK_FORK=no, with FAILMALLOC_TRACE=1 for the failing call's stack.
  */
 #include <check.h>
 #include <math.h>
@@ -50,11 +54,16 @@ struct outcome {
 struct body {
   const char *name;
   void (*fn)(struct body *b, struct outcome *o, bool armed, long n);
-  qkeep_plugin *plugin, *reference;
+  qkeep_plugin *chain[2], *reference; /* the model's chain (n_chain links) and the reference */
+  size_t n_chain;
   const char *w0, *w1;
   /* reload: the model, loaded with W0 outside the failing region, and its digest */
   struct qkeep_digest w0_digest;
 };
+
+static int new_model(const struct body *b, qkeep_model **m) {
+  return qkeep_model_new_chain(b->chain, b->n_chain, m);
+}
 
 static void record_error(struct outcome *o, int rc) {
   o->rc = rc;
@@ -66,7 +75,7 @@ static void census_body(struct body *b, struct outcome *o, bool armed, long n) {
   qkeep_model *m = NULL;
   if (armed)
     fm_arm(n);
-  int rc = qkeep_model_new(b->plugin, &m);
+  int rc = new_model(b, &m);
   if (!rc && (rc = qkeep_model_load(m, b->w0)))
     o->model_empty_after_failure = qkeep_model_layer_count(m) == 0;
   struct qkeep_census c = {.size = sizeof c};
@@ -92,7 +101,7 @@ static void run_body(struct body *b, struct outcome *o, bool armed, long n) {
   qkeep_model *m = NULL, *r = NULL;
   if (armed)
     fm_arm(n);
-  int rc = qkeep_model_new(b->plugin, &m);
+  int rc = new_model(b, &m);
   if (!rc)
     rc = qkeep_model_new(b->reference, &r);
   if (!rc && (rc = qkeep_model_load(m, b->w0)))
@@ -111,7 +120,7 @@ static void run_body(struct body *b, struct outcome *o, bool armed, long n) {
 /* W0 loaded (not failing), then the reload to W1 under the failure. */
 static void reload_body(struct body *b, struct outcome *o, bool armed, long n) {
   qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(b->plugin, &m), 0);
+  ck_assert_int_eq(new_model(b, &m), 0);
   ck_assert_msg(qkeep_model_load(m, b->w0) == 0, "%s", qkeep_errmsg());
   if (armed)
     fm_arm(n);
@@ -178,7 +187,8 @@ static long stride_from_env(long fallback) {
   return s && *s ? strtol(s, NULL, 10) : fallback;
 }
 
-static void run_all(const char *backend, long stride) {
+/* The three bodies on the chain `backend` (then the reference when chained). */
+static void run_all(const char *backend, bool chained, long stride) {
   qkeep_plugin *plugin, *reference;
   ck_assert_msg(qkeep_plugin_open(backend, NULL, &plugin) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &reference), 0);
@@ -194,9 +204,10 @@ static void run_all(const char *backend, long stride) {
     free(ini);
     free(dir);
   }
-  struct body b = {.plugin = plugin, .reference = reference, .w0 = w0, .w1 = w1};
+  struct body b = {
+      .chain = {plugin, reference}, .n_chain = chained ? 2 : 1, .reference = reference, .w0 = w0, .w1 = w1};
   qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_int_eq(new_model(&b, &m), 0);
   ck_assert_msg(qkeep_model_load(m, w0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(qkeep_digest(m, &b.w0_digest), 0);
   qkeep_model_free(m);
@@ -211,8 +222,14 @@ static void run_all(const char *backend, long stride) {
 }
 
 START_TEST(every_allocation_fails_cleanly_on_the_reference_backend) {
-  run_all("reference", stride_from_env(1));
+  run_all("reference", false, stride_from_env(1));
 }
+END_TEST
+
+/* test-async keeps its "device" memory (and pinned staging) in host memory it allocates itself, so
+ * its device allocations, those of the staging chunks included, fail here like the core's. It owns
+ * the unquantized linears; the reference takes the rest. */
+START_TEST(device_allocations_fail_cleanly_on_a_chain) { run_all("test-async", true, stride_from_env(1)); }
 END_TEST
 
 START_TEST(allocations_fail_cleanly_on_cpu_onednn) {
@@ -226,7 +243,7 @@ START_TEST(allocations_fail_cleanly_on_cpu_onednn) {
   static const char *const third_party[] = {"libdnnl", "libstdc++", "libgomp", NULL};
   if (!getenv("QKEEP_OOM_NO_EXEMPT")) /* set, to see what oneDNN does (docs/RELIABILITY-part-a.md) */
     fm_exempt(third_party);
-  run_all("cpu-onednn", stride_from_env(0));
+  run_all("cpu-onednn", false, stride_from_env(0));
   fm_exempt(NULL);
 }
 END_TEST
@@ -237,6 +254,7 @@ static Suite *oom_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_set_timeout(tc, 900);
   tcase_add_test(tc, every_allocation_fails_cleanly_on_the_reference_backend);
+  tcase_add_test(tc, device_allocations_fail_cleanly_on_a_chain);
   tcase_add_test(tc, allocations_fail_cleanly_on_cpu_onednn);
   suite_add_tcase(s, tc);
   return s;
