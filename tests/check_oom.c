@@ -14,8 +14,9 @@
  * reference (a device whose memory and pinned staging the plugin allocates, so device allocations
  * fail too); cpu-onednn (threads = 1) a stride of N (QKEEP_OOM_STRIDE, default T / 150), with
  * oneDNN's own allocations left alone (see allocations_fail_cleanly_on_cpu_onednn).
- * To rerun one case: QKEEP_OOM_BODY=census|run|reload QKEEP_OOM_FIRST=N QKEEP_OOM_STRIDE=10000000
- * CK_FORK=no, with FAILMALLOC_TRACE=1 for the failing call's stack.
+ * To rerun one case: QKEEP_OOM_BACKEND=reference|test-async|cpu-onednn QKEEP_OOM_BODY=census|run|
+ * reload QKEEP_OOM_FIRST=N QKEEP_OOM_STRIDE=10000000 CK_FORK=no, with FAILMALLOC_TRACE=1 for the
+ * failing call's stack.
  */
 #include <check.h>
 #include <math.h>
@@ -189,6 +190,9 @@ static long stride_from_env(long fallback) {
 
 /* The three bodies on the chain `backend` (then the reference when chained). */
 static void run_all(const char *backend, bool chained, long stride) {
+  const char *only = getenv("QKEEP_OOM_BACKEND"); /* one chain alone (named by its first link) */
+  if (only && *only && strcmp(only, backend) != 0)
+    return;
   qkeep_plugin *plugin, *reference;
   ck_assert_msg(qkeep_plugin_open(backend, NULL, &plugin) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &reference), 0);
