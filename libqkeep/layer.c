@@ -25,6 +25,16 @@ int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_info *out)
 int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info) {
   if (!layer || !info || info->shards < 1 || info->shards > 8)
     return set_error(QKEEP_E_INVAL, "qkeep_layer_set_dims: invalid dims");
+  bool gemm = layer->kind == QKEEP_LAYER_LINEAR || layer->kind == QKEEP_LAYER_MOE;
+  if (info->n < 0 || info->k < 0 || info->experts < 0 || info->group_size < 0 ||
+      (gemm && (info->n == 0 || info->k == 0)) || (layer->kind == QKEEP_LAYER_MOE && info->experts == 0))
+    return set_error(
+        QKEEP_E_INVAL,
+        "qkeep_layer_set_dims: %s: N = %lld, K = %lld, %lld experts, group %lld: a %s layer needs "
+        "N, K%s > 0",
+        layer->name, (long long)info->n, (long long)info->k, (long long)info->experts,
+        (long long)info->group_size, qkeep_layer_kind_name(layer->kind),
+        layer->kind == QKEEP_LAYER_MOE ? " and experts" : "");
   layer->dims.n = info->n;
   layer->dims.k = info->k;
   layer->dims.experts = info->experts;

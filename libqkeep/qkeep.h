@@ -250,7 +250,9 @@ QKEEP_API int qkeep_layer_get_info(const qkeep_layer *layer, struct qkeep_layer_
 /* The name of the backend that owns the layer (runs its PWAL and kernel, holds its params),
  * or NULL for a host-only model or a hand-built layer that has no param yet. */
 QKEEP_API const char *qkeep_layer_backend(const qkeep_layer *layer);
-/* Sets the dims of a hand-built layer (info->name and scheme are ignored). */
+/* Sets the dims of a hand-built layer (info->name and scheme are ignored). QKEEP_E_INVAL for a
+ * negative dimension, or a linear or MoE layer with N = 0 or K = 0 (an MoE with no experts): no
+ * kernel can run one, as a checkpoint's loader refuses it. */
 QKEEP_API int qkeep_layer_set_dims(qkeep_layer *layer, const struct qkeep_layer_info *info);
 
 /*

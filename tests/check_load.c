@@ -261,7 +261,7 @@ START_TEST(one_byte_scales_are_judged_at_every_position) {
             buf[i] = (unsigned char)(0x38 + i % 3); /* good in all three */
           buf[at] = (unsigned char)v;
           size_t index = 99;
-          const char *why = bad_scales(dtypes[d], buf, n, &index);
+          const char *why = bad_scales(dtypes[d], buf, n, false, &index);
           ck_assert_msg((why != NULL) == byte_is_bad(dtypes[d], v), "dtype %d byte 0x%02x at %zu of %zu",
                         dtypes[d], v, at, n);
           if (why)

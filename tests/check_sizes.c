@@ -671,6 +671,31 @@ START_TEST(plugin_not_found_lists_a_long_search_path) {
 }
 END_TEST
 
+/* A hand-built linear gets the same rule as a loaded one. */
+START_TEST(hand_built_layers_with_a_zero_dimension_are_refused) {
+  qkeep_plugin *plugin;
+  ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  qkeep_layer *l, *norm;
+  ck_assert_int_eq(qkeep_layer_add(m, "hand", QKEEP_LAYER_LINEAR, "unquantized", &l), 0);
+  ck_assert_int_eq(qkeep_layer_add(m, "norm", QKEEP_LAYER_OTHER, "unquantized", &norm), 0);
+  struct qkeep_layer_info d = {.size = sizeof d, .n = 0, .k = 8, .shards = 1};
+  ck_assert_int_eq(qkeep_layer_set_dims(l, &d), QKEEP_E_INVAL);
+  ck_assert_msg(strstr(qkeep_errmsg(), "hand: N = 0, K = 8") != NULL, "%s", qkeep_errmsg());
+  d.n = 4, d.k = 0;
+  ck_assert_int_eq(qkeep_layer_set_dims(l, &d), QKEEP_E_INVAL);
+  d.n = -1, d.k = 8;
+  ck_assert_int_eq(qkeep_layer_set_dims(norm, &d), QKEEP_E_INVAL);
+  d.n = 0, d.k = 0;
+  ck_assert_int_eq(qkeep_layer_set_dims(norm, &d), 0); /* not a GEMM: no dims needed */
+  d.n = 4, d.k = 8;
+  ck_assert_int_eq(qkeep_layer_set_dims(l, &d), 0); /* the control */
+  qkeep_model_free(m);
+  qkeep_plugin_close(plugin);
+}
+END_TEST
+
 static Suite *sizes_suite(void) {
   Suite *s = suite_create("sizes");
   TCase *tc = tcase_create("sizes");
@@ -687,6 +712,7 @@ static Suite *sizes_suite(void) {
   tcase_add_test(tc, expert_index_long_max_is_refused);
   tcase_add_test(tc, quantizer_refuses_a_zero_sized_weight);
   tcase_add_test(tc, long_config_key_paths_are_named_whole);
+  tcase_add_test(tc, hand_built_layers_with_a_zero_dimension_are_refused);
   tcase_add_test(tc, plugin_not_found_lists_a_long_search_path);
   suite_add_tcase(s, tc);
   return s;
