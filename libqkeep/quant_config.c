@@ -348,16 +348,12 @@ struct modelopt_decl {
   int64_t group_size; /* NVFP4_GROUP unless stated */
   bool kv_cache_fp8;
   const json_t *quantized_layers; /* MIXED_PRECISION: {"<layer>": {"quant_algo", "group_size"}, ...} */
-  const char *file;               /* where quant_algo was found, for messages */
-  const char *path;               /* its object's key: "quantization" or "quantization_config" */
+  /* where quant_algo was found, for messages: a copy of its origin, whose parents (the file's top
+   * or config.json's quantization_config) live in parse_modelopt's callers */
+  struct origin at;
 };
 
-/* o is a member of a file's top object (its key a literal of this file's). */
-static void decl_at(struct modelopt_decl *d, const struct origin *o) {
-  assert(!o->parent || !o->parent->key[0]);
-  d->file = o->file;
-  d->path = o->key;
-}
+static void decl_at(struct modelopt_decl *d, const struct origin *o) { d->at = *o; }
 
 /* NVFP4 with its one group size; every other algorithm the exporter writes is a different layout. */
 /*
@@ -366,7 +362,7 @@ static void decl_at(struct modelopt_decl *d, const struct origin *o) {
  * does not read: refused, naming the layer.
  */
 static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc) {
-  const struct origin at = {d->file, NULL, d->path};
+  const struct origin at = d->at;
   if (!d->quantized_layers)
     return key_error(QKEEP_E_FORMAT, &at, "quantized_layers", "is missing (quant_algo MIXED_PRECISION)");
   struct sub_origin ol;
@@ -409,7 +405,7 @@ static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc
 }
 
 static int modelopt_check(const struct modelopt_decl *d) {
-  const struct origin at = {d->file, NULL, d->path}, *o = &at;
+  const struct origin *o = &d->at;
   if (strcasecmp(d->quant_algo, "MIXED_PRECISION") == 0 && d->quantized_layers)
     return 0; /* each listed layer's algorithm is checked by modelopt_mixed */
   if (strcasecmp(d->quant_algo, "NVFP4") != 0)
@@ -1080,11 +1076,17 @@ static int parse_modelopt(const struct origin *cfg_o, const json_t *qcfg, const 
     return rc;
   if (qcfg && (rc = modelopt_read_config(cfg_o, qcfg, qc, cap, &from_cfg)) != 0)
     return rc;
-  if (hf_root && qcfg && strcasecmp(from_hf.quant_algo, from_cfg.quant_algo) != 0)
-    return set_error(
+  if (hf_root && qcfg && strcasecmp(from_hf.quant_algo, from_cfg.quant_algo) != 0) {
+    char *hf_path = origin_path(&from_hf.at), *cfg_path = origin_path(&from_cfg.at);
+    rc = set_error(
         QKEEP_E_FORMAT,
         "%s says %s.quant_algo '%s' but %s says %s.quant_algo '%s'; the two files contradict each other",
-        hf_file, from_hf.path, from_hf.quant_algo, cfg_o->file, from_cfg.path, from_cfg.quant_algo);
+        hf_file, hf_path ? hf_path : "", from_hf.quant_algo, cfg_o->file, cfg_path ? cfg_path : "",
+        from_cfg.quant_algo);
+    free(hf_path);
+    free(cfg_path);
+    return rc;
+  }
   if (hf_root && (rc = modelopt_check(&from_hf)) != 0)
     return rc;
   if (qcfg && (rc = modelopt_check(&from_cfg)) != 0)
