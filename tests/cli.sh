@@ -103,6 +103,16 @@ fi
 check "quantize --json sums up" test "$("$build/tests/jsonget" threads <"$tmp/q1.json")" = 1
 check "quantize --json counts the bytes written" test "$("$build/tests/jsonget" output_bytes <"$tmp/q1.json")" = \
   "$(stat -c %s "$tmp/t1/model.safetensors")"
+# a bad option value is refused naming the option (it became the default), and nothing is written
+for bad in "--activation-amax nan" "--activation-amax -1" "--activation-amax 1e39" "--shard-bytes -5" \
+  "--shard-bytes 12x" "--group 0" "--group many"; do
+  "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/badopt" --scheme gptq-int4 $bad >"$tmp/out" 2>&1
+  check "quantize refuses $bad" test $? -eq 2
+  check "quantize names ${bad%% *} in its refusal" contains "$tmp/out" "${bad%% *} ${bad#* }:"
+  check "quantize $bad writes nothing" test ! -e "$tmp/badopt"
+done
+"$qkeep" run --rows 4x >"$tmp/out" 2>&1
+check "run refuses --rows 4x" test $? -eq 2
 "$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" >"$tmp/out" 2>&1; rc=$?
 check "run exits 0" test $rc -eq 0
 # the reference against itself: exactly 0 (the default-config runs below compare other backends)
