@@ -14,7 +14,9 @@
 
 #include <stdbool.h>
 
-/* Fails the n-th allocation call from now (n >= 1); 0 disarms. Resets the call count. */
+/* Fails the n-th allocation call from now (n >= 1); 0 disarms. Resets the call count. Every
+ * thread's calls count, except under AddressSanitizer, where only the calling thread's do (see
+ * failmalloc.c). */
 void fm_arm(long n);
 /* Disarms; returns the allocation calls made since the last fm_arm. */
 long fm_disarm(void);
