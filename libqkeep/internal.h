@@ -331,11 +331,11 @@ struct fusion_rule {
 struct owner {
   qkeep_plugin *plugin; /* NULL: host memory, no PWAL, no kernels */
   struct device dev;
-  struct spare spare;     /* dev.spare points here */
-  struct stream *stream;  /* dev.stream points here; freed with the model */
-  int probe_rc;    /* 0: usable; otherwise the probe's code, and the link takes no layer */
-  char *probe_msg; /* why the probe failed ("" when it did not) */
-  size_t layers;   /* layers it owns (for reports) */
+  struct spare spare;    /* dev.spare points here */
+  struct stream *stream; /* dev.stream points here; freed with the model */
+  int probe_rc;          /* 0: usable; otherwise the probe's code, and the link takes no layer */
+  char *probe_msg;       /* why the probe failed ("" when it did not) */
+  size_t layers;         /* layers it owns (for reports) */
 };
 
 /* Where a checkpoint name loads: layer and position in its sources. */
@@ -360,11 +360,11 @@ struct qkeep_model {
   void *progress_user;
   struct qkeep_load_stats stats;
   struct mem_stats mem;
-  char *source_path; /* the checkpoint whose bytes the model holds (rollback source), or NULL */
+  char *source_path;          /* the checkpoint whose bytes the model holds (rollback source), or NULL */
   struct file_id *source_ids; /* each of its files when it was read (model_set_source) */
   size_t n_source_ids;
-  bool poisoned;     /* a failed reload could not roll back: kernels refuse until a reload succeeds */
-  long fault_layer;  /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
+  bool poisoned;    /* a failed reload could not roll back: kernels refuse until a reload succeeds */
+  long fault_layer; /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
   int fault_code;
   bool planning; /* assembling a checkpoint: params are planned, not allocated, until chain_assign */
   qkeep_layer **layers;
@@ -443,7 +443,8 @@ const char *st_metadata(const struct st_file *f, const char *key);
  * never a signal.
  */
 int st_read(const struct st_file *f, const struct st_tensor *t, void *dst);
-/* Reads bytes [offset, offset + n) of the tensor (within it) into dst; the checks and errors are st_read's. */
+/* Reads bytes [offset, offset + n) of the tensor (within it) into dst; the checks and errors are st_read's.
+ */
 int st_read_range(const struct st_file *f, const struct st_tensor *t, size_t offset, size_t n, void *dst);
 /*
  * Reads n tensors of f (tensors[i]'s bytes into dsts[i]), each run of tensors
@@ -597,7 +598,8 @@ size_t stream_bytes(const struct stream *s);
  * later work on the device's stream sees the bytes; stream_wait waits for them). On a read or
  * copy error nothing further is started and the first error is returned, with its message.
  */
-int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items);
+int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                 size_t n_items);
 /*
  * Starts reading the items ahead (their dst and mirror are not needed yet, nor looked at) into
  * free slots, and returns at once; a stream_items call with the same items (tensors and order)

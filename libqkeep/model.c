@@ -4,9 +4,9 @@
  */
 #include <ctype.h>
 #include <errno.h>
-#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "checkpoint.h"
 #include "internal.h"
@@ -243,9 +243,8 @@ static int file_id_of(const struct st_file *f, struct file_id *out) {
   struct stat sb;
   if (fstat(f->fd, &sb) != 0)
     return set_error(QKEEP_E_IO, "%s: cannot stat: %s", f->path, strerror(errno));
-  *out = (struct file_id){(uint64_t)sb.st_dev,    (uint64_t)sb.st_ino,     (uint64_t)sb.st_size,
-                          sb.st_mtim.tv_sec,      sb.st_mtim.tv_nsec,      sb.st_ctim.tv_sec,
-                          sb.st_ctim.tv_nsec};
+  *out = (struct file_id){(uint64_t)sb.st_dev, (uint64_t)sb.st_ino, (uint64_t)sb.st_size, sb.st_mtim.tv_sec,
+                          sb.st_mtim.tv_nsec,  sb.st_ctim.tv_sec,   sb.st_ctim.tv_nsec};
   return 0;
 }
 

@@ -949,6 +949,15 @@ static void work_one(struct pool *p, struct unit *u, int stage, int64_t b, float
   }
   if (rc)
     note_failure(p, u->index, rc);
+  /* counted before it leaves the active list: the driver's final report follows an empty list */
+  if (!rc) {
+    p->tensors_done += u->n_tensors;
+    p->bytes_done += u->in_bytes;
+    for (int i = 0; i < u->n_members; i++)
+      for (int o = 0; o < u->m[i].n_out; o++)
+        if (!p->q->outs[u->m[i].out[o]].constant)
+          p->q->written += (int64_t)p->q->outs[u->m[i].out[o]].nbytes;
+  }
   /* off the active list */
   struct unit **link = &p->active, *prev = NULL;
   while (*link != u) {
@@ -962,14 +971,6 @@ static void work_one(struct pool *p, struct unit *u, int stage, int64_t b, float
   unit_release(u);
   pthread_mutex_lock(&p->lock);
   p->in_flight_bytes -= u->bytes;
-  if (!rc) {
-    p->tensors_done += u->n_tensors;
-    p->bytes_done += u->in_bytes;
-    for (int i = 0; i < u->n_members; i++)
-      for (int o = 0; o < u->m[i].n_out; o++)
-        if (!p->q->outs[u->m[i].out[o]].constant)
-          p->q->written += (int64_t)p->q->outs[u->m[i].out[o]].nbytes;
-  }
   pthread_cond_broadcast(&p->wake);
 }
 
