@@ -137,9 +137,6 @@ static long fail_each(struct body *b, long stride) {
   const char *only = getenv("QKEEP_OOM_BODY"); /* census, run or reload: one body alone */
   if (only && *only && strcmp(only, b->name) != 0)
     return 0;
-  /* Under valgrind its own leak check is the oracle: memcheck's allocator does not pair every block
-   * this process allocates with a free that reaches failmalloc (check-valgrind sets this). */
-  bool count_live = !getenv("QKEEP_OOM_NO_LIVE_COUNT");
   struct outcome good = {0}, o;
   b->fn(b, &good, false, 0); /* warm-up: one-time allocations (caches, thread pools) happen here */
   ck_assert_msg(good.rc == 0, "%s: the unfailed run failed: %s", b->name, good.msg);
@@ -147,7 +144,7 @@ static long fail_each(struct body *b, long stride) {
   good = (struct outcome){0};
   b->fn(b, &good, true, 0x7fffffffffffffffL); /* armed past the end: counts the calls */
   long total = fm_disarm();
-  ck_assert(!count_live || fm_live() == before);
+  ck_assert_int_eq(fm_live(), before);
   ck_assert_int_gt(total, 0);
   if (stride <= 0)
     stride = total / 150 > 0 ? total / 150 : 1;
@@ -156,9 +153,8 @@ static long fail_each(struct body *b, long stride) {
   for (long n = first && *first ? strtol(first, NULL, 10) : 1; n <= total; n += stride, runs++) {
     o = (struct outcome){0};
     b->fn(b, &o, true, n);
-    ck_assert_msg(!count_live || fm_live() == before,
-                  "%s, allocation %ld of %ld failed: %ld blocks leaked (rc %d: %s)", b->name, n, total,
-                  fm_live() - before, o.rc, o.msg);
+    ck_assert_msg(fm_live() == before, "%s, allocation %ld of %ld failed: %ld blocks leaked (rc %d: %s)",
+                  b->name, n, total, fm_live() - before, o.rc, o.msg);
     if (o.rc == 0) {
       /* the failure was absorbed (or the call count shifted past it): the result must be the same */
       ck_assert_msg(memcmp(&o.digest, &good.digest, sizeof o.digest) == 0 || b->fn == run_body,
