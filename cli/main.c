@@ -224,6 +224,9 @@ int new_model(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, q
   const char *fuse = cfg ? qkeep_config_fuse(cfg) : NULL;
   if (!rc && fuse)
     rc = qkeep_model_set_fusion(*out, fuse);
+  struct qkeep_parallel parallel = {.size = sizeof parallel};
+  if (!rc && cfg && !(rc = qkeep_config_parallel(cfg, &parallel)))
+    rc = qkeep_model_set_parallel(*out, &parallel); /* [model] tp_size, tp_rank, ep_size, ep_rank */
   return rc;
 }
 

@@ -358,8 +358,29 @@ static int handle_model(struct parse_state *st, const char *key, const char *val
       return parse_fail(st, QKEEP_E_CONFIG, "[model] fuse: %s", qkeep_errmsg());
     return set_once(st, "model", key, &st->fuse_line, &cfg->fuse, xstrdup(value));
   }
-  return parse_fail(st, QKEEP_E_CONFIG,
-                    "[model] unknown key '%s' (expected checkpoint, reload_checkpoint or fuse)", key);
+  static const char *const parallel_keys[4] = {"tp_size", "tp_rank", "ep_size", "ep_rank"};
+  for (int i = 0; i < 4; i++) {
+    if (strcmp(key, parallel_keys[i]) != 0)
+      continue;
+    int *fields[4] = {&cfg->parallel.tp_size, &cfg->parallel.tp_rank, &cfg->parallel.ep_size,
+                      &cfg->parallel.ep_rank};
+    char *end;
+    long v = strtol(value, &end, 10);
+    if (*value == '\0' || *end != '\0' || v < 0 || v > 65536 || (i % 2 == 0 && v == 0))
+      return parse_fail(st, QKEEP_E_CONFIG, "[model] %s: '%s' is not %s", key, value,
+                        i % 2 == 0 ? "a size from 1 to 65536" : "a rank from 0 to 65535");
+    if (cfg->parallel_line[i])
+      return parse_fail(st, QKEEP_E_CONFIG, "[model] duplicate key '%s' (first set on line %d)", key,
+                        cfg->parallel_line[i]);
+    *fields[i] = (int)v;
+    cfg->parallel_line[i] = st->lineno;
+    return 0;
+  }
+  return parse_fail(
+      st, QKEEP_E_CONFIG,
+      "[model] unknown key '%s' (expected checkpoint, reload_checkpoint, fuse, tp_size, tp_rank, "
+      "ep_size or ep_rank)",
+      key);
 }
 
 /* Backend keys are the backend's business; we only keep them, in order, with their lines. */
@@ -524,4 +545,13 @@ const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg) {
   return cfg ? cfg->reload_checkpoint : NULL;
 }
 const char *qkeep_config_fuse(const qkeep_config *cfg) { return cfg ? cfg->fuse : NULL; }
+
+int qkeep_config_parallel(const qkeep_config *cfg, struct qkeep_parallel *out) {
+  if (!cfg || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_config_parallel: NULL argument");
+  struct qkeep_parallel p = cfg->parallel;
+  p.size = sizeof p;
+  copy_sized(out, &p, sizeof p);
+  return 0;
+}
 const char *qkeep_config_path(const qkeep_config *cfg) { return cfg ? cfg->path : NULL; }

@@ -286,6 +286,12 @@ struct source {
   bool compare_only;
   struct qkeep_spec spec; /* what the checkpoint must hold */
   bool loaded;
+  /* A tensor-parallel rank's part of the checkpoint tensor (shard.c): slice.rows runs of
+   * slice.row_bytes, the first slice.offset bytes into the tensor, slice.stride apart, landing
+   * as rows x row_bytes above. slice.rows 0: the whole tensor. */
+  struct slice {
+    size_t offset, rows, row_bytes, stride;
+  } slice;
 };
 
 struct scheme;
@@ -314,6 +320,9 @@ struct qkeep_layer {
    * checkpoint's layers are being planned (params get no storage until owners are chosen). */
   const struct owner *owner;
   int32_t first_dtype; /* while a hand-built layer's owner is chosen: its first param's dtype (else -1) */
+  /* How a tensor/expert-parallel model cut this layer (shard.c): the role and the full,
+   * unsharded dims; role QKEEP_SHARD_REPLICATED with ranks 1 when the model is not sharded. */
+  struct qkeep_layer_shard shard;
 };
 
 /* A fusion rule: modules <parent>.<member[i]> load as shards of <parent>.<fused>. */
@@ -366,6 +375,11 @@ struct qkeep_model {
   bool poisoned;    /* a failed reload could not roll back: kernels refuse until a reload succeeds */
   long fault_layer; /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
   int fault_code;
+  struct qkeep_parallel parallel; /* this rank's tensor/expert-parallel place (shard.c); zero: one rank */
+  /* Checkpoint tensors other ranks load (experts of other EP ranks): a W1 may hold them (shard.c). */
+  char **foreign;
+  size_t n_foreign, cap_foreign;
+  struct name_index foreign_index;
   bool planning; /* assembling a checkpoint: params are planned, not allocated, until chain_assign */
   qkeep_layer **layers;
   size_t n_layers, cap_layers;
@@ -389,9 +403,23 @@ int layer_add_source(qkeep_layer *layer, const char *checkpoint_name, qkeep_para
 int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                              size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
                              bool compare_only, const struct qkeep_spec *spec);
+/* The same for a part of the checkpoint tensor (a tensor-parallel slice; NULL: all of it): the
+ * bytes that land (rows x row_bytes) are the slice's. */
+int layer_add_source_slice(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
+                           size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
+                           bool compare_only, const struct qkeep_spec *spec, const struct slice *slice);
 void layer_destroy(qkeep_layer *layer);
 /* Drops every layer (backend state first), leaving the model empty. */
 void model_clear(qkeep_model *model);
+
+/* ---- tensor/expert parallel bookkeeping (shard.c) ---- */
+
+/* Records a checkpoint tensor that another rank loads (so a W1 holding it is not refused). */
+int shard_note_foreign(qkeep_model *model, const char *name);
+/* Whether the name is such a tensor; O(1) expected. */
+bool shard_is_foreign(const qkeep_model *model, const char *name);
+/* Forgets them (model_clear). */
+void shard_clear(qkeep_model *model);
 
 /* ---- safetensors (safetensors.c) ------------------------------------------------------ */
 
@@ -498,6 +526,8 @@ struct qkeep_config {
   char *checkpoint;
   char *reload_checkpoint;
   char *fuse;
+  struct qkeep_parallel parallel; /* [model] tp_size, tp_rank, ep_size, ep_rank */
+  int parallel_line[4];
   /* [backend.NAME] sections: every key, in file order */
   struct config_backend_section {
     char *name;
@@ -624,6 +654,8 @@ struct staging {
 };
 /* Ends the stream (its copies waited for), then frees the rest; returns the wait's error. */
 int staging_free(struct staging *s);
+/* Grows both staging buffers to at least `bytes`. */
+int staging_reserve(struct staging *s, size_t bytes);
 
 /* Lands one tensor in its param as the source describes (checked against the source first). */
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);

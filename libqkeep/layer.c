@@ -146,8 +146,19 @@ static int index_source(qkeep_layer *layer, const char *name) {
 int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                              size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
                              bool compare_only, const struct qkeep_spec *spec) {
+  return layer_add_source_slice(layer, checkpoint_name, param, dst_offset, rows, row_bytes, dst_stride,
+                                compare_only, spec, NULL);
+}
+
+int layer_add_source_slice(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
+                           size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
+                           bool compare_only, const struct qkeep_spec *spec, const struct slice *slice) {
   size_t end = rows ? dst_offset + (rows - 1) * dst_stride + row_bytes : dst_offset;
-  if (rows * row_bytes != qkeep_spec_bytes(spec) || end > param->create_bytes ||
+  size_t lands = slice ? slice->rows * slice->row_bytes : qkeep_spec_bytes(spec);
+  bool slice_fits = !slice || (slice->rows && (slice->rows == 1 || slice->stride >= slice->row_bytes) &&
+                               slice->offset + (slice->rows - 1) * slice->stride + slice->row_bytes <=
+                                   qkeep_spec_bytes(spec));
+  if (rows * row_bytes != lands || !slice_fits || end > param->create_bytes ||
       (rows > 1 && dst_stride < row_bytes))
     return set_error(QKEEP_E_INVAL, "%s: source '%s' (%zu bytes at %zu) does not fit param '%s' (%zu bytes)",
                      layer->name, checkpoint_name, qkeep_spec_bytes(spec), dst_offset, param->checkpoint_name,
@@ -163,8 +174,10 @@ int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qk
     free(copy);
     return rc;
   }
-  layer->sources[layer->n_sources++] =
-      (struct source){copy, param, dst_offset, rows, row_bytes, dst_stride, compare_only, *spec, false};
+  layer->sources[layer->n_sources++] = (struct source){
+      copy, param, dst_offset, rows, row_bytes, dst_stride, compare_only, *spec, false, {0, 0, 0, 0}};
+  if (slice)
+    layer->sources[layer->n_sources - 1].slice = *slice;
   return 0;
 }
 

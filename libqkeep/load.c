@@ -12,7 +12,7 @@
 #include <time.h>
 
 #include "numeric.h"
-#include "scheme.h"
+#include "shard.h"
 
 int staging_free(struct staging *s) {
   int rc = stream_end(s->stream);
@@ -48,7 +48,7 @@ static int staging_stream(struct staging *s, const struct device *dev) {
 /* Host bytes staging holds now (the peak the model reports). */
 static size_t staging_bytes(const struct staging *s) { return 2 * s->cap + stream_bytes(s->stream); }
 
-static int staging_reserve(struct staging *s, size_t bytes) {
+int staging_reserve(struct staging *s, size_t bytes) {
   if (bytes <= s->cap)
     return 0;
   unsigned char *d = realloc(s->data, bytes), *c;
@@ -161,7 +161,9 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
     src->param->mirror_valid = false; /* its bytes change here, not through the stream */
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, &t) : NULL;
   const void *on_host = on_device || !pv->host_bytes ? NULL : pv->host_bytes(pv, &t);
-  if (src->compare_only) {
+  if (src->slice.rows) { /* a tensor-parallel rank's part of the tensor (shard.c) */
+    rc = shard_load_slice(layer, pv, src, &t, on_device, on_host, st);
+  } else if (src->compare_only) {
     rc = compare_source(dev, pv, &t, on_device, on_host, dst, st);
   } else if (!on_device && !on_host && dev->ops == host_device()->ops && src->rows == 1) {
     rc = pv->read(pv, &t, dst); /* straight into the param: no staging */
@@ -189,7 +191,7 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
 static bool reads_direct(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
                          const struct provided *t) {
   return pv->read_many && layer_device(layer)->ops == host_device()->ops && src->rows == 1 &&
-         !src->compare_only && !(pv->device_bytes && pv->device_bytes(pv, t)) &&
+         !src->compare_only && !src->slice.rows && !(pv->device_bytes && pv->device_bytes(pv, t)) &&
          !(pv->host_bytes && pv->host_bytes(pv, t));
 }
 

@@ -99,6 +99,7 @@ void model_clear(qkeep_model *model) {
   free(model->source_refs);
   model->source_refs = NULL;
   model->n_source_refs = model->cap_source_refs = 0;
+  shard_clear(model); /* other ranks' tensor names (shard.c) */
 }
 
 static void free_fusion(qkeep_model *model) {

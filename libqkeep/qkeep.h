@@ -226,6 +226,62 @@ QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
  * (the default), or "none". Up to 8 members per rule. QKEEP_E_INVAL on a malformed spec.
  */
 QKEEP_API int qkeep_model_set_fusion(qkeep_model *model, const char *spec);
+
+/* ---- tensor and expert parallelism (one rank's slice) ----------------------------- */
+
+/*
+ * Where this process sits in a tensor-parallel (TP) and expert-parallel (EP) group. A
+ * size of 0 or 1 means no cut. With tp_size T, column-parallel layers (q/k/v/gate/up and
+ * their fused qkv_proj / gate_up_proj) keep N/T output rows of every fused member (each
+ * member cut, then fused), row-parallel layers (o_proj, down_proj, out_proj) keep K/T
+ * input columns; everything else (embeddings, lm_head, norms, routers, kv scales) is
+ * replicated whole. With ep_size E, an MoE layer keeps experts [ep_rank * X/E, +X/E)
+ * whole; with ep_size 1 and tp_size T each expert is cut as a linear (w13 column-, w2
+ * row-parallel). Cuts are in stored units: packed codes, block/group scales and zero
+ * points each cut with their blocks; per-tensor scales, act-order g_idx of a column cut
+ * and row-parallel bias are repeated (the engine adds a row-parallel bias once, after its
+ * all-reduce, as vLLM's rank 0 does). docs/SHARDING.md has the rules per scheme.
+ */
+struct qkeep_parallel {
+  size_t size; /* sizeof(struct qkeep_parallel) as the caller knows it (0: all of it) */
+  int tp_size, tp_rank;
+  int ep_size, ep_rank;
+};
+/*
+ * Sets the model's place before a load: every load and reload after it creates and reads
+ * only this rank's slice. Each cut dimension must split into whole stored units: for
+ * every rank a multiple of lcm(pack factor, block or group size) - the backend's own tile
+ * is its supports answer on the rank's dims - or the load fails before anything is
+ * allocated (QKEEP_E_UNSUPPORTED naming the layer, the dimension and the numbers).
+ * QKEEP_E_INVAL for a rank outside its size; QKEEP_E_STATE when the model holds layers.
+ */
+QKEEP_API int qkeep_model_set_parallel(qkeep_model *model, const struct qkeep_parallel *parallel);
+/* [model] tp_size, tp_rank, ep_size, ep_rank of a config (all 0 when absent). */
+QKEEP_API int qkeep_config_parallel(const qkeep_config *cfg, struct qkeep_parallel *out);
+
+/* How a layer is cut across ranks. */
+enum qkeep_shard_role {
+  QKEEP_SHARD_REPLICATED = 0, /* every rank holds it whole */
+  QKEEP_SHARD_COLUMN = 1,     /* output rows N cut (per fused member) */
+  QKEEP_SHARD_ROW = 2,        /* input columns K cut */
+  QKEEP_SHARD_EXPERT = 3,     /* MoE: whole experts per EP rank */
+  QKEEP_SHARD_MOE_TP = 4,     /* MoE: every expert cut, w13 by column and w2 by row */
+};
+/* A layer's cut: its role, the group it is cut over, and the full (unsharded) dims;
+ * qkeep_layer_get_info gives the rank's own. */
+struct qkeep_layer_shard {
+  size_t size;
+  enum qkeep_shard_role role;
+  int ranks, rank;      /* 1 and 0 for a replicated layer */
+  int64_t n, k;         /* full N (sum over fused shards) and K */
+  int64_t shard_n[8];   /* full N of each fused shard */
+  int64_t experts;      /* full expert count (0 unless MoE) */
+  int64_t first_expert; /* the first expert this rank holds (EXPERT role) */
+};
+/* Fills *out (out->size: what the caller knows, 0 for all). */
+QKEEP_API int qkeep_layer_get_shard(const qkeep_layer *layer, struct qkeep_layer_shard *out);
+/* A name for a role ("column"), or "?". */
+QKEEP_API const char *qkeep_shard_role_name(enum qkeep_shard_role role);
 /* The param a full checkpoint name loads into (and its layer), or NULL: after PWAL every
  * checkpoint name still resolves to the same object. A name that loads into two places
  * resolves to the first in layer order. O(1) expected (a hash of every checkpoint name). */
@@ -369,6 +425,114 @@ QKEEP_API int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_nam
 
 /* Reads every tensor of a checkpoint once (the floor for any load): bytes and seconds. */
 QKEEP_API int qkeep_checkpoint_read_all(const char *path, int64_t *bytes, double *seconds);
+
+/* ---- weight sync: W1 as a stream of packed buckets (RL trainers) --------------------- */
+
+/* One full (unsharded) checkpoint tensor in a bucket, `offset` bytes into its buffer. */
+struct qkeep_bucket_tensor {
+  const char *name; /* checkpoint name */
+  struct qkeep_spec spec;
+  size_t offset;
+};
+/* A bucket as the trainers send it: tensors packed back to back (or at any offsets that do
+ * not overlap) in one contiguous buffer, host memory or, when on_device, the memory of the
+ * backend that owns the layers the tensors load into. */
+struct qkeep_bucket {
+  size_t size; /* sizeof(struct qkeep_bucket) as the caller knows it (0: all of it) */
+  const struct qkeep_bucket_tensor *tensors;
+  size_t n;
+  const void *data;
+  size_t nbytes;
+  bool on_device;
+};
+
+typedef struct qkeep_sync qkeep_sync;
+
+/*
+ * Starts a weight sync of the model (this rank) to W1. The model must hold a loaded
+ * checkpoint. The caller owns *out: finish it with qkeep_sync_end (or qkeep_sync_abort).
+ */
+QKEEP_API int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out);
+/*
+ * Takes one bucket. First it validates all of it, changing nothing on failure: names unique
+ * and checkpoint names of the model, not sent before in this sync, dtypes and shapes the
+ * model's (full, unsharded), extents inside the buffer, not overlapping. Then every layer
+ * whose tensors have all arrived is reloaded in place from them (each rank takes its
+ * slice), as qkeep_model_reload_tensors does: scales checked first, normalisation and
+ * PWAL again, no data pointer moved. Tensors of layers still waiting for later buckets are
+ * copied (this rank's bytes of them) until their layer completes, so the extra memory is
+ * one bucket plus the tensors of the layers a bucket boundary splits. The bucket is
+ * borrowed for the call. If applying fails, the sync fails: every layer it touched is put
+ * back from the checkpoint the model held before the sync (W0) when there is one, else the
+ * model refuses to run until a reload succeeds; later calls return QKEEP_E_STATE.
+ */
+QKEEP_API int qkeep_sync_bucket(qkeep_sync *sync, const struct qkeep_bucket *bucket);
+/*
+ * Ends the sync and frees it. 0 when every tensor of the model arrived: the model then
+ * equals a cold (sharded) start on W1. Otherwise QKEEP_E_NOTFOUND naming the first missing
+ * tensor, and the model is put back (or refuses to run) as above. NULL is fine.
+ */
+QKEEP_API int qkeep_sync_end(qkeep_sync *sync);
+/* Abandons a sync: its layers are put back as on failure; frees it. NULL is fine. */
+QKEEP_API void qkeep_sync_abort(qkeep_sync *sync);
+
+/*
+ * The sender's plan: every checkpoint tensor the model loads, each once (a tensor that
+ * feeds two params, e.g. one kv_scale for k and v, is sent once; a tied lm_head sends
+ * nothing of its own), in layer order, packed into buckets of at most bucket_bytes (a
+ * tensor larger than that gets a bucket of its own), offsets aligned to 256 bytes. Built
+ * from a model loaded with the full (one-rank) layout or any rank: shapes are the full ones.
+ * *out (n entries, malloc'd; free with qkeep_sync_plan_free) holds name (borrowed from the
+ * model), spec, offset and the bucket index; *n_buckets the count.
+ */
+struct qkeep_sync_entry {
+  struct qkeep_bucket_tensor tensor;
+  size_t bucket;
+};
+QKEEP_API int qkeep_sync_plan(const qkeep_model *model, size_t bucket_bytes, struct qkeep_sync_entry **out,
+                              size_t *n, size_t *n_buckets);
+QKEEP_API void qkeep_sync_plan_free(struct qkeep_sync_entry *entries);
+
+/*
+ * A broadcast transport: moves a bucket's bytes from the trainer rank to every rank.
+ * broadcast(ctx, buf, nbytes, root): on rank `root` buf holds the bytes, on the others they
+ * land there; 0 or a negative QKEEP_E_* with qkeep_errmsg set. close frees ctx.
+ */
+struct qkeep_transport {
+  size_t size;
+  const char *name; /* "in-process", "nccl" */
+  void *ctx;
+  int (*broadcast)(void *ctx, void *buf, size_t nbytes, int root);
+  void (*close)(void *ctx);
+};
+/*
+ * Receives one bucket through a transport into `buf` (nbytes, in the memory bucket->on_device
+ * names; the root's holds the bytes already), then qkeep_sync_bucket with bucket->data = buf.
+ */
+QKEEP_API int qkeep_sync_receive(qkeep_sync *sync, struct qkeep_transport *transport, int root,
+                                 const struct qkeep_bucket *bucket);
+
+/*
+ * The in-process transport, for tests and single-process engines: `ranks` endpoints in one
+ * process (*out[i], i < ranks, one per rank; the caller frees each with its close). The
+ * root's broadcast publishes its buffer (borrowed until the root's next call); each other
+ * rank's broadcast copies the published bytes (host memory). A non-root call with nothing
+ * published, or a size that differs, is QKEEP_E_STATE.
+ */
+QKEEP_API int qkeep_transport_inprocess(int ranks, struct qkeep_transport **out);
+
+/*
+ * NCCL broadcast from the trainer rank: libnccl.so.2 (or `library`) is dlopened here, so
+ * qkeep links no CUDA library; NCCL_NVLS_ENABLE=0 is set before the communicator starts
+ * (NVLink multicast stays off). `unique_id` is the NCCL_UNIQUE_ID_BYTES (128) bytes rank
+ * 0 got from qkeep_nccl_unique_id and shared out of band. Buffers are device memory of the
+ * current CUDA device (the backend's); each broadcast runs on the default stream and waits
+ * for it. QKEEP_E_NOTFOUND naming the library and dlerror() when it cannot be loaded,
+ * QKEEP_E_DEVICE with NCCL's message when NCCL fails.
+ */
+QKEEP_API int qkeep_nccl_unique_id(const char *library, unsigned char unique_id[128]);
+QKEEP_API int qkeep_transport_nccl(const char *library, int ranks, int rank,
+                                   const unsigned char unique_id[128], struct qkeep_transport **out);
 
 /* ---- audit ---------------------------------------------------------------------- */
 

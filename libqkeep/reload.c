@@ -343,7 +343,8 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
     n = 0;
   for (size_t i = 0; i < n; i++) {
     const char *name = pv->name_at(pv, i);
-    if (!qkeep_model_lookup(model, name, NULL))
+    if (!qkeep_model_lookup(model, name, NULL) &&
+        !shard_is_foreign(model, name)) /* another rank's: shard.c */
       return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is not part of this model", pv->what, name);
   }
   if (!chosen)

@@ -11,6 +11,7 @@
 
 #include "formats.h"
 #include "scheme.h"
+#include "shard.h"
 
 const struct ckpt_tensor *module_tensor(const struct module *m, const char *local) {
   for (size_t i = 0; i < m->n; i++)
@@ -62,10 +63,15 @@ struct layout {
   int shards;
   int64_t shard_n[8];
   int64_t n, k, g;
+  /* tensor/expert parallel (shard.c): after shard_plan_matrix the dims above are this rank's,
+   * experts [first_expert, +experts) of the modules are its own, and plan says how each
+   * checkpoint tensor is cut */
+  int first_expert;
+  struct shard_plan plan;
 };
 
 static const struct module *module_at(const struct layout *L, int e, int s) {
-  return L->modules[(size_t)e * (size_t)L->shards + (size_t)s];
+  return L->modules[(size_t)(e + L->first_expert) * (size_t)L->shards + (size_t)s];
 }
 
 /* The tensor that carries a module's N and K, for messages: its weight in any family's naming. */
@@ -195,7 +201,8 @@ static struct qkeep_spec param_spec(const struct layout *L, const struct param_t
   return s;
 }
 
-/* Records where each module's tensor for template t lands in param p. */
+/* Records where each module's tensor for template t lands in param p (the rank's slice of it when
+ * the layer is cut: shard.c). */
 static int add_sources(qkeep_layer *layer, const struct layout *L, const struct param_template *t,
                        qkeep_param *p) {
   int experts = L->experts ? L->experts : 1;
@@ -207,28 +214,32 @@ static int add_sources(qkeep_layer *layer, const struct layout *L, const struct 
       const struct ckpt_tensor *ct = module_tensor(module_at(L, e, s), t->name);
       struct qkeep_spec cs = {.dtype = (enum qkeep_dtype)ct->t->dtype, .ndim = ct->t->ndim};
       memcpy(cs.shape, ct->t->shape, sizeof cs.shape);
-      size_t bytes = qkeep_spec_bytes(&cs), base = (size_t)e * per_expert;
+      struct slice cut;
+      const struct slice *sl = shard_slice(&L->plan, t, &cs, &cut) ? &cut : NULL;
+      size_t bytes = sl ? sl->rows * sl->row_bytes : qkeep_spec_bytes(&cs), base = (size_t)e * per_expert;
       int rc = 0;
       if (t->fuse == F_ROWS) {
         /* the rows before this shard (N of them, or N/8 for zero points packed along N), each of one_row */
         struct qkeep_spec one_row = eval_spec(t, cs.dtype, 1, L->k, L->g);
         one_row.shape[0] = 1;
         int64_t rows_before = eval_dim(t->dims[0], n_before, L->k, L->g);
-        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)rows_before * qkeep_spec_bytes(&one_row),
-                              &cs);
+        rc = layer_add_source_slice(layer, ct->t->name, p,
+                                    base + (size_t)rows_before * qkeep_spec_bytes(&one_row), 1, bytes, bytes,
+                                    false, &cs, sl);
       } else if (t->fuse == F_STACKED) {
-        rc = layer_add_source(layer, ct->t->name, p, base + (size_t)s * bytes, &cs);
+        rc = layer_add_source_slice(layer, ct->t->name, p, base + (size_t)s * bytes, 1, bytes, bytes, false,
+                                    &cs, sl);
       } else if (t->fuse == F_COLS) {
         int64_t cols = eval_dim(t->dims[t->ndim - 1], L->shard_n[s], L->k, L->g);
         int64_t total = eval_dim(t->dims[t->ndim - 1], L->n, L->k, L->g);
         int64_t col_before = eval_dim(t->dims[t->ndim - 1], n_before, L->k, L->g);
         size_t rows = bytes / ((size_t)cols * esize);
-        rc = layer_add_source_strided(layer, ct->t->name, p, base + (size_t)col_before * esize, rows,
-                                      (size_t)cols * esize, (size_t)total * esize, false, &cs);
+        rc = layer_add_source_slice(layer, ct->t->name, p, base + (size_t)col_before * esize, rows,
+                                    (size_t)cols * esize, (size_t)total * esize, false, &cs, sl);
       } else if (t->fuse == F_SLOT) {
         rc = layer_add_source(layer, ct->t->name, p, base + (size_t)s * esize, &cs);
       } else { /* F_SHARED: shard 0 loads, the others must repeat it */
-        rc = layer_add_source_strided(layer, ct->t->name, p, base, 1, bytes, bytes, s > 0, &cs);
+        rc = layer_add_source_slice(layer, ct->t->name, p, base, 1, bytes, bytes, s > 0, &cs, sl);
       }
       if (rc)
         return rc;
@@ -324,15 +335,30 @@ int scheme_create(qkeep_layer *layer, const struct scheme *sch, const struct qua
     return set_error(QKEEP_E_FORMAT, "layer %s: tensors imply group size %lld, the config says %lld",
                      layer->name, (long long)L.g, (long long)qc->group_size);
   if ((rc = check_known_tensors(layer, &L, params, n_params)) ||
-      (rc = check_templates(layer, &L, params, n_params)) ||
+      (rc = check_templates(layer, &L, params, n_params)))
+    return rc;
+  /* Tensor/expert parallel: the rank's dims from here on (shard.c; unchanged on one rank). */
+  uint32_t present = 0;
+  for (size_t i = 0; i < n_params && i < 32; i++)
+    present |= module_tensor(module_at(&L, 0, 0), params[i].name) ? 1u << i : 0;
+  if ((rc = shard_plan_matrix(layer, prefix, params, n_params, present, sch->flags ? sch->flags(qc) : 0,
+                              n_shards, L.shard_n, &L.n, &L.k, &L.g, &L.experts, &L.first_expert, &L.plan)) ||
       (rc = create_params(layer, &L, params, n_params, prefix)))
+    return rc;
+  /* Experts of other EP ranks: their tensors are known, not loaded (a W1 may hold them). */
+  for (int e = 0; e < n_experts && !rc; e++)
+    for (int s = 0; s < n_shards && (e < L.first_expert || e >= L.first_expert + L.experts) && !rc; s++)
+      for (size_t j = 0; j < modules[(size_t)e * (size_t)n_shards + (size_t)s]->n && !rc; j++)
+        rc = shard_note_foreign(layer->model,
+                                modules[(size_t)e * (size_t)n_shards + (size_t)s]->tensors[j]->t->name);
+  if (rc)
     return rc;
   /* An MoE layer's dims are w13's ([2I, H], shards gate and up); w2 is [H, I]. */
   if (strcmp(prefix, "w2_") != 0) {
     layer->dims.n = L.n;
     layer->dims.k = L.k;
     layer->dims.group_size = L.g;
-    layer->dims.experts = n_experts;
+    layer->dims.experts = L.experts;
     layer->dims.shards = n_shards;
     memcpy(layer->dims.shard_n, L.shard_n, sizeof L.shard_n);
   }

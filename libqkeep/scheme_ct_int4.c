@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "scheme.h"
+#include "shard.h"
 
 static const struct param_template ct_int4_params[] = {
     {"weight_packed", DT(I32), 2, {D_N, D_K_8}, F_ROWS, false, false, false},
@@ -74,7 +75,8 @@ static int check_and_retire_shape(qkeep_layer *layer, const char *prefix) {
     return 0;
   bool w2 = strcmp(prefix, "w2_") == 0;
   int shards = w2 ? 1 : (int)layer->dims.shards, experts = layer->dims.experts ? (int)layer->dims.experts : 1;
-  int64_t k = w2 ? layer->dims.n / 2 : layer->dims.k;
+  /* weight_shape states the full matrix: a tensor-parallel rank compares the unsharded dims (shard.c) */
+  int64_t k = w2 ? shard_full_n(layer) / 2 : shard_full_k(layer);
   size_t count = (size_t)experts * (size_t)shards * 2;
   if (qkeep_spec_bytes(&p->create_spec) != count * sizeof(int64_t))
     return set_error(QKEEP_E_FORMAT, "%s.%s: %zu bytes for %d experts x %d shards", layer->name, name,
@@ -84,7 +86,7 @@ static int check_and_retire_shape(qkeep_layer *layer, const char *prefix) {
                   : set_error(QKEEP_E_NOMEM, "out of memory");
   for (int e = 0; !rc && e < experts; e++)
     for (int s = 0; !rc && s < shards; s++) {
-      int64_t n = w2 ? layer->dims.k : layer->dims.shard_n[s];
+      int64_t n = w2 ? shard_full_k(layer) : shard_full_shard_n(layer, s);
       const int64_t *v = stated + ((size_t)e * (size_t)shards + (size_t)s) * 2;
       if (v[0] != n || v[1] != k)
         rc = set_error(QKEEP_E_FORMAT,

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "scheme.h"
+#include "shard.h"
 
 static const struct param_template mxfp4_params[] = {
     {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false},
@@ -134,15 +135,32 @@ int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
     if (rc)
       return rc;
   }
+  /* Tensor/expert parallel: each tensor's rank slice, all checked before any param exists (shard.c). */
   for (size_t j = 0; j < m->n; j++) {
     const struct st_tensor *t = m->tensors[j]->t;
-    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
-    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    struct qkeep_spec full = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim}, spec;
+    memcpy(full.shape, t->shape, sizeof full.shape);
+    struct slice cut;
+    bool sliced;
+    rc = shard_gptoss_tensor(layer, m->local[j], &full, &spec, &cut, &sliced);
+    if (rc)
+      return rc;
+  }
+  for (size_t j = 0; j < m->n; j++) {
+    const struct st_tensor *t = m->tensors[j]->t;
+    struct qkeep_spec full = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim}, spec;
+    memcpy(full.shape, t->shape, sizeof full.shape);
+    struct slice cut;
+    bool sliced;
     qkeep_param *p;
-    rc = qkeep_param_create(layer, m->local[j], &spec, &p);
+    size_t bytes;
+    rc = shard_gptoss_tensor(layer, m->local[j], &full, &spec, &cut, &sliced);
+    if (!rc)
+      rc = qkeep_param_create(layer, m->local[j], &spec, &p);
     if (!rc) {
       p->scale = strstr(m->local[j], "_scales") != NULL;
-      rc = layer_add_source(layer, t->name, p, 0, &spec);
+      bytes = qkeep_spec_bytes(&spec);
+      rc = layer_add_source_slice(layer, t->name, p, 0, 1, bytes, bytes, false, &full, sliced ? &cut : NULL);
     }
     if (rc)
       return rc;
@@ -154,5 +172,6 @@ int mxfp4_create_gptoss_moe(qkeep_layer *layer, const struct module *m) {
   layer->dims.shards = 2;
   layer->dims.shard_n[0] = layer->dims.shard_n[1] = inter;
   layer->dims.flags |= QKEEP_LAYER_F_INTERLEAVED_W13;
+  shard_gptoss_dims(layer, e, i2, h, inter); /* the rank's dims when cut (shard.c) */
   return 0;
 }

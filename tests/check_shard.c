@@ -1,0 +1,467 @@
+/*
+ * check_shard.c: tensor- and expert-parallel loading, T = 2, 4 and 8 ranks simulated in
+ * one process, for every scheme. Each rank's params must be byte-equal to the matching
+ * rows or columns of a one-rank cold load (the oracle cuts the one-rank params itself,
+ * from this file's own table of which dimension carries N and K in each checkpoint
+ * layout); fused members are cut one by one, then fused. Indivisible dims are refused
+ * before anything is allocated; each rank's census is clean and its in-place reload
+ * equals a cold sharded load of W1 with no data pointer moved. Weight sync (buckets,
+ * in-process transport, NCCL's absence) has its own cases at the end.
+ */
+#include <check.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "fixture.h"
+#include "internal.h"
+#include "testutil.h"
+
+#define H 64   /* hidden: K of the column-parallel layers */
+#define Q 256  /* q_proj N, o_proj K */
+#define KV 64  /* k_proj, v_proj N: 8 per rank at T = 8 (zero points pack 8 along N) */
+#define I 256  /* dense MLP intermediate */
+#define E 8    /* experts */
+#define MI 256 /* expert intermediate */
+#define VOCAB 64
+
+static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed) {
+  size_t n = (size_t)(rows * (cols ? cols : 1));
+  float *v = malloc(n * sizeof *v);
+  uint64_t s = seed;
+  for (const char *p = name; *p; p++)
+    s = s * 31 + (unsigned char)*p;
+  for (size_t i = 0; i < n; i++)
+    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
+  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
+  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
+  free(v);
+}
+
+/* Llama-like: embedding, attention and a dense MLP in layer 0, an MoE block of E experts in layer 1. */
+static char *write_source(const char *file, uint64_t seed) {
+  struct st_writer *w;
+  char name[160];
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.embed_tokens.weight", VOCAB, H, seed);
+  add(w, "model.norm.weight", H, 0, seed);
+  add(w, "lm_head.weight", VOCAB, H, seed);
+  add(w, "model.layers.0.input_layernorm.weight", H, 0, seed);
+  static const char *const proj[] = {"q_proj", "k_proj", "v_proj"};
+  for (int p = 0; p < 3; p++) {
+    snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight", proj[p]);
+    add(w, name, p ? KV : Q, H, seed);
+  }
+  add(w, "model.layers.0.self_attn.o_proj.weight", H, Q, seed);
+  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed);
+  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed);
+  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed);
+  add(w, "model.layers.1.mlp.gate.weight", E, H, seed);
+  for (int e = 0; e < E; e++) {
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
+    add(w, name, MI, H, seed);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
+    add(w, name, MI, H, seed);
+    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
+    add(w, name, H, MI, seed);
+  }
+  char *path = tu_path(dir, file);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  return path;
+}
+
+/* A gpt-oss MXFP4 MoE block (pre-stacked, interleaved gate/up rows): random codes, valid e8m0 scales. */
+static char *write_gptoss(const char *name_dir, uint64_t seed) {
+  char *d = tu_path(dir, name_dir);
+  ck_assert_int_eq(mkdir(d, 0755), 0);
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  static const struct {
+    const char *name;
+    int64_t rows, cols;
+  } mats[2] = {{"gate_up_proj", 2 * MI, H}, {"down_proj", H, MI}};
+  uint64_t s = seed;
+  for (int m = 0; m < 2; m++) {
+    int64_t rows = mats[m].rows, cols = mats[m].cols;
+    size_t nb = (size_t)(E * rows * cols / 2), ns = (size_t)(E * rows * cols / 32),
+           nbias = (size_t)(E * rows);
+    uint8_t *blocks = malloc(nb), *sc = malloc(ns);
+    uint16_t *bias = malloc(nbias * 2);
+    for (size_t i = 0; i < nb; i++)
+      blocks[i] = (uint8_t)tu_rand(&s);
+    for (size_t i = 0; i < ns; i++)
+      sc[i] = (uint8_t)(120 + tu_rand(&s) % 12);
+    for (size_t i = 0; i < nbias; i++)
+      bias[i] = (uint16_t)(0x3c00 + tu_rand(&s) % 256);
+    char name[128];
+    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {E, rows, cols / 32, 16}},
+                      ss = {QKEEP_DTYPE_U8, 3, {E, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {E, rows}};
+    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
+    ck_assert_int_eq(st_writer_add(w, name, &bs, blocks), 0);
+    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
+    ck_assert_int_eq(st_writer_add(w, name, &ss, sc), 0);
+    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
+    ck_assert_int_eq(st_writer_add(w, name, &bb, bias), 0);
+    free(blocks), free(sc), free(bias);
+  }
+  add(w, "model.layers.0.mlp.router.weight", E, H, seed);
+  char *file = tu_path(d, "model.safetensors"), *config = tu_path(d, "config.json");
+  ck_assert_int_eq(st_writer_write(w, file), 0);
+  st_writer_free(w);
+  const char *cfg = "{\"quantization_config\": {\"quant_method\": \"mxfp4\", \"modules_to_not_convert\": "
+                    "[\"model.layers.*.mlp.router\"]}}";
+  ck_assert_int_eq(tu_write_file(config, cfg, strlen(cfg)), 0);
+  free(file), free(config);
+  return d;
+}
+
+/* The schemes: every scheme_*.c, gpt-oss's pre-stacked MXFP4 MoE and plain bf16 (kv scales with each). */
+static const char *const schemes[] = {"unquantized", "modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
+                                      "gptq-int4",   "awq-int4",       "ct-int4",  "gpt-oss"};
+#define N_SCHEMES (sizeof schemes / sizeof schemes[0])
+
+/* W0 (seed 1) or W1 (seed 2) of a scheme, written under the test's directory. */
+static char *checkpoint(const char *scheme, int which) {
+  char name[64];
+  snprintf(name, sizeof name, "%s-w%d", scheme, which);
+  if (strcmp(scheme, "gpt-oss") == 0)
+    return write_gptoss(name, (uint64_t)which + 1);
+  snprintf(name, sizeof name, "source-w%d.safetensors", which);
+  char *source = write_source(name, (uint64_t)which + 1);
+  if (strcmp(scheme, "unquantized") == 0)
+    return source;
+  snprintf(name, sizeof name, "%s-w%d", scheme, which);
+  char *path = tu_path(dir, name);
+  struct qkeep_quantize_options o = {.size = sizeof o,
+                                     .scheme = scheme,
+                                     .group_size = 32,
+                                     .kv_cache_scales = true,
+                                     .static_input = true,
+                                     .asym_weights = strcmp(scheme, "ct-int4") == 0,
+                                     .activation_amax = 4};
+  ck_assert_msg(qkeep_quantize(source, path, &o) == 0, "%s: %s", scheme, qkeep_errmsg());
+  free(source);
+  return path;
+}
+
+/* A host-memory model (no backend, no PWAL: params keep the checkpoint layout) of one rank. */
+static qkeep_model *load_rank(const char *path, qkeep_plugin *be, int tp, int ep, int tp_rank, int ep_rank) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(be, &m), 0);
+  struct qkeep_parallel p = {
+      .size = sizeof p, .tp_size = tp, .tp_rank = tp_rank, .ep_size = ep, .ep_rank = ep_rank};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &p), 0);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s (tp %d/%d, ep %d/%d): %s", path, tp_rank, tp, ep_rank, ep,
+                qkeep_errmsg());
+  return m;
+}
+
+/* ---- the oracle: which dimension of each checkpoint layout carries N and K ---- */
+
+struct layout_dims {
+  const char *name; /* a param's local name (after w13_ / w2_) */
+  int n_dim, k_dim; /* in the per-matrix tensor (no expert dim); -1: none */
+};
+static const struct layout_dims layouts[] = {
+    {"weight", 0, 1},
+    {"weight_packed", 0, 1},
+    {"weight_scale", 0, 1},
+    {"bias", 0, -1},
+    {"qweight", 1, 0},
+    {"qzeros", 1, 0},
+    {"scales", 1, 0},
+    {"g_idx", -1, 0},
+    {"weight_zero_point", 0, 1},
+    {"weight_g_idx", -1, 0},
+    {"weight_shape", -1, -1},
+    /* gpt-oss, already stacked [E, ...]: given here without the expert dim */
+    {"gate_up_proj_blocks", 0, 1},
+    {"gate_up_proj_scales", 0, 1},
+    {"gate_up_proj_bias", 0, -1},
+    {"down_proj_blocks", 0, 1},
+    {"down_proj_scales", 0, 1},
+    {"down_proj_bias", 0, -1},
+};
+
+static const struct layout_dims *layout_of(const char *local) {
+  for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++)
+    if (strcmp(layouts[i].name, local) == 0)
+      return &layouts[i];
+  return NULL; /* scalars and per-shard scales: repeated */
+}
+
+static bool ends_with(const char *s, const char *suffix) {
+  size_t a = strlen(s), b = strlen(suffix);
+  return a >= b && strcmp(s + a - b, suffix) == 0;
+}
+
+/* Whether a layer is column- or row-parallel, by its Llama name (the test's own list). */
+static int dense_role(const char *layer) {
+  static const char *const column[] = {".qkv_proj", ".gate_up_proj", ".q_proj", ".k_proj", ".v_proj"};
+  static const char *const row[] = {".o_proj", ".down_proj"};
+  for (size_t i = 0; i < 5; i++)
+    if (ends_with(layer, column[i]))
+      return 'c';
+  for (size_t i = 0; i < 2; i++)
+    if (ends_with(layer, row[i]))
+      return 'r';
+  return 0;
+}
+
+/* A range along the cut dimension, in elements of it. */
+struct range {
+  int64_t start, len;
+};
+
+/* The bytes of full (spec f) restricted along dim d to ranges[0..n), in order. */
+static unsigned char *cut_bytes(const unsigned char *full, const struct qkeep_spec *f, int d,
+                                const struct range *ranges, int n, size_t *out_bytes) {
+  size_t inner = qkeep_dtype_size(f->dtype), outer = 1, total = 0;
+  for (int i = d + 1; i < f->ndim; i++)
+    inner *= (size_t)f->shape[i];
+  for (int i = 0; i < d; i++)
+    outer *= (size_t)f->shape[i];
+  for (int r = 0; r < n; r++)
+    total += (size_t)ranges[r].len;
+  unsigned char *out = malloc(outer * total * inner + 1), *at = out;
+  for (size_t o = 0; o < outer; o++)
+    for (int r = 0; r < n; r++) {
+      size_t row = (size_t)f->shape[d] * inner;
+      memcpy(at, full + o * row + (size_t)ranges[r].start * inner, (size_t)ranges[r].len * inner);
+      at += (size_t)ranges[r].len * inner;
+    }
+  *out_bytes = outer * total * inner;
+  return out;
+}
+
+/*
+ * Checks one param of a rank against the one-rank param: cut `role` ('c' by N per fused
+ * member, 'r' by K, 'e' by experts, 0 none) over `ranks`.
+ */
+static void check_param(const qkeep_layer *full_layer, const qkeep_param *fp, const qkeep_param *rp, int role,
+                        int ranks, int rank) {
+  const char *local = fp->checkpoint_name;
+  bool moe = full_layer->kind == QKEEP_LAYER_MOE, gptoss = strstr(local, "_proj_") != NULL;
+  if (strncmp(local, "w13_", 4) == 0 || strncmp(local, "w2_", 3) == 0)
+    local = strchr(local, '_') + 1;
+  const struct layout_dims *ld = layout_of(local);
+  const struct qkeep_spec *f = &fp->view.spec, *r = &rp->view.spec;
+  int lead = moe ? 1 : 0, d = -1;
+  struct range ranges[8];
+  int n_ranges = 1;
+  if (role == 'e') {
+    d = 0;
+    ranges[0] = (struct range){f->shape[0] / ranks * rank, f->shape[0] / ranks};
+  } else if (role == 'c' && ld && ld->n_dim >= 0) {
+    d = ld->n_dim + lead;
+    /* Members of a fused param: its N rows split as the layer's shard_n (in units of this dim). */
+    int shards =
+        full_layer->dims.shards > 1 && !(moe && strncmp(fp->checkpoint_name, "w2_", 3) == 0) && !gptoss
+            ? full_layer->dims.shards
+            : 1;
+    int64_t before = 0, n_total = full_layer->dims.n;
+    n_ranges = shards;
+    for (int s = 0; s < shards; s++) {
+      int64_t member = shards > 1 ? f->shape[d] * full_layer->dims.shard_n[s] / n_total : f->shape[d];
+      ranges[s] = (struct range){before + member / ranks * rank, member / ranks};
+      before += member;
+    }
+  } else if (role == 'r' && ld && ld->k_dim >= 0 && f->shape[ld->k_dim + lead] > 1) {
+    d = ld->k_dim + lead; /* a K/G of 1 (channelwise scales) is repeated */
+    ranges[0] = (struct range){f->shape[d] / ranks * rank, f->shape[d] / ranks};
+  }
+  size_t fbytes = qkeep_spec_bytes(f), rbytes = qkeep_spec_bytes(r);
+  const unsigned char *fb = tensor_ptr(&fp->view), *rb = tensor_ptr(&rp->view);
+  if (d < 0) { /* repeated: the whole param */
+    ck_assert_msg(spec_equal(f, r), "%s.%s: repeated, but shaped differently", full_layer->name,
+                  fp->checkpoint_name);
+    ck_assert_msg(memcmp(fb, rb, fbytes) == 0, "%s.%s (rank %d of %d): repeated bytes differ",
+                  full_layer->name, fp->checkpoint_name, rank, ranks);
+    return;
+  }
+  size_t want_bytes;
+  unsigned char *want = cut_bytes(fb, f, d, ranges, n_ranges, &want_bytes);
+  struct qkeep_spec ws = *f;
+  ws.shape[d] = 0;
+  for (int i = 0; i < n_ranges; i++)
+    ws.shape[d] += ranges[i].len;
+  char a[96], b[96];
+  ck_assert_msg(spec_equal(&ws, r), "%s.%s (rank %d of %d): shape %s, expected %s", full_layer->name,
+                fp->checkpoint_name, rank, ranks, spec_shape_str(r, a, sizeof a),
+                spec_shape_str(&ws, b, sizeof b));
+  ck_assert_uint_eq(want_bytes, rbytes);
+  ck_assert_msg(memcmp(want, rb, rbytes) == 0,
+                "%s.%s (rank %d of %d): bytes are not the cut of the one-rank "
+                "param",
+                full_layer->name, fp->checkpoint_name, rank, ranks);
+  free(want);
+}
+
+/* Every param of every layer of a rank against the one-rank model. Returns how many were cut. */
+static int check_rank(qkeep_model *full, qkeep_model *m, int tp, int ep, int tp_rank, int ep_rank) {
+  int cut = 0;
+  ck_assert_uint_eq(qkeep_model_layer_count(full), qkeep_model_layer_count(m));
+  for (size_t l = 0; l < qkeep_model_layer_count(full); l++) {
+    qkeep_layer *fl = qkeep_model_layer(full, l), *rl = qkeep_model_layer(m, l);
+    ck_assert_str_eq(fl->name, rl->name);
+    int role = 0, ranks = 1, rank = 0;
+    if (fl->kind == QKEEP_LAYER_MOE && ep > 1)
+      role = 'e', ranks = ep, rank = ep_rank;
+    else if (tp > 1 && (fl->kind == QKEEP_LAYER_LINEAR || fl->kind == QKEEP_LAYER_MOE))
+      role = fl->kind == QKEEP_LAYER_MOE ? 'm' : dense_role(fl->name), ranks = tp, rank = tp_rank;
+    struct qkeep_layer_shard sh = {.size = sizeof sh};
+    ck_assert_int_eq(qkeep_layer_get_shard(rl, &sh), 0);
+    ck_assert_int_eq(sh.ranks, role ? ranks : 1);
+    ck_assert_int_eq(sh.n, fl->dims.n);
+    ck_assert_int_eq(sh.k, fl->dims.k);
+    ck_assert_uint_eq(fl->n_params, rl->n_params);
+    for (size_t i = 0; i < fl->n_params; i++) {
+      const qkeep_param *fp = fl->params[i], *rp = rl->params[i];
+      ck_assert_str_eq(fp->checkpoint_name, rp->checkpoint_name);
+      int prole = role;
+      if (role == 'm') /* MoE under TP: w13 (gpt-oss gate_up) by column, w2 (down) by row */
+        prole = strncmp(fp->checkpoint_name, "w2_", 3) == 0 || strncmp(fp->checkpoint_name, "down_", 5) == 0
+                    ? 'r'
+                    : 'c';
+      check_param(fl, fp, rp, prole, ranks, rank);
+      cut += !spec_equal(&fp->view.spec, &rp->view.spec);
+    }
+    if (role == 'c' || (role == 'm' && !(fl->dims.flags & QKEEP_LAYER_F_INTERLEAVED_W13)))
+      ck_assert_int_eq(rl->dims.n * ranks, fl->dims.n);
+    if (role == 'r')
+      ck_assert_int_eq(rl->dims.k * ranks, fl->dims.k);
+    if (role == 'e')
+      ck_assert_int_eq(rl->dims.experts * ranks, fl->dims.experts);
+  }
+  return cut;
+}
+
+START_TEST(every_rank_holds_its_rows_and_columns_of_a_one_rank_load) {
+  const char *scheme = schemes[_i];
+  char *w0 = checkpoint(scheme, 0);
+  qkeep_model *full = load_rank(w0, NULL, 1, 1, 0, 0);
+  static const int sizes[] = {2, 4, 8};
+  for (int si = 0; si < 3; si++)
+    for (int ep_mode = 0; ep_mode < 2; ep_mode++) { /* MoE cut by TP, then by EP */
+      int t = sizes[si], ep = ep_mode ? t : 1;
+      for (int r = 0; r < t; r++) {
+        qkeep_model *m = load_rank(w0, NULL, t, ep, r, ep_mode ? r : 0);
+        ck_assert_msg(check_rank(full, m, t, ep, r, ep_mode ? r : 0) > 0, "%s: nothing was cut", scheme);
+        qkeep_model_free(m);
+      }
+    }
+  qkeep_model_free(full);
+  free(w0);
+}
+END_TEST
+
+/* The load fails with the numbers, and nothing was ever allocated (the peak stays 0). */
+static void refused(const char *path, int tp, int ep, int rank, const char *const *words) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(NULL, &m), 0);
+  struct qkeep_parallel p = {.size = sizeof p,
+                             .tp_size = tp,
+                             .tp_rank = tp > 1 ? rank : 0,
+                             .ep_size = ep,
+                             .ep_rank = ep > 1 ? rank : 0};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &p), 0);
+  ck_assert_int_eq(qkeep_model_load(m, path), QKEEP_E_UNSUPPORTED);
+  for (; *words; words++)
+    ck_assert_msg(strstr(qkeep_errmsg(), *words), "'%s' not in: %s", *words, qkeep_errmsg());
+  struct qkeep_memory_stats ms = {.size = sizeof ms};
+  ck_assert_int_eq(qkeep_model_memory(m, &ms, false), 0);
+  ck_assert_int_eq(ms.storage_peak, 0);
+  ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
+  qkeep_model_free(m);
+}
+
+START_TEST(indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_allocation) {
+  char *gptq = checkpoint("gptq-int4", 0), *nvfp4 = checkpoint("modelopt-nvfp4", 0);
+  /* down_proj K = 256 over 16 ranks is 16 per rank: not whole groups of 32 (layers plan in name order) */
+  refused(
+      gptq, 16, 1, 3,
+      (const char *const[]){"mlp.down_proj", "row-parallel over 16 ranks", "K is 256", "scales 32", NULL});
+  /* a lone k_proj, N = 64 over 16 ranks, is 4 per rank: not whole qzeros words of 8 */
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.layers.0.self_attn.k_proj.weight", KV, H, 1);
+  char *lone = tu_path(dir, "lone.safetensors"), *lone_gptq = tu_path(dir, "lone-gptq");
+  ck_assert_int_eq(st_writer_write(w, lone), 0);
+  st_writer_free(w);
+  struct qkeep_quantize_options o = {.size = sizeof o, .scheme = "gptq-int4", .group_size = 32};
+  ck_assert_msg(qkeep_quantize(lone, lone_gptq, &o) == 0, "%s", qkeep_errmsg());
+  refused(lone_gptq, 16, 1, 0,
+          (const char *const[]){"k_proj", "column-parallel over 16 ranks", "N is 64", "qzeros 8", NULL});
+  free(lone), free(lone_gptq);
+  /* 8 experts over 3 ranks */
+  refused(nvfp4, 1, 3, 1,
+          (const char *const[]){"model.layers.1.mlp.experts", "8 experts do not divide", NULL});
+  /* NVFP4 blocks of 16: down_proj K = 256 over 32 ranks is 8 */
+  refused(nvfp4, 32, 1, 5, (const char *const[]){"down_proj", "K is 256", "weight_scale 16", NULL});
+  /* ranks outside the group, and a model already loaded */
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(NULL, &m), 0);
+  struct qkeep_parallel bad = {.size = sizeof bad, .tp_size = 2, .tp_rank = 2};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &bad), QKEEP_E_INVAL);
+  bad = (struct qkeep_parallel){.size = sizeof bad, .ep_size = 4, .ep_rank = -1};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &bad), QKEEP_E_INVAL);
+  ck_assert_int_eq(qkeep_model_load(m, nvfp4), 0);
+  struct qkeep_parallel ok = {.size = sizeof ok, .tp_size = 2};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &ok), QKEEP_E_STATE);
+  qkeep_model_free(m);
+  free(gptq), free(nvfp4);
+}
+END_TEST
+
+static struct qkeep_digest digest_of(qkeep_model *m) {
+  struct qkeep_digest d;
+  ck_assert_int_eq(qkeep_digest(m, &d), 0);
+  return d;
+}
+
+START_TEST(each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1) {
+  const char *scheme = schemes[_i];
+  char *w0 = checkpoint(scheme, 0), *w1 = checkpoint(scheme, 1);
+  static const int sizes[] = {2, 8};
+  for (int si = 0; si < 2; si++)
+    for (int r = 0; r < sizes[si]; r++) {
+      int t = sizes[si], ep = si ? t : 1; /* T = 8 with the MoE expert-parallel */
+      qkeep_model *m = load_rank(w0, plugin, t, ep, r, ep > 1 ? r : 0);
+      qkeep_model *cold = load_rank(w1, plugin, t, ep, r, ep > 1 ? r : 0);
+      tu_assert_census_clean(m);
+      tu_assert_census_clean(cold);
+      struct tu_storages before = {0}, after = {0}, cold_bytes = {0};
+      tu_snapshot(m, &before);
+      tu_snapshot(cold, &cold_bytes);
+      struct qkeep_digest d1 = digest_of(cold);
+      ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s rank %d of %d: %s", scheme, r, t, qkeep_errmsg());
+      struct qkeep_digest d = digest_of(m);
+      ck_assert(d.hi == d1.hi && d.lo == d1.lo);
+      tu_snapshot(m, &after);
+      tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
+      tu_assert_census_clean(m);
+      tu_release_snapshot(&before), tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
+      qkeep_model_free(m);
+      qkeep_model_free(cold);
+    }
+  free(w0), free(w1);
+}
+END_TEST
+
+static Suite *suite(void) {
+  Suite *s = suite_create("shard");
+  TCase *tc = tcase_create("shard");
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_set_timeout(tc, 600);
+  tcase_add_loop_test(tc, every_rank_holds_its_rows_and_columns_of_a_one_rank_load, 0, N_SCHEMES);
+  tcase_add_test(tc, indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_allocation);
+  tcase_add_loop_test(tc, each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1, 0, N_SCHEMES);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) {
+  fixture_name = "shard";
+  return tu_run_suite(suite(), CK_NORMAL);
+}
