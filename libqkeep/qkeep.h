@@ -455,16 +455,18 @@ typedef struct qkeep_sync qkeep_sync;
 QKEEP_API int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out);
 /*
  * Takes one bucket. First it validates all of it, changing nothing on failure: names unique
- * and checkpoint names of the model, not sent before in this sync, dtypes and shapes the
- * model's (full, unsharded), extents inside the buffer, not overlapping. Then every layer
- * whose tensors have all arrived is reloaded in place from them (each rank takes its
- * slice), as qkeep_model_reload_tensors does: scales checked first, normalisation and
- * PWAL again, no data pointer moved. Tensors of layers still waiting for later buckets are
- * copied (this rank's bytes of them) until their layer completes, so the extra memory is
- * one bucket plus the tensors of the layers a bucket boundary splits. The bucket is
- * borrowed for the call. If applying fails, the sync fails: every layer it touched is put
- * back from the checkpoint the model held before the sync (W0) when there is one, else the
- * model refuses to run until a reload succeeds; later calls return QKEEP_E_STATE.
+ * and checkpoint names of the model (or of another expert-parallel rank's experts, which
+ * this rank skips), not sent before in this sync, dtypes and shapes the model's (full,
+ * unsharded), extents inside the buffer and not overlapping. Then every layer whose
+ * tensors have all arrived is reloaded in place from them (each rank takes its slice), as
+ * qkeep_model_reload_tensors does: scales checked first, normalisation and PWAL again, no
+ * data pointer moved. Tensors of layers still waiting for later buckets are copied (host
+ * memory, or the bucket's device) until their layer completes, so the extra memory is one
+ * bucket plus the tensors of the layers a bucket boundary splits. The bucket is borrowed for
+ * the call. Any failure fails the sync: the layers it touched are put back from the
+ * checkpoint the model held before the sync (W0) when there is one, else the model refuses
+ * to run until a reload succeeds; later calls return QKEEP_E_STATE. Between begin and end
+ * the layers synced so far hold W1.
  */
 QKEEP_API int qkeep_sync_bucket(qkeep_sync *sync, const struct qkeep_bucket *bucket);
 /*

@@ -13,6 +13,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <dlfcn.h>
+
+#include "checkpoint.h"
 #include "fixture.h"
 #include "internal.h"
 #include "testutil.h"
@@ -449,6 +452,263 @@ START_TEST(each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1) {
 }
 END_TEST
 
+/* ---- weight sync: W1 as packed buckets, per rank ---- */
+
+/* The sender: W1's tensors packed into its plan's buckets (read from the checkpoint by name). */
+struct sender {
+  struct qkeep_sync_entry *plan;
+  size_t n, n_buckets;
+  unsigned char **buf;
+  size_t *bytes;
+  struct qkeep_bucket_tensor **tensors;
+  size_t *count;
+};
+
+static void sender_open(struct sender *sd, const char *w1, size_t bucket_bytes) {
+  qkeep_model *full = load_rank(w1, NULL, 1, 1, 0, 0);
+  ck_assert_int_eq(qkeep_sync_plan(full, bucket_bytes, &sd->plan, &sd->n, &sd->n_buckets), 0);
+  ck_assert_uint_gt(sd->n_buckets, 2); /* small buckets: layers straddle bucket boundaries */
+  /* Every checkpoint name the model loads, each once (an alias, a tensor feeding two params, once). */
+  ck_assert_uint_eq(sd->n, full->source_index.count);
+  struct name_index seen = {0};
+  for (size_t i = 0; i < sd->n; i++) {
+    ck_assert_ptr_nonnull(qkeep_model_lookup(full, sd->plan[i].tensor.name, NULL));
+    ck_assert_int_eq(name_index_put(&seen, sd->plan[i].tensor.name, i, NULL), 0);
+  }
+  name_index_clear(&seen);
+  sd->buf = calloc(sd->n_buckets, sizeof *sd->buf);
+  sd->bytes = calloc(sd->n_buckets, sizeof *sd->bytes);
+  sd->tensors = calloc(sd->n_buckets, sizeof *sd->tensors);
+  sd->count = calloc(sd->n_buckets, sizeof *sd->count);
+  for (size_t i = 0; i < sd->n; i++) {
+    size_t b = sd->plan[i].bucket,
+           end = sd->plan[i].tensor.offset + qkeep_spec_bytes(&sd->plan[i].tensor.spec);
+    if (end > sd->bytes[b])
+      sd->bytes[b] = end;
+    sd->count[b]++;
+  }
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  size_t *filled = calloc(sd->n_buckets, sizeof *filled);
+  for (size_t b = 0; b < sd->n_buckets; b++) {
+    sd->buf[b] = calloc(1, sd->bytes[b] + 1);
+    sd->tensors[b] = calloc(sd->count[b], sizeof **sd->tensors);
+  }
+  for (size_t i = 0; i < sd->n; i++) {
+    size_t b = sd->plan[i].bucket;
+    const struct ckpt_tensor *t = ckpt_find(ck, sd->plan[i].tensor.name);
+    ck_assert_ptr_nonnull(t);
+    ck_assert_int_eq(ckpt_read(ck, t, sd->buf[b] + sd->plan[i].tensor.offset), 0);
+    sd->tensors[b][filled[b]] = sd->plan[i].tensor;
+    sd->tensors[b][filled[b]].name = t->t->name; /* the plan's names are the one-rank model's */
+    filled[b]++;
+  }
+  free(filled);
+  /* keep the checkpoint's names alive: copy them */
+  for (size_t b = 0; b < sd->n_buckets; b++)
+    for (size_t i = 0; i < sd->count[b]; i++)
+      sd->tensors[b][i].name = strdup(sd->tensors[b][i].name);
+  ckpt_close(ck);
+  qkeep_model_free(full);
+}
+
+static void sender_close(struct sender *sd) {
+  for (size_t b = 0; b < sd->n_buckets; b++) {
+    for (size_t i = 0; i < sd->count[b]; i++)
+      free((char *)sd->tensors[b][i].name);
+    free(sd->buf[b]), free(sd->tensors[b]);
+  }
+  free(sd->buf), free(sd->bytes), free(sd->tensors), free(sd->count);
+  qkeep_sync_plan_free(sd->plan);
+}
+
+static struct qkeep_bucket bucket_of(const struct sender *sd, size_t b, void *data) {
+  return (struct qkeep_bucket){
+      sizeof(struct qkeep_bucket), sd->tensors[b], sd->count[b], data, sd->bytes[b], false};
+}
+
+/* T ranks synced from the trainer (endpoint 0) through `tr` (T + 1 endpoints); each rank then equals a
+ * cold sharded load of W1, in place. */
+static void sync_ranks(const char *w0, const char *w1, int t, struct qkeep_transport **tr,
+                       size_t bucket_bytes) {
+  struct sender sd = {0};
+  sender_open(&sd, w1, bucket_bytes);
+  qkeep_model *m[8], *cold[8];
+  qkeep_sync *sy[8];
+  struct tu_storages before[8] = {{0}}, after = {0}, cold_bytes = {0};
+  for (int r = 0; r < t; r++) {
+    m[r] = load_rank(w0, plugin, t, t, r, r);
+    cold[r] = load_rank(w1, plugin, t, t, r, r);
+    tu_snapshot(m[r], &before[r]);
+    ck_assert_int_eq(qkeep_sync_begin(m[r], &sy[r]), 0);
+  }
+  for (size_t b = 0; b < sd.n_buckets; b++) {
+    ck_assert_int_eq(tr[0]->broadcast(tr[0]->ctx, sd.buf[b], sd.bytes[b], 0), 0); /* the trainer sends */
+    for (int r = 0; r < t; r++) {
+      unsigned char *rx = malloc(sd.bytes[b] + 1);
+      struct qkeep_bucket bk = bucket_of(&sd, b, rx);
+      ck_assert_msg(qkeep_sync_receive(sy[r], tr[r + 1], 0, &bk) == 0, "rank %d, bucket %zu: %s", r, b,
+                    qkeep_errmsg());
+      memset(rx, 0xa5, sd.bytes[b]); /* the bucket is the caller's again: nothing may read it later */
+      free(rx);
+    }
+  }
+  for (int r = 0; r < t; r++) {
+    ck_assert_msg(qkeep_sync_end(sy[r]) == 0, "rank %d: %s", r, qkeep_errmsg());
+    struct qkeep_digest a, c;
+    ck_assert_int_eq(qkeep_digest(m[r], &a), 0);
+    ck_assert_int_eq(qkeep_digest(cold[r], &c), 0);
+    ck_assert_msg(a.hi == c.hi && a.lo == c.lo, "rank %d: the synced model differs from a cold load of W1",
+                  r);
+    tu_snapshot(m[r], &after);
+    tu_snapshot(cold[r], &cold_bytes);
+    tu_assert_in_place_and_equal(&before[r], &after, &cold_bytes);
+    tu_assert_census_clean(m[r]);
+    tu_release_snapshot(&before[r]);
+    qkeep_model_free(m[r]);
+    qkeep_model_free(cold[r]);
+  }
+  tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
+  sender_close(&sd);
+}
+
+START_TEST(a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank) {
+  const char *scheme = schemes[_i];
+  char *w0 = checkpoint(scheme, 0), *w1 = checkpoint(scheme, 1);
+  struct qkeep_transport *tr[3];
+  ck_assert_int_eq(qkeep_transport_inprocess(3, tr), 0);
+  sync_ranks(w0, w1, 2, tr, 48 << 10);
+  for (int i = 0; i < 3; i++)
+    tr[i]->close(tr[i]->ctx);
+  free(w0), free(w1);
+}
+END_TEST
+
+static struct qkeep_digest digest_now(qkeep_model *m) {
+  struct qkeep_digest d;
+  ck_assert_int_eq(qkeep_digest(m, &d), 0);
+  return d;
+}
+static bool same_digest(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
+
+START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  sender_open(&sd, w1, 48 << 10);
+  qkeep_model *m = load_rank(w0, plugin, 2, 2, 1, 1);
+  struct qkeep_digest d0 = digest_now(m);
+  qkeep_sync *sy;
+  /* 1. a wrong shape in the second bucket: the first bucket's layers are put back */
+  for (int fault = 0; fault < 5; fault++) {
+    ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+    struct qkeep_bucket b0 = bucket_of(&sd, 0, sd.buf[0]);
+    ck_assert_msg(qkeep_sync_bucket(sy, &b0) == 0, "%s", qkeep_errmsg());
+    struct qkeep_bucket_tensor *t = &sd.tensors[1][0], saved = *t;
+    struct qkeep_bucket b1 = bucket_of(&sd, 1, sd.buf[1]);
+    int want = QKEEP_E_FORMAT;
+    const char *words = "the model expects";
+    unsigned char *scale = NULL, scale_saved = 0;
+    if (fault == 0)
+      t->spec.shape[0]++;
+    else if (fault == 1)
+      t->name = "model.layers.0.no_such.weight", want = QKEEP_E_NOTFOUND, words = "not part of this model";
+    else if (fault == 2)
+      t->offset = sd.tensors[1][1].offset, want = QKEEP_E_INVAL, words = "overlap";
+    else if (fault == 3)
+      b1.nbytes = t->offset, want = QKEEP_E_INVAL, words = "pass the bucket's end";
+    else { /* a NaN block scale (e4m3 0x7f) in the first scale tensor of the bucket */
+      for (size_t i = 0; i < sd.count[1] && !scale; i++)
+        if (ends_with(sd.tensors[1][i].name, ".weight_scale"))
+          scale = sd.buf[1] + sd.tensors[1][i].offset;
+      ck_assert_ptr_nonnull(scale);
+      scale_saved = *scale, *scale = 0x7f, words = "NaN";
+    }
+    ck_assert_int_eq(qkeep_sync_bucket(sy, &b1), want);
+    ck_assert_msg(strstr(qkeep_errmsg(), words) && strstr(qkeep_errmsg(), "rolled back"), "%s",
+                  qkeep_errmsg());
+    ck_assert(same_digest(digest_now(m), d0));
+    ck_assert_int_eq(qkeep_sync_bucket(sy, &b1), QKEEP_E_STATE); /* a failed sync takes nothing more */
+    ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_STATE);
+    *t = saved;
+    if (scale)
+      *scale = scale_saved;
+  }
+  /* 2. ending early: the missing tensor is named, W0 put back */
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  struct qkeep_bucket b0 = bucket_of(&sd, 0, sd.buf[0]);
+  ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
+  ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_NOTFOUND);
+  ck_assert_msg(strstr(qkeep_errmsg(), sd.tensors[1][0].name), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  /* 3. a tensor sent twice */
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
+  ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), QKEEP_E_INVAL);
+  ck_assert(same_digest(digest_now(m), d0));
+  qkeep_sync_abort(sy);
+  /* 4. after a good sync no file holds the weights: a failed one then leaves the model refusing to run,
+   * until a reload from a checkpoint */
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  for (size_t b = 0; b < sd.n_buckets; b++) {
+    struct qkeep_bucket bk = bucket_of(&sd, b, sd.buf[b]);
+    ck_assert_int_eq(qkeep_sync_bucket(sy, &bk), 0);
+  }
+  ck_assert_int_eq(qkeep_sync_end(sy), 0);
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
+  qkeep_sync_abort(sy);
+  float x[H] = {0}, y[4 * Q];
+  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), QKEEP_E_STATE);
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), QKEEP_E_STATE);
+  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
+  ck_assert(same_digest(digest_now(m), d0));
+  qkeep_model_free(m);
+  sender_close(&sd);
+  free(w0), free(w1);
+}
+END_TEST
+
+START_TEST(the_nccl_transport_dlopens_libnccl_and_says_why_not) {
+  unsetenv("NCCL_NVLS_ENABLE");
+  unsigned char id[128];
+  ck_assert_int_eq(qkeep_nccl_unique_id("/nonexistent/libnccl.so.2", id), QKEEP_E_NOTFOUND);
+  ck_assert_msg(strstr(qkeep_errmsg(), "cannot load /nonexistent/libnccl.so.2"), "%s", qkeep_errmsg());
+  ck_assert_str_eq(getenv("NCCL_NVLS_ENABLE"), "0"); /* set before NCCL could read it */
+  ck_assert_int_eq(qkeep_nccl_unique_id("libm.so.6", id), QKEEP_E_PLUGIN);
+  ck_assert_msg(strstr(qkeep_errmsg(), "has no ncclGetUniqueId"), "%s", qkeep_errmsg());
+  struct qkeep_transport *t;
+  ck_assert_int_eq(qkeep_transport_nccl("/nonexistent/libnccl.so.2", 2, 0, id, &t), QKEEP_E_NOTFOUND);
+  ck_assert_int_eq(qkeep_transport_nccl(NULL, 2, 2, id, &t), QKEEP_E_INVAL);
+}
+END_TEST
+
+/* The NCCL transport's own code (dlopen, entry points, unique id, communicators, broadcast) over a
+ * stand-in libnccl that copies host memory: a sync through it equals a cold sharded load. */
+START_TEST(a_sync_through_the_nccl_transport_over_a_stand_in_libnccl) {
+  char *lib = tu_path(tu_builddir(), "tests/plugins/.libs/libnccl-fake.so");
+  char *w0 = checkpoint("gptq-int4", 0), *w1 = checkpoint("gptq-int4", 1);
+  unsigned char id[128];
+  ck_assert_msg(qkeep_nccl_unique_id(lib, id) == 0, "%s", qkeep_errmsg());
+  struct qkeep_transport *tr[3];
+  for (int r = 0; r < 3; r++)
+    ck_assert_msg(qkeep_transport_nccl(lib, 3, r, id, &tr[r]) == 0, "%s", qkeep_errmsg());
+  ck_assert_str_eq(tr[0]->name, "nccl");
+  void *h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
+  ck_assert_ptr_nonnull(h);
+  const char *(*nvls)(void);
+  void *sym = dlsym(h, "fake_nccl_nvls");
+  memcpy(&nvls, &sym, sizeof sym);
+  ck_assert_str_eq(nvls(), "0"); /* NVLink multicast off when the communicators started */
+  dlclose(h);
+  ck_assert_int_eq(tr[1]->broadcast(tr[1]->ctx, id, 8, 5), QKEEP_E_INVAL);
+  sync_ranks(w0, w1, 2, tr, 64 << 10);
+  for (int r = 0; r < 3; r++)
+    tr[r]->close(tr[r]->ctx);
+  free(lib), free(w0), free(w1);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("shard");
   TCase *tc = tcase_create("shard");
@@ -457,6 +717,10 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, every_rank_holds_its_rows_and_columns_of_a_one_rank_load, 0, N_SCHEMES);
   tcase_add_test(tc, indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_allocation);
   tcase_add_loop_test(tc, each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1, 0, N_SCHEMES);
+  tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
+  tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
+  tcase_add_test(tc, the_nccl_transport_dlopens_libnccl_and_says_why_not);
+  tcase_add_test(tc, a_sync_through_the_nccl_transport_over_a_stand_in_libnccl);
   suite_add_tcase(s, tc);
   return s;
 }

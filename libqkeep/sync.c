@@ -1,0 +1,507 @@
+/*
+ * sync.c: weight sync from a trainer. W1 arrives as a stream of packed buckets (names,
+ * dtypes, shapes and offsets into one contiguous buffer, the form RL frameworks send);
+ * each bucket is validated whole, then every layer whose tensors have all arrived is
+ * reloaded in place through the in-memory reload (reload.c), each rank taking its slice
+ * (shard.c). Tensors of a layer that a bucket boundary splits wait, copied, for the rest.
+ * A failure puts the touched layers back from W0's checkpoint, or leaves the model
+ * refusing to run: it never serves a silent mix after a failed sync.
+ *
+ * Also the sender's plan (every checkpoint tensor once, packed into buckets) and the
+ * in-process transport; the NCCL transport is in nccl.c.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* One distinct checkpoint name the model loads, and the layers it feeds (a chain of links). */
+struct sync_name {
+  const char *name; /* the first source's checkpoint_name (the model's) */
+  const struct qkeep_spec *spec;
+  size_t first_link;
+  size_t last_layer; /* while building: the last layer linked (+1), to link each layer once */
+  bool received;
+  bool scale; /* it loads into a scale param: its values are checked with the bucket */
+};
+struct sync_link {
+  size_t layer, next; /* next: SIZE_MAX ends the chain */
+};
+/* A tensor kept until its layer completes. */
+struct pending {
+  size_t name; /* into names */
+  struct qkeep_named_tensor t;
+  const struct device *dev; /* where the copy lives: NULL for host memory */
+};
+
+struct qkeep_sync {
+  qkeep_model *model;
+  char *w0; /* the checkpoint the model held at begin (rollback), or NULL */
+  bool failed;
+  struct sync_name *names;
+  size_t n_names;
+  struct name_index name_index; /* names[i].name -> i */
+  struct sync_link *links;
+  size_t n_links, cap_links;
+  size_t *missing;     /* per layer: names still to arrive */
+  bool *done;          /* per layer: reloaded from W1 in this sync */
+  size_t *layer_names; /* per layer, the names it needs: [layer_first[l], layer_first[l + 1]) */
+  size_t *layer_first;
+  struct pending *pending;
+  size_t n_pending, cap_pending;
+  struct name_index pending_index; /* names[pending[i].name].name -> i */
+};
+
+static void pending_free(struct pending *p) {
+  if (p->dev)
+    dev_free(p->dev, (void *)p->t.data);
+  else
+    free((void *)p->t.data);
+  p->t.data = NULL;
+}
+
+static void sync_free(qkeep_sync *s) {
+  for (size_t i = 0; i < s->n_pending; i++)
+    pending_free(&s->pending[i]);
+  free(s->pending);
+  name_index_clear(&s->pending_index);
+  name_index_clear(&s->name_index);
+  free(s->names), free(s->links), free(s->missing), free(s->done), free(s->layer_names), free(s->layer_first);
+  free(s->w0);
+  free(s);
+}
+
+/* Indexes every distinct checkpoint name and, per layer, the names it needs. Linear in sources. */
+static int index_names(qkeep_sync *s) {
+  qkeep_model *m = s->model;
+  size_t total = 0;
+  for (size_t l = 0; l < m->n_layers; l++)
+    total += m->layers[l]->n_sources;
+  s->names = calloc(total ? total : 1, sizeof *s->names);
+  s->layer_names = malloc((total ? total : 1) * sizeof *s->layer_names);
+  s->layer_first = calloc(m->n_layers + 1, sizeof *s->layer_first);
+  s->missing = calloc(m->n_layers ? m->n_layers : 1, sizeof *s->missing);
+  s->done = calloc(m->n_layers ? m->n_layers : 1, sizeof *s->done);
+  if (!s->names || !s->layer_names || !s->layer_first || !s->missing || !s->done)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = name_index_reserve(&s->name_index, total);
+  size_t n_layer_names = 0;
+  for (size_t l = 0; l < m->n_layers && !rc; l++) {
+    s->layer_first[l] = n_layer_names;
+    for (size_t i = 0; i < m->layers[l]->n_sources && !rc; i++) {
+      const struct source *src = &m->layers[l]->sources[i];
+      size_t at;
+      if (!name_index_get(&s->name_index, src->checkpoint_name, &at)) {
+        at = s->n_names++;
+        s->names[at] =
+            (struct sync_name){src->checkpoint_name, &src->spec, SIZE_MAX, 0, false, src->param->scale};
+        rc = name_index_put(&s->name_index, src->checkpoint_name, at, NULL);
+      }
+      if (rc || s->names[at].last_layer == l + 1)
+        continue; /* this layer needs the name once (a kv_scale feeding k_scale and v_scale) */
+      s->names[at].last_layer = l + 1;
+      if (!(rc = grow_array((void **)&s->links, &s->cap_links, s->n_links + 1, sizeof *s->links))) {
+        s->links[s->n_links] = (struct sync_link){l, s->names[at].first_link};
+        s->names[at].first_link = s->n_links++;
+        s->layer_names[n_layer_names++] = at;
+        s->missing[l]++;
+      }
+    }
+  }
+  s->layer_first[m->n_layers] = n_layer_names;
+  return rc;
+}
+
+int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out) {
+  if (!model || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_sync_begin: NULL argument");
+  if (!model->n_layers)
+    return set_error(QKEEP_E_STATE, "qkeep_sync_begin: the model holds no layers (load a checkpoint first)");
+  if (model->poisoned)
+    return set_error(QKEEP_E_STATE,
+                     "qkeep_sync_begin: a failed reload left a mix of weights; a full reload from "
+                     "a checkpoint is needed first");
+  qkeep_sync *s = calloc(1, sizeof *s);
+  if (!s)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  s->model = model;
+  int rc = model->source_path && !(s->w0 = xstrdup(model->source_path))
+               ? set_error(QKEEP_E_NOMEM, "out of memory")
+               : index_names(s);
+  if (rc) {
+    sync_free(s);
+    return rc;
+  }
+  *out = s;
+  return 0;
+}
+
+/* ---- failure: never a silent mix ---- */
+
+static bool touched_any(const qkeep_sync *s) {
+  for (size_t l = 0; l < s->model->n_layers; l++)
+    if (s->done[l])
+      return true;
+  return false;
+}
+
+/* Marks the sync failed and puts the model back to W0 (or poisons it); returns rc with the reason. */
+static int fail(qkeep_sync *s, int rc) {
+  s->failed = true;
+  if (!touched_any(s) && !s->model->poisoned)
+    return rc; /* nothing of W1 landed: the model is W0 as it was */
+  char *why = xstrdup(qkeep_errmsg());
+  int back = s->w0 ? qkeep_model_reload(s->model, s->w0, 0) : QKEEP_E_STATE;
+  if (back == 0) {
+    set_error(rc, "%s; the sync was rolled back to %s", why ? why : "", s->w0);
+  } else {
+    char *how = s->w0 ? xstrdup(qkeep_errmsg()) : xstrdup("no checkpoint holds the previous weights");
+    s->model->poisoned = true;
+    set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds",
+              why ? why : "", how ? how : "");
+    free(how);
+  }
+  free(why);
+  return rc;
+}
+
+/* ---- one bucket ---- */
+
+struct extent {
+  size_t offset, end, index;
+};
+static int by_offset(const void *a, const void *b) {
+  const struct extent *x = a, *y = b;
+  return x->offset < y->offset ? -1 : x->offset > y->offset;
+}
+
+/* A scale tensor's values must be valid (finite, non-negative; e4m3 and e8m0 not NaN) before anything
+ * changes. */
+static int check_scales(const qkeep_sync *s, const struct qkeep_bucket *b,
+                        const struct qkeep_bucket_tensor *t, size_t at) {
+  size_t bytes = qkeep_spec_bytes(&t->spec), bad;
+  const unsigned char *host = (const unsigned char *)b->data + t->offset;
+  unsigned char *copy = NULL;
+  int rc = 0;
+  if (b->on_device) {
+    const struct device *dev = layer_device(s->model->layers[s->links[s->names[at].first_link].layer]);
+    rc = (copy = malloc(bytes ? bytes : 1)) ? dev_d2h(dev, copy, host, bytes)
+                                            : set_error(QKEEP_E_NOMEM, "out of memory");
+    host = copy;
+  }
+  const char *why =
+      rc ? NULL : bad_scales(t->spec.dtype, host, bytes / qkeep_dtype_size(t->spec.dtype), &bad);
+  if (why)
+    rc = set_error(QKEEP_E_FORMAT,
+                   "bucket tensor '%s': element %zu is %s (scales must be finite and non-negative)", t->name,
+                   bad, why);
+  free(copy);
+  return rc;
+}
+
+/* Everything about the bucket that can be checked without changing the model. *names_of[i]: the
+ * model's name index of tensor i, or SIZE_MAX for another rank's tensor. */
+static int validate_bucket(const qkeep_sync *s, const struct qkeep_bucket *b, size_t *name_of) {
+  struct name_index seen = {0};
+  struct extent *ext = malloc((b->n ? b->n : 1) * sizeof *ext);
+  int rc = ext ? name_index_reserve(&seen, b->n) : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < b->n && !rc; i++) {
+    const struct qkeep_bucket_tensor *t = &b->tensors[i];
+    size_t bytes, at;
+    if (!t->name || (unsigned)t->spec.dtype >= QKEEP_DTYPE_COUNT || !spec_bytes_checked(&t->spec, &bytes))
+      rc = set_error(QKEEP_E_INVAL, "bucket tensor %zu ('%s'): no name or a bad spec", i,
+                     t->name ? t->name : "(null)");
+    else if (t->offset > b->nbytes || bytes > b->nbytes - t->offset)
+      rc = set_error(QKEEP_E_INVAL, "bucket tensor '%s': %zu bytes at %zu pass the bucket's end (%zu bytes)",
+                     t->name, bytes, t->offset, b->nbytes);
+    else if ((rc = name_index_put(&seen, t->name, i, NULL)) == QKEEP_E_EXISTS)
+      rc = set_error(QKEEP_E_INVAL, "bucket: '%s' given twice", t->name);
+    if (rc)
+      break;
+    ext[i] = (struct extent){t->offset, t->offset + bytes, i};
+    name_of[i] = SIZE_MAX;
+    if (!name_index_get(&s->name_index, t->name, &at)) {
+      if (!shard_is_foreign(s->model, t->name))
+        rc = set_error(QKEEP_E_NOTFOUND, "bucket tensor '%s' is not part of this model", t->name);
+      continue;
+    }
+    char a[96], w[96];
+    if (s->names[at].received)
+      rc = set_error(QKEEP_E_INVAL, "bucket tensor '%s' was sent before in this sync", t->name);
+    else if (!spec_equal(&t->spec, s->names[at].spec))
+      rc = set_error(QKEEP_E_FORMAT, "bucket tensor '%s': %s %s, the model expects %s %s", t->name,
+                     qkeep_dtype_name(t->spec.dtype), spec_shape_str(&t->spec, a, sizeof a),
+                     qkeep_dtype_name(s->names[at].spec->dtype),
+                     spec_shape_str(s->names[at].spec, w, sizeof w));
+    name_of[i] = at;
+    if (!rc && s->names[at].scale)
+      rc = check_scales(s, b, t, at);
+  }
+  if (!rc && b->n > 1) {
+    qsort(ext, b->n, sizeof *ext, by_offset);
+    for (size_t i = 1; i < b->n && !rc; i++)
+      if (ext[i].offset < ext[i - 1].end && ext[i].end > ext[i].offset && ext[i - 1].end > ext[i - 1].offset)
+        rc = set_error(QKEEP_E_INVAL, "bucket tensors '%s' and '%s' overlap",
+                       b->tensors[ext[i - 1].index].name, b->tensors[ext[i].index].name);
+  }
+  free(ext);
+  name_index_clear(&seen);
+  return rc;
+}
+
+/* A layer can be reloaded now: all its names arrived, and every other layer they feed is ready too. */
+static bool ready(const qkeep_sync *s, size_t l) {
+  if (s->done[l] || s->missing[l])
+    return false;
+  for (size_t i = s->layer_first[l]; i < s->layer_first[l + 1]; i++)
+    for (size_t k = s->names[s->layer_names[i]].first_link; k != SIZE_MAX; k = s->links[k].next)
+      if (s->missing[s->links[k].layer])
+        return false;
+  return true;
+}
+
+/* Keeps a copy of bucket tensor t (name index at) until its layer completes. */
+static int keep(qkeep_sync *s, size_t at, const struct qkeep_bucket *b, const struct qkeep_bucket_tensor *t) {
+  size_t bytes = qkeep_spec_bytes(&t->spec);
+  const struct device *dev =
+      b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
+  void *copy = NULL;
+  int rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
+  if (!rc)
+    rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &copy)
+             : ((copy = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory"));
+  if (!rc)
+    rc = dev ? dev_d2d(dev, copy, (const char *)b->data + t->offset, bytes)
+             : (memcpy(copy, (const char *)b->data + t->offset, bytes), 0);
+  struct pending p = {at, {s->names[at].name, t->spec, copy, b->on_device}, dev};
+  if (!rc)
+    rc = name_index_put(&s->pending_index, s->names[at].name, s->n_pending, NULL);
+  if (rc) {
+    if (copy)
+      pending_free(&p);
+    return rc;
+  }
+  s->pending[s->n_pending++] = p;
+  return 0;
+}
+
+/* Drops the pending copies whose layers are all done (the index is rebuilt over the rest). */
+static int drop_pending(qkeep_sync *s) {
+  size_t kept = 0;
+  int rc = 0;
+  name_index_clear(&s->pending_index);
+  for (size_t i = 0; i < s->n_pending; i++) {
+    bool needed = false;
+    for (size_t k = s->names[s->pending[i].name].first_link; k != SIZE_MAX && !needed; k = s->links[k].next)
+      needed = !s->done[s->links[k].layer];
+    if (!needed) {
+      pending_free(&s->pending[i]);
+      continue;
+    }
+    s->pending[kept] = s->pending[i];
+    if (!rc)
+      rc = name_index_put(&s->pending_index, s->names[s->pending[kept].name].name, kept, NULL);
+    kept++;
+  }
+  s->n_pending = kept;
+  return rc;
+}
+
+/* Reloads the ready layers from the bucket and the pending copies; keeps what must wait. */
+static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
+  qkeep_model *m = s->model;
+  for (size_t i = 0; i < b->n; i++)
+    if (name_of[i] != SIZE_MAX) {
+      s->names[name_of[i]].received = true;
+      for (size_t k = s->names[name_of[i]].first_link; k != SIZE_MAX; k = s->links[k].next)
+        s->missing[s->links[k].layer]--;
+    }
+  /* Where each received name's bytes are now: the bucket (tensor index + 1) or pending. */
+  size_t *in_bucket = calloc(s->n_names ? s->n_names : 1, sizeof *in_bucket);
+  bool *now = calloc(m->n_layers ? m->n_layers : 1, sizeof *now);
+  struct qkeep_named_tensor *ts = malloc((b->n + s->n_pending + 1) * sizeof *ts);
+  int rc = in_bucket && now && ts ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < b->n && !rc; i++)
+    if (name_of[i] != SIZE_MAX)
+      in_bucket[name_of[i]] = i + 1;
+  size_t n = 0;
+  for (size_t l = 0; l < m->n_layers && !rc; l++) {
+    if (!(now[l] = ready(s, l)))
+      continue;
+    for (size_t j = s->layer_first[l]; j < s->layer_first[l + 1]; j++) {
+      size_t at = s->layer_names[j], p;
+      if (s->names[at].last_layer == SIZE_MAX)
+        continue; /* given already for another layer of this reload */
+      s->names[at].last_layer = SIZE_MAX;
+      if (in_bucket[at]) {
+        const struct qkeep_bucket_tensor *t = &b->tensors[in_bucket[at] - 1];
+        ts[n++] = (struct qkeep_named_tensor){s->names[at].name, t->spec, (const char *)b->data + t->offset,
+                                              b->on_device};
+      } else if (name_index_get(&s->pending_index, s->names[at].name, &p)) {
+        ts[n++] = s->pending[p].t;
+      }
+    }
+  }
+  /* Tensors of layers that must wait are copied: the bucket is the caller's after this call. */
+  for (size_t i = 0; i < b->n && !rc; i++)
+    if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX)
+      rc = keep(s, name_of[i], b, &b->tensors[i]);
+  if (!rc && n)
+    rc = qkeep_model_reload_tensors(m, ts, n, QKEEP_RELOAD_PARTIAL);
+  for (size_t l = 0; l < m->n_layers && !rc; l++)
+    s->done[l] |= now[l];
+  if (!rc)
+    rc = drop_pending(s);
+  free(in_bucket), free(now), free(ts);
+  return rc;
+}
+
+int qkeep_sync_bucket(qkeep_sync *s, const struct qkeep_bucket *bucket) {
+  if (!s || !bucket || (!bucket->tensors && bucket->n) || (!bucket->data && bucket->nbytes))
+    return set_error(QKEEP_E_INVAL, "qkeep_sync_bucket: NULL argument");
+  if (s->failed)
+    return set_error(QKEEP_E_STATE, "qkeep_sync_bucket: the sync failed before; start a new one");
+  struct qkeep_bucket b = {0};
+  copy_sized(&b, bucket, sizeof b);
+  size_t *name_of = malloc((b.n ? b.n : 1) * sizeof *name_of);
+  int rc = name_of ? validate_bucket(s, &b, name_of) : set_error(QKEEP_E_NOMEM, "out of memory");
+  if (!rc)
+    rc = apply_bucket(s, &b, name_of);
+  free(name_of);
+  return rc ? fail(s, rc) : 0;
+}
+
+int qkeep_sync_end(qkeep_sync *s) {
+  if (!s)
+    return 0;
+  int rc = s->failed ? set_error(QKEEP_E_STATE, "qkeep_sync_end: the sync failed") : 0;
+  for (size_t i = 0; i < s->n_names && !rc; i++)
+    if (!s->names[i].received)
+      rc = fail(s, set_error(QKEEP_E_NOTFOUND, "sync ended without tensor '%s'", s->names[i].name));
+  for (size_t l = 0; l < s->model->n_layers && !rc; l++)
+    if (!s->done[l])
+      rc = fail(s,
+                set_error(QKEEP_E_STATE, "sync ended with layer %s not reloaded", s->model->layers[l]->name));
+  sync_free(s);
+  return rc;
+}
+
+void qkeep_sync_abort(qkeep_sync *s) {
+  if (!s)
+    return;
+  if (!s->failed)
+    fail(s, set_error(QKEEP_E_STATE, "sync aborted"));
+  sync_free(s);
+}
+
+int qkeep_sync_receive(qkeep_sync *s, struct qkeep_transport *tr, int root,
+                       const struct qkeep_bucket *bucket) {
+  if (!s || !tr || !tr->broadcast || !bucket)
+    return set_error(QKEEP_E_INVAL, "qkeep_sync_receive: NULL argument");
+  if (s->failed)
+    return set_error(QKEEP_E_STATE, "qkeep_sync_receive: the sync failed before; start a new one");
+  int rc = tr->broadcast(tr->ctx, (void *)bucket->data, bucket->nbytes, root);
+  if (!rc && bucket->on_device)
+    rc = model_sync(s->model); /* a device transport enqueues on the device: wait before reading */
+  if (rc)
+    return fail(s, add_error_context(rc, "%s broadcast of a %zu-byte bucket", tr->name, bucket->nbytes));
+  return qkeep_sync_bucket(s, bucket);
+}
+
+/* ---- the sender's plan ---- */
+
+int qkeep_sync_plan(const qkeep_model *model, size_t bucket_bytes, struct qkeep_sync_entry **out, size_t *n,
+                    size_t *n_buckets) {
+  if (!model || !out || !n || !n_buckets || !bucket_bytes)
+    return set_error(QKEEP_E_INVAL, "qkeep_sync_plan: NULL argument or a bucket of 0 bytes");
+  if (model->n_foreign)
+    return set_error(QKEEP_E_STATE, "qkeep_sync_plan: an expert-parallel rank does not hold the other ranks' "
+                                    "experts; plan from a one-rank (or tensor-parallel) model");
+  size_t cap = 0, count = 0, bucket = 0, used = 0;
+  struct qkeep_sync_entry *e = NULL;
+  int rc = 0;
+  for (size_t l = 0; l < model->n_layers && !rc; l++)
+    for (size_t i = 0; i < model->layers[l]->n_sources && !rc; i++) {
+      const struct source *src = &model->layers[l]->sources[i];
+      const struct source_ref *first = model_find_source(model, src->checkpoint_name);
+      if (!first || first->layer != model->layers[l] || first->source != i)
+        continue; /* sent once, with the first source that loads it */
+      size_t bytes = qkeep_spec_bytes(&src->spec), at = (used + 255) & ~(size_t)255;
+      if (used && at + bytes > bucket_bytes)
+        bucket++, at = 0;
+      if (!(rc = grow_array((void **)&e, &cap, count + 1, sizeof *e))) {
+        e[count++] = (struct qkeep_sync_entry){{src->checkpoint_name, src->spec, at}, bucket};
+        used = at + bytes;
+      }
+    }
+  if (rc) {
+    free(e);
+    return rc;
+  }
+  *out = e;
+  *n = count;
+  *n_buckets = count ? bucket + 1 : 0;
+  return 0;
+}
+
+void qkeep_sync_plan_free(struct qkeep_sync_entry *entries) { free(entries); }
+
+/* ---- the in-process transport ---- */
+
+struct hub {
+  int ranks, open;
+  const void *published;
+  size_t nbytes;
+  bool has;
+};
+struct endpoint {
+  struct hub *hub;
+  int rank;
+  struct qkeep_transport tr;
+};
+
+static int hub_broadcast(void *ctx, void *buf, size_t nbytes, int root) {
+  struct endpoint *ep = ctx;
+  struct hub *h = ep->hub;
+  if (root < 0 || root >= h->ranks)
+    return set_error(QKEEP_E_INVAL, "in-process broadcast: root %d of %d ranks", root, h->ranks);
+  if (ep->rank == root) {
+    h->published = buf, h->nbytes = nbytes, h->has = true;
+    return 0;
+  }
+  if (!h->has || h->nbytes != nbytes)
+    return set_error(QKEEP_E_STATE, "in-process broadcast: rank %d receives %zu bytes, the root published %s",
+                     ep->rank, nbytes, h->has ? "another size" : "nothing");
+  memcpy(buf, h->published, nbytes);
+  return 0;
+}
+
+static void hub_close(void *ctx) {
+  struct endpoint *ep = ctx;
+  if (--ep->hub->open == 0)
+    free(ep->hub);
+  free(ep);
+}
+
+int qkeep_transport_inprocess(int ranks, struct qkeep_transport **out) {
+  if (ranks < 1 || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_transport_inprocess: %d ranks", ranks);
+  struct hub *h = calloc(1, sizeof *h);
+  if (!h)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  h->ranks = ranks;
+  for (int r = 0; r < ranks; r++) {
+    struct endpoint *ep = calloc(1, sizeof *ep);
+    if (!ep) {
+      for (int k = 0; k < r; k++)
+        hub_close(out[k]->ctx);
+      if (r == 0)
+        free(h);
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    }
+    *ep = (struct endpoint){h, r, {sizeof ep->tr, "in-process", ep, hub_broadcast, hub_close}};
+    h->open++;
+    out[r] = &ep->tr;
+  }
+  return 0;
+}
