@@ -234,8 +234,6 @@ static int validate_bucket(const qkeep_sync *s, const struct qkeep_bucket *b, si
                      qkeep_dtype_name(s->names[at].spec->dtype),
                      spec_shape_str(s->names[at].spec, w, sizeof w));
     name_of[i] = at;
-    if (!rc && s->names[at].scale)
-      rc = check_scales(s, b, t, at);
   }
   if (!rc && b->n > 1) {
     qsort(ext, b->n, sizeof *ext, by_offset);
@@ -262,11 +260,16 @@ static bool ready(const qkeep_sync *s, size_t l) {
 
 /* Keeps a copy of bucket tensor t (name index at) until its layer completes. */
 static int keep(qkeep_sync *s, size_t at, const struct qkeep_bucket *b, const struct qkeep_bucket_tensor *t) {
+  /* Checked now, before this bucket changes anything (a layer reloaded now has its scales checked by
+   * the reload's own validation, so none is checked twice). */
+  int rc = s->names[at].scale ? check_scales(s, b, t, at) : 0;
+  if (rc)
+    return rc;
   size_t bytes = qkeep_spec_bytes(&t->spec);
   const struct device *dev =
       b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
   void *copy = NULL;
-  int rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
+  rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
   if (!rc)
     rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &copy)
              : ((copy = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory"));

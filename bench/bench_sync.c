@@ -1,0 +1,410 @@
+/*
+ * bench_sync.c: weight sync over NCCL, trainer rank 0 -> inference rank 1 (two processes,
+ * GPU 0 and GPU 1), against a raw NCCL broadcast of the same buckets in the same run.
+ * Models (synthetic ModelOpt NVFP4, real tensor names and shapes, layers cut down):
+ *   llama3-8b-4l    Llama-3-8B: hidden 4096, 32 x 128 q heads, 8 kv heads, intermediate 14336,
+ *                   vocab 128256, 4 decoder layers;
+ *   qwen3-30b-a3b-4l Qwen3-30B-A3B: hidden 2048, 32 x 128 q heads, 4 kv heads, q/k norms,
+ *                   128 experts of intermediate 768, vocab 151936, 4 decoder layers.
+ * Rank 0 stages W1's buckets (qkeep_sync_plan, 1 GiB each by default) in its device memory;
+ * rank 1 holds W0 on cuda-nvfp4 and receives each bucket into one device buffer, then
+ * qkeep_sync_bucket reloads its layers in place. Per run: the raw broadcast of every bucket
+ * (then a device sync), and the sync (broadcast + in-place reload); medians of RUNS runs,
+ * interleaved. Afterwards rank 1's digest must equal a cold load of W1 and no data pointer
+ * may have moved. Peak extra device memory: the lowest free memory cuMemGetInfo saw after
+ * each bucket, against the free memory before the sync (the receive buffer excluded).
+ *
+ *   bench_sync [MODEL|all] [RUNS] [BUCKET_MB]
+ *
+ * Needs two CUDA devices, the cuda-nvfp4 plugin and libnccl.so.2 (QKEEP_NCCL_LIBRARY or
+ * LD_LIBRARY_PATH, e.g. PyTorch's nvidia/nccl/lib); prints a "skipped" line and exits 0
+ * otherwise. One JSON object per line.
+ */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "internal.h"
+#include "testutil.h"
+
+/* ---- the CUDA driver, dlopened (device count and free memory only) ---- */
+
+static int (*cu_init)(unsigned);
+static int (*cu_device_count)(int *);
+static int (*cu_mem_info)(size_t *, size_t *);
+
+static int cuda_devices(void) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  void *a = h ? dlsym(h, "cuInit") : NULL, *b = h ? dlsym(h, "cuDeviceGetCount") : NULL,
+       *c = h ? dlsym(h, "cuMemGetInfo_v2") : NULL;
+  if (!a || !b)
+    return 0;
+  memcpy(&cu_init, &a, sizeof a);
+  memcpy(&cu_device_count, &b, sizeof b);
+  if (c)
+    memcpy(&cu_mem_info, &c, sizeof c);
+  int n = 0;
+  return cu_init(0) == 0 && cu_device_count(&n) == 0 ? n : 0;
+}
+
+static int64_t free_device_bytes(void) {
+  size_t free_b = 0, total = 0;
+  return cu_mem_info && cu_mem_info(&free_b, &total) == 0 ? (int64_t)free_b : -1;
+}
+
+/* ---- synthetic NVFP4 checkpoints ---- */
+
+struct shape {
+  const char *name;
+  int hidden, q, kv, inter, experts, moe_inter, vocab, layers;
+  bool qk_norm;
+};
+static const struct shape shapes[] = {
+    {"llama3-8b-4l", 4096, 4096, 1024, 14336, 0, 0, 128256, 4, false},
+    {"qwen3-30b-a3b-4l", 2048, 4096, 512, 0, 128, 768, 151936, 4, true},
+};
+
+static unsigned char *scratch;
+
+static int add(struct st_writer *w, const char *name, enum qkeep_dtype dt, int ndim, int64_t d0, int64_t d1) {
+  struct qkeep_spec s = {dt, ndim, {d0, d1}};
+  return st_writer_add(w, name, &s, scratch);
+}
+
+static void fill(size_t n, uint64_t *seed, unsigned char mask) {
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t r = tu_rand(seed);
+    for (size_t j = 0; j < 8 && i + j < n; j++)
+      scratch[i + j] = (unsigned char)(r >> (8 * j)) & mask;
+  }
+}
+
+static int add_nvfp4(struct st_writer *w, const char *module, int64_t n, int64_t k, uint64_t *seed) {
+  char name[256];
+  float scalar = 0.5f + (float)(tu_rand(seed) % 1000) / 1000.0f;
+  snprintf(name, sizeof name, "%s.weight", module);
+  fill((size_t)(n * k / 2), seed, 0xff);
+  int rc = add(w, name, QKEEP_DTYPE_U8, 2, n, k / 2);
+  snprintf(name, sizeof name, "%s.weight_scale", module);
+  fill((size_t)(n * k / 16), seed, 0x3f); /* e4m3, non-negative, not NaN */
+  rc = rc ? rc : add(w, name, QKEEP_DTYPE_F8_E4M3, 2, n, k / 16);
+  static const char *const scalars[] = {"weight_scale_2", "input_scale"};
+  for (int i = 0; i < 2 && !rc; i++) {
+    snprintf(name, sizeof name, "%s.%s", module, scalars[i]);
+    memcpy(scratch, &scalar, sizeof scalar);
+    rc = add(w, name, QKEEP_DTYPE_F32, 0, 0, 0);
+  }
+  return rc;
+}
+
+static int add_bf16(struct st_writer *w, const char *name, int ndim, int64_t d0, int64_t d1, uint64_t *seed) {
+  size_t n = (size_t)d0 * (size_t)(ndim > 1 ? d1 : 1);
+  for (size_t i = 0; i < n; i++) {
+    scratch[2 * i] = (unsigned char)tu_rand(seed);
+    scratch[2 * i + 1] = 0x3c; /* bf16 in [2^-7, 2^-6) */
+  }
+  return add(w, name, QKEEP_DTYPE_BF16, ndim, d0, d1);
+}
+
+static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
+  struct st_writer *w;
+  char name[256];
+  int rc = st_writer_new(&w);
+  size_t biggest = (size_t)s->vocab * (size_t)s->hidden * 2;
+  if (!rc && !(scratch = malloc(biggest)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  rc = rc ? rc : add_bf16(w, "model.embed_tokens.weight", 2, s->vocab, s->hidden, &seed);
+  rc = rc ? rc : add_bf16(w, "lm_head.weight", 2, s->vocab, s->hidden, &seed);
+  rc = rc ? rc : add_bf16(w, "model.norm.weight", 1, s->hidden, 0, &seed);
+  for (int l = 0; l < s->layers && !rc; l++) {
+    static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    for (int p = 0; p < 4 && !rc; p++) {
+      snprintf(name, sizeof name, "model.layers.%d.self_attn.%s", l, proj[p]);
+      rc = add_nvfp4(w, name, p == 0 ? s->q : p < 3 ? s->kv : s->hidden, p == 3 ? s->q : s->hidden, &seed);
+    }
+    static const char *const norms[] = {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
+                                        "self_attn.k_norm"};
+    for (int n = 0; n < (s->qk_norm ? 4 : 2) && !rc; n++) {
+      snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, norms[n]);
+      rc = add_bf16(w, name, 1, n < 2 ? s->hidden : 128, 0, &seed);
+    }
+    static const char *const mlp[] = {"gate_proj", "up_proj", "down_proj"};
+    if (!s->experts)
+      for (int p = 0; p < 3 && !rc; p++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.%s", l, mlp[p]);
+        rc = add_nvfp4(w, name, p < 2 ? s->inter : s->hidden, p < 2 ? s->hidden : s->inter, &seed);
+      }
+    if (s->experts && !rc) {
+      snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
+      rc = add_bf16(w, name, 2, s->experts, s->hidden, &seed);
+    }
+    for (int e = 0; e < s->experts && !rc; e++)
+      for (int p = 0; p < 3 && !rc; p++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, e, mlp[p]);
+        rc = add_nvfp4(w, name, p < 2 ? s->moe_inter : s->hidden, p < 2 ? s->hidden : s->moe_inter, &seed);
+      }
+  }
+  char *file = tu_path(dir, "model.safetensors"), *cfg = tu_path(dir, "config.json"),
+       *hf = tu_path(dir, "hf_quant_config.json");
+  static const char config[] = "{\"tie_word_embeddings\": false, \"quantization_config\": {\"quant_method\": "
+                               "\"modelopt\", \"quant_algo\": \"NVFP4\", \"group_size\": 16, \"ignore\": "
+                               "[\"lm_head\", \"model.layers.*.mlp.gate\"]}}\n";
+  static const char hfq[] =
+      "{\"producer\": {\"name\": \"modelopt\", \"version\": \"synthetic\"}, "
+      "\"quantization\": {\"quant_algo\": \"NVFP4\", \"kv_cache_quant_algo\": null, "
+      "\"group_size\": 16, \"exclude_modules\": [\"lm_head\", \"model.layers.*.mlp.gate\"]}}\n";
+  if (!rc)
+    rc = st_writer_write(w, file);
+  if (!rc && (tu_write_file(cfg, config, strlen(config)) || tu_write_file(hf, hfq, strlen(hfq))))
+    rc = set_error(QKEEP_E_IO, "%s: cannot write the configs", dir);
+  st_writer_free(w);
+  free(scratch), free(file), free(cfg), free(hf);
+  scratch = NULL;
+  return rc;
+}
+
+/* ---- one rank ---- */
+
+struct rank_ctx {
+  int rank, runs;
+  size_t bucket_bytes;
+  const char *w0, *w1, *dir;
+  int id_pipe[2];
+  const char *model_name;
+};
+
+static int fail_json(const struct rank_ctx *c, const char *what) {
+  printf("{\"bench\":\"sync\",\"model\":\"%s\",\"rank\":%d,\"error\":\"%s: %s\"}\n", c->model_name, c->rank,
+         what, qkeep_errmsg());
+  fflush(stdout);
+  return 1;
+}
+
+static int remember(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
+  (void)layer, (void)name, (void)capacity;
+  struct {
+    const void **p;
+    size_t n, cap;
+  } *v = user;
+  if (v->n == v->cap) {
+    v->cap = v->cap ? 2 * v->cap : 256;
+    v->p = realloc(v->p, v->cap * sizeof *v->p);
+  }
+  v->p[v->n++] = data;
+  return 0;
+}
+
+static double median(double *v, int n) { return tu_median(v, n); }
+
+static int run_rank(struct rank_ctx *c) {
+  char cfg_path[512], cfg[256];
+  snprintf(cfg_path, sizeof cfg_path, "%s/rank%d.ini", c->dir, c->rank);
+  snprintf(cfg, sizeof cfg, "[qkeep]\nbackend = cuda-nvfp4, reference\n[backend.cuda-nvfp4]\ndevice = %d\n",
+           c->rank);
+  if (tu_write_file(cfg_path, cfg, strlen(cfg)))
+    return fail_json(c, "config");
+  qkeep_config *config;
+  qkeep_plugin **plugins;
+  size_t n_plugins;
+  qkeep_model *m;
+  if (qkeep_config_load(cfg_path, &config) || qkeep_plugins_open_config(config, &plugins, &n_plugins) ||
+      qkeep_model_new_chain(plugins, n_plugins, &m))
+    return fail_json(c, "plugins");
+  /* The trainer holds W1 (and sends it); the inference rank holds W0. */
+  if (qkeep_model_load(m, c->rank == 0 ? c->w1 : c->w0))
+    return fail_json(c, "load");
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
+    const char *be = qkeep_layer_backend(qkeep_model_layer(m, l));
+    if (!be || strcmp(be, "cuda-nvfp4") != 0) {
+      set_error(QKEEP_E_UNSUPPORTED, "layer %s is on %s: a device bucket needs every layer on the GPU",
+                qkeep_model_layer(m, l)->name, be ? be : "the host");
+      return fail_json(c, "chain");
+    }
+  }
+  const struct device *dev = layer_device(qkeep_model_layer(m, 0));
+  struct qkeep_sync_entry *plan;
+  size_t n, n_buckets;
+  if (qkeep_sync_plan(m, c->bucket_bytes, &plan, &n, &n_buckets))
+    return fail_json(c, "plan");
+  size_t *bytes = calloc(n_buckets, sizeof *bytes), *count = calloc(n_buckets, sizeof *count), biggest = 0;
+  for (size_t i = 0; i < n; i++) {
+    size_t b = plan[i].bucket, end = plan[i].tensor.offset + qkeep_spec_bytes(&plan[i].tensor.spec);
+    bytes[b] = end > bytes[b] ? end : bytes[b];
+    count[b]++;
+  }
+  int64_t total = 0;
+  for (size_t b = 0; b < n_buckets; b++) {
+    total += (int64_t)bytes[b];
+    biggest = bytes[b] > biggest ? bytes[b] : biggest;
+  }
+  struct qkeep_bucket_tensor **tensors = calloc(n_buckets, sizeof *tensors);
+  for (size_t b = 0, i = 0; b < n_buckets; b++) {
+    tensors[b] = malloc(count[b] * sizeof **tensors);
+    for (size_t k = 0; k < count[b]; k++, i++)
+      tensors[b][k] = plan[i].tensor;
+  }
+  /* The unique id goes from rank 0 to rank 1 through the pipe. */
+  unsigned char id[128];
+  if (c->rank == 0) {
+    if (qkeep_nccl_unique_id(NULL, id) || write(c->id_pipe[1], id, sizeof id) != (ssize_t)sizeof id)
+      return fail_json(c, "nccl id");
+  } else if (read(c->id_pipe[0], id, sizeof id) != (ssize_t)sizeof id) {
+    return fail_json(c, "nccl id (rank 0 failed)");
+  }
+  struct qkeep_transport *tr;
+  if (qkeep_transport_nccl(NULL, 2, c->rank, id, &tr))
+    return fail_json(c, "nccl");
+  /* Rank 0: every bucket staged on its device. Rank 1: one receive buffer. */
+  void **dbuf = calloc(n_buckets, sizeof *dbuf), *rx = NULL;
+  if (c->rank == 0) {
+    struct ckpt *ck;
+    unsigned char *host = malloc(biggest);
+    if (ckpt_open(c->w1, &ck))
+      return fail_json(c, "open W1");
+    for (size_t b = 0, i = 0; b < n_buckets; b++) {
+      memset(host, 0, bytes[b]);
+      for (size_t k = 0; k < count[b]; k++, i++)
+        if (ckpt_read(ck, ckpt_find(ck, plan[i].tensor.name), host + plan[i].tensor.offset))
+          return fail_json(c, "read W1");
+      if (dev_alloc(dev, bytes[b], &dbuf[b]) || dev_h2d(dev, dbuf[b], host, bytes[b]))
+        return fail_json(c, "stage");
+    }
+    ckpt_close(ck);
+    free(host);
+  } else if (dev_alloc(dev, biggest, &rx)) {
+    return fail_json(c, "receive buffer");
+  }
+  struct {
+    const void **p;
+    size_t n, cap;
+  } before = {0}, after = {0};
+  qkeep_foreach_storage(m, remember, &before);
+  double *raw = calloc((size_t)c->runs, sizeof *raw), *syn = calloc((size_t)c->runs, sizeof *syn);
+  int64_t free0 = free_device_bytes(), lowest = free0, extra_storage = 0;
+  for (int r = 0; r < c->runs; r++) {
+    /* raw NCCL broadcast of the same buckets */
+    model_sync(m);
+    double t0 = tu_now();
+    for (size_t b = 0; b < n_buckets; b++)
+      if (tr->broadcast(tr->ctx, c->rank == 0 ? dbuf[b] : rx, bytes[b], 0) || model_sync(m))
+        return fail_json(c, "raw broadcast");
+    raw[r] = tu_now() - t0;
+    /* the sync: broadcast, then the in-place reload of each completed layer */
+    qkeep_sync *sy = NULL;
+    struct qkeep_memory_stats ms = {.size = sizeof ms};
+    qkeep_model_memory(m, &ms, true);
+    if (c->rank == 1 && qkeep_sync_begin(m, &sy))
+      return fail_json(c, "sync begin");
+    t0 = tu_now();
+    for (size_t b = 0; b < n_buckets; b++) {
+      struct qkeep_bucket bk = {sizeof bk, tensors[b], count[b], c->rank == 0 ? dbuf[b] : rx, bytes[b], true};
+      if (c->rank == 0 ? tr->broadcast(tr->ctx, dbuf[b], bytes[b], 0) || model_sync(m)
+                       : qkeep_sync_receive(sy, tr, 0, &bk))
+        return fail_json(c, "sync");
+      int64_t f = free_device_bytes();
+      if (f >= 0 && f < lowest)
+        lowest = f;
+    }
+    if (c->rank == 1 && qkeep_sync_end(sy))
+      return fail_json(c, "sync end");
+    syn[r] = tu_now() - t0;
+    qkeep_model_memory(m, &ms, false);
+    if (ms.storage_peak - ms.storage_bytes + ms.staging_peak > extra_storage)
+      extra_storage = ms.storage_peak - ms.storage_bytes + ms.staging_peak;
+  }
+  if (c->rank == 1) {
+    qkeep_foreach_storage(m, remember, &after);
+    size_t moved = before.n == after.n ? 0 : before.n;
+    for (size_t i = 0; i < before.n && i < after.n; i++)
+      moved += before.p[i] != after.p[i];
+    qkeep_model *cold;
+    struct qkeep_digest a, b;
+    if (qkeep_model_new_chain(plugins, n_plugins, &cold) || qkeep_model_load(cold, c->w1) ||
+        qkeep_digest(m, &a) || qkeep_digest(cold, &b))
+      return fail_json(c, "cold W1");
+    qkeep_model_free(cold);
+    double rt = median(raw, c->runs), st = median(syn, c->runs);
+    printf(
+        "{\"bench\":\"sync\",\"model\":\"%s\",\"tensors\":%zu,\"bytes\":%lld,\"buckets\":%zu,"
+        "\"bucket_bytes\":%zu,\"runs\":%d,\"raw_ms\":%.2f,\"raw_gbs\":%.2f,\"sync_ms\":%.2f,\"sync_gbs\":%."
+        "2f,"
+        "\"sync_over_raw_bandwidth\":%.3f,\"peak_extra_device_bytes\":%lld,\"peak_extra_storage_bytes\":%lld,"
+        "\"largest_bucket\":%zu,\"digest_equals_cold_w1\":%s,\"pointers_moved\":%zu}\n",
+        c->model_name, n, (long long)total, n_buckets, c->bucket_bytes, c->runs, rt * 1e3,
+        (double)total / rt / 1e9, st * 1e3, (double)total / st / 1e9, rt / st,
+        free0 >= 0 ? (long long)(free0 - lowest) : -1LL, (long long)extra_storage, biggest,
+        a.hi == b.hi && a.lo == b.lo ? "true" : "false", moved);
+    fflush(stdout);
+  }
+  tr->close(tr->ctx);
+  for (size_t b = 0; b < n_buckets; b++) {
+    if (dbuf[b])
+      dev_free(dev, dbuf[b]);
+    free(tensors[b]);
+  }
+  if (rx)
+    dev_free(dev, rx);
+  free(dbuf), free(tensors), free(bytes), free(count), free(raw), free(syn), free(before.p), free(after.p);
+  qkeep_sync_plan_free(plan);
+  qkeep_model_free(m);
+  qkeep_plugins_close(plugins, n_plugins);
+  qkeep_config_free(config);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  const char *which = argc > 1 ? argv[1] : "all";
+  int runs = argc > 2 ? atoi(argv[2]) : 5;
+  size_t bucket_mb = argc > 3 ? (size_t)atoll(argv[3]) : 1024;
+  int gpus = cuda_devices();
+  if (gpus < 2) {
+    printf(
+        "{\"bench\":\"sync\",\"skipped\":\"%d CUDA device%s: the sync runs rank 0 -> rank 1 on two GPUs\"}\n",
+        gpus, gpus == 1 ? "" : "s");
+    return 0;
+  }
+  void *nccl = dlopen(getenv("QKEEP_NCCL_LIBRARY") ? getenv("QKEEP_NCCL_LIBRARY") : "libnccl.so.2", RTLD_NOW);
+  if (!nccl) {
+    printf("{\"bench\":\"sync\",\"skipped\":\"no libnccl.so.2 (%s)\"}\n", dlerror());
+    return 0;
+  }
+  dlclose(nccl);
+  int failed = 0;
+  for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+    if (strcmp(which, "all") != 0 && strcmp(which, shapes[s].name) != 0)
+      continue;
+    char *dir = tu_tmpdir("bench-sync"), *w0 = tu_path(dir, "w0"), *w1 = tu_path(dir, "w1");
+    if (mkdir(w0, 0755) || mkdir(w1, 0755) || write_model(&shapes[s], w0, 1) ||
+        write_model(&shapes[s], w1, 2)) {
+      printf("{\"bench\":\"sync\",\"model\":\"%s\",\"error\":\"%s\"}\n", shapes[s].name, qkeep_errmsg());
+      return 1;
+    }
+    struct rank_ctx c = {.runs = runs,
+                         .bucket_bytes = bucket_mb << 20,
+                         .w0 = w0,
+                         .w1 = w1,
+                         .dir = dir,
+                         .model_name = shapes[s].name};
+    if (pipe(c.id_pipe))
+      return 1;
+    fflush(stdout);
+    pid_t child = fork();
+    if (child == 0) {
+      c.rank = 1;
+      _exit(run_rank(&c));
+    }
+    c.rank = 0;
+    int rc0 = run_rank(&c), status = 0;
+    waitpid(child, &status, 0);
+    failed |= rc0 || !WIFEXITED(status) || WEXITSTATUS(status);
+    close(c.id_pipe[0]), close(c.id_pipe[1]);
+    tu_rmtree(dir);
+    free(dir), free(w0), free(w1);
+  }
+  return failed;
+}
