@@ -9,6 +9,7 @@
  * in-process transport, NCCL's absence) has its own cases at the end.
  */
 #include <check.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -452,6 +453,135 @@ START_TEST(each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1) {
 }
 END_TEST
 
+/* ---- the ranks compute the layer: row-parallel outputs sum to the one-rank output, column-parallel
+ * outputs are its columns (fused members cut one by one) ---- */
+
+static float max_abs(const float *v, size_t n) {
+  float m = 0;
+  for (size_t i = 0; i < n; i++)
+    m = fabsf(v[i]) > m ? fabsf(v[i]) : m;
+  return m;
+}
+
+static void check_forward(const char *path, const char *layer_name, int t) {
+  enum { M = 3 };
+  qkeep_model *full = load_rank(path, plugin, 1, 1, 0, 0);
+  qkeep_layer *fl = qkeep_model_find_layer(full, layer_name);
+  ck_assert_ptr_nonnull(fl);
+  int64_t n = fl->dims.n, k = fl->dims.k;
+  int role = dense_role(layer_name);
+  float *x = malloc(sizeof *x * (size_t)(M * k)), *y = malloc(sizeof *y * (size_t)(M * n)),
+        *sum = calloc((size_t)(M * n), sizeof *sum), *xr = malloc(sizeof *x * (size_t)(M * k)),
+        *yr = malloc(sizeof *y * (size_t)(M * n));
+  uint64_t seed = 7;
+  for (int64_t i = 0; i < M * k; i++)
+    x[i] = tu_randf(&seed);
+  ck_assert_msg(qkeep_layer_apply_f32(fl, M, x, y) == 0, "%s", qkeep_errmsg());
+  float tol = 1e-4f * max_abs(y, (size_t)(M * n)) + 1e-6f;
+  for (int r = 0; r < t; r++) {
+    qkeep_model *m = load_rank(path, plugin, t, 1, r, 0);
+    qkeep_layer *rl = qkeep_model_find_layer(m, layer_name);
+    int64_t kr = rl->dims.k, nr = rl->dims.n;
+    for (int64_t i = 0; i < M; i++)
+      memcpy(xr + i * kr, x + i * k + (role == 'r' ? r * kr : 0), sizeof *x * (size_t)kr);
+    ck_assert_msg(qkeep_layer_apply_f32(rl, M, xr, yr) == 0, "%s rank %d: %s", layer_name, r, qkeep_errmsg());
+    if (role == 'r') {
+      for (int64_t i = 0; i < M * n; i++)
+        sum[i] += yr[i];
+    } else { /* rank r's column j of member s is column before_s + r n_s/T + j of the one-rank output */
+      for (int64_t i = 0; i < M; i++) {
+        int64_t before = 0, local = 0;
+        for (int sh = 0; sh < fl->dims.shards; sh++) {
+          int64_t ns = fl->dims.shard_n[sh], part = ns / t;
+          for (int64_t j = 0; j < part; j++)
+            ck_assert_msg(fabsf(yr[i * nr + local + j] - y[i * n + before + r * part + j]) <= tol,
+                          "%s rank %d: column %lld differs", layer_name, r, (long long)(local + j));
+          before += ns, local += part;
+        }
+      }
+    }
+    qkeep_model_free(m);
+  }
+  for (int64_t i = 0; role == 'r' && i < M * n; i++)
+    ck_assert_msg(fabsf(sum[i] - y[i]) <= tol,
+                  "%s: the ranks' outputs do not sum to the one-rank output (%g vs %g)", layer_name,
+                  (double)sum[i], (double)y[i]);
+  free(x), free(y), free(sum), free(xr), free(yr);
+  qkeep_model_free(full);
+}
+
+START_TEST(the_ranks_compute_what_the_one_rank_layer_computes) {
+  const char *scheme = schemes[_i];
+  if (strcmp(scheme, "gpt-oss") == 0)
+    return; /* no dense layer */
+  char *w0 = checkpoint(scheme, 0);
+  for (int t = 2; t <= 8; t *= 2) {
+    check_forward(w0, "model.layers.0.self_attn.o_proj", t);
+    check_forward(w0, "model.layers.0.mlp.down_proj", t);
+    check_forward(w0, "model.layers.0.self_attn.qkv_proj", t);
+    check_forward(w0, "model.layers.0.mlp.gate_up_proj", t);
+  }
+  free(w0);
+}
+END_TEST
+
+/* Channelwise int4 scales (one group of the whole K) on a row cut: repeated, and each rank's group is its
+ * own K, so its partial output is still right. */
+START_TEST(channelwise_scales_of_a_row_cut_are_repeated) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.layers.0.self_attn.o_proj.weight", H, Q, 3);
+  char *src = tu_path(dir, "channel.safetensors"), *q = tu_path(dir, "channel-ct");
+  ck_assert_int_eq(st_writer_write(w, src), 0);
+  st_writer_free(w);
+  struct qkeep_quantize_options o = {
+      .size = sizeof o, .scheme = "ct-int4", .group_size = Q, .asym_weights = true};
+  ck_assert_msg(qkeep_quantize(src, q, &o) == 0, "%s", qkeep_errmsg());
+  qkeep_model *full = load_rank(q, NULL, 1, 1, 0, 0);
+  for (int r = 0; r < 4; r++) {
+    qkeep_model *m = load_rank(q, NULL, 4, 1, r, 0);
+    qkeep_layer *rl = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
+    ck_assert_int_eq(rl->dims.group_size, Q / 4);
+    ck_assert_int_eq(qkeep_param_lookup(rl, "weight_scale")->view.spec.shape[1], 1);
+    check_rank(full, m, 4, 1, r, 0);
+    qkeep_model_free(m);
+  }
+  qkeep_model_free(full);
+  check_forward(q, "model.layers.0.self_attn.o_proj", 4);
+  free(src), free(q);
+}
+END_TEST
+
+START_TEST(the_config_gives_the_parallel_place) {
+  char *ini = tu_path(dir, "tp.ini");
+  const char *text =
+      "[qkeep]\nbackend = reference\n[model]\ntp_size = 4\ntp_rank = 3\nep_size = 2\nep_rank = 1\n";
+  ck_assert_int_eq(tu_write_file(ini, text, strlen(text)), 0);
+  qkeep_config *cfg;
+  ck_assert_msg(qkeep_config_load(ini, &cfg) == 0, "%s", qkeep_errmsg());
+  struct qkeep_parallel p = {.size = sizeof p};
+  ck_assert_int_eq(qkeep_config_parallel(cfg, &p), 0);
+  ck_assert_int_eq(p.tp_size, 4);
+  ck_assert_int_eq(p.tp_rank, 3);
+  ck_assert_int_eq(p.ep_size, 2);
+  ck_assert_int_eq(p.ep_rank, 1);
+  qkeep_config_free(cfg);
+  static const char *const bad[][2] = {
+      {"tp_size = 0\n", "tp.ini:4: [model] tp_size: '0' is not a size"},
+      {"tp_rank = x\n", "tp.ini:4: [model] tp_rank: 'x' is not a rank"},
+      {"ep_size = 2\nep_size = 2\n", "tp.ini:5: [model] duplicate key 'ep_size'"},
+      {"tp_size = -2\n", "tp.ini:4: [model] tp_size: '-2'"}};
+  for (size_t i = 0; i < 4; i++) {
+    char body[256];
+    snprintf(body, sizeof body, "[qkeep]\nbackend = reference\n[model]\n%s", bad[i][0]);
+    ck_assert_int_eq(tu_write_file(ini, body, strlen(body)), 0);
+    ck_assert_int_eq(qkeep_config_load(ini, &cfg), QKEEP_E_CONFIG);
+    ck_assert_msg(strstr(qkeep_errmsg(), bad[i][1]), "%s", qkeep_errmsg());
+  }
+  free(ini);
+}
+END_TEST
+
 /* ---- weight sync: W1 as packed buckets, per rank ---- */
 
 /* The sender: W1's tensors packed into its plan's buckets (read from the checkpoint by name). */
@@ -716,6 +846,9 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 600);
   tcase_add_loop_test(tc, every_rank_holds_its_rows_and_columns_of_a_one_rank_load, 0, N_SCHEMES);
   tcase_add_test(tc, indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_allocation);
+  tcase_add_loop_test(tc, the_ranks_compute_what_the_one_rank_layer_computes, 0, N_SCHEMES);
+  tcase_add_test(tc, channelwise_scales_of_a_row_cut_are_repeated);
+  tcase_add_test(tc, the_config_gives_the_parallel_place);
   tcase_add_loop_test(tc, each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1, 0, N_SCHEMES);
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);

@@ -81,6 +81,20 @@ printf '[qkeep]\nbackend = reference\n[model]\nfuse = qkv=q_proj\n' >"$tmp/badfu
 "$qkeep" -c "$tmp/badfuse.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
 check "a bad fuse map is a config error with its line" contains "$tmp/out" "badfuse.ini:4"
 
+# tensor and expert parallel from the config: rank 1 of 2 loads its slice, runs and checks it
+printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 2\ntp_rank = 1\nep_size = 2\nep_rank = 1\n' >"$tmp/tp.ini"
+"$qkeep" -c "$tmp/tp.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "tp rank 1 of 2: census exits 0" test $? -eq 0
+check "tp rank 1 of 2: census missing 0" line_is "$tmp/out" "missing" 0
+"$qkeep" -c "$tmp/tp.ini" run "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "tp rank 1 of 2: run checks its layers" test $? -eq 0
+printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 2\ntp_rank = 2\n' >"$tmp/tpbad.ini"
+"$qkeep" -c "$tmp/tpbad.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "a rank outside its group is refused" contains "$tmp/out" "tp rank 2 of 2"
+printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 0\n' >"$tmp/tpzero.ini"
+"$qkeep" -c "$tmp/tpzero.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "tp_size 0 is a config error with its line" contains "$tmp/out" "tpzero.ini:4"
+
 # quantize, run (the main job) and reload, on a model written here
 "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/w0" --scheme modelopt-nvfp4 --kv-scales >"$tmp/out" 2>&1
 check "quantize exits 0" test $? -eq 0
