@@ -515,11 +515,12 @@ QKEEP_API int qkeep_sync_receive(qkeep_sync *sync, struct qkeep_transport *trans
                                  const struct qkeep_bucket *bucket);
 
 /*
- * The in-process transport, for tests and single-process engines: `ranks` endpoints in one
- * process (*out[i], i < ranks, one per rank; the caller frees each with its close). The
+ * The in-process transport, for tests and engines whose ranks share one process: `ranks`
+ * endpoints (*out[i], i < ranks, one per rank; the caller frees each with its close). The
  * root's broadcast publishes its buffer (borrowed until the root's next call); each other
- * rank's broadcast copies the published bytes (host memory). A non-root call with nothing
- * published, or a size that differs, is QKEEP_E_STATE.
+ * rank's broadcast then copies the published bytes (host memory). Calls are made one after
+ * another, the root's first (it is not thread-safe). A non-root call with nothing published,
+ * or a size that differs, is QKEEP_E_STATE.
  */
 QKEEP_API int qkeep_transport_inprocess(int ranks, struct qkeep_transport **out);
 
@@ -528,8 +529,9 @@ QKEEP_API int qkeep_transport_inprocess(int ranks, struct qkeep_transport **out)
  * qkeep links no CUDA library; NCCL_NVLS_ENABLE=0 is set before the communicator starts
  * (NVLink multicast stays off). `unique_id` is the NCCL_UNIQUE_ID_BYTES (128) bytes rank
  * 0 got from qkeep_nccl_unique_id and shared out of band. Buffers are device memory of the
- * current CUDA device (the backend's); each broadcast runs on the default stream and waits
- * for it. QKEEP_E_NOTFOUND naming the library and dlerror() when it cannot be loaded,
+ * current CUDA device (the backend's, made current by the model's load); each broadcast is
+ * enqueued on the default stream, and qkeep_sync_receive synchronises the model's devices
+ * before it reads the bucket. QKEEP_E_NOTFOUND naming the library and dlerror() when it cannot be loaded,
  * QKEEP_E_DEVICE with NCCL's message when NCCL fails.
  */
 QKEEP_API int qkeep_nccl_unique_id(const char *library, unsigned char unique_id[128]);

@@ -33,8 +33,9 @@ int qkeep_model_set_parallel(qkeep_model *model, const struct qkeep_parallel *pa
                      "qkeep_model_set_parallel: the model already holds %zu layers; set the "
                      "parallel place before loading",
                      model->n_layers);
+  /* The caller's struct may be older (shorter): read only the size it states; absent fields are 0. */
   struct qkeep_parallel p = {0};
-  copy_sized(&p, parallel, sizeof p);
+  memcpy(&p, parallel, parallel->size && parallel->size < sizeof p ? parallel->size : sizeof p);
   if (p.tp_size < 0 || p.ep_size < 0 || p.tp_rank < 0 || p.ep_rank < 0 || p.tp_rank >= size_of(p.tp_size) ||
       p.ep_rank >= size_of(p.ep_size))
     return set_error(QKEEP_E_INVAL, "qkeep_model_set_parallel: tp rank %d of %d, ep rank %d of %d", p.tp_rank,

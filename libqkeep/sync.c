@@ -364,8 +364,9 @@ int qkeep_sync_bucket(qkeep_sync *s, const struct qkeep_bucket *bucket) {
     return set_error(QKEEP_E_INVAL, "qkeep_sync_bucket: NULL argument");
   if (s->failed)
     return set_error(QKEEP_E_STATE, "qkeep_sync_bucket: the sync failed before; start a new one");
+  /* The caller's struct may be older (shorter): read only the size it states; absent fields are 0. */
   struct qkeep_bucket b = {0};
-  copy_sized(&b, bucket, sizeof b);
+  memcpy(&b, bucket, bucket->size && bucket->size < sizeof b ? bucket->size : sizeof b);
   size_t *name_of = malloc((b.n ? b.n : 1) * sizeof *name_of);
   int rc = name_of ? validate_bucket(s, &b, name_of) : set_error(QKEEP_E_NOMEM, "out of memory");
   if (!rc)
