@@ -463,9 +463,9 @@ static float max_abs(const float *v, size_t n) {
   return m;
 }
 
-static void check_forward(const char *path, const char *layer_name, int t) {
+/* One layer of the one-rank model against the same layer of each rank's model. */
+static void check_forward_layer(qkeep_model *full, qkeep_model *const *ranks, const char *layer_name, int t) {
   enum { M = 3 };
-  qkeep_model *full = load_rank(path, plugin, 1, 1, 0, 0);
   qkeep_layer *fl = qkeep_model_find_layer(full, layer_name);
   ck_assert_ptr_nonnull(fl);
   int64_t n = fl->dims.n, k = fl->dims.k;
@@ -479,8 +479,7 @@ static void check_forward(const char *path, const char *layer_name, int t) {
   ck_assert_msg(qkeep_layer_apply_f32(fl, M, x, y) == 0, "%s", qkeep_errmsg());
   float tol = 1e-4f * max_abs(y, (size_t)(M * n)) + 1e-6f;
   for (int r = 0; r < t; r++) {
-    qkeep_model *m = load_rank(path, plugin, t, 1, r, 0);
-    qkeep_layer *rl = qkeep_model_find_layer(m, layer_name);
+    qkeep_layer *rl = qkeep_model_find_layer(ranks[r], layer_name);
     int64_t kr = rl->dims.k, nr = rl->dims.n;
     for (int64_t i = 0; i < M; i++)
       memcpy(xr + i * kr, x + i * k + (role == 'r' ? r * kr : 0), sizeof *x * (size_t)kr);
@@ -500,13 +499,23 @@ static void check_forward(const char *path, const char *layer_name, int t) {
         }
       }
     }
-    qkeep_model_free(m);
   }
   for (int64_t i = 0; role == 'r' && i < M * n; i++)
     ck_assert_msg(fabsf(sum[i] - y[i]) <= tol,
                   "%s: the ranks' outputs do not sum to the one-rank output (%g vs %g)", layer_name,
                   (double)sum[i], (double)y[i]);
   free(x), free(y), free(sum), free(xr), free(yr);
+}
+
+/* The layers (NULL-terminated) of T ranks on the reference backend against the one-rank model. */
+static void check_forward(const char *path, const char *const *layers, int t) {
+  qkeep_model *full = load_rank(path, plugin, 1, 1, 0, 0), *ranks[8];
+  for (int r = 0; r < t; r++)
+    ranks[r] = load_rank(path, plugin, t, 1, r, 0);
+  for (; *layers; layers++)
+    check_forward_layer(full, ranks, *layers, t);
+  for (int r = 0; r < t; r++)
+    qkeep_model_free(ranks[r]);
   qkeep_model_free(full);
 }
 
@@ -515,12 +524,11 @@ START_TEST(the_ranks_compute_what_the_one_rank_layer_computes) {
   if (strcmp(scheme, "gpt-oss") == 0)
     return; /* no dense layer */
   char *w0 = checkpoint(scheme, 0);
-  for (int t = 2; t <= 8; t *= 2) {
-    check_forward(w0, "model.layers.0.self_attn.o_proj", t);
-    check_forward(w0, "model.layers.0.mlp.down_proj", t);
-    check_forward(w0, "model.layers.0.self_attn.qkv_proj", t);
-    check_forward(w0, "model.layers.0.mlp.gate_up_proj", t);
-  }
+  static const char *const layers[] = {"model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj",
+                                       "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
+                                       NULL};
+  for (int t = 2; t <= 8; t *= 2)
+    check_forward(w0, layers, t);
   free(w0);
 }
 END_TEST
@@ -547,7 +555,7 @@ START_TEST(channelwise_scales_of_a_row_cut_are_repeated) {
     qkeep_model_free(m);
   }
   qkeep_model_free(full);
-  check_forward(q, "model.layers.0.self_attn.o_proj", 4);
+  check_forward(q, (const char *const[]){"model.layers.0.self_attn.o_proj", NULL}, 4);
   free(src), free(q);
 }
 END_TEST
@@ -799,6 +807,54 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
 }
 END_TEST
 
+/* A tied lm_head (the embedding's param under a second layer): the plan sends the embedding once and
+ * nothing for lm_head, and the sync still equals a cold load of W1. */
+static char *write_tied(const char *name_dir, uint64_t seed) {
+  char *d = tu_path(dir, name_dir), *file = tu_path(d, "model.safetensors"),
+       *config = tu_path(d, "config.json");
+  ck_assert_int_eq(mkdir(d, 0755), 0);
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  add(w, "model.embed_tokens.weight", VOCAB, H, seed);
+  add(w, "model.norm.weight", H, 0, seed);
+  add(w, "model.layers.0.self_attn.q_proj.weight", Q, H, seed);
+  add(w, "model.layers.0.self_attn.k_proj.weight", KV, H, seed);
+  add(w, "model.layers.0.self_attn.v_proj.weight", KV, H, seed);
+  add(w, "model.layers.0.self_attn.o_proj.weight", H, Q, seed);
+  ck_assert_int_eq(st_writer_write(w, file), 0);
+  st_writer_free(w);
+  const char *cfg = "{\"tie_word_embeddings\": true}";
+  ck_assert_int_eq(tu_write_file(config, cfg, strlen(cfg)), 0);
+  free(file), free(config);
+  return d;
+}
+
+START_TEST(a_tied_lm_head_is_sent_once_as_the_embedding) {
+  char *w0 = write_tied("tied-w0", 1), *w1 = write_tied("tied-w1", 2);
+  qkeep_model *full = load_rank(w1, NULL, 1, 1, 0, 0);
+  qkeep_layer *head = qkeep_model_find_layer(full, "lm_head"),
+              *embed = qkeep_model_find_layer(full, "model.embed_tokens");
+  ck_assert_ptr_nonnull(head);
+  ck_assert_ptr_eq(qkeep_param_lookup(head, "weight"), qkeep_param_lookup(embed, "weight")); /* one object */
+  struct qkeep_sync_entry *plan;
+  size_t n, nb, embeds = 0;
+  ck_assert_int_eq(qkeep_sync_plan(full, 1 << 20, &plan, &n, &nb), 0);
+  for (size_t i = 0; i < n; i++) {
+    ck_assert_msg(strncmp(plan[i].tensor.name, "lm_head", 7) != 0, "lm_head sent: %s", plan[i].tensor.name);
+    embeds += strcmp(plan[i].tensor.name, "model.embed_tokens.weight") == 0;
+  }
+  ck_assert_uint_eq(embeds, 1);
+  qkeep_sync_plan_free(plan);
+  qkeep_model_free(full);
+  struct qkeep_transport *tr[3];
+  ck_assert_int_eq(qkeep_transport_inprocess(3, tr), 0);
+  sync_ranks(w0, w1, 2, tr, 16 << 10);
+  for (int i = 0; i < 3; i++)
+    tr[i]->close(tr[i]->ctx);
+  free(w0), free(w1);
+}
+END_TEST
+
 START_TEST(the_nccl_transport_dlopens_libnccl_and_says_why_not) {
   unsetenv("NCCL_NVLS_ENABLE");
   unsigned char id[128];
@@ -852,6 +908,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1, 0, N_SCHEMES);
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
+  tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);
   tcase_add_test(tc, the_nccl_transport_dlopens_libnccl_and_says_why_not);
   tcase_add_test(tc, a_sync_through_the_nccl_transport_over_a_stand_in_libnccl);
   suite_add_tcase(s, tc);
