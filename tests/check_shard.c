@@ -855,6 +855,41 @@ START_TEST(a_tied_lm_head_is_sent_once_as_the_embedding) {
 }
 END_TEST
 
+START_TEST(sync_refuses_what_it_cannot_do) {
+  char *w = checkpoint("w8a8-int8", 0);
+  qkeep_model *empty, *ep_rank = load_rank(w, NULL, 2, 2, 0, 0);
+  ck_assert_int_eq(qkeep_model_new(NULL, &empty), 0);
+  qkeep_sync *sy;
+  ck_assert_int_eq(qkeep_sync_begin(empty, &sy), QKEEP_E_STATE); /* nothing loaded */
+  ck_assert_int_eq(qkeep_sync_begin(NULL, &sy), QKEEP_E_INVAL);
+  struct qkeep_sync_entry *plan;
+  size_t n, nb;
+  /* an EP rank does not know the other ranks' experts: plan from a one-rank or TP model */
+  ck_assert_int_eq(qkeep_sync_plan(ep_rank, 1 << 20, &plan, &n, &nb), QKEEP_E_STATE);
+  ck_assert_int_eq(qkeep_sync_plan(ep_rank, 0, &plan, &n, &nb), QKEEP_E_INVAL);
+  ck_assert_int_eq(qkeep_sync_begin(ep_rank, &sy), 0);
+  ck_assert_int_eq(qkeep_sync_bucket(sy, NULL), QKEEP_E_INVAL);
+  struct qkeep_bucket none = {.size = sizeof none};
+  ck_assert_int_eq(qkeep_sync_bucket(sy, &none), 0);      /* an empty bucket changes nothing */
+  ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_NOTFOUND); /* nothing arrived: named, nothing to put back */
+  ck_assert_int_eq(qkeep_sync_end(NULL), 0);
+  qkeep_sync_abort(NULL);
+  struct qkeep_transport *tr[2];
+  ck_assert_int_eq(qkeep_transport_inprocess(0, tr), QKEEP_E_INVAL);
+  ck_assert_int_eq(qkeep_transport_inprocess(2, tr), 0);
+  unsigned char a[4] = {1, 2, 3, 4}, b[4] = {0};
+  ck_assert_int_eq(tr[1]->broadcast(tr[1]->ctx, b, 4, 0), QKEEP_E_STATE); /* nothing published yet */
+  ck_assert_int_eq(tr[0]->broadcast(tr[0]->ctx, a, 4, 0), 0);
+  ck_assert_int_eq(tr[1]->broadcast(tr[1]->ctx, b, 3, 0), QKEEP_E_STATE); /* another size */
+  ck_assert_int_eq(tr[1]->broadcast(tr[1]->ctx, b, 4, 0), 0);
+  ck_assert_mem_eq(a, b, 4);
+  ck_assert_int_eq(tr[1]->broadcast(tr[1]->ctx, b, 4, 2), QKEEP_E_INVAL);
+  tr[0]->close(tr[0]->ctx), tr[1]->close(tr[1]->ctx);
+  qkeep_model_free(empty), qkeep_model_free(ep_rank);
+  free(w);
+}
+END_TEST
+
 START_TEST(the_nccl_transport_dlopens_libnccl_and_says_why_not) {
   unsetenv("NCCL_NVLS_ENABLE");
   unsigned char id[128];
@@ -909,6 +944,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
   tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);
+  tcase_add_test(tc, sync_refuses_what_it_cannot_do);
   tcase_add_test(tc, the_nccl_transport_dlopens_libnccl_and_says_why_not);
   tcase_add_test(tc, a_sync_through_the_nccl_transport_over_a_stand_in_libnccl);
   suite_add_tcase(s, tc);
