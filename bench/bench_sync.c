@@ -16,9 +16,12 @@
  *
  *   bench_sync [MODEL|all] [RUNS] [BUCKET_MB]
  *
- * Needs two CUDA devices, the cuda-nvfp4 plugin and libnccl.so.2 (QKEEP_NCCL_LIBRARY or
- * LD_LIBRARY_PATH, e.g. PyTorch's nvidia/nccl/lib); prints a "skipped" line and exits 0
- * otherwise. One JSON object per line.
+ * With one CUDA device it runs one process that is trainer and inference rank at once: each
+ * bucket goes through NCCL with one rank (in place) into the sync, and the peer is a device
+ * copy of the same buckets (the floor of a receive on one GPU). Needs the cuda-nvfp4 plugin
+ * and libnccl.so.2 (QKEEP_NCCL_LIBRARY or LD_LIBRARY_PATH, e.g. PyTorch's nvidia/nccl/lib);
+ * without a CUDA device or libnccl it prints a "skipped" line and exits 0. One JSON object
+ * per line ("peer": "nccl_broadcast" with two ranks, "device_copy" with one).
  */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -171,7 +174,7 @@ static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
 /* ---- one rank ---- */
 
 struct rank_ctx {
-  int rank, runs;
+  int rank, ranks, runs; /* ranks 1: one process is trainer and inference rank (one GPU) */
   size_t bucket_bytes;
   const char *w0, *w1, *dir;
   int id_pipe[2];
@@ -215,8 +218,9 @@ static int run_rank(struct rank_ctx *c) {
   if (qkeep_config_load(cfg_path, &config) || qkeep_plugins_open_config(config, &plugins, &n_plugins) ||
       qkeep_model_new_chain(plugins, n_plugins, &m))
     return fail_json(c, "plugins");
-  /* The trainer holds W1 (and sends it); the inference rank holds W0. */
-  if (qkeep_model_load(m, c->rank == 0 ? c->w1 : c->w0))
+  /* Rank 0 is the trainer (it sends W1); the last rank receives. With one rank, both. */
+  bool sender = c->rank == 0, receiver = c->rank == c->ranks - 1;
+  if (qkeep_model_load(m, receiver ? c->w0 : c->w1))
     return fail_json(c, "load");
   for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
     const char *be = qkeep_layer_backend(qkeep_model_layer(m, l));
@@ -250,18 +254,20 @@ static int run_rank(struct rank_ctx *c) {
   }
   /* The unique id goes from rank 0 to rank 1 through the pipe. */
   unsigned char id[128];
-  if (c->rank == 0) {
-    if (qkeep_nccl_unique_id(NULL, id) || write(c->id_pipe[1], id, sizeof id) != (ssize_t)sizeof id)
+  if (sender) {
+    if (qkeep_nccl_unique_id(NULL, id) ||
+        (c->ranks > 1 && write(c->id_pipe[1], id, sizeof id) != (ssize_t)sizeof id))
       return fail_json(c, "nccl id");
   } else if (read(c->id_pipe[0], id, sizeof id) != (ssize_t)sizeof id) {
     return fail_json(c, "nccl id (rank 0 failed)");
   }
   struct qkeep_transport *tr;
-  if (qkeep_transport_nccl(NULL, 2, c->rank, id, &tr))
+  if (qkeep_transport_nccl(NULL, c->ranks, c->rank, id, &tr))
     return fail_json(c, "nccl");
-  /* Rank 0: every bucket staged on its device. Rank 1: one receive buffer. */
+  /* The sender: every bucket staged on its device. A receiver that is not the sender: one receive
+   * buffer. One rank: the bucket is received in place, and the peer is a device copy of it. */
   void **dbuf = calloc(n_buckets, sizeof *dbuf), *rx = NULL;
-  if (c->rank == 0) {
+  if (sender) {
     struct ckpt *ck;
     unsigned char *host = malloc(biggest);
     if (ckpt_open(c->w1, &ck))
@@ -276,9 +282,9 @@ static int run_rank(struct rank_ctx *c) {
     }
     ckpt_close(ck);
     free(host);
-  } else if (dev_alloc(dev, biggest, &rx)) {
-    return fail_json(c, "receive buffer");
   }
+  if ((!sender || c->ranks == 1) && dev_alloc(dev, biggest, &rx))
+    return fail_json(c, "receive buffer");
   struct {
     const void **p;
     size_t n, cap;
@@ -291,33 +297,35 @@ static int run_rank(struct rank_ctx *c) {
     model_sync(m);
     double t0 = tu_now();
     for (size_t b = 0; b < n_buckets; b++)
-      if (tr->broadcast(tr->ctx, c->rank == 0 ? dbuf[b] : rx, bytes[b], 0) || model_sync(m))
+      if ((c->ranks == 1 ? dev_d2d(dev, rx, dbuf[b], bytes[b])
+                         : tr->broadcast(tr->ctx, sender ? dbuf[b] : rx, bytes[b], 0)) ||
+          model_sync(m))
         return fail_json(c, "raw broadcast");
     raw[r] = tu_now() - t0;
     /* the sync: broadcast, then the in-place reload of each completed layer */
     qkeep_sync *sy = NULL;
     struct qkeep_memory_stats ms = {.size = sizeof ms};
     qkeep_model_memory(m, &ms, true);
-    if (c->rank == 1 && qkeep_sync_begin(m, &sy))
+    if (receiver && qkeep_sync_begin(m, &sy))
       return fail_json(c, "sync begin");
     t0 = tu_now();
     for (size_t b = 0; b < n_buckets; b++) {
-      struct qkeep_bucket bk = {sizeof bk, tensors[b], count[b], c->rank == 0 ? dbuf[b] : rx, bytes[b], true};
-      if (c->rank == 0 ? tr->broadcast(tr->ctx, dbuf[b], bytes[b], 0) || model_sync(m)
-                       : qkeep_sync_receive(sy, tr, 0, &bk))
+      struct qkeep_bucket bk = {sizeof bk, tensors[b], count[b], sender ? dbuf[b] : rx, bytes[b], true};
+      if (!receiver ? tr->broadcast(tr->ctx, dbuf[b], bytes[b], 0) || model_sync(m)
+                    : qkeep_sync_receive(sy, tr, 0, &bk))
         return fail_json(c, "sync");
       int64_t f = free_device_bytes();
       if (f >= 0 && f < lowest)
         lowest = f;
     }
-    if (c->rank == 1 && qkeep_sync_end(sy))
+    if (receiver && qkeep_sync_end(sy))
       return fail_json(c, "sync end");
     syn[r] = tu_now() - t0;
     qkeep_model_memory(m, &ms, false);
     if (ms.storage_peak - ms.storage_bytes + ms.staging_peak > extra_storage)
       extra_storage = ms.storage_peak - ms.storage_bytes + ms.staging_peak;
   }
-  if (c->rank == 1) {
+  if (receiver) {
     qkeep_foreach_storage(m, remember, &after);
     size_t moved = before.n == after.n ? 0 : before.n;
     for (size_t i = 0; i < before.n && i < after.n; i++)
@@ -329,16 +337,15 @@ static int run_rank(struct rank_ctx *c) {
       return fail_json(c, "cold W1");
     qkeep_model_free(cold);
     double rt = median(raw, c->runs), st = median(syn, c->runs);
-    printf(
-        "{\"bench\":\"sync\",\"model\":\"%s\",\"tensors\":%zu,\"bytes\":%lld,\"buckets\":%zu,"
-        "\"bucket_bytes\":%zu,\"runs\":%d,\"raw_ms\":%.2f,\"raw_gbs\":%.2f,\"sync_ms\":%.2f,\"sync_gbs\":%."
-        "2f,"
-        "\"sync_over_raw_bandwidth\":%.3f,\"peak_extra_device_bytes\":%lld,\"peak_extra_storage_bytes\":%lld,"
-        "\"largest_bucket\":%zu,\"digest_equals_cold_w1\":%s,\"pointers_moved\":%zu}\n",
-        c->model_name, n, (long long)total, n_buckets, c->bucket_bytes, c->runs, rt * 1e3,
-        (double)total / rt / 1e9, st * 1e3, (double)total / st / 1e9, rt / st,
-        free0 >= 0 ? (long long)(free0 - lowest) : -1LL, (long long)extra_storage, biggest,
-        a.hi == b.hi && a.lo == b.lo ? "true" : "false", moved);
+    printf("{\"bench\":\"sync\",\"model\":\"%s\",\"ranks\":%d,\"peer\":\"%s\",\"tensors\":%zu,"
+           "\"bytes\":%lld,\"buckets\":%zu,\"bucket_bytes\":%zu,\"runs\":%d,\"peer_ms\":%.2f,"
+           "\"peer_gbs\":%.2f,\"sync_ms\":%.2f,\"sync_gbs\":%.2f,\"sync_over_peer_bandwidth\":%.3f,"
+           "\"peak_extra_device_bytes\":%lld,\"peak_extra_storage_bytes\":%lld,\"largest_bucket\":%zu,"
+           "\"digest_equals_cold_w1\":%s,\"pointers_moved\":%zu}\n",
+           c->model_name, c->ranks, c->ranks == 1 ? "device_copy" : "nccl_broadcast", n, (long long)total,
+           n_buckets, c->bucket_bytes, c->runs, rt * 1e3, (double)total / rt / 1e9, st * 1e3,
+           (double)total / st / 1e9, rt / st, free0 >= 0 ? (long long)(free0 - lowest) : -1LL,
+           (long long)extra_storage, biggest, a.hi == b.hi && a.lo == b.lo ? "true" : "false", moved);
     fflush(stdout);
   }
   tr->close(tr->ctx);
@@ -361,11 +368,9 @@ int main(int argc, char **argv) {
   const char *which = argc > 1 ? argv[1] : "all";
   int runs = argc > 2 ? atoi(argv[2]) : 5;
   size_t bucket_mb = argc > 3 ? (size_t)atoll(argv[3]) : 1024;
-  int gpus = cuda_devices();
-  if (gpus < 2) {
-    printf(
-        "{\"bench\":\"sync\",\"skipped\":\"%d CUDA device%s: the sync runs rank 0 -> rank 1 on two GPUs\"}\n",
-        gpus, gpus == 1 ? "" : "s");
+  int gpus = cuda_devices(), ranks = gpus >= 2 ? 2 : 1;
+  if (gpus < 1) {
+    printf("{\"bench\":\"sync\",\"skipped\":\"no CUDA device\"}\n");
     return 0;
   }
   void *nccl = dlopen(getenv("QKEEP_NCCL_LIBRARY") ? getenv("QKEEP_NCCL_LIBRARY") : "libnccl.so.2", RTLD_NOW);
@@ -374,6 +379,9 @@ int main(int argc, char **argv) {
     return 0;
   }
   dlclose(nccl);
+  if (ranks == 1) /* the bucket path on one GPU: NCCL with one rank, against a device copy */
+    printf("{\"bench\":\"sync\",\"note\":\"one CUDA device: one rank receives in place through NCCL with one "
+           "rank, against a device copy; rank 0 -> rank 1 needs two GPUs\"}\n");
   int failed = 0;
   for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
     if (strcmp(which, "all") != 0 && strcmp(which, shapes[s].name) != 0)
@@ -384,7 +392,8 @@ int main(int argc, char **argv) {
       printf("{\"bench\":\"sync\",\"model\":\"%s\",\"error\":\"%s\"}\n", shapes[s].name, qkeep_errmsg());
       return 1;
     }
-    struct rank_ctx c = {.runs = runs,
+    struct rank_ctx c = {.ranks = ranks,
+                         .runs = runs,
                          .bucket_bytes = bucket_mb << 20,
                          .w0 = w0,
                          .w1 = w1,
@@ -393,14 +402,15 @@ int main(int argc, char **argv) {
     if (pipe(c.id_pipe))
       return 1;
     fflush(stdout);
-    pid_t child = fork();
+    pid_t child = ranks > 1 ? fork() : -1;
     if (child == 0) {
       c.rank = 1;
       _exit(run_rank(&c));
     }
     c.rank = 0;
     int rc0 = run_rank(&c), status = 0;
-    waitpid(child, &status, 0);
+    if (child > 0)
+      waitpid(child, &status, 0);
     failed |= rc0 || !WIFEXITED(status) || WEXITSTATUS(status);
     close(c.id_pipe[0]), close(c.id_pipe[1]);
     tu_rmtree(dir);
