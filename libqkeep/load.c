@@ -243,8 +243,8 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool 
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     struct source *src = &layer->sources[i];
     struct stream_item *it = &items[n];
-    if (src->compare_only || src->rows != 1 || (rc = check_source(layer, pv, src, &it->t)))
-      continue;
+    if (src->compare_only || src->rows != 1 || src->slice.rows || (rc = check_source(layer, pv, src, &it->t)))
+      continue; /* a tensor-parallel slice (slice.rows) loads through shard.c */
     if (pv->device_bytes && pv->device_bytes(pv, &it->t))
       continue;
     it->on_host = pv->host_bytes ? pv->host_bytes(pv, &it->t) : NULL;

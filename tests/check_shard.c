@@ -418,6 +418,45 @@ START_TEST(indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_al
 }
 END_TEST
 
+/* test-async (a device in host memory whose copies run only at sync, as a GPU's do) takes the
+ * unquantized linear layers: a rank's slices go to it through shard.c, never the streamed whole-tensor
+ * path, and land right; its reload equals a cold sharded load in place. */
+static qkeep_model *load_chain_rank(const char *path, qkeep_plugin *const *chain, size_t n, int t, int r) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new_chain(chain, n, &m), 0);
+  struct qkeep_parallel p = {.size = sizeof p, .tp_size = t, .tp_rank = r, .ep_size = t, .ep_rank = r};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &p), 0);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s", qkeep_errmsg());
+  return m;
+}
+
+START_TEST(a_device_with_async_copies_loads_each_rank_slice) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  qkeep_plugin *chain[] = {async, plugin};
+  char *w0 = checkpoint("unquantized", 0), *w1 = checkpoint("unquantized", 1);
+  qkeep_model *full = load_chain_rank(w0, chain, 2, 1, 0);
+  ck_assert_str_eq(qkeep_layer_backend(qkeep_model_find_layer(full, "model.layers.0.mlp.down_proj")),
+                   "test-async");
+  for (int t = 2; t <= 4; t *= 2)
+    for (int r = 0; r < t; r++) {
+      qkeep_model *m = load_chain_rank(w0, chain, 2, t, r), *cold = load_chain_rank(w1, chain, 2, t, r);
+      check_rank(full, m, t, t, r, r);
+      struct tu_storages before = {0}, after = {0}, cold_bytes = {0};
+      tu_snapshot(m, &before);
+      tu_snapshot(cold, &cold_bytes);
+      ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+      tu_snapshot(m, &after);
+      tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
+      tu_release_snapshot(&before), tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
+      qkeep_model_free(m), qkeep_model_free(cold);
+    }
+  qkeep_model_free(full);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
 static struct qkeep_digest digest_of(qkeep_model *m) {
   struct qkeep_digest d;
   ck_assert_int_eq(qkeep_digest(m, &d), 0);
@@ -941,6 +980,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, channelwise_scales_of_a_row_cut_are_repeated);
   tcase_add_test(tc, the_config_gives_the_parallel_place);
   tcase_add_loop_test(tc, each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1, 0, N_SCHEMES);
+  tcase_add_test(tc, a_device_with_async_copies_loads_each_rank_slice);
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
   tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);
