@@ -456,7 +456,8 @@ int finish_layer(qkeep_layer *layer) {
  * names). Assembly gives every tensor a place, so this holds unless a scheme drops one. */
 static int check_all_taken(const qkeep_model *model, const struct ckpt *ck) {
   for (size_t i = 0; i < ck->n_tensors; i++)
-    if (!model_find_source(model, ck->tensors[i].t->name))
+    if (!model_find_source(model, ck->tensors[i].t->name) &&
+        !shard_is_foreign(model, ck->tensors[i].t->name)) /* another EP rank's expert: shard.c */
       return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is taken by no layer of the model",
                        ck->tensors[i].file->path, ck->tensors[i].t->name);
   return 0;
