@@ -23,6 +23,7 @@ struct sync_name {
   size_t last_layer; /* while building: the last layer linked (+1), to link each layer once */
   bool received;
   bool scale; /* it loads into a scale param: its values are checked with the bucket */
+  const qkeep_param *param; /* the first param it loads into (what its values must be) */
 };
 struct sync_link {
   size_t layer, next; /* next: SIZE_MAX ends the chain */
@@ -93,8 +94,8 @@ static int index_names(qkeep_sync *s) {
       size_t at;
       if (!name_index_get(&s->name_index, src->checkpoint_name, &at)) {
         at = s->n_names++;
-        s->names[at] =
-            (struct sync_name){src->checkpoint_name, &src->spec, SIZE_MAX, 0, false, src->param->scale};
+        s->names[at] = (struct sync_name){src->checkpoint_name, &src->spec, SIZE_MAX, 0, false,
+                                          src->param->scale,    src->param};
         rc = name_index_put(&s->name_index, src->checkpoint_name, at, NULL);
       }
       if (rc || s->names[at].last_layer == l + 1)
@@ -189,12 +190,12 @@ static int check_scales(const qkeep_sync *s, const struct qkeep_bucket *b,
                                             : set_error(QKEEP_E_NOMEM, "out of memory");
     host = copy;
   }
-  const char *why =
-      rc ? NULL : bad_scales(t->spec.dtype, host, bytes / qkeep_dtype_size(t->spec.dtype), &bad);
+  const char *why = rc ? NULL
+                       : bad_scales(t->spec.dtype, host, bytes / qkeep_dtype_size(t->spec.dtype),
+                                    s->names[at].param->positive, &bad);
   if (why)
-    rc = set_error(QKEEP_E_FORMAT,
-                   "bucket tensor '%s': element %zu is %s (scales must be finite and non-negative)", t->name,
-                   bad, why);
+    rc = set_error(QKEEP_E_FORMAT, "bucket tensor '%s': element %zu is %s (%s)", t->name, bad, why,
+                   scale_rule(s->names[at].param));
   free(copy);
   return rc;
 }
