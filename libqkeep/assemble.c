@@ -94,7 +94,7 @@ static char *PRINTF_LIKE(1, 2) name_printf(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   char *s = NULL;
-  int n = vasprintf(&s, fmt, ap);
+  int n = qk_vasprintf(&s, fmt, ap);
   va_end(ap);
   if (n < 0) {
     set_error(QKEEP_E_NOMEM, "out of memory");

@@ -334,7 +334,7 @@ static int read_weight_map(struct index *ix, struct json_scan *s) {
       break;
     if ((rc = name_index_put(&ix->by_tensor, tensor, ix->n_map, NULL)) == QKEEP_E_EXISTS) {
       char *why = NULL;
-      rc = asprintf(&why, "duplicate object key '%s' in weight_map", tensor) < 0
+      rc = qk_asprintf(&why, "duplicate object key '%s' in weight_map", tensor) < 0
                ? set_error(QKEEP_E_NOMEM, "out of memory")
                : json_scan_error(s, m.key_at, why);
       free(why);
@@ -421,7 +421,7 @@ static int read_index(struct index *ix) {
   if (start == len || ix->text[start] != '{')
     return not_an_object(ix);
   char *what = NULL;
-  if (asprintf(&what, "%s: invalid JSON", ix->path) < 0)
+  if (qk_asprintf(&what, "%s: invalid JSON", ix->path) < 0)
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
   struct json_scan s = {.text = ix->text, .len = len, .pos = start, .what = what};
   rc = read_top_level(ix, &s);

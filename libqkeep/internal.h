@@ -37,6 +37,10 @@ void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
 /* ---- small utilities (util.c) ---------------------------------------------- */
 
 char *xstrdup(const char *s); /* NULL on NULL or no memory */
+/* asprintf/vasprintf: *out malloc'd and the length, or NULL and -1 when out of memory (never
+ * glibc's, whose failure path writes past its buffer; see util.c). */
+int qk_asprintf(char **out, const char *fmt, ...) PRINTF_LIKE(2, 3);
+int qk_vasprintf(char **out, const char *fmt, va_list ap);
 double now_seconds(void);     /* monotonic, for the load stats */
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);

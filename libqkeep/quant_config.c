@@ -169,7 +169,7 @@ static int add_ignores(struct quant_config *qc, size_t *cap, const struct origin
   struct sub_origin where;
   descend(&where, o, key);
   char *where_text = NULL, *where_path = origin_path(&where.o);
-  int printed = where_path ? asprintf(&where_text, "%s: %s", o->file, where_path) : -1;
+  int printed = where_path ? qk_asprintf(&where_text, "%s: %s", o->file, where_path) : -1;
   free(where_path);
   if (printed < 0)
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", o->file);

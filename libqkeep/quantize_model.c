@@ -60,7 +60,7 @@ static char *strfmt(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   char *s = NULL;
-  if (vasprintf(&s, fmt, ap) < 0)
+  if (qk_vasprintf(&s, fmt, ap) < 0)
     s = NULL;
   va_end(ap);
   return s;
@@ -1374,7 +1374,7 @@ static void unlink_fmt(const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   char *path = NULL;
-  if (vasprintf(&path, fmt, ap) >= 0) {
+  if (qk_vasprintf(&path, fmt, ap) >= 0) {
     unlink(path);
     free(path);
   }

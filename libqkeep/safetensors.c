@@ -594,7 +594,7 @@ static int parse_entry(struct st_file *f, const struct json_scan *h, const struc
     rc = grow_array((void **)&f->tensors, cap, f->n_tensors + 1, sizeof *f->tensors);
   if (!rc && (rc = name_index_put(&f->index, name, f->n_tensors, NULL)) == QKEEP_E_EXISTS) {
     char *why = NULL;
-    rc = asprintf(&why, "duplicate object key \"%s\"", name) < 0
+    rc = qk_asprintf(&why, "duplicate object key \"%s\"", name) < 0
              ? file_error(QKEEP_E_NOMEM, f, "out of memory")
              : json_scan_error(h, m->key_at, why);
     free(why);
@@ -615,7 +615,7 @@ static int parse_entry(struct st_file *f, const struct json_scan *h, const struc
 /* Parses the header JSON into f's tensors and metadata (not yet sorted or laid out). */
 static int parse_header(struct st_file *f, const char *header) {
   char *what = NULL;
-  if (asprintf(&what, "%s: header is not valid JSON", f->path) < 0)
+  if (qk_asprintf(&what, "%s: header is not valid JSON", f->path) < 0)
     return file_error(QKEEP_E_NOMEM, f, "out of memory");
   struct json_scan h = {.text = header, .len = (size_t)f->header_len, .what = what};
   struct json_member m = {.more = true};

@@ -2,6 +2,8 @@
 #include <jansson.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -181,3 +183,31 @@ double now_seconds(void) {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
+
+/*
+ * vasprintf with the length measured first and the buffer allocated once, exactly: glibc 2.36's
+ * vasprintf, when its final realloc fails, returns its work buffer full to the last byte and writes
+ * the terminating NUL one past it (the allocation-failure tests found it under ASan).
+ */
+int qk_vasprintf(char **out, const char *fmt, va_list ap) {
+  va_list again;
+  va_copy(again, ap);
+  int n = vsnprintf(NULL, 0, fmt, ap);
+  char *s = n < 0 ? NULL : malloc((size_t)n + 1);
+  if (s && vsnprintf(s, (size_t)n + 1, fmt, again) != n) {
+    free(s);
+    s = NULL;
+  }
+  va_end(again);
+  *out = s;
+  return s ? n : -1;
+}
+
+int qk_asprintf(char **out, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int n = qk_vasprintf(out, fmt, ap);
+  va_end(ap);
+  return n;
+}
+
