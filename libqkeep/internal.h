@@ -189,6 +189,12 @@ int dev_d2h(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n);
 int dev_sync(const struct device *dev);
+/* Whether ops also have ABI 1.3's copy fences (copy_fence, copy_fence_wait). */
+bool memory_ops_fences(const struct qkeep_memory_ops *ops);
+/* ABI 1.3 slots; only for a device whose ops pass memory_ops_fences. dev_fence_wait returns 0
+ * when the fence's copies are done, 1 when block is false and they are not yet, or an error. */
+int dev_fence(const struct device *dev, uint64_t *fence);
+int dev_fence_wait(const struct device *dev, uint64_t fence, bool block);
 /* ABI 1.2 slots; only for a device whose ops pass memory_ops_async. */
 int dev_host_alloc(const struct device *dev, size_t bytes, void **out);
 void dev_host_free(const struct device *dev, void *ptr);
@@ -645,8 +651,10 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
 int stream_wait(struct stream *s);
 /* Whether a load is streaming through s now (its readers run): puts are then waited for by its end. */
 bool stream_active(const struct stream *s);
-/* Copies n bytes (at most 1 MiB) of host memory to device memory at dst through a slot, without
- * waiting for the device: small puts share one slot. src may change once it returns. */
+/* Copies n bytes of host memory to device memory at dst, after the copies started before it:
+ * through a slot without waiting for the device (small puts share one slot), or, larger than a
+ * slot or with every slot being read ahead, by a plain copy after a wait. src may change once it
+ * returns. */
 int stream_put(struct stream *s, void *dst, const void *src, size_t n);
 
 /* Host staging for one tensor, grown as needed; and the stream to the device being loaded. */

@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 2
+#define QKEEP_BACKEND_ABI_MINOR 3
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -118,6 +118,20 @@ struct qkeep_memory_ops {
   int (*host_alloc)(const struct qkeep_backend *be, size_t bytes, void **out);
   void (*host_free)(const struct qkeep_backend *be, void *ptr);
   int (*copy_h2d_async)(const struct qkeep_backend *be, void *dst, const void *src, size_t n);
+  /*
+   * ABI 1.3, optional (used with the 1.2 slots, and only when both are set; without them
+   * the core reuses staging memory only after sync). copy_fence stores in *fence a token
+   * standing for every copy_h2d_async started before the call; tokens only increase.
+   * copy_fence_wait tells whether those copies have completed: 0 when they have (after
+   * waiting for them when `block` is nonzero), 1 when `block` is 0 and it cannot tell yet,
+   * or a negative QKEEP_E_* code. It should not wait for later copies or kernels (that is
+   * its point: the core refills one staging piece while the device still copies the others
+   * and runs the layer's PWAL) but may, e.g. when a later fence reused the backend's record
+   * of an old one; 0 always means the token's copies are done. A token the backend never
+   * returned is QKEEP_E_INVAL. Two models on two threads may call both at once.
+   */
+  int (*copy_fence)(const struct qkeep_backend *be, uint64_t *fence);
+  int (*copy_fence_wait)(const struct qkeep_backend *be, uint64_t fence, int block);
 };
 
 /* The type of a configuration key a backend declares (ABI 1.1). */

@@ -410,8 +410,8 @@ static int replace_f32(qkeep_layer *layer, const char *name, const struct qkeep_
   const void *from = half ? (const void *)half : values;
   size_t bytes = qkeep_spec_bytes(spec);
   if (!rc)
-    rc = stream_active(s) && bytes <= ((size_t)1 << 20) ? stream_put(s, qkeep_tensor_data(t), from, bytes)
-                                                         : dev_h2d(dev, qkeep_tensor_data(t), from, bytes);
+    rc = stream_active(s) ? stream_put(s, qkeep_tensor_data(t), from, bytes)
+                          : dev_h2d(dev, qkeep_tensor_data(t), from, bytes);
   free(half);
   if (rc) {
     qkeep_tensor_free(t);

@@ -60,6 +60,12 @@ bool memory_ops_async(const struct qkeep_memory_ops *ops) {
          ops->host_alloc && ops->host_free && ops->copy_h2d_async;
 }
 
+bool memory_ops_fences(const struct qkeep_memory_ops *ops) {
+  return memory_ops_async(ops) &&
+         ops->size >= offsetof(struct qkeep_memory_ops, copy_fence_wait) + sizeof(ops->copy_fence_wait) &&
+         ops->copy_fence && ops->copy_fence_wait;
+}
+
 void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->be = be;
   dev->ops = (be && memory_ops_complete(be->memory)) ? be->memory : &host_ops;
@@ -110,6 +116,14 @@ void dev_host_free(const struct device *dev, void *ptr) {
 int dev_h2d_async(const struct device *dev, void *dst, const void *src, size_t n) {
   int rc = n ? dev->ops->copy_h2d_async(dev->be, dst, src, n) : 0;
   return rc ? set_error(rc, "asynchronous host-to-device copy of %zu bytes failed", n) : 0;
+}
+int dev_fence(const struct device *dev, uint64_t *fence) {
+  int rc = dev->ops->copy_fence(dev->be, fence);
+  return rc ? set_error(rc, "recording a copy fence failed") : 0;
+}
+int dev_fence_wait(const struct device *dev, uint64_t fence, bool block) {
+  int rc = dev->ops->copy_fence_wait(dev->be, fence, block);
+  return rc < 0 ? set_error(rc, "waiting for copy fence %llu failed", (unsigned long long)fence) : rc;
 }
 int dev_sync(const struct device *dev) {
   int rc = dev->ops->sync(dev->be);

@@ -1,18 +1,28 @@
 /*
  * stream.c: checkpoint bytes to a device through pinned host memory, read by a few threads.
  *
- * A layer's device-bound tensors are cut into pieces of at most PIECE bytes. Reader threads
+ * A layer's device-bound tensors are cut into pieces of at most `piece` bytes. Reader threads
  * pread each piece from its file (or copy it from host bytes the provider holds) into a free
  * slot of a ring of pinned memory (the backend's host_alloc, ABI 1.2); the calling thread, in
  * piece order, starts each slot's asynchronous copy to the device as soon as its read is done.
  * So the reads run in parallel with each other and with the copies, every call into the
  * backend stays on the calling thread (the readers touch only files and host memory), and the
  * layer's copies have all been started, in order, before its PWAL runs on the same stream.
- * When no slot is free, the calling thread waits for the device (sync), which frees every slot
- * whose copy was started. The ring lives as long as the model's owner (page-locking 8 MiB costs
- * about 3-4 ms, as much as a reload of a few layers); the readers only while a load runs.
+ * A slot is free again once its copy is done: with ABI 1.3's copy fences the calling thread
+ * frees each slot whose fence has passed, and when none is free waits for the oldest copy
+ * alone; without fences it waits for the whole device (sync), which frees every slot. The ring
+ * lives as long as the model's owner (page-locking 8 MiB costs about 3-4 ms, as much as a
+ * reload of a few layers); the readers only while a load runs.
+ *
+ * Tuning (read when the ring is made; docs/PERFORMANCE.md): QKEEP_STREAM_SLOTS (2-64 slots,
+ * default 8), QKEEP_STREAM_PIECE (bytes per slot, 4096 to 64 MiB, default 1 MiB),
+ * QKEEP_STREAM_READERS (1-16 threads, default one per core up to 4); QKEEP_STREAM_TRACE=1
+ * prints, at the end of each load, where the calling thread waited.
  */
+#include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -21,9 +31,11 @@
 
 /* A piece's read takes about 0.15 ms (page cache to memory at ~7 GB/s) and its copy 25 us:
  * pieces this size keep the device's wait for the last copy short. */
-#define PIECE ((size_t)1 << 20)
-#define SLOTS 8
-#define MAX_READERS 4
+#define DEFAULT_PIECE ((size_t)1 << 20)
+#define DEFAULT_SLOTS 8
+#define MAX_SLOTS 64
+#define DEFAULT_READERS 4
+#define MAX_READERS 16
 
 struct piece {
   struct provided t;
@@ -40,14 +52,25 @@ struct piece {
 
 enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 
-/* The last slot also takes small puts (stream_put), packed, until a wait frees it. */
-#define ARENA (SLOTS - 1)
+/* Small puts (stream_put) of at most this many bytes share the last slot, the arena. */
 #define SMALL_PUT ((size_t)4 << 10)
+
+/* Where the calling thread waited, for QKEEP_STREAM_TRACE. */
+struct stream_trace {
+  bool on;
+  size_t pieces, bytes, fence_waits, syncs;
+  double read_wait, slot_wait, reading; /* seconds: for a read, for a slot; the readers' own time */
+};
 
 struct stream {
   const struct device *dev;
-  unsigned char *ring; /* SLOTS * PIECE pinned bytes */
-  enum slot_state slot[SLOTS];
+  bool fences;      /* the device has ABI 1.3's copy fences */
+  size_t piece;     /* bytes per slot */
+  int slots, arena; /* slots in the ring; the arena is the last one */
+  int want_readers;
+  unsigned char *ring;           /* slots * piece pinned bytes */
+  enum slot_state slot[MAX_SLOTS];
+  uint64_t fence[MAX_SLOTS]; /* a COPYING slot's copies are done once this fence has passed */
   pthread_t readers[MAX_READERS];
   int n_readers;
   pthread_mutex_t mu;
@@ -60,10 +83,13 @@ struct stream {
   size_t n_pieces, submitted, taken;
   struct stream_item *items; /* the batch's items (their dst unknown while reading ahead) */
   size_t n_items;
+  struct stream_trace trace;
 };
 
+static unsigned char *slot_room(const struct stream *s, int slot) { return s->ring + (size_t)slot * s->piece; }
+
 static void read_piece(const struct stream *s, struct piece *p) {
-  unsigned char *room = s->ring + (size_t)p->slot * PIECE;
+  unsigned char *room = slot_room(s, p->slot);
   if (p->on_host) {
     memcpy(room, p->on_host + p->at, p->n);
     return;
@@ -83,8 +109,11 @@ static void *reader(void *arg) {
       break;
     struct piece *p = &s->pieces[s->taken++];
     pthread_mutex_unlock(&s->mu);
+    double t = s->trace.on ? now_seconds() : 0;
     read_piece(s, p);
     pthread_mutex_lock(&s->mu);
+    if (s->trace.on)
+      s->trace.reading += now_seconds() - t;
     p->done = true;
     pthread_cond_broadcast(&s->done);
   }
@@ -92,13 +121,34 @@ static void *reader(void *arg) {
   return NULL;
 }
 
-/* Readers: one per online core up to MAX_READERS (the calling thread issues the copies). */
-static int reader_count(void) {
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  return cores < 1 ? 1 : cores > MAX_READERS ? MAX_READERS : (int)cores;
+/* The tuning variable `name` as an integer in [lo, hi], or `fallback` when unset. */
+static int tuning(const char *name, long long lo, long long hi, long long fallback, long long *out) {
+  const char *v = getenv(name);
+  *out = fallback;
+  if (!v || !*v)
+    return 0;
+  char *end;
+  errno = 0;
+  long long x = strtoll(v, &end, 10);
+  if (errno || *end || end == v || x < lo || x > hi)
+    return set_error(QKEEP_E_CONFIG, "%s = '%s': expected an integer from %lld to %lld", name, v, lo, hi);
+  *out = x;
+  return 0;
 }
 
 static void batch_drop(struct stream *s);
+
+static void trace_print(struct stream *s) {
+  struct stream_trace *t = &s->trace;
+  if (t->on && t->pieces)
+    fprintf(stderr,
+            "qkeep stream: %zu pieces, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
+            "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)\n",
+            t->pieces, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
+            t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
+  bool on = t->on;
+  *t = (struct stream_trace){.on = on};
+}
 
 int stream_end(struct stream *s) {
   if (!s)
@@ -111,6 +161,7 @@ int stream_end(struct stream *s) {
   pthread_mutex_unlock(&s->mu);
   for (int i = 0; i < s->n_readers; i++)
     pthread_join(s->readers[i], NULL);
+  trace_print(s);
   s->n_readers = 0;
   s->quit = false;
   return rc;
@@ -128,12 +179,25 @@ void stream_free(struct stream *s) {
 }
 
 int stream_new(const struct device *dev, struct stream **out) {
+  long long slots, piece, readers;
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  int rc = tuning("QKEEP_STREAM_SLOTS", 2, MAX_SLOTS, DEFAULT_SLOTS, &slots);
+  if (!rc)
+    rc = tuning("QKEEP_STREAM_PIECE", 4096, (long long)64 << 20, (long long)DEFAULT_PIECE, &piece);
+  if (!rc)
+    rc = tuning("QKEEP_STREAM_READERS", 1, MAX_READERS,
+                cores < 1 ? 1 : cores > DEFAULT_READERS ? DEFAULT_READERS : cores, &readers);
+  if (rc)
+    return rc;
   struct stream *s = calloc(1, sizeof *s);
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory for the device stream");
   s->dev = dev;
-  int rc = dev_host_alloc(dev, SLOTS * PIECE, (void **)&s->ring);
-  if (rc) {
+  s->fences = memory_ops_fences(dev->ops);
+  s->slots = (int)slots, s->arena = (int)slots - 1, s->piece = (size_t)piece, s->want_readers = (int)readers;
+  const char *trace = getenv("QKEEP_STREAM_TRACE");
+  s->trace.on = trace && *trace && strcmp(trace, "0") != 0;
+  if ((rc = dev_host_alloc(dev, (size_t)s->slots * s->piece, (void **)&s->ring))) {
     free(s);
     return rc;
   }
@@ -146,64 +210,113 @@ int stream_new(const struct device *dev, struct stream **out) {
 
 /* The readers, when none runs (the first layer of a load). */
 static int start_readers(struct stream *s) {
-  for (int n = reader_count(); s->n_readers < n; s->n_readers++)
-    if (pthread_create(&s->readers[s->n_readers], NULL, reader, s) != 0)
-      break;
+  while (s->n_readers < s->want_readers && pthread_create(&s->readers[s->n_readers], NULL, reader, s) == 0)
+    s->n_readers++;
   return s->n_readers ? 0 : set_error(QKEEP_E_NOMEM, "cannot start a reader thread for the device stream");
 }
 
 const struct device *stream_device(const struct stream *s) { return s->dev; }
 
-size_t stream_bytes(const struct stream *s) { return s ? SLOTS * PIECE : 0; }
+size_t stream_bytes(const struct stream *s) { return s ? (size_t)s->slots * s->piece : 0; }
 
 int stream_wait(struct stream *s) {
   bool copying = false;
-  for (int i = 0; i < SLOTS; i++)
+  for (int i = 0; i < s->slots; i++)
     if (s->slot[i] == SLOT_COPYING)
       copying = true, s->slot[i] = SLOT_FREE;
   s->arena_used = 0;
+  if (copying)
+    s->trace.syncs++;
   return copying ? dev_sync(s->dev) : 0;
 }
 
 bool stream_active(const struct stream *s) { return s && s->n_readers > 0; }
 
-int stream_put(struct stream *s, void *dst, const void *src, size_t n) {
-  if (n > PIECE)
-    return set_error(QKEEP_E_INVAL, "stream_put: %zu bytes exceed a slot", n);
-  int slot = n <= SMALL_PUT && s->slot[ARENA] != SLOT_READING ? ARENA : -1;
-  size_t at = slot == ARENA ? s->arena_used : 0;
-  if (slot == ARENA && at + n > PIECE)
-    slot = -1; /* the arena is full: a wait empties it */
-  if (slot < 0) {
-    int rc = stream_wait(s);
-    if (rc)
+static void slot_freed(struct stream *s, int i) {
+  s->slot[i] = SLOT_FREE;
+  if (i == s->arena)
+    s->arena_used = 0;
+}
+
+/*
+ * Frees the slots whose copies are done: with fences, each copying slot, oldest first, whose
+ * fence has passed (a later fence covers more copies, so the first one still pending ends the
+ * look); when `block` and none was free, waits for the oldest alone. Without fences only a
+ * blocking call frees anything (stream_wait).
+ */
+static int reclaim(struct stream *s, bool block) {
+  if (!s->fences)
+    return block ? stream_wait(s) : 0;
+  bool freed = false;
+  for (;;) {
+    int oldest = -1;
+    for (int i = 0; i < s->slots; i++)
+      if (s->slot[i] == SLOT_COPYING && (oldest < 0 || s->fence[i] < s->fence[oldest]))
+        oldest = i;
+    if (oldest < 0)
+      return 0;
+    bool wait = block && !freed;
+    int rc = dev_fence_wait(s->dev, s->fence[oldest], wait);
+    if (rc < 0)
       return rc;
-    slot = n <= SMALL_PUT ? ARENA : 0, at = 0;
+    if (rc > 0)
+      return 0; /* still copying (only when not waiting) */
+    if (wait)
+      s->trace.fence_waits++;
+    slot_freed(s, oldest);
+    freed = true;
   }
-  unsigned char *room = s->ring + (size_t)slot * PIECE + at;
-  memcpy(room, src, n);
-  int rc = dev_h2d_async(s->dev, dst, room, n);
-  if (rc)
-    return rc;
-  s->slot[slot] = SLOT_COPYING;
-  if (slot == ARENA)
-    s->arena_used = at + ((n + 63) & ~(size_t)63);
-  return 0;
+}
+
+/* Marks slot i as copying, its copy (just started) covered by a new fence. */
+static int slot_copying(struct stream *s, int i) {
+  s->slot[i] = SLOT_COPYING;
+  return s->fences ? dev_fence(s->dev, &s->fence[i]) : 0;
 }
 
 /* A free slot for a piece (the arena is kept for stream_put). */
 static int free_slot(const struct stream *s) {
-  for (int i = 0; i < SLOTS; i++)
-    if (i != ARENA && s->slot[i] == SLOT_FREE)
+  for (int i = 0; i < s->slots; i++)
+    if (i != s->arena && s->slot[i] == SLOT_FREE)
       return i;
   return -1;
 }
 
+int stream_put(struct stream *s, void *dst, const void *src, size_t n) {
+  int slot = -1, rc = 0;
+  size_t at = 0;
+  if (n <= SMALL_PUT && n <= s->piece) {
+    if (s->arena_used + n > s->piece) { /* the arena is full: wait for its copies alone */
+      rc = s->fences && s->slot[s->arena] == SLOT_COPYING ? dev_fence_wait(s->dev, s->fence[s->arena], true)
+                                                          : stream_wait(s);
+      if (rc)
+        return rc;
+      slot_freed(s, s->arena);
+    }
+    slot = s->arena, at = s->arena_used;
+  } else if (n <= s->piece && (slot = free_slot(s)) < 0) {
+    if ((rc = reclaim(s, true)))
+      return rc;
+    slot = free_slot(s); /* still none when a read ahead holds every slot */
+  }
+  if (slot < 0) { /* larger than a slot, or every slot being read ahead: a plain copy after the others */
+    rc = stream_wait(s);
+    return rc ? rc : dev_h2d(s->dev, dst, src, n);
+  }
+  unsigned char *room = slot_room(s, slot) + at;
+  memcpy(room, src, n);
+  if ((rc = dev_h2d_async(s->dev, dst, room, n)))
+    return rc;
+  if (slot == s->arena)
+    s->arena_used = at + ((n + 63) & ~(size_t)63);
+  return slot_copying(s, slot);
+}
+
 /* The pieces of the items, in order (NULL and an error when out of memory). */
-static struct piece *cut(const struct stream_item *items, size_t n_items, size_t *n_pieces) {
+static struct piece *cut(const struct stream_item *items, size_t n_items, size_t piece, size_t *n_pieces) {
   size_t n = 0;
   for (size_t i = 0; i < n_items; i++)
-    n += items[i].t.nbytes ? (items[i].t.nbytes + PIECE - 1) / PIECE : 0;
+    n += items[i].t.nbytes ? (items[i].t.nbytes + piece - 1) / piece : 0;
   struct piece *p = calloc(n ? n : 1, sizeof *p);
   if (!p) {
     set_error(QKEEP_E_NOMEM, "out of memory for %zu pieces", n);
@@ -211,12 +324,12 @@ static struct piece *cut(const struct stream_item *items, size_t n_items, size_t
   }
   size_t k = 0;
   for (size_t i = 0; i < n_items; i++)
-    for (size_t at = 0; at < items[i].t.nbytes; at += PIECE, k++)
+    for (size_t at = 0; at < items[i].t.nbytes; at += piece, k++)
       p[k] = (struct piece){.t = items[i].t,
                             .on_host = items[i].on_host,
                             .item = i,
                             .at = at,
-                            .n = items[i].t.nbytes - at < PIECE ? items[i].t.nbytes - at : PIECE};
+                            .n = items[i].t.nbytes - at < piece ? items[i].t.nbytes - at : piece};
   *n_pieces = n;
   return p;
 }
@@ -225,7 +338,7 @@ static struct piece *cut(const struct stream_item *items, size_t n_items, size_t
 static int batch_begin(struct stream *s, const struct provider *pv, const struct stream_item *items,
                        size_t n_items) {
   size_t n = 0;
-  struct piece *pieces = cut(items, n_items, &n);
+  struct piece *pieces = cut(items, n_items, s->piece, &n);
   struct stream_item *copy = malloc((n_items ? n_items : 1) * sizeof *copy);
   if (!pieces || !copy) {
     free(pieces);
@@ -267,7 +380,7 @@ static void batch_drop(struct stream *s) {
   pthread_mutex_unlock(&s->mu);
   for (size_t i = 0; i < n; i++)
     free(pieces[i].msg);
-  for (int i = 0; i < SLOTS; i++) /* read and never copied */
+  for (int i = 0; i < s->slots; i++) /* read and never copied */
     if (s->slot[i] == SLOT_READING)
       s->slot[i] = SLOT_FREE;
   free(pieces);
@@ -291,6 +404,8 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
   batch_drop(s);
   if (!n_items || (!s->n_readers && start_readers(s)) || batch_begin(s, pv, items, n_items))
     return 0; /* reading ahead is only a head start: without it the load reads later */
+  if (reclaim(s, false) < 0)
+    return 0;
   pthread_mutex_lock(&s->mu);
   batch_submit(s);
   pthread_mutex_unlock(&s->mu);
@@ -314,25 +429,35 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
   }
   size_t copied = 0, n = s->n_pieces;
   while (copied < n && !rc) {
+    if ((rc = reclaim(s, false)) < 0)
+      break;
     pthread_mutex_lock(&s->mu);
     batch_submit(s);
-    if (copied == s->submitted) { /* every slot waits on a copy: let the device finish them */
+    if (copied == s->submitted) { /* every slot waits on a copy: let the device finish the oldest */
       pthread_mutex_unlock(&s->mu);
-      rc = stream_wait(s);
+      double t = s->trace.on ? now_seconds() : 0;
+      rc = reclaim(s, true);
+      s->trace.slot_wait += s->trace.on ? now_seconds() - t : 0;
       continue;
     }
     struct piece *p = &s->pieces[copied];
+    double t = s->trace.on && !p->done ? now_seconds() : 0;
     while (!p->done)
       pthread_cond_wait(&s->done, &s->mu);
     pthread_mutex_unlock(&s->mu);
-    const unsigned char *room = s->ring + (size_t)p->slot * PIECE;
+    s->trace.read_wait += t ? now_seconds() - t : 0;
+    const unsigned char *room = slot_room(s, p->slot);
     if (p->rc)
       rc = set_error(p->rc, "%s", p->msg ? p->msg : "read failed");
     else
       rc = dev_h2d_async(s->dev, p->dst, room, p->n);
     if (!rc && p->mirror)
       memcpy(p->mirror, room, p->n);
-    s->slot[p->slot] = rc ? SLOT_FREE : SLOT_COPYING;
+    if (rc)
+      s->slot[p->slot] = SLOT_FREE;
+    else
+      rc = slot_copying(s, p->slot);
+    s->trace.pieces++, s->trace.bytes += p->n;
     copied++;
   }
   batch_drop(s); /* after a failure, the readers finish what they took first */

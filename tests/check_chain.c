@@ -349,9 +349,25 @@ static void shrink_after_first(void *user, size_t done, size_t total, const char
     ck_assert_int_eq(truncate(user, 4096), 0);
 }
 
-/* test-async completes its copies only at sync: a chunk refilled or freed before the core waits
- * for its copy shows up as other bytes than a reference load holds (or an abort in host_free). */
+/* The stream's ring for loop index i: 0 the default (8 slots of 1 MiB, readers per core); 1 three
+ * slots of 4 KiB and three readers, so that every tensor wraps the ring many times and each piece
+ * waits for a copy fence (test-async completes only the copies before the fence waited on). Returns
+ * the ring's bytes. */
+static long long use_ring(int i) {
+  if (i == 0) {
+    unsetenv("QKEEP_STREAM_SLOTS"), unsetenv("QKEEP_STREAM_PIECE"), unsetenv("QKEEP_STREAM_READERS");
+    return 8 << 20;
+  }
+  setenv("QKEEP_STREAM_SLOTS", "3", 1), setenv("QKEEP_STREAM_PIECE", "4096", 1);
+  setenv("QKEEP_STREAM_READERS", "3", 1);
+  return 3 * 4096;
+}
+
+/* test-async completes its copies only at sync or a copy fence: a chunk refilled or freed before the
+ * core waits for its copy shows up as other bytes than a reference load holds (or an abort in
+ * host_free). */
 START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
+  long long ring = use_ring(_i);
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
   char *w0 = write_large("large-w0.safetensors", 11), *w1 = write_large("large-w1.safetensors", 12);
@@ -360,8 +376,8 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   ck_assert_str_eq(owner(m, "model.layers.0.mlp.down_proj"), "test-async");
   struct qkeep_memory_stats mem = {.size = sizeof mem};
   ck_assert_int_eq(qkeep_model_memory(m, &mem, true), 0);
-  ck_assert_int_ge(mem.staging_peak, 8 << 20); /* the pinned ring */
-  ck_assert_int_eq(mem.pinned_bytes, 8 << 20);  /* kept for the next load */
+  ck_assert_int_ge(mem.staging_peak, ring);    /* the pinned ring */
+  ck_assert_int_eq(mem.pinned_bytes, ring);     /* kept for the next load */
   ck_assert_int_lt(mem.staging_peak, 12 << 20); /* not the whole 12 MiB tensor as well */
   assert_digest(m, w0);
   forward_check(m, w0, 1e-5);
@@ -403,6 +419,30 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   reload_in_place(chain, 1, w0, w1);
   qkeep_plugin_close(async);
   free(w0), free(w1);
+  use_ring(0);
+}
+END_TEST
+
+/* A stream tuning variable out of range fails the load before any byte moves, naming it. */
+START_TEST(a_bad_stream_setting_fails_the_load_with_its_name) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = write_large("large-w0.safetensors", 11);
+  static const char *const bad[][2] = {
+      {"QKEEP_STREAM_SLOTS", "1"}, {"QKEEP_STREAM_PIECE", "4095"}, {"QKEEP_STREAM_READERS", "4x"}};
+  for (size_t i = 0; i < 3; i++) {
+    setenv(bad[i][0], bad[i][1], 1);
+    qkeep_plugin *chain[] = {async};
+    qkeep_model *m;
+    ck_assert_int_eq(qkeep_model_new_chain(chain, 1, &m), 0);
+    ck_assert_int_eq(qkeep_model_load(m, w0), QKEEP_E_CONFIG);
+    ck_assert_msg(strstr(qkeep_errmsg(), bad[i][0]) && strstr(qkeep_errmsg(), bad[i][1]), "%s", qkeep_errmsg());
+    ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
+    qkeep_model_free(m);
+    unsetenv(bad[i][0]);
+  }
+  qkeep_plugin_close(async);
+  free(w0);
 }
 END_TEST
 
@@ -410,6 +450,7 @@ END_TEST
  * mirror of what streamed (no device wait), and the bytes equal a reference load's, cold and after
  * a reload. */
 START_TEST(quantized_layers_normalise_on_an_async_device) {
+  use_ring(_i);
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
   char *src = write_source("w0.safetensors", 21, false, QKEEP_DTYPE_BF16);
@@ -432,6 +473,7 @@ START_TEST(quantized_layers_normalise_on_an_async_device) {
   }
   qkeep_plugin_close(async);
   free(src), free(src1);
+  use_ring(0);
 }
 END_TEST
 
@@ -596,8 +638,9 @@ static Suite *chain_suite(void) {
   tcase_add_test(tc, nvfp4_on_the_reference_and_the_rest_on_onednn);
   tcase_add_test(tc, an_abi_1_0_plugin_takes_part_in_a_chain);
   tcase_add_test(tc, a_layer_no_backend_takes_fails_before_any_allocation);
-  tcase_add_test(tc, a_device_with_async_copies_loads_through_pinned_chunks);
-  tcase_add_test(tc, quantized_layers_normalise_on_an_async_device);
+  tcase_add_loop_test(tc, a_device_with_async_copies_loads_through_pinned_chunks, 0, 2);
+  tcase_add_test(tc, a_bad_stream_setting_fails_the_load_with_its_name);
+  tcase_add_loop_test(tc, quantized_layers_normalise_on_an_async_device, 0, 2);
   tcase_add_test(tc, the_weight_dtype_reaches_supports_layer);
   tcase_add_test(tc, a_tied_lm_head_stays_with_its_embedding);
   tcase_add_test(tc, a_hand_built_layer_gets_its_owner_at_its_first_param);

@@ -26,6 +26,7 @@
  * with rocm-mxfp4 (plugins/gpu: mxfp4_pwal.c repacks, mxfp4.cu launches).
  */
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,9 @@
 #include "mxfp4.h"
 #include "qkeep_backend_util.h"
 
+/* Events behind the copy fences, reused round robin (a reused one stands for a later fence). */
+#define FENCE_EVENTS 64
+
 struct cuda_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
   const struct qkeep_host *host;
@@ -43,6 +47,10 @@ struct cuda_backend {
   int device;
   struct nvfp4_tuning tuning; /* 0: automatic */
   bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
+  /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
+  pthread_mutex_t fence_mu;
+  uint64_t fences; /* tokens handed out */
+  cudaEvent_t fence_event[FENCE_EVENTS];
 };
 
 /* What apply needs of a layer, cached by PWAL (pointers do not move between PWALs). */
@@ -172,6 +180,46 @@ static int mem_h2d_async(const struct qkeep_backend *be, void *dst, const void *
     return rc;
   cudaError_t err = cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, 0);
   return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaMemcpyAsync");
+}
+
+/* A fence after every copy started so far on the legacy stream: an event recorded there. */
+static int mem_copy_fence(const struct qkeep_backend *be, uint64_t *fence) {
+  struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  pthread_mutex_lock(&c->fence_mu);
+  uint64_t f = c->fences;
+  cudaEvent_t *ev = &c->fence_event[f % FENCE_EVENTS];
+  cudaError_t err = *ev ? cudaSuccess : cudaEventCreateWithFlags(ev, cudaEventDisableTiming);
+  if (err == cudaSuccess)
+    err = cudaEventRecord(*ev, 0);
+  if (err == cudaSuccess)
+    c->fences++;
+  pthread_mutex_unlock(&c->fence_mu);
+  if (err != cudaSuccess)
+    return cuda_error(c, err, "recording a copy fence");
+  *fence = f;
+  return 0;
+}
+
+/* Waits for (or asks about) the fence's event; if a later fence reused it, that one's point. */
+static int mem_copy_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
+  struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  pthread_mutex_lock(&c->fence_mu);
+  bool known = fence < c->fences;
+  cudaEvent_t ev = c->fence_event[fence % FENCE_EVENTS];
+  pthread_mutex_unlock(&c->fence_mu);
+  if (!known)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: copy fence %llu was never recorded",
+                              (unsigned long long)fence);
+  cudaError_t err = block ? cudaEventSynchronize(ev) : cudaEventQuery(ev);
+  if (err == cudaErrorNotReady)
+    return 1;
+  return err == cudaSuccess ? 0 : cuda_error(c, err, "waiting for a copy fence");
 }
 
 static int mem_sync(const struct qkeep_backend *be) {
@@ -648,7 +696,14 @@ static void cuda_layer_cleanup(const struct qkeep_backend *be, qkeep_layer *laye
   free(state);
 }
 
-static void cuda_fini(const struct qkeep_backend *be) { free((void *)be); }
+static void cuda_fini(const struct qkeep_backend *be) {
+  struct cuda_backend *c = backend_of(be);
+  for (int i = 0; i < FENCE_EVENTS; i++)
+    if (c->fence_event[i])
+      (void)cudaEventDestroy(c->fence_event[i]);
+  pthread_mutex_destroy(&c->fence_mu);
+  free(c);
+}
 
 QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const struct qkeep_backend **out) {
   if (!host || host->abi_major != QKEEP_BACKEND_ABI_MAJOR)
@@ -669,7 +724,10 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .host_alloc = mem_host_alloc,
       .host_free = mem_host_free,
       .copy_h2d_async = mem_h2d_async,
+      .copy_fence = mem_copy_fence,
+      .copy_fence_wait = mem_copy_fence_wait,
   };
+  pthread_mutex_init(&c->fence_mu, NULL);
   c->be = (struct qkeep_backend){
       .size = sizeof(struct qkeep_backend),
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,

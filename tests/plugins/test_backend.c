@@ -20,7 +20,9 @@
  *   ASYNC     every layer, LEGACY's kernel, on a device in host memory with ABI 1.2's pinned
  *             staging: copy_h2d_async only queues the copy, and the queue runs when sync (or
  *             any other memory op) is called, so a core that refills or frees a staging chunk
- *             before sync loads wrong bytes (caught by the digest) or aborts here
+ *             before sync loads wrong bytes (caught by the digest) or aborts here; ABI 1.3's
+ *             copy fences complete only the copies before the fence waited on, and a
+ *             non-blocking wait says "not yet" every other time
  *
  * init allocates the table, so a loader that forgets fini on a failure path
  * shows up as a leak under valgrind and ASan.
@@ -68,6 +70,10 @@ struct test_backend {
     size_t n;
   } * queue;
   size_t queued, queue_cap;
+  size_t flushed;        /* ASYNC: copies started and done (queue[0] is copy number `flushed`) */
+  uint64_t *fence_at;    /* ASYNC: per fence token, the number of copies started before it */
+  size_t fences, fence_cap;
+  unsigned queries;      /* ASYNC: non-blocking fence waits so far (every other one says "not yet") */
 };
 
 #if !defined(VARIANT_INITFAIL) /* INITFAIL never builds a table */
@@ -203,12 +209,19 @@ static struct test_backend *async_of(const struct qkeep_backend *be) {
   return (struct test_backend *)(void *)(uintptr_t)be; /* the instance behind the const table is ours */
 }
 
-/* Completes every queued copy, oldest first (what a stream does by the time it is waited on). */
+/* Completes the oldest `count` queued copies, in order (what a stream does by the time it is waited on). */
+static void async_complete(struct test_backend *tb, size_t count) {
+  for (size_t i = 0; i < count; i++)
+    memcpy(tb->queue[i].dst, tb->queue[i].src, tb->queue[i].n);
+  memmove(tb->queue, tb->queue + count, (tb->queued - count) * sizeof *tb->queue);
+  tb->queued -= count;
+  tb->flushed += count;
+}
+
+/* Completes every queued copy. */
 static void async_flush(const struct qkeep_backend *be) {
   struct test_backend *tb = async_of(be);
-  for (size_t i = 0; i < tb->queued; i++)
-    memcpy(tb->queue[i].dst, tb->queue[i].src, tb->queue[i].n);
-  tb->queued = 0;
+  async_complete(tb, tb->queued);
 }
 
 /* Every op below runs after the queued copies, as on one stream. */
@@ -269,6 +282,38 @@ static int async_h2d(const struct qkeep_backend *be, void *dst, const void *src,
   return 0;
 }
 
+/* ABI 1.3: a fence remembers how many copies were started before it. */
+static int async_fence(const struct qkeep_backend *be, uint64_t *fence) {
+  struct test_backend *tb = async_of(be);
+  if (tb->fences == tb->fence_cap) {
+    size_t cap = tb->fence_cap ? 2 * tb->fence_cap : 64;
+    uint64_t *f = realloc(tb->fence_at, cap * sizeof *f);
+    if (!f)
+      return QKEEP_E_NOMEM;
+    tb->fence_at = f, tb->fence_cap = cap;
+  }
+  tb->fence_at[tb->fences] = tb->flushed + tb->queued;
+  *fence = tb->fences++;
+  return 0;
+}
+
+/* Completes the copies before the fence only (later ones stay queued, so a core that refills a piece
+ * whose fence it did not wait for loads wrong bytes); a non-blocking ask says "not yet" every other
+ * time without completing anything, as a busy device would. */
+static int async_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
+  struct test_backend *tb = async_of(be);
+  if (fence >= tb->fences)
+    return tb->host->set_error(QKEEP_E_INVAL, "test-async: fence %llu was never recorded",
+                               (unsigned long long)fence);
+  uint64_t before = tb->fence_at[fence];
+  if (before <= tb->flushed)
+    return 0;
+  if (!block && tb->queries++ % 2 == 0)
+    return 1;
+  async_complete(tb, (size_t)(before - tb->flushed));
+  return 0;
+}
+
 static const struct qkeep_memory_ops async_ops = {
     .size = sizeof(struct qkeep_memory_ops),
     .alloc = async_alloc,
@@ -281,6 +326,8 @@ static const struct qkeep_memory_ops async_ops = {
     .host_alloc = async_host_alloc,
     .host_free = async_host_free,
     .copy_h2d_async = async_h2d,
+    .copy_fence = async_fence,
+    .copy_fence_wait = async_fence_wait,
 };
 #endif
 
@@ -300,6 +347,7 @@ static void test_fini(const struct qkeep_backend *be) {
 static void test_fini(const struct qkeep_backend *be) {
   struct test_backend *tb = (struct test_backend *)(void *)(uintptr_t)be;
   free(tb->queue);
+  free(tb->fence_at);
   free(tb);
 }
 #endif
