@@ -11,6 +11,12 @@
  * BACKEND heads a chain that ends with the reference backend, so every scheme loads: with
  * cuda-nvfp4 (make bench-gpu) the NVFP4 layers are on the GPU and the reload is a device
  * reload. SCHEMES is a comma-separated subset of w8a8-int8,modelopt-nvfp4,gptq-int4.
+ * QKEEP_BENCH_RINGS="SLOTS:PIECE:READERS:FENCES,..." measures each scheme once per device staging
+ * ring shape (QKEEP_STREAM_SLOTS, _PIECE in bytes, _READERS, _FENCES; an empty or missing field keeps
+ * the default), each
+ * with a model loaded anew, and prints the shape in its line. reload_over_raw_paired is the median
+ * of each run's reload over the raw read next to it (steadier than the ratio of the medians when
+ * the host's page-cache speed drifts).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,6 +72,25 @@ static int64_t largest_layer(const qkeep_model *m) {
   return best;
 }
 
+/* Sets the ring variables from one "SLOTS:PIECE:READERS" field of QKEEP_BENCH_RINGS (NULL: defaults). */
+static void set_ring(const char *spec, char *label, size_t label_len) {
+  static const char *const vars[] = {"QKEEP_STREAM_SLOTS", "QKEEP_STREAM_PIECE", "QKEEP_STREAM_READERS",
+                                     "QKEEP_STREAM_FENCES"};
+  const char *p = spec;
+  for (int i = 0; i < 4; i++) {
+    size_t n = p ? strcspn(p, ":,") : 0;
+    char v[32] = "";
+    if (n && n < sizeof v)
+      memcpy(v, p, n), v[n] = 0;
+    if (*v)
+      setenv(vars[i], v, 1);
+    else
+      unsetenv(vars[i]);
+    p = p && p[n] == ':' ? p + n + 1 : NULL;
+  }
+  snprintf(label, label_len, "%.*s", spec ? (int)strcspn(spec, ",") : 7, spec ? spec : "default");
+}
+
 static int fail(const char *what) {
   fprintf(stderr, "bench_reload: %s: %s: %s\n", what, qkeep_strerror(-1), qkeep_errmsg());
   return 1;
@@ -95,56 +120,66 @@ int main(int argc, char **argv) {
     struct qkeep_quantize_options o = {.size = sizeof o, .scheme = schemes[si], .kv_cache_scales = true};
     if (qkeep_quantize(s0, w0, &o) || qkeep_quantize(s1, w1, &o))
       return fail("quantizing");
-    qkeep_model *m;
-    if (qkeep_model_new_chain(chain, n_chain, &m) || qkeep_model_load(m, w0))
-      return fail("loading W0");
-    double cold[64], reload[64], raw[64], phase[4][64]; /* the reload's open, validate, read, PWAL */
-    int64_t raw_bytes = 0, peak_extra = 0;
-    for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
-      qkeep_model *c;
-      double t0 = tu_now();
-      if (qkeep_model_new_chain(chain, n_chain, &c) || qkeep_model_load(c, w1))
-        return fail("cold start");
-      double t1 = tu_now();
-      qkeep_model_free(c);
-      struct qkeep_memory_stats mem = {.size = sizeof mem};
-      qkeep_model_memory(m, &mem, true);
-      double t2 = tu_now();
-      if (qkeep_model_reload(m, r % 2 ? w0 : w1, 0))
-        return fail("reload");
-      double t3 = tu_now();
-      struct qkeep_load_stats st = {.size = sizeof st};
-      qkeep_model_load_stats(m, &st);
-      struct qkeep_memory_stats after = {.size = sizeof after};
-      qkeep_model_memory(m, &after, false);
-      int64_t extra = after.storage_peak - mem.storage_bytes + after.staging_peak;
-      if (extra > peak_extra)
-        peak_extra = extra;
-      double t_raw;
-      if (qkeep_checkpoint_read_all(w1, &raw_bytes, &t_raw))
-        return fail("raw read");
-      if (r >= 0) {
-        cold[r] = t1 - t0;
-        reload[r] = t3 - t2;
-        raw[r] = t_raw;
-        phase[0][r] = st.open_seconds, phase[1][r] = st.validate_seconds;
-        phase[2][r] = st.read_seconds, phase[3][r] = st.pwal_seconds;
+    const char *rings = getenv("QKEEP_BENCH_RINGS");
+    for (const char *ring = rings && *rings ? rings : NULL;; ring = strchr(ring, ',') + 1) {
+      char ring_label[64];
+      set_ring(ring, ring_label, sizeof ring_label);
+      qkeep_model *m;
+      if (qkeep_model_new_chain(chain, n_chain, &m) || qkeep_model_load(m, w0))
+        return fail("loading W0");
+      double cold[64], reload[64], raw[64], paired[64], phase[4][64]; /* phases: open, validate, read, PWAL */
+      int64_t raw_bytes = 0, peak_extra = 0;
+      for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
+        qkeep_model *c;
+        double t0 = tu_now();
+        if (qkeep_model_new_chain(chain, n_chain, &c) || qkeep_model_load(c, w1))
+          return fail("cold start");
+        double t1 = tu_now();
+        qkeep_model_free(c);
+        struct qkeep_memory_stats mem = {.size = sizeof mem};
+        qkeep_model_memory(m, &mem, true);
+        double t2 = tu_now();
+        if (qkeep_model_reload(m, r % 2 ? w0 : w1, 0))
+          return fail("reload");
+        double t3 = tu_now();
+        struct qkeep_load_stats st = {.size = sizeof st};
+        qkeep_model_load_stats(m, &st);
+        struct qkeep_memory_stats after = {.size = sizeof after};
+        qkeep_model_memory(m, &after, false);
+        int64_t extra = after.storage_peak - mem.storage_bytes + after.staging_peak;
+        if (extra > peak_extra)
+          peak_extra = extra;
+        double t_raw;
+        if (qkeep_checkpoint_read_all(w1, &raw_bytes, &t_raw))
+          return fail("raw read");
+        if (r >= 0) {
+          cold[r] = t1 - t0;
+          reload[r] = t3 - t2;
+          raw[r] = t_raw;
+          paired[r] = (t3 - t2) / t_raw;
+          phase[0][r] = st.open_seconds, phase[1][r] = st.validate_seconds;
+          phase[2][r] = st.read_seconds, phase[3][r] = st.pwal_seconds;
+        }
       }
+      double mc = tu_median(cold, runs), mr = tu_median(reload, runs), mw = tu_median(raw, runs);
+      printf("{\"bench\":\"reload\",\"backend\":\"%s\",\"scheme\":\"%s\",\"layers\":%d,\"checkpoint_bytes\":%"
+             "lld,"
+             "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"
+             "\"cold_over_reload\":%.2f,\"reload_over_raw\":%.2f,\"peak_extra_bytes\":%lld,\"largest_layer_"
+             "bytes\":%lld,"
+             "\"extra_over_largest_layer\":%.3f,\"reload_open_ms\":%.2f,\"reload_validate_ms\":%.2f,"
+             "\"reload_read_ms\":%.2f,\"reload_pwal_ms\":%.2f,\"reload_over_raw_paired\":%.2f,\"ring\":\"%"
+             "s\"}\n",
+             backend, schemes[si], layers, (long long)raw_bytes, runs, 1e3 * mc, 1e3 * mr, 1e3 * mw, mc / mr,
+             mr / mw, (long long)peak_extra, (long long)largest_layer(m),
+             (double)peak_extra / (double)largest_layer(m), 1e3 * tu_median(phase[0], runs),
+             1e3 * tu_median(phase[1], runs), 1e3 * tu_median(phase[2], runs),
+             1e3 * tu_median(phase[3], runs), tu_median(paired, runs), ring_label);
+      fflush(stdout);
+      qkeep_model_free(m);
+      if (!ring || !strchr(ring, ','))
+        break;
     }
-    double mc = tu_median(cold, runs), mr = tu_median(reload, runs), mw = tu_median(raw, runs);
-    printf(
-        "{\"bench\":\"reload\",\"backend\":\"%s\",\"scheme\":\"%s\",\"layers\":%d,\"checkpoint_bytes\":%lld,"
-        "\"runs\":%d,\"cold_ms\":%.2f,\"reload_ms\":%.2f,\"peer\":\"raw_read\",\"raw_read_ms\":%.2f,"
-        "\"cold_over_reload\":%.2f,\"reload_over_raw\":%.2f,\"peak_extra_bytes\":%lld,\"largest_layer_"
-        "bytes\":%lld,"
-        "\"extra_over_largest_layer\":%.3f,\"reload_open_ms\":%.2f,\"reload_validate_ms\":%.2f,"
-        "\"reload_read_ms\":%.2f,\"reload_pwal_ms\":%.2f}\n",
-        backend, schemes[si], layers, (long long)raw_bytes, runs, 1e3 * mc, 1e3 * mr, 1e3 * mw, mc / mr,
-        mr / mw, (long long)peak_extra, (long long)largest_layer(m),
-        (double)peak_extra / (double)largest_layer(m), 1e3 * tu_median(phase[0], runs),
-        1e3 * tu_median(phase[1], runs), 1e3 * tu_median(phase[2], runs), 1e3 * tu_median(phase[3], runs));
-    fflush(stdout);
-    qkeep_model_free(m);
     free(w0);
     free(w1);
   }

@@ -11,15 +11,19 @@
  * and the scheme's normalisation and the backend's PWAL run again - in place,
  * by the replace rule. The result equals a cold start on W1 byte for byte.
  * If applying fails part-way, the layers already changed are reloaded from
- * the checkpoint the model held before (W0), and each must then hash to the
- * digest it had just before the reload touched it: W0's files may have changed
- * on disk since (a trainer saving into the same directory), and re-reading them
- * would otherwise give a silent mix. If the bytes differ, or no file holds W0,
- * the model refuses to run until a reload succeeds.
+ * the checkpoint the model held before (W0), but only from the very files it
+ * was read from: each file's identity (device, inode, size, mtime, ctime) was
+ * recorded when it was read and must hold before and after the re-read, since
+ * W0's files may have changed on disk since (a trainer saving into the same
+ * directory) and re-reading them would otherwise give a silent mix. If they
+ * changed, or no file holds W0, the model refuses to run until a reload
+ * succeeds.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "scheme.h"
 
@@ -97,6 +101,9 @@ struct scale_cache {
   size_t *offset;          /* per entry, into bytes */
   size_t n, cap_entries;
   bool complete; /* every scale tensor is kept (or lives in memory already) */
+  /* kept tensors not read yet: read together, by a few threads, once every layer is checked */
+  struct provided *pending;
+  size_t n_pending, cap_pending;
 };
 
 static bool cached_find(const struct provider *p, const char *name, struct provided *out) {
@@ -156,6 +163,7 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
 static void scale_cache_free(struct scale_cache *c) {
   free(c->bytes);
   free(c->offset);
+  free(c->pending);
   name_index_clear(&c->index);
 }
 
@@ -180,16 +188,14 @@ static bool in_memory(const struct provider *pv, const struct provided *t) {
 }
 
 /*
- * Reads the scale tensors ts[0..n) of one layer into the cache while it has
- * room, as one batch (runs of adjacent tensors in one syscall each); those in
- * memory already, or kept already (a kv_scale feeding k and v), are skipped.
+ * Keeps room in the cache for the scale tensors ts[0..n) of one layer while it has room; those
+ * in memory already, or kept already (a kv_scale feeding k and v), are skipped. read_kept reads
+ * them.
  */
 static int keep_scales(struct scale_cache *c, const struct provided *ts, size_t n) {
   const struct provider *pv = c->inner;
-  struct provided *batch = malloc((n ? n : 1) * sizeof *batch);
-  void **dsts = malloc((n ? n : 1) * sizeof *dsts);
-  size_t m = 0, seen;
-  int rc = batch && dsts ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  size_t seen;
+  int rc = 0;
   for (size_t i = 0; i < n && !rc; i++) {
     const struct provided *t = &ts[i];
     if (in_memory(pv, t) || name_index_get(&c->index, t->name, &seen))
@@ -199,18 +205,93 @@ static int keep_scales(struct scale_cache *c, const struct provided *ts, size_t 
       continue;
     }
     rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
+    if (!rc)
+      rc = grow_array((void **)&c->pending, &c->cap_pending, c->n_pending + 1, sizeof *c->pending);
     if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
       c->offset[c->n++] = c->used;
-      batch[m] = *t;
-      dsts[m++] = c->bytes + c->used;
+      c->pending[c->n_pending++] = *t;
       c->used += t->nbytes;
     }
   }
-  if (!rc && pv->read_many)
-    rc = pv->read_many(pv, batch, m, dsts);
-  for (size_t i = 0; i < m && !rc && !pv->read_many; i++)
-    rc = pv->read(pv, &batch[i], dsts[i]);
-  free(batch);
+  return rc;
+}
+
+/* Threads that read the kept scales: their reads are small preads, most of a validation's time. */
+#define SCALE_READERS 4
+
+struct kept_reads {
+  const struct scale_cache *c;
+  size_t next; /* the next pending tensor to take */
+  int rc;      /* the first failure, with its message */
+  char *msg;
+  pthread_mutex_t mu;
+};
+
+static void *read_kept_worker(void *arg) {
+  struct kept_reads *r = arg;
+  const struct scale_cache *c = r->c;
+  const struct provider *pv = c->inner;
+  for (;;) {
+    pthread_mutex_lock(&r->mu);
+    size_t i = r->rc ? c->n_pending : r->next++;
+    pthread_mutex_unlock(&r->mu);
+    if (i >= c->n_pending)
+      return NULL;
+    const struct provided *t = &c->pending[i];
+    size_t at = 0;
+    name_index_get(&c->index, t->name, &at);
+    int rc = pv->read_range(pv, t, 0, t->nbytes, c->bytes + c->offset[at]);
+    if (rc) {
+      pthread_mutex_lock(&r->mu);
+      if (!r->rc)
+        r->rc = rc, r->msg = xstrdup(qkeep_errmsg());
+      pthread_mutex_unlock(&r->mu);
+    }
+  }
+}
+
+/*
+ * Reads every kept tensor not read yet: with the provider's read_range, by up to SCALE_READERS
+ * threads (one per core) taking a tensor at a time; else in one batch on this thread.
+ */
+static int read_kept(struct scale_cache *c) {
+  const struct provider *pv = c->inner;
+  size_t n = c->n_pending;
+  c->n_pending = 0;
+  if (!n)
+    return 0;
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  int threads = cores < 1 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
+  if (pv->read_range && threads > 1 && n > 1) {
+    struct kept_reads r = {.c = c};
+    pthread_t tid[SCALE_READERS];
+    int started = 0;
+    c->n_pending = n; /* the workers read c->pending[0..n) */
+    pthread_mutex_init(&r.mu, NULL);
+    while (started < threads - 1 && pthread_create(&tid[started], NULL, read_kept_worker, &r) == 0)
+      started++;
+    read_kept_worker(&r); /* this thread reads too */
+    for (int i = 0; i < started; i++)
+      pthread_join(tid[i], NULL);
+    pthread_mutex_destroy(&r.mu);
+    c->n_pending = 0;
+    int rc = r.rc ? set_error(r.rc, "%s", r.msg ? r.msg : "read failed") : 0;
+    free(r.msg);
+    return rc;
+  }
+  void **dsts = malloc(n * sizeof *dsts);
+  if (!dsts)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n; i++) {
+    size_t at = 0;
+    name_index_get(&c->index, c->pending[i].name, &at);
+    dsts[i] = c->bytes + c->offset[at];
+  }
+  int rc = 0;
+  if (pv->read_many)
+    rc = pv->read_many(pv, c->pending, n, dsts);
+  for (size_t i = 0; i < n && !rc && !pv->read_many; i++)
+    rc = pv->read(pv, &c->pending[i], dsts[i]);
   free(dsts);
   return rc;
 }
@@ -289,24 +370,29 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   return 0;
 }
 
-/* Every source of the layer is in the provider as the model expects; its scales are read (kept) and valid. */
+/* Every source of the layer is in the provider as the model expects; its scales get room in the cache. */
 static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   size_t n = 0;
   struct provided *scales = malloc((layer->n_sources ? layer->n_sources : 1) * sizeof *scales), t;
-  const qkeep_param **params = malloc((layer->n_sources ? layer->n_sources : 1) * sizeof *params);
-  int rc = scales && params ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = scales ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < layer->n_sources && !rc; i++)
-    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].param->scale) {
-      params[n] = layer->sources[i].param;
+    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].param->scale)
       scales[n++] = t;
-    }
   if (!rc)
     rc = keep_scales(cache, scales, n);
-  for (size_t i = 0; i < n && !rc; i++)
-    rc = check_scale_values(layer, params[i], cache, &scales[i]);
   free(scales);
-  free(params);
+  return rc;
+}
+
+/* The layer's scale tensors (read by read_kept, or now when the cache had no room) are valid. */
+static int validate_scale_values(const qkeep_layer *layer, struct scale_cache *cache) {
+  const struct provider *pv = cache->inner;
+  struct provided t;
+  int rc = 0;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++)
+    if (layer->sources[i].param->scale && pv->find(pv, layer->sources[i].checkpoint_name, &t))
+      rc = check_scale_values(layer, layer->sources[i].param, cache, &t);
   return rc;
 }
 
@@ -349,7 +435,12 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
   }
   if (!chosen)
     return set_error(QKEEP_E_NOTFOUND, "%s: holds no tensor of this model", pv->what);
-  return 0;
+  /* Every name and shape holds: now the scales' values, read all at once. */
+  int rc = read_kept(cache);
+  for (size_t l = 0; l < model->n_layers && !rc; l++)
+    if (selected[l])
+      rc = validate_scale_values(model->layers[l], cache);
+  return rc;
 }
 
 /* ---- applying -------------------------------------------------------------------------------- */

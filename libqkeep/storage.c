@@ -56,7 +56,8 @@ bool memory_ops_complete(const struct qkeep_memory_ops *ops) {
 }
 
 bool memory_ops_async(const struct qkeep_memory_ops *ops) {
-  return ops && ops->size >= offsetof(struct qkeep_memory_ops, copy_h2d_async) + sizeof(ops->copy_h2d_async) &&
+  return ops &&
+         ops->size >= offsetof(struct qkeep_memory_ops, copy_h2d_async) + sizeof(ops->copy_h2d_async) &&
          ops->host_alloc && ops->host_free && ops->copy_h2d_async;
 }
 

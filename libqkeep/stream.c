@@ -16,8 +16,9 @@
  *
  * Tuning (read when the ring is made; docs/PERFORMANCE.md): QKEEP_STREAM_SLOTS (2-64 slots,
  * default 8), QKEEP_STREAM_PIECE (bytes per slot, 4096 to 64 MiB, default 1 MiB),
- * QKEEP_STREAM_READERS (1-16 threads, default one per core up to 4); QKEEP_STREAM_TRACE=1
- * prints, at the end of each load, where the calling thread waited.
+ * QKEEP_STREAM_READERS (1-16 threads, default one per core up to 4); QKEEP_STREAM_FENCES=0
+ * ignores the backend's fences (syncs instead); QKEEP_STREAM_TRACE=1 prints, at the end of each
+ * load, where the calling thread waited.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -68,7 +69,7 @@ struct stream {
   size_t piece;     /* bytes per slot */
   int slots, arena; /* slots in the ring; the arena is the last one */
   int want_readers;
-  unsigned char *ring;           /* slots * piece pinned bytes */
+  unsigned char *ring; /* slots * piece pinned bytes */
   enum slot_state slot[MAX_SLOTS];
   uint64_t fence[MAX_SLOTS]; /* a COPYING slot's copies are done once this fence has passed */
   pthread_t readers[MAX_READERS];
@@ -86,7 +87,9 @@ struct stream {
   struct stream_trace trace;
 };
 
-static unsigned char *slot_room(const struct stream *s, int slot) { return s->ring + (size_t)slot * s->piece; }
+static unsigned char *slot_room(const struct stream *s, int slot) {
+  return s->ring + (size_t)slot * s->piece;
+}
 
 static void read_piece(const struct stream *s, struct piece *p) {
   unsigned char *room = slot_room(s, p->slot);
@@ -141,11 +144,12 @@ static void batch_drop(struct stream *s);
 static void trace_print(struct stream *s) {
   struct stream_trace *t = &s->trace;
   if (t->on && t->pieces)
-    fprintf(stderr,
-            "qkeep stream: %zu pieces, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
-            "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)\n",
-            t->pieces, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
-            t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
+    fprintf(
+        stderr,
+        "qkeep stream: %zu pieces, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
+        "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)\n",
+        t->pieces, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
+        t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
   bool on = t->on;
   *t = (struct stream_trace){.on = on};
 }
@@ -186,14 +190,18 @@ int stream_new(const struct device *dev, struct stream **out) {
     rc = tuning("QKEEP_STREAM_PIECE", 4096, (long long)64 << 20, (long long)DEFAULT_PIECE, &piece);
   if (!rc)
     rc = tuning("QKEEP_STREAM_READERS", 1, MAX_READERS,
-                cores < 1 ? 1 : cores > DEFAULT_READERS ? DEFAULT_READERS : cores, &readers);
+                cores < 1                 ? 1
+                : cores > DEFAULT_READERS ? DEFAULT_READERS
+                                          : cores,
+                &readers);
   if (rc)
     return rc;
   struct stream *s = calloc(1, sizeof *s);
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory for the device stream");
   s->dev = dev;
-  s->fences = memory_ops_fences(dev->ops);
+  const char *fences = getenv("QKEEP_STREAM_FENCES");
+  s->fences = memory_ops_fences(dev->ops) && !(fences && strcmp(fences, "0") == 0);
   s->slots = (int)slots, s->arena = (int)slots - 1, s->piece = (size_t)piece, s->want_readers = (int)readers;
   const char *trace = getenv("QKEEP_STREAM_TRACE");
   s->trace.on = trace && *trace && strcmp(trace, "0") != 0;
@@ -412,7 +420,8 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
   return 0;
 }
 
-int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items, size_t n_items) {
+int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                 size_t n_items) {
   int rc = s->n_readers ? 0 : start_readers(s);
   if (rc)
     return rc;

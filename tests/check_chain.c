@@ -376,7 +376,7 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   ck_assert_str_eq(owner(m, "model.layers.0.mlp.down_proj"), "test-async");
   struct qkeep_memory_stats mem = {.size = sizeof mem};
   ck_assert_int_eq(qkeep_model_memory(m, &mem, true), 0);
-  ck_assert_int_ge(mem.staging_peak, ring);    /* the pinned ring */
+  ck_assert_int_ge(mem.staging_peak, ring);     /* the pinned ring */
   ck_assert_int_eq(mem.pinned_bytes, ring);     /* kept for the next load */
   ck_assert_int_lt(mem.staging_peak, 12 << 20); /* not the whole 12 MiB tensor as well */
   assert_digest(m, w0);
@@ -436,7 +436,8 @@ START_TEST(a_bad_stream_setting_fails_the_load_with_its_name) {
     qkeep_model *m;
     ck_assert_int_eq(qkeep_model_new_chain(chain, 1, &m), 0);
     ck_assert_int_eq(qkeep_model_load(m, w0), QKEEP_E_CONFIG);
-    ck_assert_msg(strstr(qkeep_errmsg(), bad[i][0]) && strstr(qkeep_errmsg(), bad[i][1]), "%s", qkeep_errmsg());
+    ck_assert_msg(strstr(qkeep_errmsg(), bad[i][0]) && strstr(qkeep_errmsg(), bad[i][1]), "%s",
+                  qkeep_errmsg());
     ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
     qkeep_model_free(m);
     unsetenv(bad[i][0]);

@@ -63,17 +63,17 @@ struct test_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
   const struct qkeep_host *host;
   long threads;
-  char take[128]; /* PICKY: the name part a layer must contain ("" takes all, "-" none) */
-  struct pending {  /* ASYNC: copies started and not yet done */
+  char take[128];  /* PICKY: the name part a layer must contain ("" takes all, "-" none) */
+  struct pending { /* ASYNC: copies started and not yet done */
     void *dst;
     const void *src;
     size_t n;
   } * queue;
   size_t queued, queue_cap;
-  size_t flushed;        /* ASYNC: copies started and done (queue[0] is copy number `flushed`) */
-  uint64_t *fence_at;    /* ASYNC: per fence token, the number of copies started before it */
+  size_t flushed;     /* ASYNC: copies started and done (queue[0] is copy number `flushed`) */
+  uint64_t *fence_at; /* ASYNC: per fence token, the number of copies started before it */
   size_t fences, fence_cap;
-  unsigned queries;      /* ASYNC: non-blocking fence waits so far (every other one says "not yet") */
+  unsigned queries; /* ASYNC: non-blocking fence waits so far (every other one says "not yet") */
 };
 
 #if !defined(VARIANT_INITFAIL) /* INITFAIL never builds a table */
