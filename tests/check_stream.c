@@ -1,0 +1,241 @@
+/*
+ * check_stream.c: the device stream (libqkeep/stream.c) on a fake asynchronous device.
+ *
+ * The device lives in host memory, but copy_h2d_async only queues its copy: the queue runs at
+ * sync, at any other memory op, or, up to a fence, when that fence is waited on (a non-blocking
+ * wait says "not yet" every other time). So a core that refills a slot before its copy is done,
+ * or writes into a slot a reader is filling, leaves other bytes at the destination than the
+ * source had. The provider's reads can be held at a gate, so a test can hold every slot in the
+ * reading state while it puts.
+ */
+#include <check.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* ---- the fake device ---- */
+
+struct pending {
+  void *dst;
+  const void *src;
+  size_t n;
+};
+static struct pending *queue;
+static size_t queued, queue_cap, flushed;
+static uint64_t *fence_at; /* per token: copies started before it */
+static size_t fences, fence_cap;
+static unsigned asks;
+
+static void complete(size_t count) {
+  for (size_t i = 0; i < count; i++)
+    memcpy(queue[i].dst, queue[i].src, queue[i].n);
+  memmove(queue, queue + count, (queued - count) * sizeof *queue);
+  queued -= count, flushed += count;
+}
+static void flush(void) { complete(queued); }
+
+static int f_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  (void)be, flush();
+  return (*out = calloc(1, bytes ? bytes : 1)) ? 0 : QKEEP_E_NOMEM;
+}
+static void f_free(const struct qkeep_backend *be, void *p) { (void)be, flush(), free(p); }
+static int f_copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  (void)be, flush();
+  memmove(dst, src, n);
+  return 0;
+}
+static int f_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
+  (void)be, flush();
+  memset(dst, byte, n);
+  return 0;
+}
+static int f_sync(const struct qkeep_backend *be) { return (void)be, flush(), 0; }
+static int f_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  (void)be;
+  return (*out = malloc(bytes)) ? 0 : QKEEP_E_NOMEM;
+}
+static void f_host_free(const struct qkeep_backend *be, void *p) {
+  (void)be;
+  ck_assert_uint_eq(queued, 0); /* the core syncs before it frees its staging */
+  free(p);
+}
+static int f_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  (void)be;
+  if (queued == queue_cap) {
+    queue_cap = queue_cap ? 2 * queue_cap : 64;
+    ck_assert_ptr_nonnull(queue = realloc(queue, queue_cap * sizeof *queue));
+  }
+  queue[queued++] = (struct pending){dst, src, n};
+  return 0;
+}
+static int f_fence(const struct qkeep_backend *be, uint64_t *fence) {
+  (void)be;
+  if (fences == fence_cap) {
+    fence_cap = fence_cap ? 2 * fence_cap : 64;
+    ck_assert_ptr_nonnull(fence_at = realloc(fence_at, fence_cap * sizeof *fence_at));
+  }
+  fence_at[fences] = flushed + queued;
+  *fence = fences++;
+  return 0;
+}
+static int f_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
+  (void)be;
+  ck_assert_uint_lt(fence, fences);
+  if (fence_at[fence] <= flushed)
+    return 0;
+  if (!block && asks++ % 2 == 0)
+    return 1;
+  complete((size_t)(fence_at[fence] - flushed));
+  return 0;
+}
+
+static const struct qkeep_memory_ops fenced_ops = {
+    .size = sizeof(struct qkeep_memory_ops),
+    .alloc = f_alloc,
+    .free = f_free,
+    .copy_h2d = f_copy,
+    .copy_d2h = f_copy,
+    .copy_d2d = f_copy,
+    .fill = f_fill,
+    .sync = f_sync,
+    .host_alloc = f_host_alloc,
+    .host_free = f_host_free,
+    .copy_h2d_async = f_h2d_async,
+    .copy_fence = f_fence,
+    .copy_fence_wait = f_fence_wait,
+};
+
+/* The same device as an ABI 1.2 backend sees it: the table ends before the fences. */
+static struct qkeep_memory_ops unfenced_ops;
+
+static void device_for(struct device *dev, struct qkeep_backend *be, bool with_fences) {
+  unfenced_ops = fenced_ops;
+  unfenced_ops.size = offsetof(struct qkeep_memory_ops, copy_fence);
+  *be = (struct qkeep_backend){
+      .size = sizeof *be, .name = "fake", .memory = with_fences ? &fenced_ops : &unfenced_ops};
+  device_init(dev, be);
+}
+
+/* ---- the provider: tensor bytes are a pattern of their offset; reads can wait at a gate ---- */
+
+static pthread_mutex_t gate_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_cv = PTHREAD_COND_INITIALIZER;
+static bool gate_open = true;
+
+static unsigned char pattern(size_t at) { return (unsigned char)(at * 131u + (at >> 9) + 7u); }
+
+static int p_read_range(const struct provider *p, const struct provided *t, size_t offset, size_t n,
+                        void *dst) {
+  (void)p, (void)t;
+  pthread_mutex_lock(&gate_mu);
+  while (!gate_open)
+    pthread_cond_wait(&gate_cv, &gate_mu);
+  pthread_mutex_unlock(&gate_mu);
+  for (size_t i = 0; i < n; i++)
+    ((unsigned char *)dst)[i] = pattern(offset + i);
+  return 0;
+}
+
+static void set_gate(bool open) {
+  pthread_mutex_lock(&gate_mu);
+  gate_open = open;
+  pthread_cond_broadcast(&gate_cv);
+  pthread_mutex_unlock(&gate_mu);
+}
+
+static const struct provider prov = {.what = "pattern", .read_range = p_read_range};
+
+static struct stream_item item(size_t nbytes, char *dst) {
+  return (struct stream_item){.t = {.name = "t", .nbytes = nbytes, .where = "pattern", .handle = &prov},
+                              .dst = dst};
+}
+
+static void ring(const char *slots, const char *piece) {
+  setenv("QKEEP_STREAM_SLOTS", slots, 1), setenv("QKEEP_STREAM_PIECE", piece, 1);
+  setenv("QKEEP_STREAM_READERS", "3", 1);
+}
+
+static void reset_device(void) {
+  free(queue), free(fence_at);
+  queue = NULL, fence_at = NULL;
+  queued = queue_cap = flushed = fences = fence_cap = 0;
+  asks = 0;
+}
+
+/* Every piece of a tensor many times the ring's size lands, with or without fences (_i). */
+START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
+  reset_device();
+  ring("3", "4096");
+  struct qkeep_backend be;
+  struct device dev;
+  device_for(&dev, &be, _i == 0);
+  struct stream *s;
+  ck_assert_msg(stream_new(&dev, &s) == 0, "%s", qkeep_errmsg());
+  size_t n = ((size_t)1 << 20) + 123;
+  char *dst = calloc(1, n);
+  struct stream_item it = item(n, dst);
+  ck_assert_msg(stream_items(s, &prov, &it, 1) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  for (size_t i = 0; i < n; i++)
+    ck_assert_msg((unsigned char)dst[i] == pattern(i), "byte %zu", i);
+  if (_i == 0)
+    ck_assert_uint_gt(fences, n / 4096); /* a fence per piece */
+  stream_free(s);
+  free(dst);
+}
+END_TEST
+
+/* A put while a read ahead holds every slot must not borrow one of them (it once took slot 0
+ * whatever its state): the bytes put are the bytes that land. */
+START_TEST(a_put_never_takes_a_slot_being_read_ahead) {
+  reset_device();
+  ring("3", "16384");
+  struct qkeep_backend be;
+  struct device dev;
+  device_for(&dev, &be, _i == 0);
+  struct stream *s;
+  ck_assert_msg(stream_new(&dev, &s) == 0, "%s", qkeep_errmsg());
+  char *ahead = calloc(1, 65536);
+  struct stream_item it = item(65536, NULL);
+  set_gate(false); /* the readers stop inside their first reads */
+  ck_assert_int_eq(stream_prefetch(s, &prov, &it, 1), 0);
+  size_t sizes[] = {8192, 100, 16384, 20000}; /* a slot's worth, a small put, a whole slot, more */
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++) {
+    char *src = malloc(sizes[k]), *dst = calloc(1, sizes[k]);
+    memset(src, 0xA0 + (int)k, sizes[k]);
+    ck_assert_msg(stream_put(s, dst, src, sizes[k]) == 0, "%s", qkeep_errmsg());
+    memset(src, 0, sizes[k]); /* src may change once the put returns */
+    if (k == 0)
+      set_gate(true);
+    ck_assert_int_eq(stream_wait(s), 0);
+    for (size_t i = 0; i < sizes[k]; i++)
+      ck_assert_msg((unsigned char)dst[i] == 0xA0 + k, "put %zu byte %zu", k, i);
+    free(src), free(dst);
+  }
+  /* the read ahead still serves the load that asks for the same items */
+  it.dst = ahead;
+  ck_assert_msg(stream_items(s, &prov, &it, 1) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_end(s), 0);
+  for (size_t i = 0; i < 65536; i++)
+    ck_assert_msg((unsigned char)ahead[i] == pattern(i), "byte %zu", i);
+  stream_free(s);
+  free(ahead);
+}
+END_TEST
+
+int main(void) {
+  Suite *su = suite_create("stream");
+  TCase *tc = tcase_create("stream");
+  tcase_set_timeout(tc, 60);
+  tcase_add_loop_test(tc, a_tensor_larger_than_the_ring_lands_whole, 0, 2);
+  tcase_add_loop_test(tc, a_put_never_takes_a_slot_being_read_ahead, 0, 2);
+  suite_add_tcase(su, tc);
+  SRunner *sr = srunner_create(su);
+  srunner_run_all(sr, CK_NORMAL);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  reset_device();
+  return failed ? 1 : 0;
+}
