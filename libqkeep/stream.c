@@ -15,7 +15,7 @@
  * reload of a few layers); the readers only while a load runs.
  *
  * Tuning (read when the ring is made; docs/PERFORMANCE.md): QKEEP_STREAM_SLOTS (2-64 slots,
- * default 8), QKEEP_STREAM_PIECE (bytes per slot, 4096 to 64 MiB, default 1 MiB),
+ * default 16), QKEEP_STREAM_PIECE (bytes per slot, 4096 to 64 MiB, default 512 KiB),
  * QKEEP_STREAM_READERS (1-16 threads, default one per core up to 4); QKEEP_STREAM_FENCES=0
  * ignores the backend's fences (syncs instead); QKEEP_STREAM_TRACE=1 prints, at the end of each
  * load, where the calling thread waited.
@@ -30,10 +30,11 @@
 
 #include "internal.h"
 
-/* A piece's read takes about 0.15 ms (page cache to memory at ~7 GB/s) and its copy 25 us:
- * pieces this size keep the device's wait for the last copy short. */
-#define DEFAULT_PIECE ((size_t)1 << 20)
-#define DEFAULT_SLOTS 8
+/* 16 slots of 512 KiB: the same 8 MiB of pinned memory as 8 of 1 MiB, but on the H200 host the
+ * reload of a 219 MB model ran 0.97x the raw read against 1.13x (docs/PERFORMANCE.md): smaller
+ * pieces keep more readers busy while the calling thread waits for the next piece in order. */
+#define DEFAULT_PIECE ((size_t)512 << 10)
+#define DEFAULT_SLOTS 16
 #define MAX_SLOTS 64
 #define DEFAULT_READERS 4
 #define MAX_READERS 16

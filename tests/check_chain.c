@@ -349,7 +349,7 @@ static void shrink_after_first(void *user, size_t done, size_t total, const char
     ck_assert_int_eq(truncate(user, 4096), 0);
 }
 
-/* The stream's ring for loop index i: 0 the default (8 slots of 1 MiB, readers per core); 1 three
+/* The stream's ring for loop index i: 0 the default (16 slots of 512 KiB, readers per core); 1 three
  * slots of 4 KiB and three readers, so that every tensor wraps the ring many times and each piece
  * waits for a copy fence (test-async completes only the copies before the fence waited on). Returns
  * the ring's bytes. */
