@@ -189,6 +189,9 @@ int dev_d2h(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n);
 int dev_sync(const struct device *dev);
+/* A reload reads W1's scale tensors for validation in shares on up to four threads when they add up
+ * to at least this many bytes (256 KiB; tests lower it to reach the threaded path with small models). */
+extern size_t reload_threaded_scale_bytes;
 /* Whether ops also have ABI 1.3's copy fences (copy_fence, copy_fence_wait). */
 bool memory_ops_fences(const struct qkeep_memory_ops *ops);
 /* ABI 1.3 slots; only for a device whose ops pass memory_ops_fences. dev_fence_wait returns 0

@@ -216,69 +216,44 @@ static int keep_scales(struct scale_cache *c, const struct provided *ts, size_t 
   return rc;
 }
 
-/* Threads that read the kept scales: their reads are small preads, most of a validation's time. */
+/* Threads that read the kept scales (most of a validation's time is their reads), when they add
+ * up to at least reload_threaded_scale_bytes: each takes a contiguous share of them in file order, so the
+ * provider's read_many still reads each run of adjacent tensors in one call. */
 #define SCALE_READERS 4
+size_t reload_threaded_scale_bytes = (size_t)256 << 10;
 
-struct kept_reads {
-  const struct scale_cache *c;
-  size_t next; /* the next pending tensor to take */
-  int rc;      /* the first failure, with its message */
-  char *msg;
-  pthread_mutex_t mu;
+struct kept_share {
+  const struct provider *pv;
+  const struct provided *ts;
+  void *const *dsts;
+  size_t n;
+  int rc;
+  char *msg; /* the failure's message (set in the share's thread) */
 };
 
-static void *read_kept_worker(void *arg) {
-  struct kept_reads *r = arg;
-  const struct scale_cache *c = r->c;
-  const struct provider *pv = c->inner;
-  for (;;) {
-    pthread_mutex_lock(&r->mu);
-    size_t i = r->rc ? c->n_pending : r->next++;
-    pthread_mutex_unlock(&r->mu);
-    if (i >= c->n_pending)
-      return NULL;
-    const struct provided *t = &c->pending[i];
-    size_t at = 0;
-    name_index_get(&c->index, t->name, &at);
-    int rc = pv->read_range(pv, t, 0, t->nbytes, c->bytes + c->offset[at]);
-    if (rc) {
-      pthread_mutex_lock(&r->mu);
-      if (!r->rc)
-        r->rc = rc, r->msg = xstrdup(qkeep_errmsg());
-      pthread_mutex_unlock(&r->mu);
-    }
-  }
+static int read_share(struct kept_share *sh) {
+  const struct provider *pv = sh->pv;
+  int rc = 0;
+  if (pv->read_many)
+    rc = pv->read_many(pv, sh->ts, sh->n, sh->dsts);
+  for (size_t i = 0; i < sh->n && !rc && !pv->read_many; i++)
+    rc = pv->read(pv, &sh->ts[i], sh->dsts[i]);
+  if (rc && !(sh->msg = xstrdup(qkeep_errmsg())))
+    rc = QKEEP_E_NOMEM;
+  return sh->rc = rc;
 }
 
-/*
- * Reads every kept tensor not read yet: with the provider's read_range, by up to SCALE_READERS
- * threads (one per core) taking a tensor at a time; else in one batch on this thread.
- */
+static void *read_share_thread(void *arg) {
+  read_share(arg);
+  return NULL;
+}
+
+/* Reads every kept tensor not read yet, in up to SCALE_READERS shares at once (one per core). */
 static int read_kept(struct scale_cache *c) {
-  const struct provider *pv = c->inner;
-  size_t n = c->n_pending;
+  size_t n = c->n_pending, total = 0;
   c->n_pending = 0;
   if (!n)
     return 0;
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  int threads = cores < 1 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
-  if (pv->read_range && threads > 1 && n > 1) {
-    struct kept_reads r = {.c = c};
-    pthread_t tid[SCALE_READERS];
-    int started = 0;
-    c->n_pending = n; /* the workers read c->pending[0..n) */
-    pthread_mutex_init(&r.mu, NULL);
-    while (started < threads - 1 && pthread_create(&tid[started], NULL, read_kept_worker, &r) == 0)
-      started++;
-    read_kept_worker(&r); /* this thread reads too */
-    for (int i = 0; i < started; i++)
-      pthread_join(tid[i], NULL);
-    pthread_mutex_destroy(&r.mu);
-    c->n_pending = 0;
-    int rc = r.rc ? set_error(r.rc, "%s", r.msg ? r.msg : "read failed") : 0;
-    free(r.msg);
-    return rc;
-  }
   void **dsts = malloc(n * sizeof *dsts);
   if (!dsts)
     return set_error(QKEEP_E_NOMEM, "out of memory");
@@ -286,12 +261,34 @@ static int read_kept(struct scale_cache *c) {
     size_t at = 0;
     name_index_get(&c->index, c->pending[i].name, &at);
     dsts[i] = c->bytes + c->offset[at];
+    total += c->pending[i].nbytes;
   }
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  int shares = total < reload_threaded_scale_bytes || cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
+  struct kept_share sh[SCALE_READERS];
+  pthread_t tid[SCALE_READERS];
+  bool started[SCALE_READERS] = {false};
+  size_t from = 0, done = 0;
+  for (int k = 0; k < shares; k++) { /* shares of about total / shares bytes, in order */
+    size_t to = from, goal = total * (size_t)(k + 1) / (size_t)shares;
+    while (to < n && (k == shares - 1 || done < goal))
+      done += c->pending[to++].nbytes;
+    sh[k] = (struct kept_share){c->inner, c->pending + from, dsts + from, to - from, 0, NULL};
+    from = to;
+  }
+  for (int k = 1; k < shares; k++)
+    started[k] = pthread_create(&tid[k], NULL, read_share_thread, &sh[k]) == 0;
+  for (int k = 0; k < shares; k++)
+    if (!started[k])
+      read_share(&sh[k]); /* this thread's share, and any a thread could not take */
   int rc = 0;
-  if (pv->read_many)
-    rc = pv->read_many(pv, c->pending, n, dsts);
-  for (size_t i = 0; i < n && !rc && !pv->read_many; i++)
-    rc = pv->read(pv, &c->pending[i], dsts[i]);
+  for (int k = 0; k < shares; k++) {
+    if (started[k])
+      pthread_join(tid[k], NULL);
+    if (sh[k].rc && !rc)
+      rc = set_error(sh[k].rc, "%s", sh[k].msg ? sh[k].msg : "read failed");
+    free(sh[k].msg);
+  }
   free(dsts);
   return rc;
 }

@@ -7,9 +7,9 @@
  * tensors, partial updates, and direct loads into live params.
  */
 #include <check.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -689,6 +689,46 @@ START_TEST(cold_start_and_reload_take_the_same_tensors) {
 }
 END_TEST
 
+/* W1's scales read in shares by several threads (forced for this small model) validate and land as a
+ * single reader's do: the digest after the reload is a cold start's on W1, and a bad scale in the last
+ * share is still found before anything changes. */
+START_TEST(scales_read_in_shares_by_threads_validate_the_same) {
+  reload_threaded_scale_bytes = 1;
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "nv-w0", 0, false),
+       *w1 = quantize(s1, "modelopt-nvfp4", "nv-w1", 0, false);
+  qkeep_model *m = load(w0), *cold = load(w1);
+  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d1));
+  /* the last block scale in file order gets a NaN: found before anything changes, W0 stays */
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  const struct ckpt_tensor *last = NULL;
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    if (strstr(t->name, ".weight_scale") && !strstr(t->name, "_2") && (!last || t->offset > last->t->offset))
+      last = &ck->tensors[i];
+  }
+  ck_assert_ptr_nonnull(last);
+  char *bad_name = xstrdup(last->t->name);
+  int fd = open(last->file->path, O_WRONLY);
+  ck_assert_int_ge(fd, 0);
+  unsigned char nan8 = 0x7f; /* e4m3 NaN */
+  ck_assert_int_eq(pwrite(fd, &nan8, 1, (off_t)last->t->offset), 1);
+  close(fd);
+  ckpt_close(ck);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), bad_name), "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), d0));
+  reload_threaded_scale_bytes = (size_t)256 << 10;
+  free(bad_name);
+  qkeep_model_free(m), qkeep_model_free(cold);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
 START_TEST(reload_needs_a_loaded_model) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
@@ -713,6 +753,7 @@ static Suite *reload_suite(const char *backend) {
   tcase_add_test(tc, reload_from_memory_buffers);
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);
+  tcase_add_test(tc, scales_read_in_shares_by_threads_validate_the_same);
   tcase_add_test(tc, reload_needs_a_loaded_model);
   tcase_add_test(tc, cold_start_and_reload_take_the_same_tensors);
   tcase_add_test(tc, direct_load_of_a_kv_scale_updates_what_derives_from_it);
