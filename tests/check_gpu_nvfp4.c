@@ -629,6 +629,11 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, half_precision_activations);
+  suite_add_tcase(s, tc);
+  /* Routed MoE on its own (CK_RUN_CASE=routed runs it alone). */
+  tc = tcase_create("routed");
+  tcase_set_timeout(tc, 600);
+  tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_loop_test(tc, routed_moe, 0, 2);
   tcase_add_loop_test(tc, routed_moe_every_kernel, 0, 2);
   suite_add_tcase(s, tc);
