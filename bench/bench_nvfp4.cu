@@ -348,19 +348,24 @@ template <typename T> T *device_copy(const std::vector<T> &v) {
 /*
  * Qwen3-30B-A3B's MoE (128 experts, hidden 2048, expert intermediate 768, top-8): the routed
  * w13 (gate_up, [1536, 2048] per expert) and w2 (down, [2048, 768], with the router-weighted
- * combine) at 1, 16, 64 and 256 tokens, random routing (8 distinct experts per token, fixed
+ * combine) at 1, 16, 64, 256 and 1024 tokens, random routing (8 distinct experts per token, fixed
  * seed), bf16 activations. Peers in the same run: the ceiling for the bytes of the experts
  * hit (tiled codes + swizzled scales over the copy bandwidth), and cuBLAS bf16 on the same
  * dequantised experts, one GEMM per expert hit over its tokens' rows gathered beforehand
- * (neither the gather nor the combine is timed for cuBLAS; both are in qkeep's time). Each
- * side cycles weight copies of the experts hit, >= 512 MiB, out of L2. Also the plan's
- * kernel forced each way (stream_us, wgmma_us).
+ * (neither the gather nor the combine is timed for cuBLAS; both are in qkeep's time), as a
+ * loop of launches (peer_us) and as one grouped call (cublasGemmGroupedBatchedEx, grouped_us).
+ * Each side cycles weight copies of the experts hit, >= 512 MiB, out of L2. Also the plan's
+ * kernel forced each way (stream_us, wgmma_us); a plain read of the experts' bytes (read_us);
+ * at 1 token, the dense streaming kernel over the same bytes as one matrix (dense_us: the
+ * GEMM without the routing).
  */
 void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int sms, bool wgmma) {
   const int64_t experts = 128, hidden = 2048, inter = 768;
   const int topk = 8;
-  static const int64_t token_counts[] = {1, 16, 64, 256};
+  static const int64_t token_counts[] = {1, 16, 64, 256, 1024};
   float *alpha;
+  uint32_t *sink;
+  CHECK_CUDA(cudaMalloc(&sink, sizeof *sink));
   {
     std::vector<float> ones((size_t)experts, 1.0f);
     alpha = device_copy(ones);
@@ -490,14 +495,66 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0},
                          as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0};
       double err = rows_error(nullptr), err_s = rows_error(&as_stream), err_w = rows_error(&as_wgmma);
-      std::vector<double> q_runs, p_runs;
+      /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
+      const int groups = (int)hit.size();
+      std::vector<cublasOperation_t> op_a((size_t)groups, CUBLAS_OP_T), op_b((size_t)groups, CUBLAS_OP_N);
+      std::vector<int> gm((size_t)groups, (int)n), gn((size_t)groups), gk((size_t)groups, (int)k), one_each((size_t)groups, 1);
+      std::vector<float> g_alpha((size_t)groups, 1.0f), g_beta((size_t)groups, 0.0f);
+      for (int i = 0; i < groups; i++)
+        gn[(size_t)i] = count[(size_t)hit[(size_t)i]];
+      std::vector<const void **> g_a, g_b;
+      std::vector<void **> g_c;
+      for (int c = 0; c < copies_b; c++) {
+        std::vector<const void *> pa((size_t)groups), pb((size_t)groups);
+        std::vector<void *> pc((size_t)groups);
+        for (int i = 0; i < groups; i++) {
+          const int r0 = first[(size_t)hit[(size_t)i]];
+          pa[(size_t)i] = b[(size_t)c] + (size_t)i * (size_t)(n * k);
+          pb[(size_t)i] = d_xg + (size_t)r0 * k;
+          pc[(size_t)i] = d_y + (size_t)r0 * n; /* not d_yg: the loop's rows stay for the check */
+        }
+        g_a.push_back(device_copy(pa)), g_b.push_back(device_copy(pb)), g_c.push_back(device_copy(pc));
+      }
+      auto grouped_call = [&](int c) {
+        return cublasGemmGroupedBatchedEx(blas, op_a.data(), op_b.data(), gm.data(), gn.data(), gk.data(),
+                                          g_alpha.data(), g_a[(size_t)c], CUDA_R_16BF, gk.data(), g_b[(size_t)c],
+                                          CUDA_R_16BF, gk.data(), g_beta.data(), g_c[(size_t)c], CUDA_R_16BF,
+                                          gm.data(), groups, one_each.data(), CUBLAS_COMPUTE_32F);
+      };
+      cublasStatus_t g_status = grouped_call(0);
+      double g_err = -1, g_us = -1;
+      if (g_status == CUBLAS_STATUS_SUCCESS) {
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        g_err = compare(d_y, d_yg, (size_t)(pairs * n)); /* the same rows as the loop's */
+      }
+      std::vector<double> q_runs, p_runs, g_runs;
       int launches = 0;
       for (int r = 0; r < 3; r++) { /* interleaved */
         q_runs.push_back(time_us(stream, copies_q, qkeep_with(nullptr), &launches));
         p_runs.push_back(time_us(stream, copies_b, peer));
+        if (g_status == CUBLAS_STATUS_SUCCESS)
+          g_runs.push_back(time_us(stream, copies_b, [&](int c) { CHECK_CUBLAS(grouped_call(c)); }));
       }
+      if (!g_runs.empty())
+        g_us = median(g_runs);
       const double s_us = time_us(stream, copies_q, qkeep_with(&as_stream));
       const double w_us = time_us(stream, copies_q, qkeep_with(&as_wgmma));
+      const nvfp4_tuning as_wgmma32 = {32, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0}; /* a token tile above the mean */
+      const double w32_us = T >= 64 ? time_us(stream, copies_q, qkeep_with(&as_wgmma32)) : -1;
+      const double r_us = time_us(stream, copies_q, [&](int c) {
+        stream_kernel<<<4 * 132, 256, 0, stream>>>(static_cast<const uint4 *>(q[(size_t)c].w),
+                                                   hit.size() * W.w_bytes / 16, sink);
+      });
+      double d_us = -1;
+      if (T == 1) { /* the experts hit as one [hit x n, k] matrix (copy slots 0..hit-1, same bytes) */
+        std::vector<nvfp4_weights> dense;
+        for (const nvfp4_weights &w : q)
+          dense.push_back(nvfp4_weights{w.w, w.sf, alpha, nullptr, QKEEP_DTYPE_F32, n * (int64_t)hit.size(), k, 1});
+        d_us = time_us(stream, copies_q, [&](int c) {
+          CHECK_CUDA((cudaError_t)nvfp4_gemm_run(&dense[(size_t)c], 0, 1, d_x, QKEEP_DTYPE_BF16, d_rows,
+                                                 QKEEP_DTYPE_BF16, nullptr, stream));
+        });
+      }
       const double q_us = median(q_runs), p_us = median(p_runs), ceiling = 1e6 * (double)hit_q / bandwidth;
       nvfp4_tuning plan, plan_s, plan_w;
       nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, nullptr, &plan);
@@ -508,14 +565,21 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
              "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"peer\":\"cublas_bf16_per_expert\",\"peer_us\":%.2f,"
              "\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,\"hit_bytes\":%zu,\"stream_us\":%.2f,"
              "\"stream_shape\":\"%d/%d/%d\",\"wgmma_us\":%.2f,\"wgmma_shape\":\"%d/%d/%d\",\"max_rel_err\":%.2e,"
-             "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"runs\":%d,\"launches\":%d,\"copies\":%d,\"method\":\"graph\"}\n",
+             "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"grouped_us\":%.2f,\"grouped_status\":%d,\"grouped_err\":%.2e,"
+             "\"wgmma32_us\":%.2f,\"read_us\":%.2f,\"dense_us\":%.2f,\"runs\":%d,\"launches\":%d,\"copies\":%d,\"method\":\"graph\"}\n",
              W.name, (long long)experts, topk, (long long)T, hit.size(), (long long)n, (long long)k, q_us,
              kernel_name(plan.kernel), plan.tile_m, plan.rows, plan.split_k, p_us, p_us / q_us, ceiling,
              ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, w_us, plan_w.tile_m,
-             plan_w.rows, plan_w.split_k, err, err_s, err_w, 3 * kRuns, launches, copies_q);
+             plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err, w32_us, r_us, d_us, 3 * kRuns,
+             launches, copies_q);
       fflush(stdout);
       for (void *p : allocations)
         CHECK_CUDA(cudaFree(p));
+      for (int c = 0; c < copies_b; c++) {
+        CHECK_CUDA(cudaFree(g_a[(size_t)c]));
+        CHECK_CUDA(cudaFree(g_b[(size_t)c]));
+        CHECK_CUDA(cudaFree(g_c[(size_t)c]));
+      }
       void *bufs[] = {d_x, d_xg, d_y, d_yg, d_rows, d_ids, d_weights, d_flat};
       for (void *p : bufs)
         CHECK_CUDA(cudaFree(p));
@@ -525,6 +589,7 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
     CHECK_CUDA(cudaFree(W.bf16));
   }
   CHECK_CUDA(cudaFree(alpha));
+  CHECK_CUDA(cudaFree(sink));
 }
 
 /* ---- torch's fp8 GEMM (bench/peer_fp8.py) ------------------------------------------------------- */
