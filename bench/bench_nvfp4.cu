@@ -292,8 +292,8 @@ struct MoeMatrix {
 
 MoeMatrix make_moe_matrix(const char *name, int64_t experts, int64_t n, int64_t k, uint64_t seed,
                           cudaStream_t stream) {
-  MoeMatrix M = {name, n, k, (size_t)nvfp4_w_bytes(n, k), (size_t)nvfp4_sf_bytes(n, k / 16), nullptr, nullptr,
-                 nullptr};
+  MoeMatrix M = {name,    n,       k,      (size_t)nvfp4_w_bytes(n, k), (size_t)nvfp4_sf_bytes(n, k / 16),
+                 nullptr, nullptr, nullptr};
   const size_t codes = (size_t)(experts * n * k / 2), scales = (size_t)(experts * n * k / 16);
   uint8_t *lin_codes, *lin_scales;
   CHECK_CUDA(cudaMalloc(&lin_codes, codes));
@@ -417,7 +417,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         }
       }
       const int64_t x_rows = w2 ? pairs : T;
-      std::vector<__nv_bfloat16> x = host_bf16((size_t)(x_rows * k), 31 + (uint64_t)T), xg((size_t)(pairs * k));
+      std::vector<__nv_bfloat16> x = host_bf16((size_t)(x_rows * k), 31 + (uint64_t)T),
+                                 xg((size_t)(pairs * k));
       for (int64_t p = 0; p < pairs; p++)
         memcpy(&xg[(size_t)(row[(size_t)p] * k)], &x[(size_t)((w2 ? p : p / topk) * k)], (size_t)k * 2);
       __nv_bfloat16 *d_x = device_copy(x), *d_xg = device_copy(xg), *d_y, *d_yg, *d_rows;
@@ -438,8 +439,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         CHECK_CUDA(cudaMalloc(&w, W.w_bytes * (size_t)experts));
         CHECK_CUDA(cudaMalloc(&sf, W.sf_bytes * (size_t)experts));
         for (int e : hit) {
-          CHECK_CUDA(cudaMemcpyAsync(w + e * W.w_bytes, W.w + e * W.w_bytes, W.w_bytes, cudaMemcpyDeviceToDevice,
-                                     stream));
+          CHECK_CUDA(cudaMemcpyAsync(w + e * W.w_bytes, W.w + e * W.w_bytes, W.w_bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
           CHECK_CUDA(cudaMemcpyAsync(sf + e * W.sf_bytes, W.sf + e * W.sf_bytes, W.sf_bytes,
                                      cudaMemcpyDeviceToDevice, stream));
         }
@@ -469,9 +470,9 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         for (size_t i = 0; i < hit.size(); i++) {
           const int e = hit[i], r0 = first[(size_t)e];
           CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, count[(size_t)e], (int)k, &one,
-                                    b[(size_t)c] + i * (size_t)(n * k), CUDA_R_16BF, (int)k, d_xg + (size_t)r0 * k,
-                                    CUDA_R_16BF, (int)k, &zero, d_yg + (size_t)r0 * n, CUDA_R_16BF, (int)n,
-                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                    b[(size_t)c] + i * (size_t)(n * k), CUDA_R_16BF, (int)k,
+                                    d_xg + (size_t)r0 * k, CUDA_R_16BF, (int)k, &zero, d_yg + (size_t)r0 * n,
+                                    CUDA_R_16BF, (int)n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
         }
       };
       /* Correctness: every pair's row through qkeep (for w2 without the combine: one slot per
@@ -481,8 +482,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       int32_t *d_flat = device_copy(flat);
       auto rows_error = [&](const nvfp4_tuning *tune) {
         if (w2)
-          CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], pairs, 1, d_flat, nullptr, false, d_x, QKEEP_DTYPE_BF16,
-                                                d_rows, QKEEP_DTYPE_BF16, tune, stream));
+          CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], pairs, 1, d_flat, nullptr, false, d_x,
+                                                QKEEP_DTYPE_BF16, d_rows, QKEEP_DTYPE_BF16, tune, stream));
         else
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], T, topk, d_ids, nullptr, false, d_x, QKEEP_DTYPE_BF16,
                                                 d_rows, QKEEP_DTYPE_BF16, tune, stream));
@@ -498,7 +499,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
       const int groups = (int)hit.size();
       std::vector<cublasOperation_t> op_a((size_t)groups, CUBLAS_OP_T), op_b((size_t)groups, CUBLAS_OP_N);
-      std::vector<int> gm((size_t)groups, (int)n), gn((size_t)groups), gk((size_t)groups, (int)k), one_each((size_t)groups, 1);
+      std::vector<int> gm((size_t)groups, (int)n), gn((size_t)groups), gk((size_t)groups, (int)k),
+          one_each((size_t)groups, 1);
       std::vector<float> g_alpha((size_t)groups, 1.0f), g_beta((size_t)groups, 0.0f);
       for (int i = 0; i < groups; i++)
         gn[(size_t)i] = count[(size_t)hit[(size_t)i]];
@@ -516,10 +518,10 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         g_a.push_back(device_copy(pa)), g_b.push_back(device_copy(pb)), g_c.push_back(device_copy(pc));
       }
       auto grouped_call = [&](int c) {
-        return cublasGemmGroupedBatchedEx(blas, op_a.data(), op_b.data(), gm.data(), gn.data(), gk.data(),
-                                          g_alpha.data(), g_a[(size_t)c], CUDA_R_16BF, gk.data(), g_b[(size_t)c],
-                                          CUDA_R_16BF, gk.data(), g_beta.data(), g_c[(size_t)c], CUDA_R_16BF,
-                                          gm.data(), groups, one_each.data(), CUBLAS_COMPUTE_32F);
+        return cublasGemmGroupedBatchedEx(
+            blas, op_a.data(), op_b.data(), gm.data(), gn.data(), gk.data(), g_alpha.data(), g_a[(size_t)c],
+            CUDA_R_16BF, gk.data(), g_b[(size_t)c], CUDA_R_16BF, gk.data(), g_beta.data(), g_c[(size_t)c],
+            CUDA_R_16BF, gm.data(), groups, one_each.data(), CUBLAS_COMPUTE_32F);
       };
       cublasStatus_t g_status = grouped_call(0);
       double g_err = -1, g_us = -1;
@@ -549,7 +551,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       if (T == 1) { /* the experts hit as one [hit x n, k] matrix (copy slots 0..hit-1, same bytes) */
         std::vector<nvfp4_weights> dense;
         for (const nvfp4_weights &w : q)
-          dense.push_back(nvfp4_weights{w.w, w.sf, alpha, nullptr, QKEEP_DTYPE_F32, n * (int64_t)hit.size(), k, 1});
+          dense.push_back(
+              nvfp4_weights{w.w, w.sf, alpha, nullptr, QKEEP_DTYPE_F32, n * (int64_t)hit.size(), k, 1});
         d_us = time_us(stream, copies_q, [&](int c) {
           CHECK_CUDA((cudaError_t)nvfp4_gemm_run(&dense[(size_t)c], 0, 1, d_x, QKEEP_DTYPE_BF16, d_rows,
                                                  QKEEP_DTYPE_BF16, nullptr, stream));
@@ -560,18 +563,22 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, nullptr, &plan);
       nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, &as_stream, &plan_s);
       nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, &as_wgmma, &plan_w);
-      printf("{\"bench\":\"nvfp4_moe\",\"model\":\"Qwen3-30B-A3B\",\"matrix\":\"%s\",\"experts\":%lld,\"topk\":%d,"
-             "\"tokens\":%lld,\"experts_hit\":%zu,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,\"kernel\":\"%s\","
-             "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"peer\":\"cublas_bf16_per_expert\",\"peer_us\":%.2f,"
-             "\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,\"hit_bytes\":%zu,\"stream_us\":%.2f,"
-             "\"stream_shape\":\"%d/%d/%d\",\"wgmma_us\":%.2f,\"wgmma_shape\":\"%d/%d/%d\",\"max_rel_err\":%.2e,"
-             "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"grouped_us\":%.2f,\"grouped_status\":%d,\"grouped_err\":%.2e,"
-             "\"wgmma32_us\":%.2f,\"read_us\":%.2f,\"dense_us\":%.2f,\"runs\":%d,\"launches\":%d,\"copies\":%d,\"method\":\"graph\"}\n",
-             W.name, (long long)experts, topk, (long long)T, hit.size(), (long long)n, (long long)k, q_us,
-             kernel_name(plan.kernel), plan.tile_m, plan.rows, plan.split_k, p_us, p_us / q_us, ceiling,
-             ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, w_us, plan_w.tile_m,
-             plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err, w32_us, r_us, d_us, 3 * kRuns,
-             launches, copies_q);
+      printf(
+          "{\"bench\":\"nvfp4_moe\",\"model\":\"Qwen3-30B-A3B\",\"matrix\":\"%s\",\"experts\":%lld,\"topk\":%"
+          "d,"
+          "\"tokens\":%lld,\"experts_hit\":%zu,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,\"kernel\":\"%s\","
+          "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"peer\":\"cublas_bf16_per_expert\",\"peer_us\":%.2f,"
+          "\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,\"hit_bytes\":%zu,\"stream_us\":%.2f,"
+          "\"stream_shape\":\"%d/%d/%d\",\"wgmma_us\":%.2f,\"wgmma_shape\":\"%d/%d/%d\",\"max_rel_err\":%.2e,"
+          "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"grouped_us\":%.2f,\"grouped_status\":%d,\"grouped_err\":%"
+          ".2e,"
+          "\"wgmma32_us\":%.2f,\"read_us\":%.2f,\"dense_us\":%.2f,\"runs\":%d,\"launches\":%d,\"copies\":%d,"
+          "\"method\":\"graph\"}\n",
+          W.name, (long long)experts, topk, (long long)T, hit.size(), (long long)n, (long long)k, q_us,
+          kernel_name(plan.kernel), plan.tile_m, plan.rows, plan.split_k, p_us, p_us / q_us, ceiling,
+          ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, w_us, plan_w.tile_m,
+          plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err, w32_us, r_us, d_us,
+          3 * kRuns, launches, copies_q);
       fflush(stdout);
       for (void *p : allocations)
         CHECK_CUDA(cudaFree(p));
@@ -602,10 +609,11 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
  */
 void bench_fp8_peer(void) {
   const char *python = getenv("QKEEP_BENCH_PYTHON"), *srcdir = getenv("QKEEP_TEST_SRCDIR");
-  std::string cmd = std::string("'") + (python && *python ? python : "python3") + "' '" +
-                    (srcdir && *srcdir ? srcdir : ".") +
-                    "/bench/peer_fp8.py' --shapes 8192x8192,4096x14336,14336x4096 --ms 1,4,16,32,64,128,256,1024 "
-                    "2>&1";
+  std::string cmd =
+      std::string("'") + (python && *python ? python : "python3") + "' '" +
+      (srcdir && *srcdir ? srcdir : ".") +
+      "/bench/peer_fp8.py' --shapes 8192x8192,4096x14336,14336x4096 --ms 1,4,16,32,64,128,256,1024 "
+      "2>&1";
   FILE *p = popen(cmd.c_str(), "r");
   if (!p) {
     printf("{\"bench\":\"fp8_scaled_mm\",\"skipped\":\"cannot run %s\"}\n", python ? python : "python3");

@@ -556,9 +556,11 @@ START_TEST(test_moe_plan) {
   for (int64_t pairs = 1; pairs <= 1 << 20; pairs = pairs * 3 + 1)
     for (int64_t experts = 1; experts <= 2048; experts *= 4) {
       nvfp4_moe_plan(pairs, experts, 1536, 2048, 132, true, NULL, &p);
-      const int64_t per = (pairs + (pairs < experts ? pairs : experts) - 1) / (pairs < experts ? pairs : experts);
+      const int64_t per =
+          (pairs + (pairs < experts ? pairs : experts) - 1) / (pairs < experts ? pairs : experts);
       ck_assert_int_eq(p.kernel, per <= NVFP4_MOE_STREAM_MAX ? NVFP4_KERNEL_STREAM : NVFP4_KERNEL_WGMMA);
-      ck_assert(p.kernel == NVFP4_KERNEL_STREAM ? p.tile_m == 8 || p.tile_m == 16 : p.tile_m >= per || p.tile_m == 128);
+      ck_assert(p.kernel == NVFP4_KERNEL_STREAM ? p.tile_m == 8 || p.tile_m == 16
+                                                : p.tile_m >= per || p.tile_m == 128);
       ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
     }
 }

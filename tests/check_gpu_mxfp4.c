@@ -66,7 +66,9 @@ static void teardown(void) {
 
 static const struct gtu_model model = {H, KV, I, E_I, EXPERTS, VOCAB};
 
-static char *write_source(const char *file, uint64_t seed) { return gtu_write_source(dir, file, seed, &model); }
+static char *write_source(const char *file, uint64_t seed) {
+  return gtu_write_source(dir, file, seed, &model);
+}
 
 static char *quantize(const char *source, const char *out) {
   char *path = tu_path(dir, out);

@@ -76,7 +76,9 @@ static void teardown(void) {
 
 static const struct gtu_model model = {H, KV, I, E_I, EXPERTS, VOCAB};
 
-static char *write_source(const char *file, uint64_t seed) { return gtu_write_source(dir, file, seed, &model); }
+static char *write_source(const char *file, uint64_t seed) {
+  return gtu_write_source(dir, file, seed, &model);
+}
 
 static char *quantize(const char *source, const char *scheme, const char *out) {
   char *path = tu_path(dir, out);
@@ -438,6 +440,27 @@ START_TEST(half_precision_activations) {
 }
 END_TEST
 
+/* The routed apply of `matrix` to host x (x_floats) into host y (y_floats) through the current
+ * configuration; ids and router weights on the device. */
+static void routed_apply(qkeep_layer *moe, int matrix, int64_t tokens, int32_t topk, void *d_ids, void *d_w,
+                         const float *x, size_t x_floats, float *y, size_t y_floats) {
+  void *dx = to_device(x, x_floats * sizeof *x), *dy = to_device(y, y_floats * sizeof *y);
+  struct qkeep_apply_args a = {.size = sizeof a,
+                               .m = tokens,
+                               .x = dx,
+                               .x_dtype = QKEEP_DTYPE_F32,
+                               .y = dy,
+                               .y_dtype = QKEEP_DTYPE_F32,
+                               .matrix = matrix,
+                               .topk = topk,
+                               .topk_ids = d_ids,
+                               .topk_weights = d_w};
+  ck_assert_msg(backend()->apply(backend(), moe, &a) == 0, "%s", qkeep_errmsg());
+  from_device(y, dy, y_floats * sizeof *y);
+  backend()->memory->free(backend(), dx);
+  backend()->memory->free(backend(), dy);
+}
+
 START_TEST(routed_moe) {
   const char *scheme = schemes[_i];
   char *source = write_source("source.safetensors", 7), *path = quantize(source, scheme, "q");
@@ -456,21 +479,7 @@ START_TEST(routed_moe) {
   random_x(x13, T * H, 4);
   random_x(x2, P * E_I, 5);
   void *d_ids = to_device(ids, sizeof ids), *d_w = to_device(weights, sizeof weights);
-  void *dx13 = to_device(x13, sizeof x13), *dy13 = to_device(y13, sizeof y13);
-  void *dx2 = to_device(x2, sizeof x2), *dy2 = to_device(y2, sizeof y2);
-  struct qkeep_apply_args a = {.size = sizeof a,
-                               .m = T,
-                               .x = dx13,
-                               .x_dtype = QKEEP_DTYPE_F32,
-                               .y = dy13,
-                               .y_dtype = QKEEP_DTYPE_F32,
-                               .matrix = QKEEP_MOE_W13,
-                               .topk = TOPK,
-                               .topk_ids = d_ids,
-                               .topk_weights = d_w};
-  ck_assert_msg(backend()->apply(backend(), moe, (const struct qkeep_apply_args *)&a) == 0, "%s",
-                qkeep_errmsg());
-  from_device(y13, dy13, sizeof y13);
+  routed_apply(moe, QKEEP_MOE_W13, T, TOPK, d_ids, d_w, x13, T * H, y13, P * 2 * E_I);
   /* Row t * TOPK + s is x[t] through expert ids[.]'s w13, as the single-expert apply gives it. */
   for (int p = 0; p < P; p++) {
     if (ids[p] < 0)
@@ -480,10 +489,7 @@ START_TEST(routed_moe) {
     double err = rel_error(y13 + (size_t)p * 2 * E_I, one, 2 * E_I);
     ck_assert_msg(err <= 1e-5, "w13 pair %d: %g", p, err);
   }
-  a.m = T, a.x = dx2, a.y = dy2, a.matrix = QKEEP_MOE_W2;
-  ck_assert_msg(backend()->apply(backend(), moe, (const struct qkeep_apply_args *)&a) == 0, "%s",
-                qkeep_errmsg());
-  from_device(y2, dy2, sizeof y2);
+  routed_apply(moe, QKEEP_MOE_W2, T, TOPK, d_ids, d_w, x2, P * E_I, y2, T * H);
   for (int t = 0; t < T; t++) {
     float want[H] = {0};
     for (int s = 0; s < TOPK; s++) {
@@ -497,9 +503,8 @@ START_TEST(routed_moe) {
     double err = rel_error(y2 + t * H, want, H);
     ck_assert_msg(err <= 1e-5, "w2 token %d: %g", t, err);
   }
-  void *ptrs[] = {d_ids, d_w, dx13, dy13, dx2, dy2};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
-    backend()->memory->free(backend(), ptrs[i]);
+  backend()->memory->free(backend(), d_ids);
+  backend()->memory->free(backend(), d_w);
   qkeep_model_free(m);
   free(source), free(path);
 }
@@ -515,45 +520,27 @@ struct routed_case {
   const char *kernel, *tile_m, *split_k;
 };
 
-/* The routed apply of `matrix` (y rows of n floats) through the current configuration. */
-static void routed_apply(qkeep_layer *moe, int matrix, int64_t tokens, void *d_ids, void *d_w, const float *x,
-                         size_t x_floats, float *y, size_t y_floats) {
-  void *dx = to_device(x, x_floats * sizeof *x), *dy = to_device(y, y_floats * sizeof *y);
-  struct qkeep_apply_args a = {.size = sizeof a,
-                               .m = tokens,
-                               .x = dx,
-                               .x_dtype = QKEEP_DTYPE_F32,
-                               .y = dy,
-                               .y_dtype = QKEEP_DTYPE_F32,
-                               .matrix = matrix,
-                               .topk = R_TOPK,
-                               .topk_ids = d_ids,
-                               .topk_weights = d_w};
-  ck_assert_msg(backend()->apply(backend(), moe, &a) == 0, "%s", qkeep_errmsg());
-  from_device(y, dy, y_floats * sizeof *y);
-  backend()->memory->free(backend(), dx);
-  backend()->memory->free(backend(), dy);
-}
-
 START_TEST(routed_moe_every_kernel) {
   const char *scheme = schemes[_i];
   static const struct gtu_model moe_model = {H, KV, I, E_I, R_EXPERTS, VOCAB};
-  char *source = gtu_write_source(dir, "moe.safetensors", 11, &moe_model), *path = quantize(source, scheme, "q");
+  char *source = gtu_write_source(dir, "moe.safetensors", 11, &moe_model),
+       *path = quantize(source, scheme, "q");
   qkeep_model *m = load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);
   static const int64_t tokens[] = {1, 6, 13, 64, 256};
-  static const struct routed_case cases[] = {{"auto", "auto", "auto"},  {"stream", "auto", "auto"},
-                                             {"stream", "16", "2"},     {"wgmma", "auto", "auto"},
-                                             {"wgmma", "auto", "2"},    {"wgmma", "64", "auto"},
-                                             {"stream", "8", "auto"}};
+  static const struct routed_case cases[] = {
+      {"auto", "auto", "auto"}, {"stream", "auto", "auto"}, {"stream", "16", "2"},  {"wgmma", "auto", "auto"},
+      {"wgmma", "auto", "2"},   {"wgmma", "64", "auto"},    {"stream", "8", "auto"}};
   float one[2 * E_I > H ? 2 * E_I : H];
   for (size_t ti = 0; ti < sizeof tokens / sizeof tokens[0]; ti++) {
     const int64_t T = tokens[ti], P = T * R_TOPK;
     int32_t *ids = malloc((size_t)P * sizeof *ids);
     float *weights = malloc((size_t)P * sizeof *weights), *x13 = malloc((size_t)(T * H) * sizeof(float));
-    float *x2 = malloc((size_t)(P * E_I) * sizeof(float)), *y13 = malloc((size_t)(P * 2 * E_I) * sizeof(float));
-    float *want13 = calloc((size_t)(P * 2 * E_I), sizeof(float)), *y2 = malloc((size_t)(T * H) * sizeof(float));
+    float *x2 = malloc((size_t)(P * E_I) * sizeof(float)),
+          *y13 = malloc((size_t)(P * 2 * E_I) * sizeof(float));
+    float *want13 = calloc((size_t)(P * 2 * E_I), sizeof(float)),
+          *y2 = malloc((size_t)(T * H) * sizeof(float));
     float *want2 = calloc((size_t)(T * H), sizeof(float));
     uint64_t rng = 17 + (uint64_t)T;
     for (int64_t p = 0; p < P; p++) {
@@ -567,28 +554,31 @@ START_TEST(routed_moe_every_kernel) {
     for (int64_t p = 0; p < P; p++) {
       if (ids[p] < 0)
         continue;
-      ck_assert_int_eq(
-          qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W13, 1, x13 + (p / R_TOPK) * H, want13 + p * 2 * E_I),
-          0);
+      ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W13, 1, x13 + (p / R_TOPK) * H,
+                                                    want13 + p * 2 * E_I),
+                       0);
       ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W2, 1, x2 + p * E_I, one), 0);
       for (int j = 0; j < H; j++)
         want2[(p / R_TOPK) * H + j] += weights[p] * one[j];
     }
-    void *d_ids = to_device(ids, (size_t)P * sizeof *ids), *d_w = to_device(weights, (size_t)P * sizeof *weights);
+    void *d_ids = to_device(ids, (size_t)P * sizeof *ids),
+         *d_w = to_device(weights, (size_t)P * sizeof *weights);
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
       configure("kernel", cases[c].kernel);
       configure("tile_m", cases[c].tile_m);
       configure("split_k", cases[c].split_k);
       memset(y13, 0, (size_t)(P * 2 * E_I) * sizeof(float));
-      routed_apply(moe, QKEEP_MOE_W13, T, d_ids, d_w, x13, (size_t)(T * H), y13, (size_t)(P * 2 * E_I));
+      routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), y13,
+                   (size_t)(P * 2 * E_I));
       for (int64_t p = 0; p < P; p++) {
         if (ids[p] < 0)
           continue;
         double err = rel_error(y13 + p * 2 * E_I, want13 + p * 2 * E_I, 2 * E_I);
-        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w13 pair %lld (expert %d): %g", scheme,
-                      cases[c].kernel, cases[c].tile_m, cases[c].split_k, (long long)T, (long long)p, ids[p], err);
+        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w13 pair %lld (expert %d): %g",
+                      scheme, cases[c].kernel, cases[c].tile_m, cases[c].split_k, (long long)T, (long long)p,
+                      ids[p], err);
       }
-      routed_apply(moe, QKEEP_MOE_W2, T, d_ids, d_w, x2, (size_t)(P * E_I), y2, (size_t)(T * H));
+      routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), y2, (size_t)(T * H));
       for (int64_t t = 0; t < T; t++) {
         double err = rel_error(y2 + t * H, want2 + t * H, H);
         ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w2 token %lld: %g", scheme,

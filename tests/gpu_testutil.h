@@ -57,7 +57,8 @@ static inline void gtu_add_bias(struct st_writer *w, const char *name, int64_t n
 }
 
 /* Writes the model as dir/file (weights from seed); returns the malloc'd path. */
-static inline char *gtu_write_source(const char *dir, const char *file, uint64_t seed, const struct gtu_model *m) {
+static inline char *gtu_write_source(const char *dir, const char *file, uint64_t seed,
+                                     const struct gtu_model *m) {
   struct st_writer *w;
   char name[160];
   const int64_t h = m->hidden;

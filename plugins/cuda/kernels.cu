@@ -468,9 +468,8 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
   const long long w_stride = active ? nvfp4_w_group_tiles(tile, a.w_tiles) * NVFP4_TILE_BYTES : 0;
   const uint8_t *wp = a.w + expert * a.w_expert_bytes +
                       (active ? nvfp4_w_tile_offset(tile, 0, a.w_tiles, a.chunks) : 0) + lane * 16;
-  const uint8_t *sp = a.sf + expert * a.sf_expert_bytes +
-                      (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM + (16 * (tile & 1) + g) * 16 +
-                      ((tile % 8) >> 1) * 4 + t;
+  const uint8_t *sp = a.sf + expert * a.sf_expert_bytes + (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM +
+                      (16 * (tile & 1) + g) * 16 + ((tile % 8) >> 1) * 4 + t;
   /* Token rows past the count read the first row instead: token columns of an MMA never
    * mix, and the epilogue skips them. Routed, the pair list names the rows (pair_of
    * repeats the tile's first pair past the count). */
@@ -956,8 +955,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
               bulk_copy(dst + c * 8 * NVFP4_TILE_BYTES, w + (long long)c * tiles * NVFP4_TILE_BYTES,
                         (uint32_t)(tiles * NVFP4_TILE_BYTES), &full[slot]);
           bulk_copy(st + L::SF_OFF + gi * L::SF_GROUP,
-                    a.sf + expert * a.sf_expert_bytes +
-                        ((long long)group * a.sf_atoms + c0) * NVFP4_SF_ATOM,
+                    a.sf + expert * a.sf_expert_bytes + ((long long)group * a.sf_atoms + c0) * NVFP4_SF_ATOM,
                     (uint32_t)(n * NVFP4_SF_ATOM), &full[slot]);
         }
         if (s >= early)
@@ -1075,7 +1073,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     v *= out_scale;
     if (a.bias)
       v += load_f(a.bias, a.bias_dtype, (long long)expert * a.n + n);
-    const long long yi = (long long)(a.tiles ? __ldg(a.pairs + start + tok) : token_tile * MT + tok) * a.n + n;
+    const long long yi =
+        (long long)(a.tiles ? __ldg(a.pairs + start + tok) : token_tile * MT + tok) * a.n + n;
     if (a.y_pairs)
       a.y_pairs[yi] = v;
     else
@@ -1127,8 +1126,7 @@ __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, lo
       const int kk = c * NVFP4_CHUNK_K + 8 * v;
       const bool ok = row_ok && kk < k; /* k % 16 == 0: a run of 8 is all in or all out */
       if constexpr (sizeof(TI) == 2) {
-        const uint4 u =
-            ok ? *reinterpret_cast<const uint4 *>(x + src * k + kk) : make_uint4(0, 0, 0, 0);
+        const uint4 u = ok ? *reinterpret_cast<const uint4 *>(x + src * k + kk) : make_uint4(0, 0, 0, 0);
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       } else {
         float4 f0 = make_float4(0, 0, 0, 0), f1 = f0;
@@ -1245,8 +1243,8 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
 
 template <typename TI, int MT, int R, int U, int BPS>
 cudaError_t launch_stream(const GemmArgs &a, dim3 grid, cudaStream_t stream) {
-  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U, BPS>, a, a.splits, grid,
-                        kStreamWarps * 32, 0, stream);
+  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U, BPS>, a, a.splits, grid, kStreamWarps * 32, 0,
+                        stream);
 }
 
 template <typename TI, int MT, int R>
@@ -1268,8 +1266,7 @@ cudaError_t stream_rows(const struct nvfp4_tuning &plan, const GemmArgs &a, dim3
 
 template <typename TI>
 cudaError_t stream_tokens(const struct nvfp4_tuning &plan, const GemmArgs &a, dim3 grid, cudaStream_t st) {
-  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid, st)
-                          : stream_rows<TI, 16>(plan, a, grid, st);
+  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid, st) : stream_rows<TI, 16>(plan, a, grid, st);
 }
 
 cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, const GemmArgs &a,
@@ -1340,8 +1337,8 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   const int blocks = grid_for(items, 256);
   switch (x_dtype) {
   case QKEEP_DTYPE_F16:
-    stage_x_kernel<__half, __half><<<blocks, 256, 0, st>>>(static_cast<const __half *>(x), m, a.k, a.chunks, mt,
-                                                           rows, items, route, static_cast<__half *>(xs));
+    stage_x_kernel<__half, __half><<<blocks, 256, 0, st>>>(static_cast<const __half *>(x), m, a.k, a.chunks,
+                                                           mt, rows, items, route, static_cast<__half *>(xs));
     break;
   case QKEEP_DTYPE_F32:
     stage_x_kernel<float, __nv_bfloat16><<<blocks, 256, 0, st>>>(static_cast<const float *>(x), m, a.k,
@@ -1674,8 +1671,9 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   const int tile_m = plan.tile_m;
   const int max_tiles = min(pairs, (pairs + tile_m - 1) / tile_m + experts);
   const int grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
-  const int64_t stream_blocks =
-      plan.kernel == NVFP4_KERNEL_STREAM ? (nvfp4_w_rows(wt->n) / NVFP4_TILE_ROWS + plan.rows - 1) / plan.rows : 0;
+  const int64_t stream_blocks = plan.kernel == NVFP4_KERNEL_STREAM
+                                    ? (nvfp4_w_rows(wt->n) / NVFP4_TILE_ROWS + plan.rows - 1) / plan.rows
+                                    : 0;
   if (grid_y > 65535 || stream_blocks > 65535)
     return cudaErrorInvalidValue;
 

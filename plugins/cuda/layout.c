@@ -87,10 +87,10 @@ void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sm
                             : 128;
   else
     tm = tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 ? tile_m
-         : per_expert <= 8                                          ? 8
-         : per_expert <= 16                                         ? 16
-         : per_expert <= 32                                         ? 32
-                                                                    : 64;
+         : per_expert <= 8                                           ? 8
+         : per_expert <= 16                                          ? 16
+         : per_expert <= 32                                          ? 32
+                                                                     : 64;
   /* Token tiles if every expert hit gets its share: at least one each. */
   const int64_t tiles = hit > (pairs + tm - 1) / tm ? hit : (pairs + tm - 1) / tm;
   struct nvfp4_tuning t = {0};
