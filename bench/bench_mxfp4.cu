@@ -28,30 +28,10 @@
 #include <functional>
 #include <vector>
 
+#include "gpu_benchutil.h"
 #include "mxfp4.h"
 
-#define CHECK_CUDA(x)                                                                                        \
-  do {                                                                                                       \
-    cudaError_t err_ = (x);                                                                                  \
-    if (err_ != cudaSuccess) {                                                                               \
-      fprintf(stderr, "bench_mxfp4: %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_));     \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
-#define CHECK_CUBLAS(x)                                                                                      \
-  do {                                                                                                       \
-    cublasStatus_t st_ = (x);                                                                                \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                                      \
-      fprintf(stderr, "bench_mxfp4: %s:%d: %s: cublas status %d\n", __FILE__, __LINE__, #x, (int)st_);       \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
-
 namespace {
-
-constexpr size_t kCycleBytes = size_t(512) << 20; /* per side, to stay out of L2 */
-constexpr int kRuns = 7;
-constexpr int kMinLaunches = 200;
 
 /* Random checkpoint-layout codes and e8m0 scales in [2^-8, 2^-1] (bytes 119..126), deterministic. */
 __global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, size_t n_scales, uint64_t seed) {
@@ -65,14 +45,6 @@ __global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, siz
   }
 }
 
-__global__ void random_bf16_kernel(__nv_bfloat16 *x, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ULL;
-    z ^= z >> 29, z *= 0xbf58476d1ce4e5b9ULL, z ^= z >> 32;
-    x[i] = __float2bfloat16((float)((z >> 40) % 2001) / 1000.0f - 1.0f);
-  }
-}
-
 /* The checkpoint-layout weight as bf16 [n, k] for cuBLAS (exact: every MXFP4 value is a bf16). */
 __global__ void dequant_kernel(const uint8_t *codes, const uint8_t *scales, __nv_bfloat16 *w, int64_t n,
                                int64_t k) {
@@ -83,90 +55,6 @@ __global__ void dequant_kernel(const uint8_t *codes, const uint8_t *scales, __nv
     uint8_t b = codes[r * (k / 2) + c / 2], code = (c & 1) ? b >> 4 : b & 0xf;
     w[i] = __float2bfloat16(e2m1[code] * ldexpf(1.0f, (int)scales[r * (k / 32) + c / 32] - 127));
   }
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-/* Microseconds per launch of `launch(copy)`, cycling copies, through a CUDA graph. */
-double time_us(cudaStream_t stream, int copies, const std::function<void(int)> &launch) {
-  int passes = (kMinLaunches + copies - 1) / copies, launches = passes * copies;
-  for (int c = 0; c < copies; c++) /* warm-up, outside the graph */
-    launch(c);
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int p = 0; p < passes; p++)
-    for (int c = 0; c < copies; c++)
-      launch(c);
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  CHECK_CUDA(cudaGraphLaunch(exec, stream)); /* warm-up of the graph */
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> runs;
-  for (int r = 0; r < kRuns; r++) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    runs.push_back(1000.0 * ms / launches);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  return median(runs);
-}
-
-/* Device-to-device copy bandwidth (read + write bytes per second). */
-double copy_bandwidth(cudaStream_t stream) {
-  size_t bytes = size_t(1) << 30;
-  void *a, *b;
-  CHECK_CUDA(cudaMalloc(&a, bytes));
-  CHECK_CUDA(cudaMalloc(&b, bytes));
-  CHECK_CUDA(cudaMemsetAsync(a, 1, bytes, stream));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> runs;
-  for (int r = 0; r < kRuns + 1; r++) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (r)
-      runs.push_back(2.0 * (double)bytes / (ms / 1000.0));
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaFree(a));
-  CHECK_CUDA(cudaFree(b));
-  double bw = median(runs);
-  printf("{\"bench\":\"d2d_copy\",\"bytes\":%zu,\"gbps\":%.1f,\"runs\":%d}\n", bytes, bw / 1e9, kRuns);
-  return bw;
-}
-
-/* max |a - b| / max |b| over n bf16 values. */
-double compare(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
-  std::vector<__nv_bfloat16> ha(n), hb(n);
-  CHECK_CUDA(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
-  double err = 0, ref = 0;
-  for (size_t i = 0; i < n; i++) {
-    double x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
-    err = std::max(err, std::fabs(x - y));
-    ref = std::max(ref, std::fabs(y));
-  }
-  return ref > 0 ? err / ref : err;
 }
 
 struct Layer {

@@ -7,10 +7,14 @@
  *   {"bench":"d2d_copy", ...}                          the ceiling's bandwidth
  *   {"bench":"nvfp4_w4a16","M":..,"N":..,"K":.., "qkeep_us":.., "peer":"cublas_bf16",
  *    "peer_us":.., "ratio":.., "ceiling_us":.., "of_ceiling":.., ...}
+ *   {"bench":"nvfp4_moe","matrix":"w13"|"w2","tokens":.., ...}   Qwen3-30B-A3B's routed experts
+ *   {"bench":"fp8_scaled_mm", ...}, {"bench":"nvfp4_vs_fp8", ...}  torch's fp8 GEMM (bench/peer_fp8.py)
  *   {"bench":"nvfp4_pwal", ...}
  *   {"bench":"nvfp4_sweep", ...}                        with QKEEP_BENCH_SWEEP=1: every kernel shape
  *                                                       (=stream: only the streaming kernel's, m <= 16;
  *                                                       =wgmma: the streaming and wgmma kernels')
+ *
+ * QKEEP_BENCH_PARTS (default all): a list of dense, moe, fp8 and load, the parts to run.
  *
  * Timing: a CUDA graph of back-to-back launches that cycle through enough
  * copies of the weights (>= 512 MiB) to keep them out of the 50 MB L2, between
@@ -35,31 +39,11 @@
 #include <unistd.h>
 
 #include "cuda_nvfp4.h"
+#include "gpu_benchutil.h"
 #include "layout.h"
 #include "qkeep.h"
 
-#define CHECK_CUDA(x)                                                                                        \
-  do {                                                                                                       \
-    cudaError_t err_ = (x);                                                                                  \
-    if (err_ != cudaSuccess) {                                                                               \
-      fprintf(stderr, "bench_nvfp4: %s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(err_));     \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
-#define CHECK_CUBLAS(x)                                                                                      \
-  do {                                                                                                       \
-    cublasStatus_t st_ = (x);                                                                                \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                                                      \
-      fprintf(stderr, "bench_nvfp4: %s:%d: %s: cublas status %d\n", __FILE__, __LINE__, #x, (int)st_);       \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
-
 namespace {
-
-constexpr size_t kCycleBytes = size_t(512) << 20; /* per side, to stay out of L2 */
-constexpr int kRuns = 7;
-constexpr int kMinLaunches = 200;
 
 /* Random linear codes and e4m3 scales in [2^-2, 2^2) (bytes 0x28..0x47), deterministic. */
 __global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, size_t n_scales, uint64_t seed) {
@@ -70,14 +54,6 @@ __global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, siz
     codes[i] = (uint8_t)z;
     if (i < n_scales)
       scales[i] = (uint8_t)(0x28 + (z >> 40) % 32);
-  }
-}
-
-__global__ void random_bf16_kernel(__nv_bfloat16 *x, size_t n, uint64_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ULL;
-    z ^= z >> 29, z *= 0xbf58476d1ce4e5b9ULL, z ^= z >> 32;
-    x[i] = __float2bfloat16((float)((z >> 40) % 2001) / 1000.0f - 1.0f);
   }
 }
 
@@ -115,78 +91,6 @@ __global__ void stream_kernel(const uint4 *w, size_t n, uint32_t *sink) {
 
 const char *kernel_name(int kernel) {
   return kernel == NVFP4_KERNEL_STREAM ? "stream" : kernel == NVFP4_KERNEL_WGMMA ? "wgmma" : "ring";
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-/* Microseconds per launch of `launch(copy)`, cycling copies, through a CUDA graph. */
-double time_us(cudaStream_t stream, int copies, const std::function<void(int)> &launch, int *launches_out) {
-  int passes = (kMinLaunches + copies - 1) / copies, launches = passes * copies;
-  for (int c = 0; c < copies; c++) /* warm-up, outside the graph */
-    launch(c);
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int p = 0; p < passes; p++)
-    for (int c = 0; c < copies; c++)
-      launch(c);
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  CHECK_CUDA(cudaGraphLaunch(exec, stream)); /* warm-up of the graph */
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> runs;
-  for (int r = 0; r < kRuns; r++) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    runs.push_back(1000.0 * ms / launches);
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  if (launches_out)
-    *launches_out = launches;
-  return median(runs);
-}
-
-/* Device-to-device copy bandwidth (read + write bytes per second). */
-double copy_bandwidth(cudaStream_t stream) {
-  size_t bytes = size_t(1) << 30;
-  void *a, *b;
-  CHECK_CUDA(cudaMalloc(&a, bytes));
-  CHECK_CUDA(cudaMalloc(&b, bytes));
-  CHECK_CUDA(cudaMemsetAsync(a, 1, bytes, stream));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> runs;
-  for (int r = 0; r < kRuns + 1; r++) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    if (r)
-      runs.push_back(2.0 * (double)bytes / (ms / 1000.0));
-  }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaFree(a));
-  CHECK_CUDA(cudaFree(b));
-  double bw = median(runs);
-  printf("{\"bench\":\"d2d_copy\",\"bytes\":%zu,\"gbps\":%.1f,\"runs\":%d}\n", bytes, bw / 1e9, kRuns);
-  return bw;
 }
 
 struct Layer {
@@ -242,22 +146,12 @@ void free_layer(Layer &L) {
   CHECK_CUDA(cudaFree(L.alpha));
 }
 
-float bf16_value(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-/* max |a - b| / max |b| over n bf16 values on the device. */
-double compare(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
-  std::vector<__nv_bfloat16> ha(n), hb(n);
-  CHECK_CUDA(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
-  double err = 0, ref = 0;
-  for (size_t i = 0; i < n; i++) {
-    double d = std::fabs((double)bf16_value(ha[i]) - bf16_value(hb[i]));
-    if (!(d <= err))
-      err = d;
-    ref = std::max(ref, std::fabs((double)bf16_value(hb[i])));
-  }
-  return ref > 0 ? err / ref : err;
-}
+/* qkeep's default time per (M, N, K) of bench_gemm, for the fp8 peer's ratio. */
+struct DenseTime {
+  int64_t m, n, k;
+  double us;
+};
+std::vector<DenseTime> dense_times;
 
 void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, const char *sweep) {
   uint32_t *sink;
@@ -317,6 +211,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           read_bytes / q_us / 1e6, s_us, kernel_name(plan.kernel), plan.tile_m, plan.split_k, plan.rows,
           plan.unroll, err, 3 * kRuns, launches);
       fflush(stdout);
+      dense_times.push_back({m, n, k, q_us});
       if (!sweep)
         continue;
       /* One forced shape: its error against cuBLAS's output, then its time. */
@@ -382,6 +277,367 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
     free_layer(L);
   }
   CHECK_CUDA(cudaFree(sink));
+}
+
+/* ---- routed MoE: Qwen3-30B-A3B's experts ------------------------------------------------------ */
+
+/* One expert matrix set of the MoE ([experts, n, k]): the tiled master copy, the bf16 one. */
+struct MoeMatrix {
+  const char *name;
+  int64_t n, k;
+  size_t w_bytes, sf_bytes; /* per expert, tiled */
+  uint8_t *w, *sf;          /* experts x tiled weights / swizzled scales */
+  __nv_bfloat16 *bf16;      /* [experts, n, k] */
+};
+
+MoeMatrix make_moe_matrix(const char *name, int64_t experts, int64_t n, int64_t k, uint64_t seed,
+                          cudaStream_t stream) {
+  MoeMatrix M = {name,    n,       k,      (size_t)nvfp4_w_bytes(n, k), (size_t)nvfp4_sf_bytes(n, k / 16),
+                 nullptr, nullptr, nullptr};
+  const size_t codes = (size_t)(experts * n * k / 2), scales = (size_t)(experts * n * k / 16);
+  uint8_t *lin_codes, *lin_scales;
+  CHECK_CUDA(cudaMalloc(&lin_codes, codes));
+  CHECK_CUDA(cudaMalloc(&lin_scales, scales));
+  CHECK_CUDA(cudaMalloc(&M.w, M.w_bytes * (size_t)experts));
+  CHECK_CUDA(cudaMalloc(&M.sf, M.sf_bytes * (size_t)experts));
+  CHECK_CUDA(cudaMalloc(&M.bf16, (size_t)(experts * n * k) * 2));
+  fill_kernel<<<4096, 256, 0, stream>>>(lin_codes, codes, lin_scales, scales, seed);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA((cudaError_t)nvfp4_tile_weights_gpu(lin_codes, M.w, experts, n, k, stream));
+  CHECK_CUDA((cudaError_t)nvfp4_swizzle_scales_gpu(lin_scales, M.sf, experts, n, k / 16, stream));
+  dequant_kernel<<<8192, 256, 0, stream>>>(lin_codes, lin_scales, M.bf16, experts * n, k); /* rows stack */
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaFree(lin_codes));
+  CHECK_CUDA(cudaFree(lin_scales));
+  return M;
+}
+
+/* Random bf16 values in [-1, 1] on the host (the peer's gathered copy is built from them). */
+std::vector<__nv_bfloat16> host_bf16(size_t n, uint64_t seed) {
+  std::vector<__nv_bfloat16> v(n);
+  for (size_t i = 0; i < n; i++) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    v[i] = __float2bfloat16((float)((seed >> 40) % 2001) / 1000.0f - 1.0f);
+  }
+  return v;
+}
+
+/* max |a[p] - b[row[p]]| / max |b| over rows of n bf16 values (host copies). */
+double compare_rows(const std::vector<__nv_bfloat16> &a, const std::vector<__nv_bfloat16> &b,
+                    const std::vector<int> &row, int64_t n) {
+  double err = 0, ref = 0;
+  for (size_t p = 0; p < row.size(); p++)
+    for (int64_t j = 0; j < n; j++) {
+      double x = __bfloat162float(a[p * n + j]), y = __bfloat162float(b[(size_t)row[p] * n + j]);
+      double d = std::fabs(x - y);
+      if (!(d <= err))
+        err = d;
+      ref = std::max(ref, std::fabs(y));
+    }
+  return ref > 0 ? err / ref : err;
+}
+
+template <typename T> T *device_copy(const std::vector<T> &v) {
+  T *d;
+  CHECK_CUDA(cudaMalloc(&d, v.size() * sizeof(T) + 16));
+  CHECK_CUDA(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+/*
+ * Qwen3-30B-A3B's MoE (128 experts, hidden 2048, expert intermediate 768, top-8): the routed
+ * w13 (gate_up, [1536, 2048] per expert) and w2 (down, [2048, 768], with the router-weighted
+ * combine) at 1, 16, 64, 256 and 1024 tokens, random routing (8 distinct experts per token, fixed
+ * seed), bf16 activations. Peers in the same run: the ceiling for the bytes of the experts
+ * hit (tiled codes + swizzled scales over the copy bandwidth), and cuBLAS bf16 on the same
+ * dequantised experts, one GEMM per expert hit over its tokens' rows gathered beforehand
+ * (neither the gather nor the combine is timed for cuBLAS; both are in qkeep's time), as a
+ * loop of launches (peer_us) and as one grouped call (cublasGemmGroupedBatchedEx, grouped_us).
+ * Each side cycles weight copies of the experts hit, >= 512 MiB, out of L2. Also the plan's
+ * kernel forced each way (stream_us, wgmma_us); a plain read of the experts' bytes (read_us);
+ * at 1 token, the dense streaming kernel over the same bytes as one matrix (dense_us: the
+ * GEMM without the routing).
+ */
+void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int sms, bool wgmma) {
+  const int64_t experts = 128, hidden = 2048, inter = 768;
+  const int topk = 8;
+  static const int64_t token_counts[] = {1, 16, 64, 256, 1024};
+  float *alpha;
+  uint32_t *sink;
+  CHECK_CUDA(cudaMalloc(&sink, sizeof *sink));
+  {
+    std::vector<float> ones((size_t)experts, 1.0f);
+    alpha = device_copy(ones);
+  }
+  for (int mat = 0; mat < 2; mat++) {
+    const bool w2 = mat == 1;
+    MoeMatrix W = w2 ? make_moe_matrix("w2", experts, hidden, inter, 77, stream)
+                     : make_moe_matrix("w13", experts, 2 * inter, hidden, 76, stream);
+    const int64_t n = W.n, k = W.k;
+    for (int64_t T : token_counts) {
+      const int64_t pairs = T * topk;
+      /* Routing: topk distinct experts per token, router weights in [0.05, 0.3). */
+      std::vector<int32_t> ids((size_t)pairs);
+      std::vector<float> weights((size_t)pairs);
+      uint64_t rng = 1000 + (uint64_t)T;
+      auto next = [&rng]() {
+        rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+        return rng >> 33;
+      };
+      for (int64_t t = 0; t < T; t++)
+        for (int s = 0; s < topk; s++) {
+          int32_t e;
+          bool again;
+          do {
+            e = (int32_t)(next() % experts);
+            again = false;
+            for (int q = 0; q < s; q++)
+              again |= ids[(size_t)(t * topk + q)] == e;
+          } while (again);
+          ids[(size_t)(t * topk + s)] = e;
+          weights[(size_t)(t * topk + s)] = 0.05f + 0.25f * (float)(next() % 1000) / 1000.0f;
+        }
+      /* The experts hit, their pairs in order (the peer's gathered rows), each pair's row there. */
+      std::vector<int> hit, first((size_t)experts, -1), count((size_t)experts, 0), row((size_t)pairs);
+      for (int64_t p = 0; p < pairs; p++)
+        count[(size_t)ids[(size_t)p]]++;
+      int rows = 0;
+      for (int e = 0; e < experts; e++)
+        if (count[(size_t)e]) {
+          hit.push_back(e);
+          first[(size_t)e] = rows;
+          rows += count[(size_t)e];
+        }
+      {
+        std::vector<int> fill((size_t)experts, 0);
+        for (int64_t p = 0; p < pairs; p++) {
+          const int e = ids[(size_t)p];
+          row[(size_t)p] = first[(size_t)e] + fill[(size_t)e]++;
+        }
+      }
+      const int64_t x_rows = w2 ? pairs : T;
+      std::vector<__nv_bfloat16> x = host_bf16((size_t)(x_rows * k), 31 + (uint64_t)T),
+                                 xg((size_t)(pairs * k));
+      for (int64_t p = 0; p < pairs; p++)
+        memcpy(&xg[(size_t)(row[(size_t)p] * k)], &x[(size_t)((w2 ? p : p / topk) * k)], (size_t)k * 2);
+      __nv_bfloat16 *d_x = device_copy(x), *d_xg = device_copy(xg), *d_y, *d_yg, *d_rows;
+      CHECK_CUDA(cudaMalloc(&d_y, (size_t)(pairs * n) * 2));
+      CHECK_CUDA(cudaMalloc(&d_rows, (size_t)(pairs * n) * 2));
+      CHECK_CUDA(cudaMalloc(&d_yg, (size_t)(pairs * n) * 2));
+      int32_t *d_ids = device_copy(ids);
+      float *d_weights = device_copy(weights);
+
+      /* Weight copies of the experts hit (the rest of each copy is never read). */
+      const size_t hit_q = hit.size() * (W.w_bytes + W.sf_bytes), hit_b = hit.size() * (size_t)(n * k) * 2;
+      const int copies_q = (int)std::max<size_t>(2, (kCycleBytes + hit_q - 1) / hit_q);
+      const int copies_b = (int)std::max<size_t>(2, (kCycleBytes + hit_b - 1) / hit_b);
+      std::vector<nvfp4_weights> q;
+      std::vector<void *> allocations;
+      for (int c = 0; c < copies_q; c++) {
+        uint8_t *w, *sf;
+        CHECK_CUDA(cudaMalloc(&w, W.w_bytes * (size_t)experts));
+        CHECK_CUDA(cudaMalloc(&sf, W.sf_bytes * (size_t)experts));
+        for (int e : hit) {
+          CHECK_CUDA(cudaMemcpyAsync(w + e * W.w_bytes, W.w + e * W.w_bytes, W.w_bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+          CHECK_CUDA(cudaMemcpyAsync(sf + e * W.sf_bytes, W.sf + e * W.sf_bytes, W.sf_bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+        }
+        q.push_back(nvfp4_weights{w, sf, alpha, nullptr, QKEEP_DTYPE_F32, n, k, experts});
+        allocations.push_back(w), allocations.push_back(sf);
+      }
+      std::vector<__nv_bfloat16 *> b; /* compact: the experts hit, in order */
+      for (int c = 0; c < copies_b; c++) {
+        __nv_bfloat16 *w;
+        CHECK_CUDA(cudaMalloc(&w, hit_b));
+        for (size_t i = 0; i < hit.size(); i++)
+          CHECK_CUDA(cudaMemcpyAsync(w + i * (size_t)(n * k), W.bf16 + (size_t)hit[i] * (size_t)(n * k),
+                                     (size_t)(n * k) * 2, cudaMemcpyDeviceToDevice, stream));
+        b.push_back(w);
+        allocations.push_back(w);
+      }
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+
+      auto qkeep_with = [&](const nvfp4_tuning *tune) {
+        return [&, tune](int c) {
+          CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[(size_t)c], T, topk, d_ids, d_weights, w2, d_x,
+                                                QKEEP_DTYPE_BF16, d_y, QKEEP_DTYPE_BF16, tune, stream));
+        };
+      };
+      auto peer = [&](int c) {
+        const float one = 1.0f, zero = 0.0f;
+        for (size_t i = 0; i < hit.size(); i++) {
+          const int e = hit[i], r0 = first[(size_t)e];
+          CHECK_CUBLAS(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)n, count[(size_t)e], (int)k, &one,
+                                    b[(size_t)c] + i * (size_t)(n * k), CUDA_R_16BF, (int)k,
+                                    d_xg + (size_t)r0 * k, CUDA_R_16BF, (int)k, &zero, d_yg + (size_t)r0 * n,
+                                    CUDA_R_16BF, (int)n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        }
+      };
+      /* Correctness: every pair's row through qkeep (for w2 without the combine: one slot per
+       * pair) against cuBLAS's row of the same pair; each forced kernel too. */
+      peer(0);
+      std::vector<int32_t> flat(ids);
+      int32_t *d_flat = device_copy(flat);
+      auto rows_error = [&](const nvfp4_tuning *tune) {
+        if (w2)
+          CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], pairs, 1, d_flat, nullptr, false, d_x,
+                                                QKEEP_DTYPE_BF16, d_rows, QKEEP_DTYPE_BF16, tune, stream));
+        else
+          CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], T, topk, d_ids, nullptr, false, d_x, QKEEP_DTYPE_BF16,
+                                                d_rows, QKEEP_DTYPE_BF16, tune, stream));
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        std::vector<__nv_bfloat16> got((size_t)(pairs * n)), want((size_t)(pairs * n));
+        CHECK_CUDA(cudaMemcpy(got.data(), d_rows, got.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK_CUDA(cudaMemcpy(want.data(), d_yg, want.size() * 2, cudaMemcpyDeviceToHost));
+        return compare_rows(got, want, row, n);
+      };
+      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0},
+                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0};
+      double err = rows_error(nullptr), err_s = rows_error(&as_stream), err_w = rows_error(&as_wgmma);
+      /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
+      const int groups = (int)hit.size();
+      std::vector<cublasOperation_t> op_a((size_t)groups, CUBLAS_OP_T), op_b((size_t)groups, CUBLAS_OP_N);
+      std::vector<int> gm((size_t)groups, (int)n), gn((size_t)groups), gk((size_t)groups, (int)k),
+          one_each((size_t)groups, 1);
+      std::vector<float> g_alpha((size_t)groups, 1.0f), g_beta((size_t)groups, 0.0f);
+      for (int i = 0; i < groups; i++)
+        gn[(size_t)i] = count[(size_t)hit[(size_t)i]];
+      std::vector<const void **> g_a, g_b;
+      std::vector<void **> g_c;
+      for (int c = 0; c < copies_b; c++) {
+        std::vector<const void *> pa((size_t)groups), pb((size_t)groups);
+        std::vector<void *> pc((size_t)groups);
+        for (int i = 0; i < groups; i++) {
+          const int r0 = first[(size_t)hit[(size_t)i]];
+          pa[(size_t)i] = b[(size_t)c] + (size_t)i * (size_t)(n * k);
+          pb[(size_t)i] = d_xg + (size_t)r0 * k;
+          pc[(size_t)i] = d_y + (size_t)r0 * n; /* not d_yg: the loop's rows stay for the check */
+        }
+        g_a.push_back(device_copy(pa)), g_b.push_back(device_copy(pb)), g_c.push_back(device_copy(pc));
+      }
+      auto grouped_call = [&](int c) {
+        return cublasGemmGroupedBatchedEx(
+            blas, op_a.data(), op_b.data(), gm.data(), gn.data(), gk.data(), g_alpha.data(), g_a[(size_t)c],
+            CUDA_R_16BF, gk.data(), g_b[(size_t)c], CUDA_R_16BF, gk.data(), g_beta.data(), g_c[(size_t)c],
+            CUDA_R_16BF, gm.data(), groups, one_each.data(), CUBLAS_COMPUTE_32F);
+      };
+      cublasStatus_t g_status = grouped_call(0);
+      double g_err = -1, g_us = -1;
+      if (g_status == CUBLAS_STATUS_SUCCESS) {
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        g_err = compare(d_y, d_yg, (size_t)(pairs * n)); /* the same rows as the loop's */
+      }
+      std::vector<double> q_runs, p_runs, g_runs;
+      int launches = 0;
+      for (int r = 0; r < 3; r++) { /* interleaved */
+        q_runs.push_back(time_us(stream, copies_q, qkeep_with(nullptr), &launches));
+        p_runs.push_back(time_us(stream, copies_b, peer));
+        if (g_status == CUBLAS_STATUS_SUCCESS)
+          g_runs.push_back(time_us(stream, copies_b, [&](int c) { CHECK_CUBLAS(grouped_call(c)); }));
+      }
+      if (!g_runs.empty())
+        g_us = median(g_runs);
+      const double s_us = time_us(stream, copies_q, qkeep_with(&as_stream));
+      const double w_us = time_us(stream, copies_q, qkeep_with(&as_wgmma));
+      const nvfp4_tuning as_wgmma32 = {32, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0}; /* a token tile above the mean */
+      const double w32_us = T >= 64 ? time_us(stream, copies_q, qkeep_with(&as_wgmma32)) : -1;
+      const double r_us = time_us(stream, copies_q, [&](int c) {
+        stream_kernel<<<4 * 132, 256, 0, stream>>>(static_cast<const uint4 *>(q[(size_t)c].w),
+                                                   hit.size() * W.w_bytes / 16, sink);
+      });
+      double d_us = -1;
+      if (T == 1) { /* the experts hit as one [hit x n, k] matrix (copy slots 0..hit-1, same bytes) */
+        std::vector<nvfp4_weights> dense;
+        for (const nvfp4_weights &w : q)
+          dense.push_back(
+              nvfp4_weights{w.w, w.sf, alpha, nullptr, QKEEP_DTYPE_F32, n * (int64_t)hit.size(), k, 1});
+        d_us = time_us(stream, copies_q, [&](int c) {
+          CHECK_CUDA((cudaError_t)nvfp4_gemm_run(&dense[(size_t)c], 0, 1, d_x, QKEEP_DTYPE_BF16, d_rows,
+                                                 QKEEP_DTYPE_BF16, nullptr, stream));
+        });
+      }
+      const double q_us = median(q_runs), p_us = median(p_runs), ceiling = 1e6 * (double)hit_q / bandwidth;
+      nvfp4_tuning plan, plan_s, plan_w;
+      nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, nullptr, &plan);
+      nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, &as_stream, &plan_s);
+      nvfp4_moe_plan(pairs, experts, n, k, sms, wgmma, &as_wgmma, &plan_w);
+      printf(
+          "{\"bench\":\"nvfp4_moe\",\"model\":\"Qwen3-30B-A3B\",\"matrix\":\"%s\",\"experts\":%lld,\"topk\":%"
+          "d,"
+          "\"tokens\":%lld,\"experts_hit\":%zu,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,\"kernel\":\"%s\","
+          "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"peer\":\"cublas_bf16_per_expert\",\"peer_us\":%.2f,"
+          "\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,\"hit_bytes\":%zu,\"stream_us\":%.2f,"
+          "\"stream_shape\":\"%d/%d/%d\",\"wgmma_us\":%.2f,\"wgmma_shape\":\"%d/%d/%d\",\"max_rel_err\":%.2e,"
+          "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"grouped_us\":%.2f,\"grouped_status\":%d,\"grouped_err\":%"
+          ".2e,"
+          "\"wgmma32_us\":%.2f,\"read_us\":%.2f,\"dense_us\":%.2f,\"runs\":%d,\"launches\":%d,\"copies\":%d,"
+          "\"method\":\"graph\"}\n",
+          W.name, (long long)experts, topk, (long long)T, hit.size(), (long long)n, (long long)k, q_us,
+          kernel_name(plan.kernel), plan.tile_m, plan.rows, plan.split_k, p_us, p_us / q_us, ceiling,
+          ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, w_us, plan_w.tile_m,
+          plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err, w32_us, r_us, d_us,
+          3 * kRuns, launches, copies_q);
+      fflush(stdout);
+      for (void *p : allocations)
+        CHECK_CUDA(cudaFree(p));
+      for (int c = 0; c < copies_b; c++) {
+        CHECK_CUDA(cudaFree(g_a[(size_t)c]));
+        CHECK_CUDA(cudaFree(g_b[(size_t)c]));
+        CHECK_CUDA(cudaFree(g_c[(size_t)c]));
+      }
+      void *bufs[] = {d_x, d_xg, d_y, d_yg, d_rows, d_ids, d_weights, d_flat};
+      for (void *p : bufs)
+        CHECK_CUDA(cudaFree(p));
+    }
+    CHECK_CUDA(cudaFree(W.w));
+    CHECK_CUDA(cudaFree(W.sf));
+    CHECK_CUDA(cudaFree(W.bf16));
+  }
+  CHECK_CUDA(cudaFree(alpha));
+  CHECK_CUDA(cudaFree(sink));
+}
+
+/* ---- torch's fp8 GEMM (bench/peer_fp8.py) ------------------------------------------------------- */
+
+/*
+ * Runs bench/peer_fp8.py (torch._scaled_mm, e4m3 weights and activations, per-tensor scales,
+ * bf16 out) on the dense shapes with $QKEEP_BENCH_PYTHON (default python3): passes its JSON
+ * lines through and adds one line per shape and M with qkeep's time of this run beside it;
+ * a missing torch is a {"skipped": ...} line, never a failure.
+ */
+void bench_fp8_peer(void) {
+  const char *python = getenv("QKEEP_BENCH_PYTHON"), *srcdir = getenv("QKEEP_TEST_SRCDIR");
+  std::string cmd =
+      std::string("'") + (python && *python ? python : "python3") + "' '" +
+      (srcdir && *srcdir ? srcdir : ".") +
+      "/bench/peer_fp8.py' --shapes 8192x8192,4096x14336,14336x4096 --ms 1,4,16,32,64,128,256,1024 "
+      "2>&1";
+  FILE *p = popen(cmd.c_str(), "r");
+  if (!p) {
+    printf("{\"bench\":\"fp8_scaled_mm\",\"skipped\":\"cannot run %s\"}\n", python ? python : "python3");
+    return;
+  }
+  char line[4096];
+  while (fgets(line, sizeof line, p)) {
+    fputs(line, stdout);
+    long long m, n, k;
+    double us;
+    const char *mm = strstr(line, "\"M\": "), *nn = strstr(line, "\"N\": "), *kk = strstr(line, "\"K\": "),
+               *tt = strstr(line, "\"fp8_us\": ");
+    if (mm && nn && kk && tt && sscanf(mm + 5, "%lld", &m) == 1 && sscanf(nn + 5, "%lld", &n) == 1 &&
+        sscanf(kk + 5, "%lld", &k) == 1 && sscanf(tt + 10, "%lf", &us) == 1)
+      for (const DenseTime &d : dense_times)
+        if (d.m == m && d.n == n && d.k == k)
+          printf("{\"bench\":\"nvfp4_vs_fp8\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
+                 "\"peer\":\"torch_scaled_mm_fp8\",\"peer_us\":%.2f,\"ratio\":%.2f}\n",
+                 m, n, k, d.us, us, us / d.us);
+    fflush(stdout);
+  }
+  int rc = pclose(p);
+  if (rc != 0)
+    printf("{\"bench\":\"fp8_scaled_mm\",\"skipped\":\"bench/peer_fp8.py exited with status %d\"}\n", rc);
 }
 
 /* ---- a load through the plugin ------------------------------------------------------------------ */
@@ -522,11 +778,18 @@ int main(void) {
   CHECK_CUDA(cudaMalloc(&blas_workspace, blas_workspace_bytes));
   CHECK_CUBLAS(cublasSetWorkspace(blas, blas_workspace, blas_workspace_bytes));
   double bw = copy_bandwidth(stream);
-  const char *sweep = getenv("QKEEP_BENCH_SWEEP");
-  bench_gemm(blas, stream, bw, sweep && *sweep && strcmp(sweep, "0") != 0 ? sweep : nullptr);
+  const char *sweep = getenv("QKEEP_BENCH_SWEEP"), *parts = getenv("QKEEP_BENCH_PARTS");
+  auto part = [parts](const char *name) { return !parts || !*parts || strstr(parts, name) != nullptr; };
+  if (part("moe"))
+    bench_moe(blas, stream, bw, prop.multiProcessorCount, prop.major == 9 && prop.minor == 0);
+  if (part("dense"))
+    bench_gemm(blas, stream, bw, sweep && *sweep && strcmp(sweep, "0") != 0 ? sweep : nullptr);
   CHECK_CUBLAS(cublasDestroy(blas));
   CHECK_CUDA(cudaFree(blas_workspace));
   CHECK_CUDA(cudaStreamDestroy(stream));
-  bench_load();
+  if (part("fp8"))
+    bench_fp8_peer();
+  if (part("load"))
+    bench_load();
   return 0;
 }

@@ -507,6 +507,65 @@ START_TEST(test_wgmma_plan) {
 }
 END_TEST
 
+/* The routed MoE plan on the Qwen3-30B-A3B shapes (128 experts; w13 1536 x 2048, w2 2048 x
+ * 768) and 132 SMs: the streaming kernel up to 16 tokens per expert, with the rows and splits
+ * nvfp4_stream_plan gives all the experts' tiles together; wgmma above (the ring kernel
+ * without it); forced kernels and tiles honoured where valid. */
+START_TEST(test_moe_plan) {
+  struct nvfp4_tuning p;
+  static const struct {
+    int64_t pairs, n, k;
+    bool wgmma;
+    int kernel, tile_m, rows, split;
+  } want[] = {
+      {8, 1536, 2048, true, NVFP4_KERNEL_STREAM, 8, 2, 1},     /* 1 token, top-8: 8 experts of 96 tiles */
+      {8, 2048, 768, true, NVFP4_KERNEL_STREAM, 8, 4, 1},      /* 8 x 128 tiles */
+      {128, 1536, 2048, true, NVFP4_KERNEL_STREAM, 8, 4, 1},   /* 16 tokens: 1 per expert */
+      {2048, 1536, 2048, true, NVFP4_KERNEL_STREAM, 16, 4, 1}, /* 256 tokens: 16 per expert */
+      {4096, 1536, 2048, true, NVFP4_KERNEL_WGMMA, 32, 1, 1},  /* 512 tokens: 32 per expert */
+      {16384, 2048, 768, true, NVFP4_KERNEL_WGMMA, 128, 1, 1}, /* 2048 tokens */
+      {4096, 1536, 2048, false, NVFP4_KERNEL_RING, 32, 0, 0},  /* no wgmma: the ring kernel */
+  };
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    nvfp4_moe_plan(want[i].pairs, 128, want[i].n, want[i].k, 132, want[i].wgmma, NULL, &p);
+    ck_assert_int_eq(p.kernel, want[i].kernel);
+    ck_assert_int_eq(p.tile_m, want[i].tile_m);
+    ck_assert_int_eq(p.rows, want[i].rows);
+    ck_assert_int_eq(p.split_k, want[i].split);
+  }
+  /* Forced: the streaming kernel at prefill sizes keeps 16-token tiles; a forced tile of 8. */
+  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0};
+  nvfp4_moe_plan(16384, 128, 1536, 2048, 132, true, &forced, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 16);
+  forced.tile_m = 8;
+  nvfp4_moe_plan(16384, 128, 1536, 2048, 132, true, &forced, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 8);
+  forced.tile_m = 64; /* not a streaming tile: automatic */
+  nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 8);
+  /* The wgmma kernel at decode sizes: 16-token tiles, or the forced one; without it, the ring kernel. */
+  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0};
+  nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_WGMMA && p.tile_m == 16 && p.split_k == 2 && p.rows == 1);
+  forced.tile_m = 256;
+  nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_WGMMA && p.tile_m == 256);
+  nvfp4_moe_plan(8, 128, 1536, 2048, 132, false, &forced, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_RING && p.tile_m == 8);
+  /* Every size: valid shapes of the kernel picked. */
+  for (int64_t pairs = 1; pairs <= 1 << 20; pairs = pairs * 3 + 1)
+    for (int64_t experts = 1; experts <= 2048; experts *= 4) {
+      nvfp4_moe_plan(pairs, experts, 1536, 2048, 132, true, NULL, &p);
+      const int64_t per =
+          (pairs + (pairs < experts ? pairs : experts) - 1) / (pairs < experts ? pairs : experts);
+      ck_assert_int_eq(p.kernel, per <= NVFP4_MOE_STREAM_MAX ? NVFP4_KERNEL_STREAM : NVFP4_KERNEL_WGMMA);
+      ck_assert(p.kernel == NVFP4_KERNEL_STREAM ? p.tile_m == 8 || p.tile_m == 16
+                                                : p.tile_m >= per || p.tile_m == 128);
+      ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
+    }
+}
+END_TEST
+
 static Suite *layout_suite(void) {
   Suite *s = suite_create("cuda_layout");
   TCase *tc = tcase_create("scales");
@@ -528,6 +587,7 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_x_bijection);
   tcase_add_test(tc, test_wgmma_operands_reproduce_gemm);
   tcase_add_test(tc, test_wgmma_plan);
+  tcase_add_test(tc, test_moe_plan);
   suite_add_tcase(s, tc);
   return s;
 }

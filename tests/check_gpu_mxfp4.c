@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "checkutil.h"
+#include "gpu_testutil.h"
 #include "internal.h"
 #include "mxfp4.h"
 #include "mxfp4_fixture.h"
@@ -63,65 +64,10 @@ static void teardown(void) {
 
 /* ---- the checkpoints ------------------------------------------------------------------------ */
 
-static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed,
-                float scale) {
-  float *v = cols ? mxfp4_random_matrix(name, rows, cols, seed, scale) : malloc((size_t)rows * sizeof *v);
-  for (int64_t i = 0; !cols && i < rows; i++)
-    v[i] = 1.0f;
-  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
-  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
-  free(v);
-}
+static const struct gtu_model model = {H, KV, I, E_I, EXPERTS, VOCAB};
 
-static void add_bias(struct st_writer *w, const char *name, int64_t n, uint64_t seed) {
-  float *v = malloc((size_t)n * sizeof *v);
-  uint64_t s = seed * 7 + (uint64_t)n;
-  for (int64_t i = 0; i < n; i++)
-    v[i] = tu_randf(&s) * 0.5f;
-  struct qkeep_spec sp = {QKEEP_DTYPE_F32, 1, {n}};
-  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
-  free(v);
-}
-
-/* Two decoder layers (the second with an MoE block), embedding, lm_head; weights from seed. */
 static char *write_source(const char *file, uint64_t seed) {
-  struct st_writer *w;
-  char name[160];
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.embed_tokens.weight", VOCAB, H, seed, 0.25f);
-  add(w, "lm_head.weight", VOCAB, H, seed, 0.25f);
-  add(w, "model.norm.weight", H, 0, seed, 1);
-  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
-  static const int rows[] = {H, KV, KV, H};
-  for (int l = 0; l < 2; l++) {
-    for (int p = 0; p < 4; p++) {
-      snprintf(name, sizeof name, "model.layers.%d.self_attn.%s.weight", l, proj[p]);
-      /* One projection with a large range, so block scales spread widely. */
-      add(w, name, rows[p], H, seed, p == 3 && l == 1 ? 40.0f : 0.25f);
-      if (l == 0) {
-        snprintf(name, sizeof name, "model.layers.0.self_attn.%s.bias", proj[p]);
-        add_bias(w, name, rows[p], seed + (uint64_t)p);
-      }
-    }
-    snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-    add(w, name, H, 0, seed, 1);
-  }
-  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed, 0.25f);
-  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed, 0.25f);
-  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed, 0.25f);
-  add(w, "model.layers.1.mlp.gate.weight", EXPERTS, H, seed, 0.25f);
-  for (int e = 0; e < EXPERTS; e++) {
-    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
-    add(w, name, E_I, H, seed, 0.25f);
-    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
-    add(w, name, E_I, H, seed, 0.25f);
-    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
-    add(w, name, H, E_I, seed, 0.25f);
-  }
-  char *path = tu_path(dir, file);
-  ck_assert_int_eq(st_writer_write(w, path), 0);
-  st_writer_free(w);
-  return path;
+  return gtu_write_source(dir, file, seed, &model);
 }
 
 static char *quantize(const char *source, const char *out) {

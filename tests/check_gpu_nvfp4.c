@@ -11,8 +11,9 @@
  *     checkpoint bytes, and PWAL on the host gives the same digest;
  *   - reload W0 -> W1 equals a cold start on W1 byte for byte with every
  *     device pointer unchanged;
- *   - bf16 and f16 activations, and the routed MoE apply, agree with the
- *     f32 per-expert results.
+ *   - bf16 and f16 activations, and the routed MoE apply (forced through
+ *     each kernel, 1 to 256 tokens, top-k 8 over 16 experts of which some
+ *     get no token and one most), agree with the f32 per-expert results.
  */
 #include <check.h>
 #include <math.h>
@@ -22,6 +23,7 @@
 
 #include "checkutil.h"
 #include "cuda_nvfp4.h"
+#include "gpu_testutil.h"
 #include "internal.h"
 #include "layout.h"
 #include "numeric.h"
@@ -72,69 +74,10 @@ static void teardown(void) {
 
 /* ---- the model ------------------------------------------------------------------------------ */
 
-static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed,
-                float scale) {
-  size_t n = (size_t)(rows * (cols ? cols : 1));
-  float *v = malloc(n * sizeof *v);
-  uint64_t s = seed;
-  for (const char *p = name; *p; p++)
-    s = s * 31 + (unsigned char)*p;
-  for (size_t i = 0; i < n; i++)
-    v[i] = cols ? tu_randf(&s) * scale : 1.0f;
-  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
-  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
-  free(v);
-}
+static const struct gtu_model model = {H, KV, I, E_I, EXPERTS, VOCAB};
 
-static void add_bias(struct st_writer *w, const char *name, int64_t n, uint64_t seed) {
-  float *v = malloc((size_t)n * sizeof *v);
-  uint64_t s = seed * 7 + (uint64_t)n;
-  for (int64_t i = 0; i < n; i++)
-    v[i] = tu_randf(&s) * 0.5f;
-  struct qkeep_spec sp = {QKEEP_DTYPE_F32, 1, {n}};
-  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
-  free(v);
-}
-
-/* Two decoder layers (the second with an MoE block), embedding, lm_head; weights from seed. */
 static char *write_source(const char *file, uint64_t seed) {
-  struct st_writer *w;
-  char name[160];
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.embed_tokens.weight", VOCAB, H, seed, 0.25f);
-  add(w, "lm_head.weight", VOCAB, H, seed, 0.25f);
-  add(w, "model.norm.weight", H, 0, seed, 1);
-  static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
-  static const int rows[] = {H, KV, KV, H};
-  for (int l = 0; l < 2; l++) {
-    for (int p = 0; p < 4; p++) {
-      snprintf(name, sizeof name, "model.layers.%d.self_attn.%s.weight", l, proj[p]);
-      /* One projection with a large range, so block scales spread widely. */
-      add(w, name, rows[p], H, seed, p == 3 && l == 1 ? 40.0f : 0.25f);
-      if (l == 0) {
-        snprintf(name, sizeof name, "model.layers.0.self_attn.%s.bias", proj[p]);
-        add_bias(w, name, rows[p], seed + (uint64_t)p);
-      }
-    }
-    snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-    add(w, name, H, 0, seed, 1);
-  }
-  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed, 0.25f);
-  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed, 0.25f);
-  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed, 0.25f);
-  add(w, "model.layers.1.mlp.gate.weight", EXPERTS, H, seed, 0.25f);
-  for (int e = 0; e < EXPERTS; e++) {
-    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
-    add(w, name, E_I, H, seed, 0.25f);
-    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
-    add(w, name, E_I, H, seed, 0.25f);
-    snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
-    add(w, name, H, E_I, seed, 0.25f);
-  }
-  char *path = tu_path(dir, file);
-  ck_assert_int_eq(st_writer_write(w, path), 0);
-  st_writer_free(w);
-  return path;
+  return gtu_write_source(dir, file, seed, &model);
 }
 
 static char *quantize(const char *source, const char *scheme, const char *out) {
@@ -497,6 +440,27 @@ START_TEST(half_precision_activations) {
 }
 END_TEST
 
+/* The routed apply of `matrix` to host x (x_floats) into host y (y_floats) through the current
+ * configuration; ids and router weights on the device. */
+static void routed_apply(qkeep_layer *moe, int matrix, int64_t tokens, int32_t topk, void *d_ids, void *d_w,
+                         const float *x, size_t x_floats, float *y, size_t y_floats) {
+  void *dx = to_device(x, x_floats * sizeof *x), *dy = to_device(y, y_floats * sizeof *y);
+  struct qkeep_apply_args a = {.size = sizeof a,
+                               .m = tokens,
+                               .x = dx,
+                               .x_dtype = QKEEP_DTYPE_F32,
+                               .y = dy,
+                               .y_dtype = QKEEP_DTYPE_F32,
+                               .matrix = matrix,
+                               .topk = topk,
+                               .topk_ids = d_ids,
+                               .topk_weights = d_w};
+  ck_assert_msg(backend()->apply(backend(), moe, &a) == 0, "%s", qkeep_errmsg());
+  from_device(y, dy, y_floats * sizeof *y);
+  backend()->memory->free(backend(), dx);
+  backend()->memory->free(backend(), dy);
+}
+
 START_TEST(routed_moe) {
   const char *scheme = schemes[_i];
   char *source = write_source("source.safetensors", 7), *path = quantize(source, scheme, "q");
@@ -515,21 +479,7 @@ START_TEST(routed_moe) {
   random_x(x13, T * H, 4);
   random_x(x2, P * E_I, 5);
   void *d_ids = to_device(ids, sizeof ids), *d_w = to_device(weights, sizeof weights);
-  void *dx13 = to_device(x13, sizeof x13), *dy13 = to_device(y13, sizeof y13);
-  void *dx2 = to_device(x2, sizeof x2), *dy2 = to_device(y2, sizeof y2);
-  struct qkeep_apply_args a = {.size = sizeof a,
-                               .m = T,
-                               .x = dx13,
-                               .x_dtype = QKEEP_DTYPE_F32,
-                               .y = dy13,
-                               .y_dtype = QKEEP_DTYPE_F32,
-                               .matrix = QKEEP_MOE_W13,
-                               .topk = TOPK,
-                               .topk_ids = d_ids,
-                               .topk_weights = d_w};
-  ck_assert_msg(backend()->apply(backend(), moe, (const struct qkeep_apply_args *)&a) == 0, "%s",
-                qkeep_errmsg());
-  from_device(y13, dy13, sizeof y13);
+  routed_apply(moe, QKEEP_MOE_W13, T, TOPK, d_ids, d_w, x13, T * H, y13, P * 2 * E_I);
   /* Row t * TOPK + s is x[t] through expert ids[.]'s w13, as the single-expert apply gives it. */
   for (int p = 0; p < P; p++) {
     if (ids[p] < 0)
@@ -539,10 +489,7 @@ START_TEST(routed_moe) {
     double err = rel_error(y13 + (size_t)p * 2 * E_I, one, 2 * E_I);
     ck_assert_msg(err <= 1e-5, "w13 pair %d: %g", p, err);
   }
-  a.m = T, a.x = dx2, a.y = dy2, a.matrix = QKEEP_MOE_W2;
-  ck_assert_msg(backend()->apply(backend(), moe, (const struct qkeep_apply_args *)&a) == 0, "%s",
-                qkeep_errmsg());
-  from_device(y2, dy2, sizeof y2);
+  routed_apply(moe, QKEEP_MOE_W2, T, TOPK, d_ids, d_w, x2, P * E_I, y2, T * H);
   for (int t = 0; t < T; t++) {
     float want[H] = {0};
     for (int s = 0; s < TOPK; s++) {
@@ -556,9 +503,95 @@ START_TEST(routed_moe) {
     double err = rel_error(y2 + t * H, want, H);
     ck_assert_msg(err <= 1e-5, "w2 token %d: %g", t, err);
   }
-  void *ptrs[] = {d_ids, d_w, dx13, dy13, dx2, dy2};
-  for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++)
-    backend()->memory->free(backend(), ptrs[i]);
+  backend()->memory->free(backend(), d_ids);
+  backend()->memory->free(backend(), d_w);
+  qkeep_model_free(m);
+  free(source), free(path);
+}
+END_TEST
+
+/* Routed MoE forced through each kernel, top-k 8 over 16 experts at 1 to 256 tokens, against
+ * the single-expert apply of each (token, slot) pair: half the slots go to expert 0 (one
+ * expert with many tokens), the rest to experts 1..7 (experts 8..15 get none), one slot is
+ * skipped. The plan's token tiles 8 and 16 (stream), 16, 32, 64 and 128 (wgmma), K splits. */
+enum { R_EXPERTS = 16, R_TOPK = 8 };
+
+struct routed_case {
+  const char *kernel, *tile_m, *split_k;
+};
+
+START_TEST(routed_moe_every_kernel) {
+  const char *scheme = schemes[_i];
+  static const struct gtu_model moe_model = {H, KV, I, E_I, R_EXPERTS, VOCAB};
+  char *source = gtu_write_source(dir, "moe.safetensors", 11, &moe_model),
+       *path = quantize(source, scheme, "q");
+  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
+  ck_assert_ptr_nonnull(moe);
+  static const int64_t tokens[] = {1, 6, 13, 64, 256};
+  static const struct routed_case cases[] = {
+      {"auto", "auto", "auto"}, {"stream", "auto", "auto"}, {"stream", "16", "2"},  {"wgmma", "auto", "auto"},
+      {"wgmma", "auto", "2"},   {"wgmma", "64", "auto"},    {"stream", "8", "auto"}};
+  float one[2 * E_I > H ? 2 * E_I : H];
+  for (size_t ti = 0; ti < sizeof tokens / sizeof tokens[0]; ti++) {
+    const int64_t T = tokens[ti], P = T * R_TOPK;
+    int32_t *ids = malloc((size_t)P * sizeof *ids);
+    float *weights = malloc((size_t)P * sizeof *weights), *x13 = malloc((size_t)(T * H) * sizeof(float));
+    float *x2 = malloc((size_t)(P * E_I) * sizeof(float)),
+          *y13 = malloc((size_t)(P * 2 * E_I) * sizeof(float));
+    float *want13 = calloc((size_t)(P * 2 * E_I), sizeof(float)),
+          *y2 = malloc((size_t)(T * H) * sizeof(float));
+    float *want2 = calloc((size_t)(T * H), sizeof(float));
+    uint64_t rng = 17 + (uint64_t)T;
+    for (int64_t p = 0; p < P; p++) {
+      const uint64_t r = tu_rand(&rng) % 16;
+      ids[p] = p == 3 ? -1 : r < 8 ? 0 : (int32_t)(1 + tu_rand(&rng) % 7);
+      weights[p] = 0.25f + 0.5f * (float)(tu_rand(&rng) % 100) / 100.0f;
+    }
+    random_x(x13, (size_t)(T * H), 4 + (uint64_t)T);
+    random_x(x2, (size_t)(P * E_I), 5 + (uint64_t)T);
+    /* The reference: pair by pair through the single-expert apply, combined in slot order. */
+    for (int64_t p = 0; p < P; p++) {
+      if (ids[p] < 0)
+        continue;
+      ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W13, 1, x13 + (p / R_TOPK) * H,
+                                                    want13 + p * 2 * E_I),
+                       0);
+      ck_assert_int_eq(qkeep_layer_apply_expert_f32(moe, ids[p], QKEEP_MOE_W2, 1, x2 + p * E_I, one), 0);
+      for (int j = 0; j < H; j++)
+        want2[(p / R_TOPK) * H + j] += weights[p] * one[j];
+    }
+    void *d_ids = to_device(ids, (size_t)P * sizeof *ids),
+         *d_w = to_device(weights, (size_t)P * sizeof *weights);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+      configure("kernel", cases[c].kernel);
+      configure("tile_m", cases[c].tile_m);
+      configure("split_k", cases[c].split_k);
+      memset(y13, 0, (size_t)(P * 2 * E_I) * sizeof(float));
+      routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), y13,
+                   (size_t)(P * 2 * E_I));
+      for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0)
+          continue;
+        double err = rel_error(y13 + p * 2 * E_I, want13 + p * 2 * E_I, 2 * E_I);
+        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w13 pair %lld (expert %d): %g",
+                      scheme, cases[c].kernel, cases[c].tile_m, cases[c].split_k, (long long)T, (long long)p,
+                      ids[p], err);
+      }
+      routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), y2, (size_t)(T * H));
+      for (int64_t t = 0; t < T; t++) {
+        double err = rel_error(y2 + t * H, want2 + t * H, H);
+        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w2 token %lld: %g", scheme,
+                      cases[c].kernel, cases[c].tile_m, cases[c].split_k, (long long)T, (long long)t, err);
+      }
+    }
+    configure("kernel", "auto");
+    configure("tile_m", "auto");
+    configure("split_k", "auto");
+    backend()->memory->free(backend(), d_ids);
+    backend()->memory->free(backend(), d_w);
+    free(ids), free(weights), free(x13), free(x2), free(y13), free(want13), free(y2), free(want2);
+  }
   qkeep_model_free(m);
   free(source), free(path);
 }
@@ -586,7 +619,13 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, half_precision_activations);
+  suite_add_tcase(s, tc);
+  /* Routed MoE on its own (CK_RUN_CASE=routed runs it alone). */
+  tc = tcase_create("routed");
+  tcase_set_timeout(tc, 600);
+  tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_loop_test(tc, routed_moe, 0, 2);
+  tcase_add_loop_test(tc, routed_moe_every_kernel, 0, 2);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -13,22 +13,11 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "gpu_testutil.h"
 #include "internal.h"
 #include "numeric.h"
 #include "quant.h"
 #include "testutil.h"
-
-/* A [rows, cols] matrix of uniform values in [-scale, scale), from the name and seed. */
-static inline float *mxfp4_random_matrix(const char *name, int64_t rows, int64_t cols, uint64_t seed,
-                                         float scale) {
-  float *v = malloc((size_t)(rows * cols) * sizeof *v);
-  uint64_t s = seed;
-  for (const char *p = name; *p; p++)
-    s = s * 31 + (unsigned char)*p;
-  for (int64_t i = 0; i < rows * cols; i++)
-    v[i] = tu_randf(&s) * scale;
-  return v;
-}
 
 /* gpt-oss's pre-stacked MXFP4 experts (gate_up_proj_blocks [E, 2I, H/32, 16] ...) with bf16 biases and a
  * router, in a directory of its own. Expert e's weights are scaled by 2^(4e - 4), so the e8m0 scales
@@ -50,7 +39,7 @@ static inline char *mxfp4_write_gptoss(const char *dir, const char *name, uint64
     for (int e = 0; e < GE; e++) {
       char tag[64];
       snprintf(tag, sizeof tag, "%s.%d", mats[m].name, e);
-      float *v = mxfp4_random_matrix(tag, rows, cols, seed, ldexpf(1.0f, 4 * e - 4));
+      float *v = gtu_random_matrix(tag, rows, cols, seed, ldexpf(1.0f, 4 * e - 4));
       ck_assert_int_eq(quant_mxfp4(v, rows, cols, blocks + e * rows * cols / 2, sc + e * rows * cols / 32),
                        0);
       free(v);
@@ -68,7 +57,7 @@ static inline char *mxfp4_write_gptoss(const char *dir, const char *name, uint64
     ck_assert_int_eq(st_writer_add(w, tensor, &bb, bias), 0);
     free(blocks), free(sc), free(bias);
   }
-  float *router = mxfp4_random_matrix("router", GE, GH, seed, 0.25f);
+  float *router = gtu_random_matrix("router", GE, GH, seed, 0.25f);
   struct qkeep_spec rs = {QKEEP_DTYPE_F32, 2, {GE, GH}};
   ck_assert_int_eq(st_writer_add(w, "model.layers.0.mlp.router.weight", &rs, router), 0);
   free(router);

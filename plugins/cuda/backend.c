@@ -288,7 +288,8 @@ static bool parse_int(const char *s, int lo, int hi, bool allow_auto, int *out) 
 static const struct qkeep_backend_key cuda_keys[] = {
     {"device", QKEEP_KEY_INT, "0..1023", "0", "CUDA device index"},
     {"kernel", QKEEP_KEY_ENUM, "auto|ring|stream|wgmma", "auto",
-     "auto: stream for M <= 16, wgmma above on compute capability 9.0, ring elsewhere"},
+     "auto: stream for M <= 16 (routed MoE: 16 tokens per expert), wgmma above on compute capability 9.0, "
+     "ring elsewhere"},
     {"tile_m", QKEEP_KEY_ENUM, "auto|8|16|32|64|128|256", "auto",
      "tokens per block: ring 8, 16, 32 or 64; wgmma 8 to 256"},
     {"split_k", QKEEP_KEY_ENUM, "auto|1|2|3|4|5|6|7|8", "auto", "K split across a thread-block cluster"},

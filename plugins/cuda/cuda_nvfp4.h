@@ -124,6 +124,26 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
 void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                       struct nvfp4_tuning *out);
 
+#define NVFP4_MOE_STREAM_MAX 16 /* most tokens per routed expert the MoE plan gives the streaming kernel */
+
+/*
+ * The kernel and shape of a routed MoE GEMM (nvfp4_moe_run) over `pairs` (token, slot)
+ * pairs and `experts` experts of [n, k] matrices on `sms` multiprocessors; `wgmma`: the
+ * wgmma kernel can run (compute capability 9.0). Plain arithmetic, tested in CI. The pairs
+ * are sorted by expert and cut into token tiles of tile_m pairs of one expert; the host
+ * does not know how many experts are hit, so the plan takes the tokens per expert as
+ * pairs / min(pairs, experts) (all hit, evenly) and as many tiles as that gives. Auto:
+ * the streaming kernel (tile_m 8 or 16) up to NVFP4_MOE_STREAM_MAX tokens per expert,
+ * each block reading one expert's rows once for its tile's tokens; above, the wgmma kernel
+ * (tile_m 16, 32, 64 or 128 holding the tokens per expert) where `wgmma`, else the ring
+ * kernel (tile_m 8..64; split_k 0: nvfp4_moe_run sizes it from occupancy). Rows and the K
+ * split follow nvfp4_stream_plan / nvfp4_wgmma_plan on the blocks of all those tiles. A
+ * forced kernel (tune->kernel) is honoured at any size (wgmma only where `wgmma`), and so
+ * are its valid shape fields; the streaming kernel's tile_m is at most 16.
+ */
+void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sms, bool wgmma,
+                    const struct nvfp4_tuning *tune, struct nvfp4_tuning *out);
+
 /* The shape nvfp4_gemm_run uses for m tokens of an [n, k] matrix with x_dtype activations
  * (`tune` may be NULL). */
 void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
@@ -139,8 +159,9 @@ int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, co
                    const struct nvfp4_tuning *tune, void *stream);
 
 /*
- * Routed MoE GEMM over all experts of wt at once. topk_ids [m, topk] (int32, device)
- * name each token's experts; an id outside [0, experts) skips that slot.
+ * Routed MoE GEMM over all experts of wt at once, on the kernel nvfp4_moe_plan picks (its
+ * tile count is read on the device: the host never waits). topk_ids [m, topk] (int32,
+ * device) name each token's experts; an id outside [0, experts) skips that slot.
  *   combine false (w13): x [m, k] -> y [m * topk, n], row t * topk + s = x[t] W_{ids[t,s]}^T
  *     * alpha + bias (rows of skipped slots are not written);
  *   combine true (w2): x [m * topk, k] -> y [m, n], y[t] = sum_s topk_weights[t, s] *

@@ -4,8 +4,9 @@
  *
  * The W4A16 GEMM (Hopper has no FP4 tensor cores), three kernels that read the
  * same PWAL layout: the streaming kernel (m <= 16), the wgmma kernel (m > 16 on
- * compute capability 9.0, sm_90a) and the mma.sync ring kernel (routed MoE, and
- * any m on other GPUs); nvfp4_gemm_plan picks one per call. The ring kernel:
+ * compute capability 9.0, sm_90a) and the mma.sync ring kernel (any m on other
+ * GPUs); nvfp4_gemm_plan picks one per call. Routed MoE runs the same kernels
+ * over expert-sorted token tiles (nvfp4_moe_plan picks by tokens per expert). The ring kernel:
  * y^T = W x^T with the weight as the A operand of mma.m16n8k16. A block
  * covers 128 output rows (8 fragment tiles, one 128x4 scale atom per 64-K
  * chunk) and up to 64 tokens.
@@ -421,6 +422,12 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
  * many bytes in flight again per SM, if the compiler keeps the batch's loads together in
  * fewer registers) for U = 4. On the H200 3 gained at most 3% at m <= 4 and lost at m = 16
  * (docs/PERFORMANCE.md), so the plan keeps 2.
+ *
+ * Routed MoE (a.tiles set): blockIdx.x is a token tile of moe_align_kernel's list (one
+ * expert, at most MT of its sorted (token, slot) pairs) and blockIdx.y the row block; a
+ * block reads its expert's rows once and gathers its tokens' activations through the
+ * pair list. Tiles past the device-side tile count leave at once, so experts without a
+ * token cost one empty block each at most and the host never waits for the count.
  */
 constexpr int kStreamWarps = NVFP4_STREAM_WARPS;
 
@@ -429,12 +436,25 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
   constexpr bool BF16 = !std::is_same<TI, __half>::value;
   constexpr int NT = MT / 8, RUNS = kStreamWarps / R, XU = (int)sizeof(TI); /* 16-byte loads per 16 K */
   __shared__ float red[kStreamWarps][16][MT + 1];
+  __shared__ int pair_of[MT];
 
   cg::cluster_group cluster = cg::this_cluster();
   const int split = (int)cluster.block_rank();
+  const bool routed = a.tiles != nullptr;
+  int expert = a.expert, count = a.m;
+  if (routed) {
+    if ((int)blockIdx.x >= *a.num_tiles)
+      return; /* the whole cluster leaves: its blocks share blockIdx.x */
+    const int4 tl = a.tiles[blockIdx.x];
+    expert = tl.x, count = tl.z;
+    if ((int)threadIdx.x < MT)
+      pair_of[threadIdx.x] = a.pairs[tl.y + ((int)threadIdx.x < count ? (int)threadIdx.x : 0)];
+    __syncthreads();
+  }
+  const int rb = routed ? (int)blockIdx.y : (int)blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int rt = warp % R, run = warp / R;
-  const int tile = (int)blockIdx.x * R + rt;
+  const int tile = rb * R + rt;
   const bool active = tile < a.w_tiles;
 
   /* This warp's chunks: the split's share of K, then the warp's run of it. */
@@ -446,18 +466,19 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
 
   /* This tile's chunks are a group's tiles apart (layout.h). */
   const long long w_stride = active ? nvfp4_w_group_tiles(tile, a.w_tiles) * NVFP4_TILE_BYTES : 0;
-  const uint8_t *wp = a.w + a.expert * a.w_expert_bytes +
+  const uint8_t *wp = a.w + expert * a.w_expert_bytes +
                       (active ? nvfp4_w_tile_offset(tile, 0, a.w_tiles, a.chunks) : 0) + lane * 16;
-  const uint8_t *sp = a.sf + a.expert * a.sf_expert_bytes +
-                      (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM + (16 * (tile & 1) + g) * 16 +
-                      ((tile % 8) >> 1) * 4 + t;
-  /* Token rows past m read row 0 instead: token columns of an MMA never mix, and the
-   * epilogue skips them. */
+  const uint8_t *sp = a.sf + expert * a.sf_expert_bytes + (long long)(tile / 8) * a.sf_atoms * NVFP4_SF_ATOM +
+                      (16 * (tile & 1) + g) * 16 + ((tile % 8) >> 1) * 4 + t;
+  /* Token rows past the count read the first row instead: token columns of an MMA never
+   * mix, and the epilogue skips them. Routed, the pair list names the rows (pair_of
+   * repeats the tile's first pair past the count). */
   const TI *xp[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int tok = nt * 8 + g;
-    xp[nt] = static_cast<const TI *>(a.x) + (long long)(tok < a.m ? tok : 0) * a.k + 16 * t;
+    const int xr = routed ? pair_of[tok] / a.x_div : tok < count ? tok : 0;
+    xp[nt] = static_cast<const TI *>(a.x) + (long long)xr * a.k + 16 * t;
   }
 
   float acc[2][NT][4];
@@ -535,13 +556,13 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
     cluster.sync();
   else
     __syncthreads();
-  const float out_scale = a.alpha[a.expert] * (BF16 ? 0x1p63f : 128.0f);
+  const float out_scale = a.alpha[expert] * (BF16 ? 0x1p63f : 128.0f);
   constexpr int total = MT * R * 16;
   const int per = (total + a.splits - 1) / a.splits;
   const int e_end = min(total, (split + 1) * per);
   for (int e = split * per + (int)threadIdx.x; e < e_end; e += kStreamWarps * 32) {
-    const int tok = e / (R * 16), rr = e % (R * 16), n = (int)blockIdx.x * R * 16 + rr;
-    if (tok >= a.m || n >= a.n)
+    const int tok = e / (R * 16), rr = e % (R * 16), n = rb * R * 16 + rr;
+    if (tok >= count || n >= a.n)
       continue;
     float v = 0.0f;
     for (int q = 0; q < a.splits; ++q) {
@@ -552,8 +573,12 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
     }
     v *= out_scale;
     if (a.bias)
-      v += load_f(a.bias, a.bias_dtype, (long long)a.expert * a.n + n);
-    store_f(a.y, a.y_dtype, (long long)tok * a.n + n, v);
+      v += load_f(a.bias, a.bias_dtype, (long long)expert * a.n + n);
+    const long long yi = (long long)(routed ? pair_of[tok] : tok) * a.n + n;
+    if (a.y_pairs)
+      a.y_pairs[yi] = v;
+    else
+      store_f(a.y, a.y_dtype, yi, v);
   }
   if (a.splits > 1)
     cluster.sync(); /* the others may still read our partial tile */
@@ -574,7 +599,9 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
  * cores run chunk s (two fragment buffers), and frees a stage once the wgmma that read it
  * has completed. The K split across a cluster and the epilogue (alpha, bias, the output
  * dtype) are the ring kernel's: partial tiles through distributed shared memory in rank
- * order, the same bits every time.
+ * order, the same bits every time. Routed MoE (a.tiles set): blockIdx.x is a token tile of
+ * moe_align_kernel's list, whose activations stage_x_kernel gathered into the staged tile of
+ * the same index; the block reads that tile's expert and writes the rows of its pairs.
  */
 /* wgmma m64nNk16 with the A fragment in registers and B through a shared-memory descriptor,
  * f32 accumulators d[N / 2] (accumulating: scale-d 1), bf16 or f16 operands, B not
@@ -867,6 +894,15 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   const int chunks = c_end - c_begin, stages = (chunks + L::G - 1) / L::G;
   const int rb = blockIdx.y, token_tile = blockIdx.x;
   const int wg = threadIdx.x / 128;
+  /* Routed: moe_align_kernel finished before stage_x_kernel started, so the tile list is
+   * readable even before griddepcontrol.wait. */
+  int expert = a.expert, start = 0, count = min(MT, a.m - token_tile * MT);
+  if (a.tiles) {
+    if (token_tile >= *a.num_tiles)
+      return; /* the whole cluster leaves: its blocks share blockIdx.x */
+    const int4 tl = a.tiles[token_tile];
+    expert = tl.x, start = tl.y, count = tl.z;
+  }
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NS; ++s) {
@@ -909,7 +945,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
           if (tiles <= 0)
             continue;
           /* A full group's chunks are contiguous at 8 x 512 bytes a chunk, as in the stage. */
-          const uint8_t *w = a.w + a.expert * a.w_expert_bytes +
+          const uint8_t *w = a.w + expert * a.w_expert_bytes +
                              nvfp4_w_tile_offset((long long)group * 8, c0, a.w_tiles, a.chunks);
           unsigned char *dst = st + gi * L::W_GROUP;
           if (tiles == 8)
@@ -919,8 +955,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
               bulk_copy(dst + c * 8 * NVFP4_TILE_BYTES, w + (long long)c * tiles * NVFP4_TILE_BYTES,
                         (uint32_t)(tiles * NVFP4_TILE_BYTES), &full[slot]);
           bulk_copy(st + L::SF_OFF + gi * L::SF_GROUP,
-                    a.sf + a.expert * a.sf_expert_bytes +
-                        ((long long)group * a.sf_atoms + c0) * NVFP4_SF_ATOM,
+                    a.sf + expert * a.sf_expert_bytes + ((long long)group * a.sf_atoms + c0) * NVFP4_SF_ATOM,
                     (uint32_t)(n * NVFP4_SF_ATOM), &full[slot]);
         }
         if (s >= early)
@@ -1024,11 +1059,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     cluster.sync();
   else
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  const float out_scale = a.alpha[a.expert] * (BF16 ? 0x1p63f : 128.0f);
+  const float out_scale = a.alpha[expert] * (BF16 ? 0x1p63f : 128.0f);
   constexpr int total = MT * L::ROWS;
   const int per = (total + a.splits - 1) / a.splits;
   const int e_end = min(total, (split + 1) * per);
-  const int count = min(MT, a.m - token_tile * MT);
   for (int e = split * per + (int)threadIdx.x - 128; e < e_end; e += 256) {
     const int tok = e / L::ROWS, row = e % L::ROWS, n = rb * L::ROWS + row;
     if (tok >= count || n >= a.n)
@@ -1038,8 +1072,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
       v += (a.splits > 1 ? cluster.map_shared_rank(red, q) : red)[tok * L::RED_STRIDE + row];
     v *= out_scale;
     if (a.bias)
-      v += load_f(a.bias, a.bias_dtype, (long long)a.expert * a.n + n);
-    store_f(a.y, a.y_dtype, (long long)(token_tile * MT + tok) * a.n + n, v);
+      v += load_f(a.bias, a.bias_dtype, (long long)expert * a.n + n);
+    const long long yi =
+        (long long)(a.tiles ? __ldg(a.pairs + start + tok) : token_tile * MT + tok) * a.n + n;
+    if (a.y_pairs)
+      a.y_pairs[yi] = v;
+    else
+      store_f(a.y, a.y_dtype, yi, v);
   }
   if (a.splits > 1)
     cluster.sync(); /* the others may still read our partial tile */
@@ -1052,30 +1091,48 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
  * Stages x [m, k] for the wgmma kernel (layout.h): one thread per (token, 64-K chunk) reads
  * the token's 64 activations (zero past m and k), rounds f32 to bf16, and writes them as
  * the 8 runs of 8 that steps j = 0..3, h = 0..1 take: run (j, h) holds 32-bit pairs
- * 8p + 2j + h, p = 0..3, of the chunk.
+ * 8p + 2j + h, p = 0..3, of the chunk. `rows` staged token rows (m rounded up to mt), or,
+ * routed (tiles set), the rows of max-tiles token tiles of moe_align_kernel's list: row
+ * i * mt + r gathers x row pairs[tiles[i].y + r] / x_div (zero past the tile's count);
+ * tiles past the device-side count are skipped (the wgmma kernel never reads them).
  */
+struct StageRoute {
+  const int4 *tiles; /* NULL: plain */
+  const int *num_tiles, *pairs;
+  int x_div;
+};
+
 template <typename TI, typename TO>
-__global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, long long items, TO *xs) {
+__global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows, long long items,
+                               StageRoute route, TO *xs) {
   /* The wgmma kernel after this one may start now: it waits for this grid before it reads xs. */
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int tiles_now = route.tiles ? *route.num_tiles : 0;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
        i += (long long)gridDim.x * blockDim.x) {
-    const int token = (int)(i % ((long long)nvfp4_round_up(m, mt))), c = (int)(i / nvfp4_round_up(m, mt));
+    const int token = (int)(i % rows), c = (int)(i / rows);
+    long long src = token < m ? token : -1;
+    if (route.tiles) {
+      const int tile = token / mt, r = token % mt;
+      if (tile >= tiles_now)
+        continue;
+      const int4 tl = route.tiles[tile];
+      src = r < tl.z ? route.pairs[tl.y + r] / route.x_div : -1;
+    }
     uint32_t w[32];
-    const bool row_ok = token < m;
+    const bool row_ok = src >= 0;
 #pragma unroll
     for (int v = 0; v < 8; ++v) { /* 8 elements (4 pairs) at k = 64c + 8v */
       const int kk = c * NVFP4_CHUNK_K + 8 * v;
       const bool ok = row_ok && kk < k; /* k % 16 == 0: a run of 8 is all in or all out */
       if constexpr (sizeof(TI) == 2) {
-        const uint4 u =
-            ok ? *reinterpret_cast<const uint4 *>(x + (long long)token * k + kk) : make_uint4(0, 0, 0, 0);
+        const uint4 u = ok ? *reinterpret_cast<const uint4 *>(x + src * k + kk) : make_uint4(0, 0, 0, 0);
         w[4 * v] = u.x, w[4 * v + 1] = u.y, w[4 * v + 2] = u.z, w[4 * v + 3] = u.w;
       } else {
         float4 f0 = make_float4(0, 0, 0, 0), f1 = f0;
         if (ok) {
-          f0 = *reinterpret_cast<const float4 *>(x + (long long)token * k + kk);
-          f1 = *reinterpret_cast<const float4 *>(x + (long long)token * k + kk + 4);
+          f0 = *reinterpret_cast<const float4 *>(x + src * k + kk);
+          f1 = *reinterpret_cast<const float4 *>(x + src * k + kk + 4);
         }
         w[4 * v] = bits_of(__floats2bfloat162_rn(f0.x, f0.y));
         w[4 * v + 1] = bits_of(__floats2bfloat162_rn(f0.z, f0.w));
@@ -1185,40 +1242,39 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
 }
 
 template <typename TI, int MT, int R, int U, int BPS>
-cudaError_t launch_stream(const GemmArgs &a, int grid_x, cudaStream_t stream) {
-  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U, BPS>, a, a.splits, dim3((unsigned)grid_x),
-                        kStreamWarps * 32, 0, stream);
+cudaError_t launch_stream(const GemmArgs &a, dim3 grid, cudaStream_t stream) {
+  return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U, BPS>, a, a.splits, grid, kStreamWarps * 32, 0,
+                        stream);
 }
 
 template <typename TI, int MT, int R>
-cudaError_t stream_unroll(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
+cudaError_t stream_unroll(const struct nvfp4_tuning &plan, const GemmArgs &a, dim3 grid, cudaStream_t st) {
   if (plan.unroll == 8)
-    return launch_stream<TI, MT, R, 8, 1>(a, grid_x, st);
-  return plan.depth == 3 ? launch_stream<TI, MT, R, 4, 3>(a, grid_x, st)
-                         : launch_stream<TI, MT, R, 4, 2>(a, grid_x, st);
+    return launch_stream<TI, MT, R, 8, 1>(a, grid, st);
+  return plan.depth == 3 ? launch_stream<TI, MT, R, 4, 3>(a, grid, st)
+                         : launch_stream<TI, MT, R, 4, 2>(a, grid, st);
 }
 
 template <typename TI, int MT>
-cudaError_t stream_rows(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
+cudaError_t stream_rows(const struct nvfp4_tuning &plan, const GemmArgs &a, dim3 grid, cudaStream_t st) {
   switch (plan.rows) {
-  case 1: return stream_unroll<TI, MT, 1>(plan, a, grid_x, st);
-  case 2: return stream_unroll<TI, MT, 2>(plan, a, grid_x, st);
-  default: return stream_unroll<TI, MT, 4>(plan, a, grid_x, st);
+  case 1: return stream_unroll<TI, MT, 1>(plan, a, grid, st);
+  case 2: return stream_unroll<TI, MT, 2>(plan, a, grid, st);
+  default: return stream_unroll<TI, MT, 4>(plan, a, grid, st);
   }
 }
 
 template <typename TI>
-cudaError_t stream_tokens(const struct nvfp4_tuning &plan, const GemmArgs &a, int grid_x, cudaStream_t st) {
-  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid_x, st)
-                          : stream_rows<TI, 16>(plan, a, grid_x, st);
+cudaError_t stream_tokens(const struct nvfp4_tuning &plan, const GemmArgs &a, dim3 grid, cudaStream_t st) {
+  return plan.tile_m == 8 ? stream_rows<TI, 8>(plan, a, grid, st) : stream_rows<TI, 16>(plan, a, grid, st);
 }
 
 cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, const GemmArgs &a,
-                            int grid_x, cudaStream_t st) {
+                            dim3 grid, cudaStream_t st) {
   switch (x_dtype) {
-  case QKEEP_DTYPE_BF16: return stream_tokens<__nv_bfloat16>(plan, a, grid_x, st);
-  case QKEEP_DTYPE_F16: return stream_tokens<__half>(plan, a, grid_x, st);
-  case QKEEP_DTYPE_F32: return stream_tokens<float>(plan, a, grid_x, st);
+  case QKEEP_DTYPE_BF16: return stream_tokens<__nv_bfloat16>(plan, a, grid, st);
+  case QKEEP_DTYPE_F16: return stream_tokens<__half>(plan, a, grid, st);
+  case QKEEP_DTYPE_F32: return stream_tokens<float>(plan, a, grid, st);
   default: return cudaErrorInvalidValue;
   }
 }
@@ -1262,32 +1318,37 @@ cudaError_t wgmma_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int g
 
 int grid_for(long long items, int threads);
 
-/* Stages x into scratch (stream-ordered), runs the wgmma kernel, frees the scratch. */
+/* Stages x into scratch (stream-ordered), runs the wgmma kernel, frees the scratch. Plain:
+ * a.m tokens; routed (a.tiles set): `routed_tiles` token tiles at most (the grid). */
 cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const void *x,
-                      enum qkeep_dtype x_dtype, cudaStream_t st) {
+                      enum qkeep_dtype x_dtype, cudaStream_t st, long long routed_tiles = 0) {
   const int mt = plan.tile_m;
-  const long long grid_x = (a.m + mt - 1) / mt, grid_y = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
-  if (grid_y > 65535 || grid_x > INT32_MAX)
+  const long long grid_x = a.tiles ? routed_tiles : (a.m + mt - 1) / mt,
+                  grid_y = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
+  if (grid_y > 65535 || grid_x > INT32_MAX || grid_x < 1)
     return cudaErrorInvalidValue;
-  const long long items = nvfp4_round_up(a.m, mt) * (long long)a.chunks;
+  const long long rows = grid_x * mt, items = rows * (long long)a.chunks;
+  const StageRoute route = {a.tiles, a.num_tiles, a.pairs, a.x_div};
+  const int m = a.tiles ? 0 : a.m;
   void *xs = nullptr;
-  cudaError_t err = cudaMallocAsync(&xs, (size_t)nvfp4_x_elems(a.m, a.k, mt) * 2, st);
+  cudaError_t err = cudaMallocAsync(&xs, (size_t)nvfp4_x_elems(rows, a.k, mt) * 2, st);
   if (err != cudaSuccess)
     return err;
   const int blocks = grid_for(items, 256);
   switch (x_dtype) {
   case QKEEP_DTYPE_F16:
-    stage_x_kernel<__half, __half><<<blocks, 256, 0, st>>>(static_cast<const __half *>(x), a.m, a.k, a.chunks,
-                                                           mt, items, static_cast<__half *>(xs));
+    stage_x_kernel<__half, __half><<<blocks, 256, 0, st>>>(static_cast<const __half *>(x), m, a.k, a.chunks,
+                                                           mt, rows, items, route, static_cast<__half *>(xs));
     break;
   case QKEEP_DTYPE_F32:
-    stage_x_kernel<float, __nv_bfloat16><<<blocks, 256, 0, st>>>(
-        static_cast<const float *>(x), a.m, a.k, a.chunks, mt, items, static_cast<__nv_bfloat16 *>(xs));
+    stage_x_kernel<float, __nv_bfloat16><<<blocks, 256, 0, st>>>(static_cast<const float *>(x), m, a.k,
+                                                                 a.chunks, mt, rows, items, route,
+                                                                 static_cast<__nv_bfloat16 *>(xs));
     break;
   default:
     stage_x_kernel<__nv_bfloat16, __nv_bfloat16>
-        <<<blocks, 256, 0, st>>>(static_cast<const __nv_bfloat16 *>(x), a.m, a.k, a.chunks, mt, items,
-                                 static_cast<__nv_bfloat16 *>(xs));
+        <<<blocks, 256, 0, st>>>(static_cast<const __nv_bfloat16 *>(x), m, a.k, a.chunks, mt, rows, items,
+                                 route, static_cast<__nv_bfloat16 *>(xs));
     break;
   }
   err = cudaGetLastError();
@@ -1582,7 +1643,7 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
     const int64_t blocks = (a.w_tiles + plan.rows - 1) / plan.rows;
     if (blocks > INT32_MAX)
       return cudaErrorInvalidValue;
-    err = dispatch_stream(plan, x_dtype, a, (int)blocks, (cudaStream_t)stream);
+    err = dispatch_stream(plan, x_dtype, a, dim3((unsigned)blocks), (cudaStream_t)stream);
   } else {
     int grid_x = (int)((m + plan.tile_m - 1) / plan.tile_m),
         grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
@@ -1605,10 +1666,15 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   if (pairs == 0)
     return cudaSuccess;
   cudaStream_t st = (cudaStream_t)stream;
-  const int tile_m = pick_tile_m((pairs + experts - 1) / experts, tune ? tune->tile_m : 0);
+  struct nvfp4_tuning plan;
+  nvfp4_moe_plan(pairs, experts, wt->n, wt->k, sm_count(), wgmma_ok(), tune, &plan);
+  const int tile_m = plan.tile_m;
   const int max_tiles = min(pairs, (pairs + tile_m - 1) / tile_m + experts);
   const int grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
-  if (grid_y > 65535)
+  const int64_t stream_blocks = plan.kernel == NVFP4_KERNEL_STREAM
+                                    ? (nvfp4_w_rows(wt->n) / NVFP4_TILE_ROWS + plan.rows - 1) / plan.rows
+                                    : 0;
+  if (grid_y > 65535 || stream_blocks > 65535)
     return cudaErrorInvalidValue;
 
   /* Scratch, stream-ordered: tiles, the sorted pairs, the tile count, and for w2 the f32
@@ -1631,13 +1697,22 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
     GemmArgs a = gemm_args(wt);
     a.x = x, a.y = y, a.y_dtype = y_dtype, a.y_pairs = rows;
     a.tiles = tiles, a.num_tiles = num_tiles, a.pairs = sorted, a.x_div = combine ? 1 : topk;
-    /* Most tiles a step can have is one per expert hit; size the split for that. */
-    struct nvfp4_tuning plan = {tile_m, 0, tune ? tune->depth : 0, NVFP4_KERNEL_RING, 0, 0};
-    int64_t est_blocks = (int64_t)min(pairs, experts) * grid_y;
-    plan.split_k = pick_split(est_blocks, nvfp4_w_chunks(wt->k), resident_per_sm(plan, x_dtype),
-                              tune ? tune->split_k : 0);
-    a.splits = plan.split_k;
-    err = dispatch(plan, x_dtype, a, max_tiles, grid_y, st);
+    if (plan.kernel == NVFP4_KERNEL_STREAM) {
+      a.splits = plan.split_k;
+      err = dispatch_stream(plan, x_dtype, a, dim3((unsigned)max_tiles, (unsigned)stream_blocks), st);
+    } else if (plan.kernel == NVFP4_KERNEL_WGMMA) {
+      a.splits = plan.split_k;
+      err = run_wgmma(plan, a, x, x_dtype, st, max_tiles);
+    } else {
+      /* Most tiles a step can have is one per expert hit; size the split for that. */
+      int64_t est_blocks = (int64_t)min(pairs, experts) * grid_y;
+      plan.split_k = pick_split(est_blocks, nvfp4_w_chunks(wt->k), resident_per_sm(plan, x_dtype),
+                                tune ? tune->split_k : 0);
+      a.splits = plan.split_k;
+      err = dispatch(plan, x_dtype, a, max_tiles, grid_y, st);
+    }
+    if (err == cudaSuccess)
+      err = cudaGetLastError();
   }
   if (err == cudaSuccess && combine) {
     dim3 grid((unsigned)m, (unsigned)((wt->n + 255) / 256));

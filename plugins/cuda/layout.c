@@ -63,6 +63,53 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
                                nvfp4_clamp(chunks / NVFP4_WGMMA_SPLIT_CHUNKS, 1, NVFP4_WGMMA_SPLIT_AUTO));
 }
 
+void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sms, bool wgmma,
+                    const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
+  const int forced_kernel = tune ? tune->kernel : NVFP4_KERNEL_AUTO, tile_m = tune ? tune->tile_m : 0;
+  const int64_t hit = pairs < experts ? pairs : experts;
+  const int64_t per_expert = hit > 0 ? (pairs + hit - 1) / hit : 1;
+  int kernel = forced_kernel;
+  if (kernel == NVFP4_KERNEL_WGMMA && !wgmma)
+    kernel = NVFP4_KERNEL_RING;
+  if (kernel != NVFP4_KERNEL_STREAM && kernel != NVFP4_KERNEL_WGMMA && kernel != NVFP4_KERNEL_RING)
+    kernel = per_expert <= NVFP4_MOE_STREAM_MAX ? NVFP4_KERNEL_STREAM
+             : wgmma                            ? NVFP4_KERNEL_WGMMA
+                                                : NVFP4_KERNEL_RING;
+  int tm;
+  if (kernel == NVFP4_KERNEL_STREAM)
+    tm = tile_m == 8 || tile_m == 16 ? tile_m : per_expert <= 8 ? 8 : 16;
+  else if (kernel == NVFP4_KERNEL_WGMMA)
+    tm = tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256
+             ? tile_m
+         : per_expert <= 16 ? 16
+         : per_expert <= 32 ? 32
+         : per_expert <= 64 ? 64
+                            : 128;
+  else
+    tm = tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 ? tile_m
+         : per_expert <= 8                                           ? 8
+         : per_expert <= 16                                          ? 16
+         : per_expert <= 32                                          ? 32
+                                                                     : 64;
+  /* Token tiles if every expert hit gets its share: at least one each. */
+  const int64_t tiles = hit > (pairs + tm - 1) / tm ? hit : (pairs + tm - 1) / tm;
+  struct nvfp4_tuning t = {0};
+  if (tune)
+    t = *tune;
+  t.tile_m = tm;
+  if (kernel == NVFP4_KERNEL_STREAM) {
+    nvfp4_stream_plan(tm, tiles * nvfp4_w_rows(n), k, sms, &t, out);
+  } else if (kernel == NVFP4_KERNEL_WGMMA) {
+    nvfp4_wgmma_plan(tiles * tm, n, k, sms, &t, out);
+  } else {
+    out->kernel = NVFP4_KERNEL_RING;
+    out->tile_m = tm;
+    out->split_k = 0;
+    out->depth = tune ? tune->depth : 0;
+    out->rows = out->unroll = 0;
+  }
+}
+
 /* Element k of a row of packed e2m1 codes (element 2i in the low nibble). */
 static unsigned row_code(const uint8_t *row, int64_t k) {
   return (k & 1) ? row[k / 2] >> 4 : row[k / 2] & 0xfu;
