@@ -14,6 +14,7 @@
  * No AMD GPU was available where this was written: the plugin, its code object and
  * its host paths are built and tested in CI; its device paths never ran (README).
  */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,9 @@
 #include "mxfp4.h"
 #include "qkeep_backend_util.h"
 #include "rocm.h"
+
+/* Events behind the copy fences, reused round robin (a reused one stands for a later fence). */
+#define FENCE_EVENTS 64
 
 struct rocm_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
@@ -30,6 +34,10 @@ struct rocm_backend {
   int split_k;       /* 0: automatic */
   bool pwal_on_host; /* the layout transforms through mxfp4_layout.c */
   struct rocm_kernels kernels;
+  /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
+  pthread_mutex_t fence_mu;
+  uint64_t fences; /* tokens handed out */
+  hipEvent_t fence_event[FENCE_EVENTS];
 };
 
 static struct rocm_backend *backend_of(const struct qkeep_backend *be) { return (struct rocm_backend *)be; }
@@ -138,6 +146,82 @@ static int mem_sync(const struct qkeep_backend *be) {
     return rc;
   hipError_t err = hip->DeviceSynchronize();
   return err == hipSuccess ? 0 : hip_error(r, err, "hipDeviceSynchronize");
+}
+
+/* Page-locked host memory, so that the copies from it run asynchronously on the DMA engines. */
+static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  struct rocm_backend *r = backend_of(be);
+  const struct hip_api *hip;
+  int rc = use_device(r, &hip);
+  if (rc)
+    return rc;
+  hipError_t err = hip->HostMalloc(out, bytes ? bytes : 1, 0);
+  if (err != hipSuccess) {
+    *out = NULL;
+    return hip_error(r, err, "hipHostMalloc");
+  }
+  return 0;
+}
+
+static void mem_host_free(const struct qkeep_backend *be, void *ptr) {
+  (void)be;
+  const char *why;
+  const struct hip_api *hip = rocm_hip(&why);
+  if (ptr && hip)
+    (void)hip->HostFree(ptr);
+}
+
+/* On the null stream, which every other copy, fill and kernel launch of the backend uses. */
+static int mem_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  struct rocm_backend *r = backend_of(be);
+  const struct hip_api *hip;
+  int rc = use_device(r, &hip);
+  if (rc || !n)
+    return rc;
+  hipError_t err = hip->MemcpyAsync(dst, src, n, hipMemcpyHostToDevice, 0);
+  return err == hipSuccess ? 0 : hip_error(r, err, "hipMemcpyAsync");
+}
+
+/* A fence after every copy started so far on the null stream: an event recorded there. */
+static int mem_copy_fence(const struct qkeep_backend *be, uint64_t *fence) {
+  struct rocm_backend *r = backend_of(be);
+  const struct hip_api *hip;
+  int rc = use_device(r, &hip);
+  if (rc)
+    return rc;
+  pthread_mutex_lock(&r->fence_mu);
+  uint64_t f = r->fences;
+  hipEvent_t *ev = &r->fence_event[f % FENCE_EVENTS];
+  hipError_t err = *ev ? hipSuccess : hip->EventCreateWithFlags(ev, hipEventDisableTiming);
+  if (err == hipSuccess)
+    err = hip->EventRecord(*ev, 0);
+  if (err == hipSuccess)
+    r->fences++;
+  pthread_mutex_unlock(&r->fence_mu);
+  if (err != hipSuccess)
+    return hip_error(r, err, "recording a copy fence");
+  *fence = f;
+  return 0;
+}
+
+/* Waits for (or asks about) the fence's event; if a later fence reused it, that one's point. */
+static int mem_copy_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
+  struct rocm_backend *r = backend_of(be);
+  const struct hip_api *hip;
+  int rc = use_device(r, &hip);
+  if (rc)
+    return rc;
+  pthread_mutex_lock(&r->fence_mu);
+  bool known = fence < r->fences;
+  hipEvent_t ev = r->fence_event[fence % FENCE_EVENTS];
+  pthread_mutex_unlock(&r->fence_mu);
+  if (!known)
+    return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: copy fence %llu was never recorded",
+                              (unsigned long long)fence);
+  hipError_t err = block ? hip->EventSynchronize(ev) : hip->EventQuery(ev);
+  if (err == hipErrorNotReady)
+    return 1;
+  return err == hipSuccess ? 0 : hip_error(r, err, "waiting for a copy fence");
 }
 
 /* ---- probe, configure, supports ----------------------------------------------------------------- */
@@ -302,7 +386,16 @@ static void rocm_layer_cleanup(const struct qkeep_backend *be, qkeep_layer *laye
 }
 
 /* The module stays loaded with the runtime (neither survives an unload). */
-static void rocm_fini(const struct qkeep_backend *be) { free((void *)be); }
+static void rocm_fini(const struct qkeep_backend *be) {
+  struct rocm_backend *r = backend_of(be);
+  const char *why;
+  const struct hip_api *hip = rocm_hip(&why);
+  for (int i = 0; i < FENCE_EVENTS && hip; i++)
+    if (r->fence_event[i])
+      (void)hip->EventDestroy(r->fence_event[i]);
+  pthread_mutex_destroy(&r->fence_mu);
+  free(r);
+}
 
 QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const struct qkeep_backend **out) {
   if (!host || host->abi_major != QKEEP_BACKEND_ABI_MAJOR)
@@ -320,7 +413,13 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .copy_d2d = mem_d2d,
       .fill = mem_fill,
       .sync = mem_sync,
+      .host_alloc = mem_host_alloc,
+      .host_free = mem_host_free,
+      .copy_h2d_async = mem_h2d_async,
+      .copy_fence = mem_copy_fence,
+      .copy_fence_wait = mem_copy_fence_wait,
   };
+  pthread_mutex_init(&r->fence_mu, NULL);
   r->be = (struct qkeep_backend){
       .size = sizeof(struct qkeep_backend),
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,

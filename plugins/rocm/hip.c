@@ -55,6 +55,14 @@ static void load_api(void) {
   REQUIRE(ModuleGetFunction, "hipModuleGetFunction");
   REQUIRE(ModuleUnload, "hipModuleUnload");
   REQUIRE(ModuleLaunchKernel, "hipModuleLaunchKernel");
+  REQUIRE(HostMalloc, "hipHostMalloc");
+  REQUIRE(HostFree, "hipHostFree");
+  REQUIRE(MemcpyAsync, "hipMemcpyAsync");
+  REQUIRE(EventCreateWithFlags, "hipEventCreateWithFlags");
+  REQUIRE(EventRecord, "hipEventRecord");
+  REQUIRE(EventQuery, "hipEventQuery");
+  REQUIRE(EventSynchronize, "hipEventSynchronize");
+  REQUIRE(EventDestroy, "hipEventDestroy");
   *(void **)&api.MallocAsync = dlsym(handle, "hipMallocAsync");
   *(void **)&api.FreeAsync = dlsym(handle, "hipFreeAsync");
   if (!api.MallocAsync || !api.FreeAsync)

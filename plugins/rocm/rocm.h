@@ -34,6 +34,14 @@ struct hip_api {
   __typeof__(hipModuleGetFunction) *ModuleGetFunction;
   __typeof__(hipModuleLaunchKernel) *ModuleLaunchKernel;
   __typeof__(hipModuleUnload) *ModuleUnload;
+  __typeof__(hipHostMalloc) *HostMalloc; /* pinned staging and copy fences (ABI 1.2 and 1.3 memory ops) */
+  __typeof__(hipHostFree) *HostFree;
+  __typeof__(hipMemcpyAsync) *MemcpyAsync;
+  __typeof__(hipEventCreateWithFlags) *EventCreateWithFlags;
+  __typeof__(hipEventRecord) *EventRecord;
+  __typeof__(hipEventQuery) *EventQuery;
+  __typeof__(hipEventSynchronize) *EventSynchronize;
+  __typeof__(hipEventDestroy) *EventDestroy;
   __typeof__(hipMallocAsync) *MallocAsync; /* optional (ROCm 5.1 and later) */
   __typeof__(hipFreeAsync) *FreeAsync;     /* optional */
 };
