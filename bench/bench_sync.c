@@ -14,14 +14,23 @@
  * may have moved. Peak extra device memory: the lowest free memory cuMemGetInfo saw after
  * each bucket, against the free memory before the sync (the receive buffer excluded).
  *
- *   bench_sync [MODEL|all] [RUNS] [BUCKET_MB]
- *
  * With one CUDA device it runs one process that is trainer and inference rank at once: each
  * bucket goes through NCCL with one rank (in place) into the sync, and the peer is a device
  * copy of the same buckets (the floor of a receive on one GPU). Needs the cuda-nvfp4 plugin
  * and libnccl.so.2 (QKEEP_NCCL_LIBRARY or LD_LIBRARY_PATH, e.g. PyTorch's nvidia/nccl/lib);
- * without a CUDA device or libnccl it prints a "skipped" line and exits 0. One JSON object
- * per line ("peer": "nccl_broadcast" with two ranks, "device_copy" with one).
+ * with a CUDA device but no libnccl it prints a "skipped" line and exits 0.
+ *
+ *   bench_sync [MODEL|all] [RUNS] [BUCKET_MB] [BACKEND]
+ *
+ * BACKEND reference or test-async (a test plugin of `make check`: a device in host memory whose
+ * copies run at sync, as a GPU's do) runs the same sync path on the CPU, in one process: the
+ * trainer's buckets go through the in-process transport into the receiver's buffer, host
+ * buckets for reference, device buckets for test-async; the peer is the in-process broadcast of
+ * the same buckets (a memcpy). Without a CUDA device and no BACKEND given, BACKEND is reference.
+ * The CPU path needs about 3 x the model's bytes of memory (W0, the staged buckets and the cold
+ * W1 load for the digest): about 8 GB for the Qwen3-shaped model. One JSON object per line
+ * ("peer": "nccl_broadcast" with two ranks, "device_copy" with one, "inprocess_broadcast" on the
+ * CPU).
  */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -179,7 +188,27 @@ struct rank_ctx {
   const char *w0, *w1, *dir;
   int id_pipe[2];
   const char *model_name;
+  const char *backend; /* NULL: cuda-nvfp4 on GPU `rank`, NCCL; else a CPU backend, in-process transport */
 };
+
+/* Bucket memory where the receiver's layers are: the device's (cuda-nvfp4, test-async) or the host's. */
+static int buf_alloc(const struct device *dev, bool on_device, size_t bytes, void **out) {
+  if (on_device)
+    return dev_alloc(dev, bytes ? bytes : 1, out);
+  return (*out = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+}
+static int buf_put(const struct device *dev, bool on_device, void *dst, const void *src, size_t bytes) {
+  if (on_device)
+    return dev_h2d(dev, dst, src, bytes);
+  memcpy(dst, src, bytes);
+  return 0;
+}
+static void buf_free(const struct device *dev, bool on_device, void *p) {
+  if (on_device)
+    dev_free(dev, p);
+  else
+    free(p);
+}
 
 static int fail_json(const struct rank_ctx *c, const char *what) {
   printf("{\"bench\":\"sync\",\"model\":\"%s\",\"rank\":%d,\"error\":\"%s: %s\"}\n", c->model_name, c->rank,
@@ -206,9 +235,14 @@ static double median(double *v, int n) { return tu_median(v, n); }
 
 static int run_rank(struct rank_ctx *c) {
   char cfg_path[512], cfg[256];
+  if (!c->backend)
+    (void)cuda_devices(); /* this process's CUDA driver: cuMemGetInfo for the peak */
   snprintf(cfg_path, sizeof cfg_path, "%s/rank%d.ini", c->dir, c->rank);
-  snprintf(cfg, sizeof cfg, "[qkeep]\nbackend = cuda-nvfp4, reference\n[backend.cuda-nvfp4]\ndevice = %d\n",
-           c->rank);
+  if (c->backend)
+    snprintf(cfg, sizeof cfg, "[qkeep]\nbackend = %s\n", c->backend);
+  else
+    snprintf(cfg, sizeof cfg, "[qkeep]\nbackend = cuda-nvfp4, reference\n[backend.cuda-nvfp4]\ndevice = %d\n",
+             c->rank);
   if (tu_write_file(cfg_path, cfg, strlen(cfg)))
     return fail_json(c, "config");
   qkeep_config *config;
@@ -222,11 +256,13 @@ static int run_rank(struct rank_ctx *c) {
   bool sender = c->rank == 0, receiver = c->rank == c->ranks - 1;
   if (qkeep_model_load(m, receiver ? c->w0 : c->w1))
     return fail_json(c, "load");
+  const char *want = c->backend ? c->backend : "cuda-nvfp4";
+  bool on_device = strcmp(want, "reference") != 0; /* reference holds host memory: host buckets */
   for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
     const char *be = qkeep_layer_backend(qkeep_model_layer(m, l));
-    if (!be || strcmp(be, "cuda-nvfp4") != 0) {
-      set_error(QKEEP_E_UNSUPPORTED, "layer %s is on %s: a device bucket needs every layer on the GPU",
-                qkeep_model_layer(m, l)->name, be ? be : "the host");
+    if (!be || strcmp(be, want) != 0) {
+      set_error(QKEEP_E_UNSUPPORTED, "layer %s is on %s: the bucket's memory needs every layer on %s",
+                qkeep_model_layer(m, l)->name, be ? be : "the host", want);
       return fail_json(c, "chain");
     }
   }
@@ -254,16 +290,20 @@ static int run_rank(struct rank_ctx *c) {
   }
   /* The unique id goes from rank 0 to rank 1 through the pipe. */
   unsigned char id[128];
-  if (sender) {
+  if (!c->backend && sender) {
     if (qkeep_nccl_unique_id(NULL, id) ||
         (c->ranks > 1 && write(c->id_pipe[1], id, sizeof id) != (ssize_t)sizeof id))
       return fail_json(c, "nccl id");
-  } else if (read(c->id_pipe[0], id, sizeof id) != (ssize_t)sizeof id) {
+  } else if (!c->backend && read(c->id_pipe[0], id, sizeof id) != (ssize_t)sizeof id) {
     return fail_json(c, "nccl id (rank 0 failed)");
   }
-  struct qkeep_transport *tr;
-  if (qkeep_transport_nccl(NULL, c->ranks, c->rank, id, &tr))
-    return fail_json(c, "nccl");
+  /* On the CPU the trainer is endpoint 0 of an in-process pair and tr the receiver's endpoint. */
+  struct qkeep_transport *tr, *pair[2] = {NULL, NULL};
+  if (c->backend ? qkeep_transport_inprocess(2, pair)
+                 : qkeep_transport_nccl(NULL, c->ranks, c->rank, id, &tr))
+    return fail_json(c, c->backend ? "in-process transport" : "nccl");
+  if (c->backend)
+    tr = pair[1];
   /* The sender: every bucket staged on its device. A receiver that is not the sender: one receive
    * buffer. One rank: the bucket is received in place, and the peer is a device copy of it. */
   void **dbuf = calloc(n_buckets, sizeof *dbuf), *rx = NULL;
@@ -277,13 +317,13 @@ static int run_rank(struct rank_ctx *c) {
       for (size_t k = 0; k < count[b]; k++, i++)
         if (ckpt_read(ck, ckpt_find(ck, plan[i].tensor.name), host + plan[i].tensor.offset))
           return fail_json(c, "read W1");
-      if (dev_alloc(dev, bytes[b], &dbuf[b]) || dev_h2d(dev, dbuf[b], host, bytes[b]))
+      if (buf_alloc(dev, on_device, bytes[b], &dbuf[b]) || buf_put(dev, on_device, dbuf[b], host, bytes[b]))
         return fail_json(c, "stage");
     }
     ckpt_close(ck);
     free(host);
   }
-  if ((!sender || c->ranks == 1) && dev_alloc(dev, biggest, &rx))
+  if ((!sender || c->ranks == 1) && buf_alloc(dev, on_device, biggest, &rx))
     return fail_json(c, "receive buffer");
   struct {
     const void **p;
@@ -297,8 +337,10 @@ static int run_rank(struct rank_ctx *c) {
     model_sync(m);
     double t0 = tu_now();
     for (size_t b = 0; b < n_buckets; b++)
-      if ((c->ranks == 1 ? dev_d2d(dev, rx, dbuf[b], bytes[b])
-                         : tr->broadcast(tr->ctx, sender ? dbuf[b] : rx, bytes[b], 0)) ||
+      if ((c->backend ? pair[0]->broadcast(pair[0]->ctx, dbuf[b], bytes[b], 0) ||
+                            tr->broadcast(tr->ctx, rx, bytes[b], 0)
+           : c->ranks == 1 ? dev_d2d(dev, rx, dbuf[b], bytes[b])
+                           : tr->broadcast(tr->ctx, sender ? dbuf[b] : rx, bytes[b], 0)) ||
           model_sync(m))
         return fail_json(c, "raw broadcast");
     raw[r] = tu_now() - t0;
@@ -310,7 +352,11 @@ static int run_rank(struct rank_ctx *c) {
       return fail_json(c, "sync begin");
     t0 = tu_now();
     for (size_t b = 0; b < n_buckets; b++) {
-      struct qkeep_bucket bk = {sizeof bk, tensors[b], count[b], sender ? dbuf[b] : rx, bytes[b], true};
+      /* NCCL with one rank receives in place; the in-process receiver copies into its own buffer. */
+      struct qkeep_bucket bk = {sizeof bk, tensors[b], count[b], sender && !c->backend ? dbuf[b] : rx,
+                                bytes[b],  on_device};
+      if (c->backend && pair[0]->broadcast(pair[0]->ctx, dbuf[b], bytes[b], 0))
+        return fail_json(c, "sync (trainer)");
       if (!receiver ? tr->broadcast(tr->ctx, dbuf[b], bytes[b], 0) || model_sync(m)
                     : qkeep_sync_receive(sy, tr, 0, &bk))
         return fail_json(c, "sync");
@@ -342,20 +388,25 @@ static int run_rank(struct rank_ctx *c) {
            "\"peer_gbs\":%.2f,\"sync_ms\":%.2f,\"sync_gbs\":%.2f,\"sync_over_peer_bandwidth\":%.3f,"
            "\"peak_extra_device_bytes\":%lld,\"peak_extra_storage_bytes\":%lld,\"largest_bucket\":%zu,"
            "\"digest_equals_cold_w1\":%s,\"pointers_moved\":%zu}\n",
-           c->model_name, c->ranks, c->ranks == 1 ? "device_copy" : "nccl_broadcast", n, (long long)total,
-           n_buckets, c->bucket_bytes, c->runs, rt * 1e3, (double)total / rt / 1e9, st * 1e3,
-           (double)total / st / 1e9, rt / st, free0 >= 0 ? (long long)(free0 - lowest) : -1LL,
+           c->model_name, c->ranks,
+           c->backend      ? "inprocess_broadcast"
+           : c->ranks == 1 ? "device_copy"
+                           : "nccl_broadcast",
+           n, (long long)total, n_buckets, c->bucket_bytes, c->runs, rt * 1e3, (double)total / rt / 1e9,
+           st * 1e3, (double)total / st / 1e9, rt / st, free0 >= 0 ? (long long)(free0 - lowest) : -1LL,
            (long long)extra_storage, biggest, a.hi == b.hi && a.lo == b.lo ? "true" : "false", moved);
     fflush(stdout);
   }
+  if (c->backend)
+    pair[0]->close(pair[0]->ctx);
   tr->close(tr->ctx);
   for (size_t b = 0; b < n_buckets; b++) {
     if (dbuf[b])
-      dev_free(dev, dbuf[b]);
+      buf_free(dev, on_device, dbuf[b]);
     free(tensors[b]);
   }
   if (rx)
-    dev_free(dev, rx);
+    buf_free(dev, on_device, rx);
   free(dbuf), free(tensors), free(bytes), free(count), free(raw), free(syn), free(before.p), free(after.p);
   qkeep_sync_plan_free(plan);
   qkeep_model_free(m);
@@ -364,22 +415,47 @@ static int run_rank(struct rank_ctx *c) {
   return 0;
 }
 
+/* libnccl can be loaded (in the probe's child). */
+static int has_nccl(void) {
+  const char *lib = getenv("QKEEP_NCCL_LIBRARY");
+  return dlopen(lib && *lib ? lib : "libnccl.so.2", RTLD_NOW) != NULL;
+}
+
+/* fn's answer (0..255) from a child process, so that this one loads no CUDA library. */
+static int probe(int (*fn)(void)) {
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0)
+    _exit(fn() & 0xff);
+  int status = 0;
+  return pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) ? WEXITSTATUS(status) : 0;
+}
+static int probe_devices(void) { return probe(cuda_devices); }
+
 int main(int argc, char **argv) {
   const char *which = argc > 1 ? argv[1] : "all";
   int runs = argc > 2 ? atoi(argv[2]) : 5;
   size_t bucket_mb = argc > 3 ? (size_t)atoll(argv[3]) : 1024;
-  int gpus = cuda_devices(), ranks = gpus >= 2 ? 2 : 1;
-  if (gpus < 1) {
-    printf("{\"bench\":\"sync\",\"skipped\":\"no CUDA device\"}\n");
-    return 0;
+  const char *backend = argc > 4 ? argv[4] : NULL;
+  if (backend && strcmp(backend, "reference") != 0 && strcmp(backend, "test-async") != 0) {
+    fprintf(stderr, "bench_sync: BACKEND is reference or test-async (the CPU path), not %s\n", backend);
+    return 2;
   }
-  void *nccl = dlopen(getenv("QKEEP_NCCL_LIBRARY") ? getenv("QKEEP_NCCL_LIBRARY") : "libnccl.so.2", RTLD_NOW);
+  int gpus = backend ? 0 : probe_devices(), ranks = gpus >= 2 ? 2 : 1;
+  if (gpus < 1 && !backend)
+    backend = "reference"; /* no CUDA device: the sync path on the CPU */
+  /* Checked in a child too: libnccl (a static CUDA runtime inside) is loaded only by the ranks. */
+  bool nccl = backend || probe(has_nccl);
   if (!nccl) {
-    printf("{\"bench\":\"sync\",\"skipped\":\"no libnccl.so.2 (%s)\"}\n", dlerror());
+    printf(
+        "{\"bench\":\"sync\",\"skipped\":\"no libnccl.so.2 (set QKEEP_NCCL_LIBRARY or LD_LIBRARY_PATH)\"}\n");
     return 0;
   }
-  dlclose(nccl);
-  if (ranks == 1) /* the bucket path on one GPU: NCCL with one rank, against a device copy */
+  if (backend)
+    printf("{\"bench\":\"sync\",\"note\":\"on the CPU (%s): one process, the trainer's buckets through the "
+           "in-process transport into the receiver's buffer, against the same broadcast alone\"}\n",
+           backend);
+  else if (ranks == 1) /* the bucket path on one GPU: NCCL with one rank, against a device copy */
     printf("{\"bench\":\"sync\",\"note\":\"one CUDA device: one rank receives in place through NCCL with one "
            "rank, against a device copy; rank 0 -> rank 1 needs two GPUs\"}\n");
   int failed = 0;
@@ -398,20 +474,30 @@ int main(int argc, char **argv) {
                          .w0 = w0,
                          .w1 = w1,
                          .dir = dir,
-                         .model_name = shapes[s].name};
+                         .model_name = shapes[s].name,
+                         .backend = backend};
     if (pipe(c.id_pipe))
       return 1;
+    /* Every rank in a fresh child: the parent never initialises CUDA (a child forked after that could
+     * not use it), and no process loads the cuda-nvfp4 plugin or libnccl, each with a static CUDA
+     * runtime, a second time after unloading it (a process that did crashed on its second model, on one
+     * H200, 2026-12-01). */
     fflush(stdout);
-    pid_t child = ranks > 1 ? fork() : -1;
-    if (child == 0) {
-      c.rank = 1;
-      _exit(run_rank(&c));
+    pid_t child[2] = {-1, -1};
+    for (int r = 0; r < ranks; r++)
+      if ((child[r] = fork()) == 0) {
+        c.rank = r;
+        _exit(run_rank(&c));
+      }
+    for (int r = 0; r < ranks; r++) {
+      int status = 0;
+      if (child[r] < 0 || waitpid(child[r], &status, 0) < 0 || !WIFEXITED(status) || WEXITSTATUS(status)) {
+        failed = 1;
+        if (child[r] > 0 && WIFSIGNALED(status))
+          printf("{\"bench\":\"sync\",\"model\":\"%s\",\"rank\":%d,\"error\":\"killed by signal %d\"}\n",
+                 shapes[s].name, r, WTERMSIG(status));
+      }
     }
-    c.rank = 0;
-    int rc0 = run_rank(&c), status = 0;
-    if (child > 0)
-      waitpid(child, &status, 0);
-    failed |= rc0 || !WIFEXITED(status) || WEXITSTATUS(status);
     close(c.id_pipe[0]), close(c.id_pipe[1]);
     tu_rmtree(dir);
     free(dir), free(w0), free(w1);

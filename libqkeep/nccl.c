@@ -5,6 +5,12 @@
  * from NCCL's documented C API (nccl.h): ncclGetUniqueId, ncclCommInitRank, ncclBroadcast,
  * ncclCommDestroy, ncclGetErrorString. NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0
  * is set before NCCL reads its environment.
+ *
+ * Once opened, libnccl stays loaded until the process ends (RTLD_NODELETE): NCCL runs code of
+ * its own after the call that started it returns (ncclGetUniqueId's bootstrap root thread waits
+ * for the ranks to join; its static CUDA runtime leaves handlers with the driver), so a dlclose
+ * that unmapped it - after the unique id, or after the last communicator - left that code
+ * running in unmapped memory, and a later sync in the same process crashed.
  */
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -40,7 +46,7 @@ static int nccl_open(const char *library, struct nccl_api *api) {
   /* Before NCCL reads its environment (at its first call): no NVLink SHARP / multicast. */
   if (setenv("NCCL_NVLS_ENABLE", "0", 1) != 0)
     return set_error(QKEEP_E_NOMEM, "cannot set NCCL_NVLS_ENABLE");
-  *api = (struct nccl_api){.handle = dlopen(path, RTLD_NOW | RTLD_LOCAL), .path = path};
+  *api = (struct nccl_api){.handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE), .path = path};
   if (!api->handle)
     return set_error(QKEEP_E_NOTFOUND,
                      "NCCL transport: cannot load %s: %s (install NCCL, or point QKEEP_NCCL_LIBRARY or "

@@ -531,7 +531,9 @@ QKEEP_API int qkeep_transport_inprocess(int ranks, struct qkeep_transport **out)
  * 0 got from qkeep_nccl_unique_id and shared out of band. Buffers are device memory of the
  * current CUDA device (the backend's, made current by the model's load); each broadcast is
  * enqueued on the default stream, and qkeep_sync_receive synchronises the model's devices
- * before it reads the bucket. QKEEP_E_NOTFOUND naming the library and dlerror() when it cannot be loaded,
+ * before it reads the bucket. Once opened, libnccl stays loaded until the process ends (NCCL's
+ * own threads and its CUDA runtime's handlers outlive the calls that start them).
+ * QKEEP_E_NOTFOUND naming the library and dlerror() when it cannot be loaded,
  * QKEEP_E_DEVICE with NCCL's message when NCCL fails.
  */
 QKEEP_API int qkeep_nccl_unique_id(const char *library, unsigned char unique_id[128]);

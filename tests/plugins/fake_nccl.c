@@ -4,9 +4,16 @@
  * process share a hub; a broadcast on the root publishes its buffer and every other rank's
  * broadcast copies it (host memory), so ranks run one after another in one thread. It
  * records NCCL_NVLS_ENABLE as ncclCommInitRank saw it (fake_nccl_nvls).
+ *
+ * As NCCL's does, ncclGetUniqueId starts a "bootstrap root" thread that runs this library's
+ * code until the ranks have joined (ncclCommInitRank), polling every millisecond (at most 5 s):
+ * a caller that unloads the library while it runs crashes, as it would with the real one.
  */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
   char internal[128];
@@ -36,9 +43,24 @@ EXPORT const char *ncclGetErrorString(ncclResult_t r);
 
 EXPORT const char *fake_nccl_nvls(void) { return nvls_seen; }
 
+static atomic_int joined; /* ranks that joined since the last unique id */
+
+/* The bootstrap root: runs here until a rank has joined (NCCL's waits for every rank). */
+static void *bootstrap_root(void *arg) {
+  (void)arg;
+  for (int ms = 0; ms < 5000 && atomic_load(&joined) == 0; ms++)
+    nanosleep(&(struct timespec){0, 1000000}, NULL);
+  return NULL;
+}
+
 EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
   memset(id, 0, sizeof *id);
   memcpy(id->internal, "fake-nccl", 9);
+  atomic_store(&joined, 0);
+  pthread_t root;
+  if (pthread_create(&root, NULL, bootstrap_root, NULL) != 0)
+    return ncclInvalidUsage;
+  pthread_detach(root);
   return ncclSuccess;
 }
 
@@ -52,6 +74,7 @@ EXPORT ncclResult_t ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, i
     return ncclInvalidUsage;
   c->rank = rank, c->nranks = nranks;
   open_comms++;
+  atomic_fetch_add(&joined, 1);
   *comm = c;
   return ncclSuccess;
 }
