@@ -713,6 +713,10 @@ int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck
 /* Whether ck's files are the ones the model's source had when it was loaded (same count, device,
  * inode, size, modification and change times); else an error naming the first that differs. */
 int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck);
+/* The same against a recorded source (its path and file identities), e.g. one kept by a sync. */
+int source_matches(const struct model_source *src, const struct ckpt *ck);
+/* A copy of the model's source as it stands (path NULL when it has none); QKEEP_E_NOMEM. */
+int model_source_copy(const qkeep_model *model, struct model_source *out);
 /* Synchronises every device of the model's chain. */
 int model_sync(const qkeep_model *model);
 /* Starts (on) or ends every owner's spare result memory: on for the layer loop of a load or reload. */

@@ -292,16 +292,38 @@ int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck
   return rc;
 }
 
+int model_source_copy(const qkeep_model *model, struct model_source *out) {
+  *out = (struct model_source){0};
+  if (!model->source_path)
+    return 0;
+  size_t n = model->n_source_ids;
+  out->path = xstrdup(model->source_path);
+  out->ids = n ? malloc(n * sizeof *out->ids) : NULL;
+  if (!out->path || (n && !out->ids)) {
+    model_source_discard(out);
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  if (n)
+    memcpy(out->ids, model->source_ids, n * sizeof *out->ids);
+  out->n = n;
+  return 0;
+}
+
 int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck) {
-  if (ck->n_files != model->n_source_ids)
+  return source_matches(&(struct model_source){model->source_path, model->source_ids, model->n_source_ids},
+                        ck);
+}
+
+int source_matches(const struct model_source *src, const struct ckpt *ck) {
+  if (ck->n_files != src->n)
     return set_error(QKEEP_E_STATE, "%s now has %zu weight files, %zu when the model read it", ck->path,
-                     ck->n_files, model->n_source_ids);
+                     ck->n_files, src->n);
   for (size_t f = 0; f < ck->n_files; f++) {
     struct file_id now;
     int rc = file_id_of(ck->files[f], &now);
     if (rc)
       return rc;
-    if (memcmp(&now, &model->source_ids[f], sizeof now) != 0)
+    if (memcmp(&now, &src->ids[f], sizeof now) != 0)
       return set_error(QKEEP_E_STATE,
                        "%s changed since the model read it (another file, or written to: its inode, size or "
                        "times differ)",

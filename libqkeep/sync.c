@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checkpoint.h"
 #include "internal.h"
 
 /* One distinct checkpoint name the model loads, and the layers it feeds (a chain of links). */
@@ -22,7 +23,7 @@ struct sync_name {
   size_t first_link;
   size_t last_layer; /* while building: the last layer linked (+1), to link each layer once */
   bool received;
-  bool scale; /* it loads into a scale param: its values are checked with the bucket */
+  bool scale;               /* it loads into a scale param: its values are checked with the bucket */
   const qkeep_param *param; /* the first param it loads into (what its values must be) */
 };
 struct sync_link {
@@ -37,7 +38,7 @@ struct pending {
 
 struct qkeep_sync {
   qkeep_model *model;
-  char *w0; /* the checkpoint the model held at begin (rollback), or NULL */
+  struct model_source w0; /* the checkpoint the model held at begin and its files' identity (rollback) */
   bool failed;
   struct sync_name *names;
   size_t n_names;
@@ -68,7 +69,7 @@ static void sync_free(qkeep_sync *s) {
   name_index_clear(&s->pending_index);
   name_index_clear(&s->name_index);
   free(s->names), free(s->links), free(s->missing), free(s->done), free(s->layer_names), free(s->layer_first);
-  free(s->w0);
+  model_source_discard(&s->w0);
   free(s);
 }
 
@@ -126,9 +127,9 @@ int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out) {
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   s->model = model;
-  int rc = model->source_path && !(s->w0 = xstrdup(model->source_path))
-               ? set_error(QKEEP_E_NOMEM, "out of memory")
-               : index_names(s);
+  int rc = model_source_copy(model, &s->w0);
+  if (!rc)
+    rc = index_names(s);
   if (rc) {
     sync_free(s);
     return rc;
@@ -146,17 +147,49 @@ static bool touched_any(const qkeep_sync *s) {
   return false;
 }
 
+/*
+ * Puts W0 back by a full reload from the very files the model held at begin, as a reload's own
+ * rollback does: they must still have the identity recorded when the model read them (device,
+ * inode, size, modification and change times) before the reload, for the files the reload
+ * itself opened (it records them before reading), and after it read them. Otherwise the bytes
+ * reloaded may be another W0 (a trainer saving into the same directory): the source is dropped
+ * and the caller poisons the model.
+ */
+static int put_back_w0(qkeep_sync *s) {
+  qkeep_model *m = s->model;
+  const struct model_source *w0 = &s->w0;
+  if (!w0->path)
+    return set_error(QKEEP_E_STATE, "no checkpoint holds the previous weights");
+  struct ckpt *ck;
+  int rc = ckpt_open(w0->path, &ck);
+  if (rc)
+    return rc;
+  if ((rc = source_matches(w0, ck)))
+    add_error_context(rc, "%s no longer holds the model's previous weights", w0->path);
+  if (!rc)
+    rc = qkeep_model_reload(m, w0->path, 0);
+  if (!rc && (m->n_source_ids != w0->n || (w0->n && memcmp(m->source_ids, w0->ids, w0->n * sizeof *w0->ids))))
+    rc = set_error(QKEEP_E_STATE, "%s was replaced while the rollback opened it", w0->path);
+  if (!rc && (rc = source_matches(w0, ck)))
+    add_error_context(rc, "%s changed while the rollback read it", w0->path);
+  ckpt_close(ck);
+  if (rc)
+    (void)model_set_source(m, NULL, NULL); /* what was reloaded matches no file the model may trust */
+  return rc;
+}
+
 /* Marks the sync failed and puts the model back to W0 (or poisons it); returns rc with the reason. */
 static int fail(qkeep_sync *s, int rc) {
   s->failed = true;
   if (!touched_any(s) && !s->model->poisoned)
     return rc; /* nothing of W1 landed: the model is W0 as it was */
   char *why = xstrdup(qkeep_errmsg());
-  int back = s->w0 ? qkeep_model_reload(s->model, s->w0, 0) : QKEEP_E_STATE;
+  int back = put_back_w0(s);
   if (back == 0) {
-    set_error(rc, "%s; the sync was rolled back to %s", why ? why : "", s->w0);
+    set_error(rc, "%s; the sync was rolled back to %s (the same unchanged files)", why ? why : "",
+              s->w0.path);
   } else {
-    char *how = s->w0 ? xstrdup(qkeep_errmsg()) : xstrdup("no checkpoint holds the previous weights");
+    char *how = xstrdup(qkeep_errmsg());
     s->model->poisoned = true;
     set_error(rc, "%s; rollback impossible (%s): the model refuses to run until a reload succeeds",
               why ? why : "", how ? how : "");
@@ -387,6 +420,8 @@ int qkeep_sync_end(qkeep_sync *s) {
     if (!s->done[l])
       rc = fail(s,
                 set_error(QKEEP_E_STATE, "sync ended with layer %s not reloaded", s->model->layers[l]->name));
+  if (!rc) /* the model is W1 from buckets: no file holds it, so a later rollback has nothing to read */
+    (void)model_set_source(s->model, NULL, NULL); /* no allocation: cannot fail */
   sync_free(s);
   return rc;
 }

@@ -9,10 +9,13 @@
  * in-process transport, NCCL's absence) has its own cases at the end.
  */
 #include <check.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <dlfcn.h>
 
@@ -846,6 +849,115 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
 }
 END_TEST
 
+/* Rewrites one byte of a file in place and puts its modification time back, so that only its change
+ * time (which no call can set) tells; waits first until the clock that stamps files has moved past
+ * the change time it has. */
+static void rewrite_byte_keeping_mtime(const char *file, off_t at) {
+  struct stat before, after;
+  ck_assert_int_eq(stat(file, &before), 0);
+  struct timespec now;
+  do {
+    nanosleep(&(struct timespec){0, 1000000}, NULL);
+    clock_gettime(CLOCK_REALTIME_COARSE, &now);
+  } while (now.tv_sec < before.st_ctim.tv_sec ||
+           (now.tv_sec == before.st_ctim.tv_sec && now.tv_nsec <= before.st_ctim.tv_nsec));
+  int fd = open(file, O_RDWR);
+  ck_assert_int_ge(fd, 0);
+  unsigned char b;
+  ck_assert_int_eq(pread(fd, &b, 1, at), 1);
+  b ^= 0x11;
+  ck_assert_int_eq(pwrite(fd, &b, 1, at), 1);
+  ck_assert_int_eq(close(fd), 0);
+  ck_assert_int_eq(utimensat(AT_FDCWD, file, (struct timespec[2]){before.st_atim, before.st_mtim}, 0), 0);
+  ck_assert_int_eq(stat(file, &after), 0);
+  ck_assert(after.st_ino == before.st_ino && after.st_size == before.st_size &&
+            after.st_mtim.tv_sec == before.st_mtim.tv_sec && after.st_mtim.tv_nsec == before.st_mtim.tv_nsec);
+}
+
+/* A sync that fails midway puts W0 back only from the very files the model read W0 from, as a reload's
+ * rollback does: after one byte of W0's file changed in place (its modification time put back), the
+ * rollback refuses and the model is poisoned, where a re-read would have given it another W0. */
+START_TEST(a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from) {
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  sender_open(&sd, w1, 48 << 10);
+  qkeep_model *m = load_rank(w0, plugin, 2, 2, 1, 1);
+  struct qkeep_digest d0 = digest_now(m);
+  /* the last byte of q_proj's codes: in this rank's rows (rank 1 of 2 holds the second half) */
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w0, &ck), 0);
+  const struct ckpt_tensor *q = ckpt_find(ck, "model.layers.0.self_attn.q_proj.weight");
+  ck_assert_ptr_nonnull(q);
+  char *file = strdup(q->file->path);
+  off_t at = (off_t)(q->t->offset + q->t->nbytes - 1);
+  ckpt_close(ck);
+  qkeep_sync *sy;
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  struct qkeep_bucket b0 = bucket_of(&sd, 0, sd.buf[0]);
+  ck_assert_msg(qkeep_sync_bucket(sy, &b0) == 0, "%s", qkeep_errmsg());
+  ck_assert(!same_digest(digest_now(m), d0)); /* layers of W1 landed */
+  rewrite_byte_keeping_mtime(file, at);
+  struct qkeep_bucket_tensor saved = sd.tensors[1][0];
+  sd.tensors[1][0].spec.shape[0]++; /* the second bucket fails its validation */
+  struct qkeep_bucket b1 = bucket_of(&sd, 1, sd.buf[1]);
+  ck_assert_int_eq(qkeep_sync_bucket(sy, &b1), QKEEP_E_FORMAT);
+  sd.tensors[1][0] = saved;
+  ck_assert_msg(strstr(qkeep_errmsg(), "rollback impossible") &&
+                    strstr(qkeep_errmsg(), "changed since the model read it") && strstr(qkeep_errmsg(), file),
+                "%s", qkeep_errmsg());
+  ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_STATE);
+  float x[H] = {0}, y[4 * Q];
+  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), QKEEP_E_STATE); /* poisoned */
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), QKEEP_E_STATE);
+  /* What a re-read would have given: the changed file's bytes, not W0's (the byte is this rank's). */
+  qkeep_model *changed = load_rank(w0, plugin, 2, 2, 1, 1);
+  struct qkeep_digest dc = digest_now(changed);
+  ck_assert(!same_digest(dc, d0));
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg()); /* a reload clears it */
+  ck_assert(same_digest(digest_now(m), dc));
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), 0);
+  qkeep_model_free(changed);
+  qkeep_model_free(m);
+  sender_close(&sd);
+  free(file), free(w0), free(w1);
+}
+END_TEST
+
+/* After a successful sync the model equals no file: a reload that then fails midway has nothing to roll
+ * back to (W0's files are not its previous weights) and leaves the model refusing to run. */
+START_TEST(a_reload_failing_after_a_sync_does_not_roll_back_to_w0) {
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  sender_open(&sd, w1, 48 << 10);
+  qkeep_model *m = load_rank(w0, plugin, 2, 2, 1, 1);
+  struct qkeep_digest d0 = digest_now(m);
+  qkeep_sync *sy;
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  for (size_t b = 0; b < sd.n_buckets; b++) {
+    struct qkeep_bucket bk = bucket_of(&sd, b, sd.buf[b]);
+    ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "%s", qkeep_errmsg());
+  }
+  ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
+  ck_assert_ptr_null(m->source_path);
+  ck_assert_uint_gt(m->n_layers, 3);
+  m->fault_layer = 3, m->fault_code = QKEEP_E_IO; /* the reload fails at its fourth layer */
+  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), QKEEP_E_IO);
+  m->fault_layer = -1;
+  ck_assert_msg(strstr(qkeep_errmsg(), "rollback impossible") &&
+                    strstr(qkeep_errmsg(), "no checkpoint holds"),
+                "%s", qkeep_errmsg());
+  float x[H] = {0}, y[4 * Q];
+  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), QKEEP_E_STATE);
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  qkeep_model_free(m);
+  sender_close(&sd);
+  free(w0), free(w1);
+}
+END_TEST
+
 /* A tied lm_head (the embedding's param under a second layer): the plan sends the embedding once and
  * nothing for lm_head, and the sync still equals a cold load of W1. */
 static char *write_tied(const char *name_dir, uint64_t seed) {
@@ -969,6 +1081,28 @@ START_TEST(a_sync_through_the_nccl_transport_over_a_stand_in_libnccl) {
 }
 END_TEST
 
+/* NCCL leaves its own threads running in the library (ncclGetUniqueId's bootstrap root waits for the
+ * ranks; the stand-in starts one too): libnccl must stay loaded once opened. Unloading it after the
+ * unique id, or after a communicator, crashed a later run in the same process. */
+START_TEST(libnccl_stays_loaded_while_the_threads_it_started_run) {
+  char *lib = tu_path(tu_builddir(), "tests/plugins/.libs/libnccl-fake.so");
+  unsigned char id[128];
+  ck_assert_msg(qkeep_nccl_unique_id(lib, id) == 0, "%s", qkeep_errmsg());
+  void *h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
+  ck_assert_msg(h != NULL, "libnccl was unloaded while the bootstrap root thread it started runs");
+  dlclose(h);
+  struct qkeep_transport *tr[2];
+  for (int r = 0; r < 2; r++)
+    ck_assert_msg(qkeep_transport_nccl(lib, 2, r, id, &tr[r]) == 0, "%s", qkeep_errmsg());
+  for (int r = 0; r < 2; r++)
+    tr[r]->close(tr[r]->ctx);
+  h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
+  ck_assert_msg(h != NULL, "libnccl was unloaded when its last communicator closed");
+  dlclose(h);
+  free(lib);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("shard");
   TCase *tc = tcase_create("shard");
@@ -983,10 +1117,13 @@ static Suite *suite(void) {
   tcase_add_test(tc, a_device_with_async_copies_loads_each_rank_slice);
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
+  tcase_add_test(tc, a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from);
+  tcase_add_test(tc, a_reload_failing_after_a_sync_does_not_roll_back_to_w0);
   tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);
   tcase_add_test(tc, sync_refuses_what_it_cannot_do);
   tcase_add_test(tc, the_nccl_transport_dlopens_libnccl_and_says_why_not);
   tcase_add_test(tc, a_sync_through_the_nccl_transport_over_a_stand_in_libnccl);
+  tcase_add_test(tc, libnccl_stays_loaded_while_the_threads_it_started_run);
   suite_add_tcase(s, tc);
   return s;
 }
