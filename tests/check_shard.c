@@ -849,6 +849,56 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
 }
 END_TEST
 
+/* The bucket path a GPU takes, on test-async (device memory whose copies run at sync): buckets in
+ * device memory, small enough that boundaries fall inside the MoE block's expert tensors, so the
+ * split layer's tensors wait as device copies and its scales are checked from device memory; the
+ * synced model equals a cold load of W1 in place. */
+START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  sender_open(&sd, w1, 16 << 10);
+  qkeep_model *m = load_chain_rank(w0, &async, 1, 1, 0), *cold = load_chain_rank(w1, &async, 1, 1, 0);
+  qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
+  ck_assert_str_eq(qkeep_layer_backend(moe), "test-async");
+  size_t split = 0; /* buckets holding some but not all of the experts' tensors */
+  for (size_t b = 0; b < sd.n_buckets; b++) {
+    size_t experts = 0;
+    for (size_t i = 0; i < sd.count[b]; i++)
+      experts += strstr(sd.tensors[b][i].name, ".mlp.experts.") != NULL;
+    split += experts && experts < 3 * 4 * E;
+  }
+  ck_assert_uint_ge(split, 2);
+  const struct device *dev = layer_device(moe);
+  struct tu_storages before = {0}, after = {0}, cold_bytes = {0};
+  tu_snapshot(m, &before);
+  qkeep_sync *sy;
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  for (size_t b = 0; b < sd.n_buckets; b++) {
+    void *rx;
+    ck_assert_int_eq(dev_alloc(dev, sd.bytes[b], &rx), 0);
+    ck_assert_int_eq(dev_h2d(dev, rx, sd.buf[b], sd.bytes[b]), 0);
+    struct qkeep_bucket bk = bucket_of(&sd, b, rx);
+    bk.on_device = true;
+    ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "bucket %zu: %s", b, qkeep_errmsg());
+    ck_assert_int_eq(dev_fill(dev, rx, 0xa5, sd.bytes[b]), 0); /* the caller's again */
+    ck_assert_int_eq(dev_sync(dev), 0);
+    dev_free(dev, rx);
+  }
+  ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), digest_now(cold)));
+  tu_snapshot(m, &after);
+  tu_snapshot(cold, &cold_bytes);
+  tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
+  tu_release_snapshot(&before), tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
+  qkeep_model_free(m), qkeep_model_free(cold);
+  sender_close(&sd);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
 /* Rewrites one byte of a file in place and puts its modification time back, so that only its change
  * time (which no call can set) tells; waits first until the clock that stamps files has moved past
  * the change time it has. */
@@ -1117,6 +1167,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, a_device_with_async_copies_loads_each_rank_slice);
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
+  tcase_add_test(tc, a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load);
   tcase_add_test(tc, a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from);
   tcase_add_test(tc, a_reload_failing_after_a_sync_does_not_roll_back_to_w0);
   tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);
