@@ -464,9 +464,12 @@ QKEEP_API int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out);
  * memory, or the bucket's device) until their layer completes, so the extra memory is one
  * bucket plus the tensors of the layers a bucket boundary splits. The bucket is borrowed for
  * the call. Any failure fails the sync: the layers it touched are put back from the
- * checkpoint the model held before the sync (W0) when there is one, else the model refuses
- * to run until a reload succeeds; later calls return QKEEP_E_STATE. Between begin and end
- * the layers synced so far hold W1.
+ * checkpoint the model held before the sync (W0) when there is one and its files are still
+ * the very files the model read (their identity recorded then: device, inode, size,
+ * modification and change times), else the model refuses to run until a reload succeeds;
+ * later calls return QKEEP_E_STATE. Between begin and end the layers synced so far hold W1;
+ * after a successful sync no file holds the model's weights (a later failed reload cannot
+ * roll back to W0).
  */
 QKEEP_API int qkeep_sync_bucket(qkeep_sync *sync, const struct qkeep_bucket *bucket);
 /*
@@ -482,7 +485,9 @@ QKEEP_API void qkeep_sync_abort(qkeep_sync *sync);
  * The sender's plan: every checkpoint tensor the model loads, each once (a tensor that
  * feeds two params, e.g. one kv_scale for k and v, is sent once; a tied lm_head sends
  * nothing of its own), in layer order, packed into buckets of at most bucket_bytes (a
- * tensor larger than that gets a bucket of its own), offsets aligned to 256 bytes. Built
+ * tensor larger than that gets a bucket of its own), offsets aligned to 256 bytes; a layer
+ * that fits a bucket starts a new one rather than straddle two (the receiver would keep a
+ * copy of its first part until the rest arrived). Built
  * from a model loaded with the full (one-rank) layout or any rank: shapes are the full ones.
  * *out (n entries, malloc'd; free with qkeep_sync_plan_free) holds name (borrowed from the
  * model), spec, offset and the bucket index; *n_buckets the count.

@@ -460,20 +460,33 @@ int qkeep_sync_plan(const qkeep_model *model, size_t bucket_bytes, struct qkeep_
   size_t cap = 0, count = 0, bucket = 0, used = 0;
   struct qkeep_sync_entry *e = NULL;
   int rc = 0;
-  for (size_t l = 0; l < model->n_layers && !rc; l++)
-    for (size_t i = 0; i < model->layers[l]->n_sources && !rc; i++) {
-      const struct source *src = &model->layers[l]->sources[i];
-      const struct source_ref *first = model_find_source(model, src->checkpoint_name);
-      if (!first || first->layer != model->layers[l] || first->source != i)
-        continue; /* sent once, with the first source that loads it */
-      size_t bytes = qkeep_spec_bytes(&src->spec), at = (used + 255) & ~(size_t)255;
-      if (used && at + bytes > bucket_bytes)
-        bucket++, at = 0;
-      if (!(rc = grow_array((void **)&e, &cap, count + 1, sizeof *e))) {
-        e[count++] = (struct qkeep_sync_entry){{src->checkpoint_name, src->spec, at}, bucket};
-        used = at + bytes;
+  for (size_t l = 0; l < model->n_layers && !rc; l++) {
+    /* A layer that fits a bucket is not split across two: the receiver would copy the first part
+     * until the rest arrived (for a Qwen3-30B-A3B-shaped model, a third of its bytes once more). */
+    size_t layer_bytes = 0;
+    for (size_t pass = 0; pass < 2 && !rc; pass++) {
+      if (pass == 1 && used && ((used + 255) & ~(size_t)255) + layer_bytes > bucket_bytes &&
+          layer_bytes <= bucket_bytes)
+        bucket++, used = 0;
+      for (size_t i = 0; i < model->layers[l]->n_sources && !rc; i++) {
+        const struct source *src = &model->layers[l]->sources[i];
+        const struct source_ref *first = model_find_source(model, src->checkpoint_name);
+        if (!first || first->layer != model->layers[l] || first->source != i)
+          continue; /* sent once, with the first source that loads it */
+        size_t bytes = qkeep_spec_bytes(&src->spec), at = (used + 255) & ~(size_t)255;
+        if (pass == 0) {
+          layer_bytes = ((layer_bytes + 255) & ~(size_t)255) + bytes;
+          continue;
+        }
+        if (used && at + bytes > bucket_bytes)
+          bucket++, at = 0;
+        if (!(rc = grow_array((void **)&e, &cap, count + 1, sizeof *e))) {
+          e[count++] = (struct qkeep_sync_entry){{src->checkpoint_name, src->spec, at}, bucket};
+          used = at + bytes;
+        }
       }
     }
+  }
   if (rc) {
     free(e);
     return rc;

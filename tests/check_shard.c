@@ -656,6 +656,22 @@ static void sender_open(struct sender *sd, const char *w1, size_t bucket_bytes) 
     ck_assert_int_eq(name_index_put(&seen, sd->plan[i].tensor.name, i, NULL), 0);
   }
   name_index_clear(&seen);
+  /* A layer's tensors are one run of the plan; the run spans two buckets only if the layer (its
+   * tensors, 256-byte aligned) is larger than a bucket. */
+  for (size_t i = 0, start = 0; i < sd->n; i++) {
+    qkeep_layer *li, *ln = NULL;
+    ck_assert_ptr_nonnull(qkeep_model_lookup(full, sd->plan[i].tensor.name, &li));
+    if (i + 1 < sd->n)
+      qkeep_model_lookup(full, sd->plan[i + 1].tensor.name, &ln);
+    if (ln == li)
+      continue;
+    size_t layer_bytes = 0;
+    for (size_t k = start; k <= i; k++)
+      layer_bytes = ((layer_bytes + 255) & ~(size_t)255) + qkeep_spec_bytes(&sd->plan[k].tensor.spec);
+    ck_assert_msg(sd->plan[start].bucket == sd->plan[i].bucket || layer_bytes > bucket_bytes,
+                  "layer %s (%zu bytes) is split across buckets of %zu", li->name, layer_bytes, bucket_bytes);
+    start = i + 1;
+  }
   sd->buf = calloc(sd->n_buckets, sizeof *sd->buf);
   sd->bytes = calloc(sd->n_buckets, sizeof *sd->bytes);
   sd->tensors = calloc(sd->n_buckets, sizeof *sd->tensors);
