@@ -787,20 +787,44 @@ static struct qkeep_digest digest_now(qkeep_model *m) {
 }
 static bool same_digest(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
 
+/* The failure cases' setting: modelopt-nvfp4 W0 and W1, W1's plan in 48 KiB buckets, rank 1 of 2 (TP and
+ * EP) holding W0, and W0's digest. */
+struct sync_case {
+  char *w0, *w1;
+  struct sender sd;
+  qkeep_model *m;
+  struct qkeep_digest d0;
+};
+static void sync_case_open(struct sync_case *c) {
+  *c = (struct sync_case){.w0 = checkpoint("modelopt-nvfp4", 0), .w1 = checkpoint("modelopt-nvfp4", 1)};
+  sender_open(&c->sd, c->w1, 48 << 10);
+  c->m = load_rank(c->w0, plugin, 2, 2, 1, 1);
+  c->d0 = digest_now(c->m);
+}
+static void sync_case_close(struct sync_case *c) {
+  qkeep_model_free(c->m);
+  sender_close(&c->sd);
+  free(c->w0), free(c->w1);
+}
+
+/* The model refuses to run (a failed sync or reload left it without a trusted W0), or runs. */
+static void assert_runs(qkeep_model *m, int want) {
+  float x[H] = {0}, y[4 * Q];
+  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
+  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), want);
+}
+
 START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
-  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
-  struct sender sd = {0};
-  sender_open(&sd, w1, 48 << 10);
-  qkeep_model *m = load_rank(w0, plugin, 2, 2, 1, 1);
-  struct qkeep_digest d0 = digest_now(m);
+  struct sync_case c;
+  sync_case_open(&c);
   qkeep_sync *sy;
   /* 1. a wrong shape in the second bucket: the first bucket's layers are put back */
   for (int fault = 0; fault < 5; fault++) {
-    ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
-    struct qkeep_bucket b0 = bucket_of(&sd, 0, sd.buf[0]);
+    ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
+    struct qkeep_bucket b0 = bucket_of(&c.sd, 0, c.sd.buf[0]);
     ck_assert_msg(qkeep_sync_bucket(sy, &b0) == 0, "%s", qkeep_errmsg());
-    struct qkeep_bucket_tensor *t = &sd.tensors[1][0], saved = *t;
-    struct qkeep_bucket b1 = bucket_of(&sd, 1, sd.buf[1]);
+    struct qkeep_bucket_tensor *t = &c.sd.tensors[1][0], saved = *t;
+    struct qkeep_bucket b1 = bucket_of(&c.sd, 1, c.sd.buf[1]);
     int want = QKEEP_E_FORMAT;
     const char *words = "the model expects";
     unsigned char *scale = NULL, scale_saved = 0;
@@ -809,20 +833,20 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
     else if (fault == 1)
       t->name = "model.layers.0.no_such.weight", want = QKEEP_E_NOTFOUND, words = "not part of this model";
     else if (fault == 2)
-      t->offset = sd.tensors[1][1].offset, want = QKEEP_E_INVAL, words = "overlap";
+      t->offset = c.sd.tensors[1][1].offset, want = QKEEP_E_INVAL, words = "overlap";
     else if (fault == 3)
       b1.nbytes = t->offset, want = QKEEP_E_INVAL, words = "pass the bucket's end";
     else { /* a NaN block scale (e4m3 0x7f) in the first scale tensor of the bucket */
-      for (size_t i = 0; i < sd.count[1] && !scale; i++)
-        if (ends_with(sd.tensors[1][i].name, ".weight_scale"))
-          scale = sd.buf[1] + sd.tensors[1][i].offset;
+      for (size_t i = 0; i < c.sd.count[1] && !scale; i++)
+        if (ends_with(c.sd.tensors[1][i].name, ".weight_scale"))
+          scale = c.sd.buf[1] + c.sd.tensors[1][i].offset;
       ck_assert_ptr_nonnull(scale);
       scale_saved = *scale, *scale = 0x7f, words = "NaN";
     }
     ck_assert_int_eq(qkeep_sync_bucket(sy, &b1), want);
     ck_assert_msg(strstr(qkeep_errmsg(), words) && strstr(qkeep_errmsg(), "rolled back"), "%s",
                   qkeep_errmsg());
-    ck_assert(same_digest(digest_now(m), d0));
+    ck_assert(same_digest(digest_now(c.m), c.d0));
     ck_assert_int_eq(qkeep_sync_bucket(sy, &b1), QKEEP_E_STATE); /* a failed sync takes nothing more */
     ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_STATE);
     *t = saved;
@@ -830,38 +854,34 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
       *scale = scale_saved;
   }
   /* 2. ending early: the missing tensor is named, W0 put back */
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
-  struct qkeep_bucket b0 = bucket_of(&sd, 0, sd.buf[0]);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
+  struct qkeep_bucket b0 = bucket_of(&c.sd, 0, c.sd.buf[0]);
   ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
   ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_NOTFOUND);
-  ck_assert_msg(strstr(qkeep_errmsg(), sd.tensors[1][0].name), "%s", qkeep_errmsg());
-  ck_assert(same_digest(digest_now(m), d0));
+  ck_assert_msg(strstr(qkeep_errmsg(), c.sd.tensors[1][0].name), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(c.m), c.d0));
   /* 3. a tensor sent twice */
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
   ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
   ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), QKEEP_E_INVAL);
-  ck_assert(same_digest(digest_now(m), d0));
+  ck_assert(same_digest(digest_now(c.m), c.d0));
   qkeep_sync_abort(sy);
   /* 4. after a good sync no file holds the weights: a failed one then leaves the model refusing to run,
    * until a reload from a checkpoint */
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
-  for (size_t b = 0; b < sd.n_buckets; b++) {
-    struct qkeep_bucket bk = bucket_of(&sd, b, sd.buf[b]);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
+  for (size_t b = 0; b < c.sd.n_buckets; b++) {
+    struct qkeep_bucket bk = bucket_of(&c.sd, b, c.sd.buf[b]);
     ck_assert_int_eq(qkeep_sync_bucket(sy, &bk), 0);
   }
   ck_assert_int_eq(qkeep_sync_end(sy), 0);
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
   ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
   qkeep_sync_abort(sy);
-  float x[H] = {0}, y[4 * Q];
-  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), QKEEP_E_STATE);
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), QKEEP_E_STATE);
-  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
-  ck_assert(same_digest(digest_now(m), d0));
-  qkeep_model_free(m);
-  sender_close(&sd);
-  free(w0), free(w1);
+  assert_runs(c.m, QKEEP_E_STATE);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), QKEEP_E_STATE);
+  ck_assert_int_eq(qkeep_model_reload(c.m, c.w0, 0), 0);
+  ck_assert(same_digest(digest_now(c.m), c.d0));
+  sync_case_close(&c);
 }
 END_TEST
 
@@ -944,83 +964,70 @@ static void rewrite_byte_keeping_mtime(const char *file, off_t at) {
  * rollback does: after one byte of W0's file changed in place (its modification time put back), the
  * rollback refuses and the model is poisoned, where a re-read would have given it another W0. */
 START_TEST(a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from) {
-  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
-  struct sender sd = {0};
-  sender_open(&sd, w1, 48 << 10);
-  qkeep_model *m = load_rank(w0, plugin, 2, 2, 1, 1);
-  struct qkeep_digest d0 = digest_now(m);
+  struct sync_case c;
+  sync_case_open(&c);
   /* the last byte of q_proj's codes: in this rank's rows (rank 1 of 2 holds the second half) */
   struct ckpt *ck;
-  ck_assert_int_eq(ckpt_open(w0, &ck), 0);
+  ck_assert_int_eq(ckpt_open(c.w0, &ck), 0);
   const struct ckpt_tensor *q = ckpt_find(ck, "model.layers.0.self_attn.q_proj.weight");
   ck_assert_ptr_nonnull(q);
   char *file = strdup(q->file->path);
   off_t at = (off_t)(q->t->offset + q->t->nbytes - 1);
   ckpt_close(ck);
   qkeep_sync *sy;
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
-  struct qkeep_bucket b0 = bucket_of(&sd, 0, sd.buf[0]);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
+  struct qkeep_bucket b0 = bucket_of(&c.sd, 0, c.sd.buf[0]);
   ck_assert_msg(qkeep_sync_bucket(sy, &b0) == 0, "%s", qkeep_errmsg());
-  ck_assert(!same_digest(digest_now(m), d0)); /* layers of W1 landed */
+  ck_assert(!same_digest(digest_now(c.m), c.d0)); /* layers of W1 landed */
   rewrite_byte_keeping_mtime(file, at);
-  struct qkeep_bucket_tensor saved = sd.tensors[1][0];
-  sd.tensors[1][0].spec.shape[0]++; /* the second bucket fails its validation */
-  struct qkeep_bucket b1 = bucket_of(&sd, 1, sd.buf[1]);
+  struct qkeep_bucket_tensor saved = c.sd.tensors[1][0];
+  c.sd.tensors[1][0].spec.shape[0]++; /* the second bucket fails its validation */
+  struct qkeep_bucket b1 = bucket_of(&c.sd, 1, c.sd.buf[1]);
   ck_assert_int_eq(qkeep_sync_bucket(sy, &b1), QKEEP_E_FORMAT);
-  sd.tensors[1][0] = saved;
+  c.sd.tensors[1][0] = saved;
   ck_assert_msg(strstr(qkeep_errmsg(), "rollback impossible") &&
                     strstr(qkeep_errmsg(), "changed since the model read it") && strstr(qkeep_errmsg(), file),
                 "%s", qkeep_errmsg());
   ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_STATE);
-  float x[H] = {0}, y[4 * Q];
-  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), QKEEP_E_STATE); /* poisoned */
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), QKEEP_E_STATE);
+  assert_runs(c.m, QKEEP_E_STATE); /* poisoned */
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), QKEEP_E_STATE);
   /* What a re-read would have given: the changed file's bytes, not W0's (the byte is this rank's). */
-  qkeep_model *changed = load_rank(w0, plugin, 2, 2, 1, 1);
+  qkeep_model *changed = load_rank(c.w0, plugin, 2, 2, 1, 1);
   struct qkeep_digest dc = digest_now(changed);
-  ck_assert(!same_digest(dc, d0));
-  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg()); /* a reload clears it */
-  ck_assert(same_digest(digest_now(m), dc));
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), 0);
+  ck_assert(!same_digest(dc, c.d0));
+  ck_assert_msg(qkeep_model_reload(c.m, c.w0, 0) == 0, "%s", qkeep_errmsg()); /* a reload clears it */
+  ck_assert(same_digest(digest_now(c.m), dc));
+  assert_runs(c.m, 0);
   qkeep_model_free(changed);
-  qkeep_model_free(m);
-  sender_close(&sd);
-  free(file), free(w0), free(w1);
+  sync_case_close(&c);
+  free(file);
 }
 END_TEST
 
 /* After a successful sync the model equals no file: a reload that then fails midway has nothing to roll
  * back to (W0's files are not its previous weights) and leaves the model refusing to run. */
 START_TEST(a_reload_failing_after_a_sync_does_not_roll_back_to_w0) {
-  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
-  struct sender sd = {0};
-  sender_open(&sd, w1, 48 << 10);
-  qkeep_model *m = load_rank(w0, plugin, 2, 2, 1, 1);
-  struct qkeep_digest d0 = digest_now(m);
+  struct sync_case c;
+  sync_case_open(&c);
   qkeep_sync *sy;
-  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
-  for (size_t b = 0; b < sd.n_buckets; b++) {
-    struct qkeep_bucket bk = bucket_of(&sd, b, sd.buf[b]);
+  ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
+  for (size_t b = 0; b < c.sd.n_buckets; b++) {
+    struct qkeep_bucket bk = bucket_of(&c.sd, b, c.sd.buf[b]);
     ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "%s", qkeep_errmsg());
   }
   ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
-  ck_assert_ptr_null(m->source_path);
-  ck_assert_uint_gt(m->n_layers, 3);
-  m->fault_layer = 3, m->fault_code = QKEEP_E_IO; /* the reload fails at its fourth layer */
-  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), QKEEP_E_IO);
-  m->fault_layer = -1;
+  ck_assert_ptr_null(c.m->source_path);
+  ck_assert_uint_gt(c.m->n_layers, 3);
+  c.m->fault_layer = 3, c.m->fault_code = QKEEP_E_IO; /* the reload fails at its fourth layer */
+  ck_assert_int_eq(qkeep_model_reload(c.m, c.w0, 0), QKEEP_E_IO);
+  c.m->fault_layer = -1;
   ck_assert_msg(strstr(qkeep_errmsg(), "rollback impossible") &&
                     strstr(qkeep_errmsg(), "no checkpoint holds"),
                 "%s", qkeep_errmsg());
-  float x[H] = {0}, y[4 * Q];
-  qkeep_layer *qkv = qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj");
-  ck_assert_int_eq(qkeep_layer_apply_f32(qkv, 1, x, y), QKEEP_E_STATE);
-  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
-  ck_assert(same_digest(digest_now(m), d0));
-  qkeep_model_free(m);
-  sender_close(&sd);
-  free(w0), free(w1);
+  assert_runs(c.m, QKEEP_E_STATE);
+  ck_assert_msg(qkeep_model_reload(c.m, c.w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(c.m), c.d0));
+  sync_case_close(&c);
 }
 END_TEST
 
