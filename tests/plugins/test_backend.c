@@ -213,7 +213,8 @@ static struct test_backend *async_of(const struct qkeep_backend *be) {
 static void async_complete(struct test_backend *tb, size_t count) {
   for (size_t i = 0; i < count; i++)
     memcpy(tb->queue[i].dst, tb->queue[i].src, tb->queue[i].n);
-  memmove(tb->queue, tb->queue + count, (tb->queued - count) * sizeof *tb->queue);
+  if (tb->queued > count) /* the rest moves up (an empty queue may have no array yet) */
+    memmove(tb->queue, tb->queue + count, (tb->queued - count) * sizeof *tb->queue);
   tb->queued -= count;
   tb->flushed += count;
 }
