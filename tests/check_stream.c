@@ -31,7 +31,8 @@ static unsigned asks;
 static void complete(size_t count) {
   for (size_t i = 0; i < count; i++)
     memcpy(queue[i].dst, queue[i].src, queue[i].n);
-  memmove(queue, queue + count, (queued - count) * sizeof *queue);
+  if (queued > count) /* an empty queue may have no array yet */
+    memmove(queue, queue + count, (queued - count) * sizeof *queue);
   queued -= count, flushed += count;
 }
 static void flush(void) { complete(queued); }
