@@ -73,18 +73,25 @@ static int use_device(struct rocm_backend *r, const struct hip_api **out) {
 
 /* ---- memory ops ------------------------------------------------------------------------------- */
 
-static int mem_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+/* Device memory, or page-locked host memory (copies from it run asynchronously on the DMA engines);
+ * every allocation gets its own address, a zero-byte one too. */
+static int allocate(const struct qkeep_backend *be, size_t bytes, bool pinned_host, void **out) {
   struct rocm_backend *r = backend_of(be);
   const struct hip_api *hip;
   int rc = use_device(r, &hip);
   if (rc)
     return rc;
-  hipError_t err = hip->Malloc(out, bytes ? bytes : 1); /* every storage gets its own address */
+  hipError_t err =
+      pinned_host ? hip->HostMalloc(out, bytes ? bytes : 1, 0) : hip->Malloc(out, bytes ? bytes : 1);
   if (err != hipSuccess) {
     *out = NULL;
-    return hip_error(r, err, "hipMalloc");
+    return hip_error(r, err, pinned_host ? "hipHostMalloc" : "hipMalloc");
   }
   return 0;
+}
+
+static int mem_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  return allocate(be, bytes, false, out);
 }
 
 static void mem_free(const struct qkeep_backend *be, void *ptr) {
@@ -148,19 +155,8 @@ static int mem_sync(const struct qkeep_backend *be) {
   return err == hipSuccess ? 0 : hip_error(r, err, "hipDeviceSynchronize");
 }
 
-/* Page-locked host memory, so that the copies from it run asynchronously on the DMA engines. */
 static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
-  struct rocm_backend *r = backend_of(be);
-  const struct hip_api *hip;
-  int rc = use_device(r, &hip);
-  if (rc)
-    return rc;
-  hipError_t err = hip->HostMalloc(out, bytes ? bytes : 1, 0);
-  if (err != hipSuccess) {
-    *out = NULL;
-    return hip_error(r, err, "hipHostMalloc");
-  }
-  return 0;
+  return allocate(be, bytes, true, out);
 }
 
 static void mem_host_free(const struct qkeep_backend *be, void *ptr) {
