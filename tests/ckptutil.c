@@ -1,0 +1,73 @@
+/* ckptutil.c: reading, changing and writing the tensors of a checkpoint in a Check test (ckptutil.h). */
+#include "ckptutil.h"
+
+#include <check.h>
+#include <dirent.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "internal.h"
+#include "testutil.h"
+
+struct tu_tensors tu_read_tensors(const char *path) {
+  struct st_file *f;
+  ck_assert_msg(st_open(path, &f) == 0, "%s", qkeep_errmsg());
+  struct tu_tensors ts = {calloc(f->n_tensors ? f->n_tensors : 1, sizeof(struct tu_tensor)), f->n_tensors};
+  ck_assert_ptr_nonnull(ts.items);
+  for (size_t i = 0; i < f->n_tensors; i++) {
+    const struct st_tensor *t = &f->tensors[i];
+    struct tu_tensor *it = &ts.items[i];
+    ck_assert_int_ge(t->dtype, 0);
+    it->name = strdup(t->name);
+    it->spec = (struct qkeep_spec){.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(it->spec.shape, t->shape, sizeof it->spec.shape);
+    it->nbytes = (size_t)t->nbytes;
+    it->data = malloc(it->nbytes ? it->nbytes : 1);
+    ck_assert(it->name && it->data);
+    ck_assert_int_eq(st_read(f, t, it->data), 0);
+  }
+  st_close(f);
+  return ts;
+}
+
+void tu_write_tensors(struct tu_tensors *ts, const char *path) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  for (size_t i = 0; i < ts->n; i++) {
+    ck_assert_msg(st_writer_add(w, ts->items[i].name, &ts->items[i].spec, ts->items[i].data) == 0, "%s",
+                  qkeep_errmsg());
+    free(ts->items[i].name);
+    free(ts->items[i].data);
+  }
+  ck_assert_msg(st_writer_write(w, path) == 0, "%s", qkeep_errmsg());
+  st_writer_free(w);
+  free(ts->items);
+  *ts = (struct tu_tensors){0};
+}
+
+struct tu_tensor *tu_find_tensor(struct tu_tensors *ts, const char *name) {
+  for (size_t i = 0; i < ts->n; i++)
+    if (strcmp(ts->items[i].name, name) == 0)
+      return &ts->items[i];
+  return NULL;
+}
+
+void tu_copy_dir(const char *from, const char *to) {
+  ck_assert_msg(mkdir(to, 0755) == 0, "cannot create %s", to);
+  DIR *d = opendir(from);
+  ck_assert_msg(d != NULL, "cannot open %s", from);
+  for (struct dirent *e; (e = readdir(d));) {
+    if (e->d_name[0] == '.')
+      continue;
+    char *src = tu_path(from, e->d_name), *dst = tu_path(to, e->d_name);
+    size_t n;
+    void *data = tu_read_file(src, &n);
+    ck_assert_msg(data != NULL, "cannot read %s", src);
+    ck_assert_msg(tu_write_file(dst, data, n) == 0, "cannot write %s", dst);
+    free(data);
+    free(src);
+    free(dst);
+  }
+  closedir(d);
+}

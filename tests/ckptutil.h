@@ -1,0 +1,39 @@
+/*
+ * ckptutil.h: Check helpers for suites that rewrite a good checkpoint into a bad one: read every
+ * tensor of a .safetensors file into memory, find and change some, write the file again; and copy
+ * a checkpoint directory. Every failure is a Check assertion (these run inside a test), so the
+ * callers need no error paths. tests/ckptutil.c; linked by the suites that use it.
+ */
+#ifndef QKEEP_CKPTUTIL_H
+#define QKEEP_CKPTUTIL_H
+
+#include <stddef.h>
+
+#include "qkeep_types.h"
+
+/* One tensor of a file: its name, dtype and shape, and its nbytes bytes (owned). */
+struct tu_tensor {
+  char *name;
+  struct qkeep_spec spec;
+  unsigned char *data;
+  size_t nbytes;
+};
+
+/* Every tensor of a file, in file order (owned). */
+struct tu_tensors {
+  struct tu_tensor *items;
+  size_t n;
+};
+
+/* Every tensor of the .safetensors file `path`. */
+struct tu_tensors tu_read_tensors(const char *path);
+/* Writes ts to `path` (each tensor with the bytes its spec states, read from its data) and frees
+ * every tensor; *ts is left empty. */
+void tu_write_tensors(struct tu_tensors *ts, const char *path);
+/* The tensor named `name`, or NULL. */
+struct tu_tensor *tu_find_tensor(struct tu_tensors *ts, const char *name);
+/* Creates the directory `to` and copies every file of `from` (names starting with '.' left out)
+ * into it. */
+void tu_copy_dir(const char *from, const char *to);
+
+#endif
