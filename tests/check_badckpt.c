@@ -866,11 +866,51 @@ START_TEST(config_gptq_contradicts_hf_quant_nvfp4) {
 }
 END_TEST
 
-START_TEST(config_quant_algo_contradicts_hf_quant) {
-  char *ck = copy_variant(V_MODELOPT);
-  set_quant_key(ck, "quant_algo", json_string("FP8"));
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "hf_quant_config.json", "quant_algo 'FP8'",
-             "contradict", NULL);
+/* One key of config.json's quantization_config set to a value (JSON text) that contradicts the
+ * tensors or hf_quant_config.json, or that qkeep does not run; the code and what the message says. */
+static const struct {
+  enum variant v;
+  const char *key, *value;
+  int code;
+  const char *needles[4]; /* the unused ones NULL */
+} bad_quant_keys[] = {
+    /* config quant algo contradicts hf quant */
+    {V_MODELOPT,
+     "quant_algo",
+     "\"FP8\"",
+     QKEEP_E_FORMAT,
+     {"hf_quant_config.json", "quant_algo 'FP8'", "contradict"}},
+    /* config quant method unsupported */
+    {V_GPTQ, "quant_method", "\"bitsandbytes\"", QKEEP_E_UNSUPPORTED, {"config.json", "'bitsandbytes'"}},
+    /* config gptq bits 8 */
+    {V_GPTQ, "bits", "8", QKEEP_E_UNSUPPORTED, {"config.json", "bits 8"}},
+    /* config ct format unsupported */
+    {V_CT_NVFP4, "format", "\"pack-quantized\"", QKEEP_E_UNSUPPORTED, {"config.json", "'pack-quantized'"}},
+    /* gptq config group larger than scales */
+    {V_GPTQ,
+     "group_size",
+     "64",
+     QKEEP_E_FORMAT,
+     {"model.safetensors", ".scales'", "group size 32", "the config says 64"}},
+    /* gptq config group smaller than scales */
+    {V_GPTQ,
+     "group_size",
+     "16",
+     QKEEP_E_FORMAT,
+     {"model.safetensors", ".scales'", "group size 32", "the config says 16"}},
+};
+
+/* _i: the row of bad_quant_keys. */
+START_TEST(bad_quantization_config_key_is_refused) {
+  enum variant v = bad_quant_keys[_i].v;
+  char *ck = copy_variant(v);
+  json_error_t err;
+  json_t *value = json_loads(bad_quant_keys[_i].value, JSON_DECODE_ANY, &err);
+  ck_assert_msg(value != NULL, "%s: %s", bad_quant_keys[_i].value, err.text);
+  set_quant_key(ck, bad_quant_keys[_i].key, value);
+  const char *const *needles = bad_quant_keys[_i].needles;
+  expect_bad(ck, bad_quant_keys[_i].code, variant_dir[v], needles[0], needles[1], needles[2], needles[3],
+             NULL);
   free(ck);
 }
 END_TEST
@@ -890,30 +930,6 @@ START_TEST(hf_quant_group_size_not_16) {
   json_object_set_new(json_object_get(hf, "quantization"), "group_size", json_integer(32));
   store_json(ck, "hf_quant_config.json", hf);
   expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_MODELOPT], "hf_quant_config.json", "group_size 32", NULL);
-  free(ck);
-}
-END_TEST
-
-START_TEST(config_quant_method_unsupported) {
-  char *ck = copy_variant(V_GPTQ);
-  set_quant_key(ck, "quant_method", json_string("bitsandbytes"));
-  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_GPTQ], "config.json", "'bitsandbytes'", NULL);
-  free(ck);
-}
-END_TEST
-
-START_TEST(config_gptq_bits_8) {
-  char *ck = copy_variant(V_GPTQ);
-  set_quant_key(ck, "bits", json_integer(8));
-  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_GPTQ], "config.json", "bits 8", NULL);
-  free(ck);
-}
-END_TEST
-
-START_TEST(config_ct_format_unsupported) {
-  char *ck = copy_variant(V_CT_NVFP4);
-  set_quant_key(ck, "format", json_string("pack-quantized"));
-  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_CT_NVFP4], "config.json", "'pack-quantized'", NULL);
   free(ck);
 }
 END_TEST
@@ -947,24 +963,6 @@ START_TEST(config_modelopt_tensors_compressed_tensors) {
       ck, "{'quant_method': 'modelopt', 'quant_algo': 'NVFP4', 'group_size': 16, 'ignore': ['lm_head']}");
   expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_CT_NVFP4], "model.safetensors", "has 'weight_scale'",
              "scheme modelopt-nvfp4", NULL);
-  free(ck);
-}
-END_TEST
-
-START_TEST(gptq_config_group_larger_than_scales) {
-  char *ck = copy_variant(V_GPTQ);
-  set_quant_key(ck, "group_size", json_integer(64));
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", ".scales'", "group size 32",
-             "the config says 64", NULL);
-  free(ck);
-}
-END_TEST
-
-START_TEST(gptq_config_group_smaller_than_scales) {
-  char *ck = copy_variant(V_GPTQ);
-  set_quant_key(ck, "group_size", json_integer(16));
-  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_GPTQ], "model.safetensors", ".scales'", "group size 32",
-             "the config says 16", NULL);
   free(ck);
 }
 END_TEST
@@ -1337,17 +1335,13 @@ static Suite *badckpt_suite(void) {
   /* config files */
   tcase_add_test(tc, config_invalid_json);
   tcase_add_test(tc, config_gptq_contradicts_hf_quant_nvfp4);
-  tcase_add_test(tc, config_quant_algo_contradicts_hf_quant);
+  tcase_add_loop_test(tc, bad_quantization_config_key_is_refused, 0,
+                      sizeof bad_quant_keys / sizeof bad_quant_keys[0]);
   tcase_add_test(tc, hf_quant_algo_unsupported);
   tcase_add_test(tc, hf_quant_group_size_not_16);
-  tcase_add_test(tc, config_quant_method_unsupported);
-  tcase_add_test(tc, config_gptq_bits_8);
-  tcase_add_test(tc, config_ct_format_unsupported);
   tcase_add_test(tc, config_tie_word_embeddings_not_boolean);
   tcase_add_test(tc, config_gptq_tensors_nvfp4);
   tcase_add_test(tc, config_modelopt_tensors_compressed_tensors);
-  tcase_add_test(tc, gptq_config_group_larger_than_scales);
-  tcase_add_test(tc, gptq_config_group_smaller_than_scales);
   /* a scheme's tensors */
   tcase_add_loop_test(tc, bad_tensor_is_refused_naming_it, 0, sizeof bad_tensors / sizeof bad_tensors[0]);
   tcase_add_test(tc, moe_expert_missing_up_proj);
