@@ -669,24 +669,22 @@ START_TEST(ckpt_path_is_a_fifo) {
 }
 END_TEST
 
-START_TEST(ckpt_weights_not_a_regular_file) {
-  char *ck = copy_variant(V_MXFP4), *weights = tu_path(ck, "model.safetensors");
-  remove_file(ck, "model.safetensors");
-  ck_assert_int_eq(mkdir(weights, 0755), 0);
-  expect_bad(ck, QKEEP_E_IO, variant_dir[V_MXFP4], "model.safetensors", "not a regular file", NULL);
-  free(weights);
+/* Variant v's checkpoint with `file` replaced by a directory of that name: refused, naming the file. */
+static void expect_file_made_a_directory_refused(enum variant v, const char *file) {
+  char *ck = copy_variant(v), *path = tu_path(ck, file);
+  remove_file(ck, file);
+  ck_assert_int_eq(mkdir(path, 0755), 0);
+  expect_bad(ck, QKEEP_E_IO, variant_dir[v], file, "not a regular file", NULL);
+  free(path);
   free(ck);
+}
+
+START_TEST(ckpt_weights_not_a_regular_file) {
+  expect_file_made_a_directory_refused(V_MXFP4, "model.safetensors");
 }
 END_TEST
 
-START_TEST(ckpt_config_not_a_regular_file) {
-  char *ck = copy_variant(V_AWQ), *config = tu_path(ck, "config.json");
-  remove_file(ck, "config.json");
-  ck_assert_int_eq(mkdir(config, 0755), 0);
-  expect_bad(ck, QKEEP_E_IO, variant_dir[V_AWQ], "config.json", "not a regular file", NULL);
-  free(config);
-  free(ck);
-}
+START_TEST(ckpt_config_not_a_regular_file) { expect_file_made_a_directory_refused(V_AWQ, "config.json"); }
 END_TEST
 
 /* The checkpoint shrinks after the first layer has loaded: the next read fails, nothing stays. */
