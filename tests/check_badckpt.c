@@ -892,6 +892,15 @@ static const struct {
      "16",
      QKEEP_E_FORMAT,
      {"model.safetensors", ".scales'", "group size 32", "the config says 16"}},
+    /* a value of the wrong JSON type, for each type a key takes */
+    {V_GPTQ, "bits", "\"4\"", QKEEP_E_FORMAT, {"config.json", "bits is a string, expected an integer"}},
+    {V_GPTQ, "sym", "1", QKEEP_E_FORMAT, {"config.json", "sym is an integer, expected true or false"}},
+    {V_CT_NVFP4, "format", "4", QKEEP_E_FORMAT, {"config.json", "format is an integer, expected a string"}},
+    {V_CT_NVFP4,
+     "config_groups",
+     "[]",
+     QKEEP_E_FORMAT,
+     {"config.json", "config_groups is an array, expected an object"}},
 };
 
 /* _i: the row of bad_quant_keys. */
