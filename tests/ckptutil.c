@@ -71,3 +71,22 @@ void tu_copy_dir(const char *from, const char *to) {
   }
   closedir(d);
 }
+
+float *tu_source_values(const char *name, int64_t rows, int64_t cols, uint64_t seed) {
+  size_t n = (size_t)(rows * (cols ? cols : 1));
+  float *v = malloc((n ? n : 1) * sizeof *v);
+  ck_assert_ptr_nonnull(v);
+  uint64_t s = seed;
+  for (const char *p = name; *p; p++)
+    s = s * 31 + (unsigned char)*p;
+  for (size_t i = 0; i < n; i++)
+    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
+  return v;
+}
+
+void tu_add_source_f32(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed) {
+  float *v = tu_source_values(name, rows, cols, seed);
+  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
+  ck_assert_msg(st_writer_add(w, name, &sp, v) == 0, "%s", qkeep_errmsg());
+  free(v);
+}

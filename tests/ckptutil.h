@@ -1,15 +1,19 @@
 /*
  * ckptutil.h: Check helpers for suites that rewrite a good checkpoint into a bad one: read every
- * tensor of a .safetensors file into memory, find and change some, write the file again; and copy
- * a checkpoint directory. Every failure is a Check assertion (these run inside a test), so the
- * callers need no error paths. tests/ckptutil.c; linked by the suites that use it.
+ * tensor of a .safetensors file into memory, find and change some, write the file again; copy a
+ * checkpoint directory; and the seeded tensors of the small unquantized sources they write. Every failure is
+ * a Check assertion (these run inside a test), so the callers need no error paths. tests/ckptutil.c; linked
+ * by the suites that use it.
  */
 #ifndef QKEEP_CKPTUTIL_H
 #define QKEEP_CKPTUTIL_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "qkeep_types.h"
+
+struct st_writer;
 
 /* One tensor of a file: its name, dtype and shape, and its nbytes bytes (owned). */
 struct tu_tensor {
@@ -35,5 +39,11 @@ struct tu_tensor *tu_find_tensor(struct tu_tensors *ts, const char *name);
 /* Creates the directory `to` and copies every file of `from` (names starting with '.' left out)
  * into it. */
 void tu_copy_dir(const char *from, const char *to);
+
+/* The values of a source tensor [rows, cols] ([rows] when cols is 0), from `seed` and the name: a
+ * matrix's uniform in [-0.25, 0.25), a vector's (a norm's) all 1 + 0.01 (seed % 7). malloc'd. */
+float *tu_source_values(const char *name, int64_t rows, int64_t cols, uint64_t seed);
+/* Adds that tensor to w as F32. */
+void tu_add_source_f32(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed);
 
 #endif
