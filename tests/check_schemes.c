@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
+#include "ckptutil.h"
 #include "fixture.h"
 #include "numeric.h"
 #include "quant.h"
@@ -515,15 +516,7 @@ START_TEST(gpt_oss_mxfp4_moe_loads_and_applies) {
       for (int64_t r = 0; r < rows; r++)
         bias[e * rows + r] = qk_f32_to_bf16(0.01f * (float)(r % 7));
     }
-    char name[128];
-    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {E, rows, cols / 32, 16}},
-                      ss = {QKEEP_DTYPE_U8, 3, {E, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {E, rows}};
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bs, blocks), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &ss, sc), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bb, bias), 0);
+    tu_add_gptoss_experts(w, "model.layers.0.mlp.experts", mats[m].name, E, rows, cols, blocks, sc, bias);
     free(bias);
   }
   uint16_t router[E * GH];

@@ -89,15 +89,7 @@ static char *write_gptoss(const char *name_dir, uint64_t seed) {
       sc[i] = (uint8_t)(120 + tu_rand(&s) % 12);
     for (size_t i = 0; i < nbias; i++)
       bias[i] = (uint16_t)(0x3c00 + tu_rand(&s) % 256);
-    char name[128];
-    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {E, rows, cols / 32, 16}},
-                      ss = {QKEEP_DTYPE_U8, 3, {E, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {E, rows}};
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bs, blocks), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &ss, sc), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bb, bias), 0);
+    tu_add_gptoss_experts(w, "model.layers.0.mlp.experts", mats[m].name, E, rows, cols, blocks, sc, bias);
     free(blocks), free(sc), free(bias);
   }
   tu_add_source_f32(w, "model.layers.0.mlp.router.weight", E, H, seed);

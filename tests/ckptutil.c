@@ -90,3 +90,19 @@ void tu_add_source_f32(struct st_writer *w, const char *name, int64_t rows, int6
   ck_assert_msg(st_writer_add(w, name, &sp, v) == 0, "%s", qkeep_errmsg());
   free(v);
 }
+
+void tu_add_gptoss_experts(struct st_writer *w, const char *prefix, const char *name, int64_t experts,
+                           int64_t rows, int64_t cols, const uint8_t *blocks, const uint8_t *scales,
+                           const uint16_t *bias) {
+  static const char *const suffix[3] = {"blocks", "scales", "bias"};
+  const struct qkeep_spec spec[3] = {{QKEEP_DTYPE_U8, 4, {experts, rows, cols / 32, 16}},
+                                     {QKEEP_DTYPE_U8, 3, {experts, rows, cols / 32}},
+                                     {QKEEP_DTYPE_BF16, 2, {experts, rows}}};
+  const void *data[3] = {blocks, scales, bias};
+  for (int i = 0; i < 3; i++) {
+    char *tensor;
+    ck_assert_int_ge(qk_asprintf(&tensor, "%s.%s_%s", prefix, name, suffix[i]), 0);
+    ck_assert_msg(st_writer_add(w, tensor, &spec[i], data[i]) == 0, "%s", qkeep_errmsg());
+    free(tensor);
+  }
+}

@@ -46,4 +46,11 @@ float *tu_source_values(const char *name, int64_t rows, int64_t cols, uint64_t s
 /* Adds that tensor to w as F32. */
 void tu_add_source_f32(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed);
 
+/* Adds gpt-oss's MXFP4 tensors of one expert matrix `name` (gate_up_proj, down_proj) of a block
+ * `prefix` ("model.layers.0.mlp.experts"): <name>_blocks U8 [experts, rows, cols / 32, 16],
+ * <name>_scales U8 [experts, rows, cols / 32] and <name>_bias BF16 [experts, rows], from those bytes. */
+void tu_add_gptoss_experts(struct st_writer *w, const char *prefix, const char *name, int64_t experts,
+                           int64_t rows, int64_t cols, const uint8_t *blocks, const uint8_t *scales,
+                           const uint16_t *bias);
+
 #endif
