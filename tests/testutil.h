@@ -25,5 +25,7 @@ float tu_randf(uint64_t *state);
 double tu_now(void);
 /* The median of v[0..n) (sorts v in place). */
 double tu_median(double *v, int n);
+/* A field of /proc/self/status in bytes (VmRSS, VmHWM), or -1 when it cannot be read. */
+long long tu_status_bytes(const char *field);
 
 #endif
