@@ -1,9 +1,9 @@
 /*
  * checkutil.h: Check helpers every suite shares: running a suite to an exit status, the
- * clean census that every backend must show, and snapshots of every storage of a model
- * (address, capacity and all bytes, padding included) to tell "in place and equal to a cold
- * start" from anything else, and the refusals of a whole-number configure key. Header-only: libtestutil also
- * serves the benchmarks, which do not link Check.
+ * clean census that every backend must show, snapshots of every storage of a model (address,
+ * capacity and all bytes, padding included) to tell "in place and equal to a cold start" from
+ * anything else, an asserted malloc, and the refusals of a whole-number configure key.
+ * Header-only: libtestutil also serves the benchmarks, which do not link Check.
  */
 #ifndef QKEEP_CHECKUTIL_H
 #define QKEEP_CHECKUTIL_H
@@ -15,6 +15,13 @@
 
 #include "qkeep.h"
 #include "qkeep_backend.h"
+
+/* malloc(n) (at least one byte), asserted. */
+static inline void *tu_xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  ck_assert_ptr_nonnull(p);
+  return p;
+}
 
 /* Runs suite s (the runner takes it) with `mode` output; EXIT_SUCCESS when nothing failed. */
 static inline int tu_run_suite(Suite *s, enum print_output mode) {

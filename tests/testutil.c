@@ -121,3 +121,8 @@ long long tu_status_bytes(const char *field) {
     fclose(f);
   return kb < 0 ? -1 : kb * 1024;
 }
+
+void tu_fill_bytes(uint8_t *p, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n; i++)
+    p[i] = (uint8_t)(tu_rand(&seed) >> 56);
+}

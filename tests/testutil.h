@@ -20,6 +20,8 @@ void tu_rmtree(const char *path);
 /* Deterministic generator: splitmix64. tu_randf is uniform in [-1, 1). */
 uint64_t tu_rand(uint64_t *state);
 float tu_randf(uint64_t *state);
+/* n bytes from the generator seeded `seed` (the top byte of each draw). */
+void tu_fill_bytes(uint8_t *p, size_t n, uint64_t seed);
 
 /* Monotonic seconds, for benchmarks. */
 double tu_now(void);
