@@ -72,22 +72,20 @@ static void set_mode(const struct context *cx, const char *mode) {
 }
 
 struct timed {
+  struct point p;
   const struct context *cx;
   struct side *zt, *od;
-  struct f32_side *f;
-  int64_t m;
-  const float *x;
-  float *y;
 };
 
 /* Sides 0 and 1: cpu-zentorch in w4a16 and da8w4; 2: cpu-onednn int8; 3: dequantised f32. */
 static double call(void *arg, int s, int c) {
   struct timed *t = arg;
+  const struct point *p = &t->p;
   switch (s) {
-  case 0: set_mode(t->cx, "w4a16"); return side_run(t->zt, c, t->m, t->x, t->y);
-  case 1: set_mode(t->cx, "da8w4"); return side_run(t->zt, c, t->m, t->x, t->y);
-  case 2: return side_run(t->od, c, t->m, t->x, t->y);
-  default: return f32_run(t->f, c);
+  case 0: set_mode(t->cx, "w4a16"); return side_run(t->zt, c, p->m, p->x, p->y);
+  case 1: set_mode(t->cx, "da8w4"); return side_run(t->zt, c, p->m, p->x, p->y);
+  case 2: return side_run(t->od, c, p->m, p->x, p->y);
+  default: return f32_run(p->f, c);
   }
 }
 
@@ -114,7 +112,7 @@ static void bench_shape(const struct context *cx, int64_t k, int64_t n) {
     f32_build(&f, m, k, n, copies_for(f32_bytes, cx->llc), w, x, yf);
     int most = zt.copies > od.copies ? zt.copies : od.copies;
     most = most > f.copies ? most : f.copies;
-    struct timed t = {cx, &zt, &od, &f, m, x, y};
+    struct timed t = {{&f, m, x, y}, cx, &zt, &od};
     double us[4];
     int runs = time_interleaved(call, &t, 4, most, cx->seconds, 301, us);
     static const char *const modes[] = {"w4a16", "da8w4"};

@@ -84,17 +84,14 @@ static void torch_peer(int64_t k, int64_t n, const int64_t *ms, int n_ms, int th
 /* ---- one shape -------------------------------------------------------------------------------- */
 
 struct timed {
+  struct point p;
   struct side *q;
-  struct f32_side *f;
-  int64_t m;
-  const float *x;
-  float *y;
 };
 
 /* Side 0: qkeep's int8 layer; side 1: the f32 peer. */
 static double call(void *arg, int s, int c) {
   struct timed *t = arg;
-  return s == 0 ? side_run(t->q, c, t->m, t->x, t->y) : f32_run(t->f, c);
+  return s == 0 ? side_run(t->q, c, t->p.m, t->p.x, t->p.y) : f32_run(t->p.f, c);
 }
 
 static void bench_shape(qkeep_plugin *plugin, int64_t k, int64_t n, int threads, size_t llc, double copy_bw,
@@ -120,7 +117,7 @@ static void bench_shape(qkeep_plugin *plugin, int64_t k, int64_t n, int threads,
     omp_set_num_threads(threads);
     f32_build(&f, m, k, n, copies_for(f32_bytes, llc), w, x, yf);
     /* About 2 s per point. */
-    struct timed t = {&q, &f, m, x, y};
+    struct timed t = {{&f, m, x, y}, &q};
     runs_used[i] =
         time_interleaved(call, &t, 2, q.copies > f.copies ? q.copies : f.copies, 2.0, 201, results[i]);
     omp_set_num_threads(saved);

@@ -243,6 +243,15 @@ static void f32_free(struct f32_side *f) {
   dnnl_engine_destroy(f->engine);
 }
 
+/* What every timed call of one point (a shape at one M) reads: m rows of activations x, the output
+ * y, and the f32 peer. */
+struct point {
+  struct f32_side *f;
+  int64_t m;
+  const float *x;
+  float *y;
+};
+
 /* ---- timing and the JSON line ---------------------------------------------------------------- */
 
 /* One timed call of side `s` (0 .. sides-1) on weight copy `c`; seconds. */
