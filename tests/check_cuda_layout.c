@@ -233,6 +233,19 @@ END_TEST
  * k = 16t + 4j + {0,1} (b0b1) and + {2,3} (b2b3), as the kernel does; then applies
  * mma.m16n8k16's definition (A row-major 16x16, B 16x8, fragments per the PTX ISA).
  */
+/* y[m, rows] is exactly x[m, k] times the e2m1 codes `packed` [rows, k / 2] transposed (the inputs
+ * are small integers, so every product and sum is exact in double). */
+static void assert_fp4_gemm(const uint8_t *packed, int64_t rows, int64_t k, const float *x, int64_t m,
+                            const double *y) {
+  for (int64_t t = 0; t < m; t++)
+    for (int64_t r = 0; r < rows; r++) {
+      double want = 0;
+      for (int64_t kk = 0; kk < k; kk++)
+        want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
+      ck_assert_double_eq(y[t * rows + r], want);
+    }
+}
+
 static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, bool bf16,
                          double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
@@ -333,13 +346,7 @@ START_TEST(test_fragments_reproduce_gemm) {
     nvfp4_tile_weights(packed, rows, k, tiled);
     for (int bf16 = 0; bf16 < 2; bf16++) {
       emulate_gemm(tiled, rows, k, x, m, bf16, y);
-      for (int64_t t = 0; t < m; t++)
-        for (int64_t r = 0; r < rows; r++) {
-          double want = 0;
-          for (int64_t kk = 0; kk < k; kk++)
-            want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
-          ck_assert_double_eq(y[t * rows + r], want);
-        }
+      assert_fp4_gemm(packed, rows, k, x, m, y);
     }
     free(packed), free(tiled), free(x), free(y);
   }
@@ -445,13 +452,7 @@ START_TEST(test_wgmma_operands_reproduce_gemm) {
       x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
     nvfp4_tile_weights(packed, rows, k, tiled);
     emulate_wgmma(tiled, rows, k, x, m, mt, y);
-    for (int64_t t = 0; t < m; t++)
-      for (int64_t r = 0; r < rows; r++) {
-        double want = 0;
-        for (int64_t kk = 0; kk < k; kk++)
-          want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
-        ck_assert_double_eq(y[t * rows + r], want);
-      }
+    assert_fp4_gemm(packed, rows, k, x, m, y);
     free(packed), free(tiled), free(x), free(y);
   }
 }
