@@ -40,20 +40,6 @@ static int fail(const char *what) {
   return 1;
 }
 
-/* A field of /proc/self/status in bytes (VmRSS, VmHWM), or -1. */
-static long long status_bytes(const char *field) {
-  FILE *f = fopen("/proc/self/status", "r");
-  char line[256];
-  long long kb = -1;
-  size_t n = strlen(field);
-  while (f && fgets(line, sizeof line, f))
-    if (strncmp(line, field, n) == 0 && line[n] == ':')
-      kb = atoll(line + n + 1);
-  if (f)
-    fclose(f);
-  return kb < 0 ? -1 : kb * 1024;
-}
-
 /* Resets VmHWM to the current RSS (Linux >= 4.0); false when the kernel refuses. */
 static bool reset_peak(void) {
   FILE *f = fopen("/proc/self/clear_refs", "w");
@@ -95,10 +81,10 @@ static uint64_t header_bytes(const char *dir) {
 static int header_memory_child(const char *dir) {
   struct ckpt *ck;
   bool peak_ok = reset_peak();
-  long long before = status_bytes("VmRSS");
+  long long before = tu_status_bytes("VmRSS");
   if (ckpt_open(dir, &ck))
     return fail("opening the checkpoint");
-  long long after = status_bytes("VmRSS"), hwm = status_bytes("VmHWM");
+  long long after = tu_status_bytes("VmRSS"), hwm = tu_status_bytes("VmHWM");
   printf("%lld %lld\n", peak_ok ? hwm - before : -1, after - before);
   ckpt_close(ck);
   return 0;

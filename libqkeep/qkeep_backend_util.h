@@ -2,7 +2,8 @@
  * qkeep_backend_util.h: what a backend needs besides the ABI, installed beside it so that a
  * plugin built out of tree gets the same helpers the in-tree ones use: dtype sizes and spec
  * arithmetic, the element and scale decoders of the checkpoint formats (docs/FORMATS.md),
- * the int4 packing of GPTQ and AWQ, and a guard for optional slots of size-prefixed tables.
+ * the int4 packing of GPTQ and AWQ, a guard for optional slots of size-prefixed tables, and
+ * the check of a configure key's whole-number value.
  *
  * Everything here is static inline and needs no library: a backend never links libqkeep
  * (the core that loads it provides everything else through struct qkeep_host). The core
@@ -16,8 +17,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "qkeep_backend.h"
 #include "qkeep_types.h"
 
 #ifdef __cplusplus
@@ -32,6 +35,24 @@ extern "C" {
  */
 #define QKEEP_HAS_SLOT(table, type, slot)                                                                    \
   ((table)->size >= offsetof(type, slot) + sizeof(((type *)0)->slot) && (table)->slot)
+
+/*
+ * The value of a whole-number key for a backend's configure: `value` a decimal integer
+ * (strtol's syntax, nothing after it) from lo to hi goes into *out and 0 is returned; anything
+ * else returns QKEEP_E_CONFIG through host->set_error ("threads = 'two': expected a whole number
+ * from 1 to 4096"), *out untouched. The core checks declared keys before it calls configure, but
+ * a benchmark, a test or an older core calls configure directly: a backend checks again.
+ */
+static inline int qkeep_be_int_key(const struct qkeep_host *host, const char *key, const char *value, long lo,
+                                   long hi, int *out) {
+  char *end;
+  long v = strtol(value, &end, 10);
+  if (end == value || *end || v < lo || v > hi)
+    return host->set_error(QKEEP_E_CONFIG, "%s = '%s': expected a whole number from %ld to %ld", key, value,
+                           lo, hi);
+  *out = (int)v;
+  return 0;
+}
 
 /* ---- dtypes and specs ---------------------------------------------------------------------- */
 

@@ -91,45 +91,26 @@ static void descend(struct sub_origin *sub, const struct origin *o, const char *
  * (stored in *out), 0 when it is absent or null (Python writes None for
  * "not set"), or QKEEP_E_FORMAT naming the key when the type is wrong.
  */
-static int get_int(const struct origin *o, const json_t *obj, const char *key, int64_t *out) {
-  const json_t *v = json_object_get(obj, key);
-  if (!v || json_is_null(v))
-    return 0;
-  if (!json_is_integer(v))
-    return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected an integer", json_kind(v));
-  *out = (int64_t)json_integer_value(v);
-  return 1;
-}
+#define TYPED_GETTER(NAME, CTYPE, IS_TYPE, EXPECTED, VALUE)                                                  \
+  static int NAME(const struct origin *o, const json_t *obj, const char *key, CTYPE *out) {                  \
+    const json_t *v = json_object_get(obj, key);                                                             \
+    if (!v || json_is_null(v))                                                                               \
+      return 0;                                                                                              \
+    if (!IS_TYPE(v))                                                                                         \
+      return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected " EXPECTED, json_kind(v));                   \
+    *out = VALUE(v);                                                                                         \
+    return 1;                                                                                                \
+  }
 
-static int get_bool(const struct origin *o, const json_t *obj, const char *key, bool *out) {
-  const json_t *v = json_object_get(obj, key);
-  if (!v || json_is_null(v))
-    return 0;
-  if (!json_is_boolean(v))
-    return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected true or false", json_kind(v));
-  *out = json_is_true(v);
-  return 1;
-}
-
-static int get_string(const struct origin *o, const json_t *obj, const char *key, const char **out) {
-  const json_t *v = json_object_get(obj, key);
-  if (!v || json_is_null(v))
-    return 0;
-  if (!json_is_string(v))
-    return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected a string", json_kind(v));
-  *out = json_string_value(v);
-  return 1;
-}
-
-static int get_object(const struct origin *o, const json_t *obj, const char *key, const json_t **out) {
-  const json_t *v = json_object_get(obj, key);
-  if (!v || json_is_null(v))
-    return 0;
-  if (!json_is_object(v))
-    return key_error(QKEEP_E_FORMAT, o, key, "is %s, expected an object", json_kind(v));
-  *out = v;
-  return 1;
-}
+#define INT_VALUE(v) ((int64_t)json_integer_value(v))
+#define SAME_VALUE(v) (v)
+TYPED_GETTER(get_int, int64_t, json_is_integer, "an integer", INT_VALUE)
+TYPED_GETTER(get_bool, bool, json_is_boolean, "true or false", json_is_true)
+TYPED_GETTER(get_string, const char *, json_is_string, "a string", json_string_value)
+TYPED_GETTER(get_object, const json_t *, json_is_object, "an object", SAME_VALUE)
+#undef TYPED_GETTER
+#undef INT_VALUE
+#undef SAME_VALUE
 
 /* Parses JSON text that must be an object; the caller owns *out. */
 static int parse_object(const char *file, const char *text, json_t **out) {

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "ckptutil.h"
 #include "fixture.h"
 #include "testutil.h"
 
@@ -26,13 +27,9 @@
 static void add(struct st_writer *w, const char *name, enum qkeep_dtype dtype, int64_t rows, int64_t cols,
                 uint64_t seed) {
   size_t n = (size_t)(rows * (cols ? cols : 1));
-  float *v = malloc(n * sizeof *v);
+  float *v = tu_source_values(name, rows, cols, seed);
   uint16_t *h = malloc(n * sizeof *h);
-  uint64_t s = seed;
-  for (const char *p = name; *p; p++)
-    s = s * 31 + (unsigned char)*p;
   for (size_t i = 0; i < n; i++) {
-    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
     uint32_t bits;
     memcpy(&bits, &v[i], sizeof bits);
     h[i] = (uint16_t)(bits >> 16); /* bf16 by truncation: exact enough for test weights */

@@ -20,17 +20,6 @@
 #include "numeric.h"
 #include "testutil.h"
 
-static void *xmalloc(size_t n) {
-  void *p = malloc(n ? n : 1);
-  ck_assert_ptr_nonnull(p);
-  return p;
-}
-
-static void fill_random(uint8_t *p, size_t n, uint64_t seed) {
-  for (size_t i = 0; i < n; i++)
-    p[i] = (uint8_t)(tu_rand(&seed) >> 56);
-}
-
 /* Shapes: [rows, k] with k % 16 == 0; aligned and ragged in every dimension. */
 static const int64_t shapes[][2] = {{1, 16},    {5, 48},    {16, 64},   {17, 80},  {128, 64},
                                     {130, 112}, {300, 208}, {256, 256}, {40, 1024}};
@@ -83,8 +72,8 @@ START_TEST(test_sf_round_trip) {
   for (size_t s = 0; s < N_SHAPES; s++) {
     int64_t rows = shapes[s][0], cols = shapes[s][1] / 16, cp = nvfp4_sf_cols(cols);
     size_t n = (size_t)(rows * cols), bytes = (size_t)nvfp4_sf_bytes(rows, cols);
-    uint8_t *src = xmalloc(n), *sw = xmalloc(bytes), *back = xmalloc(n);
-    fill_random(src, n, 11 + s);
+    uint8_t *src = tu_xmalloc(n), *sw = tu_xmalloc(bytes), *back = tu_xmalloc(n);
+    tu_fill_bytes(src, n, 11 + s);
     memset(sw, 0xee, bytes);
     nvfp4_swizzle_scales(src, rows, cols, sw);
     for (int64_t r = 0; r < rows; r++)
@@ -183,8 +172,8 @@ START_TEST(test_w_round_trip) {
   for (size_t s = 0; s < N_SHAPES; s++) {
     int64_t rows = shapes[s][0], k = shapes[s][1];
     size_t n = (size_t)(rows * k / 2), bytes = (size_t)nvfp4_w_bytes(rows, k);
-    uint8_t *src = xmalloc(n), *tiled = xmalloc(bytes), *back = xmalloc(n);
-    fill_random(src, n, 29 + s);
+    uint8_t *src = tu_xmalloc(n), *tiled = tu_xmalloc(bytes), *back = tu_xmalloc(n);
+    tu_fill_bytes(src, n, 29 + s);
     memset(tiled, 0xee, bytes);
     nvfp4_tile_weights(src, rows, k, tiled);
     for (size_t w = 0; w < bytes / 4; w++)
@@ -244,6 +233,19 @@ END_TEST
  * k = 16t + 4j + {0,1} (b0b1) and + {2,3} (b2b3), as the kernel does; then applies
  * mma.m16n8k16's definition (A row-major 16x16, B 16x8, fragments per the PTX ISA).
  */
+/* y[m, rows] is exactly x[m, k] times the e2m1 codes `packed` [rows, k / 2] transposed (the inputs
+ * are small integers, so every product and sum is exact in double). */
+static void assert_fp4_gemm(const uint8_t *packed, int64_t rows, int64_t k, const float *x, int64_t m,
+                            const double *y) {
+  for (int64_t t = 0; t < m; t++)
+    for (int64_t r = 0; r < rows; r++) {
+      double want = 0;
+      for (int64_t kk = 0; kk < k; kk++)
+        want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
+      ck_assert_double_eq(y[t * rows + r], want);
+    }
+}
+
 static void emulate_gemm(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, bool bf16,
                          double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
@@ -334,23 +336,17 @@ START_TEST(test_fragments_reproduce_gemm) {
   for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
     int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
     size_t n = (size_t)(rows * k / 2);
-    uint8_t *packed = xmalloc(n), *tiled = xmalloc((size_t)nvfp4_w_bytes(rows, k));
-    float *x = xmalloc((size_t)(m * k) * sizeof *x);
-    double *y = xmalloc((size_t)(m * rows) * sizeof *y);
-    fill_random(packed, n, 5 + s);
+    uint8_t *packed = tu_xmalloc(n), *tiled = tu_xmalloc((size_t)nvfp4_w_bytes(rows, k));
+    float *x = tu_xmalloc((size_t)(m * k) * sizeof *x);
+    double *y = tu_xmalloc((size_t)(m * rows) * sizeof *y);
+    tu_fill_bytes(packed, n, 5 + s);
     uint64_t rng = 77 + s;
     for (int64_t i = 0; i < m * k; i++)
       x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
     nvfp4_tile_weights(packed, rows, k, tiled);
     for (int bf16 = 0; bf16 < 2; bf16++) {
       emulate_gemm(tiled, rows, k, x, m, bf16, y);
-      for (int64_t t = 0; t < m; t++)
-        for (int64_t r = 0; r < rows; r++) {
-          double want = 0;
-          for (int64_t kk = 0; kk < k; kk++)
-            want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
-          ck_assert_double_eq(y[t * rows + r], want);
-        }
+      assert_fp4_gemm(packed, rows, k, x, m, y);
     }
     free(packed), free(tiled), free(x), free(y);
   }
@@ -394,7 +390,7 @@ END_TEST
 static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int mt,
                           double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, elems = nvfp4_x_elems(m, k, mt);
-  float *staged = xmalloc((size_t)elems * sizeof *staged);
+  float *staged = tu_xmalloc((size_t)elems * sizeof *staged);
   for (int64_t off = 0; off < elems; off++) {
     int64_t token, kk;
     nvfp4_x_source(off, chunks, mt, &token, &kk);
@@ -447,22 +443,16 @@ START_TEST(test_wgmma_operands_reproduce_gemm) {
     int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
     int mt = (int)gemm_shapes[s][3];
     size_t n = (size_t)(rows * k / 2);
-    uint8_t *packed = xmalloc(n), *tiled = xmalloc((size_t)nvfp4_w_bytes(rows, k));
-    float *x = xmalloc((size_t)(m * k) * sizeof *x);
-    double *y = xmalloc((size_t)(m * rows) * sizeof *y);
-    fill_random(packed, n, 15 + s);
+    uint8_t *packed = tu_xmalloc(n), *tiled = tu_xmalloc((size_t)nvfp4_w_bytes(rows, k));
+    float *x = tu_xmalloc((size_t)(m * k) * sizeof *x);
+    double *y = tu_xmalloc((size_t)(m * rows) * sizeof *y);
+    tu_fill_bytes(packed, n, 15 + s);
     uint64_t rng = 177 + s;
     for (int64_t i = 0; i < m * k; i++)
       x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
     nvfp4_tile_weights(packed, rows, k, tiled);
     emulate_wgmma(tiled, rows, k, x, m, mt, y);
-    for (int64_t t = 0; t < m; t++)
-      for (int64_t r = 0; r < rows; r++) {
-        double want = 0;
-        for (int64_t kk = 0; kk < k; kk++)
-          want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) * x[t * k + kk];
-        ck_assert_double_eq(y[t * rows + r], want);
-      }
+    assert_fp4_gemm(packed, rows, k, x, m, y);
     free(packed), free(tiled), free(x), free(y);
   }
 }

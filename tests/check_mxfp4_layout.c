@@ -21,17 +21,6 @@
 #include "numeric.h"
 #include "testutil.h"
 
-static void *xmalloc(size_t n) {
-  void *p = malloc(n ? n : 1);
-  ck_assert_ptr_nonnull(p);
-  return p;
-}
-
-static void fill_random(uint8_t *p, size_t n, uint64_t seed) {
-  for (size_t i = 0; i < n; i++)
-    p[i] = (uint8_t)(tu_rand(&seed) >> 56);
-}
-
 /* [rows, k], k % 32 == 0; aligned and ragged in rows (16) and K (64). */
 static const int64_t shapes[][2] = {{1, 32}, {5, 96}, {16, 64}, {17, 160}, {40, 224}, {64, 512}, {130, 96}};
 #define N_SHAPES (sizeof shapes / sizeof shapes[0])
@@ -133,10 +122,10 @@ START_TEST(transforms_round_trip_with_zero_padding) {
     int64_t rows = shapes[s][0], k = shapes[s][1];
     size_t cb = (size_t)(rows * k / 2), sb = (size_t)(rows * k / 32);
     size_t tcb = (size_t)mxfp4_code_bytes(rows, k), tsb = (size_t)mxfp4_scale_bytes(rows, k);
-    uint8_t *codes = xmalloc(cb), *scales = xmalloc(sb), *tc = xmalloc(tcb), *ts = xmalloc(tsb);
-    uint8_t *back_c = xmalloc(cb), *back_s = xmalloc(sb);
-    fill_random(codes, cb, 1 + s);
-    fill_random(scales, sb, 100 + s);
+    uint8_t *codes = tu_xmalloc(cb), *scales = tu_xmalloc(sb), *tc = tu_xmalloc(tcb), *ts = tu_xmalloc(tsb);
+    uint8_t *back_c = tu_xmalloc(cb), *back_s = tu_xmalloc(sb);
+    tu_fill_bytes(codes, cb, 1 + s);
+    tu_fill_bytes(scales, sb, 100 + s);
     memset(tc, 0xa5, tcb), memset(ts, 0xa5, tsb);
     mxfp4_tile_codes(codes, rows, k, wave, tc);
     mxfp4_tile_scales(scales, rows, k, wave, ts);
@@ -281,19 +270,19 @@ START_TEST(emulated_mma_reproduces_the_product) {
   for (size_t s = 0; s < N_SHAPES; s++) {
     int64_t rows = shapes[s][0], k = shapes[s][1], tokens = 19;
     size_t cb = (size_t)(rows * k / 2), sb = (size_t)(rows * k / 32);
-    uint8_t *codes = xmalloc(cb), *scales = xmalloc(sb);
-    uint8_t *tc = xmalloc((size_t)mxfp4_code_bytes(rows, k)),
-            *ts = xmalloc((size_t)mxfp4_scale_bytes(rows, k));
-    fill_random(codes, cb, 7 + s);
+    uint8_t *codes = tu_xmalloc(cb), *scales = tu_xmalloc(sb);
+    uint8_t *tc = tu_xmalloc((size_t)mxfp4_code_bytes(rows, k)),
+            *ts = tu_xmalloc((size_t)mxfp4_scale_bytes(rows, k));
+    tu_fill_bytes(codes, cb, 7 + s);
     uint64_t rng = 11 + s;
     for (size_t i = 0; i < sb; i++) /* the whole e8m0 range bf16 products stay finite in, f16 a narrow one */
       scales[i] = f16 ? (uint8_t)(120 + tu_rand(&rng) % 8) : (uint8_t)(1 + tu_rand(&rng) % 200);
     mxfp4_tile_codes(codes, rows, k, wave, tc);
     mxfp4_tile_scales(scales, rows, k, wave, ts);
-    float *x = xmalloc(sizeof(float) * (size_t)(tokens * k));
+    float *x = tu_xmalloc(sizeof(float) * (size_t)(tokens * k));
     for (int64_t i = 0; i < tokens * k; i++)
       x[i] = tu_randf(&rng);
-    double *y = xmalloc(sizeof(double) * (size_t)(tokens * rows));
+    double *y = tu_xmalloc(sizeof(double) * (size_t)(tokens * rows));
     emulated_gemm(tc, ts, rows, k, x, tokens, wave, f16, y);
     for (int64_t t = 0; t < tokens; t++)
       for (int64_t r = 0; r < rows; r++) {

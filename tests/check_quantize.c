@@ -304,19 +304,6 @@ START_TEST(streamed_file_equals_one_built_in_memory) {
 }
 END_TEST
 
-static long long status_bytes(const char *field) {
-  FILE *f = fopen("/proc/self/status", "r");
-  char line[256];
-  long long kb = -1;
-  size_t n = strlen(field);
-  while (f && fgets(line, sizeof line, f))
-    if (strncmp(line, field, n) == 0 && line[n] == ':')
-      kb = atoll(line + n + 1);
-  if (f)
-    fclose(f);
-  return kb < 0 ? -1 : kb * 1024;
-}
-
 /* ASan's allocator keeps freed memory in quarantine (and TSan's shadows it), so resident memory says
  * nothing there. */
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -357,9 +344,9 @@ START_TEST(memory_stays_under_the_stated_bound) {
   bool peak_reset = clear && fputs("5", clear) >= 0;
   if (clear)
     peak_reset = fclose(clear) == 0 && peak_reset;
-  long long rss_before = status_bytes("VmRSS");
+  long long rss_before = tu_status_bytes("VmRSS");
   ck_assert_msg(qkeep_quantize(model, out, &o) == 0, "%s", qkeep_errmsg());
-  long long hwm = status_bytes("VmHWM");
+  long long hwm = tu_status_bytes("VmHWM");
   /* the count: one unit is 1 MiB of bf16 in, 0.5 MiB of int8 and 1 KiB of scales out */
   int64_t unit = (1 << 20) + (1 << 19) + 256 * 4;
   ck_assert_int_gt(sum.peak_buffer_bytes, 0);

@@ -14,24 +14,12 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "ckptutil.h"
 #include "fixture.h"
 #include "testutil.h"
 
 #define H 64
 #define I 128
-
-static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed) {
-  size_t n = (size_t)(rows * (cols ? cols : 1));
-  float *v = malloc(n * sizeof *v);
-  uint64_t s = seed;
-  for (const char *p = name; *p; p++)
-    s = s * 31 + (unsigned char)*p;
-  for (size_t i = 0; i < n; i++)
-    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
-  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
-  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
-  free(v);
-}
 
 /* An unquantized model (fused attention and MLP, an MoE block) with weights from `seed`, and when kv_name
  * is not NULL a kv-cache scale of that local name (k_scale, v_scale, kv_scale) in its attention block. */
@@ -39,25 +27,25 @@ static char *write_source_kv(const char *file, uint64_t seed, const char *kv_nam
   struct st_writer *w;
   char name[160];
   ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.embed_tokens.weight", 96, H, seed);
-  add(w, "model.norm.weight", H, 0, seed);
-  add(w, "lm_head.weight", 96, H, seed);
+  tu_add_source_f32(w, "model.embed_tokens.weight", 96, H, seed);
+  tu_add_source_f32(w, "model.norm.weight", H, 0, seed);
+  tu_add_source_f32(w, "lm_head.weight", 96, H, seed);
   static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
   for (int p = 0; p < 4; p++) {
     snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight", proj[p]);
-    add(w, name, p == 1 || p == 2 ? 32 : H, H, seed);
+    tu_add_source_f32(w, name, p == 1 || p == 2 ? 32 : H, H, seed);
   }
-  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed);
-  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed);
-  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed);
-  add(w, "model.layers.1.mlp.gate.weight", 2, H, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.up_proj.weight", I, H, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.down_proj.weight", H, I, seed);
+  tu_add_source_f32(w, "model.layers.1.mlp.gate.weight", 2, H, seed);
   for (int e = 0; e < 2; e++) {
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
-    add(w, name, H, H, seed);
+    tu_add_source_f32(w, name, H, H, seed);
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
-    add(w, name, H, H, seed);
+    tu_add_source_f32(w, name, H, H, seed);
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
-    add(w, name, H, H, seed);
+    tu_add_source_f32(w, name, H, H, seed);
   }
   if (kv_name) {
     struct qkeep_spec scalar = {QKEEP_DTYPE_F32, 0, {0}};
@@ -614,7 +602,7 @@ static char *write_attention(const char *file, const char *block, const char *co
   static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
   for (int p = 0; p < 4; p++) {
     ck_assert_int_ne(asprintf(&name, "%s.%s.weight", block, proj[p]), -1);
-    add(w, name, H, H, 1);
+    tu_add_source_f32(w, name, H, H, 1);
     free(name);
   }
   for (size_t i = 0; i < n; i++) {

@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 
 #include "checkpoint.h"
+#include "ckptutil.h"
 #include "fixture.h"
 #include "numeric.h"
 #include "quant.h"
@@ -515,15 +516,7 @@ START_TEST(gpt_oss_mxfp4_moe_loads_and_applies) {
       for (int64_t r = 0; r < rows; r++)
         bias[e * rows + r] = qk_f32_to_bf16(0.01f * (float)(r % 7));
     }
-    char name[128];
-    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {E, rows, cols / 32, 16}},
-                      ss = {QKEEP_DTYPE_U8, 3, {E, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {E, rows}};
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bs, blocks), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &ss, sc), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bb, bias), 0);
+    tu_add_gptoss_experts(w, "model.layers.0.mlp.experts", mats[m].name, E, rows, cols, blocks, sc, bias);
     free(bias);
   }
   uint16_t router[E * GH];
@@ -594,27 +587,16 @@ START_TEST(gptq_act_order_follows_g_idx) {
   out = tu_path(out_dir, "model.safetensors");
   cfg_out = tu_path(out_dir, "config.json");
   /* Every g_idx of layer 0's attention (q, k, v share one) becomes a permutation of the groups. */
-  struct st_file *f;
-  struct st_writer *w;
-  ck_assert_int_eq(st_open(in, &f), 0);
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  for (size_t i = 0; i < f->n_tensors; i++) {
-    const struct st_tensor *t = &f->tensors[i];
-    void *bytes = malloc(t->nbytes + 1);
-    ck_assert_int_eq(st_read(f, t, bytes), 0);
+  struct tu_tensors ts = tu_read_tensors(in);
+  for (size_t i = 0; i < ts.n; i++) {
+    const struct tu_tensor *t = &ts.items[i];
     if (strstr(t->name, "layers.0.self_attn.") && strstr(t->name, ".g_idx")) {
-      int32_t *g = bytes;
-      for (int64_t k = 0; k < t->shape[0]; k++)
-        g[k] = (int32_t)((k * 7 + 3) % t->shape[0]) / 32; /* rows scattered over the K/32 groups */
+      int32_t *g = (int32_t *)t->data;
+      for (int64_t k = 0; k < t->spec.shape[0]; k++)
+        g[k] = (int32_t)((k * 7 + 3) % t->spec.shape[0]) / 32; /* rows scattered over the K/32 groups */
     }
-    struct qkeep_spec sp = {(enum qkeep_dtype)t->dtype, t->ndim, {0}};
-    memcpy(sp.shape, t->shape, sizeof sp.shape);
-    ck_assert_int_eq(st_writer_add(w, t->name, &sp, bytes), 0);
-    free(bytes);
   }
-  ck_assert_int_eq(st_writer_write(w, out), 0);
-  st_writer_free(w);
-  st_close(f);
+  tu_write_tensors(&ts, out);
   size_t n;
   char *cfg = tu_read_file(cfg_in, &n), *flag = strstr(cfg, "\"desc_act\": false");
   ck_assert_ptr_nonnull(flag);

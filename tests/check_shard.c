@@ -20,6 +20,7 @@
 #include <dlfcn.h>
 
 #include "checkpoint.h"
+#include "ckptutil.h"
 #include "fixture.h"
 #include "internal.h"
 #include "testutil.h"
@@ -32,45 +33,32 @@
 #define MI 256 /* expert intermediate */
 #define VOCAB 64
 
-static void add(struct st_writer *w, const char *name, int64_t rows, int64_t cols, uint64_t seed) {
-  size_t n = (size_t)(rows * (cols ? cols : 1));
-  float *v = malloc(n * sizeof *v);
-  uint64_t s = seed;
-  for (const char *p = name; *p; p++)
-    s = s * 31 + (unsigned char)*p;
-  for (size_t i = 0; i < n; i++)
-    v[i] = cols ? tu_randf(&s) * 0.25f : 1.0f + 0.01f * (float)(seed % 7);
-  struct qkeep_spec sp = {QKEEP_DTYPE_F32, cols ? 2 : 1, {rows, cols}};
-  ck_assert_int_eq(st_writer_add(w, name, &sp, v), 0);
-  free(v);
-}
-
 /* Llama-like: embedding, attention and a dense MLP in layer 0, an MoE block of E experts in layer 1. */
 static char *write_source(const char *file, uint64_t seed) {
   struct st_writer *w;
   char name[160];
   ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.embed_tokens.weight", VOCAB, H, seed);
-  add(w, "model.norm.weight", H, 0, seed);
-  add(w, "lm_head.weight", VOCAB, H, seed);
-  add(w, "model.layers.0.input_layernorm.weight", H, 0, seed);
+  tu_add_source_f32(w, "model.embed_tokens.weight", VOCAB, H, seed);
+  tu_add_source_f32(w, "model.norm.weight", H, 0, seed);
+  tu_add_source_f32(w, "lm_head.weight", VOCAB, H, seed);
+  tu_add_source_f32(w, "model.layers.0.input_layernorm.weight", H, 0, seed);
   static const char *const proj[] = {"q_proj", "k_proj", "v_proj"};
   for (int p = 0; p < 3; p++) {
     snprintf(name, sizeof name, "model.layers.0.self_attn.%s.weight", proj[p]);
-    add(w, name, p ? KV : Q, H, seed);
+    tu_add_source_f32(w, name, p ? KV : Q, H, seed);
   }
-  add(w, "model.layers.0.self_attn.o_proj.weight", H, Q, seed);
-  add(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed);
-  add(w, "model.layers.0.mlp.up_proj.weight", I, H, seed);
-  add(w, "model.layers.0.mlp.down_proj.weight", H, I, seed);
-  add(w, "model.layers.1.mlp.gate.weight", E, H, seed);
+  tu_add_source_f32(w, "model.layers.0.self_attn.o_proj.weight", H, Q, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.gate_proj.weight", I, H, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.up_proj.weight", I, H, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.down_proj.weight", H, I, seed);
+  tu_add_source_f32(w, "model.layers.1.mlp.gate.weight", E, H, seed);
   for (int e = 0; e < E; e++) {
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.gate_proj.weight", e);
-    add(w, name, MI, H, seed);
+    tu_add_source_f32(w, name, MI, H, seed);
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.up_proj.weight", e);
-    add(w, name, MI, H, seed);
+    tu_add_source_f32(w, name, MI, H, seed);
     snprintf(name, sizeof name, "model.layers.1.mlp.experts.%d.down_proj.weight", e);
-    add(w, name, H, MI, seed);
+    tu_add_source_f32(w, name, H, MI, seed);
   }
   char *path = tu_path(dir, file);
   ck_assert_int_eq(st_writer_write(w, path), 0);
@@ -101,18 +89,10 @@ static char *write_gptoss(const char *name_dir, uint64_t seed) {
       sc[i] = (uint8_t)(120 + tu_rand(&s) % 12);
     for (size_t i = 0; i < nbias; i++)
       bias[i] = (uint16_t)(0x3c00 + tu_rand(&s) % 256);
-    char name[128];
-    struct qkeep_spec bs = {QKEEP_DTYPE_U8, 4, {E, rows, cols / 32, 16}},
-                      ss = {QKEEP_DTYPE_U8, 3, {E, rows, cols / 32}}, bb = {QKEEP_DTYPE_BF16, 2, {E, rows}};
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_blocks", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bs, blocks), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_scales", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &ss, sc), 0);
-    snprintf(name, sizeof name, "model.layers.0.mlp.experts.%s_bias", mats[m].name);
-    ck_assert_int_eq(st_writer_add(w, name, &bb, bias), 0);
+    tu_add_gptoss_experts(w, "model.layers.0.mlp.experts", mats[m].name, E, rows, cols, blocks, sc, bias);
     free(blocks), free(sc), free(bias);
   }
-  add(w, "model.layers.0.mlp.router.weight", E, H, seed);
+  tu_add_source_f32(w, "model.layers.0.mlp.router.weight", E, H, seed);
   char *file = tu_path(d, "model.safetensors"), *config = tu_path(d, "config.json");
   ck_assert_int_eq(st_writer_write(w, file), 0);
   st_writer_free(w);
@@ -392,7 +372,7 @@ START_TEST(indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_al
   /* a lone k_proj, N = 64 over 16 ranks, is 4 per rank: not whole qzeros words of 8 */
   struct st_writer *w;
   ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.layers.0.self_attn.k_proj.weight", KV, H, 1);
+  tu_add_source_f32(w, "model.layers.0.self_attn.k_proj.weight", KV, H, 1);
   char *lone = tu_path(dir, "lone.safetensors"), *lone_gptq = tu_path(dir, "lone-gptq");
   ck_assert_int_eq(st_writer_write(w, lone), 0);
   st_writer_free(w);
@@ -580,7 +560,7 @@ END_TEST
 START_TEST(channelwise_scales_of_a_row_cut_are_repeated) {
   struct st_writer *w;
   ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.layers.0.self_attn.o_proj.weight", H, Q, 3);
+  tu_add_source_f32(w, "model.layers.0.self_attn.o_proj.weight", H, Q, 3);
   char *src = tu_path(dir, "channel.safetensors"), *q = tu_path(dir, "channel-ct");
   ck_assert_int_eq(st_writer_write(w, src), 0);
   st_writer_free(w);
@@ -1039,12 +1019,12 @@ static char *write_tied(const char *name_dir, uint64_t seed) {
   ck_assert_int_eq(mkdir(d, 0755), 0);
   struct st_writer *w;
   ck_assert_int_eq(st_writer_new(&w), 0);
-  add(w, "model.embed_tokens.weight", VOCAB, H, seed);
-  add(w, "model.norm.weight", H, 0, seed);
-  add(w, "model.layers.0.self_attn.q_proj.weight", Q, H, seed);
-  add(w, "model.layers.0.self_attn.k_proj.weight", KV, H, seed);
-  add(w, "model.layers.0.self_attn.v_proj.weight", KV, H, seed);
-  add(w, "model.layers.0.self_attn.o_proj.weight", H, Q, seed);
+  tu_add_source_f32(w, "model.embed_tokens.weight", VOCAB, H, seed);
+  tu_add_source_f32(w, "model.norm.weight", H, 0, seed);
+  tu_add_source_f32(w, "model.layers.0.self_attn.q_proj.weight", Q, H, seed);
+  tu_add_source_f32(w, "model.layers.0.self_attn.k_proj.weight", KV, H, seed);
+  tu_add_source_f32(w, "model.layers.0.self_attn.v_proj.weight", KV, H, seed);
+  tu_add_source_f32(w, "model.layers.0.self_attn.o_proj.weight", H, Q, seed);
   ck_assert_int_eq(st_writer_write(w, file), 0);
   st_writer_free(w);
   const char *cfg = "{\"tie_word_embeddings\": true}";

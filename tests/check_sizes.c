@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 
 #include "checkutil.h"
+#include "ckptutil.h"
 #include "internal.h"
 #include "numeric.h"
 #include "testutil.h"
@@ -115,71 +116,16 @@ static void teardown(void) {
 
 /* ---- tensors of a checkpoint, rewritten ------------------------------------------------------ */
 
-struct item {
-  char *name;
-  struct qkeep_spec spec;
-  unsigned char *data;
-};
-
-struct tensors {
-  struct item *items;
-  size_t n;
-};
-
-static struct tensors read_tensors(const char *path) {
-  struct st_file *f;
-  ck_assert_msg(st_open(path, &f) == 0, "%s", qkeep_errmsg());
-  struct tensors ts = {calloc(f->n_tensors + 1, sizeof(struct item)), f->n_tensors};
-  ck_assert_ptr_nonnull(ts.items);
-  for (size_t i = 0; i < f->n_tensors; i++) {
-    const struct st_tensor *t = &f->tensors[i];
-    struct item *it = &ts.items[i];
-    it->name = strdup(t->name);
-    it->spec = (struct qkeep_spec){.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
-    memcpy(it->spec.shape, t->shape, sizeof it->spec.shape);
-    it->data = malloc(t->nbytes + 1);
-    ck_assert(it->name && it->data);
-    ck_assert_int_eq(st_read(f, t, it->data), 0);
-  }
-  st_close(f);
-  return ts;
-}
-
-static void write_tensors(struct tensors *ts, const char *path) {
-  struct st_writer *w;
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  for (size_t i = 0; i < ts->n; i++) {
-    ck_assert_msg(st_writer_add(w, ts->items[i].name, &ts->items[i].spec, ts->items[i].data) == 0, "%s",
-                  qkeep_errmsg());
-    free(ts->items[i].name);
-    free(ts->items[i].data);
-  }
-  ck_assert_msg(st_writer_write(w, path) == 0, "%s", qkeep_errmsg());
-  st_writer_free(w);
-  free(ts->items);
-}
-
 /* dir/<name>: a copy of variant v's directory (every file). */
 static char *copy_variant(enum variant v, const char *name) {
   char *to = tu_path(dir, name);
-  ck_assert_int_eq(mkdir(to, 0755), 0);
-  static const char *const files[] = {"config.json", "hf_quant_config.json", "model.safetensors"};
-  for (size_t i = 0; i < 3; i++) {
-    char *from = tu_path(variant_dir[v], files[i]), *dst = tu_path(to, files[i]);
-    size_t n;
-    void *data = tu_read_file(from, &n);
-    if (data)
-      ck_assert_int_eq(tu_write_file(dst, data, n), 0);
-    free(data);
-    free(from);
-    free(dst);
-  }
+  tu_copy_dir(variant_dir[v], to);
   return to;
 }
 
 static bool in_module(const char *name) { return strncmp(name, MODULE ".", strlen(MODULE ".")) == 0; }
 
-static struct item *find(struct tensors *ts, const char *local) {
+static struct tu_tensor *find(struct tu_tensors *ts, const char *local) {
   for (size_t i = 0; i < ts->n; i++)
     if (in_module(ts->items[i].name) && strcmp(ts->items[i].name + strlen(MODULE "."), local) == 0)
       return &ts->items[i];
@@ -199,10 +145,10 @@ static char *zero_dim(enum variant v, char which) {
   char name[64];
   snprintf(name, sizeof name, "%s-%c0", variants[v].name, which);
   char *ck = copy_variant(v, name), *file = tu_path(ck, "model.safetensors");
-  struct tensors ts = read_tensors(file);
+  struct tu_tensors ts = tu_read_tensors(file);
   int changed = 0;
   for (size_t i = 0; i < ts.n; i++) {
-    struct item *it = &ts.items[i];
+    struct tu_tensor *it = &ts.items[i];
     if (!in_module(it->name))
       continue;
     if (strcmp(it->name, MODULE ".weight_shape") == 0) {
@@ -217,7 +163,7 @@ static char *zero_dim(enum variant v, char which) {
       }
   }
   ck_assert_int_gt(changed, 0);
-  write_tensors(&ts, file);
+  tu_write_tensors(&ts, file);
   free(file);
   return ck;
 }
@@ -285,12 +231,12 @@ END_TEST
  * check sized its buffers from m * K, which wrapped to 0). */
 START_TEST(empty_weight_with_huge_other_dimension_is_refused) {
   char *ck = copy_variant(V_UNQUANTIZED, "huge"), *file = tu_path(ck, "model.safetensors");
-  struct tensors ts = read_tensors(file);
-  struct item *w = find(&ts, "weight");
+  struct tu_tensors ts = tu_read_tensors(file);
+  struct tu_tensor *w = find(&ts, "weight");
   ck_assert_ptr_nonnull(w);
   w->spec.shape[0] = 0;
   w->spec.shape[1] = (int64_t)1 << 60;
-  write_tensors(&ts, file);
+  tu_write_tensors(&ts, file);
   expect_refused("reference", ck, QKEEP_E_FORMAT, variant_dir[V_UNQUANTIZED], "K = 1152921504606846976");
   if (have_onednn())
     expect_refused("cpu-onednn", ck, QKEEP_E_FORMAT, variant_dir[V_UNQUANTIZED], "N = 0");
@@ -343,12 +289,12 @@ START_TEST(packed_dimension_past_64_bits_is_refused) {
     char name[64];
     snprintf(name, sizeof name, "%s-overflow", variants[cases[c].v].name);
     char *ck = copy_variant(cases[c].v, name), *file = tu_path(ck, "model.safetensors");
-    struct tensors ts = read_tensors(file);
-    struct item *w = find(&ts, cases[c].weight);
+    struct tu_tensors ts = tu_read_tensors(file);
+    struct tu_tensor *w = find(&ts, cases[c].weight);
     ck_assert_ptr_nonnull(w);
     char *weight = strdup(w->name);
     w->spec.shape[0] = w->spec.shape[1] = 0;
-    write_tensors(&ts, file);
+    tu_write_tensors(&ts, file);
     int64_t huge = ((int64_t)1 << 62) + 1;
     set_header_shape(file, weight, cases[c].packed_axis ? 0 : huge, cases[c].packed_axis ? huge : 0);
     free(weight);
@@ -370,12 +316,12 @@ START_TEST(zero_static_input_scale_is_refused) {
     char name[64];
     snprintf(name, sizeof name, "%s-zero-scale", variants[cases[c].v].name);
     char *ck = copy_variant(cases[c].v, name), *file = tu_path(ck, "model.safetensors");
-    struct tensors ts = read_tensors(file);
-    struct item *s = find(&ts, cases[c].scale);
+    struct tu_tensors ts = tu_read_tensors(file);
+    struct tu_tensor *s = find(&ts, cases[c].scale);
     ck_assert_msg(s != NULL, "%s has no %s", variants[cases[c].v].name, cases[c].scale);
     size_t esize = qkeep_dtype_size(s->spec.dtype);
     memset(s->data, 0, esize); /* +0.0 in every float dtype */
-    write_tensors(&ts, file);
+    tu_write_tensors(&ts, file);
     char needle[160];
     snprintf(needle, sizeof needle, "'" MODULE ".%s': element 0 is zero", cases[c].scale);
     expect_refused("reference", ck, QKEEP_E_FORMAT, variant_dir[cases[c].v], needle);

@@ -1,18 +1,27 @@
 /*
  * checkutil.h: Check helpers every suite shares: running a suite to an exit status, the
- * clean census that every backend must show, and snapshots of every storage of a model
- * (address, capacity and all bytes, padding included) to tell "in place and equal to a cold
- * start" from anything else. Header-only: libtestutil also serves the benchmarks, which do
- * not link Check.
+ * clean census that every backend must show, snapshots of every storage of a model (address,
+ * capacity and all bytes, padding included) to tell "in place and equal to a cold start" from
+ * anything else, an asserted malloc, and the refusals of a whole-number configure key.
+ * Header-only: libtestutil also serves the benchmarks, which do not link Check.
  */
 #ifndef QKEEP_CHECKUTIL_H
 #define QKEEP_CHECKUTIL_H
 
 #include <check.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qkeep.h"
+#include "qkeep_backend.h"
+
+/* malloc(n) (at least one byte), asserted. */
+static inline void *tu_xmalloc(size_t n) {
+  void *p = malloc(n ? n : 1);
+  ck_assert_ptr_nonnull(p);
+  return p;
+}
 
 /* Runs suite s (the runner takes it) with `mode` output; EXIT_SUCCESS when nothing failed. */
 static inline int tu_run_suite(Suite *s, enum print_output mode) {
@@ -98,6 +107,26 @@ static inline void tu_assert_in_place_and_equal(const struct tu_storages *before
     ck_assert_msg(memcmp(after->bytes[i], cold->bytes[i], cold->capacity[i]) == 0,
                   "storage %d differs from a cold start (padding included)", i);
   }
+}
+
+/* `be` takes key = lo and key = hi, and refuses every other way a whole number from lo to hi can be
+ * wrong with "KEY = 'VALUE': expected a whole number from LO to HI"; the key is left at lo. */
+static inline void tu_assert_int_key(const struct qkeep_backend *be, const char *key, long lo, long hi) {
+  char below[32], above[32];
+  snprintf(below, sizeof below, "%ld", lo - 1);
+  snprintf(above, sizeof above, "%ld", hi + 1);
+  const char *const bad[] = {below, above, "2x", "", "two", " "};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    ck_assert_int_eq(be->configure(be, key, bad[i]), QKEEP_E_CONFIG);
+    char want[160];
+    snprintf(want, sizeof want, "%s = '%s': expected a whole number from %ld to %ld", key, bad[i], lo, hi);
+    ck_assert_str_eq(qkeep_errmsg(), want);
+  }
+  char value[32];
+  snprintf(value, sizeof value, "%ld", hi);
+  ck_assert_int_eq(be->configure(be, key, value), 0);
+  snprintf(value, sizeof value, "%ld", lo);
+  ck_assert_int_eq(be->configure(be, key, value), 0);
 }
 
 #endif

@@ -108,3 +108,21 @@ double tu_median(double *v, int n) {
   qsort(v, (size_t)n, sizeof *v, by_double);
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
+
+long long tu_status_bytes(const char *field) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  long long kb = -1;
+  size_t n = strlen(field);
+  while (f && fgets(line, sizeof line, f))
+    if (strncmp(line, field, n) == 0 && line[n] == ':')
+      kb = atoll(line + n + 1);
+  if (f)
+    fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+void tu_fill_bytes(uint8_t *p, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n; i++)
+    p[i] = (uint8_t)(tu_rand(&seed) >> 56);
+}

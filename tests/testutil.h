@@ -20,10 +20,14 @@ void tu_rmtree(const char *path);
 /* Deterministic generator: splitmix64. tu_randf is uniform in [-1, 1). */
 uint64_t tu_rand(uint64_t *state);
 float tu_randf(uint64_t *state);
+/* n bytes from the generator seeded `seed` (the top byte of each draw). */
+void tu_fill_bytes(uint8_t *p, size_t n, uint64_t seed);
 
 /* Monotonic seconds, for benchmarks. */
 double tu_now(void);
 /* The median of v[0..n) (sorts v in place). */
 double tu_median(double *v, int n);
+/* A field of /proc/self/status in bytes (VmRSS, VmHWM), or -1 when it cannot be read. */
+long long tu_status_bytes(const char *field);
 
 #endif

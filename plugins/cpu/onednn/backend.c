@@ -75,15 +75,8 @@ static int onednn_probe(const struct qkeep_backend *be, char *msg, size_t msg_le
 
 static int onednn_configure(const struct qkeep_backend *be, const char *key, const char *value) {
   struct od_backend *b = od_of(be);
-  if (strcmp(key, "threads") == 0) {
-    char *end;
-    long n = strtol(value, &end, 10);
-    if (end == value || *end || n < 1 || n > 4096)
-      return b->host->set_error(QKEEP_E_CONFIG, "threads = '%s': expected a whole number from 1 to 4096",
-                                value);
-    b->threads = (int)n;
-    return 0;
-  }
+  if (strcmp(key, "threads") == 0)
+    return qkeep_be_int_key(b->host, key, value, 1, 4096, &b->threads);
   if (strcmp(key, "int8_without_vnni") == 0) {
     if (strcmp(value, "7bit") == 0)
       b->without_vnni = OD_WITHOUT_VNNI_7BIT;

@@ -80,15 +80,8 @@ static int zentorch_probe(const struct qkeep_backend *be, char *msg, size_t msg_
 
 static int zentorch_configure(const struct qkeep_backend *be, const char *key, const char *value) {
   struct zt_backend *b = zt_of(be);
-  if (strcmp(key, "threads") == 0) {
-    char *end;
-    long n = strtol(value, &end, 10);
-    if (end == value || *end || n < 1 || n > 4096)
-      return b->host->set_error(QKEEP_E_CONFIG, "threads = '%s': expected a whole number from 1 to 4096",
-                                value);
-    b->threads = (int)n;
-    return 0;
-  }
+  if (strcmp(key, "threads") == 0)
+    return qkeep_be_int_key(b->host, key, value, 1, 4096, &b->threads);
   if (strcmp(key, "mode") == 0) {
     if (strcmp(value, "w4a16") == 0)
       b->mode = ZT_W4A16;
