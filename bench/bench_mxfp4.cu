@@ -33,18 +33,6 @@
 
 namespace {
 
-/* Random checkpoint-layout codes and e8m0 scales in [2^-8, 2^-1] (bytes 119..126), deterministic. */
-__global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, size_t n_scales, uint64_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_codes;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ULL;
-    z ^= z >> 31, z *= 0xbf58476d1ce4e5b9ULL, z ^= z >> 29;
-    codes[i] = (uint8_t)z;
-    if (i < n_scales)
-      scales[i] = (uint8_t)(119 + (z >> 40) % 8);
-  }
-}
-
 /* The checkpoint-layout weight as bf16 [n, k] for cuBLAS (exact: every MXFP4 value is a bf16). */
 __global__ void dequant_kernel(const uint8_t *codes, const uint8_t *scales, __nv_bfloat16 *w, int64_t n,
                                int64_t k) {
@@ -75,7 +63,8 @@ Layer make_layer(int64_t n, int64_t k, cudaStream_t stream) {
   uint8_t *codes, *scales;
   CHECK_CUDA(cudaMalloc(&codes, (size_t)(n * k / 2)));
   CHECK_CUDA(cudaMalloc(&scales, (size_t)(n * k / 32)));
-  fill_kernel<<<1024, 256, 0, stream>>>(codes, (size_t)(n * k / 2), scales, (size_t)(n * k / 32), 7);
+  gbu_fill_kernel<<<1024, 256, 0, stream>>>(codes, (size_t)(n * k / 2), scales, (size_t)(n * k / 32), 7, 119,
+                                            8);
   CHECK_CUDA(cudaGetLastError());
   for (int c = 0; c < L.copies_q; c++) {
     void *w, *s;

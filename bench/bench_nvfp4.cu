@@ -45,18 +45,6 @@
 
 namespace {
 
-/* Random linear codes and e4m3 scales in [2^-2, 2^2) (bytes 0x28..0x47), deterministic. */
-__global__ void fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, size_t n_scales, uint64_t seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_codes;
-       i += (size_t)gridDim.x * blockDim.x) {
-    uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ULL;
-    z ^= z >> 31, z *= 0xbf58476d1ce4e5b9ULL, z ^= z >> 29;
-    codes[i] = (uint8_t)z;
-    if (i < n_scales)
-      scales[i] = (uint8_t)(0x28 + (z >> 40) % 32);
-  }
-}
-
 /* W [n, k] in bf16 from the linear codes and scales (alpha = 1: exact). */
 __global__ void dequant_kernel(const uint8_t *codes, const uint8_t *scales, __nv_bfloat16 *w, int64_t n,
                                int64_t k) {
@@ -115,7 +103,8 @@ Layer make_layer(int64_t n, int64_t k, cudaStream_t stream) {
   CHECK_CUDA(cudaMalloc(&L.alpha, sizeof(float)));
   const float one = 1.0f;
   CHECK_CUDA(cudaMemcpy(L.alpha, &one, sizeof one, cudaMemcpyHostToDevice));
-  fill_kernel<<<1024, 256, 0, stream>>>(lin_codes, codes, lin_scales, scales, (uint64_t)(n * 7 + k));
+  gbu_fill_kernel<<<1024, 256, 0, stream>>>(lin_codes, codes, lin_scales, scales, (uint64_t)(n * 7 + k), 0x28,
+                                            32);
   CHECK_CUDA(cudaGetLastError());
   for (int c = 0; c < L.copies_q; c++) {
     void *w, *s;
@@ -301,7 +290,7 @@ MoeMatrix make_moe_matrix(const char *name, int64_t experts, int64_t n, int64_t 
   CHECK_CUDA(cudaMalloc(&M.w, M.w_bytes * (size_t)experts));
   CHECK_CUDA(cudaMalloc(&M.sf, M.sf_bytes * (size_t)experts));
   CHECK_CUDA(cudaMalloc(&M.bf16, (size_t)(experts * n * k) * 2));
-  fill_kernel<<<4096, 256, 0, stream>>>(lin_codes, codes, lin_scales, scales, seed);
+  gbu_fill_kernel<<<4096, 256, 0, stream>>>(lin_codes, codes, lin_scales, scales, seed, 0x28, 32);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA((cudaError_t)nvfp4_tile_weights_gpu(lin_codes, M.w, experts, n, k, stream));
   CHECK_CUDA((cudaError_t)nvfp4_swizzle_scales_gpu(lin_scales, M.sf, experts, n, k / 16, stream));

@@ -141,4 +141,18 @@ double compare(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
 
 } // namespace
 
+/* Random code bytes, and scale bytes uniform in [scale_base, scale_base + scale_span), deterministic from
+ * the seed (a splitmix of each index): the weights a bench times, in the checkpoint's layout. */
+static __global__ void gbu_fill_kernel(uint8_t *codes, size_t n_codes, uint8_t *scales, size_t n_scales,
+                                       uint64_t seed, unsigned scale_base, unsigned scale_span) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n_codes;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint64_t z = (i + seed) * 0x9e3779b97f4a7c15ULL;
+    z ^= z >> 31, z *= 0xbf58476d1ce4e5b9ULL, z ^= z >> 29;
+    codes[i] = (uint8_t)z;
+    if (i < n_scales)
+      scales[i] = (uint8_t)(scale_base + (z >> 40) % scale_span);
+  }
+}
+
 #endif

@@ -78,21 +78,6 @@ static char *quantize(const char *source, const char *out) {
   return path;
 }
 
-static qkeep_model *load(qkeep_plugin *plugin, const char *path, const char *fusion) {
-  qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-  if (fusion)
-    ck_assert_int_eq(qkeep_model_set_fusion(m, fusion), 0);
-  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
-  return m;
-}
-
-static struct qkeep_digest digest(qkeep_model *m) {
-  struct qkeep_digest d;
-  ck_assert_int_eq(qkeep_digest(m, &d), 0);
-  return d;
-}
-
 /* Clean, and every param still live: PWAL retires nothing. */
 static void assert_census_clean(qkeep_model *m) {
   struct qkeep_census c = tu_assert_census_clean(m);
@@ -101,29 +86,8 @@ static void assert_census_clean(qkeep_model *m) {
 
 /* ---- forward check against the reference -------------------------------------------------- */
 
-struct worst {
-  double max_rel;
-  char where[200];
-  int layers;
-};
-
-static int record(void *user, const struct qkeep_layer_error *e) {
-  struct worst *w = user;
-  w->layers++;
-  if (!(e->max_rel <= w->max_rel)) { /* NaN counts as the worst */
-    w->max_rel = e->max_rel;
-    snprintf(w->where, sizeof w->where, "%s expert %d matrix %d m %lld n %lld k %lld", e->layer, e->expert,
-             (int)e->matrix, (long long)e->m, (long long)e->n, (long long)e->k);
-  }
-  return 0;
-}
-
 static void assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tokens, const char *what) {
-  struct worst w = {0};
-  ck_assert_msg(qkeep_compare(m, r, tokens, 42 + (uint64_t)tokens, record, &w) == 0, "%s", qkeep_errmsg());
-  ck_assert_int_gt(w.layers, 0);
-  ck_assert_msg(w.max_rel <= TOLERANCE, "%s, m %lld: max relative error %g at %s", what, (long long)tokens,
-                w.max_rel, w.where);
+  gtu_assert_agrees(m, r, tokens, what, TOLERANCE);
 }
 
 /* Token counts at and around every token block (8, 16, 32, 64) and past one group of 64. */
@@ -143,7 +107,7 @@ static void assert_agrees_everywhere(qkeep_model *m, qkeep_model *r, const char 
 
 START_TEST(compressed_tensors_agrees_with_reference) {
   char *source = write_source("source.safetensors", 1), *path = quantize(source, "q");
-  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL), *r = gtu_load(ref, path, NULL);
   assert_census_clean(m);
   ck_assert_str_eq(qkeep_layer_backend(qkeep_model_find_layer(m, "model.layers.0.self_attn.qkv_proj")),
                    "cuda-nvfp4");
@@ -151,7 +115,7 @@ START_TEST(compressed_tensors_agrees_with_reference) {
   qkeep_model_free(m);
   qkeep_model_free(r);
   /* Unfused: k_proj and v_proj alone have 40 rows. */
-  m = load(gpu, path, "none"), r = load(ref, path, "none");
+  m = gtu_load(gpu, path, "none"), r = gtu_load(ref, path, "none");
   assert_census_clean(m);
   assert_agrees(m, r, 3, "unfused");
   assert_agrees(m, r, 33, "unfused");
@@ -163,7 +127,7 @@ END_TEST
 
 START_TEST(gptoss_agrees_with_reference) {
   char *path = mxfp4_write_gptoss(dir, "gptoss", 1);
-  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL), *r = gtu_load(ref, path, NULL);
   assert_census_clean(m);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
   ck_assert_ptr_nonnull(moe);
@@ -226,7 +190,7 @@ static void assert_matrix_layout(qkeep_layer *g, qkeep_layer *r, const char *pre
 START_TEST(layouts_match_cpu_transforms) {
   char *source = write_source("source.safetensors", 3), *path = quantize(source, "q"),
        *oss = mxfp4_write_gptoss(dir, "oss", 3);
-  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL), *r = gtu_load(ref, path, NULL);
   static const char *const linear[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                                        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"};
   for (size_t i = 0; i < sizeof linear / sizeof linear[0]; i++) {
@@ -245,23 +209,23 @@ START_TEST(layouts_match_cpu_transforms) {
   assert_matrix_layout(g, rl, "w2_", H, E_I, EXPERTS);
   /* The same transforms run on the host (mxfp4_layout.c) give the same model, byte for byte. */
   configure("pwal", "host");
-  qkeep_model *h = load(gpu, path, NULL);
+  qkeep_model *h = gtu_load(gpu, path, NULL);
   configure("pwal", "gpu");
-  struct qkeep_digest a = digest(m), b = digest(h);
+  struct qkeep_digest a = gtu_digest(m), b = gtu_digest(h);
   ck_assert(a.hi == b.hi && a.lo == b.lo);
   qkeep_model_free(h);
   qkeep_model_free(m);
   qkeep_model_free(r);
   /* gpt-oss's stacked experts, likewise */
-  m = load(gpu, oss, NULL), r = load(ref, oss, NULL);
+  m = gtu_load(gpu, oss, NULL), r = gtu_load(ref, oss, NULL);
   g = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
   rl = qkeep_model_find_layer(r, "model.layers.0.mlp.experts");
   assert_matrix_layout(g, rl, "w13_", 192, 160, 3);
   assert_matrix_layout(g, rl, "w2_", 160, 96, 3);
   configure("pwal", "host");
-  h = load(gpu, oss, NULL);
+  h = gtu_load(gpu, oss, NULL);
   configure("pwal", "gpu");
-  a = digest(m), b = digest(h);
+  a = gtu_digest(m), b = gtu_digest(h);
   ck_assert(a.hi == b.hi && a.lo == b.lo);
   qkeep_model_free(h);
   qkeep_model_free(m);
@@ -279,21 +243,21 @@ static int gpu_to_host(void *dst, const void *src, size_t n) {
 /* Reload W0 -> W1 in place; then `layer` (expert 1's w13 when moe) gives the cold start's bits. */
 static void assert_reload_in_place(const char *w0, const char *w1, const char *layer, bool moe, int64_t k,
                                    int64_t n) {
-  qkeep_model *m = load(gpu, w0, NULL), *cold = load(gpu, w1, NULL);
-  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  qkeep_model *m = gtu_load(gpu, w0, NULL), *cold = gtu_load(gpu, w1, NULL);
+  struct qkeep_digest d0 = gtu_digest(m), d1 = gtu_digest(cold);
   ck_assert(!(d0.hi == d1.hi && d0.lo == d1.lo));
   struct tu_storages before = {.to_host = gpu_to_host}, after = before, cold_bytes = before;
   tu_snapshot(m, &before);
   tu_snapshot(cold, &cold_bytes);
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
-  struct qkeep_digest d = digest(m);
+  struct qkeep_digest d = gtu_digest(m);
   ck_assert(d.hi == d1.hi && d.lo == d1.lo);
   tu_snapshot(m, &after);
   tu_assert_in_place_and_equal(&before, &after, &cold_bytes); /* no device pointer moved */
   assert_census_clean(m);
   /* And back to W0, and to W1 again. */
   ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
-  d = digest(m);
+  d = gtu_digest(m);
   ck_assert(d.hi == d0.hi && d.lo == d0.lo);
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
   /* The kernels give the cold start's bits on the reloaded weights (a fixed summation order). */
@@ -373,7 +337,7 @@ static double rel_error(const float *a, const float *b, size_t n) {
 
 START_TEST(half_precision_activations) {
   char *source = write_source("source.safetensors", 5), *path = quantize(source, "q");
-  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL);
   qkeep_layer *layer = qkeep_model_find_layer(m, "model.layers.0.mlp.down_proj");
   static const int64_t counts[] = {3, 21, 70};
   for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
@@ -471,12 +435,12 @@ static void assert_routed(qkeep_layer *moe, int64_t rows13, int64_t hidden, int6
 START_TEST(routed_moe) {
   char *source = write_source("source.safetensors", 7), *path = quantize(source, "q"),
        *oss = mxfp4_write_gptoss(dir, "oss", 7);
-  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);
   assert_routed(moe, 2 * E_I, H, E_I, EXPERTS);
   qkeep_model_free(m);
-  m = load(gpu, oss, NULL);
+  m = gtu_load(gpu, oss, NULL);
   moe = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
   ck_assert_ptr_nonnull(moe);
   assert_routed(moe, 192, 160, 96, 3);

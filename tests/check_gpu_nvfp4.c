@@ -88,21 +88,6 @@ static char *quantize(const char *source, const char *scheme, const char *out) {
   return path;
 }
 
-static qkeep_model *load(qkeep_plugin *plugin, const char *path, const char *fusion) {
-  qkeep_model *m;
-  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-  if (fusion)
-    ck_assert_int_eq(qkeep_model_set_fusion(m, fusion), 0);
-  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
-  return m;
-}
-
-static struct qkeep_digest digest(qkeep_model *m) {
-  struct qkeep_digest d;
-  ck_assert_int_eq(qkeep_digest(m, &d), 0);
-  return d;
-}
-
 /* Clean, with the consumed scales retired and the alpha buffers added. */
 static void assert_census_clean(qkeep_model *m) {
   struct qkeep_census c = tu_assert_census_clean(m);
@@ -112,35 +97,14 @@ static void assert_census_clean(qkeep_model *m) {
 
 /* ---- forward check against the reference -------------------------------------------------- */
 
-struct worst {
-  double max_rel;
-  char where[200];
-  int layers;
-};
-
-static int record(void *user, const struct qkeep_layer_error *e) {
-  struct worst *w = user;
-  w->layers++;
-  if (!(e->max_rel <= w->max_rel)) { /* NaN counts as the worst */
-    w->max_rel = e->max_rel;
-    snprintf(w->where, sizeof w->where, "%s expert %d matrix %d m %lld n %lld k %lld", e->layer, e->expert,
-             (int)e->matrix, (long long)e->m, (long long)e->n, (long long)e->k);
-  }
-  return 0;
-}
-
 static void assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tokens, const char *what) {
-  struct worst w = {0};
-  ck_assert_msg(qkeep_compare(m, r, tokens, 42 + (uint64_t)tokens, record, &w) == 0, "%s", qkeep_errmsg());
-  ck_assert_int_gt(w.layers, 0);
-  ck_assert_msg(w.max_rel <= TOLERANCE, "%s, m %lld: max relative error %g at %s", what, (long long)tokens,
-                w.max_rel, w.where);
+  gtu_assert_agrees(m, r, tokens, what, TOLERANCE);
 }
 
 START_TEST(agrees_with_reference) {
   const char *scheme = schemes[_i];
   char *source = write_source("source.safetensors", 1), *path = quantize(source, scheme, "q");
-  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL), *r = gtu_load(ref, path, NULL);
   assert_census_clean(m);
   /* Every bucket the plan picks: the streaming kernel (8 and 16 tokens), the wgmma kernel's
    * token tiles 32, 64 and 128, partial and whole. */
@@ -210,7 +174,7 @@ START_TEST(agrees_with_reference) {
   qkeep_model_free(m);
   qkeep_model_free(r);
   /* Unfused: k_proj and v_proj alone have 40 rows. */
-  m = load(gpu, path, "none"), r = load(ref, path, "none");
+  m = gtu_load(gpu, path, "none"), r = gtu_load(ref, path, "none");
   assert_census_clean(m);
   assert_agrees(m, r, 3, "unfused");
   assert_agrees(m, r, 33, "unfused");
@@ -293,7 +257,7 @@ START_TEST(layouts_match_cpu_transforms) {
   const char *scheme = schemes[_i];
   bool ct = scheme[0] == 'c';
   char *source = write_source("source.safetensors", 3), *path = quantize(source, scheme, "q");
-  qkeep_model *m = load(gpu, path, NULL), *r = load(ref, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL), *r = gtu_load(ref, path, NULL);
   static const char *const linear[] = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                                        "model.layers.0.mlp.gate_up_proj", "model.layers.0.mlp.down_proj"};
   for (size_t i = 0; i < sizeof linear / sizeof linear[0]; i++) {
@@ -310,9 +274,9 @@ START_TEST(layouts_match_cpu_transforms) {
   assert_matrix_layout(g, rl, "w2_", H, E_I, EXPERTS, ct);
   /* The same transforms run on the host (layout.c) give the same model, byte for byte. */
   configure("pwal", "host");
-  qkeep_model *h = load(gpu, path, NULL);
+  qkeep_model *h = gtu_load(gpu, path, NULL);
   configure("pwal", "gpu");
-  struct qkeep_digest a = digest(m), b = digest(h);
+  struct qkeep_digest a = gtu_digest(m), b = gtu_digest(h);
   ck_assert(a.hi == b.hi && a.lo == b.lo);
   qkeep_model_free(h);
   qkeep_model_free(m);
@@ -332,21 +296,21 @@ START_TEST(reload_equals_cold_start_in_place) {
   const char *scheme = schemes[_i];
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
   char *w0 = quantize(s0, scheme, "q0"), *w1 = quantize(s1, scheme, "q1");
-  qkeep_model *m = load(gpu, w0, NULL), *cold = load(gpu, w1, NULL);
-  struct qkeep_digest d0 = digest(m), d1 = digest(cold);
+  qkeep_model *m = gtu_load(gpu, w0, NULL), *cold = gtu_load(gpu, w1, NULL);
+  struct qkeep_digest d0 = gtu_digest(m), d1 = gtu_digest(cold);
   ck_assert(!(d0.hi == d1.hi && d0.lo == d1.lo));
   struct tu_storages before = {.to_host = gpu_to_host}, after = before, cold_bytes = before;
   tu_snapshot(m, &before);
   tu_snapshot(cold, &cold_bytes);
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
-  struct qkeep_digest d = digest(m);
+  struct qkeep_digest d = gtu_digest(m);
   ck_assert(d.hi == d1.hi && d.lo == d1.lo);
   tu_snapshot(m, &after);
   tu_assert_in_place_and_equal(&before, &after, &cold_bytes); /* no device pointer moved */
   assert_census_clean(m);
   /* And back to W0. */
   ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
-  d = digest(m);
+  d = gtu_digest(m);
   ck_assert(d.hi == d0.hi && d.lo == d0.lo);
   /* The kernels give the cold start's bits on the reloaded weights. */
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
@@ -413,7 +377,7 @@ static double rel_error(const float *a, const float *b, size_t n) {
 
 START_TEST(half_precision_activations) {
   char *source = write_source("source.safetensors", 5), *path = quantize(source, "modelopt-nvfp4", "q");
-  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL);
   qkeep_layer *layer = qkeep_model_find_layer(m, "model.layers.0.mlp.down_proj");
   enum { M = 21 };
   float x[M * I], want[M * H], got[M * H];
@@ -464,7 +428,7 @@ static void routed_apply(qkeep_layer *moe, int matrix, int64_t tokens, int32_t t
 START_TEST(routed_moe) {
   const char *scheme = schemes[_i];
   char *source = write_source("source.safetensors", 7), *path = quantize(source, scheme, "q");
-  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);
   enum { T = 11, TOPK = 2, P = T * TOPK };
@@ -525,7 +489,7 @@ START_TEST(routed_moe_every_kernel) {
   static const struct gtu_model moe_model = {H, KV, I, E_I, R_EXPERTS, VOCAB};
   char *source = gtu_write_source(dir, "moe.safetensors", 11, &moe_model),
        *path = quantize(source, scheme, "q");
-  qkeep_model *m = load(gpu, path, NULL);
+  qkeep_model *m = gtu_load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);
   static const int64_t tokens[] = {1, 6, 13, 64, 256};

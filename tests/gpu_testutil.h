@@ -99,4 +99,49 @@ static inline char *gtu_write_source(const char *dir, const char *file, uint64_t
   return path;
 }
 
+/* A model of one plugin loaded from path (with a fusion setting, or NULL for the default). */
+static inline qkeep_model *gtu_load(qkeep_plugin *plugin, const char *path, const char *fusion) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  if (fusion)
+    ck_assert_int_eq(qkeep_model_set_fusion(m, fusion), 0);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
+  return m;
+}
+
+static inline struct qkeep_digest gtu_digest(qkeep_model *m) {
+  struct qkeep_digest d;
+  ck_assert_int_eq(qkeep_digest(m, &d), 0);
+  return d;
+}
+
+/* The worst layer of a forward check (qkeep_compare's callback state). */
+struct gtu_worst {
+  double max_rel;
+  char where[200];
+  int layers;
+};
+
+static inline int gtu_record(void *user, const struct qkeep_layer_error *e) {
+  struct gtu_worst *w = user;
+  w->layers++;
+  if (!(e->max_rel <= w->max_rel)) { /* NaN counts as the worst */
+    w->max_rel = e->max_rel;
+    snprintf(w->where, sizeof w->where, "%s expert %d matrix %d m %lld n %lld k %lld", e->layer, e->expert,
+             (int)e->matrix, (long long)e->m, (long long)e->n, (long long)e->k);
+  }
+  return 0;
+}
+
+/* Every layer of m agrees with the reference model r on `tokens` random tokens within tolerance. */
+static inline void gtu_assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tokens, const char *what,
+                                     double tolerance) {
+  struct gtu_worst w = {0};
+  ck_assert_msg(qkeep_compare(m, r, tokens, 42 + (uint64_t)tokens, gtu_record, &w) == 0, "%s",
+                qkeep_errmsg());
+  ck_assert_int_gt(w.layers, 0);
+  ck_assert_msg(w.max_rel <= tolerance, "%s, m %lld: max relative error %g at %s", what, (long long)tokens,
+                w.max_rel, w.where);
+}
+
 #endif
