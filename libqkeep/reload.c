@@ -101,9 +101,17 @@ struct scale_cache {
   size_t *offset;          /* per entry, into bytes */
   size_t n, cap_entries;
   bool complete; /* every scale tensor is kept (or lives in memory already) */
-  /* kept tensors not read yet: read together, by a few threads, once every layer is checked */
+  /* kept tensors not read yet (entries n - n_pending .. n - 1, in order): read together, by a few
+   * threads, once every layer is checked */
   struct provided *pending;
   size_t n_pending, cap_pending;
+  /* every scale tensor validation checks the values of, with its layer and param */
+  struct scale_check {
+    const qkeep_layer *layer;
+    const qkeep_param *param;
+    struct provided t;
+  } * checks;
+  size_t n_checks, cap_checks;
 };
 
 static bool cached_find(const struct provider *p, const char *name, struct provided *out) {
@@ -164,6 +172,7 @@ static void scale_cache_free(struct scale_cache *c) {
   free(c->bytes);
   free(c->offset);
   free(c->pending);
+  free(c->checks);
   name_index_clear(&c->index);
 }
 
@@ -188,30 +197,24 @@ static bool in_memory(const struct provider *pv, const struct provided *t) {
 }
 
 /*
- * Keeps room in the cache for the scale tensors ts[0..n) of one layer while it has room; those
- * in memory already, or kept already (a kv_scale feeding k and v), are skipped. read_kept reads
- * them.
+ * Keeps room in the cache for scale tensor t while it has room, to be read by read_kept; one in
+ * memory already, or kept already (a kv_scale feeding k and v), is skipped.
  */
-static int keep_scales(struct scale_cache *c, const struct provided *ts, size_t n) {
-  const struct provider *pv = c->inner;
+static int keep_scale(struct scale_cache *c, const struct provided *t) {
   size_t seen;
-  int rc = 0;
-  for (size_t i = 0; i < n && !rc; i++) {
-    const struct provided *t = &ts[i];
-    if (in_memory(pv, t) || name_index_get(&c->index, t->name, &seen))
-      continue;
-    if (c->cap - c->used < t->nbytes) {
-      c->complete = false; /* no room: read again by the apply, and checked again after it */
-      continue;
-    }
-    rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
-    if (!rc)
-      rc = grow_array((void **)&c->pending, &c->cap_pending, c->n_pending + 1, sizeof *c->pending);
-    if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
-      c->offset[c->n++] = c->used;
-      c->pending[c->n_pending++] = *t;
-      c->used += t->nbytes;
-    }
+  if (in_memory(c->inner, t) || name_index_get(&c->index, t->name, &seen))
+    return 0;
+  if (c->cap - c->used < t->nbytes) {
+    c->complete = false; /* no room: read again by the apply, and checked again after it */
+    return 0;
+  }
+  int rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
+  if (!rc)
+    rc = grow_array((void **)&c->pending, &c->cap_pending, c->n_pending + 1, sizeof *c->pending);
+  if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
+    c->offset[c->n++] = c->used;
+    c->pending[c->n_pending++] = *t;
+    c->used += t->nbytes;
   }
   return rc;
 }
@@ -258,13 +261,13 @@ static int read_kept(struct scale_cache *c) {
   if (!dsts)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < n; i++) {
-    size_t at = 0;
-    name_index_get(&c->index, c->pending[i].name, &at);
-    dsts[i] = c->bytes + c->offset[at];
+    dsts[i] = c->bytes + c->offset[c->n - n + i];
     total += c->pending[i].nbytes;
   }
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  int shares = total < reload_threaded_scale_bytes || cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
+  int shares = total < reload_threaded_scale_bytes || cores < 2 ? 1
+               : cores > SCALE_READERS                          ? SCALE_READERS
+                                                                : (int)cores;
   struct kept_share sh[SCALE_READERS];
   pthread_t tid[SCALE_READERS];
   bool started[SCALE_READERS] = {false};
@@ -367,29 +370,22 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   return 0;
 }
 
-/* Every source of the layer is in the provider as the model expects; its scales get room in the cache. */
+/* Every source of the layer is in the provider as the model expects; its scales get room in the cache
+ * and are listed for the check of their values. */
 static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
-  const struct provider *pv = cache->inner;
-  size_t n = 0;
-  struct provided *scales = malloc((layer->n_sources ? layer->n_sources : 1) * sizeof *scales), t;
-  int rc = scales ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t i = 0; i < layer->n_sources && !rc; i++)
-    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].param->scale)
-      scales[n++] = t;
-  if (!rc)
-    rc = keep_scales(cache, scales, n);
-  free(scales);
-  return rc;
-}
-
-/* The layer's scale tensors (read by read_kept, or now when the cache had no room) are valid. */
-static int validate_scale_values(const qkeep_layer *layer, struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   struct provided t;
   int rc = 0;
-  for (size_t i = 0; i < layer->n_sources && !rc; i++)
-    if (layer->sources[i].param->scale && pv->find(pv, layer->sources[i].checkpoint_name, &t))
-      rc = check_scale_values(layer, layer->sources[i].param, cache, &t);
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    const qkeep_param *p = layer->sources[i].param;
+    if ((rc = check_source(layer, pv, &layer->sources[i], &t)) || !p->scale)
+      continue;
+    rc = grow_array((void **)&cache->checks, &cache->cap_checks, cache->n_checks + 1, sizeof *cache->checks);
+    if (!rc) {
+      cache->checks[cache->n_checks++] = (struct scale_check){layer, p, t};
+      rc = keep_scale(cache, &t);
+    }
+  }
   return rc;
 }
 
@@ -434,9 +430,8 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
     return set_error(QKEEP_E_NOTFOUND, "%s: holds no tensor of this model", pv->what);
   /* Every name and shape holds: now the scales' values, read all at once. */
   int rc = read_kept(cache);
-  for (size_t l = 0; l < model->n_layers && !rc; l++)
-    if (selected[l])
-      rc = validate_scale_values(model->layers[l], cache);
+  for (size_t i = 0; i < cache->n_checks && !rc; i++)
+    rc = check_scale_values(cache->checks[i].layer, cache->checks[i].param, cache, &cache->checks[i].t);
   return rc;
 }
 
