@@ -14,28 +14,13 @@
 #include <string.h>
 
 #include "internal.h"
+#include "plugins/async_queue.h"
 
 /* ---- the fake device ---- */
 
-struct pending {
-  void *dst;
-  const void *src;
-  size_t n;
-};
-static struct pending *queue;
-static size_t queued, queue_cap, flushed;
-static uint64_t *fence_at; /* per token: copies started before it */
-static size_t fences, fence_cap;
-static unsigned asks;
+static struct async_queue q;
 
-static void complete(size_t count) {
-  for (size_t i = 0; i < count; i++)
-    memcpy(queue[i].dst, queue[i].src, queue[i].n);
-  if (queued > count) /* an empty queue may have no array yet */
-    memmove(queue, queue + count, (queued - count) * sizeof *queue);
-  queued -= count, flushed += count;
-}
-static void flush(void) { complete(queued); }
+static void flush(void) { aq_flush(&q); }
 
 static int f_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   (void)be, flush();
@@ -59,37 +44,23 @@ static int f_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out
 }
 static void f_host_free(const struct qkeep_backend *be, void *p) {
   (void)be;
-  ck_assert_uint_eq(queued, 0); /* the core syncs before it frees its staging */
+  ck_assert_uint_eq(q.queued, 0); /* the core syncs before it frees its staging */
   free(p);
 }
 static int f_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
   (void)be;
-  if (queued == queue_cap) {
-    queue_cap = queue_cap ? 2 * queue_cap : 64;
-    ck_assert_ptr_nonnull(queue = realloc(queue, queue_cap * sizeof *queue));
-  }
-  queue[queued++] = (struct pending){dst, src, n};
+  ck_assert(aq_push(&q, dst, src, n));
   return 0;
 }
 static int f_fence(const struct qkeep_backend *be, uint64_t *fence) {
   (void)be;
-  if (fences == fence_cap) {
-    fence_cap = fence_cap ? 2 * fence_cap : 64;
-    ck_assert_ptr_nonnull(fence_at = realloc(fence_at, fence_cap * sizeof *fence_at));
-  }
-  fence_at[fences] = flushed + queued;
-  *fence = fences++;
+  ck_assert(aq_fence(&q, fence));
   return 0;
 }
 static int f_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
   (void)be;
-  ck_assert_uint_lt(fence, fences);
-  if (fence_at[fence] <= flushed)
-    return 0;
-  if (!block && asks++ % 2 == 0)
-    return 1;
-  complete((size_t)(fence_at[fence] - flushed));
-  return 0;
+  ck_assert_uint_lt(fence, q.fences);
+  return aq_fence_wait(&q, fence, block);
 }
 
 static const struct qkeep_memory_ops fenced_ops = {
@@ -158,12 +129,7 @@ static void ring(const char *slots, const char *piece) {
   setenv("QKEEP_STREAM_READERS", "3", 1);
 }
 
-static void reset_device(void) {
-  free(queue), free(fence_at);
-  queue = NULL, fence_at = NULL;
-  queued = queue_cap = flushed = fences = fence_cap = 0;
-  asks = 0;
-}
+static void reset_device(void) { aq_free(&q); }
 
 /* Every piece of a tensor many times the ring's size lands, with or without fences (_i). */
 START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
@@ -182,7 +148,7 @@ START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
   for (size_t i = 0; i < n; i++)
     ck_assert_msg((unsigned char)dst[i] == pattern(i), "byte %zu", i);
   if (_i == 0)
-    ck_assert_uint_gt(fences, n / 4096); /* a fence per piece */
+    ck_assert_uint_gt(q.fences, n / 4096); /* a fence per piece */
   stream_free(s);
   free(dst);
 }

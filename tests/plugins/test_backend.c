@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "async_queue.h"
 #include "qkeep_backend.h"
 
 #if defined(VARIANT_GOOD)
@@ -63,17 +64,8 @@ struct test_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
   const struct qkeep_host *host;
   long threads;
-  char take[128];  /* PICKY: the name part a layer must contain ("" takes all, "-" none) */
-  struct pending { /* ASYNC: copies started and not yet done */
-    void *dst;
-    const void *src;
-    size_t n;
-  } * queue;
-  size_t queued, queue_cap;
-  size_t flushed;     /* ASYNC: copies started and done (queue[0] is copy number `flushed`) */
-  uint64_t *fence_at; /* ASYNC: per fence token, the number of copies started before it */
-  size_t fences, fence_cap;
-  unsigned queries; /* ASYNC: non-blocking fence waits so far (every other one says "not yet") */
+  char take[128];           /* PICKY: the name part a layer must contain ("" takes all, "-" none) */
+  struct async_queue queue; /* ASYNC: its device's copies (async_queue.h) */
 };
 
 #if !defined(VARIANT_INITFAIL) /* INITFAIL never builds a table */
@@ -209,21 +201,8 @@ static struct test_backend *async_of(const struct qkeep_backend *be) {
   return (struct test_backend *)(void *)(uintptr_t)be; /* the instance behind the const table is ours */
 }
 
-/* Completes the oldest `count` queued copies, in order (what a stream does by the time it is waited on). */
-static void async_complete(struct test_backend *tb, size_t count) {
-  for (size_t i = 0; i < count; i++)
-    memcpy(tb->queue[i].dst, tb->queue[i].src, tb->queue[i].n);
-  if (tb->queued > count) /* the rest moves up (an empty queue may have no array yet) */
-    memmove(tb->queue, tb->queue + count, (tb->queued - count) * sizeof *tb->queue);
-  tb->queued -= count;
-  tb->flushed += count;
-}
-
 /* Completes every queued copy. */
-static void async_flush(const struct qkeep_backend *be) {
-  struct test_backend *tb = async_of(be);
-  async_complete(tb, tb->queued);
-}
+static void async_flush(const struct qkeep_backend *be) { aq_flush(&async_of(be)->queue); }
 
 /* Every op below runs after the queued copies, as on one stream. */
 static int async_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
@@ -265,37 +244,17 @@ static void async_host_free(const struct qkeep_backend *be, void *ptr) {
   char *base = (char *)ptr - 64;
   size_t bytes;
   memcpy(&bytes, base, sizeof bytes);
-  for (size_t i = 0; i < tb->queued; i++)
-    if ((const char *)tb->queue[i].src >= (char *)ptr && (const char *)tb->queue[i].src < (char *)ptr + bytes)
-      abort();
+  if (aq_reads(&tb->queue, ptr, bytes))
+    abort();
   free(base);
 }
 static int async_h2d(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
-  struct test_backend *tb = async_of(be);
-  if (tb->queued == tb->queue_cap) {
-    size_t cap = tb->queue_cap ? 2 * tb->queue_cap : 16;
-    struct pending *q = realloc(tb->queue, cap * sizeof *q);
-    if (!q)
-      return QKEEP_E_NOMEM;
-    tb->queue = q, tb->queue_cap = cap;
-  }
-  tb->queue[tb->queued++] = (struct pending){dst, src, n};
-  return 0;
+  return aq_push(&async_of(be)->queue, dst, src, n) ? 0 : QKEEP_E_NOMEM;
 }
 
 /* ABI 1.3: a fence remembers how many copies were started before it. */
 static int async_fence(const struct qkeep_backend *be, uint64_t *fence) {
-  struct test_backend *tb = async_of(be);
-  if (tb->fences == tb->fence_cap) {
-    size_t cap = tb->fence_cap ? 2 * tb->fence_cap : 64;
-    uint64_t *f = realloc(tb->fence_at, cap * sizeof *f);
-    if (!f)
-      return QKEEP_E_NOMEM;
-    tb->fence_at = f, tb->fence_cap = cap;
-  }
-  tb->fence_at[tb->fences] = tb->flushed + tb->queued;
-  *fence = tb->fences++;
-  return 0;
+  return aq_fence(&async_of(be)->queue, fence) ? 0 : QKEEP_E_NOMEM;
 }
 
 /* Completes the copies before the fence only (later ones stay queued, so a core that refills a piece
@@ -303,16 +262,10 @@ static int async_fence(const struct qkeep_backend *be, uint64_t *fence) {
  * time without completing anything, as a busy device would. */
 static int async_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
   struct test_backend *tb = async_of(be);
-  if (fence >= tb->fences)
+  if (fence >= tb->queue.fences)
     return tb->host->set_error(QKEEP_E_INVAL, "test-async: fence %llu was never recorded",
                                (unsigned long long)fence);
-  uint64_t before = tb->fence_at[fence];
-  if (before <= tb->flushed)
-    return 0;
-  if (!block && tb->queries++ % 2 == 0)
-    return 1;
-  async_complete(tb, (size_t)(before - tb->flushed));
-  return 0;
+  return aq_fence_wait(&tb->queue, fence, block);
 }
 
 static const struct qkeep_memory_ops async_ops = {
@@ -347,8 +300,7 @@ static void test_fini(const struct qkeep_backend *be) {
 #else
 static void test_fini(const struct qkeep_backend *be) {
   struct test_backend *tb = (struct test_backend *)(void *)(uintptr_t)be;
-  free(tb->queue);
-  free(tb->fence_at);
+  aq_free(&tb->queue);
   free(tb);
 }
 #endif
