@@ -305,6 +305,10 @@ struct source {
   struct slice {
     size_t offset, rows, row_bytes, stride;
   } slice;
+  /* The provider's tensor for this source (its handle) as check_source found it under provider pass
+   * found_pass (0: none yet). */
+  const void *found;
+  uint64_t found_pass;
 };
 
 struct scheme;
@@ -609,7 +613,16 @@ struct provider {
   int (*read_many)(const struct provider *p, const struct provided *ts, size_t n, void *const *dsts);
   /* (optional) Copies bytes [offset, offset + n) of the tensor (a range within it) into host memory. */
   int (*read_range)(const struct provider *p, const struct provided *t, size_t offset, size_t n, void *dst);
+  /* (optional, with pass) Fills *out for the tensor whose handle find gave, without looking its name up. */
+  void (*describe)(const struct provider *p, const void *handle, struct provided *out);
+  /* Nonzero: this provider's number, unique for the process (provider_pass), under which check_source
+   * remembers each source's tensor, so the load's later steps find it without a lookup; 0: nothing is
+   * remembered. Two providers share one only when find gives the same answers for both. */
+  uint64_t pass;
 };
+
+/* A number no provider had before (from 1 up, never reused). Thread safe. */
+uint64_t provider_pass(void);
 
 /* A provider over an open checkpoint. */
 void ckpt_provider(struct provider *p, const struct ckpt *ck);
@@ -679,8 +692,10 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
 void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st);
 /* Loads every source of a layer from the provider (strided and compare-only ones too). */
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st);
-/* Checks that the provider's tensor matches what the source expects (name found, dtype, shape). */
-int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+/* Checks that the provider's tensor matches what the source expects (name found, dtype, shape) and fills
+ * *out. Once it held for a provider with a pass, it is remembered in src: for the same pass, later calls
+ * describe the same tensor without the lookup or the checks. */
+int check_source(const qkeep_layer *layer, const struct provider *pv, struct source *src,
                  struct provided *out);
 /* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
 /* What a scale param's values must be, for messages. */

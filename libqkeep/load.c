@@ -65,14 +65,19 @@ int staging_reserve(struct staging *s, size_t bytes) {
 
 /* ---- the checkpoint provider ---- */
 
-static bool ck_find(const struct provider *p, const char *name, struct provided *out) {
-  const struct ckpt_tensor *t = ckpt_find(p->ctx, name);
-  if (!t)
-    return false;
+static void ck_describe(const struct provider *p, const void *handle, struct provided *out) {
+  (void)p;
+  const struct ckpt_tensor *t = handle;
   *out = (struct provided){
       t->t->name,    t->t->dtype, t->t->dtype_name, t->t->ndim,      t->t->shape, (size_t)t->t->nbytes,
       t->file->path, t,           t->t->full_shape, t->t->full_ndim, false};
-  return true;
+}
+
+static bool ck_find(const struct provider *p, const char *name, struct provided *out) {
+  const struct ckpt_tensor *t = ckpt_find(p->ctx, name);
+  if (t)
+    ck_describe(p, t, out);
+  return t != NULL;
 }
 static int ck_read(const struct provider *p, const struct provided *t, void *dst) {
   return ckpt_read(p->ctx, t->handle, dst);
@@ -99,12 +104,13 @@ static int ck_read_range(const struct provider *p, const struct provided *t, siz
 }
 
 void ckpt_provider(struct provider *p, const struct ckpt *ck) {
-  *p = (struct provider){ck->path, ck,         ck_find,      ck_read, NULL, NULL, ck_count, ck_name_at,
-                         ck_read_many, ck_read_range};
+  *p = (struct provider){ck->path,     ck,           ck_find,     ck_read,         NULL, NULL, ck_count,
+                         ck_name_at,   ck_read_many, ck_read_range, ck_describe, provider_pass()};
 }
 
-int check_source(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
-                 struct provided *t) {
+/* check_source's lookup and checks. */
+static int check_found(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                       struct provided *t) {
   if (!pv->find(pv, src->checkpoint_name, t))
     return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
                      src->checkpoint_name, layer->name);
@@ -129,6 +135,17 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, const stru
                      t->where, t->name, t->full_shape ? t->full_ndim : t->ndim,
                      p->full_shape ? p->full_ndim : p->create_spec.ndim, layer->name);
   return 0;
+}
+
+int check_source(const qkeep_layer *layer, const struct provider *pv, struct source *src, struct provided *t) {
+  if (pv->pass && src->found_pass == pv->pass) {
+    pv->describe(pv, src->found, t);
+    return 0;
+  }
+  int rc = check_found(layer, pv, src, t);
+  if (!rc && pv->pass)
+    src->found = t->handle, src->found_pass = pv->pass;
+  return rc;
 }
 
 /* A compare-only source: the provider's bytes must equal what an earlier shard loaded. */

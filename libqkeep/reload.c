@@ -37,12 +37,8 @@ struct buffers {
 
 static const struct buffers *buffers_of(const struct provider *p) { return p->ctx; }
 
-static bool buf_find(const struct provider *p, const char *name, struct provided *out) {
-  const struct buffers *b = buffers_of(p);
-  size_t at;
-  if (!name_index_get(&b->index, name, &at))
-    return false;
-  const struct qkeep_named_tensor *t = &b->tensors[at];
+static void buf_describe(const struct provider *p, const void *handle, struct provided *out) {
+  const struct qkeep_named_tensor *t = handle;
   *out = (struct provided){t->name,
                            (int)t->spec.dtype,
                            qkeep_dtype_name(t->spec.dtype),
@@ -54,7 +50,15 @@ static bool buf_find(const struct provider *p, const char *name, struct provided
                            NULL,
                            0,
                            true};
-  return true;
+}
+
+static bool buf_find(const struct provider *p, const char *name, struct provided *out) {
+  const struct buffers *b = buffers_of(p);
+  size_t at;
+  bool found = name_index_get(&b->index, name, &at);
+  if (found)
+    buf_describe(p, &b->tensors[at], out);
+  return found;
 }
 
 static int buf_read(const struct provider *p, const struct provided *t, void *dst) {
@@ -101,11 +105,12 @@ struct scale_cache {
   size_t *offset;          /* per entry, into bytes */
   size_t n, cap_entries;
   bool complete; /* every scale tensor is kept (or lives in memory already) */
-  /* kept tensors not read yet (entries n - n_pending .. n - 1, in order): read together, by a few
-   * threads, once every layer is checked */
+  /* kept tensors not read yet (entries n - n_pending .. n - 1, in order, pending_bytes in all): read
+   * after each layer while they are few bytes, else together, by a few threads, once every layer is
+   * checked */
   struct provided *pending;
-  size_t n_pending, cap_pending;
-  /* every scale tensor validation checks the values of, with its layer and param */
+  size_t n_pending, cap_pending, pending_bytes;
+  /* the scale tensors whose values are still to be checked, with their layer and param */
   struct scale_check {
     const qkeep_layer *layer;
     const qkeep_param *param;
@@ -155,6 +160,11 @@ static int cached_read_range(const struct provider *p, const struct provided *t,
   return c->inner->read_range(c->inner, t, offset, n, dst);
 }
 
+static void cached_describe(const struct provider *p, const void *handle, struct provided *out) {
+  const struct scale_cache *c = p->ctx;
+  c->inner->describe(c->inner, handle, out);
+}
+
 static void cached_provider(struct provider *p, struct scale_cache *c) {
   *p = (struct provider){c->inner->what,
                          c,
@@ -165,7 +175,9 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
                          cached_count,
                          cached_name_at,
                          c->inner->read_many ? cached_read_many : NULL,
-                         c->inner->read_range ? cached_read_range : NULL};
+                         c->inner->read_range ? cached_read_range : NULL,
+                         c->inner->describe ? cached_describe : NULL,
+                         c->inner->describe ? c->inner->pass : 0}; /* its find is the inner one's */
 }
 
 static void scale_cache_free(struct scale_cache *c) {
@@ -214,6 +226,7 @@ static int keep_scale(struct scale_cache *c, const struct provided *t) {
   if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
     c->offset[c->n++] = c->used;
     c->pending[c->n_pending++] = *t;
+    c->pending_bytes += t->nbytes;
     c->used += t->nbytes;
   }
   return rc;
@@ -255,6 +268,7 @@ static void *read_share_thread(void *arg) {
 static int read_kept(struct scale_cache *c) {
   size_t n = c->n_pending, total = 0;
   c->n_pending = 0;
+  c->pending_bytes = 0;
   if (!n)
     return 0;
   void **dsts = malloc(n * sizeof *dsts);
@@ -264,10 +278,8 @@ static int read_kept(struct scale_cache *c) {
     dsts[i] = c->bytes + c->offset[c->n - n + i];
     total += c->pending[i].nbytes;
   }
-  long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  int shares = total < reload_threaded_scale_bytes || cores < 2 ? 1
-               : cores > SCALE_READERS                          ? SCALE_READERS
-                                                                : (int)cores;
+  long cores = total < reload_threaded_scale_bytes ? 1 : sysconf(_SC_NPROCESSORS_ONLN); /* sysconf reads /sys */
+  int shares = cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
   struct kept_share sh[SCALE_READERS];
   pthread_t tid[SCALE_READERS];
   bool started[SCALE_READERS] = {false};
@@ -370,6 +382,15 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   return 0;
 }
 
+/* Reads the kept scales not read yet and checks the values of every listed scale tensor. */
+static int check_listed_scales(struct scale_cache *cache) {
+  int rc = read_kept(cache);
+  for (size_t i = 0; i < cache->n_checks && !rc; i++)
+    rc = check_scale_values(cache->checks[i].layer, cache->checks[i].param, cache, &cache->checks[i].t);
+  cache->n_checks = 0;
+  return rc;
+}
+
 /* Every source of the layer is in the provider as the model expects; its scales get room in the cache
  * and are listed for the check of their values. */
 static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
@@ -410,6 +431,10 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
     int rc = validate_sources(layer, cache);
     if (!rc)
       rc = check_config(layer, qc, pv->what);
+    /* A few kilobytes of scales are read now, one batch per layer, while their names are hot; a layer's
+     * megabytes (the scales of a large model) wait for the threaded read at the end. */
+    if (!rc && cache->pending_bytes < reload_threaded_scale_bytes)
+      rc = check_listed_scales(cache);
     if (rc)
       return rc;
     selected[l] = true;
@@ -428,11 +453,8 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
   }
   if (!chosen)
     return set_error(QKEEP_E_NOTFOUND, "%s: holds no tensor of this model", pv->what);
-  /* Every name and shape holds: now the scales' values, read all at once. */
-  int rc = read_kept(cache);
-  for (size_t i = 0; i < cache->n_checks && !rc; i++)
-    rc = check_scale_values(cache->checks[i].layer, cache->checks[i].param, cache, &cache->checks[i].t);
-  return rc;
+  /* Every name and shape holds: now the values of the scales left, read all at once. */
+  return check_listed_scales(cache);
 }
 
 /* ---- applying -------------------------------------------------------------------------------- */
@@ -687,8 +709,8 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
   struct buffers b = {0};
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
-    struct provider pv = {"in-memory tensors", &b,        buf_find,    buf_read, buf_host,
-                          buf_device,          buf_count, buf_name_at, NULL,     NULL};
+    struct provider pv = {"in-memory tensors", &b,    buf_find,     buf_read,       buf_host, buf_device,
+                          buf_count,           buf_name_at, NULL, NULL, buf_describe, provider_pass()};
     rc = reload(model, &pv, NULL, flags, NULL, NULL);
   }
   name_index_clear(&b.index);
@@ -700,8 +722,8 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_tensor: NULL argument");
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
-  struct provider pv = {"in-memory tensor", &b,        buf_find,    buf_read, buf_host,
-                        buf_device,         buf_count, buf_name_at, NULL,     NULL};
+  struct provider pv = {"in-memory tensor", &b,    buf_find,     buf_read,       buf_host, buf_device,
+                        buf_count,          buf_name_at, NULL, NULL, buf_describe, provider_pass()};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
   const struct source_ref *ref = rc ? NULL : model_find_source(model, tensor->name);

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -211,3 +212,8 @@ int qk_asprintf(char **out, const char *fmt, ...) {
   return n;
 }
 
+
+uint64_t provider_pass(void) {
+  static atomic_uint_fast64_t next = 1;
+  return (uint64_t)atomic_fetch_add(&next, 1);
+}
