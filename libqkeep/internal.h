@@ -619,6 +619,10 @@ struct provider {
    * remembers each source's tensor, so the load's later steps find it without a lookup; 0: nothing is
    * remembered. Two providers share one only when find gives the same answers for both. */
   uint64_t pass;
+  /* (device buffers) One allocation holding many of the provider's tensors, [block, block + block_bytes):
+   * a copy may span several tensors within it. NULL: none known. */
+  const char *block;
+  size_t block_bytes;
 };
 
 /* A number no provider had before (from 1 up, never reused). Thread safe. */
@@ -700,6 +704,25 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, struct sou
 /* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
 /* What a scale param's values must be, for messages. */
 const char *scale_rule(const qkeep_param *p);
+/* A scale tensor whose values are to be checked: nbytes of dtype at `at` in the memory of dev (NULL: host
+ * memory). */
+struct scale_item {
+  const struct device *dev;
+  const void *at;
+  const void *block; /* the one allocation holding it with other items (copies may span them), or NULL */
+  size_t nbytes;
+  int dtype;                /* enum qkeep_dtype */
+  const qkeep_param *param; /* what its values must be */
+  const char *where, *name; /* for the message: "<where>: tensor '<name>': element ..." */
+};
+/* Checks the values of n scale tensors, copying each run of those in device memory that lie close
+ * together in one block to the host in one copy (reload.c; sorts items by device, block and address).
+ * 0, or QKEEP_E_FORMAT naming the tensor and element, or a copy's error. */
+int check_device_scales(struct scale_item *items, size_t n);
+/* qkeep_model_reload_tensors with the tensors in [block, block + block_bytes) known to lie in one
+ * allocation (a sync's bucket), so that their scales are copied for their check in runs. */
+int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n, unsigned flags,
+                      const void *block, size_t block_bytes);
 const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
                        size_t *index);
 /* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and

@@ -104,8 +104,9 @@ static int ck_read_range(const struct provider *p, const struct provided *t, siz
 }
 
 void ckpt_provider(struct provider *p, const struct ckpt *ck) {
-  *p = (struct provider){ck->path,     ck,           ck_find,     ck_read,         NULL, NULL, ck_count,
-                         ck_name_at,   ck_read_many, ck_read_range, ck_describe, provider_pass()};
+  *p = (struct provider){ck->path, ck,         ck_find,      ck_read,       NULL,        NULL,
+                         ck_count, ck_name_at, ck_read_many, ck_read_range, ck_describe, provider_pass(),
+                         NULL,     0};
 }
 
 /* check_source's lookup and checks. */

@@ -484,10 +484,11 @@ QKEEP_API void qkeep_sync_abort(qkeep_sync *sync);
 /*
  * The sender's plan: every checkpoint tensor the model loads, each once (a tensor that
  * feeds two params, e.g. one kv_scale for k and v, is sent once; a tied lm_head sends
- * nothing of its own), in layer order, packed into buckets of at most bucket_bytes (a
- * tensor larger than that gets a bucket of its own), offsets aligned to 256 bytes; a layer
- * that fits a bucket starts a new one rather than straddle two (the receiver would keep a
- * copy of its first part until the rest arrived). Built
+ * nothing of its own), in layer order, each layer's scale tensors before its other tensors
+ * (a receiver checks the scales first, and copies them from a device bucket as one run),
+ * packed into buckets of at most bucket_bytes (a tensor larger than that gets a bucket of its
+ * own), offsets aligned to 256 bytes; a layer that fits a bucket starts a new one rather than
+ * straddle two (the receiver would keep a copy of its first part until the rest arrived). Built
  * from a model loaded with the full (one-rank) layout or any rank: shapes are the full ones.
  * *out (n entries, malloc'd; free with qkeep_sync_plan_free) holds name (borrowed from the
  * model), spec, offset and the bucket index; *n_buckets the count.

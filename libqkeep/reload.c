@@ -177,7 +177,9 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
                          c->inner->read_many ? cached_read_many : NULL,
                          c->inner->read_range ? cached_read_range : NULL,
                          c->inner->describe ? cached_describe : NULL,
-                         c->inner->describe ? c->inner->pass : 0}; /* its find is the inner one's */
+                         c->inner->describe ? c->inner->pass : 0, /* its find is the inner one's */
+                         c->inner->block,
+                         c->inner->block_bytes};
 }
 
 static void scale_cache_free(struct scale_cache *c) {
@@ -331,20 +333,97 @@ static int scale_bytes(const struct scale_cache *c, const struct device *dev, co
 
 /* ---- validation: nothing changes until all of W1 is known good ------------------------- */
 
+/* The item's bytes (in host memory) must be valid scales. */
+static int check_item(const struct scale_item *it, const unsigned char *bytes) {
+  size_t bad;
+  const char *why = bad_scales((enum qkeep_dtype)it->dtype, bytes, it->nbytes / qkeep_dtype_size(it->dtype),
+                               it->param->positive, &bad);
+  return why ? set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (%s)", it->where, it->name, bad,
+                         why, scale_rule(it->param))
+             : 0;
+}
+
 /* A scale tensor's values must be valid before anything is written. */
 static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, const struct scale_cache *c,
                               const struct provided *t) {
   const unsigned char *bytes = NULL;
   unsigned char *scratch = NULL;
   int rc = scale_bytes(c, layer_device(layer), t, &bytes, &scratch);
-  size_t bad;
-  const char *why = rc ? NULL
-                       : bad_scales((enum qkeep_dtype)t->dtype, bytes, t->nbytes / qkeep_dtype_size(t->dtype),
-                                    p->positive, &bad);
-  if (why)
-    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (%s)", t->where, t->name, bad, why,
-                   scale_rule(p));
+  if (!rc)
+    rc =
+        check_item(&(struct scale_item){NULL, bytes, NULL, t->nbytes, t->dtype, p, t->where, t->name}, bytes);
   free(scratch);
+  return rc;
+}
+
+/*
+ * Device-resident scales (a weight sync's bucket in device memory) are copied to the host to be
+ * checked: one copy per run of them close together in device memory instead of one per tensor (a
+ * Qwen3-MoE layer has over a thousand, each copy a round trip to the device). Two tensors share a
+ * copy when the gap between them is at most DEVICE_RUN_GAP bytes or the tensor bytes of the run so
+ * far, so the bytes copied stay below twice the scales' plus DEVICE_RUN_GAP per run. Only tensors known
+ * to lie in one allocation (a block: the sync's bucket) share a copy; should the device still refuse
+ * one, its tensors are copied one by one.
+ */
+#define DEVICE_RUN_GAP ((size_t)4096)
+
+static int by_device_address(const void *a, const void *b) {
+  const struct scale_item *x = a, *y = b;
+  if (x->dev != y->dev)
+    return (uintptr_t)x->dev < (uintptr_t)y->dev ? -1 : 1;
+  if (x->block != y->block)
+    return (uintptr_t)x->block < (uintptr_t)y->block ? -1 : 1;
+  return (uintptr_t)x->at < (uintptr_t)y->at ? -1 : (uintptr_t)x->at > (uintptr_t)y->at;
+}
+
+/* Items [first, last) from one copy of their run (`host`, of the run's bytes, malloc'd as needed), or each
+ * from its own copy when the device refuses the run's. */
+static int check_run(const struct scale_item *items, size_t first, size_t last, uintptr_t start, size_t bytes,
+                     unsigned char **host, size_t *cap) {
+  if (bytes > *cap) {
+    unsigned char *grown = realloc(*host, bytes);
+    if (!grown)
+      return set_error(QKEEP_E_NOMEM, "out of memory for %zu bytes of device scales", bytes);
+    *host = grown, *cap = bytes;
+  }
+  bool one_copy = last - first > 1 && dev_d2h(items[first].dev, *host, (const void *)start, bytes) == 0;
+  int rc = 0;
+  for (size_t k = first; k < last && !rc; k++) {
+    const struct scale_item *it = &items[k];
+    if (!one_copy && (rc = dev_d2h(it->dev, *host, it->at, it->nbytes)) != 0)
+      break;
+    rc = check_item(it, *host + (one_copy ? (uintptr_t)it->at - start : 0));
+  }
+  return rc;
+}
+
+int check_device_scales(struct scale_item *items, size_t n) {
+  qsort(items, n, sizeof *items, by_device_address);
+  unsigned char *host = NULL;
+  size_t cap = 0;
+  int rc = 0;
+  for (size_t first = 0, last; first < n && !rc; first = last) {
+    if (!items[first].dev) { /* in host memory: checked where it is */
+      rc = check_item(&items[first], items[first].at);
+      last = first + 1;
+      continue;
+    }
+    uintptr_t start = (uintptr_t)items[first].at, end = start + items[first].nbytes;
+    size_t tensor_bytes = items[first].nbytes;
+    for (last = first + 1; last < n && items[first].block && items[last].dev == items[first].dev &&
+                           items[last].block == items[first].block;
+         last++) {
+      uintptr_t at = (uintptr_t)items[last].at;
+      size_t gap = at > end ? (size_t)(at - end) : 0;
+      if (gap > DEVICE_RUN_GAP && gap > tensor_bytes)
+        break;
+      if (at + items[last].nbytes > end)
+        end = at + items[last].nbytes;
+      tensor_bytes += items[last].nbytes;
+    }
+    rc = check_run(items, first, last, start, (size_t)(end - start), &host, &cap);
+  }
+  free(host);
   return rc;
 }
 
@@ -382,11 +461,29 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   return 0;
 }
 
-/* Reads the kept scales not read yet and checks the values of every listed scale tensor. */
+/* Reads the kept scales not read yet and checks the values of every listed scale tensor (those in device
+ * memory in runs: check_device_scales). */
 static int check_listed_scales(struct scale_cache *cache) {
-  int rc = read_kept(cache);
-  for (size_t i = 0; i < cache->n_checks && !rc; i++)
-    rc = check_scale_values(cache->checks[i].layer, cache->checks[i].param, cache, &cache->checks[i].t);
+  const struct provider *pv = cache->inner;
+  struct scale_item *on_device = pv->device_bytes ? malloc((cache->n_checks + 1) * sizeof *on_device) : NULL;
+  size_t n = 0;
+  int rc = !pv->device_bytes || on_device ? read_kept(cache) : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < cache->n_checks && !rc; i++) {
+    const struct scale_check *ck = &cache->checks[i];
+    const void *at = on_device ? pv->device_bytes(pv, &ck->t) : NULL;
+    const char *block = at && pv->block && (const char *)at >= pv->block && ck->t.nbytes <= pv->block_bytes &&
+                                (size_t)((const char *)at - pv->block) <= pv->block_bytes - ck->t.nbytes
+                            ? pv->block
+                            : NULL;
+    if (at)
+      on_device[n++] = (struct scale_item){
+          layer_device(ck->layer), at, block, ck->t.nbytes, ck->t.dtype, ck->param, ck->t.where, ck->t.name};
+    else
+      rc = check_scale_values(ck->layer, ck->param, cache, &ck->t);
+  }
+  if (!rc && n)
+    rc = check_device_scales(on_device, n);
+  free(on_device);
   cache->n_checks = 0;
   return rc;
 }
@@ -704,13 +801,19 @@ static int index_buffers(struct buffers *b, const struct qkeep_named_tensor *ten
 
 int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n,
                                unsigned flags) {
+  return reload_tensors_in(model, tensors, n, flags, NULL, 0);
+}
+
+int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n, unsigned flags,
+                      const void *block, size_t block_bytes) {
   if (!model || (!tensors && n))
     return set_error(QKEEP_E_INVAL, "qkeep_model_reload_tensors: NULL argument");
   struct buffers b = {0};
   int rc = index_buffers(&b, tensors, n);
   if (!rc) {
-    struct provider pv = {"in-memory tensors", &b,    buf_find,     buf_read,       buf_host, buf_device,
-                          buf_count,           buf_name_at, NULL, NULL, buf_describe, provider_pass()};
+    struct provider pv = {
+        "in-memory tensors", &b,   buf_find, buf_read,     buf_host,        buf_device, buf_count,
+        buf_name_at,         NULL, NULL,     buf_describe, provider_pass(), block,      block_bytes};
     rc = reload(model, &pv, NULL, flags, NULL, NULL);
   }
   name_index_clear(&b.index);
@@ -722,8 +825,9 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_tensor: NULL argument");
   struct buffers b = {0};
   int rc = index_buffers(&b, tensor, 1);
-  struct provider pv = {"in-memory tensor", &b,    buf_find,     buf_read,       buf_host, buf_device,
-                        buf_count,          buf_name_at, NULL, NULL, buf_describe, provider_pass()};
+  struct provider pv = {
+      "in-memory tensor", &b,   buf_find, buf_read,     buf_host,        buf_device, buf_count,
+      buf_name_at,        NULL, NULL,     buf_describe, provider_pass(), NULL,       0};
   qkeep_layer *layer = NULL;
   struct source *src = NULL;
   const struct source_ref *ref = rc ? NULL : model_find_source(model, tensor->name);

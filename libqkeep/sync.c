@@ -10,6 +10,7 @@
  * Also the sender's plan (every checkpoint tensor once, packed into buckets) and the
  * in-process transport; the NCCL transport is in nccl.c.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,6 +53,7 @@ struct qkeep_sync {
   struct pending *pending;
   size_t n_pending, cap_pending;
   struct name_index pending_index; /* names[pending[i].name].name -> i */
+  bool trace;                      /* QKEEP_SYNC_TRACE: a line per bucket on stderr */
 };
 
 static void pending_free(struct pending *p) {
@@ -127,6 +129,8 @@ int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out) {
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   s->model = model;
+  const char *trace = getenv("QKEEP_SYNC_TRACE");
+  s->trace = trace && *trace && strcmp(trace, "0") != 0;
   int rc = model_source_copy(model, &s->w0);
   if (!rc)
     rc = index_names(s);
@@ -209,30 +213,6 @@ static int by_offset(const void *a, const void *b) {
   return x->offset < y->offset ? -1 : x->offset > y->offset;
 }
 
-/* A scale tensor's values must be valid (finite, non-negative; e4m3 and e8m0 not NaN) before anything
- * changes. */
-static int check_scales(const qkeep_sync *s, const struct qkeep_bucket *b,
-                        const struct qkeep_bucket_tensor *t, size_t at) {
-  size_t bytes = qkeep_spec_bytes(&t->spec), bad;
-  const unsigned char *host = (const unsigned char *)b->data + t->offset;
-  unsigned char *copy = NULL;
-  int rc = 0;
-  if (b->on_device) {
-    const struct device *dev = layer_device(s->model->layers[s->links[s->names[at].first_link].layer]);
-    rc = (copy = malloc(bytes ? bytes : 1)) ? dev_d2h(dev, copy, host, bytes)
-                                            : set_error(QKEEP_E_NOMEM, "out of memory");
-    host = copy;
-  }
-  const char *why = rc ? NULL
-                       : bad_scales(t->spec.dtype, host, bytes / qkeep_dtype_size(t->spec.dtype),
-                                    s->names[at].param->positive, &bad);
-  if (why)
-    rc = set_error(QKEEP_E_FORMAT, "bucket tensor '%s': element %zu is %s (%s)", t->name, bad, why,
-                   scale_rule(s->names[at].param));
-  free(copy);
-  return rc;
-}
-
 /* Everything about the bucket that can be checked without changing the model. *names_of[i]: the
  * model's name index of tensor i, or SIZE_MAX for another rank's tensor. */
 static int validate_bucket(const qkeep_sync *s, const struct qkeep_bucket *b, size_t *name_of) {
@@ -294,11 +274,7 @@ static bool ready(const qkeep_sync *s, size_t l) {
 
 /* Keeps a copy of bucket tensor t (name index at) until its layer completes. */
 static int keep(qkeep_sync *s, size_t at, const struct qkeep_bucket *b, const struct qkeep_bucket_tensor *t) {
-  /* Checked now, before this bucket changes anything (a layer reloaded now has its scales checked by
-   * the reload's own validation, so none is checked twice). */
-  int rc = s->names[at].scale ? check_scales(s, b, t, at) : 0;
-  if (rc)
-    return rc;
+  int rc;
   size_t bytes = qkeep_spec_bytes(&t->spec);
   const struct device *dev =
       b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
@@ -344,6 +320,35 @@ static int drop_pending(qkeep_sync *s) {
   return rc;
 }
 
+/* Checks the values of the bucket's scale tensors that must wait for their layer (in runs from device
+ * memory: check_device_scales). */
+static int check_waiting_scales(const qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
+  struct scale_item *items = malloc((b->n ? b->n : 1) * sizeof *items);
+  if (!items)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  size_t n = 0;
+  for (size_t i = 0; i < b->n; i++) {
+    size_t k = name_of[i];
+    if (k == SIZE_MAX || s->names[k].last_layer == SIZE_MAX || !s->names[k].scale)
+      continue;
+    const struct qkeep_bucket_tensor *t = &b->tensors[i];
+    const struct device *dev =
+        b->on_device ? layer_device(s->model->layers[s->links[s->names[k].first_link].layer]) : NULL;
+    const char *at = (const char *)b->data + t->offset;
+    items[n++] = (struct scale_item){dev,
+                                     at,
+                                     b->on_device ? b->data : NULL,
+                                     qkeep_spec_bytes(&t->spec),
+                                     t->spec.dtype,
+                                     s->names[k].param,
+                                     "bucket",
+                                     t->name};
+  }
+  int rc = check_device_scales(items, n);
+  free(items);
+  return rc;
+}
+
 /* Reloads the ready layers from the bucket and the pending copies; keeps what must wait. */
 static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
   qkeep_model *m = s->model;
@@ -379,12 +384,29 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
       }
     }
   }
+  /* Their scales are checked now, before this bucket changes anything (a layer reloaded now has its
+   * scales checked by the reload's own validation, so none is checked twice). */
+  double t0 = now_seconds();
+  if (!rc)
+    rc = check_waiting_scales(s, b, name_of);
   /* Tensors of layers that must wait are copied: the bucket is the caller's after this call. */
+  size_t kept = s->n_pending;
   for (size_t i = 0; i < b->n && !rc; i++)
     if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX)
       rc = keep(s, name_of[i], b, &b->tensors[i]);
+  double t1 = now_seconds();
   if (!rc && n)
-    rc = qkeep_model_reload_tensors(m, ts, n, QKEEP_RELOAD_PARTIAL);
+    rc = reload_tensors_in(m, ts, n, QKEEP_RELOAD_PARTIAL, b->data, b->nbytes);
+  if (!rc && s->trace) {
+    const struct qkeep_load_stats *st = &m->stats;
+    double reload = now_seconds() - t1, v = n ? st->validate_seconds : 0, r = n ? st->read_seconds : 0,
+           p = n ? st->pwal_seconds : 0;
+    fprintf(stderr,
+            "qkeep sync: bucket of %zu tensors, %zu bytes: %zu kept for later layers (%.2f ms with their "
+            "checks), %zu reloaded in %.2f ms (validate %.2f, load %.2f, normalise + PWAL %.2f, other %.2f)\n",
+            b->n, b->nbytes, s->n_pending - kept, (t1 - t0) * 1e3, n, reload * 1e3, v * 1e3, r * 1e3, p * 1e3,
+            (reload - v - r - p) * 1e3);
+  }
   for (size_t l = 0; l < m->n_layers && !rc; l++)
     s->done[l] |= now[l];
   if (!rc)
@@ -468,8 +490,14 @@ int qkeep_sync_plan(const qkeep_model *model, size_t bucket_bytes, struct qkeep_
       if (pass == 1 && used && ((used + 255) & ~(size_t)255) + layer_bytes > bucket_bytes &&
           layer_bytes <= bucket_bytes)
         bucket++, used = 0;
-      for (size_t i = 0; i < model->layers[l]->n_sources && !rc; i++) {
+      /* The layer's scale tensors first, then the rest: the receiver checks the scales' values before
+       * anything changes, and from a device bucket it copies them to the host as one run. */
+      size_t n_sources = model->layers[l]->n_sources;
+      for (size_t k = 0; k < 2 * n_sources && !rc; k++) {
+        size_t i = k % n_sources;
         const struct source *src = &model->layers[l]->sources[i];
+        if (src->param->scale != (k < n_sources))
+          continue; /* scales in the first round, the rest in the second */
         const struct source_ref *first = model_find_source(model, src->checkpoint_name);
         if (!first || first->layer != model->layers[l] || first->source != i)
           continue; /* sent once, with the first source that loads it */

@@ -627,7 +627,7 @@ struct sender {
 static void sender_open(struct sender *sd, const char *w1, size_t bucket_bytes) {
   qkeep_model *full = load_rank(w1, NULL, 1, 1, 0, 0);
   ck_assert_int_eq(qkeep_sync_plan(full, bucket_bytes, &sd->plan, &sd->n, &sd->n_buckets), 0);
-  ck_assert_uint_gt(sd->n_buckets, 2); /* small buckets: layers straddle bucket boundaries */
+  ck_assert_uint_ge(sd->n_buckets, 2); /* small buckets: several of them */
   /* Every checkpoint name the model loads, each once (an alias, a tensor feeding two params, once). */
   ck_assert_uint_eq(sd->n, full->source_index.count);
   struct name_index seen = {0};
@@ -838,7 +838,13 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
   struct qkeep_bucket b0 = bucket_of(&c.sd, 0, c.sd.buf[0]);
   ck_assert_int_eq(qkeep_sync_bucket(sy, &b0), 0);
   ck_assert_int_eq(qkeep_sync_end(sy), QKEEP_E_NOTFOUND);
-  ck_assert_msg(strstr(qkeep_errmsg(), c.sd.tensors[1][0].name), "%s", qkeep_errmsg());
+  bool named = false; /* one of the second bucket's tensors, quoted */
+  for (size_t i = 0; i < c.sd.count[1] && !named; i++) {
+    char quoted[256];
+    snprintf(quoted, sizeof quoted, "'%s'", c.sd.tensors[1][i].name);
+    named = strstr(qkeep_errmsg(), quoted) != NULL;
+  }
+  ck_assert_msg(named, "%s", qkeep_errmsg());
   ck_assert(same_digest(digest_now(c.m), c.d0));
   /* 3. a tensor sent twice */
   ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
@@ -908,6 +914,103 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
   tu_snapshot(cold, &cold_bytes);
   tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
   tu_release_snapshot(&before), tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
+  qkeep_model_free(m), qkeep_model_free(cold);
+  sender_close(&sd);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
+/* The device-to-host copies of one device, counted by wrapping its ops for the length of a test. */
+static const struct qkeep_memory_ops *counted_ops;
+static size_t d2h_copies;
+static int counting_d2h(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  d2h_copies++;
+  return counted_ops->copy_d2h(be, dst, src, n);
+}
+
+/* Syncs every bucket of sd from device memory of dev into m, bucket `bad` (SIZE_MAX: none) with the byte at
+ * bad_at set to 0x7f (a NaN e4m3 scale); the first failure's code, or 0 after qkeep_sync_end. */
+static int sync_from_device(qkeep_model *m, const struct device *dev, struct sender *sd, size_t bad,
+                            size_t bad_at) {
+  qkeep_sync *sy;
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  int rc = 0;
+  for (size_t b = 0; b < sd->n_buckets && !rc; b++) {
+    void *rx;
+    ck_assert_int_eq(dev_alloc(dev, sd->bytes[b], &rx), 0);
+    ck_assert_int_eq(dev_h2d(dev, rx, sd->buf[b], sd->bytes[b]), 0);
+    if (b == bad)
+      ck_assert_int_eq(dev_fill(dev, (char *)rx + bad_at, 0x7f, 1), 0);
+    struct qkeep_bucket bk = bucket_of(sd, b, rx);
+    bk.on_device = true;
+    rc = qkeep_sync_bucket(sy, &bk);
+    dev_free(dev, rx);
+  }
+  if (rc)
+    qkeep_sync_abort(sy);
+  return rc ? rc : qkeep_sync_end(sy);
+}
+
+/* Buckets large enough that the fixture's plan splits no layer, small enough for two. */
+#define BUCKET_NO_SPLIT (256 << 10)
+
+/* From a bucket in device memory, a layer's scale tensors (which the plan puts first) are copied to the
+ * host for their check in a few runs, not one copy per tensor; a NaN in the middle of such a run still
+ * fails the sync naming its tensor and element, and W0 is put back. */
+START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  sender_open(&sd, w1, BUCKET_NO_SPLIT);
+  qkeep_model *m = load_chain_rank(w0, &async, 1, 1, 0), *cold = load_chain_rank(w1, &async, 1, 1, 0);
+  struct qkeep_digest d0 = digest_now(m);
+  /* The plan: no layer split across buckets (so none waits, copied, for the rest), each layer's scales
+   * first. A weight_scale with scales on both sides in its bucket gets the NaN. */
+  size_t scales = 0, layers_with_scales = 0, bad = SIZE_MAX, bad_at = 0;
+  const char *bad_name = NULL;
+  const qkeep_layer *last = NULL;
+  size_t last_bucket = 0;
+  for (size_t b = 0; b < sd.n_buckets; b++)
+    for (size_t i = 0; i < sd.count[b]; i++) {
+      const struct source_ref *ref = model_find_source(m, sd.tensors[b][i].name);
+      ck_assert_ptr_nonnull(ref);
+      ck_assert_msg(ref->layer != last || b == last_bucket, "layer %s is split", ref->layer->name);
+      bool scale = ref->layer->sources[ref->source].param->scale;
+      scales += scale;
+      layers_with_scales += scale && ref->layer != last;
+      last = ref->layer, last_bucket = b;
+      bool between_scales = i > 0 && i + 1 < sd.count[b];
+      for (int d = -1; d <= 1 && between_scales; d++) {
+        const struct source_ref *r = model_find_source(m, sd.tensors[b][(size_t)((ptrdiff_t)i + d)].name);
+        between_scales = r->layer->sources[r->source].param->scale;
+      }
+      if (between_scales && !bad_name && ends_with(sd.tensors[b][i].name, ".weight_scale"))
+        bad = b, bad_at = sd.tensors[b][i].offset + 1, bad_name = sd.tensors[b][i].name;
+    }
+  ck_assert_ptr_nonnull(bad_name);
+  struct device *dev =
+      (struct device *)(uintptr_t)layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts"));
+  struct qkeep_memory_ops counting = *dev->ops;
+  counting.copy_d2h = counting_d2h;
+  counted_ops = dev->ops;
+  dev->ops = &counting;
+  d2h_copies = 0;
+  ck_assert_msg(sync_from_device(m, dev, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
+  size_t copies = d2h_copies;
+  ck_assert(same_digest(digest_now(m), digest_now(cold)));
+  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
+  ck_assert_int_eq(sync_from_device(m, dev, &sd, bad, bad_at), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), bad_name) && strstr(qkeep_errmsg(), "element 1 is NaN"), "%s",
+                qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  dev->ops = counted_ops;
+  /* One copy per layer for the checks (was one per scale tensor), and the reads of the per-tensor scales
+   * that normalisation merges (fused q/k/v and gate/up) */
+  ck_assert_msg(copies <= 2 * layers_with_scales && copies < scales / 4,
+                "%zu device-to-host copies for %zu scale tensors in %zu layers", copies, scales,
+                layers_with_scales);
   qkeep_model_free(m), qkeep_model_free(cold);
   sender_close(&sd);
   qkeep_plugin_close(async);
@@ -1171,6 +1274,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
   tcase_add_test(tc, a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load);
+  tcase_add_test(tc, device_bucket_scales_are_checked_from_a_few_copies);
   tcase_add_test(tc, a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from);
   tcase_add_test(tc, a_reload_failing_after_a_sync_does_not_roll_back_to_w0);
   tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);
