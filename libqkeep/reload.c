@@ -366,6 +366,9 @@ static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, co
  * one, its tensors are copied one by one.
  */
 #define DEVICE_RUN_GAP ((size_t)4096)
+/* A run ends before it passes this many bytes (one tensor larger is a run of its own): the host buffer
+ * stays one size, reused and warm in cache, rather than a fresh allocation of a bucket's scales. */
+#define DEVICE_RUN_MAX ((size_t)4 << 20)
 
 static int by_device_address(const void *a, const void *b) {
   const struct scale_item *x = a, *y = b;
@@ -415,7 +418,7 @@ int check_device_scales(struct scale_item *items, size_t n) {
          last++) {
       uintptr_t at = (uintptr_t)items[last].at;
       size_t gap = at > end ? (size_t)(at - end) : 0;
-      if (gap > DEVICE_RUN_GAP && gap > tensor_bytes)
+      if ((gap > DEVICE_RUN_GAP && gap > tensor_bytes) || at + items[last].nbytes - start > DEVICE_RUN_MAX)
         break;
       if (at + items[last].nbytes > end)
         end = at + items[last].nbytes;
