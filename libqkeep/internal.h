@@ -299,6 +299,7 @@ struct source {
   bool compare_only;
   struct qkeep_spec spec; /* what the checkpoint must hold */
   bool loaded;
+  bool mirrored; /* its bytes went to its param's host mirror too (load.c) */
   /* A tensor-parallel rank's part of the checkpoint tensor (shard.c): slice.rows runs of
    * slice.row_bytes, the first slice.offset bytes into the tensor, slice.stride apart, landing
    * as rows x row_bytes above. slice.rows 0: the whole tensor. */
@@ -704,6 +705,9 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, struct sou
 /* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
 /* What a scale param's values must be, for messages. */
 const char *scale_rule(const qkeep_param *p);
+/* Largest scale param that keeps a host mirror of its bytes (load.c). */
+#define MIRROR_MAX 256
+
 /* A scale tensor whose values are to be checked: nbytes of dtype at `at` in the memory of dev (NULL: host
  * memory). */
 struct scale_item {
@@ -714,6 +718,7 @@ struct scale_item {
   int dtype;                /* enum qkeep_dtype */
   const qkeep_param *param; /* what its values must be */
   const char *where, *name; /* for the message: "<where>: tensor '<name>': element ..." */
+  unsigned char *keep;      /* NULL, or host memory that gets a copy of the bytes checked */
 };
 /* Checks the values of n scale tensors, copying each run of those in device memory that lie close
  * together in one block to the host in one copy (reload.c; sorts items by device, block and address).

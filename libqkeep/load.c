@@ -167,6 +167,16 @@ static int compare_source(const struct device *dev, const struct provider *pv, c
   return rc;
 }
 
+/* The host mirror of the source's bytes, for a small scale param (per-tensor and per-shard scales, not block
+ * scales: up to MIRROR_MAX bytes) whose normalisation would otherwise read them back from the device; made
+ * zeroed, as the bytes no source covers are. NULL: none. */
+static unsigned char *source_mirror(const struct source *src) {
+  qkeep_param *p = src->param;
+  if (p->scale && p->create_bytes <= MIRROR_MAX && !p->mirror && p->create_bytes)
+    p->mirror = calloc(1, p->create_bytes); /* none: normalisation reads the device */
+  return p->mirror ? p->mirror + src->dst_offset : NULL;
+}
+
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st) {
   const struct device *dev = layer_device(layer);
   struct provided t;
@@ -194,6 +204,13 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
       const unsigned char *row = from + r * src->row_bytes;
       rc = on_device ? dev_d2d(dev, to, row, src->row_bytes) : dev_h2d(dev, to, row, src->row_bytes);
     }
+    /* From device memory, a scale the provider also holds on the host (the copy validation checked) fills
+     * the mirror too, so normalisation need not read it back. */
+    const void *host_copy =
+        !rc && on_device && src->rows == 1 && pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
+    unsigned char *mirror = host_copy ? source_mirror(src) : NULL;
+    if (mirror)
+      memcpy(mirror, host_copy, t.nbytes), src->mirrored = true;
   }
   /* Staging is two buffers of its capacity (data, and compare for shared shards). */
   if ((int64_t)staging_bytes(st) > mem->staging_peak)
@@ -246,9 +263,6 @@ static int load_direct(qkeep_layer *layer, const struct provider *pv) {
  * run (written, not compared; not in device memory already) through the staging's stream,
  * marking them loaded; the rest are left to load_source.
  */
-/* Largest scale param that keeps a host mirror (per-tensor and per-shard scales, not block scales). */
-#define MIRROR_MAX 256
-
 /*
  * The sources of the layer that stream to its device: written (not compared), one contiguous run,
  * not in device memory already, from a file (read_range) or host bytes. With `place`, each item's
@@ -269,13 +283,9 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool 
     if (!it->on_host && !pv->read_range)
       continue;
     it->dst = NULL, it->mirror = NULL;
-    qkeep_param *p = src->param;
     if (place) {
-      it->dst = (char *)p->view.storage->data + src->dst_offset;
-      if (p->scale && p->create_bytes <= MIRROR_MAX && !p->mirror && p->create_bytes)
-        p->mirror = malloc(p->create_bytes); /* none: normalisation reads the device */
-      if (p->mirror)
-        it->mirror = p->mirror + src->dst_offset;
+      it->dst = (char *)src->param->view.storage->data + src->dst_offset;
+      it->mirror = source_mirror(src);
     }
     which[n++] = i;
   }
@@ -296,15 +306,7 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
   if (!rc && n)
     rc = stream_items(st->stream, pv, items, n);
   for (size_t k = 0; k < n && !rc; k++)
-    layer->sources[which[k]].loaded = true;
-  /* A mirror is valid when every source that writes its param streamed (and so filled it). */
-  for (size_t i = 0; i < layer->n_params && !rc; i++)
-    layer->params[i]->mirror_valid = layer->params[i]->mirror != NULL;
-  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
-    const struct source *src = &layer->sources[i];
-    if (!src->compare_only && (!src->loaded || src->rows != 1))
-      src->param->mirror_valid = false;
-  }
+    layer->sources[which[k]].loaded = true, layer->sources[which[k]].mirrored = items[k].mirror != NULL;
   struct mem_stats *mem = &layer->model->mem;
   if ((int64_t)staging_bytes(st) > mem->staging_peak)
     mem->staging_peak = (int64_t)staging_bytes(st);
@@ -327,7 +329,7 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
 
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   for (size_t i = 0; i < layer->n_sources; i++)
-    layer->sources[i].loaded = false;
+    layer->sources[i].loaded = false, layer->sources[i].mirrored = false;
   for (size_t i = 0; i < layer->n_params; i++)
     layer->params[i]->mirror_valid = false;
   const struct device *dev = layer_device(layer);
@@ -341,6 +343,15 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
     for (size_t i = 0; i < layer->n_sources && !rc; i++)
       if (!layer->sources[i].loaded && layer->sources[i].compare_only == (pass == 1))
         rc = load_source(layer, pv, &layer->sources[i], st);
+  /* A mirror is valid when every source that writes its param filled it too (streamed, or from a host copy).
+   */
+  for (size_t i = 0; i < layer->n_params && !rc; i++)
+    layer->params[i]->mirror_valid = layer->params[i]->mirror != NULL;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    const struct source *src = &layer->sources[i];
+    if (!src->compare_only && (!src->mirrored || src->rows != 1))
+      src->param->mirror_valid = false;
+  }
   return rc;
 }
 

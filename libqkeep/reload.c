@@ -234,6 +234,25 @@ static int keep_scale(struct scale_cache *c, const struct provided *t) {
   return rc;
 }
 
+/*
+ * Room in the cache for a host copy of scale tensor t, which lives in device memory (*dst, or NULL when
+ * there is no room or it has one already): a small scale's checked bytes, kept so that the apply fills its
+ * param's host mirror from them instead of reading the device again.
+ */
+static int keep_host_copy(struct scale_cache *c, const struct provided *t, unsigned char **dst) {
+  size_t seen;
+  *dst = NULL;
+  if (name_index_get(&c->index, t->name, &seen) || c->cap - c->used < t->nbytes)
+    return 0;
+  int rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
+  if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
+    c->offset[c->n++] = c->used;
+    *dst = c->bytes + c->used;
+    c->used += t->nbytes;
+  }
+  return rc;
+}
+
 /* Threads that read the kept scales (most of a validation's time is their reads), when they add
  * up to at least reload_threaded_scale_bytes: each takes a contiguous share of them in file order, so the
  * provider's read_many still reads each run of adjacent tensors in one call. */
@@ -350,8 +369,8 @@ static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, co
   unsigned char *scratch = NULL;
   int rc = scale_bytes(c, layer_device(layer), t, &bytes, &scratch);
   if (!rc)
-    rc =
-        check_item(&(struct scale_item){NULL, bytes, NULL, t->nbytes, t->dtype, p, t->where, t->name}, bytes);
+    rc = check_item(&(struct scale_item){NULL, bytes, NULL, t->nbytes, t->dtype, p, t->where, t->name, NULL},
+                    bytes);
   free(scratch);
   return rc;
 }
@@ -395,7 +414,9 @@ static int check_run(const struct scale_item *items, size_t first, size_t last, 
     const struct scale_item *it = &items[k];
     if (!one_copy && (rc = dev_d2h(it->dev, *host, it->at, it->nbytes)) != 0)
       break;
-    rc = check_item(it, *host + (one_copy ? (uintptr_t)it->at - start : 0));
+    const unsigned char *checked = *host + (one_copy ? (uintptr_t)it->at - start : 0);
+    if (!(rc = check_item(it, checked)) && it->keep)
+      memcpy(it->keep, checked, it->nbytes);
   }
   return rc;
 }
@@ -407,7 +428,8 @@ int check_device_scales(struct scale_item *items, size_t n) {
   int rc = 0;
   for (size_t first = 0, last; first < n && !rc; first = last) {
     if (!items[first].dev) { /* in host memory: checked where it is */
-      rc = check_item(&items[first], items[first].at);
+      if (!(rc = check_item(&items[first], items[first].at)) && items[first].keep)
+        memcpy(items[first].keep, items[first].at, items[first].nbytes);
       last = first + 1;
       continue;
     }
@@ -478,9 +500,19 @@ static int check_listed_scales(struct scale_cache *cache) {
                                 (size_t)((const char *)at - pv->block) <= pv->block_bytes - ck->t.nbytes
                             ? pv->block
                             : NULL;
+    unsigned char *keep = NULL;
+    if (at && ck->param->create_bytes <= MIRROR_MAX && (rc = keep_host_copy(cache, &ck->t, &keep)) != 0)
+      break;
     if (at)
-      on_device[n++] = (struct scale_item){
-          layer_device(ck->layer), at, block, ck->t.nbytes, ck->t.dtype, ck->param, ck->t.where, ck->t.name};
+      on_device[n++] = (struct scale_item){layer_device(ck->layer),
+                                           at,
+                                           block,
+                                           ck->t.nbytes,
+                                           ck->t.dtype,
+                                           ck->param,
+                                           ck->t.where,
+                                           ck->t.name,
+                                           keep};
     else
       rc = check_scale_values(ck->layer, ck->param, cache, &ck->t);
   }

@@ -342,7 +342,8 @@ static int check_waiting_scales(const qkeep_sync *s, const struct qkeep_bucket *
                                      t->spec.dtype,
                                      s->names[k].param,
                                      "bucket",
-                                     t->name};
+                                     t->name,
+                                     NULL};
   }
   int rc = check_device_scales(items, n);
   free(items);

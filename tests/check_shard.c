@@ -1006,11 +1006,10 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
                 qkeep_errmsg());
   ck_assert(same_digest(digest_now(m), d0));
   dev->ops = counted_ops;
-  /* One copy per layer for the checks (was one per scale tensor), and the reads of the per-tensor scales
-   * that normalisation merges (fused q/k/v and gate/up) */
-  ck_assert_msg(copies <= 2 * layers_with_scales && copies < scales / 4,
-                "%zu device-to-host copies for %zu scale tensors in %zu layers", copies, scales,
-                layers_with_scales);
+  /* One copy per layer, for the checks (was one per scale tensor); normalisation, which merges the fused
+   * q/k/v and gate/up per-tensor scales, reads the host copies the checks kept, not the device */
+  ck_assert_msg(copies <= layers_with_scales, "%zu device-to-host copies for %zu scale tensors in %zu layers",
+                copies, scales, layers_with_scales);
   qkeep_model_free(m), qkeep_model_free(cold);
   sender_close(&sd);
   qkeep_plugin_close(async);
