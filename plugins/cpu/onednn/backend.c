@@ -33,6 +33,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "onednn.h"
 #include "qkeep_backend_util.h"
@@ -159,6 +162,26 @@ static struct qkeep_spec per_expert_spec(const struct od_matrix *mt, bool moe, e
   return s;
 }
 
+/* The sum of the k int8 values at w. SSE2 (every x86-64): each byte biased to unsigned (x ^ 0x80 = x + 128),
+ * summed 16 at a time by _mm_sad_epu8 into two 64-bit lanes, the bias taken off at the end; the compiler does
+ * not vectorise the widening sum at -O2, and a reload of w8a8 weights spent a fifth of its PWAL here. */
+static int32_t row_sum(const int8_t *w, int64_t k) {
+  int64_t sum = 0, i = 0;
+#if defined(__SSE2__)
+  const __m128i bias = _mm_set1_epi8((char)0x80), zero = _mm_setzero_si128();
+  __m128i acc = zero;
+  for (; i + 16 <= k; i += 16)
+    acc = _mm_add_epi64(acc,
+                        _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(w + i)), bias), zero));
+  int64_t lanes[2];
+  _mm_storeu_si128((__m128i *)lanes, acc);
+  sum = lanes[0] + lanes[1] - 128 * i;
+#endif
+  for (; i < k; i++)
+    sum += w[i];
+  return (int32_t)sum;
+}
+
 /* azp_adj[e, n] = sum_k q_w[e, n, k]: the zero-point correction, from the plain weights. */
 static int int8_colsums(const struct od_backend *b, qkeep_layer *layer, bool moe, const struct od_matrix *mt,
                         const int8_t *w) {
@@ -169,12 +192,8 @@ static int int8_colsums(const struct od_backend *b, qkeep_layer *layer, bool moe
   if (rc)
     return rc;
   int32_t *out = adj.data;
-  for (int64_t r = 0; r < mt->experts * mt->n; r++) {
-    int32_t sum = 0;
-    for (int64_t k = 0; k < mt->k; k++)
-      sum += w[r * mt->k + k];
-    out[r] = sum;
-  }
+  for (int64_t r = 0; r < mt->experts * mt->n; r++)
+    out[r] = row_sum(w + r * mt->k, mt->k);
   return 0;
 }
 
