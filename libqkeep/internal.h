@@ -592,6 +592,12 @@ struct provided {
   bool spec_only; /* in-memory buffers: a spec is all they can say, so a collapsed one stands for the full */
 };
 
+/* One allocation: [data, data + bytes). */
+struct mem_block {
+  const void *data;
+  size_t bytes;
+};
+
 /*
  * Where tensor bytes come from: a checkpoint (files) or the caller's named
  * buffers (host or device memory). Cold start and reload use the same path.
@@ -620,10 +626,10 @@ struct provider {
    * remembers each source's tensor, so the load's later steps find it without a lookup; 0: nothing is
    * remembered. Two providers share one only when find gives the same answers for both. */
   uint64_t pass;
-  /* (device buffers) One allocation holding many of the provider's tensors, [block, block + block_bytes):
-   * a copy may span several tensors within it. NULL: none known. */
-  const char *block;
-  size_t block_bytes;
+  /* (device buffers) Allocations each holding many of the provider's tensors: a copy may span several
+   * tensors within one. NULL, 0: none known. */
+  const struct mem_block *blocks;
+  size_t n_blocks;
 };
 
 /* A number no provider had before (from 1 up, never reused). Thread safe. */
@@ -724,10 +730,10 @@ struct scale_item {
  * together in one block to the host in one copy (reload.c; sorts items by device, block and address).
  * 0, or QKEEP_E_FORMAT naming the tensor and element, or a copy's error. */
 int check_device_scales(struct scale_item *items, size_t n);
-/* qkeep_model_reload_tensors with the tensors in [block, block + block_bytes) known to lie in one
- * allocation (a sync's bucket), so that their scales are copied for their check in runs. */
+/* qkeep_model_reload_tensors with the allocations the tensors lie in known (a sync's bucket and the
+ * blocks of tensors it kept): the scales in one are copied for their check in runs. */
 int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n, unsigned flags,
-                      const void *block, size_t block_bytes);
+                      const struct mem_block *blocks, size_t n_blocks);
 const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
                        size_t *index);
 /* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and

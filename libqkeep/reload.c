@@ -178,8 +178,8 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
                          c->inner->read_range ? cached_read_range : NULL,
                          c->inner->describe ? cached_describe : NULL,
                          c->inner->describe ? c->inner->pass : 0, /* its find is the inner one's */
-                         c->inner->block,
-                         c->inner->block_bytes};
+                         c->inner->blocks,
+                         c->inner->n_blocks};
 }
 
 static void scale_cache_free(struct scale_cache *c) {
@@ -486,6 +486,17 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   return 0;
 }
 
+/* The provider's block holding the n bytes at `at`, or NULL. */
+static const void *block_of(const struct provider *pv, const void *at, size_t n) {
+  uintptr_t a = (uintptr_t)at;
+  for (size_t i = 0; i < pv->n_blocks; i++) {
+    uintptr_t lo = (uintptr_t)pv->blocks[i].data;
+    if (a >= lo && n <= pv->blocks[i].bytes && a - lo <= pv->blocks[i].bytes - n)
+      return pv->blocks[i].data;
+  }
+  return NULL;
+}
+
 /* Reads the kept scales not read yet and checks the values of every listed scale tensor (those in device
  * memory in runs: check_device_scales). */
 static int check_listed_scales(struct scale_cache *cache) {
@@ -496,10 +507,7 @@ static int check_listed_scales(struct scale_cache *cache) {
   for (size_t i = 0; i < cache->n_checks && !rc; i++) {
     const struct scale_check *ck = &cache->checks[i];
     const void *at = on_device ? pv->device_bytes(pv, &ck->t) : NULL;
-    const char *block = at && pv->block && (const char *)at >= pv->block && ck->t.nbytes <= pv->block_bytes &&
-                                (size_t)((const char *)at - pv->block) <= pv->block_bytes - ck->t.nbytes
-                            ? pv->block
-                            : NULL;
+    const void *block = at ? block_of(pv, at, ck->t.nbytes) : NULL;
     unsigned char *keep = NULL;
     if (at && ck->param->create_bytes <= MIRROR_MAX && (rc = keep_host_copy(cache, &ck->t, &keep)) != 0)
       break;
@@ -840,7 +848,7 @@ int qkeep_model_reload_tensors(qkeep_model *model, const struct qkeep_named_tens
 }
 
 int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n, unsigned flags,
-                      const void *block, size_t block_bytes) {
+                      const struct mem_block *blocks, size_t n_blocks) {
   if (!model || (!tensors && n))
     return set_error(QKEEP_E_INVAL, "qkeep_model_reload_tensors: NULL argument");
   struct buffers b = {0};
@@ -848,7 +856,7 @@ int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tenso
   if (!rc) {
     struct provider pv = {
         "in-memory tensors", &b,   buf_find, buf_read,     buf_host,        buf_device, buf_count,
-        buf_name_at,         NULL, NULL,     buf_describe, provider_pass(), block,      block_bytes};
+        buf_name_at,         NULL, NULL,     buf_describe, provider_pass(), blocks,     n_blocks};
     rc = reload(model, &pv, NULL, flags, NULL, NULL);
   }
   name_index_clear(&b.index);

@@ -30,11 +30,17 @@ struct sync_name {
 struct sync_link {
   size_t layer, next; /* next: SIZE_MAX ends the chain */
 };
-/* A tensor kept until its layer completes. */
+/* A tensor kept until its layer completes: its bytes lie in one of the sync's blocks. */
 struct pending {
   size_t name; /* into names */
   struct qkeep_named_tensor t;
-  const struct device *dev; /* where the copy lives: NULL for host memory */
+  size_t block; /* into blocks */
+};
+/* One allocation holding the tensors one bucket left for later layers (one per device it had them for). */
+struct keep_block {
+  const struct device *dev; /* NULL: host memory */
+  void *data;               /* NULL once every tensor in it is dropped */
+  size_t bytes, refs;       /* refs: its pending tensors */
 };
 
 struct qkeep_sync {
@@ -53,20 +59,31 @@ struct qkeep_sync {
   struct pending *pending;
   size_t n_pending, cap_pending;
   struct name_index pending_index; /* names[pending[i].name].name -> i */
-  bool trace;                      /* QKEEP_SYNC_TRACE: a line per bucket on stderr */
+  struct keep_block *blocks;
+  size_t n_blocks, cap_blocks;
+  bool trace; /* QKEEP_SYNC_TRACE: a line per bucket on stderr */
 };
 
-static void pending_free(struct pending *p) {
-  if (p->dev)
-    dev_free(p->dev, (void *)p->t.data);
+static void block_free(struct keep_block *k) {
+  if (k->data && k->dev)
+    dev_free(k->dev, k->data);
   else
-    free((void *)p->t.data);
+    free(k->data);
+  k->data = NULL, k->refs = 0;
+}
+
+/* Drops a pending tensor: its block goes with its last one. */
+static void pending_free(qkeep_sync *s, struct pending *p) {
+  struct keep_block *k = &s->blocks[p->block];
+  if (k->refs && --k->refs == 0)
+    block_free(k);
   p->t.data = NULL;
 }
 
 static void sync_free(qkeep_sync *s) {
-  for (size_t i = 0; i < s->n_pending; i++)
-    pending_free(&s->pending[i]);
+  for (size_t i = 0; i < s->n_blocks; i++)
+    block_free(&s->blocks[i]);
+  free(s->blocks);
   free(s->pending);
   name_index_clear(&s->pending_index);
   name_index_clear(&s->name_index);
@@ -272,30 +289,83 @@ static bool ready(const qkeep_sync *s, size_t l) {
   return true;
 }
 
-/* Keeps a copy of bucket tensor t (name index at) until its layer completes. */
-static int keep(qkeep_sync *s, size_t at, const struct qkeep_bucket *b, const struct qkeep_bucket_tensor *t) {
-  int rc;
-  size_t bytes = qkeep_spec_bytes(&t->spec);
-  const struct device *dev =
-      b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
-  void *copy = NULL;
-  rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
-  if (!rc)
-    rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &copy)
-             : ((copy = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory"));
-  if (!rc)
-    rc = dev ? dev_d2d(dev, copy, (const char *)b->data + t->offset, bytes)
-             : (memcpy(copy, (const char *)b->data + t->offset, bytes), 0);
-  struct pending p = {at, {s->names[at].name, t->spec, copy, b->on_device}, dev};
-  if (!rc)
-    rc = name_index_put(&s->pending_index, s->names[at].name, s->n_pending, NULL);
-  if (rc) {
-    if (copy)
-      pending_free(&p);
-    return rc;
+/*
+ * Keeps a copy of the bucket's tensors whose layers wait for tensors still to come, those of each
+ * device in one block: the span they cover in the bucket in one copy when they lie close together
+ * (qkeep's plan sends a layer in one run: the ones waiting are the bucket's last), else each at its
+ * 256-byte aligned place in turn. One allocation per bucket, not one per tensor (a device allocator
+ * call each: a DeepSeek-class MoE layer larger than a bucket leaves thousands).
+ */
+static int keep_waiting(qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
+  size_t n = 0, *which = malloc((b->n ? b->n : 1) * sizeof *which);
+  const struct device **dev_of = malloc((b->n ? b->n : 1) * sizeof *dev_of);
+  int rc = which && dev_of ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < b->n && !rc; i++)
+    if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX) {
+      size_t at = name_of[i];
+      dev_of[n] =
+          b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
+      which[n++] = i;
+    }
+  for (size_t first = 0; first < n && !rc; first++) {
+    const struct device *dev = dev_of[first];
+    if (first && dev == dev_of[first - 1])
+      continue; /* (the common case: one device) done with the group before */
+    bool seen = false;
+    for (size_t k = 0; k < first && !seen; k++)
+      seen = dev_of[k] == dev;
+    if (seen)
+      continue;
+    size_t lo = SIZE_MAX, hi = 0, packed = 0;
+    for (size_t k = first; k < n; k++)
+      if (dev_of[k] == dev) {
+        const struct qkeep_bucket_tensor *t = &b->tensors[which[k]];
+        size_t bytes = qkeep_spec_bytes(&t->spec);
+        lo = t->offset < lo ? t->offset : lo;
+        hi = t->offset + bytes > hi ? t->offset + bytes : hi;
+        packed = ((packed + 255) & ~(size_t)255) + bytes;
+      }
+    bool span = hi - lo <= 2 * packed + ((size_t)64 << 10);
+    size_t bytes = span ? hi - lo : packed;
+    struct keep_block blk = {dev, NULL, bytes, 0};
+    rc = grow_array((void **)&s->blocks, &s->cap_blocks, s->n_blocks + 1, sizeof *s->blocks);
+    if (!rc)
+      rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &blk.data)
+               : ((blk.data = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory"));
+    if (rc)
+      break;
+    s->blocks[s->n_blocks++] = blk;
+    struct keep_block *kb = &s->blocks[s->n_blocks - 1];
+    const char *from = (const char *)b->data;
+    if (span)
+      rc = dev ? dev_d2d(dev, kb->data, from + lo, hi - lo) : (memcpy(kb->data, from + lo, hi - lo), 0);
+    size_t at_packed = 0;
+    for (size_t k = first; k < n && !rc; k++) {
+      if (dev_of[k] != dev)
+        continue;
+      const struct qkeep_bucket_tensor *t = &b->tensors[which[k]];
+      size_t tb = qkeep_spec_bytes(&t->spec),
+             place = span ? t->offset - lo : (at_packed + 255) & ~(size_t)255;
+      char *to = (char *)kb->data + place;
+      if (!span)
+        rc = dev ? dev_d2d(dev, to, from + t->offset, tb) : (memcpy(to, from + t->offset, tb), 0);
+      at_packed = place + tb;
+      size_t at = name_of[which[k]];
+      if (!rc)
+        rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
+      if (!rc)
+        rc = name_index_put(&s->pending_index, s->names[at].name, s->n_pending, NULL);
+      if (!rc) {
+        s->pending[s->n_pending++] =
+            (struct pending){at, {s->names[at].name, t->spec, to, b->on_device}, s->n_blocks - 1};
+        kb->refs++;
+      }
+    }
+    if (!kb->refs)
+      block_free(kb);
   }
-  s->pending[s->n_pending++] = p;
-  return 0;
+  free(which), free(dev_of);
+  return rc;
 }
 
 /* Drops the pending copies whose layers are all done (the index is rebuilt over the rest). */
@@ -308,7 +378,7 @@ static int drop_pending(qkeep_sync *s) {
     for (size_t k = s->names[s->pending[i].name].first_link; k != SIZE_MAX && !needed; k = s->links[k].next)
       needed = !s->done[s->links[k].layer];
     if (!needed) {
-      pending_free(&s->pending[i]);
+      pending_free(s, &s->pending[i]);
       continue;
     }
     s->pending[kept] = s->pending[i];
@@ -347,6 +417,23 @@ static int check_waiting_scales(const qkeep_sync *s, const struct qkeep_bucket *
   }
   int rc = check_device_scales(items, n);
   free(items);
+  return rc;
+}
+
+/* Reloads the layers ts complete, from the bucket and the kept blocks (known allocations: their scales are
+ * checked in runs). */
+static int reload_layers(qkeep_sync *s, const struct qkeep_bucket *b, const struct qkeep_named_tensor *ts,
+                         size_t n) {
+  struct mem_block *blocks = malloc((s->n_blocks + 1) * sizeof *blocks);
+  if (!blocks)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  size_t m = 0;
+  blocks[m++] = (struct mem_block){b->data, b->nbytes};
+  for (size_t i = 0; i < s->n_blocks; i++)
+    if (s->blocks[i].data)
+      blocks[m++] = (struct mem_block){s->blocks[i].data, s->blocks[i].bytes};
+  int rc = reload_tensors_in(s->model, ts, n, QKEEP_RELOAD_PARTIAL, blocks, m);
+  free(blocks);
   return rc;
 }
 
@@ -392,12 +479,11 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
     rc = check_waiting_scales(s, b, name_of);
   /* Tensors of layers that must wait are copied: the bucket is the caller's after this call. */
   size_t kept = s->n_pending;
-  for (size_t i = 0; i < b->n && !rc; i++)
-    if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX)
-      rc = keep(s, name_of[i], b, &b->tensors[i]);
+  if (!rc)
+    rc = keep_waiting(s, b, name_of);
   double t1 = now_seconds();
   if (!rc && n)
-    rc = reload_tensors_in(m, ts, n, QKEEP_RELOAD_PARTIAL, b->data, b->nbytes);
+    rc = reload_layers(s, b, ts, n);
   if (!rc && s->trace) {
     const struct qkeep_load_stats *st = &m->stats;
     double reload = now_seconds() - t1, v = n ? st->validate_seconds : 0, r = n ? st->read_seconds : 0,

@@ -871,10 +871,36 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
 }
 END_TEST
 
+/* The device-to-host copies and the allocations of one device, counted by wrapping its ops while a test
+ * needs them (count_begin .. count_end). */
+static const struct qkeep_memory_ops *counted_ops;
+static struct qkeep_memory_ops counting;
+static size_t d2h_copies, allocations;
+static int counting_d2h(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  d2h_copies++;
+  return counted_ops->copy_d2h(be, dst, src, n);
+}
+static int counting_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
+  allocations++;
+  return counted_ops->alloc(be, bytes, out);
+}
+static struct device *count_begin(const struct device *d) {
+  struct device *dev = (struct device *)(uintptr_t)d;
+  counted_ops = dev->ops;
+  counting = *dev->ops;
+  counting.copy_d2h = counting_d2h;
+  counting.alloc = counting_alloc;
+  dev->ops = &counting;
+  d2h_copies = allocations = 0;
+  return dev;
+}
+static void count_end(struct device *dev) { dev->ops = counted_ops; }
+
 /* The bucket path a GPU takes, on test-async (device memory whose copies run at sync): buckets in
  * device memory, small enough that boundaries fall inside the MoE block's expert tensors, so the
  * split layer's tensors wait as device copies and its scales are checked from device memory; the
- * synced model equals a cold load of W1 in place. */
+ * synced model equals a cold load of W1 in place. What waits is kept in one allocation per bucket,
+ * and the scales are copied to the host in runs: a few copies per bucket, not one per tensor. */
 START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
@@ -892,7 +918,23 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
     split += experts && experts < 3 * 4 * E;
   }
   ck_assert_uint_ge(split, 2);
-  const struct device *dev = layer_device(moe);
+  /* The tensors that wait: those of a layer in a bucket before the one its last tensor comes in. */
+  size_t *last_bucket = calloc(m->n_layers, sizeof *last_bucket), waiting = 0;
+  for (int pass = 0; pass < 2; pass++)
+    for (size_t b = 0; b < sd.n_buckets; b++)
+      for (size_t i = 0; i < sd.count[b]; i++) {
+        const struct source_ref *ref = model_find_source(m, sd.tensors[b][i].name);
+        size_t l = 0;
+        while (m->layers[l] != ref->layer)
+          l++;
+        if (pass == 0)
+          last_bucket[l] = b;
+        else
+          waiting += b < last_bucket[l];
+      }
+  free(last_bucket);
+  struct device *dev = count_begin(layer_device(moe));
+  size_t sync_allocations = 0, scales = 0;
   struct tu_storages before = {0}, after = {0}, cold_bytes = {0};
   tu_snapshot(m, &before);
   qkeep_sync *sy;
@@ -903,12 +945,24 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
     ck_assert_int_eq(dev_h2d(dev, rx, sd.buf[b], sd.bytes[b]), 0);
     struct qkeep_bucket bk = bucket_of(&sd, b, rx);
     bk.on_device = true;
+    size_t allocated = allocations;
     ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "bucket %zu: %s", b, qkeep_errmsg());
+    sync_allocations += allocations - allocated;
+    for (size_t i = 0; i < sd.count[b]; i++) {
+      const struct source_ref *ref = model_find_source(m, sd.tensors[b][i].name);
+      scales += ref->layer->sources[ref->source].param->scale;
+    }
     ck_assert_int_eq(dev_fill(dev, rx, 0xa5, sd.bytes[b]), 0); /* the caller's again */
     ck_assert_int_eq(dev_sync(dev), 0);
     dev_free(dev, rx);
   }
   ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
+  size_t copies = d2h_copies;
+  count_end(dev);
+  ck_assert_msg(sync_allocations <= sd.n_buckets && sync_allocations < waiting,
+                "%zu device allocations in %zu buckets for %zu tensors that wait", sync_allocations,
+                sd.n_buckets, waiting);
+  ck_assert_msg(copies < scales / 4, "%zu device-to-host copies for %zu scale tensors", copies, scales);
   ck_assert(same_digest(digest_now(m), digest_now(cold)));
   tu_snapshot(m, &after);
   tu_snapshot(cold, &cold_bytes);
@@ -920,14 +974,6 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
   free(w0), free(w1);
 }
 END_TEST
-
-/* The device-to-host copies of one device, counted by wrapping its ops for the length of a test. */
-static const struct qkeep_memory_ops *counted_ops;
-static size_t d2h_copies;
-static int counting_d2h(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
-  d2h_copies++;
-  return counted_ops->copy_d2h(be, dst, src, n);
-}
 
 /* Syncs every bucket of sd from device memory of dev into m, bucket `bad` (SIZE_MAX: none) with the byte at
  * bad_at set to 0x7f (a NaN e4m3 scale); the first failure's code, or 0 after qkeep_sync_end. */
@@ -990,13 +1036,7 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
         bad = b, bad_at = sd.tensors[b][i].offset + 1, bad_name = sd.tensors[b][i].name;
     }
   ck_assert_ptr_nonnull(bad_name);
-  struct device *dev =
-      (struct device *)(uintptr_t)layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts"));
-  struct qkeep_memory_ops counting = *dev->ops;
-  counting.copy_d2h = counting_d2h;
-  counted_ops = dev->ops;
-  dev->ops = &counting;
-  d2h_copies = 0;
+  struct device *dev = count_begin(layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts")));
   ck_assert_msg(sync_from_device(m, dev, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
   size_t copies = d2h_copies;
   ck_assert(same_digest(digest_now(m), digest_now(cold)));
@@ -1005,7 +1045,7 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
   ck_assert_msg(strstr(qkeep_errmsg(), bad_name) && strstr(qkeep_errmsg(), "element 1 is NaN"), "%s",
                 qkeep_errmsg());
   ck_assert(same_digest(digest_now(m), d0));
-  dev->ops = counted_ops;
+  count_end(dev);
   /* One copy per layer, for the checks (was one per scale tensor); normalisation, which merges the fused
    * q/k/v and gate/up per-tensor scales, reads the host copies the checks kept, not the device */
   ck_assert_msg(copies <= layers_with_scales, "%zu device-to-host copies for %zu scale tensors in %zu layers",
