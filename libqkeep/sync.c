@@ -61,6 +61,7 @@ struct qkeep_sync {
   struct name_index pending_index; /* names[pending[i].name].name -> i */
   struct keep_block *blocks;
   size_t n_blocks, cap_blocks;
+  struct keep_block spare; /* the last block emptied, kept for the next bucket's (until the sync ends) */
   bool trace; /* QKEEP_SYNC_TRACE: a line per bucket on stderr */
 };
 
@@ -72,17 +73,30 @@ static void block_free(struct keep_block *k) {
   k->data = NULL, k->refs = 0;
 }
 
+/* An emptied block becomes the spare (the larger of the two stays), so that a sync of layers larger than
+ * a bucket allocates its blocks once, not per bucket (fresh memory: a device allocator call, or a page
+ * fault per page of host memory). */
+static void block_drop(qkeep_sync *s, struct keep_block *k) {
+  if (k->data && (!s->spare.data || s->spare.bytes < k->bytes)) {
+    block_free(&s->spare);
+    s->spare = *k;
+    k->data = NULL, k->refs = 0;
+  }
+  block_free(k);
+}
+
 /* Drops a pending tensor: its block goes with its last one. */
 static void pending_free(qkeep_sync *s, struct pending *p) {
   struct keep_block *k = &s->blocks[p->block];
   if (k->refs && --k->refs == 0)
-    block_free(k);
+    block_drop(s, k);
   p->t.data = NULL;
 }
 
 static void sync_free(qkeep_sync *s) {
   for (size_t i = 0; i < s->n_blocks; i++)
     block_free(&s->blocks[i]);
+  block_free(&s->spare);
   free(s->blocks);
   free(s->pending);
   name_index_clear(&s->pending_index);
@@ -289,12 +303,43 @@ static bool ready(const qkeep_sync *s, size_t l) {
   return true;
 }
 
+/* A block of at least `bytes` in dev's memory (NULL: host memory) at s->blocks[*at]: the spare when it
+ * fits, else new. */
+static int take_block(qkeep_sync *s, const struct device *dev, size_t bytes, size_t *at) {
+  struct keep_block blk = {dev, NULL, bytes, 0};
+  int rc = grow_array((void **)&s->blocks, &s->cap_blocks, s->n_blocks + 1, sizeof *s->blocks);
+  if (!rc && s->spare.data && s->spare.dev == dev && s->spare.bytes >= bytes) {
+    blk = s->spare, blk.refs = 0;
+    s->spare = (struct keep_block){0};
+  } else if (!rc) {
+    rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &blk.data)
+             : ((blk.data = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory"));
+  }
+  if (!rc)
+    s->blocks[ *at = s->n_blocks++] = blk;
+  return rc;
+}
+
+/* Bucket tensor t (name index at), copied to `data` in block `block`, waits for its layer. */
+static int add_pending(qkeep_sync *s, size_t at, const struct qkeep_bucket_tensor *t, const void *data,
+                       size_t block, bool on_device) {
+  int rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
+  if (!rc)
+    rc = name_index_put(&s->pending_index, s->names[at].name, s->n_pending, NULL);
+  if (!rc) {
+    s->pending[s->n_pending++] = (struct pending){at, {s->names[at].name, t->spec, data, on_device}, block};
+    s->blocks[block].refs++;
+  }
+  return rc;
+}
+
 /*
- * Keeps a copy of the bucket's tensors whose layers wait for tensors still to come, those of each
- * device in one block: the span they cover in the bucket in one copy when they lie close together
- * (qkeep's plan sends a layer in one run: the ones waiting are the bucket's last), else each at its
- * 256-byte aligned place in turn. One allocation per bucket, not one per tensor (a device allocator
- * call each: a DeepSeek-class MoE layer larger than a bucket leaves thousands).
+ * Keeps a copy of the bucket's tensors whose layers wait for tensors still to come. Those in a device's
+ * memory go to one block per device: the span they cover in the bucket in one copy when they lie close
+ * together (qkeep's plan sends a layer in one run: the ones waiting are the bucket's last), else each at
+ * its 256-byte aligned place in turn; one device allocation per bucket, not one per tensor (each an
+ * allocator call, and a free that waits for the device: a DeepSeek-class MoE layer larger than a bucket
+ * leaves thousands). Those in host memory get an allocation each, which malloc recycles.
  */
 static int keep_waiting(qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
   size_t n = 0, *which = malloc((b->n ? b->n : 1) * sizeof *which);
@@ -307,16 +352,24 @@ static int keep_waiting(qkeep_sync *s, const struct qkeep_bucket *b, const size_
           b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
       which[n++] = i;
     }
-  for (size_t first = 0; first < n && !rc; first++) {
+  const char *from = (const char *)b->data;
+  for (size_t k = 0, blk; k < n && !rc && !b->on_device; k++) { /* host memory: one allocation each */
+    const struct qkeep_bucket_tensor *t = &b->tensors[which[k]];
+    size_t bytes = qkeep_spec_bytes(&t->spec);
+    if (!(rc = take_block(s, NULL, bytes, &blk))) {
+      memcpy(s->blocks[blk].data, from + t->offset, bytes);
+      if ((rc = add_pending(s, name_of[which[k]], t, s->blocks[blk].data, blk, false)))
+        block_drop(s, &s->blocks[blk]);
+    }
+  }
+  for (size_t first = 0; first < n && !rc && b->on_device; first++) {
     const struct device *dev = dev_of[first];
-    if (first && dev == dev_of[first - 1])
-      continue; /* (the common case: one device) done with the group before */
-    bool seen = false;
-    for (size_t k = 0; k < first && !seen; k++)
+    bool seen = false; /* its group done already (the common case: one device, one group) */
+    for (size_t k = first; k-- > 0 && !seen;)
       seen = dev_of[k] == dev;
     if (seen)
       continue;
-    size_t lo = SIZE_MAX, hi = 0, packed = 0;
+    size_t lo = SIZE_MAX, hi = 0, packed = 0, blk;
     for (size_t k = first; k < n; k++)
       if (dev_of[k] == dev) {
         const struct qkeep_bucket_tensor *t = &b->tensors[which[k]];
@@ -326,43 +379,24 @@ static int keep_waiting(qkeep_sync *s, const struct qkeep_bucket *b, const size_
         packed = ((packed + 255) & ~(size_t)255) + bytes;
       }
     bool span = hi - lo <= 2 * packed + ((size_t)64 << 10);
-    size_t bytes = span ? hi - lo : packed;
-    struct keep_block blk = {dev, NULL, bytes, 0};
-    rc = grow_array((void **)&s->blocks, &s->cap_blocks, s->n_blocks + 1, sizeof *s->blocks);
-    if (!rc)
-      rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &blk.data)
-               : ((blk.data = malloc(bytes ? bytes : 1)) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory"));
-    if (rc)
+    if ((rc = take_block(s, dev, span ? hi - lo : packed, &blk)))
       break;
-    s->blocks[s->n_blocks++] = blk;
-    struct keep_block *kb = &s->blocks[s->n_blocks - 1];
-    const char *from = (const char *)b->data;
+    char *data = s->blocks[blk].data;
     if (span)
-      rc = dev ? dev_d2d(dev, kb->data, from + lo, hi - lo) : (memcpy(kb->data, from + lo, hi - lo), 0);
-    size_t at_packed = 0;
-    for (size_t k = first; k < n && !rc; k++) {
+      rc = dev_d2d(dev, data, from + lo, hi - lo);
+    for (size_t k = first, end = 0; k < n && !rc; k++) {
       if (dev_of[k] != dev)
         continue;
       const struct qkeep_bucket_tensor *t = &b->tensors[which[k]];
-      size_t tb = qkeep_spec_bytes(&t->spec),
-             place = span ? t->offset - lo : (at_packed + 255) & ~(size_t)255;
-      char *to = (char *)kb->data + place;
+      size_t bytes = qkeep_spec_bytes(&t->spec), place = span ? t->offset - lo : (end + 255) & ~(size_t)255;
       if (!span)
-        rc = dev ? dev_d2d(dev, to, from + t->offset, tb) : (memcpy(to, from + t->offset, tb), 0);
-      at_packed = place + tb;
-      size_t at = name_of[which[k]];
+        rc = dev_d2d(dev, data + place, from + t->offset, bytes);
+      end = place + bytes;
       if (!rc)
-        rc = grow_array((void **)&s->pending, &s->cap_pending, s->n_pending + 1, sizeof *s->pending);
-      if (!rc)
-        rc = name_index_put(&s->pending_index, s->names[at].name, s->n_pending, NULL);
-      if (!rc) {
-        s->pending[s->n_pending++] =
-            (struct pending){at, {s->names[at].name, t->spec, to, b->on_device}, s->n_blocks - 1};
-        kb->refs++;
-      }
+        rc = add_pending(s, name_of[which[k]], t, data + place, blk, true);
     }
-    if (!kb->refs)
-      block_free(kb);
+    if (!s->blocks[blk].refs)
+      block_drop(s, &s->blocks[blk]);
   }
   free(which), free(dev_of);
   return rc;
@@ -477,27 +511,32 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
   double t0 = now_seconds();
   if (!rc)
     rc = check_waiting_scales(s, b, name_of);
-  /* Tensors of layers that must wait are copied: the bucket is the caller's after this call. */
-  size_t kept = s->n_pending;
-  if (!rc)
-    rc = keep_waiting(s, b, name_of);
   double t1 = now_seconds();
   if (!rc && n)
     rc = reload_layers(s, b, ts, n);
-  if (!rc && s->trace) {
-    const struct qkeep_load_stats *st = &m->stats;
-    double reload = now_seconds() - t1, v = n ? st->validate_seconds : 0, r = n ? st->read_seconds : 0,
-           p = n ? st->pwal_seconds : 0;
-    fprintf(stderr,
-            "qkeep sync: bucket of %zu tensors, %zu bytes: %zu kept for later layers (%.2f ms with their "
-            "checks), %zu reloaded in %.2f ms (validate %.2f, load %.2f, normalise + PWAL %.2f, other %.2f)\n",
-            b->n, b->nbytes, s->n_pending - kept, (t1 - t0) * 1e3, n, reload * 1e3, v * 1e3, r * 1e3, p * 1e3,
-            (reload - v - r - p) * 1e3);
-  }
+  double t2 = now_seconds();
   for (size_t l = 0; l < m->n_layers && !rc; l++)
     s->done[l] |= now[l];
+  /* The copies the reloaded layers waited for go first (their block becomes the spare the next one
+   * takes), then the tensors of layers that must wait are copied: the bucket is the caller's after
+   * this call. */
   if (!rc)
     rc = drop_pending(s);
+  size_t kept = s->n_pending;
+  if (!rc)
+    rc = keep_waiting(s, b, name_of);
+  if (!rc && s->trace) {
+    const struct qkeep_load_stats *st = &m->stats;
+    double reload = t2 - t1, v = n ? st->validate_seconds : 0, r = n ? st->read_seconds : 0,
+           p = n ? st->pwal_seconds : 0;
+    fprintf(stderr,
+            "qkeep sync: bucket of %zu tensors, %zu bytes: %zu kept for later layers (%.2f ms: their checks "
+            "%.2f, copies %.2f), %zu reloaded in %.2f ms (validate %.2f, load %.2f, normalise + PWAL %.2f, "
+            "other %.2f)\n",
+            b->n, b->nbytes, s->n_pending - kept, (t1 - t0 + now_seconds() - t2) * 1e3, (t1 - t0) * 1e3,
+            (now_seconds() - t2) * 1e3, n, reload * 1e3, v * 1e3, r * 1e3, p * 1e3,
+            (reload - v - r - p) * 1e3);
+  }
   free(in_bucket), free(now), free(ts);
   return rc;
 }
