@@ -210,6 +210,18 @@ static bool in_memory(const struct provider *pv, const struct provided *t) {
   return (pv->device_bytes && pv->device_bytes(pv, t)) || (pv->host_bytes && pv->host_bytes(pv, t));
 }
 
+/* A new entry for t: its name indexed, its room (*dst) at the end of the bytes, which the caller checked
+ * has room. */
+static int add_entry(struct scale_cache *c, const struct provided *t, unsigned char **dst) {
+  int rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
+  if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
+    c->offset[c->n++] = c->used;
+    *dst = c->bytes + c->used;
+    c->used += t->nbytes;
+  }
+  return rc;
+}
+
 /*
  * Keeps room in the cache for scale tensor t while it has room, to be read by read_kept; one in
  * memory already, or kept already (a kv_scale feeding k and v), is skipped.
@@ -222,14 +234,11 @@ static int keep_scale(struct scale_cache *c, const struct provided *t) {
     c->complete = false; /* no room: read again by the apply, and checked again after it */
     return 0;
   }
-  int rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
-  if (!rc)
-    rc = grow_array((void **)&c->pending, &c->cap_pending, c->n_pending + 1, sizeof *c->pending);
-  if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
-    c->offset[c->n++] = c->used;
+  unsigned char *dst;
+  int rc = grow_array((void **)&c->pending, &c->cap_pending, c->n_pending + 1, sizeof *c->pending);
+  if (!rc && !(rc = add_entry(c, t, &dst))) {
     c->pending[c->n_pending++] = *t;
     c->pending_bytes += t->nbytes;
-    c->used += t->nbytes;
   }
   return rc;
 }
@@ -244,13 +253,7 @@ static int keep_host_copy(struct scale_cache *c, const struct provided *t, unsig
   *dst = NULL;
   if (name_index_get(&c->index, t->name, &seen) || c->cap - c->used < t->nbytes)
     return 0;
-  int rc = grow_array((void **)&c->offset, &c->cap_entries, c->n + 1, sizeof *c->offset);
-  if (!rc && !(rc = name_index_put(&c->index, t->name, c->n, NULL))) {
-    c->offset[c->n++] = c->used;
-    *dst = c->bytes + c->used;
-    c->used += t->nbytes;
-  }
-  return rc;
+  return add_entry(c, t, dst);
 }
 
 /* Threads that read the kept scales (most of a validation's time is their reads), when they add

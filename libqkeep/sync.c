@@ -303,6 +303,11 @@ static bool ready(const qkeep_sync *s, size_t l) {
   return true;
 }
 
+/* Where bucket b holds name `at`'s bytes: the device of the first layer it feeds, or NULL for host memory. */
+static const struct device *bucket_device(const qkeep_sync *s, const struct qkeep_bucket *b, size_t at) {
+  return b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
+}
+
 /* A block of at least `bytes` in dev's memory (NULL: host memory) at s->blocks[*at]: the spare when it
  * fits, else new. */
 static int take_block(qkeep_sync *s, const struct device *dev, size_t bytes, size_t *at) {
@@ -348,8 +353,7 @@ static int keep_waiting(qkeep_sync *s, const struct qkeep_bucket *b, const size_
   for (size_t i = 0; i < b->n && !rc; i++)
     if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX) {
       size_t at = name_of[i];
-      dev_of[n] =
-          b->on_device ? layer_device(s->model->layers[s->links[s->names[at].first_link].layer]) : NULL;
+      dev_of[n] = bucket_device(s, b, at);
       which[n++] = i;
     }
   const char *from = (const char *)b->data;
@@ -436,8 +440,7 @@ static int check_waiting_scales(const qkeep_sync *s, const struct qkeep_bucket *
     if (k == SIZE_MAX || s->names[k].last_layer == SIZE_MAX || !s->names[k].scale)
       continue;
     const struct qkeep_bucket_tensor *t = &b->tensors[i];
-    const struct device *dev =
-        b->on_device ? layer_device(s->model->layers[s->links[s->names[k].first_link].layer]) : NULL;
+    const struct device *dev = bucket_device(s, b, k);
     const char *at = (const char *)b->data + t->offset;
     items[n++] = (struct scale_item){dev,
                                      at,
@@ -528,14 +531,13 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
   if (!rc && s->trace) {
     const struct qkeep_load_stats *st = &m->stats;
     double reload = t2 - t1, v = n ? st->validate_seconds : 0, r = n ? st->read_seconds : 0,
-           p = n ? st->pwal_seconds : 0;
+           p = n ? st->pwal_seconds : 0, copies = now_seconds() - t2;
     fprintf(stderr,
             "qkeep sync: bucket of %zu tensors, %zu bytes: %zu kept for later layers (%.2f ms: their checks "
             "%.2f, copies %.2f), %zu reloaded in %.2f ms (validate %.2f, load %.2f, normalise + PWAL %.2f, "
             "other %.2f)\n",
-            b->n, b->nbytes, s->n_pending - kept, (t1 - t0 + now_seconds() - t2) * 1e3, (t1 - t0) * 1e3,
-            (now_seconds() - t2) * 1e3, n, reload * 1e3, v * 1e3, r * 1e3, p * 1e3,
-            (reload - v - r - p) * 1e3);
+            b->n, b->nbytes, s->n_pending - kept, (t1 - t0 + copies) * 1e3, (t1 - t0) * 1e3, copies * 1e3, n,
+            reload * 1e3, v * 1e3, r * 1e3, p * 1e3, (reload - v - r - p) * 1e3);
   }
   free(in_bucket), free(now), free(ts);
   return rc;
