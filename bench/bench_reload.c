@@ -12,11 +12,12 @@
  * cuda-nvfp4 (make bench-gpu) the NVFP4 layers are on the GPU and the reload is a device
  * reload. SCHEMES is a comma-separated subset of w8a8-int8,modelopt-nvfp4,gptq-int4.
  * QKEEP_BENCH_RINGS="SLOTS:PIECE:READERS:FENCES,..." measures each scheme once per device staging
- * ring shape (QKEEP_STREAM_SLOTS, _PIECE in bytes, _READERS, _FENCES; an empty or missing field keeps
- * the default), each
- * with a model loaded anew, and prints the shape in its line. reload_over_raw_paired is the median
- * of each run's reload over the raw read next to it (steadier than the ratio of the medians when
- * the host's page-cache speed drifts).
+ * ring shape (struct qkeep_load_options: stream_slots, stream_piece in bytes, stream_readers, and
+ * FENCES 0 for stream_no_fences; an empty or missing field keeps the default), each with a model
+ * loaded anew, and prints the shape in its line. QKEEP_BENCH_TRACE=1 logs the stream's trace of
+ * every load (a line on stderr: where the calling thread waited). reload_over_raw_paired is the
+ * median of each run's reload over the raw read next to it (steadier than the ratio of the medians
+ * when the host's page-cache speed drifts).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,23 +73,28 @@ static int64_t largest_layer(const qkeep_model *m) {
   return best;
 }
 
-/* Sets the ring variables from one "SLOTS:PIECE:READERS" field of QKEEP_BENCH_RINGS (NULL: defaults). */
-static void set_ring(const char *spec, char *label, size_t label_len) {
-  static const char *const vars[] = {"QKEEP_STREAM_SLOTS", "QKEEP_STREAM_PIECE", "QKEEP_STREAM_READERS",
-                                     "QKEEP_STREAM_FENCES"};
+/* The stream's shape from one "SLOTS:PIECE:READERS:FENCES" field of QKEEP_BENCH_RINGS (NULL: the
+ * defaults), and its label. The model checks the values (qkeep_model_set_load_options). */
+static struct qkeep_load_options ring_options(const char *spec, char *label, size_t label_len) {
+  struct qkeep_load_options o = {.size = sizeof o};
   const char *p = spec;
-  for (int i = 0; i < 4; i++) {
-    size_t n = p ? strcspn(p, ":,") : 0;
+  for (int i = 0; i < 4 && p; i++) {
+    size_t n = strcspn(p, ":,");
     char v[32] = "";
     if (n && n < sizeof v)
       memcpy(v, p, n), v[n] = 0;
-    if (*v)
-      setenv(vars[i], v, 1);
-    else
-      unsetenv(vars[i]);
-    p = p && p[n] == ':' ? p + n + 1 : NULL;
+    if (*v && i == 0)
+      o.stream_slots = atoi(v);
+    else if (*v && i == 1)
+      o.stream_piece = (size_t)strtoull(v, NULL, 10);
+    else if (*v && i == 2)
+      o.stream_readers = atoi(v);
+    else if (*v && i == 3)
+      o.stream_no_fences = strcmp(v, "0") == 0;
+    p = p[n] == ':' ? p + n + 1 : NULL;
   }
   snprintf(label, label_len, "%.*s", spec ? (int)strcspn(spec, ",") : 7, spec ? spec : "default");
+  return o;
 }
 
 static int fail(const char *what) {
@@ -101,6 +107,9 @@ int main(int argc, char **argv) {
   int layers = argc > 2 ? atoi(argv[2]) : 4, runs = argc > 3 ? atoi(argv[3]) : 5;
   static const char *const schemes[] = {"w8a8-int8", "modelopt-nvfp4", "gptq-int4"};
   const char *wanted = argc > 4 ? argv[4] : NULL;
+  const char *trace = getenv("QKEEP_BENCH_TRACE");
+  if (trace && *trace && strcmp(trace, "0") != 0)
+    tu_log_to_stderr(QKEEP_LOG_DEBUG);
   char *dir = tu_tmpdir("bench-reload");
   char *s0 = tu_path(dir, "w0.safetensors"), *s1 = tu_path(dir, "w1.safetensors");
   qkeep_plugin *chain[2] = {NULL, NULL};
@@ -123,16 +132,18 @@ int main(int argc, char **argv) {
     const char *rings = getenv("QKEEP_BENCH_RINGS");
     for (const char *ring = rings && *rings ? rings : NULL;; ring = strchr(ring, ',') + 1) {
       char ring_label[64];
-      set_ring(ring, ring_label, sizeof ring_label);
+      struct qkeep_load_options shape = ring_options(ring, ring_label, sizeof ring_label);
       qkeep_model *m;
-      if (qkeep_model_new_chain(chain, n_chain, &m) || qkeep_model_load(m, w0))
+      if (qkeep_model_new_chain(chain, n_chain, &m) || qkeep_model_set_load_options(m, &shape) ||
+          qkeep_model_load(m, w0))
         return fail("loading W0");
       double cold[64], reload[64], raw[64], paired[64], phase[4][64]; /* phases: open, validate, read, PWAL */
       int64_t raw_bytes = 0, peak_extra = 0;
       for (int r = -1; r < runs && r < 64; r++) { /* r = -1: warm-up */
         qkeep_model *c;
         double t0 = tu_now();
-        if (qkeep_model_new_chain(chain, n_chain, &c) || qkeep_model_load(c, w1))
+        if (qkeep_model_new_chain(chain, n_chain, &c) || qkeep_model_set_load_options(c, &shape) ||
+            qkeep_model_load(c, w1))
           return fail("cold start");
         double t1 = tu_now();
         qkeep_model_free(c);

@@ -30,7 +30,11 @@
  * The CPU path needs about 3 x the model's bytes of memory (W0, the staged buckets and the cold
  * W1 load for the digest): about 8 GB for the Qwen3-shaped model. One JSON object per line
  * ("peer": "nccl_broadcast" with two ranks, "device_copy" with one, "inprocess_broadcast" on the
- * CPU).
+ * CPU). QKEEP_BENCH_TRACE=1 logs where each bucket's time goes (a line per bucket on stderr).
+ *
+ * NVLink multicast stays off: the bench sets NCCL_NVLS_ENABLE=0 in its own environment before any
+ * NCCL call (qkeep leaves NCCL's configuration to its caller), as the lent GPU machines require (a
+ * program using multicast there can put the host's shared GPUs out of service).
  */
 #include <dlfcn.h>
 #include <stdio.h>
@@ -433,6 +437,13 @@ static int probe(int (*fn)(void)) {
 static int probe_devices(void) { return probe(cuda_devices); }
 
 int main(int argc, char **argv) {
+  if (setenv("NCCL_NVLS_ENABLE", "0", 1) != 0) { /* before NCCL reads its environment, in every rank */
+    perror("bench_sync: NCCL_NVLS_ENABLE");
+    return 1;
+  }
+  const char *trace = getenv("QKEEP_BENCH_TRACE");
+  if (trace && *trace && strcmp(trace, "0") != 0)
+    tu_log_to_stderr(QKEEP_LOG_DEBUG);
   const char *which = argc > 1 ? argv[1] : "all";
   int runs = argc > 2 ? atoi(argv[2]) : 5;
   size_t bucket_mb = argc > 3 ? (size_t)atoll(argv[3]) : 1024;

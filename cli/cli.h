@@ -11,6 +11,7 @@
 struct options {
   const char *config_path;
   bool json;
+  bool debug; /* --debug: the library's debug lines on stderr */
   bool help;
   const char *command;
   const char *args[8];

@@ -1,7 +1,7 @@
 /*
  * main.c: the qkeep command.
  *
- *   qkeep [-c CONFIG] [--json] COMMAND [ARGS]
+ *   qkeep [-c CONFIG] [--json] [--debug] COMMAND [ARGS]
  *     version            the library version and plugin ABI
  *     plugins            the backends found, their ABI and probe result
  *     census [CKPT]      load CKPT (default: the config's checkpoint) and count it against the rules
@@ -25,7 +25,7 @@
 #endif
 
 static const char usage_main[] =
-    "usage: qkeep [-c CONFIG] [--json] COMMAND [ARGS]\n"
+    "usage: qkeep [-c CONFIG] [--json] [--debug] COMMAND [ARGS]\n"
     "\n"
     "Loads quantized checkpoints into a backend's kernel layout without losing a loaded param.\n"
     "\n"
@@ -41,6 +41,7 @@ static const char usage_main[] =
     "  -c, --config FILE  the INI config (default: $QKEEP_CONFIG; the build tree's conf/qkeep.ini for a\n"
     "                     qkeep run from its build tree; else " QKEEP_PKGDATADIR "/qkeep.ini)\n"
     "  --json             machine-readable output\n"
+    "  --debug            also print the library's debug lines on stderr (the stream's and sync's traces)\n"
     "  -h, --help         help (also after a command)\n";
 
 static const char usage_version[] =
@@ -59,10 +60,10 @@ static const char usage_census[] =
     "missing, C1 and C2 violations, aliases, retired, released, kept bytes, and the digest.\n"
     "Exits 1 when a rule is violated (missing, C1 or C2 non-zero).\n";
 
+/* Warnings and errors; with --debug (user non-NULL), debug lines too. */
 static void log_to_stderr(void *user, enum qkeep_log_level level, const char *msg) {
-  (void)user;
   static const char *names[] = {"error", "warning", "info", "debug"};
-  if (level <= QKEEP_LOG_WARN)
+  if (level <= QKEEP_LOG_WARN || (user && level == QKEEP_LOG_DEBUG))
     fprintf(stderr, "qkeep: %s: %s\n", names[level], msg);
 }
 
@@ -95,6 +96,8 @@ static int parse_args(int argc, char **argv, struct options *o) {
       o->config_path = argv[i];
     } else if (strcmp(a, "--json") == 0) {
       o->json = true;
+    } else if (strcmp(a, "--debug") == 0) {
+      o->debug = true;
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       o->help = true;
     } else if (a[0] == '-' && a[1] == '-') {
@@ -400,7 +403,10 @@ int main(int argc, char **argv) {
   int rc = parse_args(argc, argv, &o);
   if (rc)
     return rc;
-  qkeep_set_logger(log_to_stderr, NULL);
+  static bool debug = true;
+  qkeep_set_logger(log_to_stderr, o.debug ? &debug : NULL);
+  if (o.debug)
+    qkeep_set_log_level(QKEEP_LOG_DEBUG);
   static const struct {
     const char *name;
     int (*run)(const struct options *);

@@ -18,6 +18,7 @@ static _Thread_local unsigned long errmsg_generation; /* how many times this thr
 
 static void (*log_fn)(void *user, enum qkeep_log_level level, const char *msg);
 static void *log_user;
+static enum qkeep_log_level log_level = QKEEP_LOG_INFO; /* lines above it are dropped unformatted */
 
 const char *qkeep_strerror(int code) {
   switch (code) {
@@ -77,9 +78,13 @@ void qkeep_set_logger(void (*fn)(void *user, enum qkeep_log_level level, const c
   log_user = user;
 }
 
+void qkeep_set_log_level(enum qkeep_log_level level) { log_level = level; }
+
+bool log_enabled(enum qkeep_log_level level) { return log_fn && level <= log_level; }
+
 void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap) {
   char line[1024];
-  if (!log_fn)
+  if (!log_enabled(level))
     return;
   vsnprintf(line, sizeof line, fmt, ap);
   log_fn(log_user, level, line);

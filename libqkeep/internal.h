@@ -31,6 +31,10 @@ int set_error_v(int code, const char *fmt, va_list ap);
 unsigned long error_generation(void);
 /* Prefixes the current detail with more context ("layer x: " + detail). */
 int add_error_context(int code, const char *fmt, ...) PRINTF_LIKE(2, 3);
+/* Whether a line of this level reaches a logger (one is set, and the level is at most
+ * qkeep_set_log_level's): a trace checks it before it measures or formats anything. */
+bool log_enabled(enum qkeep_log_level level);
+/* A line to the logger; dropped before formatting when !log_enabled(level). */
 void log_msg(enum qkeep_log_level level, const char *fmt, ...) PRINTF_LIKE(2, 3);
 void log_msg_v(enum qkeep_log_level level, const char *fmt, va_list ap);
 
@@ -189,9 +193,6 @@ int dev_d2h(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n);
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n);
 int dev_sync(const struct device *dev);
-/* A reload reads W1's scale tensors for validation in shares on up to four threads when they add up
- * to at least this many bytes (256 KiB; tests lower it to reach the threaded path with small models). */
-extern size_t reload_threaded_scale_bytes;
 /* Whether ops also have ABI 1.3's copy fences (copy_fence, copy_fence_wait). */
 bool memory_ops_fences(const struct qkeep_memory_ops *ops);
 /* ABI 1.3 slots; only for a device whose ops pass memory_ops_fences. dev_fence_wait returns 0
@@ -390,9 +391,15 @@ struct qkeep_model {
   char *source_path;          /* the checkpoint whose bytes the model holds (rollback source), or NULL */
   struct file_id *source_ids; /* each of its files when it was read (model_set_source) */
   size_t n_source_ids;
-  bool poisoned;    /* a failed reload could not roll back: kernels refuse until a reload succeeds */
-  long fault_layer; /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
-  int fault_code;
+  bool poisoned; /* a failed reload could not roll back: kernels refuse until a reload succeeds */
+  /* The stream's shape (qkeep_model_set_load_options; zero fields: the defaults). */
+  struct qkeep_load_options load_options;
+  /* Set only through qkeep__test_control (test_control.c): its reloads fail with `code` when they
+   * reach layer index `layer` (-1: none). */
+  struct reload_fault {
+    long layer;
+    int code;
+  } fault;
   struct qkeep_parallel parallel; /* this rank's tensor/expert-parallel place (shard.c); zero: one rank */
   /* Checkpoint tensors other ranks load (experts of other EP ranks): a W1 may hold them (shard.c). */
   char **foreign;
@@ -572,6 +579,22 @@ struct qkeep_plugin {
 /* The plugin's probe result, probing it on first use (a failure is logged once, as a warning). */
 int plugin_probe_once(qkeep_plugin *plugin, const char **msg);
 
+/* Trust in code the core dlopens: plugins and libnccl take the same checks (README, "Environment"). */
+/* Whether the process runs set-id (AT_SECURE): library paths from the environment are then
+ * ignored, as ld.so ignores LD_LIBRARY_PATH. */
+bool environment_untrusted(void);
+/* 0 when the code at path may be loaded: the file and its directory are owned by root or the
+ * caller and writable by nobody else (no group or other write bit), as ld.so trusts nothing less
+ * for set-id programs. Otherwise QKEEP_E_PLUGIN naming the path, `what` it is ("plugin") and why. */
+int check_trusted(const char *path, const char *what);
+
+/* ---- switches of qkeep__test_control (test_control.c); nothing else sets them ------------- */
+
+/* reload.c: a reload reads W1's kept scales on several threads from this many bytes on (0: 256 KiB). */
+void reload_set_threaded_scale_bytes(size_t bytes);
+/* plugin.c: plugins opened from now on stay mapped after their close (RTLD_NODELETE). */
+void plugin_set_nodelete(bool on);
+
 /* The host table handed to every backend. */
 const struct qkeep_host *host_table(void);
 
@@ -649,9 +672,12 @@ struct stream_item {
   char *dst;                    /* its device memory */
   unsigned char *mirror;        /* NULL, or host memory that gets a copy of the bytes too */
 };
-/* A stream to dev (its ops pass memory_ops_async): the ring from its host_alloc; readers start
- * with the first stream_items. */
-int stream_new(const struct device *dev, struct stream **out);
+/* QKEEP_E_INVAL naming the first field of the stream's shape out of its range ("stream_slots = 1:
+ * expected 2 to 64"), else 0. */
+int stream_options_check(const struct qkeep_load_options *options);
+/* A stream to dev (its ops pass memory_ops_async) shaped by options (checked; NULL: the defaults):
+ * the ring from its host_alloc; readers start with the first stream_items. */
+int stream_new(const struct device *dev, const struct qkeep_load_options *options, struct stream **out);
 /* The end of a load: waits for the copies (stream_wait) and stops the readers; the ring stays. */
 int stream_end(struct stream *s);
 /* stream_end, then frees the ring. */

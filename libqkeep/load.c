@@ -27,9 +27,10 @@ int staging_free(struct staging *s) {
   return rc;
 }
 
-/* The stream to dev in the staging: its owner's (made once), else one for this load. One to another
- * device is ended first. */
-static int staging_stream(struct staging *s, const struct device *dev) {
+/* The stream to dev in the staging: its owner's (made once), else one for this load, shaped by the
+ * model's options. One to another device is ended first. */
+static int staging_stream(struct staging *s, const struct device *dev,
+                          const struct qkeep_load_options *options) {
   if (s->stream && stream_device(s->stream) == dev)
     return 0;
   int rc = stream_end(s->stream);
@@ -39,7 +40,7 @@ static int staging_stream(struct staging *s, const struct device *dev) {
   s->own_stream = !dev->stream;
   struct stream **slot = dev->stream ? dev->stream : &s->stream;
   if (!rc && !*slot)
-    rc = stream_new(dev, slot);
+    rc = stream_new(dev, options, slot);
   if (!rc)
     s->stream = *slot;
   return rc;
@@ -302,7 +303,7 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
   if (!rc)
     rc = streamed_sources(layer, pv, true, items, which, &n);
   if (!rc && n)
-    rc = staging_stream(st, dev);
+    rc = staging_stream(st, dev, &layer->model->load_options);
   if (!rc && n)
     rc = stream_items(st->stream, pv, items, n);
   for (size_t k = 0; k < n && !rc; k++)

@@ -40,7 +40,8 @@ int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **
     return set_error(QKEEP_E_NOMEM, "out of memory for a model");
   }
   m->n_owners = n ? n : 1; /* no plugin: one host-memory link */
-  m->fault_layer = -1;
+  m->load_options.size = sizeof m->load_options;
+  m->fault.layer = -1;
   int rc = 0;
   for (size_t i = 0; i < m->n_owners && !rc; i++) {
     struct owner *o = &m->owners[i];
@@ -196,6 +197,29 @@ int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load_stats *ou
   if (!model || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_stats: NULL argument");
   copy_sized(out, &model->stats, sizeof model->stats);
+  return 0;
+}
+
+int qkeep_model_set_load_options(qkeep_model *model, const struct qkeep_load_options *options) {
+  if (!model || !options)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_set_load_options: NULL argument");
+  /* The caller's struct may be older (shorter): read only the size it states; absent fields are 0. */
+  struct qkeep_load_options o = {0};
+  memcpy(&o, options, options->size && options->size < sizeof o ? options->size : sizeof o);
+  o.size = sizeof o;
+  int rc = stream_options_check(&o);
+  if (rc)
+    return add_error_context(rc, "qkeep_model_set_load_options");
+  const struct qkeep_load_options *was = &model->load_options;
+  bool reshaped = o.stream_slots != was->stream_slots || o.stream_piece != was->stream_piece ||
+                  o.stream_readers != was->stream_readers || o.stream_no_fences != was->stream_no_fences;
+  model->load_options = o;
+  /* A ring of another shape goes (its pinned memory with it); the next load that streams makes one
+   * of the new shape. */
+  for (size_t i = 0; i < model->n_owners && reshaped; i++) {
+    stream_free(model->owners[i].stream);
+    model->owners[i].stream = NULL;
+  }
   return 0;
 }
 

@@ -1,10 +1,17 @@
 /*
  * nccl.c: the NCCL broadcast transport for weight sync. libnccl is dlopened at run time
- * (libnccl.so.2, or the caller's path, or $QKEEP_NCCL_LIBRARY), so qkeep links no CUDA
- * library and builds everywhere; the few entry points and types used are declared here
- * from NCCL's documented C API (nccl.h): ncclGetUniqueId, ncclCommInitRank, ncclBroadcast,
- * ncclCommDestroy, ncclGetErrorString. NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0
- * is set before NCCL reads its environment.
+ * (the caller's path, else $QKEEP_NCCL_LIBRARY, else libnccl.so.2 through ld.so's search), so
+ * qkeep links no CUDA library and builds everywhere; the few entry points and types used are
+ * declared here from NCCL's documented C API (nccl.h): ncclGetUniqueId, ncclCommInitRank,
+ * ncclBroadcast, ncclCommDestroy, ncclGetErrorString. A path is trusted as a plugin's is
+ * (check_trusted: owner and write bits of the file and its directory), and the environment's
+ * is ignored in a set-id process.
+ *
+ * NCCL's configuration is the caller's: the library never sets an environment variable. Where
+ * NVLink multicast (NVLS) must stay off, the caller sets NCCL_NVLS_ENABLE=0 before its first
+ * NCCL call (NCCL reads its environment once). ncclConfig_t (ncclCommInitRankConfig) has no
+ * switch for it before NCCL 2.31's nvlsHostMode, and this transport takes whichever libnccl.so.2
+ * the caller has (it declares only what every NCCL 2 has), so there is no other way to pass it.
  *
  * Once opened, libnccl stays loaded until the process ends (RTLD_NODELETE): NCCL runs code of
  * its own after the call that started it returns (ncclGetUniqueId's bootstrap root thread waits
@@ -15,6 +22,7 @@
 #include <dlfcn.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "internal.h"
 
@@ -39,13 +47,25 @@ struct nccl_api {
   const char *(*error_string)(nccl_result result);
 };
 
+/* Whether the file at path exists (a missing one is dlopen's to report, as "cannot load"). */
+static bool file_exists(const char *path) {
+  struct stat sb;
+  return stat(path, &sb) == 0;
+}
+
 /* Loads libnccl and its entry points. */
 static int nccl_open(const char *library, struct nccl_api *api) {
-  const char *env = getenv("QKEEP_NCCL_LIBRARY");
+  const char *env = library || environment_untrusted() ? NULL : getenv("QKEEP_NCCL_LIBRARY");
   const char *path = library ? library : env && *env ? env : "libnccl.so.2";
-  /* Before NCCL reads its environment (at its first call): no NVLink SHARP / multicast. */
-  if (setenv("NCCL_NVLS_ENABLE", "0", 1) != 0)
-    return set_error(QKEEP_E_NOMEM, "cannot set NCCL_NVLS_ENABLE");
+  /* A bare name is ld.so's to find (its own trusted search); a path is checked as a plugin's. */
+  if (strchr(path, '/') && file_exists(path)) {
+    int rc = check_trusted(path, "NCCL library");
+    if (rc)
+      return add_error_context(rc, "NCCL transport%s",
+                               library       ? ""
+                               : env && *env ? " (QKEEP_NCCL_LIBRARY)"
+                                             : "");
+  }
   *api = (struct nccl_api){.handle = dlopen(path, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE), .path = path};
   if (!api->handle)
     return set_error(QKEEP_E_NOTFOUND,

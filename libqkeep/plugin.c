@@ -14,6 +14,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,8 +44,7 @@ const char *qkeep_plugin_install_dir(void) { return QKEEP_PLUGIN_DIR; }
 
 /* ---- search path ------------------------------------------------------------------- */
 
-/* Set-id programs must not take library paths from the environment (like ld.so's LD_LIBRARY_PATH). */
-static bool environment_untrusted(void) {
+bool environment_untrusted(void) {
 #if defined(__linux__) && defined(AT_SECURE)
   return getauxval(AT_SECURE) != 0;
 #else
@@ -139,13 +139,17 @@ static bool is_regular_file(const char *path) {
 /* ---- loading and checking ---------------------------------------------------------------- */
 
 /*
- * For valgrind and ASan runs: with $QKEEP_PLUGIN_NODELETE set, dlclose leaves
- * the plugin mapped, so a leak in a plugin's static constructors (the HIP
- * runtime has one) keeps its symbols and can be suppressed (build-notes §7).
+ * For valgrind and ASan runs (qkeep__test_control's QKEEP_TESTCTRL_PLUGIN_NODELETE): dlclose
+ * leaves the plugin mapped, so a leak in a plugin's static constructors (the HIP runtime has
+ * one) keeps its symbols and can be suppressed.
  */
+static atomic_bool plugins_nodelete;
+
+void plugin_set_nodelete(bool on) { atomic_store(&plugins_nodelete, on); }
+
 static int dlopen_flags(void) {
   int flags = RTLD_NOW | RTLD_LOCAL;
-  if (!environment_untrusted() && getenv("QKEEP_PLUGIN_NODELETE"))
+  if (atomic_load(&plugins_nodelete))
     flags |= RTLD_NODELETE;
   return flags;
 }
@@ -221,12 +225,7 @@ static int init_error_code(int rc) {
   return rc < 0 && rc >= QKEEP_E_STATE ? rc : QKEEP_E_PLUGIN;
 }
 
-/*
- * Whether code at path may be loaded: the file and the directory it is in must be owned by
- * root or the caller and writable by nobody else (no group or other write bit), as ld.so
- * trusts nothing less for set-id programs. Otherwise QKEEP_E_PLUGIN naming the path and why.
- */
-static int check_trusted(const char *path) {
+int check_trusted(const char *path, const char *what) {
   char *dir = xstrdup(path);
   if (!dir)
     return set_error(QKEEP_E_NOMEM, "out of memory");
@@ -238,7 +237,7 @@ static int check_trusted(const char *path) {
   for (int i = 0; i < 2 && !rc; i++) {
     struct stat sb;
     if (stat(checked[i], &sb) != 0)
-      rc = set_error(QKEEP_E_PLUGIN, "%s: cannot check plugin %s: %s", path, i ? "directory" : "file",
+      rc = set_error(QKEEP_E_PLUGIN, "%s: cannot check %s %s: %s", path, what, i ? "directory" : "file",
                      strerror(errno));
     else if (sb.st_uid != 0 && sb.st_uid != geteuid())
       rc = set_error(QKEEP_E_PLUGIN,
@@ -256,7 +255,7 @@ static int check_trusted(const char *path) {
 
 /* Loads the file at path; want_name, when set, is the name the backend must have. */
 static int load_plugin(const char *path, const char *want_name, qkeep_plugin **out) {
-  int trusted = check_trusted(path);
+  int trusted = check_trusted(path, "plugin");
   if (trusted)
     return trusted;
   dlerror(); /* drop a stale message */

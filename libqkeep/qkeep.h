@@ -46,11 +46,20 @@ QKEEP_API const char *qkeep_strerror(int code);
 QKEEP_API const char *qkeep_errmsg(void);
 
 /*
- * Routes the library's log lines (warnings from loading, backends' messages)
- * to fn; NULL (the default) drops them. Process-wide; set it before loading.
+ * Routes the library's log lines (warnings from loading, backends' messages, and at
+ * QKEEP_LOG_DEBUG the traces of streaming loads and weight syncs) to fn; NULL (the default)
+ * drops them. fn is called on the thread that logs, with a line of at most 1023 bytes,
+ * borrowed for the call. Process-wide; set it before loading (README, "Logging").
  */
 QKEEP_API void qkeep_set_logger(void (*fn)(void *user, enum qkeep_log_level level, const char *msg),
                                 void *user);
+/*
+ * The most verbose level passed to the logger (default QKEEP_LOG_INFO): lines of a higher
+ * level are dropped before they are formatted, and the traces that QKEEP_LOG_DEBUG turns on
+ * (where a streaming load waited, where each bucket of a sync spent its time) measure
+ * nothing while it is lower. Process-wide, like the logger.
+ */
+QKEEP_API void qkeep_set_log_level(enum qkeep_log_level level);
 
 /* Bytes per element (packed types count their storage element). 0 if invalid or sub-byte. */
 QKEEP_API size_t qkeep_dtype_size(enum qkeep_dtype dtype);
@@ -221,6 +230,30 @@ QKEEP_API int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *
 QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
                                         void (*fn)(void *user, size_t done, size_t total, const char *layer),
                                         void *user);
+/*
+ * How loads stream bytes to a device backend with asynchronous copies (ABI 1.2): reader threads
+ * fill a ring of pinned host slots from the checkpoint while the calling thread starts each
+ * slot's copy to the device (docs/ABI.md, "Copy fences"). For measurements and tuning: the
+ * defaults are the shape docs/PERFORMANCE.md measured best. A field that is 0, or lies past
+ * `size`, takes its default.
+ */
+struct qkeep_load_options {
+  size_t size;           /* sizeof(struct qkeep_load_options) as the caller knows it (0: all of it) */
+  int stream_slots;      /* pinned slots in the ring, 2 to 64 (one holds small copies); 0: 16 */
+  size_t stream_piece;   /* bytes per slot, 4096 to 64 MiB; 0: 512 KiB */
+  int stream_readers;    /* reader threads, 1 to 16; 0: one per online core, at most 4 */
+  bool stream_no_fences; /* true: ignore the backend's copy fences (ABI 1.3) and wait for the whole
+                            device when no slot is free, as with a 1.2 backend; false: use them */
+};
+/*
+ * Sets how the model's later loads, reloads and syncs stream to its device backends. The
+ * options are copied (the struct stays the caller's); only the first options->size bytes are
+ * read. A ring an earlier load made with another shape is freed here (pinned_bytes drops) and
+ * the next load makes it anew; call it between loads, not while one of the model runs.
+ * QKEEP_E_INVAL for a NULL argument, or a field out of its range, naming the field, its value
+ * and the range ("stream_slots = 1: expected 2 to 64"); the model's options are then unchanged.
+ */
+QKEEP_API int qkeep_model_set_load_options(qkeep_model *model, const struct qkeep_load_options *options);
 /*
  * Sets the fusion map before a load: "qkv_proj=q_proj+k_proj+v_proj,gate_up_proj=gate_proj+up_proj"
  * (the default), or "none". Up to 8 members per rule. QKEEP_E_INVAL on a malformed spec.

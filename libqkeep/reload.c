@@ -20,6 +20,7 @@
  * succeeds.
  */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -257,10 +258,19 @@ static int keep_host_copy(struct scale_cache *c, const struct provided *t, unsig
 }
 
 /* Threads that read the kept scales (most of a validation's time is their reads), when they add
- * up to at least reload_threaded_scale_bytes: each takes a contiguous share of them in file order, so the
+ * up to at least threaded_scale_bytes: each takes a contiguous share of them in file order, so the
  * provider's read_many still reads each run of adjacent tensors in one call. */
 #define SCALE_READERS 4
-size_t reload_threaded_scale_bytes = (size_t)256 << 10;
+#define THREADED_SCALE_BYTES ((size_t)256 << 10)
+static _Atomic size_t threaded_scale_bytes = THREADED_SCALE_BYTES;
+
+void reload_set_threaded_scale_bytes(size_t bytes) {
+  atomic_store_explicit(&threaded_scale_bytes, bytes ? bytes : THREADED_SCALE_BYTES, memory_order_relaxed);
+}
+
+static size_t threaded_scales_from(void) {
+  return atomic_load_explicit(&threaded_scale_bytes, memory_order_relaxed);
+}
 
 struct kept_share {
   const struct provider *pv;
@@ -302,7 +312,7 @@ static int read_kept(struct scale_cache *c) {
     dsts[i] = c->bytes + c->offset[c->n - n + i];
     total += c->pending[i].nbytes;
   }
-  long cores = total < reload_threaded_scale_bytes ? 1 : sysconf(_SC_NPROCESSORS_ONLN); /* sysconf reads /sys */
+  long cores = total < threaded_scales_from() ? 1 : sysconf(_SC_NPROCESSORS_ONLN); /* sysconf reads /sys */
   int shares = cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
   struct kept_share sh[SCALE_READERS];
   pthread_t tid[SCALE_READERS];
@@ -576,7 +586,7 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
       rc = check_config(layer, qc, pv->what);
     /* A few kilobytes of scales are read now, one batch per layer, while their names are hot; a layer's
      * megabytes (the scales of a large model) wait for the threaded read at the end. */
-    if (!rc && cache->pending_bytes < reload_threaded_scale_bytes)
+    if (!rc && cache->pending_bytes < threaded_scales_from())
       rc = check_listed_scales(cache);
     if (rc)
       return rc;
@@ -645,10 +655,11 @@ struct layer_before {
 /*
  * Restores, loads, checks and re-runs normalisation and PWAL for each selected layer.
  * scales_checked: every scale byte comes from what validation checked, so the loaded values need no
- * second look. before (NULL: not kept): each selected layer's digest is taken there first.
+ * second look. before (NULL: not kept): each selected layer's digest is taken there first. fault: the
+ * fault a test injects at a layer (layer -1: none).
  */
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
-                 struct layer_before *before, double *t_read, double *t_pwal) {
+                 struct layer_before *before, struct reload_fault fault, double *t_read, double *t_pwal) {
   struct staging st = {0};
   int rc = 0;
   model_spares(model, true);
@@ -659,8 +670,8 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
     double a = now_seconds();
     if (before)
       before[l].known = true;
-    if ((long)l == model->fault_layer)
-      rc = set_error(model->fault_code, "injected fault at layer %s", layer->name);
+    if ((long)l == fault.layer)
+      rc = set_error(fault.code, "injected fault at layer %s", layer->name);
     if (!rc)
       rc = restore_layer(layer);
     if (!rc)
@@ -706,15 +717,13 @@ static int roll_back(qkeep_model *model, const struct layer_before *before) {
   for (size_t l = 0; !rc && l < model->n_layers; l++)
     redo[l] = before[l].known;
   double ignore_read = 0, ignore_pwal = 0;
-  long fault = model->fault_layer;
-  model->fault_layer = -1; /* an injected fault is for the reload, not for its rollback */
+  const struct reload_fault none = {.layer = -1}; /* an injected fault is for the reload, not its rollback */
   /* W0's files must be the very files the model read (a trainer may have saved into the same
    * directory since), before the re-read and after it: else the re-read would give a mix. */
   if (!rc && (rc = model_source_unchanged(model, ck)))
     add_error_context(rc, "%s no longer holds the model's previous weights", model->source_path);
   if (!rc)
-    rc = apply(model, &pv, redo, false, NULL, &ignore_read, &ignore_pwal);
-  model->fault_layer = fault;
+    rc = apply(model, &pv, redo, false, NULL, none, &ignore_read, &ignore_pwal);
   if (!rc && (rc = model_source_unchanged(model, ck)))
     add_error_context(rc, "%s changed while the rollback read it", model->source_path);
   free(redo);
@@ -757,7 +766,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   t_validate = t0 - t_validate;
   struct provider validated;
   cached_provider(&validated, &cache);
-  rc = apply(model, &validated, selected, cache.complete, before, &t_read, &t_pwal);
+  rc = apply(model, &validated, selected, cache.complete, before, model->fault, &t_read, &t_pwal);
   scale_cache_free(&cache);
   if (rc) {
     char *why = xstrdup(qkeep_errmsg());

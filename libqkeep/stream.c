@@ -14,16 +14,13 @@
  * lives as long as the model's owner (page-locking 8 MiB costs about 3-4 ms, as much as a
  * reload of a few layers); the readers only while a load runs.
  *
- * Tuning (read when the ring is made; docs/PERFORMANCE.md): QKEEP_STREAM_SLOTS (2-64 slots,
- * default 16), QKEEP_STREAM_PIECE (bytes per slot, 4096 to 64 MiB, default 512 KiB),
- * QKEEP_STREAM_READERS (1-16 threads, default one per core up to 4); QKEEP_STREAM_FENCES=0
- * ignores the backend's fences (syncs instead); QKEEP_STREAM_TRACE=1 prints, at the end of each
- * load, where the calling thread waited.
+ * The ring's shape is the model's (struct qkeep_load_options, read when the ring is made; the
+ * defaults below, docs/PERFORMANCE.md). With a logger at QKEEP_LOG_DEBUG, the end of each load
+ * logs where the calling thread waited.
  */
-#include <errno.h>
+#include <assert.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -38,6 +35,8 @@
 #define MAX_SLOTS 64
 #define DEFAULT_READERS 4
 #define MAX_READERS 16
+#define MIN_PIECE ((size_t)4096)
+#define MAX_PIECE ((size_t)64 << 20)
 
 struct piece {
   struct provided t;
@@ -57,7 +56,7 @@ enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 /* Small puts (stream_put) of at most this many bytes share the last slot, the arena. */
 #define SMALL_PUT ((size_t)4 << 10)
 
-/* Where the calling thread waited, for QKEEP_STREAM_TRACE. */
+/* Where the calling thread waited: measured during a load only while the debug log listens. */
 struct stream_trace {
   bool on;
   size_t pieces, bytes, fence_waits, syncs;
@@ -125,34 +124,31 @@ static void *reader(void *arg) {
   return NULL;
 }
 
-/* The tuning variable `name` as an integer in [lo, hi], or `fallback` when unset. */
-static int tuning(const char *name, long long lo, long long hi, long long fallback, long long *out) {
-  const char *v = getenv(name);
-  *out = fallback;
-  if (!v || !*v)
-    return 0;
-  char *end;
-  errno = 0;
-  long long x = strtoll(v, &end, 10);
-  if (errno || *end || end == v || x < lo || x > hi)
-    return set_error(QKEEP_E_CONFIG, "%s = '%s': expected an integer from %lld to %lld", name, v, lo, hi);
-  *out = x;
+int stream_options_check(const struct qkeep_load_options *o) {
+  if (o->stream_slots && (o->stream_slots < 2 || o->stream_slots > MAX_SLOTS))
+    return set_error(QKEEP_E_INVAL, "stream_slots = %d: expected 2 to %d (0: %d)", o->stream_slots, MAX_SLOTS,
+                     DEFAULT_SLOTS);
+  if (o->stream_piece && (o->stream_piece < MIN_PIECE || o->stream_piece > MAX_PIECE))
+    return set_error(QKEEP_E_INVAL, "stream_piece = %zu: expected %zu to %zu bytes (0: %zu)", o->stream_piece,
+                     MIN_PIECE, MAX_PIECE, DEFAULT_PIECE);
+  if (o->stream_readers && (o->stream_readers < 1 || o->stream_readers > MAX_READERS))
+    return set_error(QKEEP_E_INVAL, "stream_readers = %d: expected 1 to %d (0: one per core, at most %d)",
+                     o->stream_readers, MAX_READERS, DEFAULT_READERS);
   return 0;
 }
 
 static void batch_drop(struct stream *s);
 
-static void trace_print(struct stream *s) {
+static void trace_log(struct stream *s) {
   struct stream_trace *t = &s->trace;
   if (t->on && t->pieces)
-    fprintf(
-        stderr,
+    log_msg(
+        QKEEP_LOG_DEBUG,
         "qkeep stream: %zu pieces, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
-        "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)\n",
+        "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)",
         t->pieces, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
         t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
-  bool on = t->on;
-  *t = (struct stream_trace){.on = on};
+  *t = (struct stream_trace){0};
 }
 
 int stream_end(struct stream *s) {
@@ -166,7 +162,7 @@ int stream_end(struct stream *s) {
   pthread_mutex_unlock(&s->mu);
   for (int i = 0; i < s->n_readers; i++)
     pthread_join(s->readers[i], NULL);
-  trace_print(s);
+  trace_log(s);
   s->n_readers = 0;
   s->quit = false;
   return rc;
@@ -183,30 +179,24 @@ void stream_free(struct stream *s) {
   free(s);
 }
 
-int stream_new(const struct device *dev, struct stream **out) {
-  long long slots, piece, readers;
+int stream_new(const struct device *dev, const struct qkeep_load_options *options, struct stream **out) {
+  const struct qkeep_load_options none = {.size = sizeof none}, *o = options ? options : &none;
+  assert(stream_options_check(o) == 0); /* checked when the model took them */
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  int rc = tuning("QKEEP_STREAM_SLOTS", 2, MAX_SLOTS, DEFAULT_SLOTS, &slots);
-  if (!rc)
-    rc = tuning("QKEEP_STREAM_PIECE", 4096, (long long)64 << 20, (long long)DEFAULT_PIECE, &piece);
-  if (!rc)
-    rc = tuning("QKEEP_STREAM_READERS", 1, MAX_READERS,
-                cores < 1                 ? 1
-                : cores > DEFAULT_READERS ? DEFAULT_READERS
-                                          : cores,
-                &readers);
-  if (rc)
-    return rc;
   struct stream *s = calloc(1, sizeof *s);
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory for the device stream");
   s->dev = dev;
-  const char *fences = getenv("QKEEP_STREAM_FENCES");
-  s->fences = memory_ops_fences(dev->ops) && !(fences && strcmp(fences, "0") == 0);
-  s->slots = (int)slots, s->arena = (int)slots - 1, s->piece = (size_t)piece, s->want_readers = (int)readers;
-  const char *trace = getenv("QKEEP_STREAM_TRACE");
-  s->trace.on = trace && *trace && strcmp(trace, "0") != 0;
-  if ((rc = dev_host_alloc(dev, (size_t)s->slots * s->piece, (void **)&s->ring))) {
+  s->fences = memory_ops_fences(dev->ops) && !o->stream_no_fences;
+  s->slots = o->stream_slots ? o->stream_slots : DEFAULT_SLOTS;
+  s->arena = s->slots - 1;
+  s->piece = o->stream_piece ? o->stream_piece : DEFAULT_PIECE;
+  s->want_readers = o->stream_readers         ? o->stream_readers
+                    : cores < 1               ? 1
+                    : cores > DEFAULT_READERS ? DEFAULT_READERS
+                                              : (int)cores;
+  int rc = dev_host_alloc(dev, (size_t)s->slots * s->piece, (void **)&s->ring);
+  if (rc) {
     free(s);
     return rc;
   }
@@ -219,6 +209,7 @@ int stream_new(const struct device *dev, struct stream **out) {
 
 /* The readers, when none runs (the first layer of a load). */
 static int start_readers(struct stream *s) {
+  s->trace.on = log_enabled(QKEEP_LOG_DEBUG); /* a load begins: measured while the debug log listens */
   while (s->n_readers < s->want_readers && pthread_create(&s->readers[s->n_readers], NULL, reader, s) == 0)
     s->n_readers++;
   return s->n_readers ? 0 : set_error(QKEEP_E_NOMEM, "cannot start a reader thread for the device stream");

@@ -10,7 +10,6 @@
  * Also the sender's plan (every checkpoint tensor once, packed into buckets) and the
  * in-process transport; the NCCL transport is in nccl.c.
  */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,7 +61,7 @@ struct qkeep_sync {
   struct keep_block *blocks;
   size_t n_blocks, cap_blocks;
   struct keep_block spare; /* the last block emptied, kept for the next bucket's (until the sync ends) */
-  bool trace; /* QKEEP_SYNC_TRACE: a line per bucket on stderr */
+  bool trace; /* a line per bucket to the logger, at QKEEP_LOG_DEBUG */
 };
 
 static void block_free(struct keep_block *k) {
@@ -160,8 +159,7 @@ int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out) {
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   s->model = model;
-  const char *trace = getenv("QKEEP_SYNC_TRACE");
-  s->trace = trace && *trace && strcmp(trace, "0") != 0;
+  s->trace = log_enabled(QKEEP_LOG_DEBUG);
   int rc = model_source_copy(model, &s->w0);
   if (!rc)
     rc = index_names(s);
@@ -532,10 +530,10 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
     const struct qkeep_load_stats *st = &m->stats;
     double reload = t2 - t1, v = n ? st->validate_seconds : 0, r = n ? st->read_seconds : 0,
            p = n ? st->pwal_seconds : 0, copies = now_seconds() - t2;
-    fprintf(stderr,
+    log_msg(QKEEP_LOG_DEBUG,
             "qkeep sync: bucket of %zu tensors, %zu bytes: %zu kept for later layers (%.2f ms: their checks "
             "%.2f, copies %.2f), %zu reloaded in %.2f ms (validate %.2f, load %.2f, normalise + PWAL %.2f, "
-            "other %.2f)\n",
+            "other %.2f)",
             b->n, b->nbytes, s->n_pending - kept, (t1 - t0 + copies) * 1e3, (t1 - t0) * 1e3, copies * 1e3, n,
             reload * 1e3, v * 1e3, r * 1e3, p * 1e3, (reload - v - r - p) * 1e3);
   }

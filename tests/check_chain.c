@@ -10,6 +10,7 @@
  * built, and reference; cpu-zentorch, when built, answers the ABI 1.0 check with the others.
  */
 #include <check.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,9 +129,13 @@ static void take(const char *value) {
   ck_assert_int_eq(be->configure(be, "take", value), 0);
 }
 
+/* The stream's shape load_chain gives each model (all zero: the defaults; see use_ring). */
+static struct qkeep_load_options ring_shape;
+
 static qkeep_model *load_chain(qkeep_plugin *const *chain, size_t n, const char *path) {
   qkeep_model *m;
   ck_assert_msg(qkeep_model_new_chain(chain, n, &m) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_model_set_load_options(m, &ring_shape) == 0, "%s", qkeep_errmsg());
   ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
   return m;
 }
@@ -352,11 +357,11 @@ static void shrink_after_first(void *user, size_t done, size_t total, const char
  * the ring's bytes. */
 static long long use_ring(int i) {
   if (i == 0) {
-    unsetenv("QKEEP_STREAM_SLOTS"), unsetenv("QKEEP_STREAM_PIECE"), unsetenv("QKEEP_STREAM_READERS");
+    ring_shape = (struct qkeep_load_options){0};
     return 8 << 20;
   }
-  setenv("QKEEP_STREAM_SLOTS", "3", 1), setenv("QKEEP_STREAM_PIECE", "4096", 1);
-  setenv("QKEEP_STREAM_READERS", "3", 1);
+  ring_shape = (struct qkeep_load_options){
+      .size = sizeof ring_shape, .stream_slots = 3, .stream_piece = 4096, .stream_readers = 3};
   return 3 * 4096;
 }
 
@@ -420,25 +425,117 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
 }
 END_TEST
 
-/* A stream tuning variable out of range fails the load before any byte moves, naming it. */
-START_TEST(a_bad_stream_setting_fails_the_load_with_its_name) {
+/* The ring's bytes the model keeps for its next load. */
+static int64_t pinned(qkeep_model *m) {
+  struct qkeep_memory_stats mem = {.size = sizeof mem};
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  return mem.pinned_bytes;
+}
+
+/* A stream shape out of range is refused when it is set, naming the field, and the model keeps the
+ * shape it had; a shorter (older) struct is read only as far as its size; a new shape frees the ring
+ * of the old one, and the next load makes it anew. */
+START_TEST(load_options_are_checked_field_by_field_and_take_effect_at_the_next_load) {
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
   char *w0 = write_large("large-w0.safetensors", 11);
-  static const char *const bad[][2] = {
-      {"QKEEP_STREAM_SLOTS", "1"}, {"QKEEP_STREAM_PIECE", "4095"}, {"QKEEP_STREAM_READERS", "4x"}};
-  for (size_t i = 0; i < 3; i++) {
-    setenv(bad[i][0], bad[i][1], 1);
-    qkeep_plugin *chain[] = {async};
-    qkeep_model *m;
-    ck_assert_int_eq(qkeep_model_new_chain(chain, 1, &m), 0);
-    ck_assert_int_eq(qkeep_model_load(m, w0), QKEEP_E_CONFIG);
-    ck_assert_msg(strstr(qkeep_errmsg(), bad[i][0]) && strstr(qkeep_errmsg(), bad[i][1]), "%s",
-                  qkeep_errmsg());
-    ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
-    qkeep_model_free(m);
-    unsetenv(bad[i][0]);
+  qkeep_plugin *chain[] = {async};
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new_chain(chain, 1, &m), 0);
+  struct qkeep_load_options good = {
+      .size = sizeof good, .stream_slots = 3, .stream_piece = 4096, .stream_readers = 3};
+  ck_assert_msg(qkeep_model_set_load_options(m, &good) == 0, "%s", qkeep_errmsg());
+  static const struct {
+    struct qkeep_load_options o;
+    const char *says;
+  } bad[] = {
+      {{.stream_slots = 1}, "stream_slots = 1: expected 2 to 64"},
+      {{.stream_slots = 65}, "stream_slots = 65"},
+      {{.stream_slots = -2}, "stream_slots = -2"},
+      {{.stream_piece = 4095}, "stream_piece = 4095: expected 4096 to 67108864 bytes"},
+      {{.stream_piece = ((size_t)64 << 20) + 1}, "stream_piece = 67108865"},
+      {{.stream_readers = -1}, "stream_readers = -1: expected 1 to 16"},
+      {{.stream_readers = 17}, "stream_readers = 17"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    struct qkeep_load_options o = bad[i].o;
+    o.size = sizeof o;
+    ck_assert_int_eq(qkeep_model_set_load_options(m, &o), QKEEP_E_INVAL);
+    ck_assert_msg(strstr(qkeep_errmsg(), bad[i].says), "%s", qkeep_errmsg());
   }
+  ck_assert_int_eq(qkeep_model_set_load_options(m, NULL), QKEEP_E_INVAL);
+  ck_assert_int_eq(qkeep_model_set_load_options(NULL, &good), QKEEP_E_INVAL);
+  ck_assert_msg(qkeep_model_load(m, w0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(pinned(m), 3 * 4096); /* the good shape still holds */
+  assert_digest(m, w0);
+  /* The same shape again keeps the ring; a caller that knows only stream_slots sets 4 slots, and
+   * what lies past its size (a bad piece here) is not read: the piece is the default. */
+  ck_assert_int_eq(qkeep_model_set_load_options(m, &good), 0);
+  ck_assert_int_eq(pinned(m), 3 * 4096);
+  struct qkeep_load_options older = {
+      .size = offsetof(struct qkeep_load_options, stream_piece), .stream_slots = 4, .stream_piece = 1};
+  ck_assert_msg(qkeep_model_set_load_options(m, &older) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(pinned(m), 0); /* the 3-slot ring is gone */
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(pinned(m), 4 * (512 << 10));
+  assert_digest(m, w0);
+  qkeep_model_free(m);
+  qkeep_plugin_close(async);
+  free(w0);
+}
+END_TEST
+
+/* Lines the logger got, by kind. */
+struct log_seen {
+  int stream_lines, other_debug;
+  enum qkeep_log_level stream_level;
+  char stream_line[1024];
+};
+
+static void keep_log(void *user, enum qkeep_log_level level, const char *msg) {
+  struct log_seen *seen = user;
+  if (strncmp(msg, "qkeep stream: ", 14) == 0) {
+    seen->stream_lines++, seen->stream_level = level;
+    snprintf(seen->stream_line, sizeof seen->stream_line, "%s", msg);
+  } else if (level == QKEEP_LOG_DEBUG) {
+    seen->other_debug++;
+  }
+}
+
+/* The stream's trace goes to the logger at QKEEP_LOG_DEBUG, one line per load, and only when the
+ * level asks for it (the library never prints). */
+START_TEST(a_streaming_load_logs_its_trace_at_debug_level) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = write_large("large-w0.safetensors", 11);
+  struct log_seen seen = {0};
+  qkeep_set_logger(keep_log, &seen);
+  use_ring(1);
+  qkeep_plugin *chain[] = {async};
+  qkeep_model *m = load_chain(chain, 1, w0); /* the default level: no trace */
+  ck_assert_int_eq(seen.stream_lines, 0);
+  qkeep_set_log_level(QKEEP_LOG_DEBUG);
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(seen.stream_lines, 1);
+  ck_assert_int_eq(seen.stream_level, QKEEP_LOG_DEBUG);
+  ck_assert_msg(strstr(seen.stream_line, "pieces") && strstr(seen.stream_line, "3 slots of 4096 bytes") &&
+                    strstr(seen.stream_line, "fences on") && !strchr(seen.stream_line, '\n'),
+                "%s", seen.stream_line);
+  /* Without the backend's fences the ring waits for the whole device instead (and still loads W0). */
+  struct qkeep_load_options no_fences = ring_shape;
+  no_fences.stream_no_fences = true;
+  ck_assert_int_eq(qkeep_model_set_load_options(m, &no_fences), 0);
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(seen.stream_lines, 2);
+  ck_assert_msg(strstr(seen.stream_line, "fences off") && !strstr(seen.stream_line, " 0 syncs"), "%s",
+                seen.stream_line);
+  assert_digest(m, w0);
+  qkeep_set_log_level(QKEEP_LOG_INFO);
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(seen.stream_lines, 2);
+  qkeep_set_logger(NULL, NULL);
+  use_ring(0);
+  qkeep_model_free(m);
   qkeep_plugin_close(async);
   free(w0);
 }
@@ -637,7 +734,8 @@ static Suite *chain_suite(void) {
   tcase_add_test(tc, an_abi_1_0_plugin_takes_part_in_a_chain);
   tcase_add_test(tc, a_layer_no_backend_takes_fails_before_any_allocation);
   tcase_add_loop_test(tc, a_device_with_async_copies_loads_through_pinned_chunks, 0, 2);
-  tcase_add_test(tc, a_bad_stream_setting_fails_the_load_with_its_name);
+  tcase_add_test(tc, load_options_are_checked_field_by_field_and_take_effect_at_the_next_load);
+  tcase_add_test(tc, a_streaming_load_logs_its_trace_at_debug_level);
   tcase_add_loop_test(tc, quantized_layers_normalise_on_an_async_device, 0, 2);
   tcase_add_test(tc, the_weight_dtype_reaches_supports_layer);
   tcase_add_test(tc, a_tied_lm_head_stays_with_its_embedding);

@@ -4,6 +4,7 @@
  * make check).
  */
 #include <check.h>
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 
 #include "checkutil.h"
 #include "internal.h"
+#include "test_control.h"
 #include "testutil.h"
 
 static char *tmpdir;
@@ -612,6 +614,43 @@ START_TEST(test_install_dir) {
 }
 END_TEST
 
+/* Through the test control, plugins opened from then on stay mapped after their close (valgrind and
+ * ASan runs keep a plugin's symbols for their leak reports); by default a close unmaps the plugin. Run
+ * last: the plugin it keeps stays in the process. */
+START_TEST(test_control_keeps_closed_plugins_mapped) {
+  char *file = test_plugin_file("test-good");
+  qkeep_plugin *p;
+  ck_assert_msg(qkeep_plugin_open("test-good", NULL, &p) == 0, "%s", qkeep_errmsg());
+  qkeep_plugin_close(p);
+  ck_assert_ptr_null(dlopen(file, RTLD_NOW | RTLD_NOLOAD));
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_PLUGIN_NODELETE, 1), 0);
+  ck_assert_msg(qkeep_plugin_open("test-good", NULL, &p) == 0, "%s", qkeep_errmsg());
+  qkeep_plugin_close(p);
+  void *h = dlopen(file, RTLD_NOW | RTLD_NOLOAD);
+  ck_assert_msg(h != NULL, "%s was unmapped at its close", file);
+  dlclose(h);
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_PLUGIN_NODELETE, 0), 0);
+  free(file);
+}
+END_TEST
+
+/* An unknown op, or a fault no reload could raise, is refused with what was wrong. */
+START_TEST(test_control_refuses_what_it_cannot_do) {
+  ck_assert_int_eq(qkeep__test_control(999), QKEEP_E_INVAL);
+  ASSERT_HAS(qkeep_errmsg(), "unknown op 999");
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(NULL, &m), 0);
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_RELOAD_FAULT, (qkeep_model *)NULL, 0L, QKEEP_E_IO),
+                   QKEEP_E_INVAL);
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_RELOAD_FAULT, m, 0L, 0), QKEEP_E_INVAL);
+  ASSERT_HAS(qkeep_errmsg(), "RELOAD_FAULT");
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_RELOAD_FAULT, m, -2L, QKEEP_E_IO), QKEEP_E_INVAL);
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_RELOAD_FAULT, m, 0L, QKEEP_E_IO), 0);
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_RELOAD_FAULT, m, -1L, 0), 0);
+  qkeep_model_free(m);
+}
+END_TEST
+
 static Suite *plugin_suite(void) {
   Suite *s = suite_create("plugin");
   TCase *tc = tcase_create("load");
@@ -650,6 +689,12 @@ static Suite *plugin_suite(void) {
   tcase_add_test(tc, test_scan_first_wins);
   tcase_add_test(tc, test_scan_stops);
   tcase_add_test(tc, test_plugin_path_precedence);
+  suite_add_tcase(s, tc);
+
+  tc = tcase_create("test control"); /* last: it leaves a plugin mapped */
+  tcase_add_checked_fixture(tc, setup, teardown);
+  tcase_add_test(tc, test_control_refuses_what_it_cannot_do);
+  tcase_add_test(tc, test_control_keeps_closed_plugins_mapped);
   suite_add_tcase(s, tc);
   return s;
 }

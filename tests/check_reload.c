@@ -16,6 +16,7 @@
 #include "checkpoint.h"
 #include "ckptutil.h"
 #include "fixture.h"
+#include "test_control.h"
 #include "testutil.h"
 
 #define H 64
@@ -326,8 +327,7 @@ START_TEST(fault_at_every_layer_rolls_back) {
   struct tu_storages before = {0}, after = {0};
   tu_snapshot(m, &before);
   for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
-    m->fault_layer = (long)l;
-    m->fault_code = QKEEP_E_IO;
+    inject_fault(m, (long)l, QKEEP_E_IO);
     ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
     ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "rolled back"));
     ck_assert_msg(same(digest(m), d0), "fault at layer %zu left a mix", l);
@@ -335,7 +335,7 @@ START_TEST(fault_at_every_layer_rolls_back) {
     tu_assert_in_place_and_equal(&before, &after, &before);
     tu_release_snapshot(&after);
   }
-  m->fault_layer = -1;
+  inject_fault(m, -1, 0);
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), 0);
   ck_assert(same(digest(m), d1));
   tu_release_snapshot(&before);
@@ -371,8 +371,7 @@ START_TEST(rollback_after_w0_changed_on_disk_refuses_to_run) {
   struct qkeep_digest d0 = digest(m);
   size_t n_layers = qkeep_model_layer_count(m);
   /* Unchanged files: a late fault rolls back to exactly W0. */
-  m->fault_layer = (long)n_layers - 1;
-  m->fault_code = QKEEP_E_IO;
+  inject_fault(m, (long)n_layers - 1, QKEEP_E_IO);
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "rolled back"));
   ck_assert(same(digest(m), d0));
@@ -386,7 +385,7 @@ START_TEST(rollback_after_w0_changed_on_disk_refuses_to_run) {
   qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
   ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), QKEEP_E_STATE);
   /* A full reload that succeeds makes it run again, equal to a cold start. */
-  m->fault_layer = -1;
+  inject_fault(m, -1, 0);
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), 0);
   qkeep_model *cold = load(w1);
   ck_assert(same(digest(m), digest(cold)));
@@ -413,12 +412,11 @@ START_TEST(rollback_sees_an_in_place_rewrite_that_keeps_size_and_mtime) {
   close(fd);
   struct timespec times[2] = {before.st_atim, before.st_mtim};
   ck_assert_int_eq(utimensat(AT_FDCWD, file, times, 0), 0);
-  m->fault_layer = (long)qkeep_model_layer_count(m) - 1;
-  m->fault_code = QKEEP_E_IO;
+  inject_fault(m, (long)qkeep_model_layer_count(m) - 1, QKEEP_E_IO);
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
   const char *msg = qkeep_errmsg();
   ck_assert_msg(strstr(msg, "refuses to run") && strstr(msg, "changed since the model read it"), "%s", msg);
-  m->fault_layer = -1;
+  inject_fault(m, -1, 0);
   qkeep_model_free(m);
   free(file), free(s0), free(s1), free(w0), free(w1);
 }
@@ -470,15 +468,14 @@ START_TEST(reload_from_memory_buffers) {
   ck_assert(same(digest(m), d0));
   /* After a buffer reload no file holds the weights: a fault cannot roll back, so the model refuses to run.
    */
-  m->fault_layer = 3;
-  m->fault_code = QKEEP_E_DEVICE;
+  inject_fault(m, 3, QKEEP_E_DEVICE);
   ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, t1.n, 0), QKEEP_E_DEVICE);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "refuses to run"));
   float x[H] = {0}, y[H];
   qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
   ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), QKEEP_E_STATE);
   ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, 1, QKEEP_RELOAD_PARTIAL), QKEEP_E_STATE);
-  m->fault_layer = -1;
+  inject_fault(m, -1, 0);
   ck_assert_int_eq(qkeep_model_reload_tensors(m, t1.t, t1.n, 0), 0);
   ck_assert_int_eq(qkeep_layer_apply_f32(o, 1, x, y), 0);
   ck_assert(same(digest(m), d1));
@@ -681,7 +678,7 @@ END_TEST
  * single reader's do: the digest after the reload is a cold start's on W1, and a bad scale in the last
  * share is still found before anything changes. */
 START_TEST(scales_read_in_shares_by_threads_validate_the_same) {
-  reload_threaded_scale_bytes = 1;
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_THREADED_SCALE_BYTES, (size_t)1), 0);
   char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
   char *w0 = quantize(s0, "modelopt-nvfp4", "nv-w0", 0, false),
        *w1 = quantize(s1, "modelopt-nvfp4", "nv-w1", 0, false);
@@ -710,7 +707,7 @@ START_TEST(scales_read_in_shares_by_threads_validate_the_same) {
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
   ck_assert_msg(strstr(qkeep_errmsg(), bad_name), "%s", qkeep_errmsg());
   ck_assert(same(digest(m), d0));
-  reload_threaded_scale_bytes = (size_t)256 << 10;
+  ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_THREADED_SCALE_BYTES, (size_t)0), 0); /* the default */
   free(bad_name);
   qkeep_model_free(m), qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1);

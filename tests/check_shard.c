@@ -1140,9 +1140,9 @@ START_TEST(a_reload_failing_after_a_sync_does_not_roll_back_to_w0) {
   ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
   ck_assert_ptr_null(c.m->source_path);
   ck_assert_uint_gt(c.m->n_layers, 3);
-  c.m->fault_layer = 3, c.m->fault_code = QKEEP_E_IO; /* the reload fails at its fourth layer */
+  inject_fault(c.m, 3, QKEEP_E_IO); /* the reload fails at its fourth layer */
   ck_assert_int_eq(qkeep_model_reload(c.m, c.w0, 0), QKEEP_E_IO);
-  c.m->fault_layer = -1;
+  inject_fault(c.m, -1, 0);
   ck_assert_msg(strstr(qkeep_errmsg(), "rollback impossible") &&
                     strstr(qkeep_errmsg(), "no checkpoint holds"),
                 "%s", qkeep_errmsg());
@@ -1236,12 +1236,33 @@ START_TEST(sync_refuses_what_it_cannot_do) {
 }
 END_TEST
 
+/* The fake libnccl's record of NCCL_NVLS_ENABLE as its last ncclCommInitRank saw it. */
+static const char *nvls_seen(const char *lib) {
+  void *h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
+  ck_assert_ptr_nonnull(h);
+  const char *(*nvls)(void);
+  void *sym = dlsym(h, "fake_nccl_nvls");
+  memcpy(&nvls, &sym, sizeof sym);
+  const char *seen = nvls();
+  dlclose(h);
+  return seen;
+}
+
 START_TEST(the_nccl_transport_dlopens_libnccl_and_says_why_not) {
   unsetenv("NCCL_NVLS_ENABLE");
   unsigned char id[128];
   ck_assert_int_eq(qkeep_nccl_unique_id("/nonexistent/libnccl.so.2", id), QKEEP_E_NOTFOUND);
   ck_assert_msg(strstr(qkeep_errmsg(), "cannot load /nonexistent/libnccl.so.2"), "%s", qkeep_errmsg());
-  ck_assert_str_eq(getenv("NCCL_NVLS_ENABLE"), "0"); /* set before NCCL could read it */
+  /* NCCL's configuration is the caller's: the library never sets NCCL_NVLS_ENABLE (or anything
+   * else) in the caller's environment, and NCCL sees the environment the caller left. */
+  char *lib = tu_path(tu_builddir(), "tests/plugins/.libs/libnccl-fake.so");
+  ck_assert_msg(qkeep_nccl_unique_id(lib, id) == 0, "%s", qkeep_errmsg());
+  struct qkeep_transport *one;
+  ck_assert_msg(qkeep_transport_nccl(lib, 1, 0, id, &one) == 0, "%s", qkeep_errmsg());
+  ck_assert_ptr_null(getenv("NCCL_NVLS_ENABLE"));
+  ck_assert_str_eq(nvls_seen(lib), "unset");
+  one->close(one->ctx);
+  free(lib);
   ck_assert_int_eq(qkeep_nccl_unique_id("libm.so.6", id), QKEEP_E_PLUGIN);
   ck_assert_msg(strstr(qkeep_errmsg(), "has no ncclGetUniqueId"), "%s", qkeep_errmsg());
   struct qkeep_transport *t;
@@ -1255,24 +1276,104 @@ END_TEST
 START_TEST(a_sync_through_the_nccl_transport_over_a_stand_in_libnccl) {
   char *lib = tu_path(tu_builddir(), "tests/plugins/.libs/libnccl-fake.so");
   char *w0 = checkpoint("gptq-int4", 0), *w1 = checkpoint("gptq-int4", 1);
+  /* NVLink multicast off, as an engine on the lent GPU machines keeps it: the caller's setting,
+   * before its first NCCL call, is what NCCL sees. */
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
   unsigned char id[128];
   ck_assert_msg(qkeep_nccl_unique_id(lib, id) == 0, "%s", qkeep_errmsg());
   struct qkeep_transport *tr[3];
   for (int r = 0; r < 3; r++)
     ck_assert_msg(qkeep_transport_nccl(lib, 3, r, id, &tr[r]) == 0, "%s", qkeep_errmsg());
   ck_assert_str_eq(tr[0]->name, "nccl");
-  void *h = dlopen(lib, RTLD_NOW | RTLD_NOLOAD);
-  ck_assert_ptr_nonnull(h);
-  const char *(*nvls)(void);
-  void *sym = dlsym(h, "fake_nccl_nvls");
-  memcpy(&nvls, &sym, sizeof sym);
-  ck_assert_str_eq(nvls(), "0"); /* NVLink multicast off when the communicators started */
-  dlclose(h);
+  ck_assert_str_eq(nvls_seen(lib), "0"); /* NVLink multicast off when the communicators started */
   ck_assert_int_eq(tr[1]->broadcast(tr[1]->ctx, id, 8, 5), QKEEP_E_INVAL);
   sync_ranks(w0, w1, 2, tr, 64 << 10);
   for (int r = 0; r < 3; r++)
     tr[r]->close(tr[r]->ctx);
+  unsetenv("NCCL_NVLS_ENABLE");
   free(lib), free(w0), free(w1);
+}
+END_TEST
+
+/* libnccl is code the core runs: a file the caller or $QKEEP_NCCL_LIBRARY names is trusted only as a
+ * plugin's is (it and its directory owned by root or the caller, writable by no one else), or refused
+ * before it is loaded, naming the path (a 0666 library of another user in a 0777 directory would
+ * otherwise run its constructors in the caller's process). */
+START_TEST(an_nccl_library_others_could_replace_is_refused) {
+  char *fake = tu_path(tu_builddir(), "tests/plugins/.libs/libnccl-fake.so"), *sub = tu_path(dir, "nccl");
+  ck_assert_int_eq(mkdir(sub, 0755), 0);
+  char *lib = tu_path(sub, "libnccl.so.2");
+  size_t n;
+  void *bytes = tu_read_file(fake, &n);
+  ck_assert_ptr_nonnull(bytes);
+  ck_assert_int_eq(tu_write_file(lib, bytes, n), 0);
+  free(bytes);
+  unsigned char id[128];
+  struct qkeep_transport *t;
+  static const mode_t open_to_others[] = {0666, 0757, 0775};
+  for (size_t i = 0; i < sizeof open_to_others / sizeof open_to_others[0]; i++) {
+    ck_assert_int_eq(chmod(lib, open_to_others[i]), 0);
+    ck_assert_int_eq(qkeep_nccl_unique_id(lib, id), QKEEP_E_PLUGIN);
+    ck_assert_msg(strstr(qkeep_errmsg(), lib) && strstr(qkeep_errmsg(), "refused") &&
+                      strstr(qkeep_errmsg(), "writable by"),
+                  "%s", qkeep_errmsg());
+    ck_assert_int_eq(qkeep_transport_nccl(lib, 1, 0, id, &t), QKEEP_E_PLUGIN);
+    setenv("QKEEP_NCCL_LIBRARY", lib, 1); /* the same file named by the environment */
+    ck_assert_int_eq(qkeep_nccl_unique_id(NULL, id), QKEEP_E_PLUGIN);
+    ck_assert_msg(strstr(qkeep_errmsg(), "QKEEP_NCCL_LIBRARY") && strstr(qkeep_errmsg(), lib), "%s",
+                  qkeep_errmsg());
+    ck_assert_int_eq(qkeep_transport_nccl(NULL, 1, 0, id, &t), QKEEP_E_PLUGIN);
+    unsetenv("QKEEP_NCCL_LIBRARY");
+  }
+  ck_assert_int_eq(chmod(lib, 0755), 0);
+  ck_assert_int_eq(chmod(sub, 0777), 0); /* the directory: the file could be swapped */
+  ck_assert_int_eq(qkeep_nccl_unique_id(lib, id), QKEEP_E_PLUGIN);
+  ck_assert_msg(strstr(qkeep_errmsg(), lib) && strstr(qkeep_errmsg(), "directory"), "%s", qkeep_errmsg());
+  ck_assert_int_eq(chmod(sub, 0755), 0);
+  if (geteuid() == 0) { /* only root can give a file away */
+    ck_assert_int_eq(chown(lib, 4321, (gid_t)-1), 0);
+    ck_assert_int_eq(qkeep_nccl_unique_id(lib, id), QKEEP_E_PLUGIN);
+    ck_assert_msg(strstr(qkeep_errmsg(), lib) && strstr(qkeep_errmsg(), "owned by uid 4321"), "%s",
+                  qkeep_errmsg());
+    ck_assert_int_eq(chown(lib, geteuid(), (gid_t)-1), 0);
+  }
+  /* Trusted again: it loads, from the caller's path and from the environment's. */
+  ck_assert_msg(qkeep_nccl_unique_id(lib, id) == 0, "%s", qkeep_errmsg());
+  setenv("QKEEP_NCCL_LIBRARY", lib, 1);
+  ck_assert_msg(qkeep_transport_nccl(NULL, 1, 0, id, &t) == 0, "%s", qkeep_errmsg());
+  unsetenv("QKEEP_NCCL_LIBRARY");
+  t->close(t->ctx);
+  free(fake), free(sub), free(lib);
+}
+END_TEST
+
+static void count_sync_lines(void *user, enum qkeep_log_level level, const char *msg) {
+  if (level == QKEEP_LOG_DEBUG && strncmp(msg, "qkeep sync: bucket of ", 22) == 0)
+    ++*(int *)user;
+}
+
+/* Where each bucket's time goes is a debug line to the logger (never stderr), one per bucket, and
+ * nothing at the default level. */
+START_TEST(a_sync_logs_a_line_per_bucket_at_debug_level) {
+  struct sync_case c;
+  sync_case_open(&c);
+  int lines = 0;
+  qkeep_set_logger(count_sync_lines, &lines);
+  for (int pass = 0; pass < 2; pass++) {
+    qkeep_set_log_level(pass ? QKEEP_LOG_DEBUG : QKEEP_LOG_INFO);
+    qkeep_sync *sy;
+    ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
+    for (size_t b = 0; b < c.sd.n_buckets; b++) {
+      struct qkeep_bucket bk = bucket_of(&c.sd, b, c.sd.buf[b]);
+      ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "%s", qkeep_errmsg());
+    }
+    ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
+    ck_assert_int_eq(lines, pass ? (int)c.sd.n_buckets : 0);
+  }
+  ck_assert_uint_gt(c.sd.n_buckets, 1);
+  qkeep_set_logger(NULL, NULL);
+  qkeep_set_log_level(QKEEP_LOG_INFO);
+  sync_case_close(&c);
 }
 END_TEST
 
@@ -1321,6 +1422,8 @@ static Suite *suite(void) {
   tcase_add_test(tc, the_nccl_transport_dlopens_libnccl_and_says_why_not);
   tcase_add_test(tc, a_sync_through_the_nccl_transport_over_a_stand_in_libnccl);
   tcase_add_test(tc, libnccl_stays_loaded_while_the_threads_it_started_run);
+  tcase_add_test(tc, an_nccl_library_others_could_replace_is_refused);
+  tcase_add_test(tc, a_sync_logs_a_line_per_bucket_at_debug_level);
   suite_add_tcase(s, tc);
   return s;
 }

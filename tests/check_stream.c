@@ -124,9 +124,12 @@ static struct stream_item item(size_t nbytes, char *dst) {
                               .dst = dst};
 }
 
-static void ring(const char *slots, const char *piece) {
-  setenv("QKEEP_STREAM_SLOTS", slots, 1), setenv("QKEEP_STREAM_PIECE", piece, 1);
-  setenv("QKEEP_STREAM_READERS", "3", 1);
+/* A ring of `slots` slots of `piece` bytes, read by three threads. */
+static struct qkeep_load_options ring(int slots, size_t piece) {
+  return (struct qkeep_load_options){.size = sizeof(struct qkeep_load_options),
+                                     .stream_slots = slots,
+                                     .stream_piece = piece,
+                                     .stream_readers = 3};
 }
 
 static void reset_device(void) { aq_free(&q); }
@@ -134,12 +137,12 @@ static void reset_device(void) { aq_free(&q); }
 /* Every piece of a tensor many times the ring's size lands, with or without fences (_i). */
 START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
   reset_device();
-  ring("3", "4096");
+  struct qkeep_load_options shape = ring(3, 4096);
   struct qkeep_backend be;
   struct device dev;
   device_for(&dev, &be, _i == 0);
   struct stream *s;
-  ck_assert_msg(stream_new(&dev, &s) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
   size_t n = ((size_t)1 << 20) + 123;
   char *dst = calloc(1, n);
   struct stream_item it = item(n, dst);
@@ -158,12 +161,12 @@ END_TEST
  * whatever its state): the bytes put are the bytes that land. */
 START_TEST(a_put_never_takes_a_slot_being_read_ahead) {
   reset_device();
-  ring("3", "16384");
+  struct qkeep_load_options shape = ring(3, 16384);
   struct qkeep_backend be;
   struct device dev;
   device_for(&dev, &be, _i == 0);
   struct stream *s;
-  ck_assert_msg(stream_new(&dev, &s) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
   char *ahead = calloc(1, 65536);
   struct stream_item it = item(65536, NULL);
   set_gate(false); /* the readers stop inside their first reads */

@@ -29,6 +29,7 @@ abi=$(sed -n 's/^backend_abi=//p' "$build/qkeep.pc")
 check "version text" grep -Eq '^qkeep [0-9.]+ \(plugin ABI [0-9]+\.[0-9]+\)$' "$tmp/out"
 check "qkeep.pc exports the ABI the core has" contains "$tmp/out" "plugin ABI $abi)"
 check "qkeep-backend.pc exports it too" grep -qx "backend_abi=$abi" "$build/qkeep-backend.pc"
+"$qkeep" --debug version >"$tmp/out" 2>&1; check "--debug is a main option" test $? -eq 0
 
 "$qkeep" -c "$tmp/qkeep.ini" plugins >"$tmp/out" 2>&1; check "plugins exits 0" test $? -eq 0
 check "plugins lists reference" contains "$tmp/out" "reference"

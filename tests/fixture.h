@@ -17,6 +17,7 @@
 
 #include "checkutil.h"
 #include "qkeep.h"
+#include "test_control.h"
 #include "testutil.h"
 
 static char *dir;            /* the test's own directory under tests/tmp */
@@ -53,6 +54,11 @@ static inline qkeep_model *load(const char *path) {
     ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
   ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
   return m;
+}
+
+/* Arms (layer >= 0) or disarms (layer -1) a fault at a layer of m's reloads (test_control.h). */
+static inline void inject_fault(qkeep_model *m, long layer, int code) {
+  ck_assert_msg(qkeep__test_control(QKEEP_TESTCTRL_RELOAD_FAULT, m, layer, code) == 0, "%s", qkeep_errmsg());
 }
 
 /* Whether this build has the backend and its probe finds the device (else why not, on stderr). */

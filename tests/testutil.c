@@ -10,6 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "qkeep.h"
+
 /* Every suite links this file (an archive member the linker always pulls in), so the
  * sanitizer hook for programs that run oneDNN's threads rides along; see the file. */
 #include "../build-aux-src/asan_options.c"
@@ -125,4 +127,15 @@ long long tu_status_bytes(const char *field) {
 void tu_fill_bytes(uint8_t *p, size_t n, uint64_t seed) {
   for (size_t i = 0; i < n; i++)
     p[i] = (uint8_t)(tu_rand(&seed) >> 56);
+}
+
+static void log_line(void *user, enum qkeep_log_level level, const char *msg) {
+  (void)user;
+  static const char *const names[] = {"error", "warning", "info", "debug"};
+  fprintf(stderr, "qkeep: %s: %s\n", (unsigned)level <= QKEEP_LOG_DEBUG ? names[level] : "log", msg);
+}
+
+void tu_log_to_stderr(int max_level) {
+  qkeep_set_log_level((enum qkeep_log_level)max_level);
+  qkeep_set_logger(log_line, NULL);
 }

@@ -29,5 +29,8 @@ double tu_now(void);
 double tu_median(double *v, int n);
 /* A field of /proc/self/status in bytes (VmRSS, VmHWM), or -1 when it cannot be read. */
 long long tu_status_bytes(const char *field);
+/* Routes the library's log lines up to `max_level` (a qkeep_log_level: 3 is QKEEP_LOG_DEBUG, the
+ * stream's and the sync's traces) to stderr, "qkeep: LEVEL: line": for benches asked to trace. */
+void tu_log_to_stderr(int max_level);
 
 #endif
