@@ -7,11 +7,19 @@
  * as table rows. Each must equal the rows between the doc's markers
  * `<!-- params: SCHEME VARIANT KIND -->` and `<!-- end -->`, no more and no fewer.
  * With QKEEP_WRITE_SCHEMES=FILE set, the rows are written there instead (to draft the doc).
+ *
+ * The core's sources (every .c and .h under libqkeep/, at any depth) cannot drift from README
+ * either: each environment variable they read (getenv("NAME") with a literal name, the only form
+ * allowed) must be listed in README's "Environment" section, and they never print (no stderr,
+ * stdout, printf, puts, perror...) nor change the caller's environment (setenv, putenv...).
  */
 #include <check.h>
+#include <ctype.h>
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "checkutil.h"
 #include "internal.h"
@@ -269,6 +277,226 @@ START_TEST(schemes_md_lists_what_a_backend_receives) {
 }
 END_TEST
 
+/* ---- the core's sources: documented environment, no printing -------------------------------- */
+
+/* What a scan of sources found: the environment variables read, and each problem as "file:line: why". */
+struct scan {
+  char **names, **problems;
+  size_t n_names, n_problems, files;
+};
+
+static void push(char ***list, size_t *n, char *item) {
+  *list = realloc(*list, (*n + 1) * sizeof **list);
+  (*list)[(*n)++] = item;
+}
+
+static void problem(struct scan *sc, const char *file, const char *text, size_t at, const char *why,
+                    const char *what) {
+  size_t line = 1;
+  for (size_t i = 0; i < at; i++)
+    line += text[i] == '\n';
+  char *p = NULL;
+  ck_assert_int_ge(asprintf(&p, "%s:%zu: %s %s", file, line, why, what), 0);
+  push(&sc->problems, &sc->n_problems, p);
+}
+
+/* text with its comments and the insides of its string and character literals blanked (the quotes
+ * and the offsets stay), so that only code is left to look at. */
+static char *code_only(const char *text, size_t n) {
+  char *code = malloc(n + 1);
+  memcpy(code, text, n + 1);
+  for (size_t i = 0; i < n; i++) {
+    if (code[i] == '/' && code[i + 1] == '*') {
+      size_t j = i + 2;
+      while (j < n && !(code[j] == '*' && code[j + 1] == '/'))
+        j++;
+      for (size_t k = i; k < j + 2 && k < n; k++)
+        code[k] = code[k] == '\n' ? '\n' : ' ';
+      i = j + 1;
+    } else if (code[i] == '/' && code[i + 1] == '/') {
+      while (i < n && code[i] != '\n')
+        code[i++] = ' ';
+    } else if (code[i] == '"' || code[i] == '\'') {
+      char quote = code[i];
+      size_t j = i + 1;
+      for (; j < n && code[j] != quote && code[j] != '\n'; j++)
+        if (code[j] == '\\')
+          code[j++] = ' ', code[j] = code[j] == '\n' ? '\n' : ' ';
+        else
+          code[j] = ' ';
+      i = j;
+    }
+  }
+  return code;
+}
+
+static bool among_words(const char *word, size_t len, const char *const *words) {
+  for (; *words; words++)
+    if (strlen(*words) == len && strncmp(*words, word, len) == 0)
+      return true;
+  return false;
+}
+
+/* Looks at one source file's text (NUL-terminated, n bytes). */
+static void scan_text(struct scan *sc, const char *file, const char *text, size_t n) {
+  /* Named anywhere: the standard streams, and the environment as a whole. */
+  static const char *const streams[] = {"stderr", "stdout", "STDERR_FILENO", "STDOUT_FILENO", NULL};
+  static const char *const whole_environment[] = {"environ", "__environ", NULL};
+  /* Called: printing to a terminal, and changing the caller's environment. */
+  static const char *const prints[] = {"printf",  "vprintf",  "puts",    "putchar",  "perror",
+                                       "dprintf", "vdprintf", "psignal", "psiginfo", "warn",
+                                       "warnx",   "vwarn",    "vwarnx",  "err",      "errx",
+                                       "verr",    "verrx",    "error",   NULL};
+  static const char *const changes[] = {"setenv", "putenv", "unsetenv", "clearenv", NULL};
+  static const char *const getenvs[] = {"getenv", "secure_getenv", NULL};
+  char *code = code_only(text, n);
+  for (size_t i = 0; i < n; i++) {
+    if (!(isalpha((unsigned char)code[i]) || code[i] == '_') ||
+        (i && (isalnum((unsigned char)code[i - 1]) || code[i - 1] == '_')))
+      continue;
+    size_t len = 0;
+    while (isalnum((unsigned char)code[i + len]) || code[i + len] == '_')
+      len++;
+    size_t after = i + len;
+    while (after < n && isspace((unsigned char)code[after]))
+      after++;
+    char word[64];
+    snprintf(word, sizeof word, "%.*s", (int)(len < 63 ? len : 63), code + i);
+    bool call = code[after] == '(';
+    if (among_words(code + i, len, streams))
+      problem(sc, file, text, i, "prints through", word);
+    else if (among_words(code + i, len, whole_environment))
+      problem(sc, file, text, i, "reads the environment through", word);
+    else if (call && among_words(code + i, len, prints))
+      problem(sc, file, text, i, "prints with", word);
+    else if (call && among_words(code + i, len, changes))
+      problem(sc, file, text, i, "changes the caller's environment with", word);
+    else if (call && among_words(code + i, len, getenvs)) {
+      size_t q = after + 1;
+      while (q < n && isspace((unsigned char)code[q]))
+        q++;
+      const char *end = code[q] == '"' ? strchr(text + q + 1, '"') : NULL;
+      if (!end)
+        problem(sc, file, text, i, "reads a variable whose name is not a literal with", word);
+      else
+        push(&sc->names, &sc->n_names, strndup(text + q + 1, (size_t)(end - (text + q + 1))));
+    }
+    i = after > i ? after - 1 : i;
+  }
+  free(code);
+}
+
+static void scan_dir(struct scan *sc, const char *path) {
+  DIR *d = opendir(path);
+  ck_assert_msg(d != NULL, "cannot read %s", path);
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if (e->d_name[0] == '.')
+      continue;
+    char *sub = tu_path(path, e->d_name);
+    struct stat sb;
+    size_t len = strlen(e->d_name);
+    if (stat(sub, &sb) == 0 && S_ISDIR(sb.st_mode))
+      scan_dir(sc, sub);
+    else if (S_ISREG(sb.st_mode) && len > 2 && e->d_name[len - 2] == '.' &&
+             (e->d_name[len - 1] == 'c' || e->d_name[len - 1] == 'h')) {
+      size_t n = 0;
+      char *text = tu_read_file(sub, &n);
+      ck_assert_msg(text != NULL, "cannot read %s", sub);
+      text = realloc(text, n + 1), text[n] = 0;
+      scan_text(sc, sub, text, n);
+      sc->files++;
+      free(text);
+    }
+    free(sub);
+  }
+  closedir(d);
+}
+
+static void scan_free(struct scan *sc) {
+  for (size_t i = 0; i < sc->n_names; i++)
+    free(sc->names[i]);
+  for (size_t i = 0; i < sc->n_problems; i++)
+    free(sc->problems[i]);
+  free(sc->names), free(sc->problems);
+}
+
+/* README's "## Environment" section (malloc'd). */
+static char *readme_environment(void) {
+  char *path = tu_path(tu_srcdir(), "README.md");
+  size_t n = 0;
+  char *readme = tu_read_file(path, &n);
+  ck_assert_msg(readme != NULL, "cannot read %s", path);
+  readme = realloc(readme, n + 1), readme[n] = 0;
+  const char *at = strstr(readme, "\n## Environment\n");
+  ck_assert_msg(at != NULL, "%s has no \"## Environment\" section", path);
+  const char *end = strstr(at + 1, "\n## ");
+  char *section = strndup(at, end ? (size_t)(end - at) : strlen(at));
+  free(readme), free(path);
+  return section;
+}
+
+START_TEST(the_core_reads_only_the_environment_readme_documents) {
+  struct scan sc = {0};
+  char *core = tu_path(tu_srcdir(), "libqkeep");
+  scan_dir(&sc, core);
+  ck_assert_uint_ge(sc.files, 20); /* the scan found the core */
+  char *env = readme_environment();
+  ck_assert_msg(strstr(env, "`QKEEP_PLUGIN_PATH`"),
+                "README's Environment section lists no QKEEP_PLUGIN_PATH");
+  for (size_t i = 0; i < sc.n_names; i++) {
+    char quoted[128];
+    snprintf(quoted, sizeof quoted, "`%s`", sc.names[i]);
+    ck_assert_msg(strstr(env, quoted), "the core reads $%s, which README's Environment section does not list",
+                  sc.names[i]);
+  }
+  ck_assert_uint_ge(sc.n_names, 2); /* QKEEP_PLUGIN_PATH, QKEEP_NCCL_LIBRARY */
+  free(env), free(core);
+  scan_free(&sc);
+}
+END_TEST
+
+START_TEST(the_core_never_prints_nor_changes_the_environment) {
+  struct scan sc = {0};
+  char *core = tu_path(tu_srcdir(), "libqkeep");
+  scan_dir(&sc, core);
+  ck_assert_uint_ge(sc.files, 20);
+  for (size_t i = 0; i < sc.n_problems; i++)
+    fprintf(stderr, "%s\n", sc.problems[i]);
+  ck_assert_msg(sc.n_problems == 0, "%s (and %zu more)", sc.n_problems ? sc.problems[0] : "",
+                sc.n_problems ? sc.n_problems - 1 : 0);
+  free(core);
+  scan_free(&sc);
+}
+END_TEST
+
+/* The scan itself: it finds what it is for in planted code, and not in comments, strings or other
+ * names (snprintf to a buffer, fprintf to a memstream, a variable named err). */
+START_TEST(the_source_scan_finds_planted_prints_and_variables) {
+  static const char planted[] =
+      "/* fprintf(stderr, ...) in a comment; getenv(\"IN_A_COMMENT\") */\n"
+      "static int f(char *buf, FILE *mem, int err) {\n"
+      "  snprintf(buf, 8, \"printf(%d)\", err); fprintf(mem, \"stderr\");\n"
+      "  const char *a = getenv(\"QKEEP_PLANTED\"), *b = secure_getenv (\"QKEEP_TOO\");\n"
+      "  fprintf(stderr, \"x\");\n"
+      "  puts(a); setenv(\"NCCL_NVLS_ENABLE\", \"0\", 1);\n"
+      "  return getenv(name) != 0 || b; // printf(\"in a comment\")\n"
+      "}\n";
+  struct scan sc = {0};
+  scan_text(&sc, "planted.c", planted, strlen(planted));
+  ck_assert_uint_eq(sc.n_names, 2);
+  ck_assert_str_eq(sc.names[0], "QKEEP_PLANTED");
+  ck_assert_str_eq(sc.names[1], "QKEEP_TOO");
+  static const char *const want[] = {"planted.c:5: prints through stderr", "planted.c:6: prints with puts",
+                                     "planted.c:6: changes the caller's environment with setenv",
+                                     "planted.c:7: reads a variable whose name is not a literal with getenv"};
+  ck_assert_uint_eq(sc.n_problems, sizeof want / sizeof want[0]);
+  for (size_t i = 0; i < sc.n_problems; i++)
+    ck_assert_str_eq(sc.problems[i], want[i]);
+  scan_free(&sc);
+}
+END_TEST
+
 static void setup(void) {
   dir = tu_tmpdir("docs");
   ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &ref), 0);
@@ -290,6 +518,11 @@ int main(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, schemes_md_lists_what_a_backend_receives);
   suite_add_tcase(s, tc);
+  TCase *core = tcase_create("core");
+  tcase_add_test(core, the_core_reads_only_the_environment_readme_documents);
+  tcase_add_test(core, the_core_never_prints_nor_changes_the_environment);
+  tcase_add_test(core, the_source_scan_finds_planted_prints_and_variables);
+  suite_add_tcase(s, core);
   SRunner *sr = srunner_create(s);
   srunner_set_fork_status(sr, draft ? CK_NOFORK : CK_FORK);
   srunner_run_all(sr, CK_NORMAL);
