@@ -30,6 +30,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <stdint.h>
 #include <type_traits>
 
@@ -1152,28 +1153,59 @@ __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, lo
   }
 }
 
-/* The kernel's shared memory limit, set once per instantiation (benign race: every thread
- * sets the same value). */
-template <class S, typename TI> cudaError_t prepare_kernel() {
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(nvfp4_gemm_kernel<S, TI>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<S, TI>::BYTES);
-    if (err != cudaSuccess)
-      return err;
-    configured = true;
-  }
-  return cudaSuccess;
+/*
+ * Facts of the current device that a launch needs (its SM count, whether it runs the sm_90a
+ * wgmma kernel, an instantiation's shared-memory opt-in and occupancy) are looked up once per
+ * device ordinal and kept in that ordinal's atomic slot: the GPUs of one process may differ (an
+ * H100 beside an H200, a device that is not 9.0), a function attribute is set per device, and
+ * launches come from any thread. A slot holds 0 until known; threads that race to fill it store
+ * the same value. cudaGetDevice's ordinal is below cudaGetDeviceCount(); an ordinal past the
+ * slots (more devices than any host has) is looked up at every call.
+ */
+constexpr int kCachedDevices = 64;
+typedef std::atomic<int> DeviceSlots[kCachedDevices];
+
+/* slots' value for the current device, from look_up(ordinal) the first time: a value > 0, or 0
+ * when the lookup failed (nothing is kept then; the next call asks again). */
+template <typename LookUp> int per_device(DeviceSlots &slots, LookUp look_up) {
+  int dev = -1;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kCachedDevices)
+    return look_up(dev);
+  int value = slots[dev].load(std::memory_order_acquire);
+  if (value == 0 && (value = look_up(dev)) > 0)
+    slots[dev].store(value, std::memory_order_release);
+  return value;
 }
 
-/* Blocks of the instantiation that fit on one SM at once. */
+/* Opts `kernel` into `bytes` of dynamic shared memory on the current device, once per device
+ * (`done`: the kernel's own slots). */
+template <typename Kernel> cudaError_t opt_in_smem(DeviceSlots &done, Kernel kernel, int bytes) {
+  cudaError_t err = cudaSuccess;
+  per_device(done, [&](int) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    return err == cudaSuccess ? 1 : 0;
+  });
+  return err;
+}
+
+/* The kernel's shared memory limit, set once per instantiation and device. */
+template <class S, typename TI> cudaError_t prepare_kernel() {
+  static DeviceSlots configured;
+  return opt_in_smem(configured, nvfp4_gemm_kernel<S, TI>, Smem<S, TI>::BYTES);
+}
+
+/* Blocks of the instantiation that fit on one SM of the current device at once. */
 template <class S, typename TI> int resident_blocks() {
-  static int blocks = 0;
-  if (!blocks && prepare_kernel<S, TI>() == cudaSuccess &&
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, nvfp4_gemm_kernel<S, TI>, S::THREADS,
-                                                    Smem<S, TI>::BYTES) != cudaSuccess)
-    blocks = 0;
-  return blocks > 0 ? blocks : 1;
+  static DeviceSlots blocks;
+  int n = per_device(blocks, [](int) {
+    int b = 0;
+    if (prepare_kernel<S, TI>() != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, nvfp4_gemm_kernel<S, TI>, S::THREADS,
+                                                      Smem<S, TI>::BYTES) != cudaSuccess)
+      return 0;
+    return b > 0 ? b : 0;
+  });
+  return n > 0 ? n : 1;
 }
 
 /* Launches kernel(a) on grid x a.splits blocks, the splits of each grid point forming one
@@ -1281,15 +1313,10 @@ cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_
 
 template <int MT, int RWG, bool BF16>
 cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t st) {
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t err =
-        cudaFuncSetAttribute(nvfp4_wgmma_kernel<MT, RWG, BF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             WgSmem<MT, RWG>::BYTES);
-    if (err != cudaSuccess)
-      return err;
-    configured = true;
-  }
+  static DeviceSlots configured;
+  cudaError_t err = opt_in_smem(configured, nvfp4_wgmma_kernel<MT, RWG, BF16>, WgSmem<MT, RWG>::BYTES);
+  if (err != cudaSuccess)
+    return err;
   return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16>, wa, wa.g.splits,
                         dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, WgSmem<MT, RWG>::BYTES, st,
                         true);
@@ -1361,17 +1388,16 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   return err != cudaSuccess ? err : free_err;
 }
 
-/* The wgmma kernel is sm_90a code: it runs on compute capability 9.0 alone. */
+/* The wgmma kernel is sm_90a code: it runs on compute capability 9.0 alone (of the current device). */
 bool wgmma_ok(void) {
-  static int ok = -1;
-  if (ok < 0) {
-    int dev = 0, major = 0, minor = 0;
-    ok = cudaGetDevice(&dev) == cudaSuccess &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
-         major == 9 && minor == 0;
-  }
-  return ok == 1;
+  static DeviceSlots sm90; /* 1: no, 2: yes */
+  return per_device(sm90, [](int dev) {
+           int major = 0, minor = 0;
+           if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+               cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+             return 0;
+           return major == 9 && minor == 0 ? 2 : 1;
+         }) == 2;
 }
 
 int resident_per_sm(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype) {
@@ -1383,15 +1409,16 @@ int resident_per_sm(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype) {
   return blocks;
 }
 
+/* Multiprocessors of the current device (132, an H100 SXM's, when CUDA cannot say). */
 int sm_count(void) {
-  static int count = 0;
-  if (!count) {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || count <= 0)
-      count = 132;
-  }
-  return count;
+  static DeviceSlots sms;
+  int n = per_device(sms, [](int dev) {
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 0;
+    return count > 0 ? count : 0;
+  });
+  return n > 0 ? n : 132;
 }
 
 int pick_tile_m(int64_t tokens_per_tile, int forced) {
