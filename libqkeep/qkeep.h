@@ -8,8 +8,8 @@
  * calling thread's last failure (which file, tensor, layer or plugin). The
  * library never prints. Strings passed in are copied when kept.
  *
- * Threads: the library keeps no global state beyond the logger and the
- * per-thread error detail, so two models (and two configs, two plugin
+ * Threads: the library keeps no global state beyond the logger (and its level)
+ * and the per-thread error detail, so two models (and two configs, two plugin
  * handles) may be used from two threads at once. One model is used from one
  * thread at a time: no apply (qkeep_layer_apply_f32, a backend's kernel)
  * while a load or reload of the same model runs, and no two reloads at once.
@@ -220,9 +220,10 @@ struct qkeep_memory_stats {
   int64_t storage_bytes; /* params, buffers and live result tensors, now */
   int64_t storage_peak;  /* the most at any time */
   int64_t staging_peak;  /* host staging for tensors that cannot land directly */
-  int64_t pinned_bytes;  /* page-locked host memory kept for streaming to the model's devices (8 MiB per
-                            device backend with asynchronous copies, from its first load to the model's
-                            free); counted in staging_peak too */
+  int64_t pinned_bytes;  /* page-locked host memory kept for streaming to the model's devices (slots x
+                            piece of qkeep_load_options, 8 MiB by default, per device backend with
+                            asynchronous copies, from its first load to the model's free or a new
+                            shape); counted in staging_peak too */
 };
 /* Fills *out; with reset_peaks, the peaks restart from the current bytes. */
 QKEEP_API int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks);
@@ -564,13 +565,17 @@ QKEEP_API int qkeep_sync_receive(qkeep_sync *sync, struct qkeep_transport *trans
 QKEEP_API int qkeep_transport_inprocess(int ranks, struct qkeep_transport **out);
 
 /*
- * NCCL broadcast from the trainer rank: libnccl.so.2 (or `library`) is dlopened here, so
- * qkeep links no CUDA library; NCCL_NVLS_ENABLE=0 is set before the communicator starts
- * (NVLink multicast stays off). `unique_id` is the NCCL_UNIQUE_ID_BYTES (128) bytes rank
- * 0 got from qkeep_nccl_unique_id and shared out of band. Buffers are device memory of the
- * current CUDA device (the backend's, made current by the model's load); each broadcast is
- * enqueued on the default stream, and qkeep_sync_receive synchronises the model's devices
- * before it reads the bucket. Once opened, libnccl stays loaded until the process ends (NCCL's
+ * NCCL broadcast from the trainer rank: `library` (a path), else $QKEEP_NCCL_LIBRARY (ignored
+ * in a set-id process), else libnccl.so.2 through ld.so's search, is dlopened here, so qkeep
+ * links no CUDA library. A path must pass the plugins' trust checks (the file and its
+ * directory owned by root or the caller, writable by no one else): otherwise QKEEP_E_PLUGIN
+ * naming it. NCCL's configuration is the caller's (qkeep never changes the environment):
+ * where NVLink multicast must stay off, set NCCL_NVLS_ENABLE=0 before the process's first NCCL
+ * call. `unique_id` is the NCCL_UNIQUE_ID_BYTES (128) bytes rank 0 got from
+ * qkeep_nccl_unique_id and shared out of band. Buffers are device memory of the current CUDA
+ * device (the backend's, made current by the model's load); each broadcast is enqueued on the
+ * default stream, and qkeep_sync_receive synchronises the model's devices before it reads the
+ * bucket. Once opened, libnccl stays loaded until the process ends (NCCL's
  * own threads and its CUDA runtime's handlers outlive the calls that start them).
  * QKEEP_E_NOTFOUND naming the library and dlerror() when it cannot be loaded,
  * QKEEP_E_DEVICE with NCCL's message when NCCL fails.
