@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "checkutil.h"
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 /* H, I, G, E and the fused shards of q/k/v: every expression below has a distinct value. */

@@ -19,10 +19,9 @@
 
 #include <dlfcn.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "ckptutil.h"
 #include "fixture.h"
-#include "internal.h"
 #include "testutil.h"
 
 #define H 64   /* hidden: K of the column-parallel layers */
@@ -402,7 +401,7 @@ START_TEST(indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_al
 END_TEST
 
 /* test-async (a device in host memory whose copies run only at sync, as a GPU's do) takes the
- * unquantized linear layers: a rank's slices go to it through shard.c, never the streamed whole-tensor
+ * unquantized linear layers: a rank's slices go to it through shard_plan.c, never the streamed whole-tensor
  * path, and land right; its reload equals a cold sharded load in place. */
 static qkeep_model *load_chain_rank(const char *path, qkeep_plugin *const *chain, size_t n, int t, int r) {
   qkeep_model *m;

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "checkutil.h"
-#include "qkeep.h"
+#include "qkeep/qkeep.h"
 #include "testutil.h"
 
 static char *dir;            /* the test's own directory under tests/tmp */
