@@ -1,5 +1,9 @@
 /*
- * checkpoint.h: checkpoint sources (libqkeep/format/checkpoint.c, libqkeep/format/quant_config.c).
+ * format/checkpoint.h: the format layer (libqkeep/format) holds what is read from disk and how it
+ * is named: safetensors (safetensors.h), checkpoints and quant configs (here), fusion rules
+ * (fusion.h), the INI config (conf.h) and the provider table (provider.h). Uses base only.
+ *
+ * Checkpoint sources (libqkeep/format/checkpoint.c, libqkeep/format/quant_config.c).
  * A source is one .safetensors file, or a Hugging Face directory with
  * model.safetensors (or model.safetensors.index.json and its shards),
  * config.json and, for ModelOpt, hf_quant_config.json. Tensors are read one

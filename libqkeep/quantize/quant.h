@@ -1,5 +1,9 @@
 /*
- * quant.h: the quantizers that write checkpoints (libqkeep/quantize/quantize.c), following
+ * quantize/quant.h: the quantize layer (libqkeep/quantize), a leaf: the offline quantizer behind
+ * `qkeep quantize` (quantize_model.c, which uses scheme and format) and its numerics (quantize.c,
+ * base only). Nothing that loads a model includes it.
+ *
+ * The quantizers that write checkpoints (libqkeep/quantize/quantize.c), following
  * reference/formats.md exactly, including its §9 decisions, so their output is
  * reproducible byte for byte. Weights are row-major f32 [n, k] (n outputs, k
  * inputs). Every function returns 0, or QKEEP_E_INVAL when the input holds

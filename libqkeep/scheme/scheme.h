@@ -1,5 +1,10 @@
 /*
- * scheme.h: checkpoint schemes. A scheme describes, as a table of templates,
+ * scheme/scheme.h: the scheme layer (libqkeep/scheme): one file per checkpoint scheme, the engine
+ * they share, tensor/expert-parallel planning (shard_plan.c) and the registry by name
+ * (registry.c, above every scheme file; no scheme file uses it). Uses base, format, device and
+ * param; nothing here chooses backends or reads files.
+ *
+ * A scheme describes, as a table of templates,
  * the loader params one linear layer (or one MoE expert projection) has in
  * the checkpoint, with each dimension an expression of the layer's N, K and
  * group size G. The generic engine (libqkeep/scheme/engine.c) turns a layer's modules
