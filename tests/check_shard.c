@@ -19,9 +19,9 @@
 
 #include <dlfcn.h>
 
-#include "private.h"
 #include "ckptutil.h"
 #include "fixture.h"
+#include "private.h"
 #include "testutil.h"
 
 #define H 64   /* hidden: K of the column-parallel layers */
@@ -628,7 +628,7 @@ static void sender_open(struct sender *sd, const char *w1, size_t bucket_bytes) 
   ck_assert_int_eq(qkeep_sync_plan(full, bucket_bytes, &sd->plan, &sd->n, &sd->n_buckets), 0);
   ck_assert_uint_ge(sd->n_buckets, 2); /* small buckets: several of them */
   /* Every checkpoint name the model loads, each once (an alias, a tensor feeding two params, once). */
-  ck_assert_uint_eq(sd->n, full->source_index.count);
+  ck_assert_uint_eq(sd->n, full->index.sources.count);
   struct name_index seen = {0};
   for (size_t i = 0; i < sd->n; i++) {
     ck_assert_ptr_nonnull(qkeep_model_lookup(full, sd->plan[i].tensor.name, NULL));
@@ -1137,7 +1137,7 @@ START_TEST(a_reload_failing_after_a_sync_does_not_roll_back_to_w0) {
     ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "%s", qkeep_errmsg());
   }
   ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
-  ck_assert_ptr_null(c.m->source_path);
+  ck_assert_ptr_null(c.m->source.path);
   ck_assert_uint_gt(c.m->n_layers, 3);
   c.m->fault_layer = 3, c.m->fault_code = QKEEP_E_IO; /* the reload fails at its fourth layer */
   ck_assert_int_eq(qkeep_model_reload(c.m, c.w0, 0), QKEEP_E_IO);

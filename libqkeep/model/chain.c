@@ -65,8 +65,8 @@ static bool accepts(const struct owner *o, const struct qkeep_layer_info *info, 
  * lm_head); SIZE_MAX when none does, with each link's reason appended to `reasons`. */
 static size_t choose(const qkeep_model *model, qkeep_layer *const *group, size_t n, FILE *reasons) {
   char why[512];
-  for (size_t i = 0; i < model->n_owners; i++) {
-    const struct owner *o = &model->owners[i];
+  for (size_t i = 0; i < model->chain.n_owners; i++) {
+    const struct owner *o = &model->chain.owners[i];
     bool all = true;
     for (size_t g = 0; g < n && all; g++) {
       struct qkeep_layer_info info;
@@ -86,8 +86,8 @@ static size_t choose(const qkeep_model *model, qkeep_layer *const *group, size_t
 
 /* Sets the owner of a layer, counting it for reports. */
 static void set_owner(qkeep_layer *layer, size_t link) {
-  layer->owner = &layer->model->owners[link];
-  layer->model->owners[link].layers++;
+  layer->owner = &layer->model->chain.owners[link];
+  layer->model->chain.owners[link].layers++;
 }
 
 /* The error for a group no link takes, with every backend's reason. */

@@ -33,16 +33,16 @@ int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **
   }
   qkeep_model *m = calloc(1, sizeof *m);
   if (m)
-    m->owners = calloc(n ? n : 1, sizeof *m->owners);
-  if (!m || !m->owners) {
+    m->chain.owners = calloc(n ? n : 1, sizeof *m->chain.owners);
+  if (!m || !m->chain.owners) {
     free(m);
     return set_error(QKEEP_E_NOMEM, "out of memory for a model");
   }
-  m->n_owners = n ? n : 1; /* no plugin: one host-memory link */
+  m->chain.n_owners = n ? n : 1; /* no plugin: one host-memory link */
   m->fault_layer = -1;
   int rc = 0;
-  for (size_t i = 0; i < m->n_owners && !rc; i++) {
-    struct owner *o = &m->owners[i];
+  for (size_t i = 0; i < m->chain.n_owners && !rc; i++) {
+    struct owner *o = &m->chain.owners[i];
     o->plugin = n ? plugins[i] : NULL;
     device_init(&o->dev, o->plugin ? o->plugin->be : NULL);
     o->dev.stats = &m->mem;
@@ -63,9 +63,9 @@ int qkeep_model_new(qkeep_plugin *plugin, qkeep_model **out) {
 }
 
 int model_sync(const qkeep_model *model) {
-  for (size_t i = 0; i < model->n_owners; i++)
-    if (model->owners[i].layers) {
-      int rc = dev_sync(&model->owners[i].dev);
+  for (size_t i = 0; i < model->chain.n_owners; i++)
+    if (model->chain.owners[i].layers) {
+      int rc = dev_sync(&model->chain.owners[i].dev);
       if (rc)
         return rc;
     }
@@ -73,8 +73,8 @@ int model_sync(const qkeep_model *model) {
 }
 
 void model_spares(qkeep_model *model, bool on) {
-  for (size_t i = 0; i < model->n_owners; i++)
-    (on ? spare_begin : spare_end)(&model->owners[i].dev);
+  for (size_t i = 0; i < model->chain.n_owners; i++)
+    (on ? spare_begin : spare_end)(&model->chain.owners[i].dev);
 }
 
 void model_clear(qkeep_model *model) {
@@ -91,13 +91,13 @@ void model_clear(qkeep_model *model) {
   free(model->layers);
   model->layers = NULL;
   model->n_layers = model->cap_layers = 0;
-  for (size_t i = 0; i < model->n_owners; i++)
-    model->owners[i].layers = 0;
-  name_index_clear(&model->layer_index);
-  name_index_clear(&model->source_index);
-  free(model->source_refs);
-  model->source_refs = NULL;
-  model->n_source_refs = model->cap_source_refs = 0;
+  for (size_t i = 0; i < model->chain.n_owners; i++)
+    model->chain.owners[i].layers = 0;
+  name_index_clear(&model->index.layers);
+  name_index_clear(&model->index.sources);
+  free(model->index.source_refs);
+  model->index.source_refs = NULL;
+  model->index.n_source_refs = model->index.cap_source_refs = 0;
   shard_clear(model); /* other ranks' tensor names (param/foreign.c) */
 }
 
@@ -112,13 +112,13 @@ void qkeep_model_free(qkeep_model *model) {
     return;
   model_clear(model);
   free_fusion(model);
-  free(model->source_path);
-  free(model->source_ids);
-  for (size_t i = 0; i < model->n_owners; i++) {
-    stream_free(model->owners[i].stream);
-    free(model->owners[i].probe_msg);
+  free(model->source.path);
+  free(model->source.ids);
+  for (size_t i = 0; i < model->chain.n_owners; i++) {
+    stream_free(model->chain.owners[i].stream);
+    free(model->chain.owners[i].probe_msg);
   }
-  free(model->owners);
+  free(model->chain.owners);
   free(model);
 }
 
@@ -148,8 +148,8 @@ int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool 
   if (!model || !out)
     return set_error(QKEEP_E_INVAL, "qkeep_model_memory: NULL argument");
   int64_t pinned = 0;
-  for (size_t i = 0; i < model->n_owners; i++)
-    pinned += (int64_t)stream_bytes(model->owners[i].stream);
+  for (size_t i = 0; i < model->chain.n_owners; i++)
+    pinned += (int64_t)stream_bytes(model->chain.owners[i].stream);
   struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak,
                                  model->mem.staging_peak, pinned};
   copy_sized(out, &m, sizeof m);
@@ -175,14 +175,14 @@ qkeep_layer *qkeep_model_layer(const qkeep_model *model, size_t index) {
 
 qkeep_layer *qkeep_model_find_layer(const qkeep_model *model, const char *name) {
   size_t at;
-  if (!model || !name || !name_index_get(&model->layer_index, name, &at))
+  if (!model || !name || !name_index_get(&model->index.layers, name, &at))
     return NULL;
   return model->layers[at];
 }
 
 const struct source_ref *model_find_source(const qkeep_model *model, const char *name) {
   size_t at;
-  return name_index_get(&model->source_index, name, &at) ? &model->source_refs[at] : NULL;
+  return name_index_get(&model->index.sources, name, &at) ? &model->index.source_refs[at] : NULL;
 }
 
 static int file_id_of(const struct st_file *f, struct file_id *out) {
@@ -215,11 +215,9 @@ int model_source_prepare(const char *path, const struct ckpt *ck, struct model_s
 }
 
 void model_source_take(qkeep_model *model, struct model_source *src) {
-  free(model->source_path);
-  free(model->source_ids);
-  model->source_path = src->path;
-  model->source_ids = src->ids;
-  model->n_source_ids = src->n;
+  free(model->source.path);
+  free(model->source.ids);
+  model->source = *src;
   *src = (struct model_source){0};
 }
 
@@ -239,24 +237,23 @@ int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck
 
 int model_source_copy(const qkeep_model *model, struct model_source *out) {
   *out = (struct model_source){0};
-  if (!model->source_path)
+  if (!model->source.path)
     return 0;
-  size_t n = model->n_source_ids;
-  out->path = xstrdup(model->source_path);
+  size_t n = model->source.n;
+  out->path = xstrdup(model->source.path);
   out->ids = n ? malloc(n * sizeof *out->ids) : NULL;
   if (!out->path || (n && !out->ids)) {
     model_source_discard(out);
     return set_error(QKEEP_E_NOMEM, "out of memory");
   }
   if (n)
-    memcpy(out->ids, model->source_ids, n * sizeof *out->ids);
+    memcpy(out->ids, model->source.ids, n * sizeof *out->ids);
   out->n = n;
   return 0;
 }
 
 int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck) {
-  return source_matches(&(struct model_source){model->source_path, model->source_ids, model->n_source_ids},
-                        ck);
+  return source_matches(&model->source, ck);
 }
 
 int source_matches(const struct model_source *src, const struct ckpt *ck) {
@@ -304,7 +301,7 @@ int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind 
   layer->dims.kind = kind;
   layer->dims.shards = 1;
   layer->first_dtype = -1;
-  if ((rc = name_index_put(&model->layer_index, layer->name, model->n_layers, NULL)) != 0) {
+  if ((rc = name_index_put(&model->index.layers, layer->name, model->n_layers, NULL)) != 0) {
     layer_destroy(layer);
     return rc;
   }
@@ -319,12 +316,12 @@ const char *qkeep_layer_backend(const qkeep_layer *layer) {
   return be ? be->name : NULL;
 }
 
-size_t qkeep_model_backend_count(const qkeep_model *model) { return model ? model->n_owners : 0; }
+size_t qkeep_model_backend_count(const qkeep_model *model) { return model ? model->chain.n_owners : 0; }
 
 int qkeep_model_backend_info(const qkeep_model *model, size_t index, struct qkeep_chain_info *out) {
-  if (!model || !out || index >= model->n_owners)
+  if (!model || !out || index >= model->chain.n_owners)
     return set_error(QKEEP_E_INVAL, "qkeep_model_backend_info: no link %zu", index);
-  const struct owner *o = &model->owners[index];
+  const struct owner *o = &model->chain.owners[index];
   struct qkeep_chain_info info = {.size = sizeof info,
                                   .name = o->plugin ? qkeep_plugin_name(o->plugin) : "host",
                                   .usable = o->probe_rc == 0,

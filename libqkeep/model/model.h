@@ -19,11 +19,6 @@ void model_clear(qkeep_model *model);
  * model_source_prepare does the part that can fail (copies, fstat), model_source_take installs a
  * prepared one and cannot fail (a reload prepares before W1 changes anything), and
  * model_source_discard frees one not taken. */
-struct model_source {
-  char *path;
-  struct file_id *ids;
-  size_t n;
-};
 int model_source_prepare(const char *path, const struct ckpt *ck, struct model_source *out);
 void model_source_take(qkeep_model *model, struct model_source *src);
 void model_source_discard(struct model_source *src);

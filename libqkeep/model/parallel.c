@@ -25,7 +25,7 @@ int qkeep_model_set_parallel(qkeep_model *model, const struct qkeep_parallel *pa
     return set_error(QKEEP_E_INVAL, "qkeep_model_set_parallel: tp rank %d of %d, ep rank %d of %d", p.tp_rank,
                      p.tp_size, p.ep_rank, p.ep_size);
   p.size = sizeof p;
-  model->parallel = p;
+  model->rank.parallel = p;
   return 0;
 }
 

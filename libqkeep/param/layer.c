@@ -124,7 +124,7 @@ int layer_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
 /* The layer's position in its model. */
 static size_t layer_position(const qkeep_layer *layer) {
   size_t at = 0;
-  bool found = name_index_get(&layer->model->layer_index, layer->name, &at);
+  bool found = name_index_get(&layer->model->index.layers, layer->name, &at);
   assert(found && layer->model->layers[at] == layer);
   (void)found;
   return at;
@@ -138,20 +138,20 @@ static size_t layer_position(const qkeep_layer *layer) {
  */
 static int index_source(qkeep_layer *layer, const char *name) {
   qkeep_model *m = layer->model;
-  int rc =
-      grow_array((void **)&m->source_refs, &m->cap_source_refs, m->n_source_refs + 1, sizeof *m->source_refs);
+  int rc = grow_array((void **)&m->index.source_refs, &m->index.cap_source_refs, m->index.n_source_refs + 1,
+                      sizeof *m->index.source_refs);
   if (rc)
     return rc;
-  size_t ref = m->n_source_refs, existing;
-  rc = name_index_put(&m->source_index, name, ref, &existing);
+  size_t ref = m->index.n_source_refs, existing;
+  rc = name_index_put(&m->index.sources, name, ref, &existing);
   if (rc == QKEEP_E_EXISTS) {
-    if (layer_position(m->source_refs[existing].layer) <= layer_position(layer))
+    if (layer_position(m->index.source_refs[existing].layer) <= layer_position(layer))
       return 0; /* an earlier source (same or earlier layer) keeps the name */
-    rc = name_index_set(&m->source_index, name, ref);
+    rc = name_index_set(&m->index.sources, name, ref);
   }
   if (rc)
     return rc;
-  m->source_refs[m->n_source_refs++] = (struct source_ref){layer, layer->n_sources};
+  m->index.source_refs[m->index.n_source_refs++] = (struct source_ref){layer, layer->n_sources};
   return 0;
 }
 

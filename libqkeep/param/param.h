@@ -141,35 +141,56 @@ struct file_id {
   int64_t mtime_s, mtime_ns, ctime_s, ctime_ns;
 };
 
-struct qkeep_model {
-  struct owner *owners; /* the chain, in order; never resized */
+/* The backend chain: its links in order. Never resized: storages point at their link's device. */
+struct chain {
+  struct owner *owners;
   size_t n_owners;
+};
+
+/* What the model's bytes equal now (a rollback re-reads it): the checkpoint and the identity of
+ * each of its files when it was read (model/model.c: model_source_*). path NULL: none. */
+struct model_source {
+  char *path;
+  struct file_id *ids;
+  size_t n;
+};
+
+/* This rank's tensor/expert-parallel place (model/parallel.c; zero: one rank), and the checkpoint
+ * tensors other ranks load (experts of other EP ranks), which a W1 may hold (param/foreign.c). */
+struct rank_slice {
+  struct qkeep_parallel parallel;
+  char **foreign;
+  size_t n_foreign, cap_foreign;
+  struct name_index foreign_index;
+};
+
+/* Name lookups over the layers: layer name -> position in layers, and every checkpoint name -> its
+ * first source in layer order (what qkeep_model_lookup finds), O(1) expected. */
+struct model_index {
+  struct name_index layers;  /* layer name -> position in model->layers */
+  struct name_index sources; /* checkpoint name -> position in source_refs */
+  struct source_ref *source_refs;
+  size_t n_source_refs, cap_source_refs;
+};
+
+/* A model: its layers, and one member for each other thing it keeps. */
+struct qkeep_model {
+  qkeep_layer **layers;
+  size_t n_layers, cap_layers;
+  struct model_index index;
+  struct chain chain;
   struct fusion_rule *fusion; /* NULL until set: the default q/k/v and gate/up rules */
   size_t n_fusion;
   bool fusion_set;
+  struct rank_slice rank;
+  struct model_source source;
+  bool poisoned; /* a failed reload could not roll back: kernels refuse until a reload succeeds */
   void (*progress)(void *user, size_t done, size_t total, const char *layer);
   void *progress_user;
   struct qkeep_load_stats stats;
   struct mem_stats mem;
-  char *source_path;          /* the checkpoint whose bytes the model holds (rollback source), or NULL */
-  struct file_id *source_ids; /* each of its files when it was read (model_set_source) */
-  size_t n_source_ids;
-  bool poisoned;    /* a failed reload could not roll back: kernels refuse until a reload succeeds */
   long fault_layer; /* tests: inject fault_code when a reload reaches this layer index (-1: none) */
   int fault_code;
-  struct qkeep_parallel
-      parallel; /* this rank's tensor/expert-parallel place (model/parallel.c); zero: one rank */
-  /* Checkpoint tensors other ranks load (experts of other EP ranks): a W1 may hold them (param/foreign.c). */
-  char **foreign;
-  size_t n_foreign, cap_foreign;
-  struct name_index foreign_index;
-  qkeep_layer **layers;
-  size_t n_layers, cap_layers;
-  struct name_index layer_index; /* layer name -> position in layers */
-  /* Every checkpoint name -> its first source in layer order (what qkeep_model_lookup finds). */
-  struct name_index source_index; /* checkpoint name -> position in source_refs */
-  struct source_ref *source_refs;
-  size_t n_source_refs, cap_source_refs;
 };
 
 /* The entry registered under name, or NULL; O(1) expected. */

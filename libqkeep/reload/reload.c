@@ -587,7 +587,7 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
   /* Every checkpoint name of the model was found in W1 (above): when every layer was checked and W1 holds
    * as many distinct names as the model loads, the two sets are equal and nothing is left over. */
   size_t n = pv->count(pv);
-  if (chosen == model->n_layers && n == model->source_index.count)
+  if (chosen == model->n_layers && n == model->index.sources.count)
     n = 0;
   for (size_t i = 0; i < n; i++) {
     const char *name = pv->name_at(pv, i);
@@ -693,10 +693,10 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
  * checkpoint W0 came from, and checks that each hashes to its digest from before the reload.
  */
 static int roll_back(qkeep_model *model, const struct layer_before *before) {
-  if (!model->source_path)
+  if (!model->source.path)
     return set_error(QKEEP_E_STATE, "no checkpoint holds the model's previous weights");
   struct ckpt *ck;
-  int rc = ckpt_open(model->source_path, &ck);
+  int rc = ckpt_open(model->source.path, &ck);
   if (rc)
     return rc;
   struct provider pv;
@@ -712,12 +712,12 @@ static int roll_back(qkeep_model *model, const struct layer_before *before) {
   /* W0's files must be the very files the model read (a trainer may have saved into the same
    * directory since), before the re-read and after it: else the re-read would give a mix. */
   if (!rc && (rc = model_source_unchanged(model, ck)))
-    add_error_context(rc, "%s no longer holds the model's previous weights", model->source_path);
+    add_error_context(rc, "%s no longer holds the model's previous weights", model->source.path);
   if (!rc)
     rc = apply(model, &pv, redo, false, NULL, &ignore_read, &ignore_pwal);
   model->fault_layer = fault;
   if (!rc && (rc = model_source_unchanged(model, ck)))
-    add_error_context(rc, "%s changed while the rollback read it", model->source_path);
+    add_error_context(rc, "%s changed while the rollback read it", model->source.path);
   free(redo);
   ckpt_close(ck);
   return rc;
@@ -772,7 +772,7 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
       set_error(rc,
                 "%s; the model was rolled back to %s (every layer the reload touched has its earlier bytes "
                 "again, from the same unchanged files)",
-                why ? why : "", model->source_path);
+                why ? why : "", model->source.path);
     } else {
       char *how = xstrdup(qkeep_errmsg());
       model->poisoned = true;

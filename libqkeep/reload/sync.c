@@ -202,7 +202,7 @@ static int put_back_w0(qkeep_sync *s) {
     add_error_context(rc, "%s no longer holds the model's previous weights", w0->path);
   if (!rc)
     rc = qkeep_model_reload(m, w0->path, 0);
-  if (!rc && (m->n_source_ids != w0->n || (w0->n && memcmp(m->source_ids, w0->ids, w0->n * sizeof *w0->ids))))
+  if (!rc && (m->source.n != w0->n || (w0->n && memcmp(m->source.ids, w0->ids, w0->n * sizeof *w0->ids))))
     rc = set_error(QKEEP_E_STATE, "%s was replaced while the rollback opened it", w0->path);
   if (!rc && (rc = source_matches(w0, ck)))
     add_error_context(rc, "%s changed while the rollback read it", w0->path);
@@ -603,7 +603,7 @@ int qkeep_sync_plan(const qkeep_model *model, size_t bucket_bytes, struct qkeep_
                     size_t *n_buckets) {
   if (!model || !out || !n || !n_buckets || !bucket_bytes)
     return set_error(QKEEP_E_INVAL, "qkeep_sync_plan: NULL argument or a bucket of 0 bytes");
-  if (model->n_foreign)
+  if (model->rank.n_foreign)
     return set_error(QKEEP_E_STATE, "qkeep_sync_plan: an expert-parallel rank does not hold the other ranks' "
                                     "experts; plan from a one-rank (or tensor-parallel) model");
   size_t cap = 0, count = 0, bucket = 0, used = 0;

@@ -94,7 +94,7 @@ static int cut_dim(const struct shard_plan *plan, const struct param_template *t
 /* The role of one matrix of the layer, and the rank group it is cut over. */
 static enum shard_cut matrix_cut(const qkeep_layer *layer, const char *prefix, int *ranks, int *rank,
                                  enum qkeep_shard_role *role) {
-  const struct qkeep_parallel *p = &layer->model->parallel;
+  const struct qkeep_parallel *p = &layer->model->rank.parallel;
   int tp = size_of(p->tp_size), ep = size_of(p->ep_size);
   *ranks = 1;
   *rank = 0;
@@ -240,7 +240,7 @@ bool shard_slice(const struct shard_plan *plan, const struct param_template *t, 
 
 int shard_gptoss_tensor(qkeep_layer *layer, const char *local, const struct qkeep_spec *full,
                         struct qkeep_spec *spec, struct slice *slice, bool *sliced) {
-  const struct qkeep_parallel *p = &layer->model->parallel;
+  const struct qkeep_parallel *p = &layer->model->rank.parallel;
   int tp = size_of(p->tp_size), ep = size_of(p->ep_size), ranks = 1, rank = 0, dim = -1;
   int64_t unit = 1;
   *spec = *full;
@@ -268,7 +268,7 @@ int shard_gptoss_tensor(qkeep_layer *layer, const char *local, const struct qkee
 }
 
 void shard_gptoss_dims(qkeep_layer *layer, int64_t experts, int64_t n, int64_t k, int64_t inter) {
-  const struct qkeep_parallel *p = &layer->model->parallel;
+  const struct qkeep_parallel *p = &layer->model->rank.parallel;
   int tp = size_of(p->tp_size), ep = size_of(p->ep_size);
   struct qkeep_layer_shard *s = &layer->shard;
   *s = (struct qkeep_layer_shard){.size = sizeof *s,
