@@ -28,7 +28,7 @@
 
 #define BENCH_NAME "bench_int4"
 #include "benchutil.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 #define GROUP 128

@@ -41,7 +41,7 @@
 #include "cuda_nvfp4.h"
 #include "gpu_benchutil.h"
 #include "layout.h"
-#include "qkeep.h"
+#include "qkeep/qkeep.h"
 
 namespace {
 

@@ -26,7 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 #define HIDDEN 2048

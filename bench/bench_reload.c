@@ -24,7 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 /* A Llama-shaped unquantized model: hidden 1024, intermediate 2816, `layers` decoder layers. */

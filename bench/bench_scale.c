@@ -26,8 +26,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
-#include "internal.h"
+#include "private.h"
 #include "synth_moe.h"
 #include "testutil.h"
 

@@ -44,8 +44,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 /* ---- the CUDA driver, dlopened (device count and free memory only) ---- */

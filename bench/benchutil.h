@@ -18,7 +18,7 @@
 
 #include <oneapi/dnnl/dnnl.h>
 
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 #ifndef BENCH_NAME

@@ -5,7 +5,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 
-#include "qkeep.h"
+#include "qkeep/qkeep.h"
 
 /* The parsed command line. values[i] belongs to the i-th value option of main.c. */
 struct options {

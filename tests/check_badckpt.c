@@ -25,8 +25,7 @@
 
 #include "checkutil.h"
 #include "ckptutil.h"
-#include "internal.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 /* The source model: sizes every scheme accepts (NVFP4 K % 16, MXFP4 K % 32, int4 N and K % 8). */

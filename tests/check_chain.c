@@ -17,7 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "ckptutil.h"
 #include "fixture.h"
 #include "testutil.h"

@@ -1,6 +1,6 @@
 /*
- * check_checkpoint.c: checkpoint sources (libqkeep/checkpoint.c) and the
- * quantization configs they declare (libqkeep/quant_config.c).
+ * check_checkpoint.c: checkpoint sources (libqkeep/format/checkpoint.c) and the
+ * quantization configs they declare (libqkeep/format/quant_config.c).
  *
  * Checkpoints are real directories: shards written with st_writer, index and
  * config files written as text. A tensor's spec and bytes follow from its
@@ -15,7 +15,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "checkutil.h"
 #include "testutil.h"
 

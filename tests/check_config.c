@@ -1,4 +1,4 @@
-/* check_config.c: the INI config reader (libqkeep/config.c). */
+/* check_config.c: the INI config reader (libqkeep/format/config.c). */
 #include <check.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "checkutil.h"
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 static char *tmpdir;

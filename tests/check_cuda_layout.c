@@ -15,9 +15,8 @@
 
 #include "checkutil.h"
 #include "cuda_nvfp4.h"
-#include "formats.h"
+#include "private.h"
 #include "layout.h"
-#include "numeric.h"
 #include "testutil.h"
 
 /* Shapes: [rows, k] with k % 16 == 0; aligned and ragged in every dimension. */

@@ -22,7 +22,7 @@
 #include <sys/stat.h>
 
 #include "checkutil.h"
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 /* H, I, G, E and the fused shards of q/k/v: every expression below has a distinct value. */

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "fixture.h"
 #include "testutil.h"
 

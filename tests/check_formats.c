@@ -12,9 +12,8 @@
 #include <string.h>
 
 #include "checkutil.h"
-#include "numeric.h"
-#include "qkeep.h"
-#include "quant.h"
+#include "private.h"
+#include "qkeep/qkeep.h"
 #include "testutil.h"
 
 /* Half the distance to the neighbouring e2m1 values, by magnitude index 0..7

@@ -27,10 +27,9 @@
 
 #include "checkutil.h"
 #include "gpu_testutil.h"
-#include "internal.h"
+#include "private.h"
 #include "mxfp4.h"
 #include "mxfp4_fixture.h"
-#include "numeric.h"
 #include "testutil.h"
 
 #define H 224  /* hidden: a multiple of 32, not of 64 */

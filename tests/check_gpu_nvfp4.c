@@ -24,9 +24,8 @@
 #include "checkutil.h"
 #include "cuda_nvfp4.h"
 #include "gpu_testutil.h"
-#include "internal.h"
+#include "private.h"
 #include "layout.h"
-#include "numeric.h"
 #include "testutil.h"
 
 #define H 208  /* hidden: a multiple of 16, not of 64 or 128 */

@@ -11,8 +11,7 @@
 #include <unistd.h>
 
 #include "fixture.h"
-#include "internal.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 #define N 24

@@ -18,7 +18,7 @@
 
 #include "checkutil.h"
 #include "mxfp4.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 /* [rows, k], k % 32 == 0; aligned and ragged in rows (16) and K (64). */

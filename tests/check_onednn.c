@@ -26,9 +26,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "checkutil.h"
-#include "numeric.h"
 #include "testutil.h"
 
 struct dims {

@@ -25,7 +25,7 @@
 
 #include "checkutil.h"
 #include "failmalloc.h"
-#include "qkeep.h"
+#include "qkeep/qkeep.h"
 #include "testutil.h"
 
 static char *w0, *w1;

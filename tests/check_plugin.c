@@ -1,5 +1,5 @@
 /*
- * check_plugin.c: the plugin loader (libqkeep/plugin.c) against the test plugins
+ * check_plugin.c: the plugin loader (libqkeep/plugin/plugin.c) against the test plugins
  * of tests/plugins/test_backend.c, found through $QKEEP_PLUGIN_PATH (set by
  * make check).
  */
@@ -12,8 +12,7 @@
 #include <unistd.h>
 
 #include "checkutil.h"
-#include "internal.h"
-#include "test_control.h"
+#include "private.h"
 #include "testutil.h"
 
 static char *tmpdir;

@@ -26,10 +26,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "checkutil.h"
-#include "internal.h"
-#include "quant.h"
 #include "testutil.h"
 
 #define HIDDEN 256

@@ -13,10 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "ckptutil.h"
 #include "fixture.h"
-#include "test_control.h"
 #include "testutil.h"
 
 #define H 64

@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "checkutil.h"
-#include "internal.h"
-#include "qkeep_backend_util.h"
+#include "private.h"
+#include "qkeep/qkeep_backend_util.h"
 
 static qkeep_model *model;
 static qkeep_layer *layer;

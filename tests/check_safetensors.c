@@ -1,6 +1,6 @@
 /*
- * check_safetensors.c: the safetensors reader (libqkeep/safetensors.c) and writer
- * (libqkeep/safetensors_write.c).
+ * check_safetensors.c: the safetensors reader (libqkeep/format/safetensors.c) and writer
+ * (libqkeep/format/safetensors_write.c).
  *
  * Malformed files are built here byte by byte, never with the writer, so a
  * bug shared by reader and writer cannot hide itself. Every rejection must
@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "checkutil.h"
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 /* The current test's scratch directory (fixture). */

@@ -12,9 +12,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "checkutil.h"
-#include "internal.h"
 #include "synth_moe.h"
 #include "testutil.h"
 

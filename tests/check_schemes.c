@@ -15,11 +15,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "ckptutil.h"
 #include "fixture.h"
-#include "numeric.h"
-#include "quant.h"
 #include "testutil.h"
 
 #define H 64

@@ -19,10 +19,9 @@
 
 #include <dlfcn.h>
 
-#include "checkpoint.h"
 #include "ckptutil.h"
 #include "fixture.h"
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 #define H 64   /* hidden: K of the column-parallel layers */
@@ -402,7 +401,7 @@ START_TEST(indivisible_dims_are_refused_with_the_layer_and_numbers_before_any_al
 END_TEST
 
 /* test-async (a device in host memory whose copies run only at sync, as a GPU's do) takes the
- * unquantized linear layers: a rank's slices go to it through shard.c, never the streamed whole-tensor
+ * unquantized linear layers: a rank's slices go to it through shard_plan.c, never the streamed whole-tensor
  * path, and land right; its reload equals a cold sharded load in place. */
 static qkeep_model *load_chain_rank(const char *path, qkeep_plugin *const *chain, size_t n, int t, int r) {
   qkeep_model *m;
@@ -629,7 +628,7 @@ static void sender_open(struct sender *sd, const char *w1, size_t bucket_bytes) 
   ck_assert_int_eq(qkeep_sync_plan(full, bucket_bytes, &sd->plan, &sd->n, &sd->n_buckets), 0);
   ck_assert_uint_ge(sd->n_buckets, 2); /* small buckets: several of them */
   /* Every checkpoint name the model loads, each once (an alias, a tensor feeding two params, once). */
-  ck_assert_uint_eq(sd->n, full->source_index.count);
+  ck_assert_uint_eq(sd->n, full->index.sources.count);
   struct name_index seen = {0};
   for (size_t i = 0; i < sd->n; i++) {
     ck_assert_ptr_nonnull(qkeep_model_lookup(full, sd->plan[i].tensor.name, NULL));
@@ -1138,7 +1137,7 @@ START_TEST(a_reload_failing_after_a_sync_does_not_roll_back_to_w0) {
     ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "%s", qkeep_errmsg());
   }
   ck_assert_msg(qkeep_sync_end(sy) == 0, "%s", qkeep_errmsg());
-  ck_assert_ptr_null(c.m->source_path);
+  ck_assert_ptr_null(c.m->source.path);
   ck_assert_uint_gt(c.m->n_layers, 3);
   inject_fault(c.m, 3, QKEEP_E_IO); /* the reload fails at its fourth layer */
   ck_assert_int_eq(qkeep_model_reload(c.m, c.w0, 0), QKEEP_E_IO);

@@ -25,8 +25,7 @@
 
 #include "checkutil.h"
 #include "ckptutil.h"
-#include "internal.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 #define N_ROWS 48

@@ -1,5 +1,5 @@
 /*
- * check_stream.c: the device stream (libqkeep/stream.c) on a fake asynchronous device.
+ * check_stream.c: the device stream (libqkeep/device/stream.c) on a fake asynchronous device.
  *
  * The device lives in host memory, but copy_h2d_async only queues its copy: the queue runs at
  * sync, at any other memory op, or, up to a fence, when that fence is waited on (a non-blocking
@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "private.h"
 #include "plugins/async_queue.h"
 
 /* ---- the fake device ---- */

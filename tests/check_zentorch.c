@@ -28,10 +28,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "checkpoint.h"
+#include "private.h"
 #include "checkutil.h"
-#include "internal.h"
-#include "numeric.h"
 #include "testutil.h"
 #include "zentorch.h"
 

@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "qkeep.h"
-#include "qkeep_backend.h"
+#include "qkeep/qkeep.h"
+#include "qkeep/qkeep_backend.h"
 
 /* malloc(n) (at least one byte), asserted. */
 static inline void *tu_xmalloc(size_t n) {

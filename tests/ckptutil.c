@@ -7,7 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 struct tu_tensors tu_read_tensors(const char *path) {

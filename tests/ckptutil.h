@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "qkeep_types.h"
+#include "qkeep/qkeep_types.h"
 
 struct st_writer;
 

@@ -16,8 +16,8 @@
 #include <string.h>
 
 #include "checkutil.h"
-#include "qkeep.h"
-#include "test_control.h"
+#include "qkeep/qkeep.h"
+#include "reload/test_control.h"
 #include "testutil.h"
 
 static char *dir;            /* the test's own directory under tests/tmp */

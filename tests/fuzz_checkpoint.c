@@ -30,7 +30,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "qkeep.h"
+#include "qkeep/qkeep.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -23,8 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "checkpoint.h"
-#include "internal.h"
+#include "private.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -3,7 +3,7 @@
  * fuzz_safetensors.c: libFuzzer target for the safetensors reader. Not built
  * by default. Build it from the source root with one line:
  *
- *   clang -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined -I libqkeep -I . -DPACKAGE_VERSION='"fuzz"' tests/fuzz_safetensors.c libqkeep/safetensors.c libqkeep/util.c libqkeep/error.c libqkeep/dtype.c libqkeep/name_index.c libqkeep/json_scan.c $(pkg-config --cflags --libs jansson libxxhash) -o fuzz_safetensors
+ *   clang -std=c11 -D_GNU_SOURCE -g -O1 -fsanitize=fuzzer,address,undefined -I libqkeep -I . -DPACKAGE_VERSION='"fuzz"' tests/fuzz_safetensors.c libqkeep/format/safetensors.c libqkeep/base/util.c libqkeep/base/error.c libqkeep/base/dtype.c libqkeep/base/name_index.c libqkeep/base/json_scan.c $(pkg-config --cflags --libs jansson libxxhash) -o fuzz_safetensors
  *
  * then run `./fuzz_safetensors -max_len=4096 CORPUS_DIR` (any small
  * .safetensors files make a good seed corpus).
@@ -20,7 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "private.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -17,8 +17,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "internal.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 #define H 32

@@ -12,7 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 /* The model's sizes: hidden, k/v rows, MLP intermediate, expert intermediate, experts, vocabulary. */

@@ -11,8 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "numeric.h"
+#include "private.h"
 #include "testutil.h"
 
 #define HIDDEN 256

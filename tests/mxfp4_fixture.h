@@ -14,9 +14,7 @@
 #include <sys/stat.h>
 
 #include "gpu_testutil.h"
-#include "internal.h"
-#include "numeric.h"
-#include "quant.h"
+#include "private.h"
 #include "testutil.h"
 
 /* gpt-oss's pre-stacked MXFP4 experts (gate_up_proj_blocks [E, 2I, H/32, 16] ...) with bf16 biases and a

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "private.h"
 #include "testutil.h"
 
 enum { HIDDEN = 32, KV_DIM = 16, EXPERT_INTER = 16, VOCAB = 64 };

@@ -10,7 +10,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "qkeep.h"
+#include "qkeep/qkeep.h"
 
 /* Every suite links this file (an archive member the linker always pulls in), so the
  * sanitizer hook for programs that run oneDNN's threads rides along; see the file. */

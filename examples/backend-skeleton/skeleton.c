@@ -17,8 +17,8 @@
  * Run it in a chain: `backend = skeleton, reference` on a w8a8-int8 checkpoint. The layers
  * it refuses (unquantized, MoE, norms) go to the reference.
  */
-#include <qkeep_backend.h>
-#include <qkeep_backend_util.h>
+#include <qkeep/qkeep_backend.h>
+#include <qkeep/qkeep_backend_util.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "qkeep_backend.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend.h"
+#include "qkeep/qkeep_backend_util.h"
 
 /* How a w8a8-int8 layer's activations enter the GEMM. */
 enum act_mode { ACT_FLOAT, ACT_INT8, ACT_INT8_7BIT };

@@ -35,7 +35,7 @@
 #include "cuda_nvfp4.h"
 #include "layout.h"
 #include "mxfp4.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend_util.h"
 
 /* Events behind the copy fences, reused round robin (a reused one stands for a later fence). */
 #define FENCE_EVENTS 64

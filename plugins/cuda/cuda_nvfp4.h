@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "qkeep_backend.h"
+#include "qkeep/qkeep_backend.h"
 
 #ifdef __cplusplus
 extern "C" {

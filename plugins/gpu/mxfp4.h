@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #include "mxfp4_layout.h"
-#include "qkeep_backend.h"
+#include "qkeep/qkeep_backend.h"
 
 #ifdef __cplusplus
 extern "C" {

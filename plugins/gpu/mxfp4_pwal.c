@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "mxfp4.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend_util.h"
 
 /* One matrix set: names are prefix + local name. */
 struct matrix {

@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "mxfp4.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend_util.h"
 #include "rocm.h"
 
 /* Events behind the copy fences, reused round robin (a reused one stands for a later fence). */

@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "mxfp4.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend_util.h"
 
 struct host_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */

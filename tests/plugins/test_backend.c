@@ -34,7 +34,9 @@
 #include <string.h>
 
 #include "async_queue.h"
-#include "qkeep_backend.h"
+/* The include name from before the public headers had a folder: still valid through
+ * `pkg-config --cflags qkeep-backend` (CI builds test-legacy out of tree against an install). */
+#include <qkeep_backend.h>
 
 #if defined(VARIANT_GOOD)
 #define TEST_NAME "test-good"

@@ -38,7 +38,7 @@
 #endif
 
 #include "onednn.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend_util.h"
 
 static struct od_backend *od_of(const struct qkeep_backend *be) { return (struct od_backend *)be; }
 

@@ -13,7 +13,7 @@
 #include <oneapi/dnnl/dnnl_debug.h>
 
 #include "onednn.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend_util.h"
 
 int od_fail(const struct od_backend *b, int code, dnnl_status_t status, const char *what) {
   if (status == dnnl_out_of_memory) /* an allocation failure inside oneDNN is the caller's NOMEM */

@@ -36,7 +36,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "qkeep_backend.h"
+#include "qkeep/qkeep_backend.h"
 
 /* What w8a8-int8 does on a CPU whose int8 products saturate (no VNNI). */
 enum od_without_vnni {

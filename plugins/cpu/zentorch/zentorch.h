@@ -46,8 +46,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "qkeep_backend.h"
-#include "qkeep_backend_util.h"
+#include "qkeep/qkeep_backend.h"
+#include "qkeep/qkeep_backend_util.h"
 
 #define ZT_BLOCK_N 64
 

@@ -1,0 +1,466 @@
+/*
+ * stream.c: checkpoint bytes to a device through pinned host memory, read by a few threads.
+ *
+ * A layer's device-bound tensors are cut into pieces of at most `piece` bytes. Reader threads
+ * pread each piece from its file (or copy it from host bytes the provider holds) into a free
+ * slot of a ring of pinned memory (the backend's host_alloc, ABI 1.2); the calling thread, in
+ * piece order, starts each slot's asynchronous copy to the device as soon as its read is done.
+ * So the reads run in parallel with each other and with the copies, every call into the
+ * backend stays on the calling thread (the readers touch only files and host memory), and the
+ * layer's copies have all been started, in order, before its PWAL runs on the same stream.
+ * A slot is free again once its copy is done: with ABI 1.3's copy fences the calling thread
+ * frees each slot whose fence has passed, and when none is free waits for the oldest copy
+ * alone; without fences it waits for the whole device (sync), which frees every slot. The ring
+ * lives as long as the model's owner (page-locking 8 MiB costs about 3-4 ms, as much as a
+ * reload of a few layers); the readers only while a load runs.
+ *
+ * The ring's shape is the model's (struct qkeep_load_options, read when the ring is made; the
+ * defaults below, docs/PERFORMANCE.md). With a logger at QKEEP_LOG_DEBUG, the end of each load
+ * logs where the calling thread waited.
+ */
+#include <assert.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "device/stream.h"
+
+/* 16 slots of 512 KiB: the same 8 MiB of pinned memory as 8 of 1 MiB, but on the H200 host the
+ * reload of a 219 MB model ran 0.97x the raw read against 1.13x (docs/PERFORMANCE.md): smaller
+ * pieces keep more readers busy while the calling thread waits for the next piece in order. */
+#define DEFAULT_PIECE ((size_t)512 << 10)
+#define DEFAULT_SLOTS 16
+#define MAX_SLOTS 64
+#define DEFAULT_READERS 4
+#define MAX_READERS 16
+#define MIN_PIECE ((size_t)4096)
+#define MAX_PIECE ((size_t)64 << 20)
+
+struct piece {
+  struct provided t;
+  const unsigned char *on_host; /* the provider's host bytes, or NULL: read from its file */
+  size_t at, n;                 /* the range of the tensor */
+  size_t item;                  /* which item of the batch */
+  char *dst;                    /* device memory for byte `at` (set when it is copied) */
+  unsigned char *mirror;        /* host memory for byte `at`, or NULL */
+  int slot;
+  bool done; /* read into the slot (or failed) */
+  int rc;
+  char *msg; /* the reader's error message (its thread's) */
+};
+
+enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
+
+/* Small puts (stream_put) of at most this many bytes share the last slot, the arena. */
+#define SMALL_PUT ((size_t)4 << 10)
+
+/* Where the calling thread waited: measured during a load only while the debug log listens. */
+struct stream_trace {
+  bool on;
+  size_t pieces, bytes, fence_waits, syncs;
+  double read_wait, slot_wait, reading; /* seconds: for a read, for a slot; the readers' own time */
+};
+
+struct stream {
+  const struct device *dev;
+  bool fences;      /* the device has ABI 1.3's copy fences */
+  size_t piece;     /* bytes per slot */
+  int slots, arena; /* slots in the ring; the arena is the last one */
+  int want_readers;
+  unsigned char *ring; /* slots * piece pinned bytes */
+  enum slot_state slot[MAX_SLOTS];
+  uint64_t fence[MAX_SLOTS]; /* a COPYING slot's copies are done once this fence has passed */
+  pthread_t readers[MAX_READERS];
+  int n_readers;
+  pthread_mutex_t mu;
+  pthread_cond_t work, done;
+  bool quit;
+  size_t arena_used; /* bytes of the arena slot holding small puts (it is SLOT_COPYING when > 0) */
+  /* the batch being streamed or read ahead (readers take pieces [taken, submitted)) */
+  const struct provider *pv;
+  struct piece *pieces;
+  size_t n_pieces, submitted, taken;
+  struct stream_item *items; /* the batch's items (their dst unknown while reading ahead) */
+  size_t n_items;
+  struct stream_trace trace;
+};
+
+static unsigned char *slot_room(const struct stream *s, int slot) {
+  return s->ring + (size_t)slot * s->piece;
+}
+
+static void read_piece(const struct stream *s, struct piece *p) {
+  unsigned char *room = slot_room(s, p->slot);
+  if (p->on_host) {
+    memcpy(room, p->on_host + p->at, p->n);
+    return;
+  }
+  p->rc = s->pv->read_range(s->pv, &p->t, p->at, p->n, room);
+  if (p->rc && !(p->msg = xstrdup(qkeep_errmsg())))
+    p->rc = QKEEP_E_NOMEM;
+}
+
+static void *reader(void *arg) {
+  struct stream *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->quit && s->taken == s->submitted)
+      pthread_cond_wait(&s->work, &s->mu);
+    if (s->quit)
+      break;
+    struct piece *p = &s->pieces[s->taken++];
+    pthread_mutex_unlock(&s->mu);
+    double t = s->trace.on ? now_seconds() : 0;
+    read_piece(s, p);
+    pthread_mutex_lock(&s->mu);
+    if (s->trace.on)
+      s->trace.reading += now_seconds() - t;
+    p->done = true;
+    pthread_cond_broadcast(&s->done);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+int stream_options_check(const struct qkeep_load_options *o) {
+  if (o->stream_slots && (o->stream_slots < 2 || o->stream_slots > MAX_SLOTS))
+    return set_error(QKEEP_E_INVAL, "stream_slots = %d: expected 2 to %d (0: %d)", o->stream_slots, MAX_SLOTS,
+                     DEFAULT_SLOTS);
+  if (o->stream_piece && (o->stream_piece < MIN_PIECE || o->stream_piece > MAX_PIECE))
+    return set_error(QKEEP_E_INVAL, "stream_piece = %zu: expected %zu to %zu bytes (0: %zu)", o->stream_piece,
+                     MIN_PIECE, MAX_PIECE, DEFAULT_PIECE);
+  if (o->stream_readers && (o->stream_readers < 1 || o->stream_readers > MAX_READERS))
+    return set_error(QKEEP_E_INVAL, "stream_readers = %d: expected 1 to %d (0: one per core, at most %d)",
+                     o->stream_readers, MAX_READERS, DEFAULT_READERS);
+  return 0;
+}
+
+static void batch_drop(struct stream *s);
+
+static void trace_log(struct stream *s) {
+  struct stream_trace *t = &s->trace;
+  if (t->on && t->pieces)
+    log_msg(
+        QKEEP_LOG_DEBUG,
+        "qkeep stream: %zu pieces, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
+        "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)",
+        t->pieces, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
+        t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
+  *t = (struct stream_trace){0};
+}
+
+int stream_end(struct stream *s) {
+  if (!s)
+    return 0;
+  batch_drop(s); /* a read ahead the load did not use (it failed, or the next layer went elsewhere) */
+  int rc = stream_wait(s);
+  pthread_mutex_lock(&s->mu);
+  s->quit = true;
+  pthread_cond_broadcast(&s->work);
+  pthread_mutex_unlock(&s->mu);
+  for (int i = 0; i < s->n_readers; i++)
+    pthread_join(s->readers[i], NULL);
+  trace_log(s);
+  s->n_readers = 0;
+  s->quit = false;
+  return rc;
+}
+
+void stream_free(struct stream *s) {
+  if (!s)
+    return;
+  (void)stream_end(s);
+  pthread_cond_destroy(&s->work);
+  pthread_cond_destroy(&s->done);
+  pthread_mutex_destroy(&s->mu);
+  dev_host_free(s->dev, s->ring);
+  free(s);
+}
+
+int stream_new(const struct device *dev, const struct qkeep_load_options *options, struct stream **out) {
+  const struct qkeep_load_options none = {.size = sizeof none}, *o = options ? options : &none;
+  assert(stream_options_check(o) == 0); /* checked when the model took them */
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  struct stream *s = calloc(1, sizeof *s);
+  if (!s)
+    return set_error(QKEEP_E_NOMEM, "out of memory for the device stream");
+  s->dev = dev;
+  s->fences = memory_ops_fences(dev->ops) && !o->stream_no_fences;
+  s->slots = o->stream_slots ? o->stream_slots : DEFAULT_SLOTS;
+  s->arena = s->slots - 1;
+  s->piece = o->stream_piece ? o->stream_piece : DEFAULT_PIECE;
+  s->want_readers = o->stream_readers         ? o->stream_readers
+                    : cores < 1               ? 1
+                    : cores > DEFAULT_READERS ? DEFAULT_READERS
+                                              : (int)cores;
+  int rc = dev_host_alloc(dev, (size_t)s->slots * s->piece, (void **)&s->ring);
+  if (rc) {
+    free(s);
+    return rc;
+  }
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->work, NULL);
+  pthread_cond_init(&s->done, NULL);
+  *out = s;
+  return 0;
+}
+
+/* The readers, when none runs (the first layer of a load). */
+static int start_readers(struct stream *s) {
+  s->trace.on = log_enabled(QKEEP_LOG_DEBUG); /* a load begins: measured while the debug log listens */
+  while (s->n_readers < s->want_readers && pthread_create(&s->readers[s->n_readers], NULL, reader, s) == 0)
+    s->n_readers++;
+  return s->n_readers ? 0 : set_error(QKEEP_E_NOMEM, "cannot start a reader thread for the device stream");
+}
+
+const struct device *stream_device(const struct stream *s) { return s->dev; }
+
+size_t stream_bytes(const struct stream *s) { return s ? (size_t)s->slots * s->piece : 0; }
+
+int stream_wait(struct stream *s) {
+  bool copying = false;
+  for (int i = 0; i < s->slots; i++)
+    if (s->slot[i] == SLOT_COPYING)
+      copying = true, s->slot[i] = SLOT_FREE;
+  s->arena_used = 0;
+  if (copying)
+    s->trace.syncs++;
+  return copying ? dev_sync(s->dev) : 0;
+}
+
+bool stream_active(const struct stream *s) { return s && s->n_readers > 0; }
+
+static void slot_freed(struct stream *s, int i) {
+  s->slot[i] = SLOT_FREE;
+  if (i == s->arena)
+    s->arena_used = 0;
+}
+
+/*
+ * Frees the slots whose copies are done: with fences, each copying slot, oldest first, whose
+ * fence has passed (a later fence covers more copies, so the first one still pending ends the
+ * look); when `block` and none was free, waits for the oldest alone. Without fences only a
+ * blocking call frees anything (stream_wait).
+ */
+static int reclaim(struct stream *s, bool block) {
+  if (!s->fences)
+    return block ? stream_wait(s) : 0;
+  bool freed = false;
+  for (;;) {
+    int oldest = -1;
+    for (int i = 0; i < s->slots; i++)
+      if (s->slot[i] == SLOT_COPYING && (oldest < 0 || s->fence[i] < s->fence[oldest]))
+        oldest = i;
+    if (oldest < 0)
+      return 0;
+    bool wait = block && !freed;
+    int rc = dev_fence_wait(s->dev, s->fence[oldest], wait);
+    if (rc < 0)
+      return rc;
+    if (rc > 0)
+      return 0; /* still copying (only when not waiting) */
+    if (wait)
+      s->trace.fence_waits++;
+    slot_freed(s, oldest);
+    freed = true;
+  }
+}
+
+/* Marks slot i as copying, its copy (just started) covered by a new fence. */
+static int slot_copying(struct stream *s, int i) {
+  s->slot[i] = SLOT_COPYING;
+  return s->fences ? dev_fence(s->dev, &s->fence[i]) : 0;
+}
+
+/* A free slot for a piece (the arena is kept for stream_put). */
+static int free_slot(const struct stream *s) {
+  for (int i = 0; i < s->slots; i++)
+    if (i != s->arena && s->slot[i] == SLOT_FREE)
+      return i;
+  return -1;
+}
+
+int stream_put(struct stream *s, void *dst, const void *src, size_t n) {
+  int slot = -1, rc = 0;
+  size_t at = 0;
+  if (n <= SMALL_PUT && n <= s->piece) {
+    if (s->arena_used + n > s->piece) { /* the arena is full: wait for its copies alone */
+      rc = s->fences && s->slot[s->arena] == SLOT_COPYING ? dev_fence_wait(s->dev, s->fence[s->arena], true)
+                                                          : stream_wait(s);
+      if (rc)
+        return rc;
+      slot_freed(s, s->arena);
+    }
+    slot = s->arena, at = s->arena_used;
+  } else if (n <= s->piece && (slot = free_slot(s)) < 0) {
+    if ((rc = reclaim(s, true)))
+      return rc;
+    slot = free_slot(s); /* still none when a read ahead holds every slot */
+  }
+  if (slot < 0) { /* larger than a slot, or every slot being read ahead: a plain copy after the others */
+    rc = stream_wait(s);
+    return rc ? rc : dev_h2d(s->dev, dst, src, n);
+  }
+  unsigned char *room = slot_room(s, slot) + at;
+  memcpy(room, src, n);
+  if ((rc = dev_h2d_async(s->dev, dst, room, n)))
+    return rc;
+  if (slot == s->arena)
+    s->arena_used = at + ((n + 63) & ~(size_t)63);
+  return slot_copying(s, slot);
+}
+
+/* The pieces of the items, in order (NULL and an error when out of memory). */
+static struct piece *cut(const struct stream_item *items, size_t n_items, size_t piece, size_t *n_pieces) {
+  size_t n = 0;
+  for (size_t i = 0; i < n_items; i++)
+    n += items[i].t.nbytes ? (items[i].t.nbytes + piece - 1) / piece : 0;
+  struct piece *p = calloc(n ? n : 1, sizeof *p);
+  if (!p) {
+    set_error(QKEEP_E_NOMEM, "out of memory for %zu pieces", n);
+    return NULL;
+  }
+  size_t k = 0;
+  for (size_t i = 0; i < n_items; i++)
+    for (size_t at = 0; at < items[i].t.nbytes; at += piece, k++)
+      p[k] = (struct piece){.t = items[i].t,
+                            .on_host = items[i].on_host,
+                            .item = i,
+                            .at = at,
+                            .n = items[i].t.nbytes - at < piece ? items[i].t.nbytes - at : piece};
+  *n_pieces = n;
+  return p;
+}
+
+/* Makes the items the stream's batch (nothing submitted yet). */
+static int batch_begin(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                       size_t n_items) {
+  size_t n = 0;
+  struct piece *pieces = cut(items, n_items, s->piece, &n);
+  struct stream_item *copy = malloc((n_items ? n_items : 1) * sizeof *copy);
+  if (!pieces || !copy) {
+    free(pieces);
+    free(copy);
+    return set_error(QKEEP_E_NOMEM, "out of memory for the device stream's batch");
+  }
+  memcpy(copy, items, n_items * sizeof *copy);
+  pthread_mutex_lock(&s->mu);
+  s->pv = pv, s->pieces = pieces, s->n_pieces = n, s->submitted = s->taken = 0;
+  pthread_mutex_unlock(&s->mu);
+  s->items = copy, s->n_items = n_items;
+  return 0;
+}
+
+/* Hands pieces to the readers while slots are free. Called with s->mu held. */
+static void batch_submit(struct stream *s) {
+  int slot;
+  while (s->submitted < s->n_pieces && (slot = free_slot(s)) >= 0) {
+    s->pieces[s->submitted].slot = slot;
+    s->slot[slot] = SLOT_READING;
+    s->submitted++;
+    pthread_cond_signal(&s->work);
+  }
+}
+
+/* Ends the batch: the readers finish what they took, nothing else is read, its slots not copied from
+ * are free again. */
+static void batch_drop(struct stream *s) {
+  if (!s->pieces)
+    return;
+  pthread_mutex_lock(&s->mu);
+  s->submitted = s->taken;
+  for (size_t i = 0; i < s->taken; i++)
+    while (!s->pieces[i].done)
+      pthread_cond_wait(&s->done, &s->mu);
+  struct piece *pieces = s->pieces;
+  size_t n = s->n_pieces;
+  s->pieces = NULL, s->n_pieces = s->submitted = s->taken = 0;
+  pthread_mutex_unlock(&s->mu);
+  for (size_t i = 0; i < n; i++)
+    free(pieces[i].msg);
+  for (int i = 0; i < s->slots; i++) /* read and never copied */
+    if (s->slot[i] == SLOT_READING)
+      s->slot[i] = SLOT_FREE;
+  free(pieces);
+  free(s->items);
+  s->items = NULL, s->n_items = 0;
+}
+
+/* Whether the batch read ahead is these items (the same tensors and sources, in order). */
+static bool batch_is(const struct stream *s, const struct stream_item *items, size_t n_items) {
+  if (!s->pieces || s->n_items != n_items)
+    return false;
+  for (size_t i = 0; i < n_items; i++)
+    if (s->items[i].t.handle != items[i].t.handle || s->items[i].t.nbytes != items[i].t.nbytes ||
+        s->items[i].t.name != items[i].t.name || s->items[i].on_host != items[i].on_host)
+      return false;
+  return true;
+}
+
+int stream_prefetch(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                    size_t n_items) {
+  batch_drop(s);
+  if (!n_items || (!s->n_readers && start_readers(s)) || batch_begin(s, pv, items, n_items))
+    return 0; /* reading ahead is only a head start: without it the load reads later */
+  if (reclaim(s, false) < 0)
+    return 0;
+  pthread_mutex_lock(&s->mu);
+  batch_submit(s);
+  pthread_mutex_unlock(&s->mu);
+  return 0;
+}
+
+int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                 size_t n_items) {
+  int rc = s->n_readers ? 0 : start_readers(s);
+  if (rc)
+    return rc;
+  if (!batch_is(s, items, n_items)) {
+    batch_drop(s);
+    if ((rc = batch_begin(s, pv, items, n_items)))
+      return rc;
+  }
+  /* Where each piece goes is known now (a read ahead did not know it). */
+  for (size_t k = 0; k < s->n_pieces; k++) {
+    struct piece *p = &s->pieces[k];
+    p->dst = items[p->item].dst + p->at;
+    p->mirror = items[p->item].mirror ? items[p->item].mirror + p->at : NULL;
+  }
+  size_t copied = 0, n = s->n_pieces;
+  while (copied < n && !rc) {
+    if ((rc = reclaim(s, false)) < 0)
+      break;
+    pthread_mutex_lock(&s->mu);
+    batch_submit(s);
+    if (copied == s->submitted) { /* every slot waits on a copy: let the device finish the oldest */
+      pthread_mutex_unlock(&s->mu);
+      double t = s->trace.on ? now_seconds() : 0;
+      rc = reclaim(s, true);
+      s->trace.slot_wait += s->trace.on ? now_seconds() - t : 0;
+      continue;
+    }
+    struct piece *p = &s->pieces[copied];
+    double t = s->trace.on && !p->done ? now_seconds() : 0;
+    while (!p->done)
+      pthread_cond_wait(&s->done, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+    s->trace.read_wait += t ? now_seconds() - t : 0;
+    const unsigned char *room = slot_room(s, p->slot);
+    if (p->rc)
+      rc = set_error(p->rc, "%s", p->msg ? p->msg : "read failed");
+    else
+      rc = dev_h2d_async(s->dev, p->dst, room, p->n);
+    if (!rc && p->mirror)
+      memcpy(p->mirror, room, p->n);
+    if (rc)
+      s->slot[p->slot] = SLOT_FREE;
+    else
+      rc = slot_copying(s, p->slot);
+    s->trace.pieces++, s->trace.bytes += p->n;
+    copied++;
+  }
+  batch_drop(s); /* after a failure, the readers finish what they took first */
+  return rc;
+}

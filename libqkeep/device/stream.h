@@ -1,0 +1,61 @@
+/*
+ * device/stream.h: streaming tensor bytes from a provider to device memory through a pinned
+ * ring of slots, read by threads and copied asynchronously (device/stream.c). Uses base, the
+ * provider and the device.
+ */
+#ifndef QKEEP_STREAM_H
+#define QKEEP_STREAM_H
+
+#include "device/device.h"
+#include "format/provider.h"
+
+/* ---- streaming to a device (stream.c) ---- */
+
+/* A pinned ring, reader threads and the device they feed (see stream.c). */
+struct stream;
+/* One tensor for the device: from the provider's file, or from host bytes it holds. */
+struct stream_item {
+  struct provided t;
+  const unsigned char *on_host; /* NULL: read from the provider's file (read_range) */
+  char *dst;                    /* its device memory */
+  unsigned char *mirror;        /* NULL, or host memory that gets a copy of the bytes too */
+};
+/* QKEEP_E_INVAL naming the first field of the stream's shape out of its range ("stream_slots = 1:
+ * expected 2 to 64"), else 0. */
+int stream_options_check(const struct qkeep_load_options *options);
+/* A stream to dev (its ops pass memory_ops_async) shaped by options (checked; NULL: the defaults):
+ * the ring from its host_alloc; readers start with the first stream_items. */
+int stream_new(const struct device *dev, const struct qkeep_load_options *options, struct stream **out);
+/* The end of a load: waits for the copies (stream_wait) and stops the readers; the ring stays. */
+int stream_end(struct stream *s);
+/* stream_end, then frees the ring. */
+void stream_free(struct stream *s);
+const struct device *stream_device(const struct stream *s);
+/* Pinned bytes the stream holds (0 for NULL). */
+size_t stream_bytes(const struct stream *s);
+/*
+ * Streams the items' bytes to their device memory: read in parallel into the ring, copied by
+ * copy_h2d_async in order. On return every copy has been started (not necessarily finished:
+ * later work on the device's stream sees the bytes; stream_wait waits for them). On a read or
+ * copy error nothing further is started and the first error is returned, with its message.
+ */
+int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                 size_t n_items);
+/*
+ * Starts reading the items ahead (their dst and mirror are not needed yet, nor looked at) into
+ * free slots, and returns at once; a stream_items call with the same items (tensors and order)
+ * then continues from what was read. Best effort: returns 0 even when it could not start.
+ */
+int stream_prefetch(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                    size_t n_items);
+/* Waits until every copy the stream started has finished (dev_sync), freeing their slots. */
+int stream_wait(struct stream *s);
+/* Whether a load is streaming through s now (its readers run): puts are then waited for by its end. */
+bool stream_active(const struct stream *s);
+/* Copies n bytes of host memory to device memory at dst, after the copies started before it:
+ * through a slot without waiting for the device (small puts share one slot), or, larger than a
+ * slot or with every slot being read ahead, by a plain copy after a wait. src may change once it
+ * returns. */
+int stream_put(struct stream *s, void *dst, const void *src, size_t n);
+
+#endif

@@ -1,0 +1,42 @@
+/*
+ * format/conf.h: the INI configuration (format/config.c): the backend chain, the model's
+ * checkpoint and parallel place, each backend's keys. Uses base and the fusion rules.
+ */
+#ifndef QKEEP_CONF_H
+#define QKEEP_CONF_H
+
+#include "base/base.h"
+
+/* ---- config (config.c) ------------------------------------------------------------ */
+
+struct config_option {
+  char *key;
+  char *value;
+  int line;
+};
+
+struct qkeep_config {
+  char *path;
+  char **backends; /* [qkeep] backend: the chain, in order (at least one name) */
+  size_t n_backends;
+  const char *backend; /* backends[0] */
+  int backend_line;
+  char *plugin_dir;
+  char *checkpoint;
+  char *reload_checkpoint;
+  char *fuse;
+  struct qkeep_parallel parallel; /* [model] tp_size, tp_rank, ep_size, ep_rank */
+  int parallel_line[4];
+  /* [backend.NAME] sections: every key, in file order */
+  struct config_backend_section {
+    char *name;
+    struct config_option *options;
+    size_t n_options, cap_options;
+  } * sections;
+  size_t n_sections, cap_sections;
+};
+
+/* The options of [backend.NAME], or NULL when the file has no such section. */
+const struct config_backend_section *config_section(const qkeep_config *cfg, const char *backend);
+
+#endif

@@ -1,0 +1,460 @@
+/*
+ * load.c: the cold-start path, and the pieces reload shares with it. The
+ * checkpoint is opened (file or directory), every layer and loader param is
+ * created (all names, dtypes and shapes checked before a byte is read), then
+ * layer by layer the bytes stream in, the scales are checked, the scheme
+ * normalises and the backend runs its PWAL, so the extra memory at any time is
+ * one tensor's staging.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "base/numeric.h"
+#include "load/load.h"
+
+/* check_source's lookup and checks. */
+static int check_found(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                       struct provided *t) {
+  if (!pv->find(pv, src->checkpoint_name, t))
+    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
+                     src->checkpoint_name, layer->name);
+  struct qkeep_spec got = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+  memcpy(got.shape, t->shape, sizeof(int64_t) * (size_t)(t->ndim > 0 ? t->ndim : 0));
+  if (t->dtype < 0 || !spec_equal(&got, &src->spec) || t->nbytes != qkeep_spec_bytes(&src->spec)) {
+    char a[SHAPE_STR_LEN], b[SHAPE_STR_LEN];
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s %s, the model expects %s %s (layer %s)", t->where,
+                     t->name, t->dtype_name, spec_shape_str(&got, a, sizeof a),
+                     qkeep_dtype_name(src->spec.dtype), spec_shape_str(&src->spec, b, sizeof b), layer->name);
+  }
+  /* A shape too large for a spec is compared whole: two shapes may collapse alike. */
+  const qkeep_param *p = src->param;
+  bool same = !t->full_shape && !p->full_shape;
+  if (!same && t->full_shape && p->full_shape && t->full_ndim == p->full_ndim)
+    same = memcmp(t->full_shape, p->full_shape, sizeof *t->full_shape * (size_t)t->full_ndim) == 0;
+  if (!same && t->spec_only && !t->full_shape)
+    same = true; /* buffers give the param's collapsed spec, checked above */
+  if (!same)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: tensor '%s': its shape (rank %d) differs from the model's (rank %d) (layer %s)",
+                     t->where, t->name, t->full_shape ? t->full_ndim : t->ndim,
+                     p->full_shape ? p->full_ndim : p->create_spec.ndim, layer->name);
+  return 0;
+}
+
+int check_source(const qkeep_layer *layer, const struct provider *pv, struct source *src,
+                 struct provided *t) {
+  if (pv->pass && src->found_pass == pv->pass) {
+    pv->describe(pv, src->found, t);
+    return 0;
+  }
+  int rc = check_found(layer, pv, src, t);
+  if (!rc && pv->pass)
+    src->found = t->handle, src->found_pass = pv->pass;
+  return rc;
+}
+
+/* A compare-only source: the provider's bytes must equal what an earlier shard loaded. */
+static int compare_source(const struct device *dev, const struct provider *pv, const struct provided *t,
+                          const void *on_device, const void *on_host, const char *dst, struct staging *st) {
+  int rc = staging_reserve(st, t->nbytes);
+  if (!rc && on_device)
+    rc = dev_d2h(dev, st->data, on_device, t->nbytes);
+  else if (!rc && on_host)
+    memcpy(st->data, on_host, t->nbytes);
+  else if (!rc)
+    rc = pv->read(pv, t, st->data);
+  if (!rc)
+    rc = dev_d2h(dev, st->compare, dst, t->nbytes);
+  if (!rc && memcmp(st->compare, st->data, t->nbytes) != 0)
+    rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s' differs from the fused shard loaded before it", t->where,
+                   t->name);
+  return rc;
+}
+
+/* The host mirror of the source's bytes, for a small scale param (per-tensor and per-shard scales, not block
+ * scales: up to MIRROR_MAX bytes) whose normalisation would otherwise read them back from the device; made
+ * zeroed, as the bytes no source covers are. NULL: none. */
+static unsigned char *source_mirror(const struct source *src) {
+  qkeep_param *p = src->param;
+  if (p->scale && p->create_bytes <= MIRROR_MAX && !p->mirror && p->create_bytes)
+    p->mirror = calloc(1, p->create_bytes); /* none: normalisation reads the device */
+  return p->mirror ? p->mirror + src->dst_offset : NULL;
+}
+
+int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st) {
+  const struct device *dev = layer_device(layer);
+  struct provided t;
+  int rc = check_source(layer, pv, src, &t);
+  if (rc)
+    return rc;
+  struct mem_stats *mem = &layer->model->mem;
+  char *dst = (char *)src->param->view.storage->data + src->dst_offset;
+  if (!src->compare_only)
+    src->param->mirror_valid = false; /* its bytes change here, not through the stream */
+  const void *on_device = pv->device_bytes ? pv->device_bytes(pv, &t) : NULL;
+  const void *on_host = on_device || !pv->host_bytes ? NULL : pv->host_bytes(pv, &t);
+  if (src->slice.rows) { /* a tensor-parallel rank's part of the tensor (load/slice.c) */
+    rc = shard_load_slice(layer, pv, src, &t, on_device, on_host, st);
+  } else if (src->compare_only) {
+    rc = compare_source(dev, pv, &t, on_device, on_host, dst, st);
+  } else if (!on_device && !on_host && dev->ops == host_device()->ops && src->rows == 1) {
+    rc = pv->read(pv, &t, dst); /* straight into the param: no staging */
+  } else {
+    const unsigned char *from = on_device ? on_device : on_host;
+    if (!from && !(rc = staging_reserve(st, t.nbytes)) && !(rc = pv->read(pv, &t, st->data)))
+      from = st->data;
+    for (size_t r = 0; !rc && r < src->rows; r++) {
+      char *to = dst + r * src->dst_stride;
+      const unsigned char *row = from + r * src->row_bytes;
+      rc = on_device ? dev_d2d(dev, to, row, src->row_bytes) : dev_h2d(dev, to, row, src->row_bytes);
+    }
+    /* From device memory, a scale the provider also holds on the host (the copy validation checked) fills
+     * the mirror too, so normalisation need not read it back. */
+    const void *host_copy =
+        !rc && on_device && src->rows == 1 && pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
+    unsigned char *mirror = host_copy ? source_mirror(src) : NULL;
+    if (mirror)
+      memcpy(mirror, host_copy, t.nbytes), src->mirrored = true;
+  }
+  /* Staging is two buffers of its capacity (data, and compare for shared shards). */
+  if ((int64_t)staging_bytes(st) > mem->staging_peak)
+    mem->staging_peak = (int64_t)staging_bytes(st);
+  if (rc)
+    return add_error_context(rc, "layer %s", layer->name);
+  src->loaded = true;
+  return 0;
+}
+
+/* True when the source's bytes can go from the provider's file straight into its param: host memory,
+ * one contiguous run, written (not compared), and no copy of them in memory already. */
+static bool reads_direct(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         const struct provided *t) {
+  return pv->read_many && layer_device(layer)->ops == host_device()->ops && src->rows == 1 &&
+         !src->compare_only && !src->slice.rows && !(pv->device_bytes && pv->device_bytes(pv, t)) &&
+         !(pv->host_bytes && pv->host_bytes(pv, t));
+}
+
+/*
+ * Reads every source that can land straight in its param as one batch
+ * (pv->read_many: runs of adjacent tensors in one syscall each), marking them
+ * loaded; the rest are left to load_source.
+ */
+static int load_direct(qkeep_layer *layer, const struct provider *pv) {
+  size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
+  struct provided *ts = malloc(count * sizeof *ts);
+  void **dsts = malloc(count * sizeof *dsts);
+  size_t *which = malloc(count * sizeof *which);
+  int rc = ts && dsts && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    struct source *src = &layer->sources[i];
+    if ((rc = check_source(layer, pv, src, &ts[n])) == 0 && reads_direct(layer, pv, src, &ts[n])) {
+      dsts[n] = (char *)src->param->view.storage->data + src->dst_offset;
+      which[n++] = i;
+    }
+  }
+  if (!rc)
+    rc = pv->read_many(pv, ts, n, dsts);
+  for (size_t k = 0; k < n && !rc; k++)
+    layer->sources[which[k]].loaded = true;
+  free(ts);
+  free(dsts);
+  free(which);
+  return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
+}
+
+/*
+ * Streams every source that goes to a device with asynchronous copies as one contiguous
+ * run (written, not compared; not in device memory already) through the staging's stream,
+ * marking them loaded; the rest are left to load_source.
+ */
+/*
+ * The sources of the layer that stream to its device: written (not compared), one contiguous run,
+ * not in device memory already, from a file (read_range) or host bytes. With `place`, each item's
+ * dst (and, for a small scale param, a host mirror) is set; which[] gets their source indices.
+ */
+static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool place,
+                            struct stream_item *items, size_t *which, size_t *n_out) {
+  size_t n = 0;
+  int rc = 0;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    struct source *src = &layer->sources[i];
+    struct stream_item *it = &items[n];
+    if (src->compare_only || src->rows != 1 || src->slice.rows || (rc = check_source(layer, pv, src, &it->t)))
+      continue; /* a tensor-parallel slice (slice.rows) loads through load/slice.c */
+    if (pv->device_bytes && pv->device_bytes(pv, &it->t))
+      continue;
+    it->on_host = pv->host_bytes ? pv->host_bytes(pv, &it->t) : NULL;
+    if (!it->on_host && !pv->read_range)
+      continue;
+    it->dst = NULL, it->mirror = NULL;
+    if (place) {
+      it->dst = (char *)src->param->view.storage->data + src->dst_offset;
+      it->mirror = source_mirror(src);
+    }
+    which[n++] = i;
+  }
+  *n_out = n;
+  return rc;
+}
+
+static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  const struct device *dev = layer_device(layer);
+  size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
+  struct stream_item *items = malloc(count * sizeof *items);
+  size_t *which = malloc(count * sizeof *which);
+  int rc = items && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  if (!rc)
+    rc = streamed_sources(layer, pv, true, items, which, &n);
+  if (!rc && n)
+    rc = staging_stream(st, dev, &layer->model->load_options);
+  if (!rc && n)
+    rc = stream_items(st->stream, pv, items, n);
+  for (size_t k = 0; k < n && !rc; k++)
+    layer->sources[which[k]].loaded = true, layer->sources[which[k]].mirrored = items[k].mirror != NULL;
+  struct mem_stats *mem = &layer->model->mem;
+  if ((int64_t)staging_bytes(st) > mem->staging_peak)
+    mem->staging_peak = (int64_t)staging_bytes(st);
+  free(items);
+  free(which);
+  return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
+}
+
+void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st) {
+  if (!next || !st->stream || stream_device(st->stream) != layer_device(next))
+    return;
+  size_t n = 0, count = next->n_sources ? next->n_sources : 1;
+  struct stream_item *items = malloc(count * sizeof *items);
+  size_t *which = malloc(count * sizeof *which);
+  if (items && which && streamed_sources(next, pv, false, items, which, &n) == 0)
+    (void)stream_prefetch(st->stream, pv, items, n);
+  free(items);
+  free(which);
+}
+
+int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  for (size_t i = 0; i < layer->n_sources; i++)
+    layer->sources[i].loaded = false, layer->sources[i].mirrored = false;
+  for (size_t i = 0; i < layer->n_params; i++)
+    layer->params[i]->mirror_valid = false;
+  const struct device *dev = layer_device(layer);
+  int rc = 0;
+  if (pv->read_many && dev->ops == host_device()->ops)
+    rc = load_direct(layer, pv);
+  else if (memory_ops_async(dev->ops))
+    rc = load_streamed(layer, pv, st);
+  /* What is compared against an earlier shard goes last, once every shard's copy has started. */
+  for (int pass = 0; pass < 2; pass++)
+    for (size_t i = 0; i < layer->n_sources && !rc; i++)
+      if (!layer->sources[i].loaded && layer->sources[i].compare_only == (pass == 1))
+        rc = load_source(layer, pv, &layer->sources[i], st);
+  /* A mirror is valid when every source that writes its param filled it too (streamed, or from a host copy).
+   */
+  for (size_t i = 0; i < layer->n_params && !rc; i++)
+    layer->params[i]->mirror_valid = layer->params[i]->mirror != NULL;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    const struct source *src = &layer->sources[i];
+    if (!src->compare_only && (!src->mirrored || src->rows != 1))
+      src->param->mirror_valid = false;
+  }
+  return rc;
+}
+
+const char *scale_rule(const qkeep_param *p) {
+  return p->positive ? "a static activation scale must be finite and positive"
+                     : "scales must be finite and non-negative";
+}
+
+/* Why the element is not a valid scale, or NULL. */
+static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p, bool positive) {
+  float v;
+  switch (dtype) {
+  case QKEEP_DTYPE_F8_E4M3:
+    if ((*p & 0x7f) == 0x7f)
+      return "NaN";
+    if (positive && !(*p & 0x7f))
+      return "zero";
+    return (*p & 0x80) && (*p & 0x7f) ? "negative" : NULL;
+  case QKEEP_DTYPE_F8_E8M0:
+  case QKEEP_DTYPE_U8: return *p == 0xff ? "NaN (e8m0 0xff)" : NULL;
+  case QKEEP_DTYPE_F32: memcpy(&v, p, 4); break;
+  case QKEEP_DTYPE_F16:
+  case QKEEP_DTYPE_BF16: {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    v = dtype == QKEEP_DTYPE_F16 ? qk_f16_to_f32(h) : qk_bf16_to_f32(h);
+    break;
+  }
+  default: return NULL;
+  }
+  return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : positive && v == 0 ? "zero" : NULL;
+}
+
+/*
+ * Whether any of the n one-byte scales is bad, eight at a time: e4m3 is bad when its low seven
+ * bits are all ones (NaN) or it is negative and not -0 (a byte above 0x80); e8m0 when it is 0xff.
+ */
+static bool any_bad_bytes(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n) {
+  const uint64_t low7 = 0x7f7f7f7f7f7f7f7full, ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+  uint64_t bad = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    memcpy(&x, bytes + i, 8);
+    if (dtype == QKEEP_DTYPE_F8_E4M3) {
+      uint64_t low = x & low7, nonzero = (low + low7) & high, all = (low + ones) & high;
+      bad |= all | (nonzero & x);
+    } else {
+      uint64_t v = ~x; /* a 0xff byte is a zero byte of v */
+      bad |= (v - ones) & ~v & high;
+    }
+  }
+  for (; i < n; i++)
+    bad |= dtype == QKEEP_DTYPE_F8_E4M3 ? (bytes[i] == 0x7f || bytes[i] > 0x80) : bytes[i] == 0xff;
+  return (bad & (high | 1)) != 0;
+}
+
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index) {
+  if (!positive &&
+      (dtype == QKEEP_DTYPE_F8_E4M3 || dtype == QKEEP_DTYPE_F8_E8M0 || dtype == QKEEP_DTYPE_U8) &&
+      !any_bad_bytes(dtype, bytes, n))
+    return NULL; /* the common case, at memory speed; the loop below names the first bad one */
+  size_t esize = qkeep_dtype_size(dtype);
+  for (size_t i = 0; i < n; i++) {
+    const char *why = bad_scale(dtype, bytes + i * esize, positive);
+    if (why) {
+      *index = i;
+      return why;
+    }
+  }
+  return NULL;
+}
+
+/* The checkpoint tensor (and its element) that loaded byte `offset` of param p. */
+static void locate(const qkeep_layer *layer, const qkeep_param *p, size_t offset, const char **name,
+                   size_t *elem) {
+  size_t esize = qkeep_dtype_size(p->create_spec.dtype);
+  *name = p->checkpoint_name;
+  *elem = offset / esize;
+  for (size_t i = 0; i < layer->n_sources; i++) {
+    const struct source *s = &layer->sources[i];
+    if (s->param != p || s->compare_only || offset < s->dst_offset)
+      continue;
+    size_t rel = offset - s->dst_offset, row = rel / s->dst_stride, col = rel % s->dst_stride;
+    if (row < s->rows && col < s->row_bytes) {
+      *name = s->checkpoint_name;
+      *elem = (row * s->row_bytes + col) / esize;
+      return;
+    }
+  }
+}
+
+int validate_scales(qkeep_layer *layer) {
+  for (size_t i = 0; i < layer->n_params; i++) {
+    qkeep_param *p = layer->params[i];
+    if (!p->scale || !p->view.storage)
+      continue;
+    size_t bytes = p->create_bytes, esize = qkeep_dtype_size(p->create_spec.dtype);
+    unsigned char *host = malloc(bytes ? bytes : 1);
+    if (!host)
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    int rc = dev_d2h(layer_device(layer), host, p->view.storage->data, bytes);
+    size_t bad;
+    const char *why = rc ? NULL : bad_scales(p->create_spec.dtype, host, bytes / esize, p->positive, &bad);
+    if (why) {
+      const char *name;
+      size_t elem;
+      locate(layer, p, bad * esize, &name, &elem);
+      rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (%s; layer %s)", name, elem, why,
+                     scale_rule(p), layer->name);
+    }
+    free(host);
+    if (rc)
+      return rc;
+  }
+  return 0;
+}
+
+int finish_layer(qkeep_layer *layer) {
+  int rc = layer->scheme_ops && layer->scheme_ops->normalize ? layer->scheme_ops->normalize(layer) : 0;
+  if (rc)
+    return add_error_context(rc, "layer %s: %s normalisation", layer->name, layer->scheme);
+  const struct qkeep_backend *be = layer_backend(layer);
+  if (be && be->pwal && (rc = be->pwal(be, layer)))
+    return add_error_context(rc, "layer %s: PWAL of backend %s", layer->name, be->name);
+  return 0;
+}
+
+/* Every tensor of the checkpoint is a source of some layer: one that no layer takes would be neither read
+ * nor checked, and a reload of the same checkpoint would refuse it (it checks W1 against the model's
+ * names). Assembly gives every tensor a place, so this holds unless a scheme drops one. */
+static int check_all_taken(const qkeep_model *model, const struct ckpt *ck) {
+  for (size_t i = 0; i < ck->n_tensors; i++)
+    if (!model_find_source(model, ck->tensors[i].t->name) &&
+        !shard_is_foreign(model, ck->tensors[i].t->name)) /* another EP rank's expert: param/foreign.c */
+      return set_error(QKEEP_E_FORMAT, "%s: tensor '%s' is taken by no layer of the model",
+                       ck->tensors[i].file->path, ck->tensors[i].t->name);
+  return 0;
+}
+
+int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
+  if (!model || !checkpoint)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_load: NULL argument");
+  if (model->n_layers)
+    return set_error(QKEEP_E_STATE, "qkeep_model_load: the model already holds %zu layers", model->n_layers);
+  struct ckpt *ck;
+  struct staging st = {0};
+  struct provider pv;
+  double t0 = now_seconds();
+  int rc = ckpt_open(checkpoint, &ck);
+  if (rc)
+    return rc;
+  ckpt_provider(&pv, ck);
+  /* Plan (every layer and param from the checkpoint, nothing allocated), choose each layer's owner
+   * (the chain), then materialise (every param's storage in its owner's memory). */
+  rc = assemble_model(model, ck);
+  if (!rc)
+    rc = check_all_taken(model, ck);
+  if (!rc)
+    rc = chain_assign(model, ck->path);
+  if (!rc)
+    rc = model_materialise(model);
+  double t1 = now_seconds(), t_read = 0, t_pwal = 0;
+  model_spares(model, true);
+  for (size_t i = 0; i < model->n_layers && !rc; i++) {
+    double a = now_seconds();
+    rc = load_layer_sources(model->layers[i], &pv, &st);
+    double b = now_seconds();
+    if (!rc && i + 1 < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
+      load_read_ahead(model->layers[i + 1], &pv, &st);
+    if (!rc)
+      rc = validate_scales(model->layers[i]);
+    if (!rc)
+      rc = finish_layer(model->layers[i]);
+    t_read += b - a;
+    t_pwal += now_seconds() - b;
+    if (model->progress)
+      model->progress(model->progress_user, i + 1, model->n_layers, model->layers[i]->name);
+  }
+  if (!rc)
+    rc = model_sync(model);
+  int staged = staging_free(&st); /* before any storage is freed: no copy may still write to it */
+  model_spares(model, false);
+  if (!rc)
+    rc = staged;
+  if (!rc)
+    rc = model_set_source(model, checkpoint, ck);
+  if (rc) {
+    if (!strstr(qkeep_errmsg(), ck->path))
+      add_error_context(rc, "%s", ck->path); /* every load error names the checkpoint */
+    model_clear(model);                      /* nothing half-loaded stays behind */
+  } else {
+    model->stats = (struct qkeep_load_stats){sizeof model->stats, t1 - t0, t_read, t_pwal, 0, 0};
+    for (size_t f = 0; f < ck->n_files; f++)
+      model->stats.checkpoint_bytes += (int64_t)ck->files[f]->file_size;
+  }
+  ckpt_close(ck);
+  return rc;
+}

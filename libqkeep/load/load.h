@@ -1,0 +1,64 @@
+/*
+ * load/load.h: loading a layer's sources from a provider (load/load.c): host staging, the stream
+ * to the layer's device, the checks of each tensor against its source and of scale values, and
+ * the end of a layer's load (normalisation, then the backend's PWAL). Uses every layer below:
+ * base, format, device, param, scheme, plugin, model.
+ */
+#ifndef QKEEP_LOAD_H
+#define QKEEP_LOAD_H
+
+#include "device/stream.h"
+#include "model/model.h"
+#include "scheme/shard_plan.h"
+
+/* Host staging for one tensor, grown as needed; and the stream to the device being loaded. */
+struct staging {
+  unsigned char *data, *compare;
+  size_t cap;
+  struct stream *stream; /* NULL until a layer of a device with asynchronous copies loads */
+  bool own_stream;       /* made for this load (a device with no owner to keep it), freed with it */
+};
+/* Ends the stream (its copies waited for), then frees the rest; returns the wait's error. */
+int staging_free(struct staging *s);
+/* Makes the staging's stream the one to dev, shaped by options (the model's): its owner's (made
+ * once), else one for this load; a stream to another device is ended first. */
+int staging_stream(struct staging *s, const struct device *dev, const struct qkeep_load_options *options);
+/* Host bytes the staging holds now (the peak the model reports). */
+size_t staging_bytes(const struct staging *s);
+/* Grows both staging buffers to at least `bytes`. */
+int staging_reserve(struct staging *s, size_t bytes);
+
+/* Lands one tensor in its param as the source describes (checked against the source first). */
+int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);
+/* Starts reading the next layer's device-bound bytes into the stream's free slots (when it goes to
+ * the device being streamed to), so they arrive while the current layer's PWAL runs. Best effort. */
+void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st);
+/* Loads every source of a layer from the provider (strided and compare-only ones too). */
+int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st);
+/* Checks that the provider's tensor matches what the source expects (name found, dtype, shape) and fills
+ * *out. Once it held for a provider with a pass, it is remembered in src: for the same pass, later calls
+ * describe the same tensor without the lookup or the checks. */
+int check_source(const qkeep_layer *layer, const struct provider *pv, struct source *src,
+                 struct provided *out);
+/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
+/* What a scale param's values must be, for messages. */
+const char *scale_rule(const qkeep_param *p);
+/* Largest scale param that keeps a host mirror of its bytes (load.c). */
+#define MIRROR_MAX 256
+
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index);
+/* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and
+ * e8m0 not NaN), naming the checkpoint tensor and element of the first bad one. */
+int validate_scales(qkeep_layer *layer);
+/* Normalisation then the backend's PWAL, once a layer has all its bytes. */
+int finish_layer(qkeep_layer *layer);
+
+/* Lands a sliced source (src->slice.rows > 0) of provided tensor t in its param, or compares it
+ * for a compare-only one, reading only the slice from a file (pread of row ranges; a strided
+ * slice row by row, never the whole tensor). on_device / on_host: the provider's bytes. */
+int shard_load_slice(qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                     const struct provided *t, const void *on_device, const void *on_host,
+                     struct staging *st);
+
+#endif

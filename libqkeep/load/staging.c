@@ -1,0 +1,57 @@
+/*
+ * staging.c: a load's host staging (one tensor's bytes, and a second buffer to compare a
+ * compare-only source with), and the stream to the device being loaded, which the staging holds:
+ * the owner's, made at its first streamed load, or one made for this load alone.
+ */
+#include <stdlib.h>
+
+#include "load/load.h"
+
+int staging_free(struct staging *s) {
+  int rc = stream_end(s->stream);
+  if (s->own_stream)
+    stream_free(s->stream);
+  s->stream = NULL;
+  s->own_stream = false;
+  free(s->data);
+  free(s->compare);
+  s->data = s->compare = NULL;
+  s->cap = 0;
+  return rc;
+}
+
+/* The stream to dev in the staging: its owner's (made once), else one for this load, shaped by the
+ * model's options. One to another device is ended first. */
+int staging_stream(struct staging *s, const struct device *dev, const struct qkeep_load_options *options) {
+  if (s->stream && stream_device(s->stream) == dev)
+    return 0;
+  int rc = stream_end(s->stream);
+  if (s->own_stream)
+    stream_free(s->stream);
+  s->stream = NULL;
+  s->own_stream = !dev->stream;
+  struct stream **slot = dev->stream ? dev->stream : &s->stream;
+  if (!rc && !*slot)
+    rc = stream_new(dev, options, slot);
+  if (!rc)
+    s->stream = *slot;
+  return rc;
+}
+
+/* Host bytes staging holds now (the peak the model reports). */
+size_t staging_bytes(const struct staging *s) { return 2 * s->cap + stream_bytes(s->stream); }
+
+int staging_reserve(struct staging *s, size_t bytes) {
+  if (bytes <= s->cap)
+    return 0;
+  unsigned char *d = realloc(s->data, bytes), *c;
+  if (d)
+    s->data = d;
+  c = d ? realloc(s->compare, bytes) : NULL;
+  if (c)
+    s->compare = c;
+  if (!d || !c)
+    return set_error(QKEEP_E_NOMEM, "out of memory staging %zu bytes", bytes);
+  s->cap = bytes;
+  return 0;
+}
