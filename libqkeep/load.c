@@ -282,7 +282,7 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool 
     it->on_host = pv->host_bytes ? pv->host_bytes(pv, &it->t) : NULL;
     if (!it->on_host && !pv->read_range)
       continue;
-    it->dst = NULL, it->mirror = NULL;
+    it->dst = NULL, it->mirror = NULL, it->check = NULL, it->check_ctx = NULL;
     if (place) {
       it->dst = (char *)src->param->view.storage->data + src->dst_offset;
       it->mirror = source_mirror(src);
