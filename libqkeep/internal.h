@@ -697,14 +697,21 @@ struct staging {
   size_t cap;
   struct stream *stream; /* NULL until a layer of a device with asynchronous copies loads */
   bool own_stream;       /* made for this load (a device with no owner to keep it), freed with it */
+  /* The provider's scale values were checked already (a reload's validation of W1): the load does not
+   * check them again. False: it checks each scale in host memory on its way (check_scales). */
+  bool scales_checked;
 };
 /* Ends the stream (its copies waited for), then frees the rest; returns the wait's error. */
 int staging_free(struct staging *s);
 /* Grows both staging buffers to at least `bytes`. */
 int staging_reserve(struct staging *s, size_t bytes);
 
-/* Lands one tensor in its param as the source describes (checked against the source first). */
+/* Lands one tensor in its param as the source describes (checked against the source first); a scale's
+ * host bytes are checked (check_scales) before they go to the device. */
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);
+/* The param whose values the load checks the source's bytes against: a scale, written (not compared with
+ * an earlier shard's), when the staging's provider was not checked already (scales_checked); else NULL. */
+const qkeep_param *scale_to_check(const struct staging *st, const struct source *src);
 /* Starts reading the next layer's device-bound bytes into the stream's free slots (when it goes to
  * the device being streamed to), so they arrive while the current layer's PWAL runs. Best effort. */
 void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st);
@@ -715,37 +722,42 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
  * describe the same tensor without the lookup or the checks. */
 int check_source(const qkeep_layer *layer, const struct provider *pv, struct source *src,
                  struct provided *out);
-/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
-/* What a scale param's values must be, for messages. */
-const char *scale_rule(const qkeep_param *p);
 /* Largest scale param that keeps a host mirror of its bytes (load.c). */
 #define MIRROR_MAX 256
 
-/* A scale tensor whose values are to be checked: nbytes of dtype at `at` in the memory of dev (NULL: host
- * memory). */
+/* ---- scale values: one check, on host bytes before they reach a device (scales.c) ---- */
+
+/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index);
+/* What a scale param's values must be, for messages. */
+const char *scale_rule(const qkeep_param *p);
+/*
+ * The one check of scale values, on every path (load, reload, sync): `bytes` (host memory) are the n bytes
+ * of scale tensor t from its byte `first` on, bound for param p (what its values must be). 0, or
+ * QKEEP_E_FORMAT "<t->where>: tensor '<t->name>': element <i> is <why> (<rule>)", i counted from the
+ * tensor's start. Thread safe (the stream's readers call it).
+ */
+int check_scales(const qkeep_param *p, const struct provided *t, size_t first, const void *bytes, size_t n);
+/* A scale tensor whose values are to be checked: t.nbytes at `at` in dev's memory (NULL: host memory). */
 struct scale_item {
   const struct device *dev;
   const void *at;
   const void *block; /* the one allocation holding it with other items (copies may span them), or NULL */
-  size_t nbytes;
-  int dtype;                /* enum qkeep_dtype */
+  struct provided t; /* its name, dtype, bytes and where it comes from */
   const qkeep_param *param; /* what its values must be */
-  const char *where, *name; /* for the message: "<where>: tensor '<name>': element ..." */
   unsigned char *keep;      /* NULL, or host memory that gets a copy of the bytes checked */
 };
-/* Checks the values of n scale tensors, copying each run of those in device memory that lie close
- * together in one block to the host in one copy (reload.c; sorts items by device, block and address).
- * 0, or QKEEP_E_FORMAT naming the tensor and element, or a copy's error. */
+/* Checks the values of n scale tensors with check_scales: those in host memory where they are, those in
+ * device memory from one copy to the host per run of them that lie close together in one block (their
+ * one trip to the host: `keep` gets the bytes checked). Sorts items by device, block and address (reload.c).
+ * 0, or check_scales' error, or a copy's error. */
 int check_device_scales(struct scale_item *items, size_t n);
 /* qkeep_model_reload_tensors with the allocations the tensors lie in known (a sync's bucket and the
  * blocks of tensors it kept): the scales in one are copied for their check in runs. */
 int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n, unsigned flags,
                       const struct mem_block *blocks, size_t n_blocks);
-const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
-                       size_t *index);
-/* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and
- * e8m0 not NaN), naming the checkpoint tensor and element of the first bad one. */
-int validate_scales(qkeep_layer *layer);
+
 /* Normalisation then the backend's PWAL, once a layer has all its bytes. */
 int finish_layer(qkeep_layer *layer);
 

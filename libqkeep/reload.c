@@ -231,7 +231,7 @@ static int keep_scale(struct scale_cache *c, const struct provided *t) {
   if (in_memory(c->inner, t) || name_index_get(&c->index, t->name, &seen))
     return 0;
   if (c->cap - c->used < t->nbytes) {
-    c->complete = false; /* no room: read again by the apply, and checked again after it */
+    c->complete = false; /* no room: read again by the apply, and checked again as it loads */
     return 0;
   }
   unsigned char *dst;
@@ -355,16 +355,6 @@ static int scale_bytes(const struct scale_cache *c, const struct device *dev, co
 
 /* ---- validation: nothing changes until all of W1 is known good ------------------------- */
 
-/* The item's bytes (in host memory) must be valid scales. */
-static int check_item(const struct scale_item *it, const unsigned char *bytes) {
-  size_t bad;
-  const char *why = bad_scales((enum qkeep_dtype)it->dtype, bytes, it->nbytes / qkeep_dtype_size(it->dtype),
-                               it->param->positive, &bad);
-  return why ? set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (%s)", it->where, it->name, bad,
-                         why, scale_rule(it->param))
-             : 0;
-}
-
 /* A scale tensor's values must be valid before anything is written. */
 static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, const struct scale_cache *c,
                               const struct provided *t) {
@@ -372,8 +362,7 @@ static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, co
   unsigned char *scratch = NULL;
   int rc = scale_bytes(c, layer_device(layer), t, &bytes, &scratch);
   if (!rc)
-    rc = check_item(&(struct scale_item){NULL, bytes, NULL, t->nbytes, t->dtype, p, t->where, t->name, NULL},
-                    bytes);
+    rc = check_scales(p, t, 0, bytes, t->nbytes);
   free(scratch);
   return rc;
 }
@@ -415,11 +404,11 @@ static int check_run(const struct scale_item *items, size_t first, size_t last, 
   int rc = 0;
   for (size_t k = first; k < last && !rc; k++) {
     const struct scale_item *it = &items[k];
-    if (!one_copy && (rc = dev_d2h(it->dev, *host, it->at, it->nbytes)) != 0)
+    if (!one_copy && (rc = dev_d2h(it->dev, *host, it->at, it->t.nbytes)) != 0)
       break;
     const unsigned char *checked = *host + (one_copy ? (uintptr_t)it->at - start : 0);
-    if (!(rc = check_item(it, checked)) && it->keep)
-      memcpy(it->keep, checked, it->nbytes);
+    if (!(rc = check_scales(it->param, &it->t, 0, checked, it->t.nbytes)) && it->keep)
+      memcpy(it->keep, checked, it->t.nbytes);
   }
   return rc;
 }
@@ -430,24 +419,24 @@ int check_device_scales(struct scale_item *items, size_t n) {
   size_t cap = 0;
   int rc = 0;
   for (size_t first = 0, last; first < n && !rc; first = last) {
-    if (!items[first].dev) { /* in host memory: checked where it is */
-      if (!(rc = check_item(&items[first], items[first].at)) && items[first].keep)
-        memcpy(items[first].keep, items[first].at, items[first].nbytes);
+    const struct scale_item *it = &items[first];
+    if (!it->dev) { /* in host memory: checked where it is */
+      if (!(rc = check_scales(it->param, &it->t, 0, it->at, it->t.nbytes)) && it->keep)
+        memcpy(it->keep, it->at, it->t.nbytes);
       last = first + 1;
       continue;
     }
-    uintptr_t start = (uintptr_t)items[first].at, end = start + items[first].nbytes;
-    size_t tensor_bytes = items[first].nbytes;
-    for (last = first + 1; last < n && items[first].block && items[last].dev == items[first].dev &&
-                           items[last].block == items[first].block;
-         last++) {
+    uintptr_t start = (uintptr_t)it->at, end = start + it->t.nbytes;
+    size_t tensor_bytes = it->t.nbytes;
+    for (last = first + 1;
+         last < n && it->block && items[last].dev == it->dev && items[last].block == it->block; last++) {
       uintptr_t at = (uintptr_t)items[last].at;
       size_t gap = at > end ? (size_t)(at - end) : 0;
-      if ((gap > DEVICE_RUN_GAP && gap > tensor_bytes) || at + items[last].nbytes - start > DEVICE_RUN_MAX)
+      if ((gap > DEVICE_RUN_GAP && gap > tensor_bytes) || at + items[last].t.nbytes - start > DEVICE_RUN_MAX)
         break;
-      if (at + items[last].nbytes > end)
-        end = at + items[last].nbytes;
-      tensor_bytes += items[last].nbytes;
+      if (at + items[last].t.nbytes > end)
+        end = at + items[last].t.nbytes;
+      tensor_bytes += items[last].t.nbytes;
     }
     rc = check_run(items, first, last, start, (size_t)(end - start), &host, &cap);
   }
@@ -515,15 +504,7 @@ static int check_listed_scales(struct scale_cache *cache) {
     if (at && ck->param->create_bytes <= MIRROR_MAX && (rc = keep_host_copy(cache, &ck->t, &keep)) != 0)
       break;
     if (at)
-      on_device[n++] = (struct scale_item){layer_device(ck->layer),
-                                           at,
-                                           block,
-                                           ck->t.nbytes,
-                                           ck->t.dtype,
-                                           ck->param,
-                                           ck->t.where,
-                                           ck->t.name,
-                                           keep};
+      on_device[n++] = (struct scale_item){layer_device(ck->layer), at, block, ck->t, ck->param, keep};
     else
       rc = check_scale_values(ck->layer, ck->param, cache, &ck->t);
   }
@@ -643,13 +624,14 @@ struct layer_before {
 };
 
 /*
- * Restores, loads, checks and re-runs normalisation and PWAL for each selected layer.
- * scales_checked: every scale byte comes from what validation checked, so the loaded values need no
- * second look. before (NULL: not kept): each selected layer's digest is taken there first.
+ * Restores, loads (checking scale values in host memory on their way, check_scales) and re-runs
+ * normalisation and PWAL for each selected layer. scales_checked: every scale byte comes from what
+ * validation checked, so the load does not check them again. before (NULL: not kept): each selected
+ * layer's digest is taken there first.
  */
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
                  struct layer_before *before, double *t_read, double *t_pwal) {
-  struct staging st = {0};
+  struct staging st = {.scales_checked = scales_checked};
   int rc = 0;
   model_spares(model, true);
   for (size_t l = 0; l < model->n_layers && !rc; l++) {
@@ -671,8 +653,6 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
       next++;
     if (!rc && next < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
       load_read_ahead(model->layers[next], pv, &st);
-    if (!rc && !scales_checked)
-      rc = validate_scales(layer);
     if (!rc)
       rc = finish_layer(layer);
     *t_read += b - a;
@@ -900,7 +880,8 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc && src->param->scale)
     rc = check_scale_values(layer, src->param, &(struct scale_cache){.inner = &pv},
                             &t); /* no room: nothing kept */
-  struct staging st = {0};
+  /* Checked above, before anything is written: the load does not check it again. */
+  struct staging st = {.scales_checked = true};
   /* Only this tensor: the rest of the layer keeps its bytes. One tensor may feed two params (a single
    * kv_scale is both k_scale and v_scale): every source of that name is written. */
   for (size_t i = 0; !rc && i < layer->n_sources; i++) /* rc first: layer is NULL when the name is unknown */

@@ -60,7 +60,8 @@ int64_t shard_full_shard_n(const qkeep_layer *layer, int shard);
 
 /* Lands a sliced source (src->slice.rows > 0) of provided tensor t in its param, or compares it
  * for a compare-only one, reading only the slice from a file (pread of row ranges; a strided
- * slice row by row, never the whole tensor). on_device / on_host: the provider's bytes. */
+ * slice row by row, never the whole tensor); a scale's slice is checked in host memory before it
+ * goes to the device (scale_to_check). on_device / on_host: the provider's bytes. */
 int shard_load_slice(qkeep_layer *layer, const struct provider *pv, const struct source *src,
                      const struct provided *t, const void *on_device, const void *on_host,
                      struct staging *st);

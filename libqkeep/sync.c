@@ -440,16 +440,15 @@ static int check_waiting_scales(const qkeep_sync *s, const struct qkeep_bucket *
     if (k == SIZE_MAX || s->names[k].last_layer == SIZE_MAX || !s->names[k].scale)
       continue;
     const struct qkeep_bucket_tensor *t = &b->tensors[i];
-    const struct device *dev = bucket_device(s, b, k);
-    const char *at = (const char *)b->data + t->offset;
-    items[n++] = (struct scale_item){dev,
-                                     at,
+    struct provided p = {.name = t->name,
+                         .dtype = (int)t->spec.dtype,
+                         .nbytes = qkeep_spec_bytes(&t->spec),
+                         .where = "bucket"};
+    items[n++] = (struct scale_item){bucket_device(s, b, k),
+                                     (const char *)b->data + t->offset,
                                      b->on_device ? b->data : NULL,
-                                     qkeep_spec_bytes(&t->spec),
-                                     t->spec.dtype,
+                                     p,
                                      s->names[k].param,
-                                     "bucket",
-                                     t->name,
                                      NULL};
   }
   int rc = check_device_scales(items, n);
