@@ -596,6 +596,7 @@ struct provided {
 struct mem_block {
   const void *data;
   size_t bytes;
+  bool checked; /* the values of every scale tensor in it were checked already (a sync's kept copies) */
 };
 
 /*
@@ -754,7 +755,8 @@ struct scale_item {
  * 0, or check_scales' error, or a copy's error. */
 int check_device_scales(struct scale_item *items, size_t n);
 /* qkeep_model_reload_tensors with the allocations the tensors lie in known (a sync's bucket and the
- * blocks of tensors it kept): the scales in one are copied for their check in runs. */
+ * blocks of tensors it kept): the scales in one are copied for their check in runs, and those in a block
+ * marked checked are not checked again. */
 int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tensors, size_t n, unsigned flags,
                       const struct mem_block *blocks, size_t n_blocks);
 

@@ -479,18 +479,18 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
 }
 
 /* The provider's block holding the n bytes at `at`, or NULL. */
-static const void *block_of(const struct provider *pv, const void *at, size_t n) {
+static const struct mem_block *block_of(const struct provider *pv, const void *at, size_t n) {
   uintptr_t a = (uintptr_t)at;
-  for (size_t i = 0; i < pv->n_blocks; i++) {
+  for (size_t i = 0; at && i < pv->n_blocks; i++) {
     uintptr_t lo = (uintptr_t)pv->blocks[i].data;
     if (a >= lo && n <= pv->blocks[i].bytes && a - lo <= pv->blocks[i].bytes - n)
-      return pv->blocks[i].data;
+      return &pv->blocks[i];
   }
   return NULL;
 }
 
 /* Reads the kept scales not read yet and checks the values of every listed scale tensor (those in device
- * memory in runs: check_device_scales). */
+ * memory in runs: check_device_scales; none in a block its sender checked already). */
 static int check_listed_scales(struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   struct scale_item *on_device = pv->device_bytes ? malloc((cache->n_checks + 1) * sizeof *on_device) : NULL;
@@ -499,12 +499,16 @@ static int check_listed_scales(struct scale_cache *cache) {
   for (size_t i = 0; i < cache->n_checks && !rc; i++) {
     const struct scale_check *ck = &cache->checks[i];
     const void *at = on_device ? pv->device_bytes(pv, &ck->t) : NULL;
-    const void *block = at ? block_of(pv, at, ck->t.nbytes) : NULL;
+    const void *on_host = !at && pv->host_bytes ? pv->host_bytes(pv, &ck->t) : NULL;
+    const struct mem_block *block = block_of(pv, at ? at : on_host, ck->t.nbytes);
     unsigned char *keep = NULL;
+    if (block && block->checked)
+      continue;
     if (at && ck->param->create_bytes <= MIRROR_MAX && (rc = keep_host_copy(cache, &ck->t, &keep)) != 0)
       break;
     if (at)
-      on_device[n++] = (struct scale_item){layer_device(ck->layer), at, block, ck->t, ck->param, keep};
+      on_device[n++] = (struct scale_item){
+          layer_device(ck->layer), at, block ? block->data : NULL, ck->t, ck->param, keep};
     else
       rc = check_scale_values(ck->layer, ck->param, cache, &ck->t);
   }
