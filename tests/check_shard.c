@@ -932,7 +932,8 @@ static size_t scale_copies(const qkeep_model *m) {
  * device memory, small enough that boundaries fall inside the MoE block's expert tensors, so the
  * split layer's tensors wait as device copies and its scales are checked from device memory; the
  * synced model equals a cold load of W1 in place. What waits is kept in one allocation per bucket,
- * and the scales are copied to the host in runs: a few copies per bucket, not one per tensor. */
+ * and the scales are copied to the host in runs: a few copies per bucket, not one per tensor, and
+ * a waiting scale's copy is the one its layer loads from (none is copied back from the kept blocks). */
 START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
