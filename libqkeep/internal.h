@@ -731,8 +731,6 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, struct sou
 /* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
 const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
                        size_t *index);
-/* What a scale param's values must be, for messages. */
-const char *scale_rule(const qkeep_param *p);
 /*
  * The one check of scale values, on every path (load, reload, sync): `bytes` (host memory) are the n bytes
  * of scale tensor t from its byte `first` on, bound for param p (what its values must be). 0, or

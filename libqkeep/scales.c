@@ -13,7 +13,8 @@
 #include "internal.h"
 #include "numeric.h"
 
-const char *scale_rule(const qkeep_param *p) {
+/* What a scale param's values must be, for messages. */
+static const char *scale_rule(const qkeep_param *p) {
   return p->positive ? "a static activation scale must be finite and positive"
                      : "scales must be finite and non-negative";
 }
