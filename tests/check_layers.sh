@@ -83,12 +83,17 @@ done | awk -v layers="$layers" '
       }
       if (!((from, to) in edge)) { edge[from, to] = 1; out[from]++; nodes[from] = nodes[to] = 1 }
     }
-    # Peel sinks: a file that uses no remaining file is removed; what stays lies on a circle.
+    # Peel sinks (a file that uses no remaining file) and sources (one no remaining file uses):
+    # what stays lies on a circle, or between two.
+    for (k in edge) { split(k, e, SUBSEP); in_[e[2]]++ }
     do {
       removed = 0
-      for (x in nodes) if (!out[x]) {
+      for (x in nodes) if (!out[x] || !in_[x]) {
         delete nodes[x]; removed = 1
-        for (k in edge) { split(k, e, SUBSEP); if (e[2] == x) { delete edge[k]; out[e[1]]-- } }
+        for (k in edge) {
+          split(k, e, SUBSEP)
+          if (e[1] == x || e[2] == x) { delete edge[k]; out[e[1]]--; in_[e[2]]-- }
+        }
       }
     } while (removed)
     left = ""

@@ -870,13 +870,21 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
 }
 END_TEST
 
-/* The device-to-host copies and the allocations of one device, counted by wrapping its ops while a test
- * needs them (count_begin .. count_end). */
+/* The device-to-host copies (each one's source and size) and the allocations of one device, counted by
+ * wrapping its ops while a test needs them (count_begin .. count_end). */
 static const struct qkeep_memory_ops *counted_ops;
 static struct qkeep_memory_ops counting;
-static size_t d2h_copies, allocations;
+static size_t d2h_copies, allocations, cap_d2h;
+static struct d2h_copy {
+  const char *src;
+  size_t n;
+} * d2h;
 static int counting_d2h(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
-  d2h_copies++;
+  if (d2h_copies == cap_d2h) {
+    cap_d2h = cap_d2h ? 2 * cap_d2h : 256;
+    ck_assert_ptr_nonnull(d2h = realloc(d2h, cap_d2h * sizeof *d2h));
+  }
+  d2h[d2h_copies++] = (struct d2h_copy){src, n};
   return counted_ops->copy_d2h(be, dst, src, n);
 }
 static int counting_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
@@ -893,13 +901,38 @@ static struct device *count_begin(const struct device *d) {
   d2h_copies = allocations = 0;
   return dev;
 }
-static void count_end(struct device *dev) { dev->ops = counted_ops; }
+static void count_end(struct device *dev) {
+  dev->ops = counted_ops;
+  free(d2h), d2h = NULL, cap_d2h = 0;
+}
+
+/* Whether [at, at + n) lies in the storage of one of the model's params (a scale param's: scales_only). */
+static bool in_params(const qkeep_model *m, const char *at, size_t n, bool scales_only) {
+  for (size_t l = 0; l < m->n_layers; l++)
+    for (size_t i = 0; i < m->layers[l]->n_params; i++) {
+      const qkeep_param *p = m->layers[l]->params[i];
+      const char *lo = p->view.storage ? p->view.storage->data : NULL;
+      if (lo && (p->scale || !scales_only) && at >= lo && n <= p->view.storage->capacity &&
+          (size_t)(at - lo) <= p->view.storage->capacity - n)
+        return true;
+    }
+  return false;
+}
+
+/* The counted device-to-host copies from m's scale params. */
+static size_t scale_copies(const qkeep_model *m) {
+  size_t k = 0;
+  for (size_t i = 0; i < d2h_copies; i++)
+    k += in_params(m, d2h[i].src, d2h[i].n, true);
+  return k;
+}
 
 /* The bucket path a GPU takes, on test-async (device memory whose copies run at sync): buckets in
  * device memory, small enough that boundaries fall inside the MoE block's expert tensors, so the
  * split layer's tensors wait as device copies and its scales are checked from device memory; the
  * synced model equals a cold load of W1 in place. What waits is kept in one allocation per bucket,
- * and the scales are copied to the host in runs: a few copies per bucket, not one per tensor. */
+ * and the scales are copied to the host in runs: a few copies per bucket, not one per tensor, and
+ * a waiting scale's copy is the one its layer loads from (none is copied back from the kept blocks). */
 START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
@@ -933,7 +966,7 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
       }
   free(last_bucket);
   struct device *dev = count_begin(layer_device(moe));
-  size_t sync_allocations = 0, scales = 0;
+  size_t sync_allocations = 0, scales = 0, from_kept = 0;
   struct tu_storages before = {0}, after = {0}, cold_bytes = {0};
   tu_snapshot(m, &before);
   qkeep_sync *sy;
@@ -944,9 +977,14 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
     ck_assert_int_eq(dev_h2d(dev, rx, sd.buf[b], sd.bytes[b]), 0);
     struct qkeep_bucket bk = bucket_of(&sd, b, rx);
     bk.on_device = true;
-    size_t allocated = allocations;
+    size_t allocated = allocations, copied = d2h_copies;
     ck_assert_msg(qkeep_sync_bucket(sy, &bk) == 0, "bucket %zu: %s", b, qkeep_errmsg());
     sync_allocations += allocations - allocated;
+    for (size_t k = copied; k < d2h_copies; k++) { /* from this bucket, the model's params, or elsewhere */
+      const char *at = d2h[k].src, *lo = rx;
+      bool in_bucket = at >= lo && d2h[k].n <= sd.bytes[b] && (size_t)(at - lo) <= sd.bytes[b] - d2h[k].n;
+      from_kept += !in_bucket && !in_params(m, at, d2h[k].n, false);
+    }
     for (size_t i = 0; i < sd.count[b]; i++) {
       const struct source_ref *ref = model_find_source(m, sd.tensors[b][i].name);
       scales += ref->layer->sources[ref->source].param->scale;
@@ -962,6 +1000,9 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
                 "%zu device allocations in %zu buckets for %zu tensors that wait", sync_allocations,
                 sd.n_buckets, waiting);
   ck_assert_msg(copies < scales / 4, "%zu device-to-host copies for %zu scale tensors", copies, scales);
+  /* A waiting scale crosses to the host once, at its bucket (checked there, then kept in host memory): none
+   * is read back from what the sync kept in device memory. */
+  ck_assert_msg(from_kept == 0, "%zu device-to-host copies from the kept blocks", from_kept);
   ck_assert(same_digest(digest_now(m), digest_now(cold)));
   tu_snapshot(m, &after);
   tu_snapshot(cold, &cold_bytes);
@@ -1050,6 +1091,172 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
   ck_assert_msg(copies <= layers_with_scales, "%zu device-to-host copies for %zu scale tensors in %zu layers",
                 copies, scales, layers_with_scales);
   qkeep_model_free(m), qkeep_model_free(cold);
+  sender_close(&sd);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
+/* A model of rank r of t (TP and EP) on test-async alone, loaded from path while its device-to-host copies
+ * are counted (count_end after). */
+static qkeep_model *load_async_counted(qkeep_plugin *async, const char *path, int t, int r,
+                                       struct device **dev) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new_chain(&async, 1, &m), 0);
+  struct qkeep_parallel p = {.size = sizeof p, .tp_size = t, .tp_rank = r, .ep_size = t, .ep_rank = r};
+  ck_assert_int_eq(qkeep_model_set_parallel(m, &p), 0);
+  *dev = count_begin(&m->chain.owners[0].dev);
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
+  return m;
+}
+
+/* A cold load on a device with asynchronous copies checks each scale's bytes on the host as they stream
+ * to the device (whole tensors, and each rank's slices), and a reload from files checks them before
+ * anything changes: neither copies a scale back from the device to check it (a check after the upload
+ * read every scale param back, once per layer). */
+START_TEST(a_load_on_an_async_device_copies_no_scale_back_to_check_it) {
+  static const char *const quantized[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
+                                          "w8a8-int8",      "gptq-int4", "gpt-oss"};
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  for (size_t i = 0; i < sizeof quantized / sizeof quantized[0]; i++) {
+    char *w0 = checkpoint(quantized[i], 0), *w1 = checkpoint(quantized[i], 1);
+    for (int t = 1; t <= 2; t++) {
+      struct device *dev;
+      qkeep_model *m = load_async_counted(async, w0, t, t - 1, &dev);
+      size_t load_scales = scale_copies(m);
+      d2h_copies = 0;
+      ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s: %s", quantized[i], qkeep_errmsg());
+      size_t reload_scales = scale_copies(m);
+      count_end(dev);
+      ck_assert_msg(load_scales == 0 && reload_scales == 0,
+                    "%s, rank %d of %d: %zu scale copies to the host in the load, %zu in the reload",
+                    quantized[i], t - 1, t, load_scales, reload_scales);
+      qkeep_model *cold = load_chain_rank(w1, &async, 1, t, t - 1);
+      ck_assert(same_digest(digest_now(m), digest_now(cold)));
+      qkeep_model_free(m), qkeep_model_free(cold);
+    }
+    free(w0), free(w1);
+  }
+  qkeep_plugin_close(async);
+}
+END_TEST
+
+/* Syncs every bucket of sd from host memory into m, bucket `bad` (SIZE_MAX: none) with the byte at bad_at set
+ * to 0x7f (a NaN e4m3 scale); the first failure's code, or 0 after qkeep_sync_end. */
+static int sync_from_host(qkeep_model *m, struct sender *sd, size_t bad, size_t bad_at) {
+  qkeep_sync *sy;
+  ck_assert_int_eq(qkeep_sync_begin(m, &sy), 0);
+  int rc = 0;
+  for (size_t b = 0; b < sd->n_buckets && !rc; b++) {
+    unsigned char *rx = malloc(sd->bytes[b] + 1);
+    memcpy(rx, sd->buf[b], sd->bytes[b]);
+    if (b == bad)
+      rx[bad_at] = 0x7f;
+    struct qkeep_bucket bk = bucket_of(sd, b, rx);
+    rc = qkeep_sync_bucket(sy, &bk);
+    free(rx);
+  }
+  if (rc)
+    qkeep_sync_abort(sy);
+  return rc ? rc : qkeep_sync_end(sy);
+}
+
+/* One check of scale values serves every path, on host bytes before they reach the device: a NaN block scale
+ * in W1 (element 5 of the third expert's up_proj, a fused shard's tensor) is refused in the same words by a
+ * cold load streamed to test-async and one read into host memory (and a tensor-parallel rank's slice names
+ * the element of the checkpoint's tensor), by a reload from files and by syncs from host and from device
+ * buckets, whole or split. Nothing changes: the loads leave no layer, the reload leaves W0, the syncs put W0
+ * back. */
+START_TEST(a_bad_scale_is_refused_in_the_same_words_on_every_path) {
+  static const char *const bad_name = "model.layers.1.mlp.experts.2.up_proj.weight_scale";
+  static const char *const words =
+      "tensor 'model.layers.1.mlp.experts.2.up_proj.weight_scale': element 5 is NaN (scales must be finite "
+      "and non-negative";
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  /* W1's good bytes in memory, in buckets that split no layer and in buckets that split the experts */
+  sender_open(&sd, w1, BUCKET_NO_SPLIT);
+  struct sender split = {0};
+  sender_open(&split, w1, 16 << 10);
+  size_t bad = SIZE_MAX, bad_at = 0;
+  for (size_t b = 0; b < sd.n_buckets; b++)
+    for (size_t i = 0; i < sd.count[b]; i++)
+      if (strcmp(sd.tensors[b][i].name, bad_name) == 0)
+        bad = b, bad_at = sd.tensors[b][i].offset + 5;
+  ck_assert_uint_ne(bad, SIZE_MAX);
+  /* W1's file gets the NaN */
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  const struct ckpt_tensor *t = ckpt_find(ck, bad_name);
+  ck_assert_ptr_nonnull(t);
+  int fd = open(t->file->path, O_WRONLY);
+  ck_assert_int_ge(fd, 0);
+  ck_assert_int_eq(pwrite(fd, &(unsigned char){0x7f}, 1, (off_t)t->t->offset + 5), 1);
+  /* and element 513, row 128 of [MI, H / 16]: the first row of rank 1's half under TP 2 */
+  ck_assert_int_eq(t->t->shape[0] * t->t->shape[1], MI * H / 16);
+  ck_assert_int_eq(pwrite(fd, &(unsigned char){0x7f}, 1, (off_t)t->t->offset + MI / 2 * H / 16 + 1), 1);
+  close(fd);
+  ckpt_close(ck);
+  /* cold loads: streamed to the async device, and read into host memory (the reference backend) */
+  qkeep_plugin *owners[] = {async, plugin};
+  for (int o = 0; o < 2; o++) {
+    qkeep_model *c;
+    ck_assert_int_eq(qkeep_model_new(owners[o], &c), 0);
+    ck_assert_int_eq(qkeep_model_load(c, w1), QKEEP_E_FORMAT);
+    ck_assert_msg(strstr(qkeep_errmsg(), words) && strstr(qkeep_errmsg(), w1) &&
+                      strstr(qkeep_errmsg(), "layer model.layers.1.mlp.experts"),
+                  "%s", qkeep_errmsg());
+    ck_assert_uint_eq(qkeep_model_layer_count(c), 0);
+    qkeep_model_free(c);
+    /* rank 1 of TP 2 loads its half of the rows only, and names the element in the checkpoint's tensor */
+    ck_assert_int_eq(qkeep_model_new(owners[o], &c), 0);
+    struct qkeep_parallel tp = {.size = sizeof tp, .tp_size = 2, .tp_rank = 1, .ep_size = 1};
+    ck_assert_int_eq(qkeep_model_set_parallel(c, &tp), 0);
+    ck_assert_int_eq(qkeep_model_load(c, w1), QKEEP_E_FORMAT);
+    ck_assert_msg(strstr(qkeep_errmsg(), bad_name) && strstr(qkeep_errmsg(), "': element 513 is NaN (scales"),
+                  "%s", qkeep_errmsg());
+    ck_assert_uint_eq(qkeep_model_layer_count(c), 0);
+    qkeep_model_free(c);
+  }
+  /* a reload from the file, then syncs from host and from device buckets: W0 stays, or is put back */
+  qkeep_model *m = load_chain_rank(w0, &async, 1, 1, 0);
+  struct qkeep_digest d0 = digest_now(m);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), words) && strstr(qkeep_errmsg(), w1), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  ck_assert_int_eq(sync_from_host(m, &sd, bad, bad_at), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), words), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  const struct device *dev = layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts"));
+  ck_assert_int_eq(sync_from_device(m, dev, &sd, bad, bad_at), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), words), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  /* buckets that split the experts: the bad tensor waits, kept, for the rest of its layer, and the bucket it
+   * came in fails (from device memory, the check's one copy to the host is what waits) */
+  size_t split_bad = SIZE_MAX, split_at = 0, last_moe = 0;
+  for (size_t b = 0; b < split.n_buckets; b++)
+    for (size_t i = 0; i < split.count[b]; i++) {
+      if (strstr(split.tensors[b][i].name, ".mlp.experts."))
+        last_moe = b;
+      if (strcmp(split.tensors[b][i].name, bad_name) == 0)
+        split_bad = b, split_at = split.tensors[b][i].offset + 5;
+    }
+  ck_assert_uint_lt(split_bad, last_moe);
+  ck_assert_int_eq(sync_from_host(m, &split, split_bad, split_at), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), words), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  ck_assert_int_eq(sync_from_device(m, dev, &split, split_bad, split_at), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), words), "%s", qkeep_errmsg());
+  ck_assert(same_digest(digest_now(m), d0));
+  sender_close(&split);
+  /* the control: the same buckets without the NaN sync */
+  ck_assert_msg(sync_from_host(m, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(sync_from_device(m, dev, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
+  qkeep_model_free(m);
   sender_close(&sd);
   qkeep_plugin_close(async);
   free(w0), free(w1);
@@ -1414,6 +1621,8 @@ static Suite *suite(void) {
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
   tcase_add_test(tc, a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load);
   tcase_add_test(tc, device_bucket_scales_are_checked_from_a_few_copies);
+  tcase_add_test(tc, a_load_on_an_async_device_copies_no_scale_back_to_check_it);
+  tcase_add_test(tc, a_bad_scale_is_refused_in_the_same_words_on_every_path);
   tcase_add_test(tc, a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from);
   tcase_add_test(tc, a_reload_failing_after_a_sync_does_not_roll_back_to_w0);
   tcase_add_test(tc, a_tied_lm_head_is_sent_once_as_the_embedding);

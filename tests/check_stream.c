@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "private.h"
 #include "plugins/async_queue.h"
+#include "private.h"
 
 /* ---- the fake device ---- */
 
@@ -195,12 +195,62 @@ START_TEST(a_put_never_takes_a_slot_being_read_ahead) {
 }
 END_TEST
 
+/* An item's check sees each piece in its slot before the copy (in a reader thread): it refuses the piece
+ * holding byte `refused_at`, and counts the pieces it saw and those not as expected (another context, not
+ * whole f32 elements, not the piece's bytes). */
+static size_t refused_at;
+static _Atomic size_t unexpected, checked;
+static int refuse_one(const void *ctx, const struct provided *t, size_t at, const void *bytes, size_t n) {
+  checked++; /* no ck_assert in a reader thread: what is wrong is counted */
+  unexpected +=
+      ctx != &refused_at || at % 4 != 0 || n % 4 != 0 || ((const unsigned char *)bytes)[0] != pattern(at);
+  return refused_at >= at && refused_at < at + n
+             ? set_error(QKEEP_E_FORMAT, "%s: the piece at %zu is refused", t->name, at)
+             : 0;
+}
+
+/* A piece its item's check refuses is never copied, nor is anything after it, and the stream fails with the
+ * check's message; the pieces of a checked item hold whole elements of its dtype even when a slot does not
+ * (4098-byte slots cut an f32 tensor every 4096 bytes). */
+START_TEST(a_piece_its_check_refuses_is_never_copied) {
+  reset_device();
+  struct qkeep_load_options shape = ring(3, 4098);
+  struct qkeep_backend be;
+  struct device dev;
+  device_for(&dev, &be, _i == 0);
+  struct stream *s;
+  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  size_t n = 40000;
+  char *dst = calloc(1, n);
+  struct stream_item it = item(n, dst);
+  it.t.dtype = QKEEP_DTYPE_F32, it.check = refuse_one, it.check_ctx = &refused_at;
+  refused_at = 5 * 4096 + 100, unexpected = checked = 0;
+  ck_assert_int_eq(stream_items(s, &prov, &it, 1), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "t: the piece at 20480 is refused"), "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_end(s), 0);
+  ck_assert_uint_ge(checked, 6);
+  ck_assert_uint_eq(unexpected, 0);
+  for (size_t i = 0; i < n; i++)
+    ck_assert_msg((unsigned char)dst[i] == (i < 5 * 4096 ? pattern(i) : 0), "byte %zu", i);
+  /* with nothing refused, every piece lands */
+  refused_at = SIZE_MAX;
+  ck_assert_msg(stream_items(s, &prov, &it, 1) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  for (size_t i = 0; i < n; i++)
+    ck_assert_msg((unsigned char)dst[i] == pattern(i), "byte %zu", i);
+  ck_assert_uint_eq(unexpected, 0);
+  stream_free(s);
+  free(dst);
+}
+END_TEST
+
 int main(void) {
   Suite *su = suite_create("stream");
   TCase *tc = tcase_create("stream");
   tcase_set_timeout(tc, 60);
   tcase_add_loop_test(tc, a_tensor_larger_than_the_ring_lands_whole, 0, 2);
   tcase_add_loop_test(tc, a_put_never_takes_a_slot_being_read_ahead, 0, 2);
+  tcase_add_loop_test(tc, a_piece_its_check_refuses_is_never_copied, 0, 2);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_run_all(sr, CK_NORMAL);

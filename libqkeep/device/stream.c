@@ -7,7 +7,9 @@
  * piece order, starts each slot's asynchronous copy to the device as soon as its read is done.
  * So the reads run in parallel with each other and with the copies, every call into the
  * backend stays on the calling thread (the readers touch only files and host memory), and the
- * layer's copies have all been started, in order, before its PWAL runs on the same stream.
+ * layer's copies have all been started, in order, before its PWAL runs on the same stream. An
+ * item with a check (a scale: its values) has each piece checked by its reader in the slot, so
+ * bad bytes never reach the device and nothing is read back to check them.
  * A slot is free again once its copy is done: with ABI 1.3's copy fences the calling thread
  * frees each slot whose fence has passed, and when none is free waits for the oldest copy
  * alone; without fences it waits for the whole device (sync), which frees every slot. The ring
@@ -45,6 +47,9 @@ struct piece {
   size_t item;                  /* which item of the batch */
   char *dst;                    /* device memory for byte `at` (set when it is copied) */
   unsigned char *mirror;        /* host memory for byte `at`, or NULL */
+  /* its item's check and its context (stream_item) */
+  int (*check)(const void *check_ctx, const struct provided *t, size_t at, const void *bytes, size_t n);
+  const void *check_ctx;
   int slot;
   bool done; /* read into the slot (or failed) */
   int rc;
@@ -91,13 +96,16 @@ static unsigned char *slot_room(const struct stream *s, int slot) {
   return s->ring + (size_t)slot * s->piece;
 }
 
+/* Reads the piece into its slot and runs its item's check there, before any copy of it: here, in a
+ * reader thread, so the checks run beside the reads and copies. */
 static void read_piece(const struct stream *s, struct piece *p) {
   unsigned char *room = slot_room(s, p->slot);
-  if (p->on_host) {
+  if (p->on_host)
     memcpy(room, p->on_host + p->at, p->n);
-    return;
-  }
-  p->rc = s->pv->read_range(s->pv, &p->t, p->at, p->n, room);
+  else
+    p->rc = s->pv->read_range(s->pv, &p->t, p->at, p->n, room);
+  if (!p->rc && p->check)
+    p->rc = p->check(p->check_ctx, &p->t, p->at, room, p->n);
   if (p->rc && !(p->msg = xstrdup(qkeep_errmsg())))
     p->rc = QKEEP_E_NOMEM;
 }
@@ -312,24 +320,35 @@ int stream_put(struct stream *s, void *dst, const void *src, size_t n) {
   return slot_copying(s, slot);
 }
 
+/* The bytes of each of the item's pieces: whole elements when it has a check (each is checked alone). */
+static size_t piece_bytes(const struct stream_item *it, size_t piece) {
+  return it->check ? piece - piece % qkeep_dtype_size((enum qkeep_dtype)it->t.dtype) : piece;
+}
+
 /* The pieces of the items, in order (NULL and an error when out of memory). */
 static struct piece *cut(const struct stream_item *items, size_t n_items, size_t piece, size_t *n_pieces) {
   size_t n = 0;
-  for (size_t i = 0; i < n_items; i++)
-    n += items[i].t.nbytes ? (items[i].t.nbytes + piece - 1) / piece : 0;
+  for (size_t i = 0; i < n_items; i++) {
+    size_t step = piece_bytes(&items[i], piece);
+    n += items[i].t.nbytes ? (items[i].t.nbytes + step - 1) / step : 0;
+  }
   struct piece *p = calloc(n ? n : 1, sizeof *p);
   if (!p) {
     set_error(QKEEP_E_NOMEM, "out of memory for %zu pieces", n);
     return NULL;
   }
   size_t k = 0;
-  for (size_t i = 0; i < n_items; i++)
-    for (size_t at = 0; at < items[i].t.nbytes; at += piece, k++)
+  for (size_t i = 0; i < n_items; i++) {
+    size_t step = piece_bytes(&items[i], piece);
+    for (size_t at = 0; at < items[i].t.nbytes; at += step, k++)
       p[k] = (struct piece){.t = items[i].t,
                             .on_host = items[i].on_host,
                             .item = i,
                             .at = at,
-                            .n = items[i].t.nbytes - at < piece ? items[i].t.nbytes - at : piece};
+                            .n = items[i].t.nbytes - at < step ? items[i].t.nbytes - at : step,
+                            .check = items[i].check,
+                            .check_ctx = items[i].check_ctx};
+  }
   *n_pieces = n;
   return p;
 }
@@ -394,7 +413,8 @@ static bool batch_is(const struct stream *s, const struct stream_item *items, si
     return false;
   for (size_t i = 0; i < n_items; i++)
     if (s->items[i].t.handle != items[i].t.handle || s->items[i].t.nbytes != items[i].t.nbytes ||
-        s->items[i].t.name != items[i].t.name || s->items[i].on_host != items[i].on_host)
+        s->items[i].t.name != items[i].t.name || s->items[i].on_host != items[i].on_host ||
+        s->items[i].check != items[i].check || s->items[i].check_ctx != items[i].check_ctx)
       return false;
   return true;
 }

@@ -19,6 +19,11 @@ struct stream_item {
   const unsigned char *on_host; /* NULL: read from the provider's file (read_range) */
   char *dst;                    /* its device memory */
   unsigned char *mirror;        /* NULL, or host memory that gets a copy of the bytes too */
+  /* (optional) Checks a piece of the tensor in host memory before it is copied: its n bytes from byte `at`
+   * (whole elements of t's dtype), with check_ctx. Called by a reader thread; 0, or an error (its message
+   * set) that fails stream_items with that piece not copied. */
+  int (*check)(const void *check_ctx, const struct provided *t, size_t at, const void *bytes, size_t n);
+  const void *check_ctx;
 };
 /* QKEEP_E_INVAL naming the first field of the stream's shape out of its range ("stream_slots = 1:
  * expected 2 to 64"), else 0. */
@@ -37,7 +42,9 @@ size_t stream_bytes(const struct stream *s);
  * Streams the items' bytes to their device memory: read in parallel into the ring, copied by
  * copy_h2d_async in order. On return every copy has been started (not necessarily finished:
  * later work on the device's stream sees the bytes; stream_wait waits for them). On a read or
- * copy error nothing further is started and the first error is returned, with its message.
+ * copy error, or a piece its item's check refuses (checked by the reader that read it, so its
+ * bytes are never copied), nothing further is started and the first error is returned, with its
+ * message.
  */
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
                  size_t n_items);

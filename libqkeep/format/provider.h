@@ -27,6 +27,7 @@ struct provided {
 struct mem_block {
   const void *data;
   size_t bytes;
+  bool checked; /* the values of every scale tensor in it were checked already (a sync's kept copies) */
 };
 
 /*

@@ -2,11 +2,11 @@
  * load.c: the cold-start path, and the pieces reload shares with it. The
  * checkpoint is opened (file or directory), every layer and loader param is
  * created (all names, dtypes and shapes checked before a byte is read), then
- * layer by layer the bytes stream in, the scales are checked, the scheme
- * normalises and the backend runs its PWAL, so the extra memory at any time is
- * one tensor's staging.
+ * layer by layer the bytes stream in (each scale checked in host memory on its
+ * way to the device: check_scales), the scheme normalises and the backend runs
+ * its PWAL, so the extra memory at any time is one tensor's staging.
  */
-#include <math.h>
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -101,19 +101,28 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
     rc = compare_source(dev, pv, &t, on_device, on_host, dst, st);
   } else if (!on_device && !on_host && dev->ops == host_device()->ops && src->rows == 1) {
     rc = pv->read(pv, &t, dst); /* straight into the param: no staging */
+    if (!rc && scale_to_check(st, src))
+      rc = check_scales(src->param, &t, 0, dst, t.nbytes);
   } else {
     const unsigned char *from = on_device ? on_device : on_host;
     if (!from && !(rc = staging_reserve(st, t.nbytes)) && !(rc = pv->read(pv, &t, st->data)))
       from = st->data;
+    /* Host bytes are checked before they go to the device. Device bytes come only from in-memory buffers,
+     * whose scales the reload's validation checked from their one copy to the host. */
+    assert(!on_device || !scale_to_check(st, src));
+    if (!rc && !on_device && scale_to_check(st, src))
+      rc = check_scales(src->param, &t, 0, from, t.nbytes);
     for (size_t r = 0; !rc && r < src->rows; r++) {
       char *to = dst + r * src->dst_stride;
       const unsigned char *row = from + r * src->row_bytes;
       rc = on_device ? dev_d2d(dev, to, row, src->row_bytes) : dev_h2d(dev, to, row, src->row_bytes);
     }
-    /* From device memory, a scale the provider also holds on the host (the copy validation checked) fills
-     * the mirror too, so normalisation need not read it back. */
-    const void *host_copy =
-        !rc && on_device && src->rows == 1 && pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
+    /* A small scale's host bytes fill its mirror too, so normalisation need not read them back: those staged
+     * here, or for device bytes the host copy the provider holds (the one validation checked). */
+    const void *host_copy = rc || src->rows != 1 ? NULL
+                            : !on_device         ? from
+                            : pv->host_bytes     ? pv->host_bytes(pv, &t)
+                                                 : NULL;
     unsigned char *mirror = host_copy ? source_mirror(src) : NULL;
     if (mirror)
       memcpy(mirror, host_copy, t.nbytes), src->mirrored = true;
@@ -139,9 +148,10 @@ static bool reads_direct(const qkeep_layer *layer, const struct provider *pv, co
 /*
  * Reads every source that can land straight in its param as one batch
  * (pv->read_many: runs of adjacent tensors in one syscall each), marking them
- * loaded; the rest are left to load_source.
+ * loaded (a scale once its values are checked where they landed); the rest are
+ * left to load_source.
  */
-static int load_direct(qkeep_layer *layer, const struct provider *pv) {
+static int load_direct(qkeep_layer *layer, const struct provider *pv, const struct staging *st) {
   size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
   struct provided *ts = malloc(count * sizeof *ts);
   void **dsts = malloc(count * sizeof *dsts);
@@ -156,26 +166,31 @@ static int load_direct(qkeep_layer *layer, const struct provider *pv) {
   }
   if (!rc)
     rc = pv->read_many(pv, ts, n, dsts);
-  for (size_t k = 0; k < n && !rc; k++)
-    layer->sources[which[k]].loaded = true;
+  for (size_t k = 0; k < n && !rc; k++) { /* in host memory already: checked where they landed */
+    struct source *src = &layer->sources[which[k]];
+    if (scale_to_check(st, src))
+      rc = check_scales(src->param, &ts[k], 0, dsts[k], ts[k].nbytes);
+    src->loaded = !rc;
+  }
   free(ts);
   free(dsts);
   free(which);
   return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
 }
 
-/*
- * Streams every source that goes to a device with asynchronous copies as one contiguous
- * run (written, not compared; not in device memory already) through the staging's stream,
- * marking them loaded; the rest are left to load_source.
- */
+/* A streamed scale's check (stream_item): a piece's values, for the param that is its context. */
+static int check_piece(const void *param, const struct provided *t, size_t at, const void *bytes, size_t n) {
+  return check_scales(param, t, at, bytes, n);
+}
+
 /*
  * The sources of the layer that stream to its device: written (not compared), one contiguous run,
- * not in device memory already, from a file (read_range) or host bytes. With `place`, each item's
- * dst (and, for a small scale param, a host mirror) is set; which[] gets their source indices.
+ * not in device memory already, from a file (read_range) or host bytes. A scale the load checks gets
+ * the stream's check; with `place`, each item's dst (and, for a small scale param, a host mirror) is
+ * set. which[] gets their source indices.
  */
-static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool place,
-                            struct stream_item *items, size_t *which, size_t *n_out) {
+static int streamed_sources(qkeep_layer *layer, const struct provider *pv, const struct staging *st,
+                            bool place, struct stream_item *items, size_t *which, size_t *n_out) {
   size_t n = 0;
   int rc = 0;
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
@@ -189,6 +204,7 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool 
     if (!it->on_host && !pv->read_range)
       continue;
     it->dst = NULL, it->mirror = NULL;
+    it->check = scale_to_check(st, src) ? check_piece : NULL, it->check_ctx = src->param;
     if (place) {
       it->dst = (char *)src->param->view.storage->data + src->dst_offset;
       it->mirror = source_mirror(src);
@@ -199,6 +215,11 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, bool 
   return rc;
 }
 
+/*
+ * Streams every source that goes to a device with asynchronous copies as one contiguous
+ * run (written, not compared; not in device memory already) through the staging's stream,
+ * marking them loaded; the rest are left to load_source.
+ */
 static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   const struct device *dev = layer_device(layer);
   size_t n = 0, count = layer->n_sources ? layer->n_sources : 1;
@@ -206,7 +227,7 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
   size_t *which = malloc(count * sizeof *which);
   int rc = items && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   if (!rc)
-    rc = streamed_sources(layer, pv, true, items, which, &n);
+    rc = streamed_sources(layer, pv, st, true, items, which, &n);
   if (!rc && n)
     rc = staging_stream(st, dev, &layer->model->load_options);
   if (!rc && n)
@@ -227,7 +248,7 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
   size_t n = 0, count = next->n_sources ? next->n_sources : 1;
   struct stream_item *items = malloc(count * sizeof *items);
   size_t *which = malloc(count * sizeof *which);
-  if (items && which && streamed_sources(next, pv, false, items, which, &n) == 0)
+  if (items && which && streamed_sources(next, pv, st, false, items, which, &n) == 0)
     (void)stream_prefetch(st->stream, pv, items, n);
   free(items);
   free(which);
@@ -241,7 +262,7 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
   const struct device *dev = layer_device(layer);
   int rc = 0;
   if (pv->read_many && dev->ops == host_device()->ops)
-    rc = load_direct(layer, pv);
+    rc = load_direct(layer, pv, st);
   else if (memory_ops_async(dev->ops))
     rc = load_streamed(layer, pv, st);
   /* What is compared against an earlier shard goes last, once every shard's copy has started. */
@@ -259,122 +280,6 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
       src->param->mirror_valid = false;
   }
   return rc;
-}
-
-const char *scale_rule(const qkeep_param *p) {
-  return p->positive ? "a static activation scale must be finite and positive"
-                     : "scales must be finite and non-negative";
-}
-
-/* Why the element is not a valid scale, or NULL. */
-static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p, bool positive) {
-  float v;
-  switch (dtype) {
-  case QKEEP_DTYPE_F8_E4M3:
-    if ((*p & 0x7f) == 0x7f)
-      return "NaN";
-    if (positive && !(*p & 0x7f))
-      return "zero";
-    return (*p & 0x80) && (*p & 0x7f) ? "negative" : NULL;
-  case QKEEP_DTYPE_F8_E8M0:
-  case QKEEP_DTYPE_U8: return *p == 0xff ? "NaN (e8m0 0xff)" : NULL;
-  case QKEEP_DTYPE_F32: memcpy(&v, p, 4); break;
-  case QKEEP_DTYPE_F16:
-  case QKEEP_DTYPE_BF16: {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    v = dtype == QKEEP_DTYPE_F16 ? qk_f16_to_f32(h) : qk_bf16_to_f32(h);
-    break;
-  }
-  default: return NULL;
-  }
-  return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : positive && v == 0 ? "zero" : NULL;
-}
-
-/*
- * Whether any of the n one-byte scales is bad, eight at a time: e4m3 is bad when its low seven
- * bits are all ones (NaN) or it is negative and not -0 (a byte above 0x80); e8m0 when it is 0xff.
- */
-static bool any_bad_bytes(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n) {
-  const uint64_t low7 = 0x7f7f7f7f7f7f7f7full, ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
-  uint64_t bad = 0;
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t x;
-    memcpy(&x, bytes + i, 8);
-    if (dtype == QKEEP_DTYPE_F8_E4M3) {
-      uint64_t low = x & low7, nonzero = (low + low7) & high, all = (low + ones) & high;
-      bad |= all | (nonzero & x);
-    } else {
-      uint64_t v = ~x; /* a 0xff byte is a zero byte of v */
-      bad |= (v - ones) & ~v & high;
-    }
-  }
-  for (; i < n; i++)
-    bad |= dtype == QKEEP_DTYPE_F8_E4M3 ? (bytes[i] == 0x7f || bytes[i] > 0x80) : bytes[i] == 0xff;
-  return (bad & (high | 1)) != 0;
-}
-
-const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
-                       size_t *index) {
-  if (!positive &&
-      (dtype == QKEEP_DTYPE_F8_E4M3 || dtype == QKEEP_DTYPE_F8_E8M0 || dtype == QKEEP_DTYPE_U8) &&
-      !any_bad_bytes(dtype, bytes, n))
-    return NULL; /* the common case, at memory speed; the loop below names the first bad one */
-  size_t esize = qkeep_dtype_size(dtype);
-  for (size_t i = 0; i < n; i++) {
-    const char *why = bad_scale(dtype, bytes + i * esize, positive);
-    if (why) {
-      *index = i;
-      return why;
-    }
-  }
-  return NULL;
-}
-
-/* The checkpoint tensor (and its element) that loaded byte `offset` of param p. */
-static void locate(const qkeep_layer *layer, const qkeep_param *p, size_t offset, const char **name,
-                   size_t *elem) {
-  size_t esize = qkeep_dtype_size(p->create_spec.dtype);
-  *name = p->checkpoint_name;
-  *elem = offset / esize;
-  for (size_t i = 0; i < layer->n_sources; i++) {
-    const struct source *s = &layer->sources[i];
-    if (s->param != p || s->compare_only || offset < s->dst_offset)
-      continue;
-    size_t rel = offset - s->dst_offset, row = rel / s->dst_stride, col = rel % s->dst_stride;
-    if (row < s->rows && col < s->row_bytes) {
-      *name = s->checkpoint_name;
-      *elem = (row * s->row_bytes + col) / esize;
-      return;
-    }
-  }
-}
-
-int validate_scales(qkeep_layer *layer) {
-  for (size_t i = 0; i < layer->n_params; i++) {
-    qkeep_param *p = layer->params[i];
-    if (!p->scale || !p->view.storage)
-      continue;
-    size_t bytes = p->create_bytes, esize = qkeep_dtype_size(p->create_spec.dtype);
-    unsigned char *host = malloc(bytes ? bytes : 1);
-    if (!host)
-      return set_error(QKEEP_E_NOMEM, "out of memory");
-    int rc = dev_d2h(layer_device(layer), host, p->view.storage->data, bytes);
-    size_t bad;
-    const char *why = rc ? NULL : bad_scales(p->create_spec.dtype, host, bytes / esize, p->positive, &bad);
-    if (why) {
-      const char *name;
-      size_t elem;
-      locate(layer, p, bad * esize, &name, &elem);
-      rc = set_error(QKEEP_E_FORMAT, "tensor '%s': element %zu is %s (%s; layer %s)", name, elem, why,
-                     scale_rule(p), layer->name);
-    }
-    free(host);
-    if (rc)
-      return rc;
-  }
-  return 0;
 }
 
 int finish_layer(qkeep_layer *layer) {
@@ -429,8 +334,6 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     double b = now_seconds();
     if (!rc && i + 1 < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
       load_read_ahead(model->layers[i + 1], &pv, &st);
-    if (!rc)
-      rc = validate_scales(model->layers[i]);
     if (!rc)
       rc = finish_layer(model->layers[i]);
     t_read += b - a;

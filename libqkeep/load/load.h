@@ -17,6 +17,9 @@ struct staging {
   size_t cap;
   struct stream *stream; /* NULL until a layer of a device with asynchronous copies loads */
   bool own_stream;       /* made for this load (a device with no owner to keep it), freed with it */
+  /* The provider's scale values were checked already (a reload's validation of W1): the load does not
+   * check them again. False: it checks each scale in host memory on its way (check_scales). */
+  bool scales_checked;
 };
 /* Ends the stream (its copies waited for), then frees the rest; returns the wait's error. */
 int staging_free(struct staging *s);
@@ -28,8 +31,12 @@ size_t staging_bytes(const struct staging *s);
 /* Grows both staging buffers to at least `bytes`. */
 int staging_reserve(struct staging *s, size_t bytes);
 
-/* Lands one tensor in its param as the source describes (checked against the source first). */
+/* Lands one tensor in its param as the source describes (checked against the source first); a scale's
+ * host bytes are checked (check_scales) before they go to the device. */
 int load_source(qkeep_layer *layer, const struct provider *pv, struct source *src, struct staging *st);
+/* The param whose values the load checks the source's bytes against: a scale, written (not compared with
+ * an earlier shard's), when the staging's provider was not checked already (scales_checked); else NULL. */
+const qkeep_param *scale_to_check(const struct staging *st, const struct source *src);
 /* Starts reading the next layer's device-bound bytes into the stream's free slots (when it goes to
  * the device being streamed to), so they arrive while the current layer's PWAL runs. Best effort. */
 void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st);
@@ -40,23 +47,16 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
  * describe the same tensor without the lookup or the checks. */
 int check_source(const qkeep_layer *layer, const struct provider *pv, struct source *src,
                  struct provided *out);
-/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
-/* What a scale param's values must be, for messages. */
-const char *scale_rule(const qkeep_param *p);
 /* Largest scale param that keeps a host mirror of its bytes (load.c). */
 #define MIRROR_MAX 256
 
-const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
-                       size_t *index);
-/* Checks the loaded values of a layer's scale params (finite, non-negative; e4m3 and
- * e8m0 not NaN), naming the checkpoint tensor and element of the first bad one. */
-int validate_scales(qkeep_layer *layer);
 /* Normalisation then the backend's PWAL, once a layer has all its bytes. */
 int finish_layer(qkeep_layer *layer);
 
 /* Lands a sliced source (src->slice.rows > 0) of provided tensor t in its param, or compares it
  * for a compare-only one, reading only the slice from a file (pread of row ranges; a strided
- * slice row by row, never the whole tensor). on_device / on_host: the provider's bytes. */
+ * slice row by row, never the whole tensor); a scale's slice is checked in host memory before it
+ * goes to the device (scale_to_check). on_device / on_host: the provider's bytes. */
 int shard_load_slice(qkeep_layer *layer, const struct provider *pv, const struct source *src,
                      const struct provided *t, const void *on_device, const void *on_host,
                      struct staging *st);

@@ -55,3 +55,7 @@ int staging_reserve(struct staging *s, size_t bytes) {
   s->cap = bytes;
   return 0;
 }
+
+const qkeep_param *scale_to_check(const struct staging *st, const struct source *src) {
+  return src->param->scale && !src->compare_only && !st->scales_checked ? src->param : NULL;
+}

@@ -9,6 +9,7 @@
 
 #include "device/device.h"
 #include "format/fusion.h"
+#include "format/provider.h"
 
 /* A replace result handed out by qkeep_tensor_new. */
 struct qkeep_tensor {
@@ -237,6 +238,19 @@ int shard_note_foreign(qkeep_model *model, const char *name);
 bool shard_is_foreign(const qkeep_model *model, const char *name);
 /* Forgets them (model_clear). */
 void shard_clear(qkeep_model *model);
+
+/* ---- scale values: one check, on host bytes before they reach a device (param/scales.c) ---- */
+
+/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index);
+/*
+ * The one check of scale values, on every path (load, reload, sync): `bytes` (host memory) are the n bytes
+ * of scale tensor t from its byte `first` on, bound for param p (what its values must be). 0, or
+ * QKEEP_E_FORMAT "<t->where>: tensor '<t->name>': element <i> is <why> (<rule>)", i counted from the
+ * tensor's start. Thread safe (the stream's readers call it).
+ */
+int check_scales(const qkeep_param *p, const struct provided *t, size_t first, const void *bytes, size_t n);
 
 /* The backend table of the layer's owner, or NULL (host-only, or not yet chosen). */
 const struct qkeep_backend *layer_backend(const qkeep_layer *layer);

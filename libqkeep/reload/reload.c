@@ -232,7 +232,7 @@ static int keep_scale(struct scale_cache *c, const struct provided *t) {
   if (in_memory(c->inner, t) || name_index_get(&c->index, t->name, &seen))
     return 0;
   if (c->cap - c->used < t->nbytes) {
-    c->complete = false; /* no room: read again by the apply, and checked again after it */
+    c->complete = false; /* no room: read again by the apply, and checked again as it loads */
     return 0;
   }
   unsigned char *dst;
@@ -365,16 +365,6 @@ static int scale_bytes(const struct scale_cache *c, const struct device *dev, co
 
 /* ---- validation: nothing changes until all of W1 is known good ------------------------- */
 
-/* The item's bytes (in host memory) must be valid scales. */
-static int check_item(const struct scale_item *it, const unsigned char *bytes) {
-  size_t bad;
-  const char *why = bad_scales((enum qkeep_dtype)it->dtype, bytes, it->nbytes / qkeep_dtype_size(it->dtype),
-                               it->param->positive, &bad);
-  return why ? set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (%s)", it->where, it->name, bad,
-                         why, scale_rule(it->param))
-             : 0;
-}
-
 /* A scale tensor's values must be valid before anything is written. */
 static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, const struct scale_cache *c,
                               const struct provided *t) {
@@ -382,8 +372,7 @@ static int check_scale_values(const qkeep_layer *layer, const qkeep_param *p, co
   unsigned char *scratch = NULL;
   int rc = scale_bytes(c, layer_device(layer), t, &bytes, &scratch);
   if (!rc)
-    rc = check_item(&(struct scale_item){NULL, bytes, NULL, t->nbytes, t->dtype, p, t->where, t->name, NULL},
-                    bytes);
+    rc = check_scales(p, t, 0, bytes, t->nbytes);
   free(scratch);
   return rc;
 }
@@ -425,11 +414,11 @@ static int check_run(const struct scale_item *items, size_t first, size_t last, 
   int rc = 0;
   for (size_t k = first; k < last && !rc; k++) {
     const struct scale_item *it = &items[k];
-    if (!one_copy && (rc = dev_d2h(it->dev, *host, it->at, it->nbytes)) != 0)
+    if (!one_copy && (rc = dev_d2h(it->dev, *host, it->at, it->t.nbytes)) != 0)
       break;
     const unsigned char *checked = *host + (one_copy ? (uintptr_t)it->at - start : 0);
-    if (!(rc = check_item(it, checked)) && it->keep)
-      memcpy(it->keep, checked, it->nbytes);
+    if (!(rc = check_scales(it->param, &it->t, 0, checked, it->t.nbytes)) && it->keep)
+      memcpy(it->keep, checked, it->t.nbytes);
   }
   return rc;
 }
@@ -440,24 +429,24 @@ int check_device_scales(struct scale_item *items, size_t n) {
   size_t cap = 0;
   int rc = 0;
   for (size_t first = 0, last; first < n && !rc; first = last) {
-    if (!items[first].dev) { /* in host memory: checked where it is */
-      if (!(rc = check_item(&items[first], items[first].at)) && items[first].keep)
-        memcpy(items[first].keep, items[first].at, items[first].nbytes);
+    const struct scale_item *it = &items[first];
+    if (!it->dev) { /* in host memory: checked where it is */
+      if (!(rc = check_scales(it->param, &it->t, 0, it->at, it->t.nbytes)) && it->keep)
+        memcpy(it->keep, it->at, it->t.nbytes);
       last = first + 1;
       continue;
     }
-    uintptr_t start = (uintptr_t)items[first].at, end = start + items[first].nbytes;
-    size_t tensor_bytes = items[first].nbytes;
-    for (last = first + 1; last < n && items[first].block && items[last].dev == items[first].dev &&
-                           items[last].block == items[first].block;
-         last++) {
+    uintptr_t start = (uintptr_t)it->at, end = start + it->t.nbytes;
+    size_t tensor_bytes = it->t.nbytes;
+    for (last = first + 1;
+         last < n && it->block && items[last].dev == it->dev && items[last].block == it->block; last++) {
       uintptr_t at = (uintptr_t)items[last].at;
       size_t gap = at > end ? (size_t)(at - end) : 0;
-      if ((gap > DEVICE_RUN_GAP && gap > tensor_bytes) || at + items[last].nbytes - start > DEVICE_RUN_MAX)
+      if ((gap > DEVICE_RUN_GAP && gap > tensor_bytes) || at + items[last].t.nbytes - start > DEVICE_RUN_MAX)
         break;
-      if (at + items[last].nbytes > end)
-        end = at + items[last].nbytes;
-      tensor_bytes += items[last].nbytes;
+      if (at + items[last].t.nbytes > end)
+        end = at + items[last].t.nbytes;
+      tensor_bytes += items[last].t.nbytes;
     }
     rc = check_run(items, first, last, start, (size_t)(end - start), &host, &cap);
   }
@@ -500,18 +489,18 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
 }
 
 /* The provider's block holding the n bytes at `at`, or NULL. */
-static const void *block_of(const struct provider *pv, const void *at, size_t n) {
+static const struct mem_block *block_of(const struct provider *pv, const void *at, size_t n) {
   uintptr_t a = (uintptr_t)at;
-  for (size_t i = 0; i < pv->n_blocks; i++) {
+  for (size_t i = 0; at && i < pv->n_blocks; i++) {
     uintptr_t lo = (uintptr_t)pv->blocks[i].data;
     if (a >= lo && n <= pv->blocks[i].bytes && a - lo <= pv->blocks[i].bytes - n)
-      return pv->blocks[i].data;
+      return &pv->blocks[i];
   }
   return NULL;
 }
 
 /* Reads the kept scales not read yet and checks the values of every listed scale tensor (those in device
- * memory in runs: check_device_scales). */
+ * memory in runs: check_device_scales; none in a block its sender checked already). */
 static int check_listed_scales(struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   struct scale_item *on_device = pv->device_bytes ? malloc((cache->n_checks + 1) * sizeof *on_device) : NULL;
@@ -520,20 +509,16 @@ static int check_listed_scales(struct scale_cache *cache) {
   for (size_t i = 0; i < cache->n_checks && !rc; i++) {
     const struct scale_check *ck = &cache->checks[i];
     const void *at = on_device ? pv->device_bytes(pv, &ck->t) : NULL;
-    const void *block = at ? block_of(pv, at, ck->t.nbytes) : NULL;
+    const void *on_host = !at && pv->host_bytes ? pv->host_bytes(pv, &ck->t) : NULL;
+    const struct mem_block *block = block_of(pv, at ? at : on_host, ck->t.nbytes);
     unsigned char *keep = NULL;
+    if (block && block->checked)
+      continue;
     if (at && ck->param->create_bytes <= MIRROR_MAX && (rc = keep_host_copy(cache, &ck->t, &keep)) != 0)
       break;
     if (at)
-      on_device[n++] = (struct scale_item){layer_device(ck->layer),
-                                           at,
-                                           block,
-                                           ck->t.nbytes,
-                                           ck->t.dtype,
-                                           ck->param,
-                                           ck->t.where,
-                                           ck->t.name,
-                                           keep};
+      on_device[n++] = (struct scale_item){
+          layer_device(ck->layer), at, block ? block->data : NULL, ck->t, ck->param, keep};
     else
       rc = check_scale_values(ck->layer, ck->param, cache, &ck->t);
   }
@@ -653,14 +638,14 @@ struct layer_before {
 };
 
 /*
- * Restores, loads, checks and re-runs normalisation and PWAL for each selected layer.
- * scales_checked: every scale byte comes from what validation checked, so the loaded values need no
- * second look. before (NULL: not kept): each selected layer's digest is taken there first. fault: the
- * fault a test injects at a layer (layer -1: none).
+ * Restores, loads (checking scale values in host memory on their way, check_scales) and re-runs
+ * normalisation and PWAL for each selected layer. scales_checked: every scale byte comes from what
+ * validation checked, so the load does not check them again. before (NULL: not kept): each selected
+ * layer's digest is taken there first. fault: the fault a test injects at a layer (layer -1: none).
  */
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
                  struct layer_before *before, struct reload_fault fault, double *t_read, double *t_pwal) {
-  struct staging st = {0};
+  struct staging st = {.scales_checked = scales_checked};
   int rc = 0;
   model_spares(model, true);
   for (size_t l = 0; l < model->n_layers && !rc; l++) {
@@ -682,8 +667,6 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
       next++;
     if (!rc && next < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
       load_read_ahead(model->layers[next], pv, &st);
-    if (!rc && !scales_checked)
-      rc = validate_scales(layer);
     if (!rc)
       rc = finish_layer(layer);
     *t_read += b - a;
@@ -909,7 +892,8 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
   if (!rc && src->param->scale)
     rc = check_scale_values(layer, src->param, &(struct scale_cache){.inner = &pv},
                             &t); /* no room: nothing kept */
-  struct staging st = {0};
+  /* Checked above, before anything is written: the load does not check it again. */
+  struct staging st = {.scales_checked = true};
   /* Only this tensor: the rest of the layer keeps its bytes. One tensor may feed two params (a single
    * kv_scale is both k_scale and v_scale): every source of that name is written. */
   for (size_t i = 0; !rc && i < layer->n_sources; i++) /* rc first: layer is NULL when the name is unknown */

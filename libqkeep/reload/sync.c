@@ -3,7 +3,9 @@
  * dtypes, shapes and offsets into one contiguous buffer, the form RL frameworks send);
  * each bucket is validated whole, then every layer whose tensors have all arrived is
  * reloaded in place through the in-memory reload (reload.c), each rank taking its slice
- * (shard_plan.c). Tensors of a layer that a bucket boundary splits wait, copied, for the rest.
+ * (scheme/shard_plan.c). Tensors of a layer that a bucket boundary splits wait, copied, for the rest
+ * (its scales checked at their bucket and kept in host memory: from device memory they come to the
+ * host once).
  * A failure puts the touched layers back from W0's checkpoint, or leaves the model
  * refusing to run: it never serves a silent mix after a failed sync.
  *
@@ -34,11 +36,13 @@ struct pending {
   struct qkeep_named_tensor t;
   size_t block; /* into blocks */
 };
-/* One allocation holding the tensors one bucket left for later layers (one per device it had them for). */
+/* One allocation holding the tensors one bucket left for later layers (one per device it had them for), or
+ * one scale tensor whose values the sync checked, in host memory. */
 struct keep_block {
   const struct device *dev; /* NULL: host memory */
   void *data;               /* NULL once every tensor in it is dropped */
   size_t bytes, refs;       /* refs: its pending tensors */
+  bool checked;             /* it holds one scale tensor, its values checked (check_waiting_scales) */
 };
 
 struct qkeep_sync {
@@ -308,10 +312,10 @@ static const struct device *bucket_device(const qkeep_sync *s, const struct qkee
 /* A block of at least `bytes` in dev's memory (NULL: host memory) at s->blocks[*at]: the spare when it
  * fits, else new. */
 static int take_block(qkeep_sync *s, const struct device *dev, size_t bytes, size_t *at) {
-  struct keep_block blk = {dev, NULL, bytes, 0};
+  struct keep_block blk = {dev, NULL, bytes, 0, false};
   int rc = grow_array((void **)&s->blocks, &s->cap_blocks, s->n_blocks + 1, sizeof *s->blocks);
   if (!rc && s->spare.data && s->spare.dev == dev && s->spare.bytes >= bytes) {
-    blk = s->spare, blk.refs = 0;
+    blk = s->spare, blk.refs = 0, blk.checked = false;
     s->spare = (struct keep_block){0};
   } else if (!rc) {
     rc = dev ? dev_alloc(dev, bytes ? bytes : 1, &blk.data)
@@ -341,14 +345,16 @@ static int add_pending(qkeep_sync *s, size_t at, const struct qkeep_bucket_tenso
  * together (qkeep's plan sends a layer in one run: the ones waiting are the bucket's last), else each at
  * its 256-byte aligned place in turn; one device allocation per bucket, not one per tensor (each an
  * allocator call, and a free that waits for the device: a DeepSeek-class MoE layer larger than a bucket
- * leaves thousands). Those in host memory get an allocation each, which malloc recycles.
+ * leaves thousands). Those in host memory get an allocation each, which malloc recycles. Scale tensors
+ * are kept already (check_waiting_scales).
  */
 static int keep_waiting(qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
   size_t n = 0, *which = malloc((b->n ? b->n : 1) * sizeof *which);
   const struct device **dev_of = malloc((b->n ? b->n : 1) * sizeof *dev_of);
   int rc = which && dev_of ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < b->n && !rc; i++)
-    if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX) {
+    if (name_of[i] != SIZE_MAX && s->names[name_of[i]].last_layer != SIZE_MAX &&
+        !s->names[name_of[i]].scale) {
       size_t at = name_of[i];
       dev_of[n] = bucket_device(s, b, at);
       which[n++] = i;
@@ -425,31 +431,42 @@ static int drop_pending(qkeep_sync *s) {
   return rc;
 }
 
-/* Checks the values of the bucket's scale tensors that must wait for their layer (in runs from device
- * memory: check_device_scales). */
-static int check_waiting_scales(const qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
+/*
+ * Checks the values of the bucket's scale tensors that must wait for their layer, before this bucket changes
+ * anything, and keeps the bytes it checked for that layer: in host memory, a block each, marked checked. From
+ * device memory the check's copy to the host (one per run of them: check_device_scales) is their one trip
+ * there; the reload that completes their layer neither copies them back nor checks them again, and fills
+ * the mirror of a small one from them.
+ */
+static int check_waiting_scales(qkeep_sync *s, const struct qkeep_bucket *b, const size_t *name_of) {
   struct scale_item *items = malloc((b->n ? b->n : 1) * sizeof *items);
   if (!items)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  size_t n = 0;
-  for (size_t i = 0; i < b->n; i++) {
+  size_t n = 0, blk;
+  int rc = 0;
+  for (size_t i = 0; i < b->n && !rc; i++) {
     size_t k = name_of[i];
     if (k == SIZE_MAX || s->names[k].last_layer == SIZE_MAX || !s->names[k].scale)
       continue;
     const struct qkeep_bucket_tensor *t = &b->tensors[i];
-    const struct device *dev = bucket_device(s, b, k);
-    const char *at = (const char *)b->data + t->offset;
-    items[n++] = (struct scale_item){dev,
-                                     at,
+    size_t bytes = qkeep_spec_bytes(&t->spec);
+    if ((rc = take_block(s, NULL, bytes, &blk)))
+      break;
+    s->blocks[blk].checked = true;
+    if ((rc = add_pending(s, k, t, s->blocks[blk].data, blk, false))) {
+      block_drop(s, &s->blocks[blk]);
+      break;
+    }
+    struct provided p = {.name = t->name, .dtype = (int)t->spec.dtype, .nbytes = bytes, .where = "bucket"};
+    items[n++] = (struct scale_item){bucket_device(s, b, k),
+                                     (const char *)b->data + t->offset,
                                      b->on_device ? b->data : NULL,
-                                     qkeep_spec_bytes(&t->spec),
-                                     t->spec.dtype,
+                                     p,
                                      s->names[k].param,
-                                     "bucket",
-                                     t->name,
-                                     NULL};
+                                     s->blocks[blk].data};
   }
-  int rc = check_device_scales(items, n);
+  if (!rc)
+    rc = check_device_scales(items, n);
   free(items);
   return rc;
 }
@@ -462,10 +479,10 @@ static int reload_layers(qkeep_sync *s, const struct qkeep_bucket *b, const stru
   if (!blocks)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   size_t m = 0;
-  blocks[m++] = (struct mem_block){b->data, b->nbytes};
+  blocks[m++] = (struct mem_block){b->data, b->nbytes, false};
   for (size_t i = 0; i < s->n_blocks; i++)
     if (s->blocks[i].data)
-      blocks[m++] = (struct mem_block){s->blocks[i].data, s->blocks[i].bytes};
+      blocks[m++] = (struct mem_block){s->blocks[i].data, s->blocks[i].bytes, s->blocks[i].checked};
   int rc = reload_tensors_in(s->model, ts, n, QKEEP_RELOAD_PARTIAL, blocks, m);
   free(blocks);
   return rc;
@@ -506,11 +523,13 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
       }
     }
   }
-  /* Their scales are checked now, before this bucket changes anything (a layer reloaded now has its
-   * scales checked by the reload's own validation, so none is checked twice). */
+  /* Their scales are checked (and kept) now, before this bucket changes anything; a layer reloaded now has
+   * its scales checked by the reload's own validation, so none is checked twice. */
   double t0 = now_seconds();
+  size_t scales_kept = s->n_pending;
   if (!rc)
     rc = check_waiting_scales(s, b, name_of);
+  scales_kept = s->n_pending - scales_kept;
   double t1 = now_seconds();
   if (!rc && n)
     rc = reload_layers(s, b, ts, n);
@@ -522,7 +541,7 @@ static int apply_bucket(qkeep_sync *s, const struct qkeep_bucket *b, const size_
    * this call. */
   if (!rc)
     rc = drop_pending(s);
-  size_t kept = s->n_pending;
+  size_t kept = s->n_pending - scales_kept; /* the waiting scales are pending already */
   if (!rc)
     rc = keep_waiting(s, b, name_of);
   if (!rc && s->trace) {

@@ -1,0 +1,96 @@
+/*
+ * scales.c: what a valid scale value is, and the one check of scale values that every path
+ * runs: a cold start as the bytes are read or staged (device/stream.c, load/load.c, load/slice.c), a reload's
+ * validation of W1 before anything changes (reload/reload.c), a weight sync's check of each bucket
+ * (reload/sync.c). The check always reads host memory, before the bytes reach a device: bytes that
+ * live in device memory (a sync's bucket) come to the host once, and that copy is what is
+ * checked, and what fills a small param's host mirror (reload/reload.c).
+ */
+#include <assert.h>
+#include <math.h>
+#include <string.h>
+
+#include "base/numeric.h"
+#include "param/param.h"
+
+/* What a scale param's values must be, for messages. */
+static const char *scale_rule(const qkeep_param *p) {
+  return p->positive ? "a static activation scale must be finite and positive"
+                     : "scales must be finite and non-negative";
+}
+
+/* Why the element is not a valid scale, or NULL. */
+static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p, bool positive) {
+  float v;
+  switch (dtype) {
+  case QKEEP_DTYPE_F8_E4M3:
+    if ((*p & 0x7f) == 0x7f)
+      return "NaN";
+    if (positive && !(*p & 0x7f))
+      return "zero";
+    return (*p & 0x80) && (*p & 0x7f) ? "negative" : NULL;
+  case QKEEP_DTYPE_F8_E8M0:
+  case QKEEP_DTYPE_U8: return *p == 0xff ? "NaN (e8m0 0xff)" : NULL;
+  case QKEEP_DTYPE_F32: memcpy(&v, p, 4); break;
+  case QKEEP_DTYPE_F16:
+  case QKEEP_DTYPE_BF16: {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    v = dtype == QKEEP_DTYPE_F16 ? qk_f16_to_f32(h) : qk_bf16_to_f32(h);
+    break;
+  }
+  default: return NULL;
+  }
+  return v != v ? "NaN" : isinf(v) ? "infinite" : v < 0 ? "negative" : positive && v == 0 ? "zero" : NULL;
+}
+
+/*
+ * Whether any of the n one-byte scales is bad, eight at a time: e4m3 is bad when its low seven
+ * bits are all ones (NaN) or it is negative and not -0 (a byte above 0x80); e8m0 when it is 0xff.
+ */
+static bool any_bad_bytes(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n) {
+  const uint64_t low7 = 0x7f7f7f7f7f7f7f7full, ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+  uint64_t bad = 0;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t x;
+    memcpy(&x, bytes + i, 8);
+    if (dtype == QKEEP_DTYPE_F8_E4M3) {
+      uint64_t low = x & low7, nonzero = (low + low7) & high, all = (low + ones) & high;
+      bad |= all | (nonzero & x);
+    } else {
+      uint64_t v = ~x; /* a 0xff byte is a zero byte of v */
+      bad |= (v - ones) & ~v & high;
+    }
+  }
+  for (; i < n; i++)
+    bad |= dtype == QKEEP_DTYPE_F8_E4M3 ? (bytes[i] == 0x7f || bytes[i] > 0x80) : bytes[i] == 0xff;
+  return (bad & (high | 1)) != 0;
+}
+
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
+                       size_t *index) {
+  if (!positive &&
+      (dtype == QKEEP_DTYPE_F8_E4M3 || dtype == QKEEP_DTYPE_F8_E8M0 || dtype == QKEEP_DTYPE_U8) &&
+      !any_bad_bytes(dtype, bytes, n))
+    return NULL; /* the common case, at memory speed; the loop below names the first bad one */
+  size_t esize = qkeep_dtype_size(dtype);
+  for (size_t i = 0; i < n; i++) {
+    const char *why = bad_scale(dtype, bytes + i * esize, positive);
+    if (why) {
+      *index = i;
+      return why;
+    }
+  }
+  return NULL;
+}
+
+int check_scales(const qkeep_param *p, const struct provided *t, size_t first, const void *bytes, size_t n) {
+  enum qkeep_dtype dtype = (enum qkeep_dtype)t->dtype;
+  size_t esize = qkeep_dtype_size(dtype), bad;
+  assert(p->scale && esize && first % esize == 0 && n % esize == 0);
+  const char *why = bad_scales(dtype, bytes, n / esize, p->positive, &bad);
+  return why ? set_error(QKEEP_E_FORMAT, "%s: tensor '%s': element %zu is %s (%s)", t->where, t->name,
+                         first / esize + bad, why, scale_rule(p))
+             : 0;
+}
