@@ -1,5 +1,6 @@
 /*
- * checkutil.h: Check helpers every suite shares: running a suite to an exit status, the
+ * checkutil.h: Check helpers every suite shares: ck_assert without the location records that
+ * nothing reads when the suites do not fork, running a suite to an exit status, the
  * clean census that every backend must show, snapshots of every storage of a model (address,
  * capacity and all bytes, padding included) to tell "in place and equal to a cold start" from
  * anything else, an asserted malloc, and the refusals of a whole-number configure key.
@@ -9,12 +10,44 @@
 #define QKEEP_CHECKUTIL_H
 
 #include <check.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "qkeep/qkeep.h"
 #include "qkeep/qkeep_backend.h"
+
+/*
+ * Every passing ck_assert tells the runner where the test got to (_mark_point: one write(2)
+ * to the runner's message file), so that a test that dies in its forked child is reported
+ * "after" its last assertion. Without fork (CK_FORK=no, as check-valgrind runs the suites) a
+ * test that dies takes the runner with it, and nothing reads those records; yet a suite that
+ * asserts inside its exhaustive loops writes millions of them (check_stream, check_zentorch,
+ * check_cuda_layout: 1.9 to 2.7 million each), and under valgrind those writes were most of
+ * its time (check-valgrind: 595 s of CPU with them, 215 s without). So ck_assert_msg, which
+ * every ck_assert_* expands to, records the point only when CK_FORK is not "no" (Check's own
+ * default). A failing assertion reports its file and line as before; a suite that forks whatever
+ * CK_FORK says (check_docs) reports a crash under CK_FORK=no at its test's START_TEST line.
+ */
+static inline bool tu_records_mark_points(void) {
+  static _Atomic int records = -1; /* asserts may run on several threads */
+  if (records < 0) {
+    const char *fork_status = getenv("CK_FORK");
+    records = !(fork_status && strcmp(fork_status, "no") == 0);
+  }
+  return records;
+}
+
+static inline void tu_mark_point(const char *file, int line) {
+  if (tu_records_mark_points())
+    _mark_point(file, line);
+}
+
+#undef ck_assert_msg
+#define ck_assert_msg(expr, ...)                                                                             \
+  ((expr) ? tu_mark_point(__FILE__, __LINE__)                                                                \
+          : _ck_assert_failed(__FILE__, __LINE__, "Assertion '" #expr "' failed", ##__VA_ARGS__))
 
 /* malloc(n) (at least one byte), asserted. */
 static inline void *tu_xmalloc(size_t n) {

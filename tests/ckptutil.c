@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "checkutil.h"
 #include "private.h"
 #include "testutil.h"
 

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "checkutil.h"
 #include "private.h"
 #include "testutil.h"
 
