@@ -719,8 +719,8 @@ static int apply_nvfp4(const struct cuda_backend *c, const struct layer_state *s
 /*
  * Graph-safe: kernels read the params, the PWAL buffers (alpha, swizzled scales, tiled codes:
  * rewritten in place by every PWAL) and the caller's workspace; nothing is allocated, copied to
- * the host or waited for. A core older than ABI 1.4 passes no workspace: the launchers then
- * allocate their scratch stream-ordered, as before.
+ * the host or waited for. Without a workspace (a core older than ABI 1.4, or a caller that
+ * passes none) the launchers allocate their scratch stream-ordered, as before: not graph-safe.
  */
 static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                       const struct qkeep_apply_args *args) {
@@ -735,8 +735,8 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   bool routed = has_routing(args) && args->topk > 0;
   void *stream = has_routing(args) ? args->stream : NULL;
   struct gpu_scratch scratch = {0}, *ws = NULL;
-  if (has_workspace(args)) {
-    scratch = (struct gpu_scratch){(char *)args->workspace, args->workspace ? args->workspace_bytes : 0, 0};
+  if (has_workspace(args) && args->workspace) {
+    scratch = (struct gpu_scratch){(char *)args->workspace, args->workspace_bytes, 0};
     ws = &scratch;
   }
   int err;

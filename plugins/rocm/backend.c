@@ -385,8 +385,8 @@ static int rocm_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   const struct qkeep_apply_args *ext = has_routing(args) ? args : NULL;
   void *stream = ext ? ext->stream : NULL;
   struct gpu_scratch scratch = {0}, *ws = NULL;
-  if (has_workspace(args)) {
-    scratch = (struct gpu_scratch){(char *)args->workspace, args->workspace ? args->workspace_bytes : 0, 0};
+  if (has_workspace(args) && args->workspace) {
+    scratch = (struct gpu_scratch){(char *)args->workspace, args->workspace_bytes, 0};
     ws = &scratch;
   }
   int err;
