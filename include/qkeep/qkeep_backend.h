@@ -188,8 +188,10 @@ struct qkeep_apply_args {
   /*
    * ABI 1.4: scratch the caller owns, in the backend's memory, at least the bytes the
    * backend's workspace slot asked for these arguments (256-byte aligned). A backend with a
-   * workspace slot takes all its scratch from here and allocates nothing while it applies;
-   * workspace NULL with workspace_bytes 0 when it asked for none.
+   * workspace slot takes all its scratch from here and allocates nothing while it applies.
+   * NULL (it asked for none, or an older caller): a backend that needs scratch may then
+   * allocate it itself, as before ABI 1.4; qkeep_layer_forward never passes NULL to a
+   * backend that asked for scratch.
    */
   void *workspace;
   size_t workspace_bytes;
