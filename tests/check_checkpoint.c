@@ -15,8 +15,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "private.h"
 #include "checkutil.h"
+#include "private.h"
 #include "testutil.h"
 
 /* The current test's scratch directory (fixture). */
@@ -918,6 +918,49 @@ START_TEST(test_links_inside_and_hub_cache_layout_load) {
 }
 END_TEST
 
+/* A FIFO in a file's place blocked open(2) forever (opening a FIFO for reading waits for a writer):
+ * config.json, hf_quant_config.json, the weights, an index's shard. Each is refused at once, naming
+ * the file; alarm() turns a regression into a failure instead of a hang. */
+START_TEST(test_fifo_in_the_directory_is_refused_without_waiting) {
+  static const char *const cases[][2] = {{"f1", "config.json"},
+                                         {"f2", "hf_quant_config.json"},
+                                         {"f3", "model.safetensors"},
+                                         {"f4", "s.safetensors"},
+                                         {"f5", "model.safetensors.index.json"}};
+  alarm(20);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *d = subdir(cases[i][0]);
+    if (strcmp(cases[i][1], "model.safetensors") != 0) {
+      char *rel = tu_path(cases[i][0], "model.safetensors");
+      put_shard(rel, link_tensors);
+      free(rel);
+    }
+    if (strcmp(cases[i][1], "s.safetensors") == 0)
+      put_text(cases[i][0], "model.safetensors.index.json",
+               "{\"weight_map\": {\"model.a.weight\": \"s.safetensors\", \"model.b.weight\": "
+               "\"s.safetensors\"}}");
+    char *fifo = tu_path(d, cases[i][1]);
+    ck_assert_int_eq(mkfifo(fifo, 0644), 0);
+    struct ckpt *c = (struct ckpt *)1;
+    int rc = ckpt_open(d, &c);
+    ck_assert_msg(rc == QKEEP_E_IO, "%s: %d (%s)", cases[i][1], rc, qkeep_errmsg());
+    ck_assert_ptr_null(c);
+    expect_msg(fifo, "not a regular file", "FIFO", NULL);
+    free(fifo);
+    free(d);
+  }
+  /* The file named directly: stat says FIFO, refused before any open. */
+  char *fifo = tu_path(dir, "named.safetensors");
+  ck_assert_int_eq(mkfifo(fifo, 0644), 0);
+  struct ckpt *c = (struct ckpt *)1;
+  ck_assert_int_ne(ckpt_open(fifo, &c), 0);
+  ck_assert_ptr_null(c);
+  expect_msg("named.safetensors", NULL);
+  free(fifo);
+  alarm(0);
+}
+END_TEST
+
 static Suite *checkpoint_suite(void) {
   Suite *s = suite_create("checkpoint");
   TCase *tc = tcase_create("open");
@@ -955,6 +998,7 @@ static Suite *checkpoint_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, test_links_leaving_the_directory_are_refused);
   tcase_add_test(tc, test_links_inside_and_hub_cache_layout_load);
+  tcase_add_test(tc, test_fifo_in_the_directory_is_refused_without_waiting);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -47,6 +47,19 @@ char *xstrdup(const char *s); /* NULL on NULL or no memory */
 int qk_asprintf(char **out, const char *fmt, ...) PRINTF_LIKE(2, 3);
 int qk_vasprintf(char **out, const char *fmt, va_list ap);
 double now_seconds(void); /* monotonic, for the load stats */
+struct stat;
+/* open_regular's answer for a path that opened but is no regular file (a FIFO, a device, a directory). */
+#define OPEN_NOT_REGULAR (-2)
+/*
+ * Opens path read-only (close-on-exec) without waiting: a FIFO or a device in a file's place
+ * (opening a FIFO for reading blocks until a writer comes) is opened non-blocking, found by
+ * fstat and closed. Returns the descriptor of a regular file, blocking again, with *st filled;
+ * OPEN_NOT_REGULAR for any other kind of file (*st filled, nothing left open); -1 with errno
+ * when open, fstat or fcntl fails. Sets no error detail: the caller names the file.
+ */
+int open_regular(const char *path, struct stat *st);
+/* "a FIFO", "a directory", "a device", ... for a stat st_mode, for messages. */
+const char *file_kind(unsigned mode);
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
 /* The bytes of a spec, false when its dtype, rank or a dimension is invalid or the product

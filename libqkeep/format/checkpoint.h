@@ -99,6 +99,14 @@ int ckpt_open(const char *path, struct ckpt **out);
 void ckpt_close(struct ckpt *c);
 /* The tensor of that full name, or NULL; O(1) expected. */
 const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name);
+/*
+ * Reads the checkpoint directory's config.json (for a single file, the file's directory's) into
+ * *out (malloc'd, NUL-terminated; NULL when there is none) under the rules a directory's own
+ * files follow: a symbolic link must stay in the directory's tree (or the hub cache's blobs/),
+ * the file must be regular (a FIFO is refused without waiting on it), 16 MiB at most, no NUL
+ * byte. Errors name the file (and a link's target): QKEEP_E_FORMAT, QKEEP_E_IO, QKEEP_E_NOMEM.
+ */
+int ckpt_read_config(const struct ckpt *c, char **out);
 /* Reads a tensor's bytes (t->nbytes of them) into dst. */
 int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
 /* Reads bytes [offset, offset + n) of a tensor (a range within it) into dst. */
