@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -510,6 +511,138 @@ START_TEST(test_ignore_catastrophic_regex_fails_clearly) {
 }
 END_TEST
 
+/* A backstop, not a measure: from here on the test process may spend at most `seconds` more CPU time
+ * (SIGXCPU ends it, and the test fails, where an unbounded match would run for minutes). Not under
+ * valgrind, whose CPU time is many times a plain run's. Returns the previous limit, for cpu_unlimit. */
+static struct rlimit cpu_limit(int seconds) {
+  struct rlimit was;
+  ck_assert_int_eq(getrlimit(RLIMIT_CPU, &was), 0);
+  const char *preload = getenv("LD_PRELOAD");
+  if (preload && strstr(preload, "vgpreload"))
+    return was;
+  struct rusage ru;
+  ck_assert_int_eq(getrusage(RUSAGE_SELF, &ru), 0);
+  rlim_t now = (rlim_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + 1;
+  struct rlimit lim = {now + (rlim_t)seconds, was.rlim_max};
+  if (was.rlim_max != RLIM_INFINITY && lim.rlim_cur > was.rlim_max)
+    lim.rlim_cur = was.rlim_max;
+  ck_assert_int_eq(setrlimit(RLIMIT_CPU, &lim), 0);
+  return was;
+}
+
+static void cpu_unlimit(struct rlimit was) { ck_assert_int_eq(setrlimit(RLIMIT_CPU, &was), 0); }
+
+/* A config text (double quotes) with `n` ignore entries or dynamic rules made by `entry(i)`; malloc'd. */
+static char *config_with(const char *head, const char *tail, int n, const char *fmt, const char *value) {
+  size_t cap = strlen(head) + strlen(tail) + (size_t)n * (strlen(fmt) + strlen(value) + 32) + 1;
+  char *text = malloc(cap), *at = text;
+  ck_assert_ptr_nonnull(text);
+  at += sprintf(at, "%s", head);
+  for (int i = 0; i < n; i++) {
+    at += sprintf(at, i ? ", " : "");
+    at += sprintf(at, fmt, i);
+    at += sprintf(at, "%s", value);
+  }
+  sprintf(at, "%s", tail);
+  return text;
+}
+
+/* 1,000 "re:" entries, each just under the per-match limit on this module (2^19 steps): each match was
+ * limited, the load was not (over a minute per module). The load's budget stops it with an error that
+ * names the entry, the module and the budget. The entries differ only by a comment, so none is merged. */
+START_TEST(test_ignore_regexes_share_one_budget_per_load) {
+  char *text = config_with("{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", "
+                           "\"format\": \"nvfp4-pack-quantized\", \"ignore\": [",
+                           "]}}", 1000, "\"re:(?:x+x+)+y(?#%d)\"", "");
+  struct quant_config qc;
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(qc.n_ignore, 1000);
+  struct rlimit was = cpu_limit(5);
+  bool ignored = true;
+  const char *module = "xxxxxxxxxxxxxxxxxxx.y_proj"; /* 19 x: 524,288 steps per entry */
+  ck_assert_int_eq(quant_config_match_ignore(&qc, module, &ignored), QKEEP_E_FORMAT);
+  cpu_unlimit(was);
+  ck_assert(!ignored);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "ckdir/config.json") && strstr(msg, "quantization_config.ignore") &&
+                    strstr(msg, "re:(?:x+x+)+y(?#") && strstr(msg, module) && strstr(msg, "budget"),
+                "%s", msg);
+  ck_assert_uint_le(quant_config_regex_steps(&qc), PATTERN_BUDGET_BASE);
+  /* a few such entries stay within it, and match as before */
+  quant_config_free(&qc);
+  free(text);
+  text = config_with("{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", "
+                     "\"format\": \"nvfp4-pack-quantized\", \"ignore\": [",
+                     ", \"re:x+\\\\.y\"]}}", 3, "\"re:(?:x+x+)+y(?#%d)\"", "");
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(quant_config_match_ignore(&qc, module, &ignored), 0);
+  ck_assert(ignored);
+  quant_config_free(&qc);
+  free(text);
+}
+END_TEST
+
+/* GPTQModel `dynamic` rules were POSIX regexes without a limit, recompiled for every question: 30 rules
+ * with back-references kept a census of the tiny example running past a minute. They are PCRE2 now,
+ * compiled once, under the per-match limits and the load's budget: refused within the budget, naming a
+ * rule and the module. */
+START_TEST(test_dynamic_rules_with_back_references_are_bounded) {
+  char *text =
+      config_with("{\"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4, "
+                  "\"group_size\": 128, \"dynamic\": {",
+                  "}}}", 30, "\"+:(.*)(.*)(.*)(.*)\\\\4\\\\3\\\\2\\\\1x(?#%d)\"", ": {\"group_size\": 32}");
+  struct quant_config qc, mod;
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(qc.n_dynamic, 30);
+  struct rlimit was = cpu_limit(5);
+  int rc = 0;
+  char name[96];
+  for (int i = 0; i < 1000 && !rc; i++) {
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj", i / 8, i % 8);
+    rc = quant_config_for_module(&qc, name, &mod);
+  }
+  cpu_unlimit(was);
+  ck_assert_int_eq(rc, QKEEP_E_FORMAT);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "ckdir/config.json") && strstr(msg, "quantization_config.dynamic") &&
+                    strstr(msg, "rule '(.*)(.*)") && strstr(msg, name) && strstr(msg, "budget"),
+                "%s", msg);
+  quant_config_free(&qc);
+  free(text);
+}
+END_TEST
+
+/* 94 ordinary per-layer rules over 94 layers of 128 experts (36,096 modules), each module asked about
+ * three times as assembly does: every rule compiled once, each module matched once (the later questions
+ * are lookups: no step is charged for them), and each module gets its layer's rule. */
+START_TEST(test_many_ordinary_dynamic_rules_match_each_module_once) {
+  enum { LAYERS = 94, EXPERTS = 128 };
+  char *text = config_with("{\"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4, "
+                           "\"group_size\": 128, \"dynamic\": {",
+                           "}}}", LAYERS, "\"+:model\\\\.layers\\\\.%d\\\\..*\"", ": {\"group_size\": 32}");
+  struct quant_config qc, mod;
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  quant_config_budget_for(&qc, (size_t)LAYERS * EXPERTS * 3 * 4);
+  char name[96];
+  uint64_t after_first = 0;
+  for (int pass = 0; pass < 3; pass++) {
+    for (int l = 0; l < LAYERS; l++)
+      for (int e = 0; e < EXPERTS * 3; e++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, e / 3,
+                 (const char *[]){"gate_proj", "up_proj", "down_proj"}[e % 3]);
+        ck_assert_msg(quant_config_for_module(&qc, name, &mod) == 0, "%s", qkeep_errmsg());
+        ck_assert_int_eq(mod.group_size, 32);
+      }
+    if (pass == 0)
+      after_first = quant_config_regex_steps(&qc);
+  }
+  ck_assert_uint_eq(quant_config_regex_steps(&qc), after_first);
+  ck_assert(quant_config_for_module(&qc, "lm_head", &mod) == 0 && mod.group_size == 128);
+  quant_config_free(&qc);
+  free(text);
+}
+END_TEST
+
 /* A long plain list (ModelOpt lists every excluded module) matches entry by entry, with repeats merged. */
 START_TEST(test_ignore_long_plain_list) {
   enum { N = 20000 };
@@ -978,6 +1111,9 @@ static Suite *checkpoint_suite(void) {
   tcase_add_test(tc, test_ignore_regex_is_re_match);
   tcase_add_test(tc, test_ignore_catastrophic_regex_fails_clearly);
   tcase_add_test(tc, test_ignore_long_plain_list);
+  tcase_add_test(tc, test_ignore_regexes_share_one_budget_per_load);
+  tcase_add_test(tc, test_dynamic_rules_with_back_references_are_bounded);
+  tcase_add_test(tc, test_many_ordinary_dynamic_rules_match_each_module_once);
   suite_add_tcase(s, tc);
 
   tc = tcase_create("errors");

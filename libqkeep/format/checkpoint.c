@@ -674,6 +674,7 @@ int ckpt_open(const char *path, struct ckpt **out) {
     ckpt_close(c);
     return rc;
   }
+  quant_config_budget_for(&c->qc, c->n_tensors);
   *out = c;
   return 0;
 }
