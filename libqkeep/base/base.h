@@ -103,6 +103,8 @@ struct name_slot {
 struct name_index {
   struct name_slot *slots;
   size_t cap, count;
+  uint64_t seed;  /* this table's hash seed (name_index.c: against hash flooding) */
+  size_t longest; /* the longest distance of a name from its home slot: a lookup's bound */
 };
 /* Adds name -> value. A name already present keeps its value, which goes to *existing
  * (when non-NULL), and QKEEP_E_EXISTS is returned without an error detail (the caller sets
@@ -118,6 +120,11 @@ bool name_index_find(const struct name_index *ix, const char *name, size_t len, 
 bool name_index_get(const struct name_index *ix, const char *name, size_t *value);
 /* Frees the table; the index is empty (and reusable) afterwards. */
 void name_index_clear(struct name_index *ix);
+/* The longest distance of a name from its home slot, counted from the slots (tests): at most 64
+ * whatever the names, so that no lookup probes further. */
+size_t name_index_longest_probe(const struct name_index *ix);
+/* The table's hash seed (tests: each index has its own, from a per-process secret). */
+uint64_t name_index_seed(const struct name_index *ix);
 
 /* ---- large JSON objects, one member at a time (json_scan.c) ------------------------ */
 
