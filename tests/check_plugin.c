@@ -238,10 +238,12 @@ END_TEST
  * under one anyone may write, loaded. Now the resolved file and every directory above it (and above the
  * link) are checked, as ssh checks a key; a sticky directory owned by root or the caller passes. */
 START_TEST(test_plugin_trust_follows_links_and_checks_every_parent) {
-  char *src = test_plugin_file("test-good");
-  char *open_dir = tu_path(tmpdir, "open"), *safe = tu_path(tmpdir, "safe");
+  char *src = test_plugin_file("test-good"), *top = realpath(tmpdir, NULL); /* messages name resolved paths */
+  ck_assert_ptr_nonnull(top);
+  char *open_dir = tu_path(top, "open"), *safe = tu_path(top, "safe");
   char *nested = tu_path(open_dir, "nested"), *link_path = tu_path(safe, "backend-test-good.so");
   char *real = tu_path(nested, "backend-test-good.so");
+  free(top);
   ck_assert_int_eq(mkdir(open_dir, 0755), 0);
   ck_assert_int_eq(mkdir(nested, 0755), 0);
   ck_assert_int_eq(mkdir(safe, 0755), 0);
