@@ -86,7 +86,7 @@ void pattern_free(struct pattern *p) {
 }
 
 /* The error for a match that ran out of a limit, or of memory, or failed otherwise. */
-static int match_error(const struct pattern_engine *e, int r, const char *subject, const char *what) {
+static int match_error(int r, const char *subject, const char *what) {
   if (r == PCRE2_ERROR_NOMEMORY)
     return set_error(QKEEP_E_NOMEM, "out of memory matching %s", what);
   PCRE2_UCHAR msg[256];
@@ -99,7 +99,6 @@ static int match_error(const struct pattern_engine *e, int r, const char *subjec
         "the pattern backtracks catastrophically, e.g. a nested repeat such as (a+)+ or a "
         "back-reference after repeats, so write it without nested or overlapping repeats)",
         what, subject, (const char *)msg, PATTERN_MATCH_LIMIT, PATTERN_DEPTH_LIMIT, PATTERN_HEAP_LIMIT_KIB);
-  (void)e;
   return set_error(QKEEP_E_FORMAT, "%s failed on module '%s': %s", what, subject, (const char *)msg);
 }
 
@@ -109,8 +108,7 @@ int pattern_match(struct pattern_engine *e, const struct pattern *p, const char 
   for (uint32_t rung = PATTERN_FIRST_RUNG;; rung *= 16) {
     uint32_t limit = rung < PATTERN_MATCH_LIMIT ? rung : PATTERN_MATCH_LIMIT;
     uint64_t left = e->budget > e->spent ? e->budget - e->spent : 0;
-    bool short_of_budget = left < limit;
-    if (short_of_budget)
+    if (left < limit)
       limit = (uint32_t)left;
     if (limit == 0)
       return set_error(QKEEP_E_FORMAT,
@@ -128,7 +126,7 @@ int pattern_match(struct pattern_engine *e, const struct pattern *p, const char 
       return 0;
     }
     if (r != PCRE2_ERROR_MATCHLIMIT || limit == PATTERN_MATCH_LIMIT)
-      return match_error(e, r, subject, what);
+      return match_error(r, subject, what);
     /* short of budget: the next round finds none left and says so */
   }
 }
