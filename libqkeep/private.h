@@ -15,6 +15,7 @@
 #include "format/checkpoint.h"
 #include "format/conf.h"
 #include "format/fusion.h"
+#include "format/pattern.h"
 #include "format/provider.h"
 #include "format/safetensors.h"
 #include "load/load.h"

@@ -12,11 +12,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "private.h"
 #include "checkutil.h"
+#include "private.h"
 #include "testutil.h"
 
 /* The current test's scratch directory (fixture). */
@@ -510,6 +511,181 @@ START_TEST(test_ignore_catastrophic_regex_fails_clearly) {
 }
 END_TEST
 
+/* A backstop, not a measure: from here on the test process may spend at most `seconds` more CPU time
+ * (SIGXCPU ends it, and the test fails, where an unbounded match would run for minutes). Not under
+ * valgrind, whose CPU time is many times a plain run's. Returns the previous limit, for cpu_unlimit. */
+static struct rlimit cpu_limit(int seconds) {
+  struct rlimit was;
+  ck_assert_int_eq(getrlimit(RLIMIT_CPU, &was), 0);
+  const char *preload = getenv("LD_PRELOAD");
+  if (preload && strstr(preload, "vgpreload"))
+    return was;
+  struct rusage ru;
+  ck_assert_int_eq(getrusage(RUSAGE_SELF, &ru), 0);
+  rlim_t now = (rlim_t)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) + 1;
+  struct rlimit lim = {now + (rlim_t)seconds, was.rlim_max};
+  if (was.rlim_max != RLIM_INFINITY && lim.rlim_cur > was.rlim_max)
+    lim.rlim_cur = was.rlim_max;
+  ck_assert_int_eq(setrlimit(RLIMIT_CPU, &lim), 0);
+  return was;
+}
+
+static void cpu_unlimit(struct rlimit was) { ck_assert_int_eq(setrlimit(RLIMIT_CPU, &was), 0); }
+
+/* A config text (double quotes) with `n` ignore entries or dynamic rules made by `entry(i)`; malloc'd. */
+static char *config_with(const char *head, const char *tail, int n, const char *fmt, const char *value) {
+  size_t cap = strlen(head) + strlen(tail) + (size_t)n * (strlen(fmt) + strlen(value) + 32) + 1;
+  char *text = malloc(cap), *at = text;
+  ck_assert_ptr_nonnull(text);
+  at += sprintf(at, "%s", head);
+  for (int i = 0; i < n; i++) {
+    at += sprintf(at, i ? ", " : "");
+    at += sprintf(at, fmt, i);
+    at += sprintf(at, "%s", value);
+  }
+  sprintf(at, "%s", tail);
+  return text;
+}
+
+/* 1,000 "re:" entries, each just under the per-match limit on this module (2^19 steps): each match was
+ * limited, the load was not (over a minute per module). The load's budget stops it with an error that
+ * names the entry, the module and the budget. The entries differ only by a comment, so none is merged. */
+START_TEST(test_ignore_regexes_share_one_budget_per_load) {
+  char *text = config_with("{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", "
+                           "\"format\": \"nvfp4-pack-quantized\", \"ignore\": [",
+                           "]}}", 1000, "\"re:(?:x+x+)+y(?#%d)\"", "");
+  struct quant_config qc;
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(qc.n_ignore, 1000);
+  struct rlimit was = cpu_limit(5);
+  bool ignored = true;
+  const char *module = "xxxxxxxxxxxxxxxxxxx.y_proj"; /* 19 x: 524,288 steps per entry */
+  ck_assert_int_eq(quant_config_match_ignore(&qc, module, &ignored), QKEEP_E_FORMAT);
+  cpu_unlimit(was);
+  ck_assert(!ignored);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "ckdir/config.json") && strstr(msg, "quantization_config.ignore") &&
+                    strstr(msg, "re:(?:x+x+)+y(?#") && strstr(msg, module) && strstr(msg, "budget"),
+                "%s", msg);
+  ck_assert_uint_le(quant_config_regex_steps(&qc), PATTERN_BUDGET_BASE);
+  /* a few such entries stay within it, and match as before */
+  quant_config_free(&qc);
+  free(text);
+  text = config_with("{\"quantization_config\": {\"quant_method\": \"compressed-tensors\", "
+                     "\"format\": \"nvfp4-pack-quantized\", \"ignore\": [",
+                     ", \"re:x+\\\\.y\"]}}", 3, "\"re:(?:x+x+)+y(?#%d)\"", "");
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(quant_config_match_ignore(&qc, module, &ignored), 0);
+  ck_assert(ignored);
+  quant_config_free(&qc);
+  free(text);
+}
+END_TEST
+
+/* GPTQModel `dynamic` rules were POSIX regexes without a limit, recompiled for every question: 30 rules
+ * with back-references kept a census of the tiny example running past a minute. They are PCRE2 now,
+ * compiled once, under the per-match limits and the load's budget: refused within the budget, naming a
+ * rule and the module. */
+START_TEST(test_dynamic_rules_with_back_references_are_bounded) {
+  char *text =
+      config_with("{\"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4, "
+                  "\"group_size\": 128, \"dynamic\": {",
+                  "}}}", 30, "\"+:(.*)(.*)(.*)(.*)\\\\4\\\\3\\\\2\\\\1x(?#%d)\"", ": {\"group_size\": 32}");
+  struct quant_config qc, mod;
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(qc.n_dynamic, 30);
+  struct rlimit was = cpu_limit(5);
+  int rc = 0;
+  char name[96];
+  for (int i = 0; i < 1000 && !rc; i++) {
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.down_proj", i / 8, i % 8);
+    rc = quant_config_for_module(&qc, name, &mod);
+  }
+  cpu_unlimit(was);
+  ck_assert_int_eq(rc, QKEEP_E_FORMAT);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "ckdir/config.json") && strstr(msg, "quantization_config.dynamic") &&
+                    strstr(msg, "rule '(.*)(.*)") && strstr(msg, name) && strstr(msg, "budget"),
+                "%s", msg);
+  quant_config_free(&qc);
+  free(text);
+}
+END_TEST
+
+/* 94 ordinary per-layer rules over 94 layers of 128 experts (36,096 modules), each module asked about
+ * three times as assembly does: every rule compiled once, each module matched once (the later questions
+ * are lookups: no step is charged for them), and each module gets its layer's rule. */
+START_TEST(test_many_ordinary_dynamic_rules_match_each_module_once) {
+  enum { LAYERS = 94, EXPERTS = 128 };
+  char *text = config_with("{\"quantization_config\": {\"quant_method\": \"gptq\", \"bits\": 4, "
+                           "\"group_size\": 128, \"dynamic\": {",
+                           "}}}", LAYERS, "\"+:model\\\\.layers\\\\.%d\\\\..*\"", ": {\"group_size\": 32}");
+  struct quant_config qc, mod;
+  ck_assert_msg(quant_config_parse(text, NULL, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  quant_config_budget_for(&qc, (size_t)LAYERS * EXPERTS * 3 * 4);
+  char name[96];
+  uint64_t after_first = 0;
+  for (int pass = 0; pass < 3; pass++) {
+    for (int l = 0; l < LAYERS; l++)
+      for (int e = 0; e < EXPERTS * 3; e++) {
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, e / 3,
+                 (const char *[]){"gate_proj", "up_proj", "down_proj"}[e % 3]);
+        ck_assert_msg(quant_config_for_module(&qc, name, &mod) == 0, "%s", qkeep_errmsg());
+        ck_assert_int_eq(mod.group_size, 32);
+      }
+    if (pass == 0)
+      after_first = quant_config_regex_steps(&qc);
+  }
+  ck_assert_uint_eq(quant_config_regex_steps(&qc), after_first);
+  ck_assert(quant_config_for_module(&qc, "lm_head", &mod) == 0 && mod.group_size == 128);
+  quant_config_free(&qc);
+  free(text);
+}
+END_TEST
+
+/* ModelOpt MIXED_PRECISION with 24,576 quantized_layers, listed in both files: the list was deduplicated
+ * and scanned per module entry by entry (52 s against 1.1 s for the same modules as plain NVFP4). It is a
+ * hash set now, matched at dot boundaries as before; the CPU backstop fails a quadratic regression. */
+START_TEST(test_mixed_precision_long_quantized_layers) {
+  enum { N = 24576 };
+  const char *value = ": {\"quant_algo\": \"NVFP4\", \"group_size\": 16}";
+  char *list = malloc((size_t)N * (64 + strlen(value))), *at = list;
+  ck_assert_ptr_nonnull(list);
+  for (int i = 0; i < N; i++)
+    at += sprintf(at, "%s\"model.layers.%d.mlp.experts.%d.%s\"%s", i ? ", " : "", i / 384, (i % 384) / 3,
+                  (const char *[]){"gate_proj", "up_proj", "down_proj"}[i % 3], value);
+  size_t n = strlen(list) + 512;
+  char *cfg = malloc(n), *hf = malloc(n);
+  ck_assert_ptr_nonnull(cfg);
+  ck_assert_ptr_nonnull(hf);
+  snprintf(cfg, n,
+           "{\"quantization_config\": {\"quant_method\": \"modelopt\", \"quant_algo\": \"MIXED_PRECISION\", "
+           "\"quantized_layers\": {%s}}}",
+           list);
+  snprintf(hf, n,
+           "{\"producer\": {\"name\": \"modelopt\"}, \"quantization\": {\"quant_algo\": \"MIXED_PRECISION\", "
+           "\"quantized_layers\": {%s}}}",
+           list);
+  struct rlimit was = cpu_limit(5);
+  struct quant_config qc;
+  ck_assert_msg(quant_config_parse(cfg, hf, "ckdir", &qc) == 0, "%s", qkeep_errmsg());
+  ck_assert_uint_eq(qc.n_quantized, N);
+  char name[96];
+  for (int i = 0; i < N; i++) {
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", i / 384, (i % 384) / 3,
+             (const char *[]){"gate_proj", "up_proj", "down_proj"}[i % 3]);
+    ck_assert_msg(!quant_config_ignores(&qc, name), "%s", name);
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.other_proj", i / 384, (i % 384) / 3);
+    ck_assert_msg(quant_config_ignores(&qc, name), "%s", name);
+  }
+  cpu_unlimit(was);
+  ck_assert(quant_config_ignores(&qc, "model.layers.64.mlp.experts.0.gate_proj")); /* past the list */
+  ck_assert(quant_config_ignores(&qc, "lm_head"));
+  quant_config_free(&qc);
+  free(cfg), free(hf), free(list);
+}
+END_TEST
+
 /* A long plain list (ModelOpt lists every excluded module) matches entry by entry, with repeats merged. */
 START_TEST(test_ignore_long_plain_list) {
   enum { N = 20000 };
@@ -918,6 +1094,49 @@ START_TEST(test_links_inside_and_hub_cache_layout_load) {
 }
 END_TEST
 
+/* A FIFO in a file's place blocked open(2) forever (opening a FIFO for reading waits for a writer):
+ * config.json, hf_quant_config.json, the weights, an index's shard. Each is refused at once, naming
+ * the file; alarm() turns a regression into a failure instead of a hang. */
+START_TEST(test_fifo_in_the_directory_is_refused_without_waiting) {
+  static const char *const cases[][2] = {{"f1", "config.json"},
+                                         {"f2", "hf_quant_config.json"},
+                                         {"f3", "model.safetensors"},
+                                         {"f4", "s.safetensors"},
+                                         {"f5", "model.safetensors.index.json"}};
+  alarm(20);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char *d = subdir(cases[i][0]);
+    if (strcmp(cases[i][1], "model.safetensors") != 0) {
+      char *rel = tu_path(cases[i][0], "model.safetensors");
+      put_shard(rel, link_tensors);
+      free(rel);
+    }
+    if (strcmp(cases[i][1], "s.safetensors") == 0)
+      put_text(cases[i][0], "model.safetensors.index.json",
+               "{\"weight_map\": {\"model.a.weight\": \"s.safetensors\", \"model.b.weight\": "
+               "\"s.safetensors\"}}");
+    char *fifo = tu_path(d, cases[i][1]);
+    ck_assert_int_eq(mkfifo(fifo, 0644), 0);
+    struct ckpt *c = (struct ckpt *)1;
+    int rc = ckpt_open(d, &c);
+    ck_assert_msg(rc == QKEEP_E_IO, "%s: %d (%s)", cases[i][1], rc, qkeep_errmsg());
+    ck_assert_ptr_null(c);
+    expect_msg(fifo, "not a regular file", "FIFO", NULL);
+    free(fifo);
+    free(d);
+  }
+  /* The file named directly: stat says FIFO, refused before any open. */
+  char *fifo = tu_path(dir, "named.safetensors");
+  ck_assert_int_eq(mkfifo(fifo, 0644), 0);
+  struct ckpt *c = (struct ckpt *)1;
+  ck_assert_int_ne(ckpt_open(fifo, &c), 0);
+  ck_assert_ptr_null(c);
+  expect_msg("named.safetensors", NULL);
+  free(fifo);
+  alarm(0);
+}
+END_TEST
+
 static Suite *checkpoint_suite(void) {
   Suite *s = suite_create("checkpoint");
   TCase *tc = tcase_create("open");
@@ -935,6 +1154,10 @@ static Suite *checkpoint_suite(void) {
   tcase_add_test(tc, test_ignore_regex_is_re_match);
   tcase_add_test(tc, test_ignore_catastrophic_regex_fails_clearly);
   tcase_add_test(tc, test_ignore_long_plain_list);
+  tcase_add_test(tc, test_ignore_regexes_share_one_budget_per_load);
+  tcase_add_test(tc, test_dynamic_rules_with_back_references_are_bounded);
+  tcase_add_test(tc, test_many_ordinary_dynamic_rules_match_each_module_once);
+  tcase_add_test(tc, test_mixed_precision_long_quantized_layers);
   suite_add_tcase(s, tc);
 
   tc = tcase_create("errors");
@@ -955,6 +1178,7 @@ static Suite *checkpoint_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, test_links_leaving_the_directory_are_refused);
   tcase_add_test(tc, test_links_inside_and_hub_cache_layout_load);
+  tcase_add_test(tc, test_fifo_in_the_directory_is_refused_without_waiting);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -233,6 +233,66 @@ START_TEST(test_untrusted_plugin_refused) {
 }
 END_TEST
 
+/* The check looked at the link's directory and the file, not the real file's directory nor any parent:
+ * a plugin linked from a trusted directory into one anyone may write, or sitting in a trusted directory
+ * under one anyone may write, loaded. Now the resolved file and every directory above it (and above the
+ * link) are checked, as ssh checks a key; a sticky directory owned by root or the caller passes. */
+START_TEST(test_plugin_trust_follows_links_and_checks_every_parent) {
+  char *src = test_plugin_file("test-good"), *top = realpath(tmpdir, NULL); /* messages name resolved paths */
+  ck_assert_ptr_nonnull(top);
+  char *open_dir = tu_path(top, "open"), *safe = tu_path(top, "safe");
+  char *nested = tu_path(open_dir, "nested"), *link_path = tu_path(safe, "backend-test-good.so");
+  char *real = tu_path(nested, "backend-test-good.so");
+  free(top);
+  ck_assert_int_eq(mkdir(open_dir, 0755), 0);
+  ck_assert_int_eq(mkdir(nested, 0755), 0);
+  ck_assert_int_eq(mkdir(safe, 0755), 0);
+  size_t n;
+  void *bytes = tu_read_file(src, &n);
+  ck_assert_ptr_nonnull(bytes);
+  ck_assert_int_eq(tu_write_file(real, bytes, n), 0);
+  free(bytes);
+  ck_assert_int_eq(chmod(real, 0755), 0);
+  ck_assert_int_eq(symlink(real, link_path), 0);
+  qkeep_plugin *p = NULL;
+  /* all trusted: loads through the link and directly */
+  ck_assert_msg(qkeep_plugin_open_path(link_path, &p) == 0, "%s", qkeep_errmsg());
+  qkeep_plugin_close(p);
+  /* the real file's directory writable by all: refused through the link */
+  ck_assert_int_eq(chmod(nested, 0777), 0);
+  ck_assert_int_eq(qkeep_plugin_open_path(link_path, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), link_path);
+  ASSERT_HAS(qkeep_errmsg(), nested);
+  ASSERT_HAS(qkeep_errmsg(), "writable by others");
+  ck_assert_int_eq(chmod(nested, 0755), 0);
+  /* a parent writable by its group: refused, directly and through the link, naming the parent */
+  ck_assert_int_eq(chmod(open_dir, 0775), 0);
+  ck_assert_int_eq(qkeep_plugin_open_path(real, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), open_dir);
+  ASSERT_HAS(qkeep_errmsg(), "writable by its group");
+  ck_assert_int_eq(qkeep_plugin_open_path(link_path, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), open_dir);
+  /* ... unless it is sticky and owned by root or the caller, as /tmp is */
+  ck_assert_int_eq(chmod(open_dir, 01777), 0);
+  ck_assert_msg(qkeep_plugin_open_path(link_path, &p) == 0, "%s", qkeep_errmsg());
+  qkeep_plugin_close(p);
+  ck_assert_int_eq(chmod(open_dir, 0755), 0);
+  /* the link's own directory writable by all: the link could be pointed elsewhere */
+  ck_assert_int_eq(chmod(safe, 0777), 0);
+  ck_assert_int_eq(qkeep_plugin_open_path(link_path, &p), QKEEP_E_PLUGIN);
+  ASSERT_HAS(qkeep_errmsg(), safe);
+  ck_assert_int_eq(chmod(safe, 0755), 0);
+  if (geteuid() == 0) { /* a parent someone else owns (only root can give one away) */
+    ck_assert_int_eq(chown(open_dir, 4321, (gid_t)-1), 0);
+    ck_assert_int_eq(qkeep_plugin_open_path(link_path, &p), QKEEP_E_PLUGIN);
+    ASSERT_HAS(qkeep_errmsg(), "owned by uid 4321");
+    ASSERT_HAS(qkeep_errmsg(), open_dir);
+    ck_assert_int_eq(chown(open_dir, 0, (gid_t)-1), 0);
+  }
+  free(src), free(open_dir), free(safe), free(nested), free(link_path), free(real);
+}
+END_TEST
+
 /* A memory table that is set but short is refused at load, naming it. */
 START_TEST(test_short_memory_table) {
   char *msg = open_fails("test-shortmem", NULL, QKEEP_E_ABI);
@@ -346,7 +406,7 @@ START_TEST(test_configure_good) {
   char msg[128];
   ck_assert_int_eq(qkeep_plugin_probe(p, msg, sizeof msg), 0);
   ck_assert_str_eq(msg, "test device ready (threads 4)"); /* the value reached the backend */
-  ck_assert_int_eq(qkeep_plugin_configure(p, cfg), 0); /* again: still fine */
+  ck_assert_int_eq(qkeep_plugin_configure(p, cfg), 0);    /* again: still fine */
   qkeep_plugin_close(p);
   qkeep_config_free(cfg);
   free(path);
@@ -662,6 +722,7 @@ static Suite *plugin_suite(void) {
   tcase_add_test(tc, test_abi_major);
   tcase_add_test(tc, test_abi_minor);
   tcase_add_test(tc, test_untrusted_plugin_refused);
+  tcase_add_test(tc, test_plugin_trust_follows_links_and_checks_every_parent);
   tcase_add_test(tc, test_short_memory_table);
   tcase_add_test(tc, test_init_failure);
   tcase_add_test(tc, test_name_mismatch);

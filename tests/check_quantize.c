@@ -26,8 +26,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "private.h"
 #include "checkutil.h"
+#include "private.h"
 #include "testutil.h"
 
 #define HIDDEN 256
@@ -449,6 +449,61 @@ START_TEST(e4m3_values_are_the_decoders) {
 }
 END_TEST
 
+/* `quantize DIR/model.safetensors` read DIR/config.json with json_load_file: a FIFO there hung it
+ * after all the work, and a link to a file outside DIR had that file's keys copied into the output's
+ * config.json. It is read first, under the directory's own rules (links stay inside its tree, regular
+ * files only); alarm() makes a hang fail. */
+START_TEST(the_input_config_json_follows_the_directorys_rules) {
+  char *dir = tu_tmpdir("inconfig");
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  uint64_t seed = 3;
+  add_bf16(w, "model.layers.0.mlp.down_proj.weight", 64, 64, &seed, -1);
+  char *in_dir = tu_path(dir, "in"), *outside = tu_path(dir, "outside.json");
+  ck_assert_int_eq(mkdir(in_dir, 0755), 0);
+  char *model = tu_path(in_dir, "model.safetensors"), *config = tu_path(in_dir, "config.json"),
+       *inner = tu_path(in_dir, "real.json"), *out = tu_path(dir, "out"),
+       *out_config = tu_path(out, "config.json");
+  ck_assert_int_eq(st_writer_write(w, model), 0);
+  st_writer_free(w);
+  static const char secret[] = "{\"secret_token\": \"hunter2\"}";
+  ck_assert_int_eq(tu_write_file(outside, secret, strlen(secret)), 0);
+  struct qkeep_quantize_options o = options("w8a8-int8", 1, 0);
+  alarm(60);
+  /* a FIFO */
+  ck_assert_int_eq(mkfifo(config, 0644), 0);
+  ck_assert_int_eq(qkeep_quantize(model, out, &o), QKEEP_E_IO);
+  ck_assert_msg(strstr(qkeep_errmsg(), config) && strstr(qkeep_errmsg(), "FIFO"), "%s", qkeep_errmsg());
+  ck_assert_int_ne(access(out, F_OK), 0);
+  /* a link out of the directory */
+  ck_assert_int_eq(unlink(config), 0);
+  ck_assert_int_eq(symlink("../outside.json", config), 0);
+  ck_assert_int_eq(qkeep_quantize(model, out, &o), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "symbolic link") && strstr(qkeep_errmsg(), "config.json"), "%s",
+                qkeep_errmsg());
+  ck_assert_int_ne(access(out, F_OK), 0);
+  /* a link inside it is followed, and its keys carried over */
+  static const char own[] = "{\"model_type\": \"llama\", \"marker\": 7}";
+  ck_assert_int_eq(tu_write_file(inner, own, strlen(own)), 0);
+  ck_assert_int_eq(unlink(config), 0);
+  ck_assert_int_eq(symlink("real.json", config), 0);
+  ck_assert_msg(qkeep_quantize(model, out, &o) == 0, "%s", qkeep_errmsg());
+  alarm(0);
+  size_t n;
+  char *text = tu_read_file(out_config, &n);
+  ck_assert_ptr_nonnull(text);
+  text = realloc(text, n + 1);
+  text[n] = '\0';
+  ck_assert_msg(strstr(text, "\"marker\": 7") && strstr(text, "quantization_config") &&
+                    !strstr(text, "hunter2"),
+                "%s", text);
+  free(text);
+  free(model), free(config), free(inner), free(out), free(out_config), free(in_dir), free(outside);
+  tu_rmtree(dir);
+  free(dir);
+}
+END_TEST
+
 static Suite *quantize_suite(void) {
   Suite *s = suite_create("quantize");
   TCase *tc = tcase_create("streaming");
@@ -460,6 +515,7 @@ static Suite *quantize_suite(void) {
   tcase_add_test(tc, the_first_error_wins_at_any_thread_count);
   tcase_add_test(tc, layout_is_the_written_file);
   tcase_add_test(tc, e4m3_values_are_the_decoders);
+  tcase_add_test(tc, the_input_config_json_follows_the_directorys_rules);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -13,9 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "private.h"
 #include "ckptutil.h"
 #include "fixture.h"
+#include "private.h"
 #include "testutil.h"
 
 #define H 64
@@ -421,6 +421,29 @@ START_TEST(rollback_sees_an_in_place_rewrite_that_keeps_size_and_mtime) {
 }
 END_TEST
 
+/* W0's weights replaced by a FIFO after the cold start: the rollback's open blocked forever waiting
+ * for a writer. It is refused at once (the model then refuses to run); alarm() makes a regression fail
+ * instead of hanging. */
+START_TEST(rollback_to_a_w0_that_became_a_fifo_does_not_wait) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "w8a8-int8", "q0", 0, false), *w1 = quantize(s1, "w8a8-int8", "q1", 0, false);
+  qkeep_model *m = load(w0);
+  char *file = tu_path(w0, "model.safetensors");
+  ck_assert_int_eq(unlink(file), 0);
+  ck_assert_int_eq(mkfifo(file, 0644), 0);
+  alarm(20);
+  inject_fault(m, (long)qkeep_model_layer_count(m) - 1, QKEEP_E_IO);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  alarm(0);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, "refuses to run") && strstr(msg, "not a regular file") && strstr(msg, file), "%s",
+                msg);
+  inject_fault(m, -1, 0);
+  qkeep_model_free(m);
+  free(file), free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
 /* Every tensor of a checkpoint in host buffers. */
 struct tensors {
   struct ckpt *ck;
@@ -734,6 +757,7 @@ static Suite *reload_suite(const char *backend) {
   tcase_add_test(tc, fault_at_every_layer_rolls_back);
   tcase_add_test(tc, rollback_after_w0_changed_on_disk_refuses_to_run);
   tcase_add_test(tc, rollback_sees_an_in_place_rewrite_that_keeps_size_and_mtime);
+  tcase_add_test(tc, rollback_to_a_w0_that_became_a_fifo_does_not_wait);
   tcase_add_test(tc, reload_from_memory_buffers);
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);

@@ -12,8 +12,11 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "private.h"
+#define XXH_INLINE_ALL /* the unseeded hash the index used before, to aim names at it */
+#include <xxhash.h>
+
 #include "checkutil.h"
+#include "private.h"
 #include "synth_moe.h"
 #include "testutil.h"
 
@@ -121,6 +124,47 @@ static const struct scan_entry *scan_lookup(const struct scan_entry *e, size_t n
   }
   return lo < n && strcmp(e[lo].name, name) == 0 ? &e[lo] : NULL;
 }
+
+/* Hash flooding: names chosen so that the unseeded XXH3 the index used puts them all at one home slot
+ * (their hashes share 11 low bits) made every insertion walk one run of slots: 100k such names took 55 s.
+ * Each index now has a seed of its own and no name sits more than 64 slots from its home, so the same
+ * names spread out; every one is still found, and nothing else is. */
+START_TEST(names_aimed_at_an_unseeded_hash_do_not_pile_up) {
+  enum { N = 1500, BITS = 11 };
+  char **names = calloc(N, sizeof *names), buf[32];
+  ck_assert_ptr_nonnull(names);
+  unsigned counter = 0;
+  for (size_t i = 0; i < N; i++) {
+    do
+      snprintf(buf, sizeof buf, "model.t%u.weight", counter++);
+    while ((XXH3_64bits(buf, strlen(buf)) & ((1u << BITS) - 1)) != 0);
+    ck_assert_ptr_nonnull(names[i] = strdup(buf));
+  }
+  struct name_index ix = {0}, other = {0};
+  for (size_t i = 0; i < N; i++)
+    ck_assert_int_eq(name_index_put(&ix, names[i], i, NULL), 0);
+  ck_assert_uint_eq(ix.count, N);
+  ck_assert_msg(name_index_longest_probe(&ix) <= 64, "a name sits %zu slots from its home",
+                name_index_longest_probe(&ix));
+  size_t v;
+  for (size_t i = 0; i < N; i++)
+    ck_assert(name_index_get(&ix, names[i], &v) && v == i);
+  ck_assert(!name_index_get(&ix, "model.t0.bias", &v));
+  size_t existing;
+  ck_assert_int_eq(name_index_put(&ix, names[N - 1], 7, &existing), QKEEP_E_EXISTS);
+  ck_assert_uint_eq(existing, N - 1);
+  /* each index its own seed */
+  ck_assert_int_eq(name_index_put(&other, names[0], 0, NULL), 0);
+  ck_assert(name_index_seed(&ix) != name_index_seed(&other));
+  ck_assert(name_index_get(&other, names[0], &v) && v == 0);
+  ck_assert(!name_index_get(&other, names[1], &v));
+  name_index_clear(&ix);
+  name_index_clear(&other);
+  for (size_t i = 0; i < N; i++)
+    free(names[i]);
+  free(names);
+}
+END_TEST
 
 START_TEST(lookups_at_tens_of_thousands_of_tensors_match_a_scan) {
   char *path = write_ckpt("w0", LAYERS, 1, 1);
@@ -282,6 +326,7 @@ static Suite *scale_suite(void) {
   tcase_set_timeout(tc, 600);
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, name_index_finds_what_was_put_and_nothing_else);
+  tcase_add_test(tc, names_aimed_at_an_unseeded_hash_do_not_pile_up);
   tcase_add_test(tc, lookups_at_tens_of_thousands_of_tensors_match_a_scan);
   tcase_add_test(tc, a_name_in_two_layers_resolves_to_the_first_layer);
   tcase_add_test(tc, a_reload_at_thousands_of_tensors_equals_a_cold_start);

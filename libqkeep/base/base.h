@@ -47,6 +47,19 @@ char *xstrdup(const char *s); /* NULL on NULL or no memory */
 int qk_asprintf(char **out, const char *fmt, ...) PRINTF_LIKE(2, 3);
 int qk_vasprintf(char **out, const char *fmt, va_list ap);
 double now_seconds(void); /* monotonic, for the load stats */
+struct stat;
+/* open_regular's answer for a path that opened but is no regular file (a FIFO, a device, a directory). */
+#define OPEN_NOT_REGULAR (-2)
+/*
+ * Opens path read-only (close-on-exec) without waiting: a FIFO or a device in a file's place
+ * (opening a FIFO for reading blocks until a writer comes) is opened non-blocking, found by
+ * fstat and closed. Returns the descriptor of a regular file, blocking again, with *st filled;
+ * OPEN_NOT_REGULAR for any other kind of file (*st filled, nothing left open); -1 with errno
+ * when open, fstat or fcntl fails. Sets no error detail: the caller names the file.
+ */
+int open_regular(const char *path, struct stat *st);
+/* "a FIFO", "a directory", "a device", ... for a stat st_mode, for messages. */
+const char *file_kind(unsigned mode);
 int grow_array(void **array, size_t *cap, size_t need, size_t elem_size);
 bool spec_equal(const struct qkeep_spec *a, const struct qkeep_spec *b);
 /* The bytes of a spec, false when its dtype, rank or a dimension is invalid or the product
@@ -90,6 +103,8 @@ struct name_slot {
 struct name_index {
   struct name_slot *slots;
   size_t cap, count;
+  uint64_t seed;  /* this table's hash seed (name_index.c: against hash flooding) */
+  size_t longest; /* the longest distance of a name from its home slot: a lookup's bound */
 };
 /* Adds name -> value. A name already present keeps its value, which goes to *existing
  * (when non-NULL), and QKEEP_E_EXISTS is returned without an error detail (the caller sets
@@ -105,6 +120,11 @@ bool name_index_find(const struct name_index *ix, const char *name, size_t len, 
 bool name_index_get(const struct name_index *ix, const char *name, size_t *value);
 /* Frees the table; the index is empty (and reusable) afterwards. */
 void name_index_clear(struct name_index *ix);
+/* The longest distance of a name from its home slot, counted from the slots (tests): at most 64
+ * whatever the names, so that no lookup probes further. */
+size_t name_index_longest_probe(const struct name_index *ix);
+/* The table's hash seed (tests: each index has its own, from a per-process secret). */
+uint64_t name_index_seed(const struct name_index *ix);
 
 /* ---- large JSON objects, one member at a time (json_scan.c) ------------------------ */
 

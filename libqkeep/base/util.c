@@ -1,11 +1,15 @@
 /* util.c: small helpers shared by the core's files. */
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "base/base.h"
 #include "qkeep/qkeep_backend_util.h"
@@ -208,4 +212,40 @@ int qk_asprintf(char **out, const char *fmt, ...) {
   int n = qk_vasprintf(out, fmt, ap);
   va_end(ap);
   return n;
+}
+
+int open_regular(const char *path, struct stat *st) {
+  int fd;
+  do /* O_NONBLOCK: opening a FIFO for reading waits for a writer, forever if none comes */
+    fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0)
+    return -1;
+  int flags;
+  if (fstat(fd, st) != 0 || (flags = fcntl(fd, F_GETFL)) < 0) {
+    int err = errno;
+    close(fd);
+    errno = err;
+    return -1;
+  }
+  if (!S_ISREG(st->st_mode)) {
+    close(fd);
+    return OPEN_NOT_REGULAR;
+  }
+  if (fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) { /* reads of a regular file never wait anyway */
+    int err = errno;
+    close(fd);
+    errno = err;
+    return -1;
+  }
+  return fd;
+}
+
+const char *file_kind(unsigned mode) {
+  return S_ISFIFO(mode)                   ? "a FIFO"
+         : S_ISDIR(mode)                  ? "a directory"
+         : S_ISCHR(mode) || S_ISBLK(mode) ? "a device"
+         : S_ISSOCK(mode)                 ? "a socket"
+         : S_ISREG(mode)                  ? "a regular file"
+                                          : "of an unknown kind";
 }

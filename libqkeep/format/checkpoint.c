@@ -109,10 +109,10 @@ static int read_all(int fd, const char *path, char *buf, size_t n) {
  */
 static int read_text(const char *path, size_t max_bytes, bool optional, char **out) {
   *out = NULL;
-  int fd;
-  do
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-  while (fd < 0 && errno == EINTR);
+  struct stat st;
+  int fd = open_regular(path, &st);
+  if (fd == OPEN_NOT_REGULAR)
+    return set_error(QKEEP_E_IO, "%s: not a regular file (%s)", path, file_kind(st.st_mode));
   if (fd < 0) {
     if (errno == ENOENT && optional)
       return 0;
@@ -120,14 +120,9 @@ static int read_text(const char *path, size_t max_bytes, bool optional, char **o
       return set_error(QKEEP_E_NOTFOUND, "%s: no such file", path);
     return set_error(QKEEP_E_IO, "%s: cannot open: %s", path, strerror(errno));
   }
-  struct stat st;
   int rc = 0;
   char *buf = NULL;
-  if (fstat(fd, &st) != 0)
-    rc = set_error(QKEEP_E_IO, "%s: cannot stat: %s", path, strerror(errno));
-  else if (!S_ISREG(st.st_mode))
-    rc = set_error(QKEEP_E_IO, "%s: not a regular file", path);
-  else if ((uint64_t)st.st_size > max_bytes)
+  if ((uint64_t)st.st_size > max_bytes)
     rc = set_error(QKEEP_E_FORMAT, "%s: %lld bytes, larger than the %zu MiB a JSON file may have", path,
                    (long long)st.st_size, max_bytes >> 20);
   else if (!(buf = malloc((size_t)st.st_size + 1)))
@@ -521,6 +516,16 @@ static int open_index(struct ckpt *c, const char *index_path) {
 
 /* ---- directories ------------------------------------------------------------------------ */
 
+int ckpt_read_config(const struct ckpt *c, char **out) {
+  *out = NULL;
+  char *path = join_path(c->dir, CONFIG_NAME);
+  if (!path)
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", c->dir);
+  int rc = read_dir_text(c, path, CONFIG_MAX_BYTES, true, out);
+  free(path);
+  return rc;
+}
+
 /* Reads config.json and hf_quant_config.json when present and parses the quantization they declare. */
 static int read_configs(struct ckpt *c) {
   char *cfg_path = join_path(c->dir, CONFIG_NAME), *hf_path = join_path(c->dir, HF_QUANT_NAME);
@@ -669,6 +674,7 @@ int ckpt_open(const char *path, struct ckpt **out) {
     ckpt_close(c);
     return rc;
   }
+  quant_config_budget_for(&c->qc, c->n_tensors);
   *out = c;
   return 0;
 }

@@ -99,6 +99,14 @@ int ckpt_open(const char *path, struct ckpt **out);
 void ckpt_close(struct ckpt *c);
 /* The tensor of that full name, or NULL; O(1) expected. */
 const struct ckpt_tensor *ckpt_find(const struct ckpt *c, const char *name);
+/*
+ * Reads the checkpoint directory's config.json (for a single file, the file's directory's) into
+ * *out (malloc'd, NUL-terminated; NULL when there is none) under the rules a directory's own
+ * files follow: a symbolic link must stay in the directory's tree (or the hub cache's blobs/),
+ * the file must be regular (a FIFO is refused without waiting on it), 16 MiB at most, no NUL
+ * byte. Errors name the file (and a link's target): QKEEP_E_FORMAT, QKEEP_E_IO, QKEEP_E_NOMEM.
+ */
+int ckpt_read_config(const struct ckpt *c, char **out);
 /* Reads a tensor's bytes (t->nbytes of them) into dst. */
 int ckpt_read(const struct ckpt *c, const struct ckpt_tensor *t, void *dst);
 /* Reads bytes [offset, offset + n) of a tensor (a range within it) into dst. */
@@ -130,17 +138,19 @@ int quant_config_parse_standalone(const char *text, const char *where, const cha
  * down_proj) or a parent's suffix (one hash lookup per run of components, whatever the list's
  * length); "re:REGEX" matches as compressed-tensors' Python re.match does, anchored at the
  * start of the module name but not at its end (PCRE2 syntax); an entry with *, ? or [ is a
- * glob (fnmatch) on the module or a parent, in full. A regex that exceeds PCRE2's match limit
- * (catastrophic backtracking) is QKEEP_E_FORMAT naming the file, key, entry and module, within
- * milliseconds; QKEEP_E_NOMEM. Not for concurrent use with ignore_add.
+ * glob (fnmatch) on the module or a parent, in full. A regex that exceeds its limits (one match's
+ * steps, or the load's budget: format/pattern.h) is QKEEP_E_FORMAT naming the file, key, entry and
+ * module, within milliseconds; QKEEP_E_NOMEM. Not for concurrent use (the budget and the rules'
+ * memo are shared by every match of the config).
  */
 int quant_config_match_ignore(const struct quant_config *qc, const char *module, bool *ignored);
 /* quant_config_match_ignore's answer, with an error counted as not ignored (tests, fuzzing). */
 bool quant_config_ignores(const struct quant_config *qc, const char *module);
 /* The config a module loads with: *qc with the first GPTQ `dynamic` "+:" rule that matches
  * the module applied (group size, sym, desc_act); *qc itself when none does. out shares qc's
- * lists (do not free it). A "-:" match is an ignore (quant_config_ignores). */
-void quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out);
+ * lists (do not free it). A "-:" match is an ignore (quant_config_ignores). A rule whose match
+ * exceeds the regex limits: QKEEP_E_FORMAT naming the rule and module (*out is *qc then). */
+int quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out);
 
 /*
  * Adds one entry to qc's ignore list (copied) unless it is already there, and
@@ -153,6 +163,29 @@ void quant_config_for_module(const struct quant_config *qc, const char *module, 
 int ignore_add(struct quant_config *qc, size_t *cap, const char *entry, const char *where, char *why,
                size_t why_len);
 void ignore_matcher_free(struct ignore_matcher *m);
+/*
+ * Compiles one GPTQ `dynamic` rule's pattern (without its "-:" / "+:") as the rule that
+ * qc->dynamic[qc->n_dynamic] will hold (the caller appends it next); `where` ("FILE: KEY.PATH")
+ * is kept for match-time errors. A pattern that does not compile is QKEEP_E_FORMAT with the
+ * reason in `why` and no error detail set; QKEEP_E_NOMEM.
+ */
+int dynamic_rule_add(struct quant_config *qc, const char *pattern, const char *where, char *why,
+                     size_t why_len);
+/*
+ * The index in qc->dynamic of the first rule matching the module (Python re.match), or SIZE_MAX
+ * in *rule. Each module is matched once; later questions about it are one lookup. A match that
+ * exceeds the regex limits (pattern.h): QKEEP_E_FORMAT naming the file, key, rule and module.
+ */
+int dynamic_rule_first(const struct quant_config *qc, const char *module, size_t *rule);
+/* Appends a MIXED_PRECISION quantized layer to qc->quantized (copied) unless already there. */
+int quantized_add(struct quant_config *qc, size_t *cap, const char *layer);
+/* Whether quantized_layers name the module, or a parent, at dot boundaries (one lookup per run of
+ * components, whatever the list's length). */
+bool quantized_covers(const struct quant_config *qc, const char *module);
+/* Sets the regex budget of one load (format/pattern.h) for a checkpoint of n_tensors tensors. */
+void quant_config_budget_for(struct quant_config *qc, size_t n_tensors);
+/* The regex steps charged to qc's budget so far (tests, benches). */
+uint64_t quant_config_regex_steps(const struct quant_config *qc);
 /* The ignore list alone (no GPTQ or MIXED_PRECISION rule): quant_config_match_ignore's last step. */
 int ignore_list_match(const struct quant_config *qc, const char *module, bool *ignored);
 

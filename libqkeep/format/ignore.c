@@ -1,42 +1,37 @@
 /*
- * ignore.c: a quantization config's ignore list, compiled for matching
- * (see checkpoint.h: quant_config_match_ignore).
+ * ignore.c: a quantization config's module names and patterns, compiled for matching (see
+ * checkpoint.h: quant_config_match_ignore): the ignore list, GPTQModel's `dynamic` rules and
+ * ModelOpt MIXED_PRECISION's quantized_layers.
  *
- * Three kinds of entry, matched as the exporters that write them do:
+ * Ignore entries come in three kinds, matched as the exporters that write them do:
  * - plain names ("lm_head", "model.layers.0.mlp"): an entry covers a module
  *   when it is a dot-bounded run of the module's components (the module, a
  *   dot-suffix, a parent or a parent's suffix). All plain entries sit in one
  *   hash set, and a module of k components is k(k+1)/2 lookups, whatever the
  *   length of the list (ModelOpt lists every excluded module, thousands of
- *   them for an MoE model);
+ *   them for an MoE model). quantized_layers are matched the same way;
  * - "re:PATTERN": compressed-tensors' rule, Python's re.match(PATTERN, name):
- *   anchored at the start of the module name, not at its end. PCRE2 (its
- *   syntax covers what these lists use) with a match limit, so a pattern that
- *   backtracks catastrophically fails with an error naming it within
- *   milliseconds instead of hanging a load;
+ *   anchored at the start of the module name, not at its end. Compiled once,
+ *   matched by the config's one regex engine (pattern.h), with its limits per
+ *   match and per load;
  * - shell globs (an entry with * ? or [, as gpt-oss and ModelOpt write them):
  *   fnmatch on the module or a parent, in full. These are few and are tried in
  *   turn.
+ * GPTQ `dynamic` rules are compiled once by the same engine, and each module's first matching rule
+ * is remembered, so that the several questions assembly asks of one module match it once.
  */
-#define PCRE2_CODE_UNIT_WIDTH 8
 #include <assert.h>
 #include <fnmatch.h>
-#include <pcre2.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "format/checkpoint.h"
-
-/* Backtracking steps (and nesting depth) one match of a module name may take. A real ignore
- * pattern on a module name of ~100 characters needs a few thousand; a catastrophic one reaches
- * the limit in milliseconds. */
-#define REGEX_MATCH_LIMIT 1000000u
-#define REGEX_DEPTH_LIMIT 10000u
+#include "format/pattern.h"
 
 struct regex_entry {
-  const char *entry; /* "re:...", borrowed from qc->ignore */
-  char *where;       /* "FILE: KEY.PATH", for a match-time error */
-  pcre2_code *code;
+  char *what; /* "FILE: KEY.PATH: ignore entry 're:...'", for a match-time error */
+  struct pattern *code;
 };
 
 struct ignore_matcher {
@@ -46,7 +41,13 @@ struct ignore_matcher {
   size_t n_regex, cap_regex;
   const char **globs;
   size_t n_globs, cap_globs;
-  pcre2_match_context *limits;
+  struct pattern_engine *engine; /* every pattern's limits, and the load's budget */
+  struct regex_entry *rules;     /* GPTQ dynamic rules, in qc->dynamic's order */
+  size_t n_rules, cap_rules;
+  struct name_index rule_of; /* module -> its first rule + 1 (0: none), for modules matched already */
+  char **matched;            /* rule_of's names (owned) */
+  size_t n_matched, cap_matched;
+  struct name_index quantized; /* MIXED_PRECISION's quantized_layers; keys borrowed from qc->quantized */
 };
 
 static bool has_prefix(const char *s, const char *prefix) { return strncmp(s, prefix, strlen(prefix)) == 0; }
@@ -54,82 +55,164 @@ static bool has_prefix(const char *s, const char *prefix) { return strncmp(s, pr
 /* Only globs need fnmatch: module names never contain these characters. */
 static bool is_glob(const char *entry) { return strpbrk(entry, "*?[") != NULL; }
 
+static void free_entries(struct regex_entry *e, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    pattern_free(e[i].code);
+    free(e[i].what);
+  }
+  free(e);
+}
+
 void ignore_matcher_free(struct ignore_matcher *m) {
   if (!m)
     return;
   name_index_clear(&m->all);
   name_index_clear(&m->plain);
-  for (size_t i = 0; i < m->n_regex; i++) {
-    pcre2_code_free(m->regex[i].code);
-    free(m->regex[i].where);
-  }
-  free(m->regex);
+  free_entries(m->regex, m->n_regex);
+  free_entries(m->rules, m->n_rules);
   free(m->globs);
-  pcre2_match_context_free(m->limits);
+  name_index_clear(&m->rule_of);
+  for (size_t i = 0; i < m->n_matched; i++)
+    free(m->matched[i]);
+  free(m->matched);
+  name_index_clear(&m->quantized);
+  pattern_engine_free(m->engine);
   free(m);
 }
 
-static int new_matcher(struct ignore_matcher **out) {
-  struct ignore_matcher *m = calloc(1, sizeof *m);
-  if (m && !(m->limits = pcre2_match_context_create(NULL))) {
-    free(m);
-    m = NULL;
+/* qc's matcher, made on first use. */
+static int matcher_of(struct quant_config *qc, struct ignore_matcher **out) {
+  if (!qc->matcher) {
+    struct ignore_matcher *m = calloc(1, sizeof *m);
+    if (!m)
+      return set_error(QKEEP_E_NOMEM, "out of memory for an ignore list");
+    int rc = pattern_engine_new(&m->engine);
+    if (rc) {
+      free(m);
+      return rc;
+    }
+    qc->matcher = m;
   }
-  if (!m)
-    return set_error(QKEEP_E_NOMEM, "out of memory for an ignore list");
-  pcre2_set_match_limit(m->limits, REGEX_MATCH_LIMIT);
-  pcre2_set_depth_limit(m->limits, REGEX_DEPTH_LIMIT);
-  *out = m;
+  *out = qc->matcher;
   return 0;
 }
 
-/* Compiles PATTERN (UTF-8, Unicode classes, as Python's str patterns are); why gets PCRE2's reason. */
-static pcre2_code *compile(const char *pattern, char *why, size_t why_len) {
-  int err;
-  PCRE2_SIZE at;
-  pcre2_code *code =
-      pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &err, &at, NULL);
-  if (!code) {
-    PCRE2_UCHAR msg[256];
-    if (pcre2_get_error_message(err, msg, sizeof msg) < 0)
-      snprintf((char *)msg, sizeof msg, "PCRE2 error %d", err);
-    snprintf(why, why_len, "%s at offset %zu", (const char *)msg, (size_t)at);
-  }
-  return code;
+void quant_config_budget_for(struct quant_config *qc, size_t n_tensors) {
+  if (qc->matcher)
+    pattern_engine_budget_for(qc->matcher->engine, n_tensors);
 }
 
-/* Records the compiled "re:" entry (entry borrowed from qc->ignore). */
-static int add_regex(struct ignore_matcher *m, const char *entry, const char *where, char *why,
-                     size_t why_len) {
-  pcre2_code *code = compile(entry + 3, why, why_len);
-  if (!code)
-    return QKEEP_E_FORMAT;
-  int rc = grow_array((void **)&m->regex, &m->cap_regex, m->n_regex + 1, sizeof *m->regex);
-  char *where_copy = rc ? NULL : xstrdup(where);
-  if (!rc && !where_copy)
-    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+uint64_t quant_config_regex_steps(const struct quant_config *qc) {
+  return qc->matcher ? pattern_engine_spent(qc->matcher->engine) : 0;
+}
+
+/* Appends a compiled pattern with its description (`what`, taken over) to a list. */
+static int add_entry(struct regex_entry **list, size_t *n, size_t *cap, struct pattern *code, char *what) {
+  int rc = what ? grow_array((void **)list, cap, *n + 1, sizeof **list)
+                : set_error(QKEEP_E_NOMEM, "out of memory");
   if (rc) {
-    pcre2_code_free(code);
+    pattern_free(code);
+    free(what);
     return rc;
   }
-  m->regex[m->n_regex++] = (struct regex_entry){entry, where_copy, code};
+  (*list)[(*n)++] = (struct regex_entry){what, code};
+  return 0;
+}
+
+/* Records the compiled "re:" entry. */
+static int add_regex(struct ignore_matcher *m, const char *entry, const char *where, char *why,
+                     size_t why_len) {
+  struct pattern *code;
+  int rc = pattern_compile(entry + 3, &code, why, why_len);
+  if (rc)
+    return rc;
+  char *what = NULL;
+  if (qk_asprintf(&what, "%s: ignore entry '%s'", where, entry) < 0)
+    what = NULL;
+  return add_entry(&m->regex, &m->n_regex, &m->cap_regex, code, what);
+}
+
+int dynamic_rule_add(struct quant_config *qc, const char *pattern, const char *where, char *why,
+                     size_t why_len) {
+  why[0] = '\0';
+  struct ignore_matcher *m = NULL;
+  int rc = matcher_of(qc, &m);
+  if (rc)
+    return rc;
+  assert(m->n_rules == qc->n_dynamic);
+  struct pattern *code;
+  if ((rc = pattern_compile(pattern, &code, why, why_len)) != 0)
+    return rc;
+  char *what = NULL;
+  if (qk_asprintf(&what, "%s: rule '%s'", where, pattern) < 0)
+    what = NULL;
+  return add_entry(&m->rules, &m->n_rules, &m->cap_rules, code, what);
+}
+
+int dynamic_rule_first(const struct quant_config *qc, const char *module, size_t *rule) {
+  *rule = SIZE_MAX;
+  struct ignore_matcher *m = qc->matcher;
+  if (!qc->n_dynamic)
+    return 0;
+  assert(m && m->n_rules == qc->n_dynamic); /* rules come only through dynamic_rule_add */
+  size_t seen;
+  if (name_index_get(&m->rule_of, module, &seen)) {
+    *rule = seen ? seen - 1 : SIZE_MAX;
+    return 0;
+  }
+  bool hit = false;
+  size_t i = 0;
+  for (; i < m->n_rules && !hit; i++) {
+    int rc = pattern_match(m->engine, m->rules[i].code, module, m->rules[i].what, &hit);
+    if (rc)
+      return rc;
+  }
+  if (hit)
+    *rule = i - 1;
+  /* Remembered, so that the next question about this module matches nothing; a failure to
+   * remember costs only time. */
+  char *name = xstrdup(module);
+  if (name && grow_array((void **)&m->matched, &m->cap_matched, m->n_matched + 1, sizeof *m->matched) == 0 &&
+      name_index_put(&m->rule_of, name, hit ? i : 0, NULL) == 0)
+    m->matched[m->n_matched++] = name;
+  else
+    free(name);
+  return 0;
+}
+
+int quantized_add(struct quant_config *qc, size_t *cap, const char *layer) {
+  struct ignore_matcher *m = NULL;
+  int rc = matcher_of(qc, &m);
+  size_t seen;
+  if (rc || name_index_get(&m->quantized, layer, &seen))
+    return rc; /* both files may list a layer: the union is what they mean */
+  if ((rc = grow_array((void **)&qc->quantized, cap, qc->n_quantized + 1, sizeof *qc->quantized)) != 0)
+    return rc;
+  char *copy = xstrdup(layer);
+  if (!copy)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  if ((rc = name_index_put(&m->quantized, copy, qc->n_quantized, NULL)) != 0) {
+    free(copy);
+    return rc;
+  }
+  qc->quantized[qc->n_quantized++] = copy;
   return 0;
 }
 
 int ignore_add(struct quant_config *qc, size_t *cap, const char *entry, const char *where, char *why,
                size_t why_len) {
   why[0] = '\0';
-  int rc = qc->matcher ? 0 : new_matcher(&qc->matcher);
-  struct ignore_matcher *m = qc->matcher;
+  struct ignore_matcher *m = NULL;
+  int rc = matcher_of(qc, &m);
   size_t seen;
   if (rc || name_index_get(&m->all, entry, &seen))
     return rc; /* ModelOpt repeats its exclude_modules in both files: the union is what both mean */
   if (has_prefix(entry, "re:")) {
     /* Compiled before anything is recorded, so that a broken pattern fails the parse, not a match. */
-    pcre2_code *check = compile(entry + 3, why, why_len);
-    if (!check)
-      return QKEEP_E_FORMAT;
-    pcre2_code_free(check);
+    struct pattern *check;
+    if ((rc = pattern_compile(entry + 3, &check, why, why_len)) != 0)
+      return rc;
+    pattern_free(check);
   }
   if ((rc = grow_array((void **)&qc->ignore, cap, qc->n_ignore + 1, sizeof *qc->ignore)) != 0)
     return rc;
@@ -193,26 +276,8 @@ static int glob_covers(const char *glob, const char *module, bool *hit) {
   return 0;
 }
 
-/* re.match: anchored at the start of the module name, free at its end. */
-static int regex_covers(const struct ignore_matcher *m, const struct regex_entry *re, const char *module,
-                        pcre2_match_data *md, bool *hit) {
-  int r = pcre2_match(re->code, (PCRE2_SPTR)module, PCRE2_ZERO_TERMINATED, 0, PCRE2_ANCHORED, md, m->limits);
-  *hit = r >= 0;
-  if (r >= 0 || r == PCRE2_ERROR_NOMATCH)
-    return 0;
-  if (r == PCRE2_ERROR_NOMEMORY)
-    return set_error(QKEEP_E_NOMEM, "out of memory matching ignore entry '%s'", re->entry);
-  PCRE2_UCHAR msg[256];
-  if (pcre2_get_error_message(r, msg, sizeof msg) < 0)
-    snprintf((char *)msg, sizeof msg, "PCRE2 error %d", r);
-  if (r == PCRE2_ERROR_MATCHLIMIT || r == PCRE2_ERROR_DEPTHLIMIT || r == PCRE2_ERROR_HEAPLIMIT)
-    return set_error(QKEEP_E_FORMAT,
-                     "%s: ignore entry '%s' gave up on module '%s': %s (over %u backtracking steps; the "
-                     "pattern backtracks catastrophically, e.g. a nested repeat such as (a+)+, so write it "
-                     "without nested or overlapping repeats)",
-                     re->where, re->entry, module, (const char *)msg, REGEX_MATCH_LIMIT);
-  return set_error(QKEEP_E_FORMAT, "%s: ignore entry '%s' failed on module '%s': %s", re->where, re->entry,
-                   module, (const char *)msg);
+bool quantized_covers(const struct quant_config *qc, const char *module) {
+  return qc->matcher && plain_covers(&qc->matcher->quantized, module);
 }
 
 int ignore_list_match(const struct quant_config *qc, const char *module, bool *ignored) {
@@ -229,13 +294,7 @@ int ignore_list_match(const struct quant_config *qc, const char *module, bool *i
   int rc = 0;
   for (size_t i = 0; i < m->n_globs && !rc && !*ignored; i++)
     rc = glob_covers(m->globs[i], module, ignored);
-  if (rc || *ignored || !m->n_regex)
-    return rc;
-  pcre2_match_data *md = pcre2_match_data_create(1, NULL);
-  if (!md)
-    return set_error(QKEEP_E_NOMEM, "out of memory matching the ignore list");
   for (size_t i = 0; i < m->n_regex && !rc && !*ignored; i++)
-    rc = regex_covers(m, &m->regex[i], module, md, ignored);
-  pcre2_match_data_free(md);
+    rc = pattern_match(m->engine, m->regex[i].code, module, m->regex[i].what, ignored);
   return rc;
 }

@@ -13,7 +13,6 @@
  */
 #include <assert.h>
 #include <jansson.h>
-#include <regex.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -174,26 +173,13 @@ static int add_ignores(struct quant_config *qc, size_t *cap, const struct origin
   return rc;
 }
 
-/*
- * A plain entry ignores the module when it appears in the module's name
- * bounded by dots or the ends: the module itself, a dot-suffix ("lm_head"
- * ignores "model.lm_head"), a parent ("model.layers.0.mlp" ignores
- * "model.layers.0.mlp.down_proj"), or a dot-suffix of a parent.
- */
-static bool plain_match(const char *entry, const char *module) {
-  size_t n = strlen(entry);
-  if (n == 0)
-    return module[0] == '\0';
-  for (const char *p = module; p; p = strchr(p, '.')) {
-    if (*p == '.')
-      p++;
-    if (strncmp(p, entry, n) == 0 && (p[n] == '\0' || p[n] == '.'))
-      return true;
-  }
-  return false;
+/* The first GPTQ `dynamic` rule matching the module in *rule, or NULL. */
+static int first_rule(const struct quant_config *qc, const char *module, const struct gptq_rule **rule) {
+  size_t at;
+  int rc = dynamic_rule_first(qc, module, &at);
+  *rule = !rc && at != SIZE_MAX ? &qc->dynamic[at] : NULL;
+  return rc;
 }
-
-static const struct gptq_rule *first_rule(const struct quant_config *qc, const char *module);
 
 /*
  * A module is left unquantized when a GPTQ `dynamic` "-:" rule matches it
@@ -201,17 +187,16 @@ static const struct gptq_rule *first_rule(const struct quant_config *qc, const c
  * when its ignore list covers it (ignore.c).
  */
 int quant_config_match_ignore(const struct quant_config *qc, const char *module, bool *ignored) {
-  const struct gptq_rule *rule = first_rule(qc, module);
+  const struct gptq_rule *rule;
+  *ignored = false;
+  int rc = first_rule(qc, module, &rule);
+  if (rc)
+    return rc;
   *ignored = true;
   if (rule && rule->exclude)
     return 0;
-  if (qc->mixed) { /* MIXED_PRECISION: quantized only where quantized_layers says so */
-    bool listed = false;
-    for (size_t i = 0; i < qc->n_quantized && !listed; i++)
-      listed = plain_match(qc->quantized[i], module);
-    if (!listed)
-      return 0;
-  }
+  if (qc->mixed && !quantized_covers(qc, module)) /* MIXED_PRECISION: only where quantized_layers says */
+    return 0;
   return ignore_list_match(qc, module, ignored);
 }
 
@@ -222,43 +207,19 @@ bool quant_config_ignores(const struct quant_config *qc, const char *module) {
 
 /* ---- GPTQ dynamic rules ---------------------------------------------------------------- */
 
-/* Python's re.match: the pattern must match a prefix of the name (anchored at the start only). */
-static int compile_match(const char *pattern, regex_t *re) {
-  size_t n = strlen(pattern) + 4;
-  char *anchored = malloc(n);
-  if (!anchored)
-    return REG_ESPACE;
-  snprintf(anchored, n, "^(%s)", pattern);
-  int rc = regcomp(re, anchored, REG_EXTENDED | REG_NOSUB);
-  free(anchored);
-  return rc;
-}
-
-/* The first rule matching the module, or NULL. */
-static const struct gptq_rule *first_rule(const struct quant_config *qc, const char *module) {
-  for (size_t i = 0; i < qc->n_dynamic; i++) {
-    regex_t re;
-    if (compile_match(qc->dynamic[i].pattern, &re) != 0)
-      continue; /* only on out of memory: the parse compiled it once already */
-    bool hit = regexec(&re, module, 0, NULL, 0) == 0;
-    regfree(&re);
-    if (hit)
-      return &qc->dynamic[i];
-  }
-  return NULL;
-}
-
-void quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out) {
+int quant_config_for_module(const struct quant_config *qc, const char *module, struct quant_config *out) {
   *out = *qc;
-  const struct gptq_rule *r = first_rule(qc, module);
-  if (!r || r->exclude)
-    return;
+  const struct gptq_rule *r;
+  int rc = first_rule(qc, module, &r);
+  if (rc || !r || r->exclude)
+    return rc;
   if (r->has_group_size)
     out->group_size = r->group_size;
   if (r->has_sym)
     out->weight_sym = r->sym;
   if (r->has_desc_act)
     out->desc_act = r->desc_act;
+  return 0;
 }
 
 /* One "+:" rule's overrides: bits must stay 4; group_size, sym, desc_act as the config keys. */
@@ -293,32 +254,38 @@ static int gptq_dynamic(const struct origin *o, const json_t *dynamic, struct qu
   struct sub_origin od;
   descend(&od, o, "dynamic");
   size_t cap = 0;
+  char *where = NULL, *path = origin_path(&od.o);
+  if (!path || qk_asprintf(&where, "%s: %s", o->file, path) < 0) {
+    free(path);
+    return set_error(QKEEP_E_NOMEM, "%s: out of memory", o->file);
+  }
+  free(path);
   const char *key;
   json_t *v;
+  int rc = 0;
   json_object_foreach((json_t *)dynamic, key, v) {
     struct gptq_rule r = {0};
     r.exclude = has_prefix(key, "-:");
     const char *pattern = r.exclude || has_prefix(key, "+:") ? key + 2 : key;
-    regex_t re;
-    int err = compile_match(pattern, &re);
-    if (err != 0) {
-      char why[256];
-      regerror(err, NULL, why, sizeof why);
-      return key_error(QKEEP_E_FORMAT, &od.o, NULL, "rule '%s' is not a POSIX extended regex: %s", key, why);
-    }
-    regfree(&re);
     struct sub_origin orule;
     descend(&orule, &od.o, key);
-    int rc = r.exclude ? 0 : gptq_rule_values(&orule.o, v, &r); /* a "-:" rule's value is ignored */
+    rc = r.exclude ? 0 : gptq_rule_values(&orule.o, v, &r); /* a "-:" rule's value is ignored */
     if (!rc)
       rc = grow_array((void **)&qc->dynamic, &cap, qc->n_dynamic + 1, sizeof *qc->dynamic);
     if (!rc && !(r.pattern = xstrdup(pattern)))
       rc = set_error(QKEEP_E_NOMEM, "out of memory");
-    if (rc)
-      return rc;
+    char why[256];
+    if (!rc && (rc = dynamic_rule_add(qc, pattern, where, why, sizeof why)) == QKEEP_E_FORMAT)
+      rc =
+          key_error(QKEEP_E_FORMAT, &od.o, NULL, "rule '%s' is not a valid regular expression: %s", key, why);
+    if (rc) {
+      free(r.pattern);
+      break;
+    }
     qc->dynamic[qc->n_dynamic++] = r;
   }
-  return 0;
+  free(where);
+  return rc;
 }
 
 /* ---- ModelOpt ----------------------------------------------------------------------- */
@@ -370,16 +337,8 @@ static int modelopt_mixed(const struct modelopt_decl *d, struct quant_config *qc
     if (group != NVFP4_GROUP)
       return key_error(QKEEP_E_FORMAT, &oe.o, "group_size", "%lld, NVFP4 needs %d", (long long)group,
                        NVFP4_GROUP);
-    bool seen = false;
-    for (size_t i = 0; i < qc->n_quantized && !seen; i++)
-      seen = strcmp(qc->quantized[i], layer) == 0;
-    if (seen)
-      continue;
-    if ((rc = grow_array((void **)&qc->quantized, &cap, qc->n_quantized + 1, sizeof *qc->quantized)) != 0)
+    if ((rc = quantized_add(qc, &cap, layer)) != 0)
       return rc;
-    if (!(qc->quantized[qc->n_quantized] = xstrdup(layer)))
-      return set_error(QKEEP_E_NOMEM, "out of memory");
-    qc->n_quantized++;
   }
   qc->mixed = true;
   return 0;
@@ -1256,6 +1215,8 @@ int quant_config_parse_standalone(const char *text, const char *where, const cha
     for (size_t i = qc->n_dynamic; i < parsed.n_dynamic; i++)
       free(parsed.dynamic[i].pattern);
     qc->dynamic = parsed.dynamic;
+    if (parsed.matcher != qc->matcher) /* made by this parse: it holds nothing of qc's */
+      ignore_matcher_free(parsed.matcher);
     return rc;
   }
   *qc = parsed;

@@ -164,20 +164,17 @@ bad:
 
 /* Opens f->path read-only and records its size. */
 static int open_file(struct st_file *f) {
-  do
-    f->fd = open(f->path, O_RDONLY | O_CLOEXEC);
-  while (f->fd < 0 && errno == EINTR);
-  if (f->fd < 0) {
+  struct stat sb;
+  int fd = open_regular(f->path, &sb);
+  if (fd == OPEN_NOT_REGULAR)
+    return file_error(QKEEP_E_IO, f, "not a regular file (%s)", file_kind(sb.st_mode));
+  if (fd < 0) {
     int err = errno;
     if (err == ENOENT || err == ENOTDIR)
       return file_error(QKEEP_E_NOTFOUND, f, "no such file");
     return file_error(QKEEP_E_IO, f, "cannot open: %s", strerror(err));
   }
-  struct stat sb;
-  if (fstat(f->fd, &sb) != 0)
-    return file_error(QKEEP_E_IO, f, "cannot stat: %s", strerror(errno));
-  if (!S_ISREG(sb.st_mode))
-    return file_error(QKEEP_E_IO, f, "not a regular file");
+  f->fd = fd;
   f->file_size = (uint64_t)sb.st_size;
   return 0;
 }

@@ -294,12 +294,14 @@ static int refuse_plain(const struct assembly *a, const struct module *m, const 
 static int resolve_scheme(const struct assembly *a, const struct module *m, const char *layer_name,
                           const struct scheme **out) {
   struct quant_config module_qc;
-  quant_config_for_module(&a->ck->qc, m->name, &module_qc);
+  *out = NULL;
+  int ignore_rc = quant_config_for_module(&a->ck->qc, m->name, &module_qc);
+  if (ignore_rc)
+    return ignore_rc;
   const struct quant_config *qc = &module_qc;
   int64_t n, k, g;
-  *out = NULL;
   bool ignored = false;
-  int ignore_rc = qc->method == QM_NONE ? 0 : quant_config_match_ignore(qc, layer_name, &ignored);
+  ignore_rc = qc->method == QM_NONE ? 0 : quant_config_match_ignore(qc, layer_name, &ignored);
   if (!ignore_rc && !ignored && qc->method != QM_NONE)
     ignore_rc = quant_config_match_ignore(qc, m->name, &ignored);
   if (ignore_rc)
@@ -349,12 +351,16 @@ static int resolve_scheme(const struct assembly *a, const struct module *m, cons
   return q ? refuse_plain(a, m, layer_name, q) : 0;
 }
 
-/* Whether two modules load with the same per-module config (GPTQ `dynamic` overrides). */
-static bool same_module_config(const struct assembly *a, const struct module *x, const struct module *y) {
+/* Whether two modules load with the same per-module config (GPTQ `dynamic` overrides), in *same. */
+static int same_module_config(const struct assembly *a, const struct module *x, const struct module *y,
+                              bool *same) {
   struct quant_config cx, cy;
-  quant_config_for_module(&a->ck->qc, x->name, &cx);
-  quant_config_for_module(&a->ck->qc, y->name, &cy);
-  return cx.group_size == cy.group_size && cx.weight_sym == cy.weight_sym && cx.desc_act == cy.desc_act;
+  int rc = quant_config_for_module(&a->ck->qc, x->name, &cx);
+  if (!rc)
+    rc = quant_config_for_module(&a->ck->qc, y->name, &cy);
+  *same =
+      !rc && cx.group_size == cy.group_size && cx.weight_sym == cy.weight_sym && cx.desc_act == cy.desc_act;
+  return rc;
 }
 
 /* "<P>.experts.<e>.<proj>": sets *prefix_len (of <P>.experts), *expert and *proj (0 gate, 1 up, 2 down). */
@@ -441,12 +447,17 @@ static int plan_moe(struct assembly *a) {
         else
           s->modules[experts * 2 + x] = m;
       }
-    for (long x = 1; x < experts * 3; x++)
-      if (!same_module_config(a, s->modules[0], s->modules[x]))
+    for (long x = 1; x < experts * 3; x++) {
+      bool same;
+      int rc = same_module_config(a, s->modules[0], s->modules[x], &same);
+      if (rc)
+        return rc;
+      if (!same)
         return set_error(QKEEP_E_UNSUPPORTED,
                          "%s: MoE block %s: GPTQ dynamic rules give %s and %s different group sizes or "
                          "symmetry; one layout per stacked MoE layer is supported",
                          a->ck->path, block, s->modules[0]->name, s->modules[x]->name);
+    }
     int rc = resolve_scheme(a, s->modules[0], block, &s->sch);
     if (rc)
       return rc;
@@ -500,10 +511,12 @@ static int plan_fusion(struct assembly *a) {
         free(name);
         const struct scheme *ms = NULL;
         int rc = mods[m] ? resolve_scheme(a, mods[m], mods[m]->name, &ms) : 0;
+        bool same = true;
+        if (!rc && mods[m] && m > 0 && ms && ms == sch)
+          rc = same_module_config(a, mods[0], mods[m], &same);
         if (rc)
           return rc;
-        complete = mods[m] && !a->used[mods[m] - a->modules] && ms &&
-                   (m == 0 || (ms == sch && same_module_config(a, mods[0], mods[m])));
+        complete = mods[m] && !a->used[mods[m] - a->modules] && ms && (m == 0 || (ms == sch && same));
         sch = ms;
       }
       if (!complete)
@@ -724,7 +737,9 @@ static int create_layer(struct assembly *a, const struct layer_spec *s) {
   layer->scheme_ops = s->kind == SPEC_KV ? &scheme_kv_scales : s->sch;
   struct quant_config module_qc = a->ck->qc;
   if ((s->kind == SPEC_LINEAR || s->kind == SPEC_MOE) && s->modules && s->modules[0])
-    quant_config_for_module(&a->ck->qc, s->modules[0]->name, &module_qc);
+    rc = quant_config_for_module(&a->ck->qc, s->modules[0]->name, &module_qc);
+  if (rc)
+    return add_error_context(rc, "layer %s", s->name);
   const struct quant_config *qc = &module_qc;
   switch (s->kind) {
   case SPEC_LINEAR: rc = scheme_create(layer, s->sch, qc, "", s->modules, 0, s->shards); break;

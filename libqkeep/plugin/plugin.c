@@ -225,31 +225,84 @@ static int init_error_code(int rc) {
   return rc < 0 && rc >= QKEEP_E_STATE ? rc : QKEEP_E_PLUGIN;
 }
 
-int check_trusted(const char *path, const char *what) {
-  char *dir = xstrdup(path);
+/*
+ * One entry of a trusted path: owned by root or the caller, and writable by no one else. A
+ * directory others may write is accepted only with the sticky bit and owned by root or the caller
+ * (as /tmp): no one else can then rename or remove what the caller put there. `real` is a resolved
+ * path (no link in it); `path` is the name asked for, which every message starts with.
+ */
+static int check_entry(const char *path, const char *what, const char *real, bool dir) {
+  struct stat sb;
+  const char *kind = dir ? "directory" : "file";
+  if (stat(real, &sb) != 0)
+    return set_error(QKEEP_E_PLUGIN, "%s: cannot check %s %s %s: %s", path, what, kind, real,
+                     strerror(errno));
+  bool own = sb.st_uid == 0 || sb.st_uid == geteuid();
+  if (!own)
+    return set_error(QKEEP_E_PLUGIN,
+                     "%s: refused: %s %s is owned by uid %u, neither root nor the caller (uid %u)", path,
+                     kind, real, (unsigned)sb.st_uid, (unsigned)geteuid());
+  if ((sb.st_mode & (S_IWGRP | S_IWOTH)) && !(dir && (sb.st_mode & S_ISVTX)))
+    return set_error(
+        QKEEP_E_PLUGIN, "%s: refused: %s %s is writable by %s (mode %03o): anyone could replace the code",
+        path, kind, real, sb.st_mode & S_IWOTH ? "others" : "its group", (unsigned)(sb.st_mode & 0777));
+  return 0;
+}
+
+/* check_entry on every directory from `real` (resolved) up to /. */
+static int check_dirs_up(const char *path, const char *what, const char *real) {
+  char *dir = xstrdup(real);
   if (!dir)
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = 0;
+  for (;;) {
+    if ((rc = check_entry(path, what, dir, true)) != 0 || strcmp(dir, "/") == 0)
+      break;
+    char *slash = strrchr(dir, '/');
+    if (!slash)
+      break; /* realpath's answers are absolute: not reached */
+    slash == dir ? (void)(dir[1] = '\0') : (void)(*slash = '\0');
+  }
+  free(dir);
+  return rc;
+}
+
+/* The resolved directory that holds the name `path` (its last component not followed), malloc'd. */
+static char *real_parent(const char *path) {
+  char *dir = xstrdup(path);
+  if (!dir)
+    return NULL;
   char *slash = strrchr(dir, '/');
   if (slash)
     slash == dir ? (void)(dir[1] = '\0') : (void)(*slash = '\0');
-  const char *checked[2] = {path, slash ? dir : "."};
-  int rc = 0;
-  for (int i = 0; i < 2 && !rc; i++) {
-    struct stat sb;
-    if (stat(checked[i], &sb) != 0)
-      rc = set_error(QKEEP_E_PLUGIN, "%s: cannot check %s %s: %s", path, what, i ? "directory" : "file",
-                     strerror(errno));
-    else if (sb.st_uid != 0 && sb.st_uid != geteuid())
-      rc = set_error(QKEEP_E_PLUGIN,
-                     "%s: refused: %s %s is owned by uid %u, neither root nor the caller (uid %u)", path,
-                     i ? "directory" : "file", checked[i], (unsigned)sb.st_uid, (unsigned)geteuid());
-    else if (sb.st_mode & (S_IWGRP | S_IWOTH))
-      rc = set_error(QKEEP_E_PLUGIN,
-                     "%s: refused: %s %s is writable by %s (mode %03o): anyone could replace the code", path,
-                     i ? "directory" : "file", checked[i], sb.st_mode & S_IWOTH ? "others" : "its group",
-                     (unsigned)(sb.st_mode & 0777));
-  }
+  char *real = realpath(slash ? dir : ".", NULL);
   free(dir);
+  return real;
+}
+
+int check_trusted(const char *path, const char *what) {
+  /* As ssh checks a key: the file the name resolves to, and every directory above it up to /, so
+   * that neither a link into a directory anyone may write nor such a parent lets code in. */
+  char *real = realpath(path, NULL), *parent = NULL;
+  if (!real)
+    return set_error(QKEEP_E_PLUGIN, "%s: cannot check %s file: %s", path, what, strerror(errno));
+  int rc = check_entry(path, what, real, false);
+  if (!rc && !(parent = real_parent(real)))
+    rc = set_error(QKEEP_E_PLUGIN, "%s: cannot check %s directory: %s", path, what, strerror(errno));
+  if (!rc)
+    rc = check_dirs_up(path, what, parent);
+  free(parent);
+  parent = NULL;
+  /* A link: whoever may write the directories holding the link may point it elsewhere. */
+  struct stat lsb;
+  if (!rc && lstat(path, &lsb) == 0 && S_ISLNK(lsb.st_mode)) {
+    if (!(parent = real_parent(path)))
+      rc = set_error(QKEEP_E_PLUGIN, "%s: cannot check %s directory: %s", path, what, strerror(errno));
+    else
+      rc = check_dirs_up(path, what, parent);
+  }
+  free(parent);
+  free(real);
   return rc;
 }
 

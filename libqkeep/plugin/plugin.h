@@ -25,9 +25,11 @@ int plugin_probe_once(qkeep_plugin *plugin, const char **msg);
 /* Whether the process runs set-id (AT_SECURE): library paths from the environment are then
  * ignored, as ld.so ignores LD_LIBRARY_PATH. */
 bool environment_untrusted(void);
-/* 0 when the code at path may be loaded: the file and its directory are owned by root or the
- * caller and writable by nobody else (no group or other write bit), as ld.so trusts nothing less
- * for set-id programs. Otherwise QKEEP_E_PLUGIN naming the path, `what` it is ("plugin") and why. */
+/* 0 when the code at path may be loaded, checked as ssh checks a key: the file the path resolves
+ * to (realpath), every directory above it up to /, and, when path is a symbolic link, every
+ * directory above the link, are owned by root or the caller and writable by nobody else (no group
+ * or other write bit; a directory may have them with the sticky bit, as /tmp). Otherwise
+ * QKEEP_E_PLUGIN naming the path, `what` it is ("plugin"), the offending file or directory and why. */
 int check_trusted(const char *path, const char *what);
 /* Plugins opened from now on stay mapped after their close (RTLD_NODELETE): a switch of
  * qkeep__test_control (reload/test_control.h) alone. */

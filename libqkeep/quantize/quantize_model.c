@@ -155,6 +155,7 @@ struct quantizer {
   char **tmp_paths;
   int64_t written;          /* output bytes, under the lock once streaming */
   int64_t scratch_elements; /* f32 scratch per thread: the largest row block */
+  json_t *input_config;     /* the input's config.json, read before any work; NULL when it has none */
 };
 
 static int add_out(struct quantizer *q, char *name, const struct qkeep_spec *spec, size_t *index) {
@@ -1331,24 +1332,37 @@ static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant)
   return qc;
 }
 
+/*
+ * The input's config.json, read up front (so that a file that cannot be read fails before any
+ * work) and under the checkpoint directory's rules (ckpt_read_config): a link out of the
+ * directory is refused, never copied into the output. A config.json that is no JSON object is
+ * not carried over (the output gets a config.json of its own).
+ */
+static int read_input_config(struct quantizer *q) {
+  char *text;
+  int rc = ckpt_read_config(q->ck, &text);
+  if (rc || !text)
+    return rc;
+  json_t *config = NULL;
+  int line, column, position;
+  char why[160];
+  rc = json_parse(text, strlen(text), 0, &config, &line, &column, &position, why);
+  free(text);
+  if (rc == QKEEP_E_NOMEM)
+    return set_error(rc, "%s/config.json: out of memory parsing JSON", q->ck->dir);
+  if (!rc && json_is_object(config))
+    q->input_config = config;
+  else
+    json_decref(config);
+  return 0;
+}
+
 /* config.json: the input's (when it has one) with quantization_config set. */
 static int write_configs(struct quantizer *q) {
-  char *path = strfmt("%s/config.json", q->ck->dir);
-  if (!path)
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  json_t *config = NULL;
-  struct stat st;
-  if (stat(path, &st) == 0 && S_ISDIR(st.st_mode) == 0 && strcmp(q->ck->dir, q->out_dir) != 0) {
-    json_error_t err;
-    config = json_load_file(path, 0, &err);
-    if (!config || !json_is_object(config)) {
-      json_decref(config);
-      config = NULL;
-    }
-  }
-  free(path);
+  char *path;
+  json_t *config = q->input_config ? json_deep_copy(q->input_config) : json_object();
   if (!config)
-    config = json_object();
+    return set_error(QKEEP_E_NOMEM, "out of memory");
   json_t *hf = NULL;
   json_object_set_new(config, "quantization_config", quantization_config(q, &hf));
   int rc = 0;
@@ -1396,6 +1410,7 @@ static void remove_output(const struct quantizer *q) {
 }
 
 static void quantizer_free(struct quantizer *q) {
+  json_decref(q->input_config);
   for (size_t i = 0; i < q->n_outs; i++)
     free(q->outs[i].name);
   free(q->outs);
@@ -1492,6 +1507,8 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
     rc =
         set_error(QKEEP_E_INVAL, "%s: already quantized (%s); qkeep quantize needs an unquantized checkpoint",
                   in, ck->qc.scheme);
+  if (!rc && strcmp(ck->dir, out_dir) != 0)
+    rc = read_input_config(&q);
   if (!rc)
     rc = plan(&q);
   if (!rc)

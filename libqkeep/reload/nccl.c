@@ -4,8 +4,8 @@
  * qkeep links no CUDA library and builds everywhere; the few entry points and types used are
  * declared here from NCCL's documented C API (nccl.h): ncclGetUniqueId, ncclCommInitRank,
  * ncclBroadcast, ncclCommDestroy, ncclGetErrorString. A path is trusted as a plugin's is
- * (check_trusted: owner and write bits of the file and its directory), and the environment's
- * is ignored in a set-id process.
+ * (check_trusted: owner and write bits of the resolved file and of every directory above it), and the
+ * environment's is ignored in a set-id process.
  *
  * NCCL's configuration is the caller's: the library never sets an environment variable. Where
  * NVLink multicast (NVLS) must stay off, the caller sets NCCL_NVLS_ENABLE=0 before its first

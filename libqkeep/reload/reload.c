@@ -476,9 +476,10 @@ static int check_config(const qkeep_layer *layer, const struct quant_config *qc,
   if (layer->n_sources && qc->n_dynamic) {
     const char *name = layer->sources[0].checkpoint_name, *dot = strrchr(name, '.');
     char *module = dot ? strndup(name, (size_t)(dot - name)) : NULL;
-    if (module)
-      quant_config_for_module(qc, module, &module_qc);
+    int rc = module ? quant_config_for_module(qc, module, &module_qc) : 0;
     free(module);
+    if (rc)
+      return rc;
   }
   uint32_t want = sch->flags ? sch->flags(&module_qc) & mask : 0;
   if ((layer->dims.flags & mask) != want)

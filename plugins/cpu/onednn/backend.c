@@ -100,7 +100,12 @@ static const struct qkeep_backend_key onednn_keys[] = {
      "without AVX-512 VNNI: exact 7-bit activations (7bit), or leave w8a8-int8 layers to the next backend"},
 };
 
-/* Linear and MoE layers of w8a8-int8 and unquantized f32/bf16/f16; every other kind lives in host memory. */
+/* |sum (u - zp) q_w| <= 255 * 128 * K must fit the s32 accumulator of an int8 matmul. */
+#define OD_INT8_MAX_K 65536
+
+/* Linear and MoE layers of w8a8-int8 (K up to OD_INT8_MAX_K in each matrix) and unquantized
+ * f32/bf16/f16; every other kind lives in host memory. Refuses every layer PWAL would refuse for
+ * what the layer's info shows, so that a chain hands it to the next backend instead of failing. */
 static int onednn_supports_layer(const struct qkeep_backend *be, const struct qkeep_layer_info *info,
                                  char *reason, size_t reason_len) {
   const struct od_backend *b = od_of(be);
@@ -116,6 +121,13 @@ static int onednn_supports_layer(const struct qkeep_backend *be, const struct qk
     snprintf(reason, reason_len,
              "w8a8-int8 refused: no AVX-512 VNNI on this CPU, where oneDNN 2.6 int8 products saturate "
              "(int8_without_vnni = refuse)");
+    return 0;
+  }
+  /* an MoE layer's second matrix (w2) has K = the intermediate size, half of w13's N */
+  int64_t k = info->kind == QKEEP_LAYER_MOE && info->n / 2 > info->k ? info->n / 2 : info->k;
+  if (k > OD_INT8_MAX_K) {
+    snprintf(reason, reason_len, "w8a8-int8 with K = %lld: int8 accumulation in s32 needs K <= %d",
+             (long long)k, OD_INT8_MAX_K);
     return 0;
   }
   return 1;
@@ -297,10 +309,9 @@ static int pwal_int8(struct od_backend *b, qkeep_layer *layer, const struct qkee
   int rc = checkpoint_weight(b, layer, info, mt, 1u << QKEEP_DTYPE_I8, &w);
   if (rc)
     return rc;
-  /* |sum (u - zp) q_w| <= 255 * 128 * K must fit the s32 accumulator. */
-  if (mt->k > 65536)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: K = %lld: int8 accumulation in s32 needs K <= 65536",
-                              info->name, (long long)mt->k);
+  if (mt->k > OD_INT8_MAX_K)
+    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: K = %lld: int8 accumulation in s32 needs K <= %d",
+                              info->name, (long long)mt->k, OD_INT8_MAX_K);
   mt->compute = OD_INT8;
   mt->store = OD_IN_WEIGHT;
   if ((rc = od_matrix_prepare(b, mt, QKEEP_DTYPE_I8, false)) ||
