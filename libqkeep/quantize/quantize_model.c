@@ -213,10 +213,36 @@ static bool quantizable(const struct ckpt_tensor *t) {
 }
 
 /*
+ * A fusion group is found by name; its members share one global scale, so each must be a 2-D
+ * float weight as t is. Quantizing t and copying an odd sibling unchanged would write a group
+ * that no loader takes (fused shards share one scheme), so the group is refused, naming the
+ * member and why. Returns n, or QKEEP_E_FORMAT.
+ */
+static int check_fusion_group(const struct ckpt_tensor *t, const struct ckpt_tensor *const *group, int n) {
+  for (int g = 0; g < n; g++) {
+    const struct st_tensor *m = group[g]->t;
+    if (quantizable(group[g]))
+      continue;
+    int ndim = m->full_shape ? m->full_ndim : m->ndim;
+    if (ndim != 2)
+      return set_error(QKEEP_E_FORMAT,
+                       "%s: tensor '%s': %d dimension%s, but it is in a fusion group with '%s' (one "
+                       "global scale for the group): every member must be a 2-D float weight",
+                       group[g]->file->path, m->name, ndim, ndim == 1 ? "" : "s", t->t->name);
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: tensor '%s': dtype %s, but it is in a fusion group with '%s' (one global "
+                     "scale for the group): every member must be a 2-D float weight (F32, F16, BF16)",
+                     group[g]->file->path, m->name, m->dtype_name, t->t->name);
+  }
+  return n;
+}
+
+/*
  * Modules whose weights share one NVFP4 global scale: fused shards under one
  * parent (q/k/v, gate/up), and each expert's gate/up. `group` gets the
  * tensors of the group containing t, in the rule's order; returns the count
- * (1: t alone), or a negative QKEEP_E_NOMEM.
+ * (1: t alone), or a negative QKEEP_E_NOMEM or QKEEP_E_FORMAT (a member that is not a 2-D
+ * float weight).
  */
 static int fusion_group(const struct ckpt *ck, const struct ckpt_tensor *t,
                         const struct ckpt_tensor *group[MAX_MEMBERS]) {
@@ -244,7 +270,7 @@ static int fusion_group(const struct ckpt *ck, const struct ckpt_tensor *t,
       group[n++] = c;
     }
     if (mine >= 0 && n >= 2 && rules[r][n] == NULL)
-      return n;
+      return check_fusion_group(t, group, n);
   }
   group[0] = t;
   return 1;
