@@ -11,6 +11,7 @@
  *   - a packed dimension whose element count does not fit in 64 bits (signed overflow);
  *   - a static activation scale of 0 (kernels divide by it);
  *   - the forward check and the kernels called with a row count whose f32 size wraps;
+ *   - a NaN in one output element fails the forward check, whichever element it is;
  *   - expert index LONG_MAX, MoE prefixes of 600 and 5000 characters, and two attention
  *     blocks whose names agree in their first 600 characters.
  */
@@ -352,6 +353,66 @@ static int count_layers(void *user, const struct qkeep_layer_error *e) {
   return 0;
 }
 
+static int keep_worst(void *user, const struct qkeep_layer_error *e) {
+  *(struct qkeep_layer_error *)user = *e;
+  return 0;
+}
+
+/* A model whose output is NaN at one element and exact elsewhere: the forward check reports a NaN
+ * error (no tolerance passes it), wherever the NaN is, in the model's output or the reference's. An
+ * element after the NaN used to overwrite its difference. The NaN comes from a weight: row r of the
+ * weight NaN at one column makes output column r NaN in every row of activations. */
+START_TEST(a_nan_in_one_output_fails_the_forward_check) {
+  qkeep_plugin *plugin;
+  ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
+  static const int64_t rows[] = {0, 3, 7};
+  float w[8 * 16];
+  uint64_t rng = 9;
+  for (int i = 0; i < 8 * 16; i++)
+    w[i] = tu_randf(&rng);
+  struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_F32, .ndim = 2, .shape = {8, 16}};
+  char *clean = tu_path(dir, "clean.safetensors"), *poisoned = tu_path(dir, "nan.safetensors");
+  struct st_writer *sw;
+  ck_assert_int_eq(st_writer_new(&sw), 0);
+  ck_assert_int_eq(st_writer_add(sw, MODULE ".weight", &spec, w), 0);
+  ck_assert_int_eq(st_writer_write(sw, clean), 0);
+  st_writer_free(sw);
+  qkeep_model *ref;
+  ck_assert_int_eq(qkeep_model_new(plugin, &ref), 0);
+  ck_assert_msg(qkeep_model_load(ref, clean) == 0, "%s", qkeep_errmsg());
+  for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+    float bad[8 * 16];
+    memcpy(bad, w, sizeof bad);
+    bad[rows[r] * 16 + 5] = NAN;
+    ck_assert_int_eq(st_writer_new(&sw), 0);
+    ck_assert_int_eq(st_writer_add(sw, MODULE ".weight", &spec, bad), 0);
+    ck_assert_int_eq(st_writer_write(sw, poisoned), 0);
+    st_writer_free(sw);
+    qkeep_model *m;
+    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+    ck_assert_msg(qkeep_model_load(m, poisoned) == 0, "%s", qkeep_errmsg());
+    for (int side = 0; side < 2; side++) /* the NaN in the model's output, then in the reference's */
+      for (int64_t mrows = 1; mrows <= 2; mrows++) {
+        struct qkeep_layer_error e = {.max_abs = 0};
+        ck_assert_int_eq(qkeep_compare(side ? ref : m, side ? m : ref, mrows, 1, keep_worst, &e), 0);
+        ck_assert_msg(isnan(e.max_abs) && isnan(e.max_rel),
+                      "NaN at output column %lld, %s side, %lld rows: max_abs %g, max_rel %g",
+                      (long long)rows[r], side ? "reference" : "model", (long long)mrows, e.max_abs,
+                      e.max_rel);
+      }
+    /* the control: the same model against itself */
+    struct qkeep_layer_error e = {.max_abs = 1};
+    ck_assert_int_eq(qkeep_compare(ref, ref, 2, 1, keep_worst, &e), 0);
+    ck_assert(e.max_abs == 0 && e.max_rel == 0);
+    qkeep_model_free(m);
+  }
+  qkeep_model_free(ref);
+  free(clean);
+  free(poisoned);
+  qkeep_plugin_close(plugin);
+}
+END_TEST
+
 /* m rows whose f32 size wraps size_t: refused before any buffer is sized from it. */
 START_TEST(row_counts_whose_size_wraps_are_refused) {
   qkeep_plugin *plugin;
@@ -652,6 +713,7 @@ static Suite *sizes_suite(void) {
   tcase_add_test(tc, packed_dimension_past_64_bits_is_refused);
   tcase_add_test(tc, zero_static_input_scale_is_refused);
   tcase_add_test(tc, row_counts_whose_size_wraps_are_refused);
+  tcase_add_test(tc, a_nan_in_one_output_fails_the_forward_check);
   tcase_add_test(tc, names_of_600_characters_load);
   tcase_add_test(tc, names_of_5000_characters_load);
   tcase_add_test(tc, expert_index_long_max_is_refused);
