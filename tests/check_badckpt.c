@@ -946,6 +946,52 @@ START_TEST(config_tie_word_embeddings_not_boolean) {
 }
 END_TEST
 
+/* tie_word_embeddings with a w8a8-quantized embedding and no lm_head: the tied lm_head would run the
+ * embedding's int8 codes as an unquantized weight (all-zero logits on both sides of the forward check).
+ * Refused, naming the embedding and its scheme. */
+START_TEST(config_tie_word_embeddings_over_a_quantized_embedding) {
+  char *ck = copy_variant(V_W8A8);
+  struct tu_tensors ts = weights_of(ck);
+  drop(&ts, "model.embed_tokens.weight");
+  drop_module(&ts, "lm_head");
+  rename_prefix(&ts, L0 "self_attn.o_proj.",
+                "model.embed_tokens."); /* I8 weight, weight_scale, input_scale */
+  save_weights(&ts, ck);
+  json_t *cfg = load_json(ck, "config.json");
+  json_object_set_new(cfg, "tie_word_embeddings", json_true());
+  store_json(ck, "config.json", cfg);
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_W8A8], "tie_word_embeddings", "model.embed_tokens",
+             "w8a8-int8", NULL);
+  free(ck);
+}
+END_TEST
+
+/* tie_word_embeddings with an lm_head of the checkpoint's own: transformers and vLLM ignore the tensor
+ * and tie lm_head to the embedding, qkeep loaded it untied. The contradiction is refused, naming the
+ * tensor; without the tensor the same checkpoint loads, tied. */
+START_TEST(config_tie_word_embeddings_beside_an_lm_head) {
+  char *ck = copy_variant(V_AWQ);
+  json_t *cfg = load_json(ck, "config.json");
+  json_object_set_new(cfg, "tie_word_embeddings", json_true());
+  store_json(ck, "config.json", cfg);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_AWQ], "config.json", "tie_word_embeddings", "'lm_head.weight'",
+             NULL);
+  struct tu_tensors ts = weights_of(ck);
+  drop_module(&ts, "lm_head");
+  save_weights(&ts, ck);
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_msg(qkeep_model_load(m, ck) == 0, "%s", qkeep_errmsg());
+  const qkeep_layer *lm_head = qkeep_model_find_layer(m, "lm_head");
+  ck_assert_ptr_nonnull(lm_head);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  ck_assert_int_eq(qkeep_layer_get_info(lm_head, &info), 0);
+  ck_assert(info.flags & QKEEP_LAYER_F_TIED);
+  qkeep_model_free(m);
+  free(ck);
+}
+END_TEST
+
 /* config.json says GPTQ, the tensors are ModelOpt NVFP4. */
 START_TEST(config_gptq_tensors_nvfp4) {
   char *ck = copy_variant(V_MODELOPT);
@@ -1322,6 +1368,8 @@ static Suite *badckpt_suite(void) {
   tcase_add_test(tc, hf_quant_algo_unsupported);
   tcase_add_test(tc, hf_quant_group_size_not_16);
   tcase_add_test(tc, config_tie_word_embeddings_not_boolean);
+  tcase_add_test(tc, config_tie_word_embeddings_over_a_quantized_embedding);
+  tcase_add_test(tc, config_tie_word_embeddings_beside_an_lm_head);
   tcase_add_test(tc, config_gptq_tensors_nvfp4);
   tcase_add_test(tc, config_modelopt_tensors_compressed_tensors);
   /* a scheme's tensors */
