@@ -508,6 +508,49 @@ START_TEST(a_fusion_member_that_is_no_float_matrix_is_refused) {
 }
 END_TEST
 
+/* An input tensor whose name is one that quantizing another writes (a.q_proj.weight_scale beside
+ * a.q_proj.weight): refused before anything is written, sharded or not, naming both. Sharded, the
+ * two used to land in different shards and the command succeeded with a checkpoint qkeep refuses. */
+START_TEST(an_input_tensor_named_as_a_generated_one_is_refused) {
+  static const struct {
+    const char *scheme, *collides;
+  } cases[] = {
+      {"modelopt-nvfp4", "weight_scale"}, {"ct-nvfp4", "weight_packed"}, {"w8a8-int8", "input_scale"},
+      {"gptq-int4", "qweight"},           {"awq-int4", "scales"},        {"ct-int4", "weight_shape"},
+      {"mxfp4", "weight_scale"}};
+  char *dir = tu_tmpdir("collide");
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    struct st_writer *w;
+    ck_assert_int_eq(st_writer_new(&w), 0);
+    uint64_t seed = 3;
+    add_bf16(w, "a.q_proj.weight", 64, 64, &seed, -1);
+    add_bf16(w, "b.norm.weight", 4096, 0, &seed, -1); /* large: sharded, it sits between the two */
+    char collides[64];
+    snprintf(collides, sizeof collides, "a.q_proj.%s", cases[c].collides);
+    add_bf16(w, collides, 4, 0, &seed, -1);
+    char *model = tu_path(dir, "model.safetensors");
+    ck_assert_int_eq(st_writer_write(w, model), 0);
+    st_writer_free(w);
+    for (int sharded = 0; sharded < 2; sharded++) {
+      char *out = tu_path(dir, "out");
+      struct qkeep_quantize_options o = options(cases[c].scheme, 2, sharded ? 1024 : 0);
+      int rc = qkeep_quantize(model, out, &o);
+      const char *msg = qkeep_errmsg();
+      ck_assert_msg(rc == QKEEP_E_FORMAT, "%s, sharded %d: returned %d: %s", cases[c].scheme, sharded, rc,
+                    rc ? msg : "");
+      char quoted[80];
+      snprintf(quoted, sizeof quoted, "'%s'", collides);
+      ck_assert_msg(strstr(msg, quoted) && strstr(msg, "'a.q_proj.weight'"), "%s: %s", cases[c].scheme, msg);
+      ck_assert_int_ne(access(out, F_OK), 0); /* nothing left */
+      free(out);
+    }
+    free(model);
+  }
+  tu_rmtree(dir);
+  free(dir);
+}
+END_TEST
+
 static Suite *quantize_suite(void) {
   Suite *s = suite_create("quantize");
   TCase *tc = tcase_create("streaming");
@@ -520,6 +563,7 @@ static Suite *quantize_suite(void) {
   tcase_add_test(tc, layout_is_the_written_file);
   tcase_add_test(tc, e4m3_values_are_the_decoders);
   tcase_add_test(tc, a_fusion_member_that_is_no_float_matrix_is_refused);
+  tcase_add_test(tc, an_input_tensor_named_as_a_generated_one_is_refused);
   suite_add_tcase(s, tc);
   return s;
 }

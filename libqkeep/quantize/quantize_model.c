@@ -93,9 +93,11 @@ struct out_tensor {
   struct qkeep_spec spec;
   size_t nbytes;
   int shard;
-  uint64_t offset;         /* in its shard file */
-  bool constant;           /* its bytes are known at plan time: value */
-  unsigned char value[16]; /* a constant's bytes (at most 16) */
+  uint64_t offset;                /* in its shard file */
+  const struct ckpt_tensor *from; /* the input it copies or quantizes; NULL: a kv-cache scale */
+  bool copied;                    /* from is copied unchanged */
+  bool constant;                  /* its bytes are known at plan time: value */
+  unsigned char value[16];        /* a constant's bytes (at most 16) */
 };
 
 enum unit_kind { UNIT_COPY, UNIT_QUANT };
@@ -457,6 +459,40 @@ static int add_unit(struct quantizer *q, struct unit **out) {
   return 0;
 }
 
+/* What writes an output tensor, for messages. */
+static char *output_origin(const struct out_tensor *o) {
+  if (!o->from)
+    return strfmt("a kv-cache scale of qkeep quantize");
+  return o->copied ? strfmt("the input's tensor '%s' (copied)", o->from->t->name)
+                   : strfmt("quantizing '%s'", o->from->t->name);
+}
+
+/*
+ * Every output name once, across all shards: an input tensor named as one that quantizing another
+ * writes (`a.q_proj.weight_scale` beside `a.q_proj.weight`) is refused before anything is written.
+ * The shards' writers see one shard each, so two copies in two shards would pass them.
+ */
+static int check_unique_outputs(const struct quantizer *q) {
+  struct name_index seen = {0};
+  int rc = name_index_reserve(&seen, q->n_outs);
+  for (size_t i = 0; i < q->n_outs && !rc; i++) {
+    size_t first;
+    rc = name_index_put(&seen, q->outs[i].name, i, &first);
+    if (rc == QKEEP_E_EXISTS) {
+      char *a = output_origin(&q->outs[first]), *b = output_origin(&q->outs[i]);
+      rc = a && b ? set_error(QKEEP_E_FORMAT,
+                              "%s: output tensor '%s' would be written twice, by %s and by %s; rename or "
+                              "remove the input tensor",
+                              q->ck->path, q->outs[i].name, a, b)
+                  : set_error(QKEEP_E_NOMEM, "out of memory");
+      free(a);
+      free(b);
+    }
+  }
+  name_index_clear(&seen);
+  return rc;
+}
+
 /* The whole plan: outputs in the order the scheme writes them, then units in input order. */
 static int plan(struct quantizer *q) {
   const struct ckpt *ck = q->ck;
@@ -468,16 +504,22 @@ static int plan(struct quantizer *q) {
     const struct ckpt_tensor *t = &ck->tensors[i];
     if (!quantizable(t)) {
       rc = plan_copy(q, t, &copy_of[i]);
+      if (!rc)
+        q->outs[copy_of[i]].from = t, q->outs[copy_of[i]].copied = true;
       continue;
     }
     char *module = strfmt("%.*s", (int)(strlen(t->t->name) - 7), t->t->name);
     rc = module ? plan_weight(q, t, module, &wps[i]) : set_error(QKEEP_E_NOMEM, "out of memory");
+    for (int o = 0; o < wps[i].n_out && !rc; o++)
+      q->outs[wps[i].out[o]].from = t;
     if (rc && rc != QKEEP_E_NOMEM)
       add_error_context(rc, "quantizing '%s'", t->t->name);
     free(module);
   }
   if (!rc && q->opt->kv_cache_scales)
     rc = plan_kv_scales(q);
+  if (!rc)
+    rc = check_unique_outputs(q);
   for (size_t i = 0; i < ck->n_tensors && !rc; i++) {
     const struct ckpt_tensor *t = &ck->tensors[i];
     struct unit *u;
