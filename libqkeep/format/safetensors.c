@@ -162,7 +162,13 @@ bad:
 
 /* ---- opening ---------------------------------------------------------------------- */
 
-/* Opens f->path read-only and records its size. */
+static struct st_identity identity_of(const struct stat *sb) {
+  return (struct st_identity){(uint64_t)sb->st_dev, (uint64_t)sb->st_ino, (uint64_t)sb->st_size,
+                              sb->st_mtim.tv_sec,   sb->st_mtim.tv_nsec,  sb->st_ctim.tv_sec,
+                              sb->st_ctim.tv_nsec};
+}
+
+/* Opens f->path read-only and records its size and identity. */
 static int open_file(struct st_file *f) {
   do
     f->fd = open(f->path, O_RDONLY | O_CLOEXEC);
@@ -179,6 +185,15 @@ static int open_file(struct st_file *f) {
   if (!S_ISREG(sb.st_mode))
     return file_error(QKEEP_E_IO, f, "not a regular file");
   f->file_size = (uint64_t)sb.st_size;
+  f->opened = identity_of(&sb);
+  return 0;
+}
+
+int st_identity_now(const struct st_file *f, struct st_identity *out) {
+  struct stat sb;
+  if (fstat(f->fd, &sb) != 0)
+    return file_error(QKEEP_E_IO, f, "cannot stat: %s", strerror(errno));
+  *out = identity_of(&sb);
   return 0;
 }
 

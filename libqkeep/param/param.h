@@ -149,12 +149,6 @@ struct source_ref {
   size_t source;
 };
 
-/* A file as it was when the model read it: a rollback re-reads W0 only if it is still that file. */
-struct file_id {
-  uint64_t dev, ino, size;
-  int64_t mtime_s, mtime_ns, ctime_s, ctime_ns;
-};
-
 /* The backend chain: its links in order. Never resized: storages point at their link's device. */
 struct chain {
   struct owner *owners;
@@ -162,10 +156,11 @@ struct chain {
 };
 
 /* What the model's bytes equal now (a rollback re-reads it): the checkpoint and the identity of
- * each of its files when it was read (model/model.c: model_source_*). path NULL: none. */
+ * each of its files as opened, before the model read it, and checked again after (model/model.c:
+ * model_source_*): a rollback re-reads W0 only if it is still that file. path NULL: none. */
 struct model_source {
   char *path;
-  struct file_id *ids;
+  struct st_identity *ids;
   size_t n;
 };
 
