@@ -632,7 +632,7 @@ static int parse_header(struct st_file *f, const char *header) {
   char *what = NULL;
   if (qk_asprintf(&what, "%s: header is not valid JSON", f->path) < 0)
     return file_error(QKEEP_E_NOMEM, f, "out of memory");
-  struct json_scan h = {.text = header, .len = (size_t)f->header_len, .what = what};
+  struct json_scan h = {.text = header, .len = (size_t)f->header_len, .what = what, .file = f->path};
   struct json_member m = {.more = true};
   size_t cap = 0;
   bool seen_metadata = false;
