@@ -14,6 +14,7 @@
  * the corruption's and nothing else's.
  */
 #include <check.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdarg.h>
@@ -21,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "checkutil.h"
@@ -712,6 +714,72 @@ START_TEST(ckpt_file_shrinks_during_load) {
 }
 END_TEST
 
+/* Waits (sleeping, no assertion on time) until the clock has left the second of the file's change
+ * time: a write from then on gives the file another change time at any file system's granularity. */
+static void wait_past_change_time(const char *path) {
+  struct stat sb;
+  ck_assert_int_eq(stat(path, &sb), 0);
+  for (struct timespec now = {0};
+       clock_gettime(CLOCK_REALTIME, &now) == 0 && now.tv_sec <= sb.st_ctim.tv_sec;)
+    nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL);
+}
+
+/* A tensor's bytes rewritten in place (each XOR 1: a bf16 1.0 stays finite; size kept) by the
+ * progress callback, after the first layer: a trainer saving into the directory mid-load. */
+struct rewrite {
+  char *path;
+  bool armed;
+  uint64_t at, n;
+};
+
+static struct rewrite rewrite_of(const char *path, const char *tensor) {
+  struct st_file *f;
+  ck_assert_msg(st_open(path, &f) == 0, "%s", qkeep_errmsg());
+  const struct st_tensor *t = st_find(f, tensor);
+  ck_assert_msg(t != NULL, "%s has no '%s'", path, tensor);
+  struct rewrite r = {strdup(path), true, t->offset, t->nbytes};
+  st_close(f);
+  wait_past_change_time(path);
+  return r;
+}
+
+static void rewrite_after_first_layer(void *user, size_t done, size_t total, const char *layer) {
+  struct rewrite *r = user;
+  (void)total;
+  (void)layer;
+  if (!r->armed || done != 1)
+    return;
+  r->armed = false;
+  unsigned char *bytes = malloc(r->n);
+  int fd = open(r->path, O_RDWR);
+  ck_assert(bytes && fd >= 0);
+  ck_assert_int_eq(pread(fd, bytes, r->n, (off_t)r->at), (ssize_t)r->n);
+  for (uint64_t i = 0; i < r->n; i++)
+    bytes[i] ^= 1;
+  ck_assert_int_eq(pwrite(fd, bytes, r->n, (off_t)r->at), (ssize_t)r->n);
+  close(fd);
+  free(bytes);
+}
+
+/* W0's weight file written in place (same size) while the cold start reads it: the load would hold a
+ * mix of old and new bytes that no file holds (and a later rollback would re-read the new ones as
+ * "unchanged"). The file's identity is taken at the open and checked after the reads: refused,
+ * naming the file. */
+START_TEST(ckpt_file_rewritten_in_place_during_load) {
+  char *ck = copy_variant(V_MODELOPT), *file = tu_path(ck, "model.safetensors");
+  struct rewrite r = rewrite_of(file, "model.norm.weight");
+  qkeep_model *model;
+  ck_assert_int_eq(qkeep_model_new(plugin, &model), 0);
+  qkeep_model_set_progress(model, rewrite_after_first_layer, &r);
+  expect_bad_in(model, ck, QKEEP_E_IO, variant_dir[V_MODELOPT], file, "changed", "the load read a mix", NULL);
+  ck_assert(!r.armed); /* the rewrite happened during the load */
+  qkeep_model_free(model);
+  free(r.path);
+  free(file);
+  free(ck);
+}
+END_TEST
+
 /* ---- shards and the index ------------------------------------------------------------------------- */
 
 /* The shard the index names for a tensor (malloc'd). */
@@ -942,6 +1010,52 @@ START_TEST(config_tie_word_embeddings_not_boolean) {
   json_object_set_new(cfg, "tie_word_embeddings", json_string("yes"));
   store_json(ck, "config.json", cfg);
   expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_AWQ], "config.json", "tie_word_embeddings is a string", NULL);
+  free(ck);
+}
+END_TEST
+
+/* tie_word_embeddings with a w8a8-quantized embedding and no lm_head: the tied lm_head would run the
+ * embedding's int8 codes as an unquantized weight (all-zero logits on both sides of the forward check).
+ * Refused, naming the embedding and its scheme. */
+START_TEST(config_tie_word_embeddings_over_a_quantized_embedding) {
+  char *ck = copy_variant(V_W8A8);
+  struct tu_tensors ts = weights_of(ck);
+  drop(&ts, "model.embed_tokens.weight");
+  drop_module(&ts, "lm_head");
+  rename_prefix(&ts, L0 "self_attn.o_proj.",
+                "model.embed_tokens."); /* I8 weight, weight_scale, input_scale */
+  save_weights(&ts, ck);
+  json_t *cfg = load_json(ck, "config.json");
+  json_object_set_new(cfg, "tie_word_embeddings", json_true());
+  store_json(ck, "config.json", cfg);
+  expect_bad(ck, QKEEP_E_UNSUPPORTED, variant_dir[V_W8A8], "tie_word_embeddings", "model.embed_tokens",
+             "w8a8-int8", NULL);
+  free(ck);
+}
+END_TEST
+
+/* tie_word_embeddings with an lm_head of the checkpoint's own: transformers and vLLM ignore the tensor
+ * and tie lm_head to the embedding, qkeep loaded it untied. The contradiction is refused, naming the
+ * tensor; without the tensor the same checkpoint loads, tied. */
+START_TEST(config_tie_word_embeddings_beside_an_lm_head) {
+  char *ck = copy_variant(V_AWQ);
+  json_t *cfg = load_json(ck, "config.json");
+  json_object_set_new(cfg, "tie_word_embeddings", json_true());
+  store_json(ck, "config.json", cfg);
+  expect_bad(ck, QKEEP_E_FORMAT, variant_dir[V_AWQ], "config.json", "tie_word_embeddings", "'lm_head.weight'",
+             NULL);
+  struct tu_tensors ts = weights_of(ck);
+  drop_module(&ts, "lm_head");
+  save_weights(&ts, ck);
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_msg(qkeep_model_load(m, ck) == 0, "%s", qkeep_errmsg());
+  const qkeep_layer *lm_head = qkeep_model_find_layer(m, "lm_head");
+  ck_assert_ptr_nonnull(lm_head);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  ck_assert_int_eq(qkeep_layer_get_info(lm_head, &info), 0);
+  ck_assert(info.flags & QKEEP_LAYER_F_TIED);
+  qkeep_model_free(m);
   free(ck);
 }
 END_TEST
@@ -1305,6 +1419,7 @@ static Suite *badckpt_suite(void) {
   tcase_add_test(tc, ckpt_weights_not_a_regular_file);
   tcase_add_test(tc, ckpt_config_not_a_regular_file);
   tcase_add_test(tc, ckpt_file_shrinks_during_load);
+  tcase_add_test(tc, ckpt_file_rewritten_in_place_during_load);
   /* shards and the index */
   tcase_add_test(tc, shard_file_missing);
   tcase_add_test(tc, shard_file_truncated);
@@ -1322,6 +1437,8 @@ static Suite *badckpt_suite(void) {
   tcase_add_test(tc, hf_quant_algo_unsupported);
   tcase_add_test(tc, hf_quant_group_size_not_16);
   tcase_add_test(tc, config_tie_word_embeddings_not_boolean);
+  tcase_add_test(tc, config_tie_word_embeddings_over_a_quantized_embedding);
+  tcase_add_test(tc, config_tie_word_embeddings_beside_an_lm_head);
   tcase_add_test(tc, config_gptq_tensors_nvfp4);
   tcase_add_test(tc, config_modelopt_tensors_compressed_tensors);
   /* a scheme's tensors */

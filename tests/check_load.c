@@ -245,7 +245,7 @@ END_TEST
 static bool byte_is_bad(enum qkeep_dtype dtype, unsigned b) {
   if (dtype == QKEEP_DTYPE_F8_E4M3)
     return (b & 0x7f) == 0x7f || ((b & 0x80) && (b & 0x7f)); /* NaN, or negative and not -0 */
-  return b == 0xff;                                         /* e8m0's NaN */
+  return b == 0xff;                                          /* e8m0's NaN */
 }
 
 /* Every byte value at every position of runs of 1..40 good bytes: found, and the first one named. */
@@ -260,7 +260,7 @@ START_TEST(one_byte_scales_are_judged_at_every_position) {
             buf[i] = (unsigned char)(0x38 + i % 3); /* good in all three */
           buf[at] = (unsigned char)v;
           size_t index = 99;
-          const char *why = bad_scales(dtypes[d], buf, n, false, &index);
+          const char *why = bad_scales(dtypes[d], buf, n, &(struct scale_rule){0}, &index);
           ck_assert_msg((why != NULL) == byte_is_bad(dtypes[d], v), "dtype %d byte 0x%02x at %zu of %zu",
                         dtypes[d], v, at, n);
           if (why)

@@ -504,6 +504,108 @@ START_TEST(the_input_config_json_follows_the_directorys_rules) {
 }
 END_TEST
 
+/* A fusion group (q/k/v, gate/up, w1/w3) whose members are not all 2-D float weights: the group is found
+ * by name, and each member's dtype and rank are checked before any of its bytes are read. Every NVFP4
+ * scheme refuses, naming the odd member; nothing is left behind. */
+START_TEST(a_fusion_member_that_is_no_float_matrix_is_refused) {
+  static const struct {
+    const char *odd;     /* the odd member's name */
+    struct qkeep_spec s; /* and its spec */
+    const char *why;
+  } cases[] = {
+      {"model.layers.0.mlp.up_proj.weight", {QKEEP_DTYPE_U8, 2, {16, 16}}, "dtype U8"},
+      {"model.layers.0.mlp.up_proj.weight", {QKEEP_DTYPE_I32, 2, {16, 16}}, "dtype I32"},
+      {"model.layers.0.mlp.up_proj.weight", {QKEEP_DTYPE_BF16, 3, {16, 16, 1}}, "3 dimensions"},
+      {"model.layers.0.self_attn.k_proj.weight", {QKEEP_DTYPE_I8, 2, {16, 16}}, "dtype I8"},
+      {"model.layers.0.mlp.experts.0.w3.weight", {QKEEP_DTYPE_BF16, 1, {256}}, "1 dimension"},
+  };
+  static const char *const nvfp4[] = {"modelopt-nvfp4", "ct-nvfp4"};
+  char *dir = tu_tmpdir("fusion-odd");
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    struct st_writer *w;
+    ck_assert_int_eq(st_writer_new(&w), 0);
+    uint64_t seed = 11;
+    /* the odd member's siblings, 2-D bf16 [16, 16] */
+    static const char *const siblings[] = {
+        "model.layers.0.mlp.gate_proj.weight",    "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.experts.0.w1.weight",
+        "model.layers.0.mlp.experts.0.w3.weight"};
+    for (size_t i = 0; i < sizeof siblings / sizeof siblings[0]; i++)
+      if (strcmp(siblings[i], cases[c].odd) != 0)
+        add_bf16(w, siblings[i], 16, 16, &seed, -1);
+    size_t nbytes;
+    ck_assert(spec_bytes_checked(&cases[c].s, &nbytes));
+    unsigned char *bytes = calloc(nbytes, 1);
+    ck_assert_int_eq(st_writer_add(w, cases[c].odd, &cases[c].s, bytes), 0);
+    free(bytes);
+    char *model = tu_path(dir, "model.safetensors");
+    ck_assert_int_eq(st_writer_write(w, model), 0);
+    st_writer_free(w);
+    for (size_t s = 0; s < 2; s++)
+      for (int threads = 1; threads <= 3; threads += 2) {
+        char *out = tu_path(dir, "out");
+        struct qkeep_quantize_options o = options(nvfp4[s], threads, s ? 600 : 0);
+        ck_assert_int_eq(qkeep_quantize(model, out, &o), QKEEP_E_FORMAT);
+        const char *msg = qkeep_errmsg();
+        char *quoted = tu_path("", cases[c].odd); /* "/name": the name follows a quote in the message */
+        quoted[0] = '\'';
+        ck_assert_msg(strstr(msg, quoted) && strstr(msg, cases[c].why) && strstr(msg, "fusion group"),
+                      "%s, %s: %s", nvfp4[s], cases[c].odd, msg);
+        free(quoted);
+        ck_assert_int_ne(access(out, F_OK), 0); /* nothing left */
+        free(out);
+      }
+    free(model);
+  }
+  tu_rmtree(dir);
+  free(dir);
+}
+END_TEST
+
+/* An input tensor whose name is one that quantizing another writes (a.q_proj.weight_scale beside
+ * a.q_proj.weight): refused before anything is written, sharded or not, naming both. Sharded, the
+ * two used to land in different shards and the command succeeded with a checkpoint qkeep refuses. */
+START_TEST(an_input_tensor_named_as_a_generated_one_is_refused) {
+  static const struct {
+    const char *scheme, *collides;
+  } cases[] = {
+      {"modelopt-nvfp4", "weight_scale"}, {"ct-nvfp4", "weight_packed"}, {"w8a8-int8", "input_scale"},
+      {"gptq-int4", "qweight"},           {"awq-int4", "scales"},        {"ct-int4", "weight_shape"},
+      {"mxfp4", "weight_scale"}};
+  char *dir = tu_tmpdir("collide");
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    struct st_writer *w;
+    ck_assert_int_eq(st_writer_new(&w), 0);
+    uint64_t seed = 3;
+    add_bf16(w, "a.q_proj.weight", 64, 64, &seed, -1);
+    add_bf16(w, "b.norm.weight", 4096, 0, &seed, -1); /* large: sharded, it sits between the two */
+    char collides[64];
+    snprintf(collides, sizeof collides, "a.q_proj.%s", cases[c].collides);
+    add_bf16(w, collides, 4, 0, &seed, -1);
+    char *model = tu_path(dir, "model.safetensors");
+    ck_assert_int_eq(st_writer_write(w, model), 0);
+    st_writer_free(w);
+    for (int sharded = 0; sharded < 2; sharded++) {
+      char *out = tu_path(dir, "out");
+      struct qkeep_quantize_options o = options(cases[c].scheme, 2, sharded ? 1024 : 0);
+      int rc = qkeep_quantize(model, out, &o);
+      const char *msg = qkeep_errmsg();
+      ck_assert_msg(rc == QKEEP_E_FORMAT, "%s, sharded %d: returned %d: %s", cases[c].scheme, sharded, rc,
+                    rc ? msg : "");
+      char quoted[80];
+      snprintf(quoted, sizeof quoted, "'%s'", collides);
+      ck_assert_msg(strstr(msg, quoted) && strstr(msg, "'a.q_proj.weight'"), "%s: %s", cases[c].scheme, msg);
+      ck_assert_int_ne(access(out, F_OK), 0); /* nothing left */
+      free(out);
+    }
+    free(model);
+  }
+  tu_rmtree(dir);
+  free(dir);
+}
+END_TEST
+
 static Suite *quantize_suite(void) {
   Suite *s = suite_create("quantize");
   TCase *tc = tcase_create("streaming");
@@ -516,6 +618,8 @@ static Suite *quantize_suite(void) {
   tcase_add_test(tc, layout_is_the_written_file);
   tcase_add_test(tc, e4m3_values_are_the_decoders);
   tcase_add_test(tc, the_input_config_json_follows_the_directorys_rules);
+  tcase_add_test(tc, a_fusion_member_that_is_no_float_matrix_is_refused);
+  tcase_add_test(tc, an_input_tensor_named_as_a_generated_one_is_refused);
   suite_add_tcase(s, tc);
   return s;
 }

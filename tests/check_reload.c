@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ckptutil.h"
@@ -444,6 +445,81 @@ START_TEST(rollback_to_a_w0_that_became_a_fifo_does_not_wait) {
 }
 END_TEST
 
+/* Waits (sleeping, no assertion on time) until the clock has left the second of the file's change
+ * time: a write from then on gives the file another change time at any file system's granularity. */
+static void wait_past_change_time(const char *path) {
+  struct stat sb;
+  ck_assert_int_eq(stat(path, &sb), 0);
+  for (struct timespec now = {0};
+       clock_gettime(CLOCK_REALTIME, &now) == 0 && now.tv_sec <= sb.st_ctim.tv_sec;)
+    nanosleep(&(struct timespec){0, 20 * 1000 * 1000}, NULL);
+}
+
+/* A tensor's bytes rewritten in place (each XOR 1: a bf16 1.0 stays finite; size kept) by the
+ * progress callback, after the first layer: a trainer saving into the directory mid-load. */
+struct rewrite {
+  char *path;
+  bool armed;
+  uint64_t at, n;
+};
+
+static struct rewrite rewrite_of(const char *path, const char *tensor) {
+  struct st_file *f;
+  ck_assert_msg(st_open(path, &f) == 0, "%s", qkeep_errmsg());
+  const struct st_tensor *t = st_find(f, tensor);
+  ck_assert_msg(t != NULL, "%s has no '%s'", path, tensor);
+  struct rewrite r = {strdup(path), true, t->offset, t->nbytes};
+  st_close(f);
+  wait_past_change_time(path);
+  return r;
+}
+
+static void rewrite_after_first_layer(void *user, size_t done, size_t total, const char *layer) {
+  struct rewrite *r = user;
+  (void)total;
+  (void)layer;
+  if (!r->armed || done != 1)
+    return;
+  r->armed = false;
+  unsigned char *bytes = malloc(r->n);
+  int fd = open(r->path, O_RDWR);
+  ck_assert(bytes && fd >= 0);
+  ck_assert_int_eq(pread(fd, bytes, r->n, (off_t)r->at), (ssize_t)r->n);
+  for (uint64_t i = 0; i < r->n; i++)
+    bytes[i] ^= 1;
+  ck_assert_int_eq(pwrite(fd, bytes, r->n, (off_t)r->at), (ssize_t)r->n);
+  close(fd);
+  free(bytes);
+}
+
+/* W1's weight file written in place (same size) while the reload reads it: the reload would leave a
+ * mix of W1's old and new bytes. W1's identity is taken at the open and checked after the reads: the
+ * reload fails naming the file and the model is W0 again; a reload of the file as it now stands
+ * succeeds. */
+START_TEST(w1_rewritten_in_place_during_the_reload_rolls_back) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "w8a8-int8", "q0", 0, false), *w1 = quantize(s1, "w8a8-int8", "q1", 0, false);
+  qkeep_model *m = load(w0);
+  struct qkeep_digest d0 = digest(m);
+  char *file = tu_path(w1, "model.safetensors");
+  struct rewrite r = rewrite_of(file, "model.norm.weight");
+  qkeep_model_set_progress(m, rewrite_after_first_layer, &r);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_IO);
+  const char *msg = qkeep_errmsg();
+  ck_assert_msg(strstr(msg, file) && strstr(msg, "the reload read a mix") && strstr(msg, "rolled back to"),
+                "%s", msg);
+  ck_assert(!r.armed);
+  ck_assert(same(digest(m), d0));
+  qkeep_model_set_progress(m, NULL, NULL);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  qkeep_model *cold = load(w1);
+  ck_assert(same(digest(m), digest(cold)));
+  qkeep_model_free(cold);
+  qkeep_model_free(m);
+  free(r.path), free(file), free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
 /* Every tensor of a checkpoint in host buffers. */
 struct tensors {
   struct ckpt *ck;
@@ -758,6 +834,7 @@ static Suite *reload_suite(const char *backend) {
   tcase_add_test(tc, rollback_after_w0_changed_on_disk_refuses_to_run);
   tcase_add_test(tc, rollback_sees_an_in_place_rewrite_that_keeps_size_and_mtime);
   tcase_add_test(tc, rollback_to_a_w0_that_became_a_fifo_does_not_wait);
+  tcase_add_test(tc, w1_rewritten_in_place_during_the_reload_rolls_back);
   tcase_add_test(tc, reload_from_memory_buffers);
   tcase_add_test(tc, partial_update_of_chosen_layers);
   tcase_add_test(tc, direct_load_into_live_params);

@@ -150,7 +150,8 @@ static const struct bad_header bad_headers[] = {
     {"{\"w\xed\xa0\x80\":" F32_1(0, 4) "}", 4, QKEEP_E_FORMAT, NULL, "UTF-8"},     /* surrogate */
     {"{\"w\xf4\x90\x80\x80\":" F32_1(0, 4) "}", 4, QKEEP_E_FORMAT, NULL, "UTF-8"}, /* > U+10FFFF */
     {"{}  \xe2\x82", 0, QKEEP_E_FORMAT, NULL, "UTF-8"},                            /* cut sequence */
-    {"{\"a\\u0000b\":" F32_1(0, 4) "}", 4, QKEEP_E_FORMAT, NULL, "JSON"},          /* NUL in a name */
+    /* NUL in a name: valid JSON and valid safetensors, refused (qkeep's names are C strings) */
+    {"{\"a\\u0000b\":" F32_1(0, 4) "}", 4, QKEEP_E_UNSUPPORTED, NULL, "\\u0000"},
     /* duplicate names */
     {"{\"dup\":" F32_1(0, 4) ",\"dup\":" F32_1(4, 8) "}", 8, QKEEP_E_FORMAT, NULL, "\"dup\""},
     {"{\"__metadata__\":{},\"__metadata__\":{}}", 0, QKEEP_E_FORMAT, NULL, "duplicate"},
@@ -452,6 +453,26 @@ START_TEST(test_reference_accepts) {
   f = open_ok(path);
   ck_assert_ptr_null(f->tensors[0].full_shape);
   st_close(f);
+  free(path);
+}
+END_TEST
+
+/*
+ * Names with escapes: each decodes to its bytes ("a\u0041b" is "aAb", "a\\u0000b" the eight
+ * characters a, \, u, 0, 0, 0, 0, b), but the escape \u0000 (a NUL character, which the reference
+ * reader accepts) is refused as unsupported, naming the file and the place: qkeep's names are C
+ * strings, so "a\u0000b" would stand for "a" (here a second tensor's name).
+ */
+START_TEST(test_nul_in_a_name_is_refused_other_escapes_load) {
+  char *path =
+      put_st("escapes.safetensors", "{\"a\\u0041b\":" F32_1(0, 4) ",\"a\\\\u0000b\":" F32_1(4, 8) "}", 8);
+  struct st_file *f = open_ok(path);
+  ck_assert_ptr_nonnull(st_find(f, "aAb"));
+  ck_assert_ptr_nonnull(st_find(f, "a\\u0000b"));
+  st_close(f);
+  free(path);
+  path = put_st("nul.safetensors", "{\"a\":" F32_1(0, 4) ",\n\"a\\u0000b\":" F32_1(4, 8) "}", 8);
+  expect_open_error(path, QKEEP_E_UNSUPPORTED, NULL, "line 2, column 1 holds the escape \\u0000");
   free(path);
 }
 END_TEST
@@ -905,6 +926,7 @@ static Suite *safetensors_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, test_handbuilt_valid);
   tcase_add_test(tc, test_reference_accepts);
+  tcase_add_test(tc, test_nul_in_a_name_is_refused_other_escapes_load);
   tcase_add_test(tc, test_handbuilt_no_tensors);
   tcase_add_test(tc, test_handbuilt_padding);
   tcase_add_test(tc, test_truncated_after_open);

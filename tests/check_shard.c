@@ -798,7 +798,8 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
   sync_case_open(&c);
   qkeep_sync *sy;
   /* 1. a wrong shape in the second bucket: the first bucket's layers are put back */
-  for (int fault = 0; fault < 5; fault++) {
+  struct qkeep_bucket_tensor *zero_between = NULL; /* fault 5's tensors */
+  for (int fault = 0; fault < 6; fault++) {
     ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);
     struct qkeep_bucket b0 = bucket_of(&c.sd, 0, c.sd.buf[0]);
     ck_assert_msg(qkeep_sync_bucket(sy, &b0) == 0, "%s", qkeep_errmsg());
@@ -815,7 +816,32 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
       t->offset = c.sd.tensors[1][1].offset, want = QKEEP_E_INVAL, words = "overlap";
     else if (fault == 3)
       b1.nbytes = t->offset, want = QKEEP_E_INVAL, words = "pass the bucket's end";
-    else { /* a NaN block scale (e4m3 0x7f) in the first scale tensor of the bucket */
+    else if (fault == 5) {
+      /* the second tensor moved into the first, and a zero-length tensor (another rank's, whose spec
+       * this rank does not know) between them in offset order: neighbours in offset order never overlap */
+      size_t n = c.sd.count[1];
+      ck_assert_uint_ge(n, 2);
+      zero_between = malloc((n + 1) * sizeof *zero_between);
+      ck_assert_ptr_nonnull(zero_between);
+      memcpy(zero_between, c.sd.tensors[1], n * sizeof *zero_between);
+      size_t first_bytes;
+      ck_assert(spec_bytes_checked(&zero_between[0].spec, &first_bytes));
+      ck_assert_uint_ge(first_bytes, 3);
+      ck_assert_uint_gt(zero_between[1].offset, zero_between[0].offset);
+      zero_between[1].offset = zero_between[0].offset + 2;
+      const char *foreign = NULL; /* rank 0's expert, not in this bucket */
+      static const char *const others[] = {"model.layers.1.mlp.experts.0.gate_proj.weight",
+                                           "model.layers.1.mlp.experts.1.gate_proj.weight"};
+      for (size_t o = 0; o < 2 && !foreign; o++) {
+        foreign = others[o];
+        for (size_t i = 0; i < n; i++)
+          foreign = strcmp(zero_between[i].name, others[o]) == 0 ? NULL : foreign;
+      }
+      ck_assert_ptr_nonnull(foreign);
+      zero_between[n] = (struct qkeep_bucket_tensor){
+          foreign, {.dtype = QKEEP_DTYPE_U8, .ndim = 1, .shape = {0}}, zero_between[0].offset + 1};
+      b1.tensors = zero_between, b1.n = n + 1, want = QKEEP_E_INVAL, words = "overlap";
+    } else { /* a NaN block scale (e4m3 0x7f) in the first scale tensor of the bucket */
       for (size_t i = 0; i < c.sd.count[1] && !scale; i++)
         if (ends_with(c.sd.tensors[1][i].name, ".weight_scale"))
           scale = c.sd.buf[1] + c.sd.tensors[1][i].offset;
@@ -831,6 +857,8 @@ START_TEST(a_bad_bucket_fails_the_sync_and_puts_w0_back) {
     *t = saved;
     if (scale)
       *scale = scale_saved;
+    free(zero_between);
+    zero_between = NULL;
   }
   /* 2. ending early: the missing tensor is named, W0 put back */
   ck_assert_int_eq(qkeep_sync_begin(c.m, &sy), 0);

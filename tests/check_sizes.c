@@ -9,8 +9,10 @@
  *     loaded, and the same model then loads the good checkpoint (a division by N or K crashed
  *     the core, the reference kernel and oneDNN);
  *   - a packed dimension whose element count does not fit in 64 bits (signed overflow);
- *   - a static activation scale of 0 (kernels divide by it);
+ *   - a static activation scale of 0 (kernels divide by it), and scales whose reciprocal or
+ *     product with the codes they multiply overflows float;
  *   - the forward check and the kernels called with a row count whose f32 size wraps;
+ *   - a NaN in one output element fails the forward check, whichever element it is;
  *   - expert index LONG_MAX, MoE prefixes of 600 and 5000 characters, and two attention
  *     blocks whose names agree in their first 600 characters.
  */
@@ -346,11 +348,133 @@ START_TEST(zero_static_input_scale_is_refused) {
 }
 END_TEST
 
+/* A scale whose reciprocal (kernels divide by it or invert it) or whose product with the largest code
+ * it multiplies (FP4 6 times E4M3 448 for a global scale, int8 127, int4 15) overflows float decodes to
+ * Inf or garbage: refused naming the tensor and the element, at load and by a reload. */
+START_TEST(scales_whose_reciprocal_or_product_overflows_are_refused) {
+  static const struct {
+    enum variant v;
+    const char *scale;
+    size_t element;
+    float value;
+    const char *why;
+  } cases[] = {
+      {V_W8A8, "input_scale", 0, 1e-45f, "reciprocal"},
+      {V_MODELOPT, "input_scale", 0, 1e-45f, "reciprocal"},
+      {V_CT_NVFP4, "input_global_scale", 0, 1e-45f, "reciprocal"},
+      {V_CT_NVFP4, "weight_global_scale", 0, 1e-45f, "reciprocal"},
+      {V_CT_NVFP4, "weight_global_scale", 0, 0.0f, "zero"}, /* inverted: 1/0 */
+      {V_MODELOPT, "weight_scale_2", 0, 3e38f, "overflows"},
+      {V_MODELOPT, "input_scale", 0, 3e38f, "overflows"},
+      {V_W8A8, "weight_scale", 5, 3e36f, "overflows"},
+      {V_CT_INT4, "weight_scale", 7, 3e37f, "overflows"},
+  };
+  for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+    char name[64];
+    snprintf(name, sizeof name, "%s-scale-%zu", variants[cases[c].v].name, c);
+    char *ck = copy_variant(cases[c].v, name), *file = tu_path(ck, "model.safetensors");
+    struct tu_tensors ts = tu_read_tensors(file);
+    struct tu_tensor *s = find(&ts, cases[c].scale);
+    ck_assert_msg(s != NULL, "%s has no %s", variants[cases[c].v].name, cases[c].scale);
+    unsigned char *at = (unsigned char *)s->data + cases[c].element * qkeep_dtype_size(s->spec.dtype);
+    if (s->spec.dtype == QKEEP_DTYPE_F32)
+      memcpy(at, &cases[c].value, 4);
+    else {
+      ck_assert_int_eq(s->spec.dtype, QKEEP_DTYPE_BF16);
+      uint16_t h = qk_f32_to_bf16(cases[c].value);
+      memcpy(at, &h, 2);
+    }
+    tu_write_tensors(&ts, file);
+    char needle[160];
+    snprintf(needle, sizeof needle, "'" MODULE ".%s': element %zu is", cases[c].scale, cases[c].element);
+    expect_refused("reference", ck, QKEEP_E_FORMAT, variant_dir[cases[c].v], needle);
+    expect_refused("reference", ck, QKEEP_E_FORMAT, NULL, cases[c].why);
+    if (cases[c].v == V_W8A8 && have_onednn())
+      expect_refused("cpu-onednn", ck, QKEEP_E_FORMAT, variant_dir[cases[c].v], needle);
+    qkeep_plugin *plugin;
+    ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
+    qkeep_model *m;
+    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+    ck_assert_int_eq(qkeep_model_load(m, variant_dir[cases[c].v]), 0);
+    struct qkeep_digest before, after;
+    ck_assert_int_eq(qkeep_digest(m, &before), 0);
+    ck_assert_int_eq(qkeep_model_reload(m, ck, 0), QKEEP_E_FORMAT);
+    ck_assert_msg(strstr(qkeep_errmsg(), needle) != NULL, "%s", qkeep_errmsg());
+    ck_assert_int_eq(qkeep_digest(m, &after), 0);
+    ck_assert_mem_eq(&before, &after, sizeof before);
+    qkeep_model_free(m);
+    qkeep_plugin_close(plugin);
+    free(file);
+    free(ck);
+  }
+}
+END_TEST
+
 static int count_layers(void *user, const struct qkeep_layer_error *e) {
   (void)e;
   ++*(int *)user;
   return 0;
 }
+
+static int keep_worst(void *user, const struct qkeep_layer_error *e) {
+  *(struct qkeep_layer_error *)user = *e;
+  return 0;
+}
+
+/* A model whose output is NaN at one element and exact elsewhere: the forward check reports a NaN
+ * error (no tolerance passes it), wherever the NaN is, in the model's output or the reference's. An
+ * element after the NaN used to overwrite its difference. The NaN comes from a weight: row r of the
+ * weight NaN at one column makes output column r NaN in every row of activations. */
+START_TEST(a_nan_in_one_output_fails_the_forward_check) {
+  qkeep_plugin *plugin;
+  ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
+  static const int64_t rows[] = {0, 3, 7};
+  float w[8 * 16];
+  uint64_t rng = 9;
+  for (int i = 0; i < 8 * 16; i++)
+    w[i] = tu_randf(&rng);
+  struct qkeep_spec spec = {.dtype = QKEEP_DTYPE_F32, .ndim = 2, .shape = {8, 16}};
+  char *clean = tu_path(dir, "clean.safetensors"), *poisoned = tu_path(dir, "nan.safetensors");
+  struct st_writer *sw;
+  ck_assert_int_eq(st_writer_new(&sw), 0);
+  ck_assert_int_eq(st_writer_add(sw, MODULE ".weight", &spec, w), 0);
+  ck_assert_int_eq(st_writer_write(sw, clean), 0);
+  st_writer_free(sw);
+  qkeep_model *ref;
+  ck_assert_int_eq(qkeep_model_new(plugin, &ref), 0);
+  ck_assert_msg(qkeep_model_load(ref, clean) == 0, "%s", qkeep_errmsg());
+  for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+    float bad[8 * 16];
+    memcpy(bad, w, sizeof bad);
+    bad[rows[r] * 16 + 5] = NAN;
+    ck_assert_int_eq(st_writer_new(&sw), 0);
+    ck_assert_int_eq(st_writer_add(sw, MODULE ".weight", &spec, bad), 0);
+    ck_assert_int_eq(st_writer_write(sw, poisoned), 0);
+    st_writer_free(sw);
+    qkeep_model *m;
+    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+    ck_assert_msg(qkeep_model_load(m, poisoned) == 0, "%s", qkeep_errmsg());
+    for (int side = 0; side < 2; side++) /* the NaN in the model's output, then in the reference's */
+      for (int64_t mrows = 1; mrows <= 2; mrows++) {
+        struct qkeep_layer_error e = {.max_abs = 0};
+        ck_assert_int_eq(qkeep_compare(side ? ref : m, side ? m : ref, mrows, 1, keep_worst, &e), 0);
+        ck_assert_msg(isnan(e.max_abs) && isnan(e.max_rel),
+                      "NaN at output column %lld, %s side, %lld rows: max_abs %g, max_rel %g",
+                      (long long)rows[r], side ? "reference" : "model", (long long)mrows, e.max_abs,
+                      e.max_rel);
+      }
+    /* the control: the same model against itself */
+    struct qkeep_layer_error e = {.max_abs = 1};
+    ck_assert_int_eq(qkeep_compare(ref, ref, 2, 1, keep_worst, &e), 0);
+    ck_assert(e.max_abs == 0 && e.max_rel == 0);
+    qkeep_model_free(m);
+  }
+  qkeep_model_free(ref);
+  free(clean);
+  free(poisoned);
+  qkeep_plugin_close(plugin);
+}
+END_TEST
 
 /* m rows whose f32 size wraps size_t: refused before any buffer is sized from it. */
 START_TEST(row_counts_whose_size_wraps_are_refused) {
@@ -651,7 +775,9 @@ static Suite *sizes_suite(void) {
   tcase_add_test(tc, empty_weight_with_huge_other_dimension_is_refused);
   tcase_add_test(tc, packed_dimension_past_64_bits_is_refused);
   tcase_add_test(tc, zero_static_input_scale_is_refused);
+  tcase_add_test(tc, scales_whose_reciprocal_or_product_overflows_are_refused);
   tcase_add_test(tc, row_counts_whose_size_wraps_are_refused);
+  tcase_add_test(tc, a_nan_in_one_output_fails_the_forward_check);
   tcase_add_test(tc, names_of_600_characters_load);
   tcase_add_test(tc, names_of_5000_characters_load);
   tcase_add_test(tc, expert_index_long_max_is_refused);

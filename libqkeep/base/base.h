@@ -139,6 +139,7 @@ struct json_scan {
   const char *text;
   size_t len, pos;
   const char *what; /* the message prefix, e.g. "PATH: header is not valid JSON" */
+  const char *file; /* the file, for errors in valid JSON (a NUL in a string); NULL: what */
   bool first;
 };
 struct json_member {
@@ -166,7 +167,10 @@ int json_parse(const char *text, size_t len, size_t flags, struct json_t **out, 
 struct json_t *json_loadb_watched(const char *text, size_t len, size_t flags, void *err, bool *no_memory);
 /* jansson's parse of text[at, at + n) (a json_t *, the caller's); its errors placed in the whole text. */
 int json_scan_parse(const struct json_scan *s, size_t at, size_t n, struct json_t **out);
-/* The JSON string at text[at, at + n) (quotes included), decoded, malloc'd. */
+/* The JSON string at text[at, at + n) (quotes included), decoded, malloc'd. A string holding the
+ * escape \u0000 is refused (QKEEP_E_UNSUPPORTED naming s->file and the place): qkeep's names are C
+ * strings (its API, name indexes and messages end a name at its first NUL), so "a\u0000b" would
+ * stand for "a". */
 int json_scan_string(const struct json_scan *s, size_t at, size_t n, bool escaped, char **out);
 int json_scan_error(const struct json_scan *s, size_t at, const char *why);
 

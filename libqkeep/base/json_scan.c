@@ -18,11 +18,17 @@
 
 static bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-int json_scan_error(const struct json_scan *s, size_t at, const char *why) {
-  int line = 1, column = 1;
-  for (size_t i = 0; i < at && i < s->len; i++, column++)
+/* The line and column of text[at]. */
+static void json_scan_where(const struct json_scan *s, size_t at, int *line, int *column) {
+  *line = 1, *column = 1;
+  for (size_t i = 0; i < at && i < s->len; i++, ++*column)
     if (s->text[i] == '\n')
-      line++, column = 0;
+      ++*line, *column = 0;
+}
+
+int json_scan_error(const struct json_scan *s, size_t at, const char *why) {
+  int line, column;
+  json_scan_where(s, at, &line, &column);
   return set_error(QKEEP_E_FORMAT, "%s: %s (line %d, column %d)", s->what, why, line, column);
 }
 
@@ -154,10 +160,26 @@ int json_scan_string(const struct json_scan *s, size_t at, size_t n, bool escape
     *out = strndup(s->text + at + 1, n - 2); /* no escapes: the bytes are the string */
   } else {
     json_t *v;
-    int rc = json_scan_parse(s, at, n, &v);
+    int line, column, position;
+    char why[160];
+    /* JSON_ALLOW_NUL: a NUL is valid JSON; it is refused below for what it is, not as a syntax error */
+    int rc =
+        json_parse(s->text + at, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &v, &line, &column, &position, why);
+    if (rc == QKEEP_E_NOMEM)
+      return set_error(QKEEP_E_NOMEM, "%s: out of memory parsing JSON", s->what);
     if (rc)
-      return rc;
-    *out = xstrdup(json_string_value(v));
+      return json_scan_error(s, at + (size_t)(position > 0 ? position : 0), why);
+    const char *text = json_string_value(v);
+    if (strlen(text) != json_string_length(v)) {
+      json_decref(v);
+      json_scan_where(s, at, &line, &column);
+      return set_error(QKEEP_E_UNSUPPORTED,
+                       "%s: the string at line %d, column %d holds the escape \\u0000 (a NUL character): "
+                       "qkeep takes names as C strings, which end at a NUL, so this name would stand for "
+                       "another; valid safetensors, refused by qkeep",
+                       s->file ? s->file : s->what, line, column);
+    }
+    *out = xstrdup(text);
     json_decref(v);
   }
   return *out ? 0 : set_error(QKEEP_E_NOMEM, "%s: out of memory", s->what);

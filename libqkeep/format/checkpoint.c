@@ -418,7 +418,7 @@ static int read_index(struct index *ix) {
   char *what = NULL;
   if (qk_asprintf(&what, "%s: invalid JSON", ix->path) < 0)
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", ix->path);
-  struct json_scan s = {.text = ix->text, .len = len, .pos = start, .what = what};
+  struct json_scan s = {.text = ix->text, .len = len, .pos = start, .what = what, .file = ix->path};
   rc = read_top_level(ix, &s);
   free(what);
   if (rc != 0)

@@ -162,7 +162,13 @@ bad:
 
 /* ---- opening ---------------------------------------------------------------------- */
 
-/* Opens f->path read-only and records its size. */
+static struct st_identity identity_of(const struct stat *sb) {
+  return (struct st_identity){(uint64_t)sb->st_dev, (uint64_t)sb->st_ino, (uint64_t)sb->st_size,
+                              sb->st_mtim.tv_sec,   sb->st_mtim.tv_nsec,  sb->st_ctim.tv_sec,
+                              sb->st_ctim.tv_nsec};
+}
+
+/* Opens f->path read-only and records its size and identity. */
 static int open_file(struct st_file *f) {
   struct stat sb;
   int fd = open_regular(f->path, &sb);
@@ -176,6 +182,15 @@ static int open_file(struct st_file *f) {
   }
   f->fd = fd;
   f->file_size = (uint64_t)sb.st_size;
+  f->opened = identity_of(&sb);
+  return 0;
+}
+
+int st_identity_now(const struct st_file *f, struct st_identity *out) {
+  struct stat sb;
+  if (fstat(f->fd, &sb) != 0)
+    return file_error(QKEEP_E_IO, f, "cannot stat: %s", strerror(errno));
+  *out = identity_of(&sb);
   return 0;
 }
 
@@ -614,7 +629,7 @@ static int parse_header(struct st_file *f, const char *header) {
   char *what = NULL;
   if (qk_asprintf(&what, "%s: header is not valid JSON", f->path) < 0)
     return file_error(QKEEP_E_NOMEM, f, "out of memory");
-  struct json_scan h = {.text = header, .len = (size_t)f->header_len, .what = what};
+  struct json_scan h = {.text = header, .len = (size_t)f->header_len, .what = what, .file = f->path};
   struct json_member m = {.more = true};
   size_t cap = 0;
   bool seen_metadata = false;

@@ -25,9 +25,17 @@ struct st_tensor {
   uint64_t nbytes;
 };
 
+/* A file's identity: a rewrite in place (same size) moves the change time, which no user can set
+ * back; a new file has another inode. Times at the file system's granularity. */
+struct st_identity {
+  uint64_t dev, ino, size;
+  int64_t mtime_s, mtime_ns, ctime_s, ctime_ns;
+};
+
 struct st_file {
   char *path;
   int fd;
+  struct st_identity opened; /* as st_open found it, before it read the header */
   uint64_t file_size;
   uint64_t header_len;
   size_t n_tensors;
@@ -47,6 +55,9 @@ struct st_file {
  */
 int st_open(const char *path, struct st_file **out);
 void st_close(struct st_file *f);
+/* The open file's identity now (fstat); QKEEP_E_IO naming the file. Compare with f->opened: equal
+ * means nothing was written to it since st_open (to the file system's time granularity). */
+int st_identity_now(const struct st_file *f, struct st_identity *out);
 /* The tensor of that name, or NULL; O(1) expected. */
 const struct st_tensor *st_find(const struct st_file *f, const char *name);
 /* Metadata value for key, or NULL. */

@@ -349,6 +349,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     rc = staged;
   if (!rc)
     rc = model_set_source(model, checkpoint, ck);
+  if (!rc) /* a weight file written in place while it was read gave a mix no file holds */
+    rc = source_read_whole(&model->source, ck, "the load");
   if (rc) {
     if (!strstr(qkeep_errmsg(), ck->path))
       add_error_context(rc, "%s", ck->path); /* every load error names the checkpoint */

@@ -616,19 +616,45 @@ static int plan_kv(struct assembly *a) {
   return 0;
 }
 
-/* A tied lm_head: the config says so, the checkpoint has no lm_head, and there is an embedding. */
+/* The first tensor of a spec's module (its weight when it has one), for messages. */
+static const char *spec_tensor_name(const struct layer_spec *s) {
+  const struct module *m = s->modules && s->modules[0] ? s->modules[0] : s->module;
+  if (!m || !m->n)
+    return s->name;
+  const struct ckpt_tensor *w = module_tensor(m, "weight");
+  return (w ? w : m->tensors[0])->t->name;
+}
+
+/*
+ * A tied lm_head: the config says so and there is an embedding. The checkpoint must then hold no
+ * lm_head of its own: transformers and vLLM would ignore such a tensor and tie lm_head to the
+ * embedding, so loading it untied would run another matrix than theirs; qkeep refuses the
+ * contradiction. The embedding must be unquantized: the tied layer shares its weight param alone,
+ * and would run a quantized embedding's codes as plain weights.
+ */
 static int plan_tied(struct assembly *a) {
   if (!a->ck->qc.tie_word_embeddings)
     return 0;
-  const char *embedding = NULL;
+  const struct layer_spec *embedding = NULL, *lm_head = NULL;
   for (size_t s = 0; s < a->n_specs; s++) {
     if (strcmp(last_component(a->specs[s].name), "lm_head") == 0)
-      return 0;
+      lm_head = &a->specs[s];
     if (a->specs[s].kind == SPEC_LINEAR && strcmp(last_component(a->specs[s].name), "embed_tokens") == 0)
-      embedding = a->specs[s].name;
+      embedding = &a->specs[s];
   }
   if (!embedding)
     return 0;
+  if (lm_head)
+    return set_error(QKEEP_E_FORMAT,
+                     "%s/config.json: tie_word_embeddings is true, but the checkpoint holds its own lm_head "
+                     "(tensor '%s'): transformers ignores that tensor and ties lm_head to '%s'; qkeep "
+                     "refuses the contradiction (remove the tensor, or set tie_word_embeddings to false)",
+                     a->ck->dir, spec_tensor_name(lm_head), spec_tensor_name(embedding));
+  if (embedding->sch && embedding->sch != &scheme_unquantized)
+    return set_error(QKEEP_E_UNSUPPORTED,
+                     "%s/config.json: tie_word_embeddings ties lm_head to '%s', which is quantized (scheme "
+                     "%s): qkeep ties lm_head only to an unquantized embedding",
+                     a->ck->dir, embedding->name, embedding->sch->name);
   struct layer_spec *s = new_spec(a, SPEC_TIED, "lm_head");
   if (!s)
     return QKEEP_E_NOMEM;

@@ -43,8 +43,10 @@ static int compare_one(qkeep_layer *a, qkeep_layer *b, struct qkeep_layer_error 
   double max_abs = 0, max_ref = 0;
   for (size_t i = 0; !rc && i < yn; i++) {
     double d = fabs((double)ya[i] - (double)yb[i]);
-    if (!(d <= max_abs)) /* NaN propagates as the largest error */
-      max_abs = d;
+    /* A NaN (in either output, or Inf - Inf) is the largest error and stays: no later element
+     * may overwrite it, or a backend writing NaN would pass the check. */
+    if (isnan(d) || d > max_abs)
+      max_abs = isnan(max_abs) ? max_abs : d;
     if (fabs((double)yb[i]) > max_ref)
       max_ref = fabs((double)yb[i]);
   }

@@ -209,15 +209,6 @@ const struct source_ref *model_find_source(const qkeep_model *model, const char 
   return name_index_get(&model->index.sources, name, &at) ? &model->index.source_refs[at] : NULL;
 }
 
-static int file_id_of(const struct st_file *f, struct file_id *out) {
-  struct stat sb;
-  if (fstat(f->fd, &sb) != 0)
-    return set_error(QKEEP_E_IO, "%s: cannot stat: %s", f->path, strerror(errno));
-  *out = (struct file_id){(uint64_t)sb.st_dev, (uint64_t)sb.st_ino, (uint64_t)sb.st_size, sb.st_mtim.tv_sec,
-                          sb.st_mtim.tv_nsec,  sb.st_ctim.tv_sec,   sb.st_ctim.tv_nsec};
-  return 0;
-}
-
 int model_source_prepare(const char *path, const struct ckpt *ck, struct model_source *out) {
   *out = (struct model_source){0};
   size_t n = path && ck ? ck->n_files : 0;
@@ -227,13 +218,8 @@ int model_source_prepare(const char *path, const struct ckpt *ck, struct model_s
     model_source_discard(out);
     return set_error(QKEEP_E_NOMEM, "out of memory");
   }
-  for (size_t f = 0; f < n; f++) {
-    int rc = file_id_of(ck->files[f], &out->ids[f]);
-    if (rc) {
-      model_source_discard(out);
-      return rc;
-    }
-  }
+  for (size_t f = 0; f < n; f++) /* as opened: before the header or any tensor was read */
+    out->ids[f] = ck->files[f]->opened;
   out->n = n;
   return 0;
 }
@@ -285,8 +271,8 @@ int source_matches(const struct model_source *src, const struct ckpt *ck) {
     return set_error(QKEEP_E_STATE, "%s now has %zu weight files, %zu when the model read it", ck->path,
                      ck->n_files, src->n);
   for (size_t f = 0; f < ck->n_files; f++) {
-    struct file_id now;
-    int rc = file_id_of(ck->files[f], &now);
+    struct st_identity now;
+    int rc = st_identity_now(ck->files[f], &now);
     if (rc)
       return rc;
     if (memcmp(&now, &src->ids[f], sizeof now) != 0)
@@ -296,6 +282,16 @@ int source_matches(const struct model_source *src, const struct ckpt *ck) {
                        ck->files[f]->path);
   }
   return 0;
+}
+
+int source_read_whole(const struct model_source *src, const struct ckpt *ck, const char *what) {
+  if (!source_matches(src, ck))
+    return 0;
+  char *why = xstrdup(qkeep_errmsg());
+  int rc = set_error(QKEEP_E_IO, "%s; %s read a mix of its old and new bytes and is refused",
+                     why ? why : "a weight file changed while it was read", what);
+  free(why);
+  return rc;
 }
 
 int qkeep_layer_add(qkeep_model *model, const char *name, enum qkeep_layer_kind kind, const char *scheme,

@@ -15,8 +15,9 @@ void model_clear(qkeep_model *model);
 
 /* Records the checkpoint the model's bytes now equal (NULL: none). */
 /* The checkpoint whose bytes the model holds now (NULL: none), and the identity of each of its
- * files as opened (ck: the open checkpoint, or NULL with path NULL), for a rollback to check.
- * model_source_prepare does the part that can fail (copies, fstat), model_source_take installs a
+ * files as st_open found it, before any byte was read (ck: the open checkpoint, or NULL with path
+ * NULL), for the load itself and a rollback to check after their reads.
+ * model_source_prepare does the part that can fail (copies), model_source_take installs a
  * prepared one and cannot fail (a reload prepares before W1 changes anything), and
  * model_source_discard frees one not taken. */
 int model_source_prepare(const char *path, const struct ckpt *ck, struct model_source *out);
@@ -24,10 +25,13 @@ void model_source_take(qkeep_model *model, struct model_source *src);
 void model_source_discard(struct model_source *src);
 int model_set_source(qkeep_model *model, const char *path, const struct ckpt *ck);
 /* Whether ck's files are the ones the model's source had when it was loaded (same count, device,
- * inode, size, modification and change times); else an error naming the first that differs. */
+ * inode, size, modification and change times); else QKEEP_E_STATE naming the first that differs. */
 int model_source_unchanged(const qkeep_model *model, const struct ckpt *ck);
 /* The same against a recorded source (its path and file identities), e.g. one kept by a sync. */
 int source_matches(const struct model_source *src, const struct ckpt *ck);
+/* After the reads of a load or reload: ck's files are still the ones src recorded as opened, or
+ * QKEEP_E_IO "<file> changed since ...; <what> read a mix of its old and new bytes". */
+int source_read_whole(const struct model_source *src, const struct ckpt *ck, const char *what);
 /* A copy of the model's source as it stands (path NULL when it has none); QKEEP_E_NOMEM. */
 int model_source_copy(const qkeep_model *model, struct model_source *out);
 /* Synchronises every device of the model's chain. */

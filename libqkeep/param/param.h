@@ -19,6 +19,19 @@ struct qkeep_tensor {
 
 /* ---- params, buffers and layers (layer.c); the model's struct (model.c) --------------- */
 
+/*
+ * What a scale param's values must be besides finite and non-negative, from its scheme's template
+ * (all zero: nothing more). The kernels' arithmetic must not overflow on any value the check lets
+ * through: a scale divided by needs a finite reciprocal, and the factor a code is multiplied by (the
+ * scale, or its reciprocal when the checkpoint stores the encode factor) times the largest code
+ * magnitude must be finite. Every bound is met by a scale derived from a finite amax.
+ */
+struct scale_rule {
+  bool positive;  /* kernels divide by it (a static activation scale): non-zero, finite reciprocal */
+  bool inverted;  /* stored as an encode factor (compressed-tensors' global scales): kernels invert it */
+  float code_max; /* the largest code magnitude its decode factor multiplies; 0: not bounded here */
+};
+
 struct qkeep_param {
   qkeep_layer *layer;
   char *checkpoint_name; /* the name it was created under */
@@ -28,9 +41,9 @@ struct qkeep_param {
   size_t create_bytes;
   struct tensor view;
   char *release_reason;
-  bool scale;       /* a scale: every value must be finite and non-negative */
-  bool positive;    /* a static activation scale: and non-zero */
-  bool transformed; /* replaced since its bytes were loaded: no longer the checkpoint layout */
+  bool scale;             /* a scale: every value must be finite and non-negative */
+  struct scale_rule rule; /* and what more (a scale only) */
+  bool transformed;       /* replaced since its bytes were loaded: no longer the checkpoint layout */
   /* A host copy of a small scale param's loaded bytes (create_bytes of them), taken as they streamed
    * to a device, so normalisation reads them without waiting for the device; valid while the param
    * holds exactly what its sources loaded (mirror_valid, not transformed). */
@@ -136,12 +149,6 @@ struct source_ref {
   size_t source;
 };
 
-/* A file as it was when the model read it: a rollback re-reads W0 only if it is still that file. */
-struct file_id {
-  uint64_t dev, ino, size;
-  int64_t mtime_s, mtime_ns, ctime_s, ctime_ns;
-};
-
 /* The backend chain: its links in order. Never resized: storages point at their link's device. */
 struct chain {
   struct owner *owners;
@@ -149,10 +156,11 @@ struct chain {
 };
 
 /* What the model's bytes equal now (a rollback re-reads it): the checkpoint and the identity of
- * each of its files when it was read (model/model.c: model_source_*). path NULL: none. */
+ * each of its files as opened, before the model read it, and checked again after (model/model.c:
+ * model_source_*): a rollback re-reads W0 only if it is still that file. path NULL: none. */
 struct model_source {
   char *path;
-  struct file_id *ids;
+  struct st_identity *ids;
   size_t n;
 };
 
@@ -241,14 +249,16 @@ void shard_clear(qkeep_model *model);
 
 /* ---- scale values: one check, on host bytes before they reach a device (param/scales.c) ---- */
 
-/* Why the bytes (n elements of dtype) are not valid scales ("NaN", ...) and the first bad index, or NULL. */
-const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n, bool positive,
-                       size_t *index);
+/* Why the bytes (n elements of dtype) are not valid scales under rule ("NaN", ...) and the first bad
+ * index, or NULL. */
+const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n,
+                       const struct scale_rule *rule, size_t *index);
 /*
  * The one check of scale values, on every path (load, reload, sync): `bytes` (host memory) are the n bytes
  * of scale tensor t from its byte `first` on, bound for param p (what its values must be). 0, or
  * QKEEP_E_FORMAT "<t->where>: tensor '<t->name>': element <i> is <why> (<rule>)", i counted from the
- * tensor's start. Thread safe (the stream's readers call it).
+ * tensor's start; a value that overflows the kernels' arithmetic is printed ("element 0 is 1.4013e-45:
+ * its reciprocal overflows float"). Thread safe (the stream's readers call it).
  */
 int check_scales(const qkeep_param *p, const struct provided *t, size_t first, const void *bytes, size_t n);
 

@@ -93,9 +93,11 @@ struct out_tensor {
   struct qkeep_spec spec;
   size_t nbytes;
   int shard;
-  uint64_t offset;         /* in its shard file */
-  bool constant;           /* its bytes are known at plan time: value */
-  unsigned char value[16]; /* a constant's bytes (at most 16) */
+  uint64_t offset;                /* in its shard file */
+  const struct ckpt_tensor *from; /* the input it copies or quantizes; NULL: a kv-cache scale */
+  bool copied;                    /* from is copied unchanged */
+  bool constant;                  /* its bytes are known at plan time: value */
+  unsigned char value[16];        /* a constant's bytes (at most 16) */
 };
 
 enum unit_kind { UNIT_COPY, UNIT_QUANT };
@@ -214,10 +216,36 @@ static bool quantizable(const struct ckpt_tensor *t) {
 }
 
 /*
+ * A fusion group is found by name; its members share one global scale, so each must be a 2-D
+ * float weight as t is. Quantizing t and copying an odd sibling unchanged would write a group
+ * that no loader takes (fused shards share one scheme), so the group is refused, naming the
+ * member and why. Returns n, or QKEEP_E_FORMAT.
+ */
+static int check_fusion_group(const struct ckpt_tensor *t, const struct ckpt_tensor *const *group, int n) {
+  for (int g = 0; g < n; g++) {
+    const struct st_tensor *m = group[g]->t;
+    if (quantizable(group[g]))
+      continue;
+    int ndim = m->full_shape ? m->full_ndim : m->ndim;
+    if (ndim != 2)
+      return set_error(QKEEP_E_FORMAT,
+                       "%s: tensor '%s': %d dimension%s, but it is in a fusion group with '%s' (one "
+                       "global scale for the group): every member must be a 2-D float weight",
+                       group[g]->file->path, m->name, ndim, ndim == 1 ? "" : "s", t->t->name);
+    return set_error(QKEEP_E_FORMAT,
+                     "%s: tensor '%s': dtype %s, but it is in a fusion group with '%s' (one global "
+                     "scale for the group): every member must be a 2-D float weight (F32, F16, BF16)",
+                     group[g]->file->path, m->name, m->dtype_name, t->t->name);
+  }
+  return n;
+}
+
+/*
  * Modules whose weights share one NVFP4 global scale: fused shards under one
  * parent (q/k/v, gate/up), and each expert's gate/up. `group` gets the
  * tensors of the group containing t, in the rule's order; returns the count
- * (1: t alone), or a negative QKEEP_E_NOMEM.
+ * (1: t alone), or a negative QKEEP_E_NOMEM or QKEEP_E_FORMAT (a member that is not a 2-D
+ * float weight).
  */
 static int fusion_group(const struct ckpt *ck, const struct ckpt_tensor *t,
                         const struct ckpt_tensor *group[MAX_MEMBERS]) {
@@ -245,7 +273,7 @@ static int fusion_group(const struct ckpt *ck, const struct ckpt_tensor *t,
       group[n++] = c;
     }
     if (mine >= 0 && n >= 2 && rules[r][n] == NULL)
-      return n;
+      return check_fusion_group(t, group, n);
   }
   group[0] = t;
   return 1;
@@ -432,6 +460,40 @@ static int add_unit(struct quantizer *q, struct unit **out) {
   return 0;
 }
 
+/* What writes an output tensor, for messages. */
+static char *output_origin(const struct out_tensor *o) {
+  if (!o->from)
+    return strfmt("a kv-cache scale of qkeep quantize");
+  return o->copied ? strfmt("the input's tensor '%s' (copied)", o->from->t->name)
+                   : strfmt("quantizing '%s'", o->from->t->name);
+}
+
+/*
+ * Every output name once, across all shards: an input tensor named as one that quantizing another
+ * writes (`a.q_proj.weight_scale` beside `a.q_proj.weight`) is refused before anything is written.
+ * The shards' writers see one shard each, so two copies in two shards would pass them.
+ */
+static int check_unique_outputs(const struct quantizer *q) {
+  struct name_index seen = {0};
+  int rc = name_index_reserve(&seen, q->n_outs);
+  for (size_t i = 0; i < q->n_outs && !rc; i++) {
+    size_t first;
+    rc = name_index_put(&seen, q->outs[i].name, i, &first);
+    if (rc == QKEEP_E_EXISTS) {
+      char *a = output_origin(&q->outs[first]), *b = output_origin(&q->outs[i]);
+      rc = a && b ? set_error(QKEEP_E_FORMAT,
+                              "%s: output tensor '%s' would be written twice, by %s and by %s; rename or "
+                              "remove the input tensor",
+                              q->ck->path, q->outs[i].name, a, b)
+                  : set_error(QKEEP_E_NOMEM, "out of memory");
+      free(a);
+      free(b);
+    }
+  }
+  name_index_clear(&seen);
+  return rc;
+}
+
 /* The whole plan: outputs in the order the scheme writes them, then units in input order. */
 static int plan(struct quantizer *q) {
   const struct ckpt *ck = q->ck;
@@ -443,16 +505,22 @@ static int plan(struct quantizer *q) {
     const struct ckpt_tensor *t = &ck->tensors[i];
     if (!quantizable(t)) {
       rc = plan_copy(q, t, &copy_of[i]);
+      if (!rc)
+        q->outs[copy_of[i]].from = t, q->outs[copy_of[i]].copied = true;
       continue;
     }
     char *module = strfmt("%.*s", (int)(strlen(t->t->name) - 7), t->t->name);
     rc = module ? plan_weight(q, t, module, &wps[i]) : set_error(QKEEP_E_NOMEM, "out of memory");
+    for (int o = 0; o < wps[i].n_out && !rc; o++)
+      q->outs[wps[i].out[o]].from = t;
     if (rc && rc != QKEEP_E_NOMEM)
       add_error_context(rc, "quantizing '%s'", t->t->name);
     free(module);
   }
   if (!rc && q->opt->kv_cache_scales)
     rc = plan_kv_scales(q);
+  if (!rc)
+    rc = check_unique_outputs(q);
   for (size_t i = 0; i < ck->n_tensors && !rc; i++) {
     const struct ckpt_tensor *t = &ck->tensors[i];
     struct unit *u;

@@ -752,6 +752,10 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
   cached_provider(&validated, &cache);
   rc = apply(model, &validated, selected, cache.complete, before, model->fault, &t_read, &t_pwal);
   scale_cache_free(&cache);
+  /* W1's files must still be the ones opened before the reads: one written in place meanwhile gave
+   * a mix of its old and new bytes, which is rolled back as a failed read would be. */
+  if (!rc && ck)
+    rc = source_read_whole(&new_source, ck, "the reload");
   if (rc) {
     char *why = xstrdup(qkeep_errmsg());
     int back = roll_back(model, before);

@@ -282,11 +282,20 @@ static int validate_bucket(const qkeep_sync *s, const struct qkeep_bucket *b, si
     name_of[i] = at;
   }
   if (!rc && b->n > 1) {
+    /* In offset order, a tensor overlaps an earlier one exactly when it starts before the furthest
+     * end so far; neighbours alone are not enough (a zero-length tensor between two that overlap
+     * overlaps neither). Zero-length tensors overlap nothing. */
     qsort(ext, b->n, sizeof *ext, by_offset);
-    for (size_t i = 1; i < b->n && !rc; i++)
-      if (ext[i].offset < ext[i - 1].end && ext[i].end > ext[i].offset && ext[i - 1].end > ext[i - 1].offset)
+    const struct extent *furthest = NULL;
+    for (size_t i = 0; i < b->n && !rc; i++) {
+      if (ext[i].end == ext[i].offset)
+        continue;
+      if (furthest && ext[i].offset < furthest->end)
         rc = set_error(QKEEP_E_INVAL, "bucket tensors '%s' and '%s' overlap",
-                       b->tensors[ext[i - 1].index].name, b->tensors[ext[i].index].name);
+                       b->tensors[furthest->index].name, b->tensors[ext[i].index].name);
+      else if (!furthest || ext[i].end > furthest->end)
+        furthest = &ext[i];
+    }
   }
   free(ext);
   name_index_clear(&seen);

@@ -7,10 +7,10 @@
 #include "scheme/scheme.h"
 
 static const struct param_template awq_params[] = {
-    {"qweight", DT(I32), 2, {D_K, D_N_8}, F_COLS, false, false, false},
-    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false, false},
-    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"qweight", DT(I32), 2, {D_K, D_N_8}, F_COLS, false, false, false, false, 0},
+    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false, false, false, 0},
+    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true, false, false, 15},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 static int awq_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,

@@ -17,12 +17,12 @@
 #include "scheme/shard_plan.h"
 
 static const struct param_template ct_int4_params[] = {
-    {"weight_packed", DT(I32), 2, {D_N, D_K_8}, F_ROWS, false, false, false},
-    {"weight_scale", DT_FLOAT, 2, {D_N, D_K_G}, F_ROWS, false, true, false},
-    {"weight_shape", DT(I64), 1, {D_2}, F_STACKED, false, false, false},
-    {"weight_zero_point", DT(I32), 2, {D_N_8, D_K_G}, F_ROWS, true, false, false},
-    {"weight_g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"weight_packed", DT(I32), 2, {D_N, D_K_8}, F_ROWS, false, false, false, false, 0},
+    {"weight_scale", DT_FLOAT, 2, {D_N, D_K_G}, F_ROWS, false, true, false, false, 15},
+    {"weight_shape", DT(I64), 1, {D_2}, F_STACKED, false, false, false, false, 0},
+    {"weight_zero_point", DT(I32), 2, {D_N_8, D_K_G}, F_ROWS, true, false, false, false, 0},
+    {"weight_g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false, false, false, 0},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 /* N and K from weight_packed [N, K/8], G from weight_scale [N, K/G]; the optional tensors as the config says.

@@ -8,11 +8,11 @@
 #include "scheme/scheme.h"
 
 static const struct param_template ct_params[] = {
-    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false},
-    {"weight_scale", DT(F8_E4M3), 2, {D_N, D_K_16}, F_ROWS, false, true, false},
-    {"weight_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, false, true, false},
-    {"input_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true, true},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false, false, 0},
+    {"weight_scale", DT(F8_E4M3), 2, {D_N, D_K_16}, F_ROWS, false, true, false, false, 0},
+    {"weight_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, false, true, false, true, 2688},
+    {"input_global_scale", DT(F32), 0, {D_ONE}, F_SLOT, true, true, true, true, 2688},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 static int ct_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,

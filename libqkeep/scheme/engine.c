@@ -304,7 +304,8 @@ static int create_params(qkeep_layer *layer, const struct layout *L, const struc
     rc = layer_param_create(layer, name, &spec, &p);
     if (!rc) {
       p->scale = t->scale;
-      p->positive = t->positive;
+      p->rule =
+          (struct scale_rule){.positive = t->positive, .inverted = t->inverted, .code_max = t->code_max};
       rc = add_sources(layer, L, t, p);
     }
   }

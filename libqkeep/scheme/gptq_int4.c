@@ -9,11 +9,11 @@
 #include "scheme/scheme.h"
 
 static const struct param_template gptq_params[] = {
-    {"qweight", DT(I32), 2, {D_K_8, D_N}, F_COLS, false, false, false},
-    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false, false},
-    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true, false},
-    {"g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"qweight", DT(I32), 2, {D_K_8, D_N}, F_COLS, false, false, false, false, 0},
+    {"qzeros", DT(I32), 2, {D_K_G, D_N_8}, F_COLS, false, false, false, false, 0},
+    {"scales", DT(F16) | DT(BF16), 2, {D_K_G, D_N}, F_COLS, false, true, false, false, 15},
+    {"g_idx", DT(I32), 1, {D_K}, F_SHARED, true, false, false, false, 0},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 /* Reads N, K and G from qweight [K/8, N] and scales [K/G, N]. */

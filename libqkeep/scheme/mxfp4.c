@@ -11,9 +11,9 @@
 #include "scheme/shard_plan.h"
 
 static const struct param_template mxfp4_params[] = {
-    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false},
-    {"weight_scale", DT(U8) | DT(F8_E8M0), 2, {D_N, D_K_32}, F_ROWS, false, true, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"weight_packed", DT(U8), 2, {D_N, D_K_2}, F_ROWS, false, false, false, false, 0},
+    {"weight_scale", DT(U8) | DT(F8_E8M0), 2, {D_N, D_K_32}, F_ROWS, false, true, false, false, 0},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 static int mxfp4_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,

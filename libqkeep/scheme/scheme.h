@@ -40,10 +40,13 @@ struct param_template {
   int ndim;
   enum dim_expr dims[4];
   enum fuse_mode fuse;
-  bool optional; /* absent in some checkpoints (e.g. a static input_scale) */
-  bool scale;    /* values must be finite and non-negative (checked after loading) */
-  bool positive; /* a static activation scale: zero is refused too (kernels divide by it or by
-                  * its reciprocal; ModelOpt and compressed-tensors never export one) */
+  bool optional;  /* absent in some checkpoints (e.g. a static input_scale) */
+  bool scale;     /* values must be finite and non-negative (checked after loading) */
+  bool positive;  /* a static activation scale: zero is refused too (kernels divide by it or by
+                   * its reciprocal; ModelOpt and compressed-tensors never export one), and so is a
+                   * value whose reciprocal overflows */
+  bool inverted;  /* stored as an encode factor that kernels invert (struct scale_rule) */
+  float code_max; /* the largest code its decode factor multiplies (struct scale_rule); 0: none */
 };
 
 /* One checkpoint module: tensors sharing a name prefix. */

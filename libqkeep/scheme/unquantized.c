@@ -7,8 +7,8 @@
 #include "scheme/scheme.h"
 
 static const struct param_template unquantized_params[] = {
-    {"weight", DT_FLOAT, 2, {D_N, D_K}, F_ROWS, false, false, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"weight", DT_FLOAT, 2, {D_N, D_K}, F_ROWS, false, false, false, false, 0},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 static int unquantized_dims(const struct module *m, const struct quant_config *qc, int64_t *n, int64_t *k,

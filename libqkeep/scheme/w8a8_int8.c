@@ -11,19 +11,19 @@
 #include "scheme/scheme.h"
 
 static const struct param_template channel_params[] = {
-    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false, false},
-    {"weight_scale", DT_FLOAT, 2, {D_N, D_ONE}, F_ROWS, false, true, false},
-    {"input_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, true, true, true},
-    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false, false, false, 0},
+    {"weight_scale", DT_FLOAT, 2, {D_N, D_ONE}, F_ROWS, false, true, false, false, 127},
+    {"input_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, true, true, true, false, 255},
+    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false, false, false, 0},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 static const struct param_template tensor_params[] = {
-    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false, false},
-    {"weight_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, false, true, false},
-    {"input_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, true, true, true},
-    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false, false},
-    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false},
+    {"weight", DT(I8), 2, {D_N, D_K}, F_ROWS, false, false, false, false, 0},
+    {"weight_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, false, true, false, false, 127},
+    {"input_scale", DT_FLOAT, 0, {D_ONE}, F_SLOT, true, true, true, false, 255},
+    {"input_zero_point", DT(I32) | DT(I8), 0, {D_ONE}, F_SLOT, true, false, false, false, 0},
+    {"bias", DT_FLOAT, 1, {D_N}, F_ROWS, true, false, false, false, 0},
 };
 
 static const struct param_template *w8a8_templates(const struct quant_config *qc, size_t *n) {
