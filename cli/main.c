@@ -437,16 +437,36 @@ static void print_main_help(FILE *out) {
                "  128+N   killed by signal N (an interrupted quantize leaves nothing behind)\n");
 }
 
+/* A help text on stdout; with --json, as the document's "help" member. */
+static int print_help(const struct options *o, const char *text) {
+  if (!o->json) {
+    fputs(text, stdout);
+    return 0;
+  }
+  json_begin(stdout, true, NULL, NULL);
+  printf(",\"help\":");
+  print_json_string(stdout, text);
+  printf("}\n");
+  return 0;
+}
+
 static int cmd_help(const struct options *o) {
   if (!o->n_args) {
-    print_main_help(stdout);
+    char *text = NULL;
+    size_t len = 0;
+    FILE *out = open_memstream(&text, &len);
+    if (!out)
+      return fail(o, QKEEP_E_NOMEM);
+    print_main_help(out);
+    fclose(out);
+    print_help(o, text);
+    free(text);
     return 0;
   }
   const struct command_def *cmd = find_command(o->args[0]);
   if (!cmd)
     return usage_error(o->json, usage_help, "help: unknown command '%s'", o->args[0]);
-  fputs(cmd->usage, stdout);
-  return 0;
+  return print_help(o, cmd->usage);
 }
 
 /* ---- config and chain ---------------------------------------------------------------- */
@@ -730,10 +750,8 @@ static int dispatch(struct options *o) {
   int rc = check_args(o, cmd);
   if (rc)
     return rc;
-  if (o->help) { /* qkeep COMMAND --help is qkeep help COMMAND */
-    fputs(cmd->usage, stdout);
-    return 0;
-  }
+  if (o->help) /* qkeep COMMAND --help is qkeep help COMMAND */
+    return print_help(o, cmd->usage);
   return cmd->run(o);
 }
 
