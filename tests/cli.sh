@@ -91,7 +91,7 @@ check "tp rank 1 of 2: census missing 0" line_is "$tmp/out" "missing" 0
 check "tp rank 1 of 2: run checks its layers" test $? -eq 0
 printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 2\ntp_rank = 2\n' >"$tmp/tpbad.ini"
 "$qkeep" -c "$tmp/tpbad.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
-check "a rank outside its group is refused" contains "$tmp/out" "tp rank 2 of 2"
+check "a rank outside its group is refused with its line" contains "$tmp/out" "tpbad.ini:5: \[model\] tp_rank = 2: out of range"
 printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 0\n' >"$tmp/tpzero.ini"
 "$qkeep" -c "$tmp/tpzero.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
 check "tp_size 0 is a config error with its line" contains "$tmp/out" "tpzero.ini:4"
@@ -269,22 +269,26 @@ check "NaN is null in JSON" test "$("$jsonget" max_rel <"$tmp/doc")" = null
 
 
 # ---- quantize: interrupted, replaced, and errors that name the file ----
-# big_input FILE N ROWS COLS: a sparse f32 checkpoint of N zero linear weights (read from the page
-# cache without disk), large enough that a quantize on one thread runs for seconds
-big_input() {
-  n=$2 bytes=$(($3 * $4 * 4)) hdr='{' i=0
-  while [ $i -lt "$n" ]; do
-    [ $i -gt 0 ] && hdr="$hdr,"
-    hdr="$hdr\"model.layers.$i.mlp.down_proj.weight\":{\"dtype\":\"F32\",\"shape\":[$3,$4],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
-    i=$((i + 1))
-  done
-  hdr="$hdr}"
+# st_write FILE HEADER DATA_BYTES: a safetensors file of that JSON header and zero data (sparse)
+st_write() {
+  hdr=$2
   while [ $((${#hdr} % 8)) -ne 0 ]; do hdr="$hdr "; done
   len=${#hdr} # the header's length as 8 little-endian bytes, in printf's octal escapes
   # shellcheck disable=SC2059
   printf "$(printf '\\%03o\\%03o\\%03o\\000\\000\\000\\000\\000' $((len & 255)) $((len >> 8 & 255)) $((len >> 16 & 255)))" >"$1"
   printf '%s' "$hdr" >>"$1"
-  truncate -s $((8 + len + n * bytes)) "$1"
+  truncate -s $((8 + len + $3)) "$1"
+}
+# big_input FILE N ROWS COLS: an f32 checkpoint of N zero linear weights (read from the page cache
+# without disk), large enough that a quantize on one thread runs for seconds
+big_input() {
+  n=$2 bytes=$(($3 * $4 * 4)) json='{' i=0
+  while [ $i -lt "$n" ]; do
+    [ $i -gt 0 ] && json="$json,"
+    json="$json\"model.layers.$i.mlp.down_proj.weight\":{\"dtype\":\"F32\",\"shape\":[$3,$4],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
+    i=$((i + 1))
+  done
+  st_write "$1" "$json}" $((n * bytes))
 }
 big_input "$tmp/big.safetensors" 8 4096 8192
 # interrupt SIG [OPTION]: a quantize of the big input into $tmp/sig gets SIG once its staging
@@ -363,6 +367,48 @@ if unshare -rm true 2>/dev/null; then
   check "a full disk is 'no space left'" grep -q "^qkeep: no space left on device: $tmp/mnt/out/model.safetensors" "$tmp/out"
   check "... naming no temporary file" sh -c "! grep -q -e '\.tmp' -e qkeep- '$tmp/out'"
   check "... and leaving nothing on it" test "$(tail -n 1 "$tmp/out")" = "$(grep '^qkeep:' "$tmp/out" | tail -n 1)"
+fi
+
+
+# a tensor named "": refused naming the file and saying why
+st_write "$tmp/noname.safetensors" '{"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' 4
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/noname.safetensors" >"$tmp/out" 2>&1
+check "a tensor named \"\" is refused" test $? -eq 1
+check "... naming the file and why" grep -q "noname.safetensors: a tensor named \"\" .*every tensor needs a name" "$tmp/out"
+# schemes that are not supported list the supported ones
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/fp8" --scheme fp8 >"$tmp/out" 2>&1
+check "quantize --scheme fp8 is unsupported" grep -q "^qkeep: unsupported: scheme 'fp8'.*modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8" "$tmp/out"
+mkdir -p "$tmp/fp8ckpt" && cp "$tmp/tiny.safetensors" "$tmp/fp8ckpt/model.safetensors"
+printf '{"quantization_config": {"quant_method": "fp8"}}' >"$tmp/fp8ckpt/config.json"
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/fp8ckpt" >"$tmp/out" 2>&1
+check "an fp8 checkpoint is unsupported, listing what is read" grep -q "'fp8' is not supported (qkeep reads modelopt, compressed-tensors" "$tmp/out"
+# config sections for a backend outside the chain: an error with file:line, a close name suggested
+printf '[qkeep]\nbackend = reference\n[backend.refrence]\nactivations = int8\n' >"$tmp/typo.ini"
+"$qkeep" -c "$tmp/typo.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "a misspelt backend section is an error" test $? -eq 1
+check "... with file:line and the close name" contains "$tmp/out" "typo.ini:3: \[backend.refrence\]: no backend 'refrence' in the chain (did you mean \[backend.reference\]?)"
+printf '[qkeep]\nbackend = reference\nplugin_dir = %s:\n' "$build/plugins/cpu/.libs" >"$tmp/emptydir.ini"
+"$qkeep" -c "$tmp/emptydir.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "an empty plugin_dir entry is an error with its line" contains "$tmp/out" "emptydir.ini:3: \[qkeep\] plugin_dir: empty entry"
+# a Hugging Face hub cache repository root resolves to the snapshot refs/main names
+hub="$tmp/hub/models--org--tiny"
+mkdir -p "$hub/refs" "$hub/blobs" "$hub/snapshots/0123abcd"
+cp "$tmp/w0/model.safetensors" "$hub/blobs/5f3e"
+cp "$tmp/w0/config.json" "$hub/snapshots/0123abcd/config.json"
+ln -s ../../blobs/5f3e "$hub/snapshots/0123abcd/model.safetensors"
+printf '0123abcd' >"$hub/refs/main"
+"$qkeep" -c "$tmp/qkeep.ini" census "$hub" --json >"$tmp/doc" 2>"$tmp/err"
+check "a hub cache repository root loads" test "$("$jsonget" ok <"$tmp/doc")" = true
+check "... the snapshot of refs/main" test "$("$jsonget" digest <"$tmp/doc")" = \
+  "$("$qkeep" -c "$tmp/qkeep.ini" census "$tmp/w0" --json 2>/dev/null | "$jsonget" digest)"
+printf 'feed' >"$hub/refs/main"
+"$qkeep" -c "$tmp/qkeep.ini" census "$hub" >"$tmp/out" 2>&1
+check "a hub repository whose refs/main names no snapshot says so" contains "$tmp/out" "refs/main names revision feed, but snapshots/feed is absent"
+# an input that cannot be read is 'permission denied', naming it
+cp "$tmp/tiny.safetensors" "$tmp/secret.safetensors" && chmod 600 "$tmp/secret.safetensors"
+if [ "$(id -u)" = 0 ] && as_user true 2>/dev/null; then
+  as_user "$qkeep" -c "$tmp/qkeep.ini" census "$tmp/secret.safetensors" >"$tmp/out" 2>&1
+  check "an unreadable checkpoint is 'permission denied'" grep -q "^qkeep: permission denied: $tmp/secret.safetensors" "$tmp/out"
 fi
 
 # The default config (conf/qkeep.ini of the build tree, every backend configure built, in a
