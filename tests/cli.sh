@@ -446,6 +446,18 @@ printf '[qkeep]\nbackend = hostile\nplugin_dir = .\n[model]\ncheckpoint = hostil
 (cd "$tmp/hostile" && env -u QKEEP_CONFIG "$qkeep" census) >"$tmp/out" 2>&1
 check "the current directory's config is not read" test $? -eq 0
 check "the build tree's config is read instead" contains "$tmp/out" "tiny-w8a8-int8"
+# "no device" says what is missing, once (GPU backends built on a machine without that GPU)
+"$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
+"$qkeep" -c "$default" census "$build/examples/tiny-w8a8-int8" >/dev/null 2>"$tmp/warn"
+if [ -f "$build/plugins/cuda/.libs/backend-cuda-nvfp4.so" ] && ! ls /dev/nvidia* >/dev/null 2>&1 && [ ! -e /proc/driver/nvidia ]; then
+  check "cuda-nvfp4 without a driver says so" grep -q "^cuda-nvfp4 .*no device: no NVIDIA driver or device (/dev/nvidia\* and /proc/driver/nvidia absent)" "$tmp/out"
+  check "... and its skip warning too" grep -q "backend cuda-nvfp4 skipped: no NVIDIA driver or device" "$tmp/warn"
+  check "... never 'driver version is insufficient'" sh -c "! grep -q 'insufficient' '$tmp/out' '$tmp/warn'"
+fi
+if [ -f "$build/plugins/rocm/.libs/backend-rocm-mxfp4.so" ] && [ ! -e /dev/kfd ]; then
+  check "rocm-mxfp4 without /dev/kfd says so" grep -q "^rocm-mxfp4 .*no device: no AMD GPU (/dev/kfd absent)" "$tmp/out"
+  check "... never 'no device' twice" sh -c "! grep -q 'no device.*no device' '$tmp/out' '$tmp/warn'"
+fi
 # `qkeep plugins` with the default config lists every backend the build made, with its probe
 "$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
 for so in "$build"/plugins/*/.libs/backend-*.so; do
