@@ -19,7 +19,11 @@ const char usage_run[] =
     "the census, then runs every linear layer and MoE expert (w13 and w2) on M rows (default 4)\n"
     "of random activations with both the backend and the reference backend, and prints the\n"
     "largest absolute and relative error per layer, and the time of each phase.\n"
-    "Exits 1 when a rule is violated or a layer's relative error exceeds T (default 0.05).\n";
+    "  -r, --rows M        rows of random activations per check (default 4, at most 4096)\n"
+    "  -T, --tolerance T   largest relative error allowed (default 0.05)\n"
+    "  -S, --seed S        seed of the random activations (default 1)\n"
+    "Exits 1 when a rule is violated or a layer's relative error exceeds T; --json then prints\n"
+    "the results with \"ok\": false.\n";
 
 static void progress(void *user, size_t done, size_t total, const char *layer) {
   (void)user;

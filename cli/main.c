@@ -92,7 +92,7 @@ static const struct command_def {
   const char *synopsis, *summary, *usage;
 } commands[] = {
     {"run", C_RUN, 1, cmd_run, "run [CKPT]",
-     "the main job: load, census, each layer's backend, check every layer against the reference", usage_run},
+     "the main job: load, census, check every layer against the reference backend", usage_run},
     {"census", C_CENSUS, 1, cmd_census, "census [CKPT]", "load a checkpoint and count it against the rules",
      usage_census},
     {"reload", C_RELOAD, 2, cmd_reload, "reload [W0 W1]",
@@ -244,7 +244,7 @@ static const struct command_def *find_command(const char *name) {
   return NULL;
 }
 
-static const char usage_line[] = "usage: qkeep [OPTIONS] COMMAND [ARGS] (qkeep --help lists them)\n";
+static const char usage_line[] = "usage: qkeep [OPTIONS] COMMAND [ARGS]\n";
 
 /* Stores option d (given as `spelled`) with its value; 2 when it needs a value and has none. */
 static int set_option(struct options *o, size_t d, const char *spelled, const char *value) {
@@ -393,36 +393,34 @@ int option_float(const struct options *o, const char *name, double min, double *
 
 /* ---- help ---------------------------------------------------------------------------- */
 
+/* "-x, --name VALUE" or "    --name VALUE" into buf. */
+static const char *spell_option(const struct option_def *d, char *buf, size_t len) {
+  char letter[8] = "    ";
+  if (d->letter)
+    snprintf(letter, sizeof letter, "-%c, ", d->letter);
+  snprintf(buf, len, "%s--%s%s%s", letter, d->name, d->value ? " " : "", d->value ? d->metavar : "");
+  return buf;
+}
+
 /* Every command with its options, the environment and the exit statuses. */
 static void print_main_help(FILE *out) {
+  char spelled[64];
   fprintf(out, "usage: qkeep [OPTIONS] COMMAND [ARGS] [OPTIONS]\n"
                "\n"
                "Loads quantized checkpoints into a backend's kernel layout without losing a loaded param.\n"
                "\ncommands:\n");
   for (size_t c = 0; c < N_COMMANDS; c++) {
     fprintf(out, "  %-28s %s\n", commands[c].synopsis, commands[c].summary);
-    for (size_t d = 0; d < N_OPTION_DEFS; d++) {
-      if (option_defs[d].commands != commands[c].bit)
-        continue;
-      char spelled[64];
-      snprintf(spelled, sizeof spelled, "%s%c%s--%s%s%s", option_defs[d].letter ? "-" : "",
-               option_defs[d].letter ? option_defs[d].letter : ' ', option_defs[d].letter ? ", " : "  ",
-               option_defs[d].name, option_defs[d].value ? " " : "",
-               option_defs[d].value ? option_defs[d].metavar : "");
-      fprintf(out, "      %-24s %s\n", spelled + (option_defs[d].letter ? 0 : 1), option_defs[d].help);
-    }
+    for (size_t d = 0; d < N_OPTION_DEFS; d++)
+      if (option_defs[d].commands == commands[c].bit)
+        fprintf(out, "      %-24s %s\n", spell_option(&option_defs[d], spelled, sizeof spelled),
+                option_defs[d].help);
   }
   fprintf(out, "\noptions of every command:\n");
-  for (size_t d = 0; d < N_OPTION_DEFS; d++) {
-    if (option_defs[d].commands != C_ALL)
-      continue;
-    char spelled[64];
-    snprintf(spelled, sizeof spelled, "%s%c%s--%s%s%s", option_defs[d].letter ? "-" : " ",
-             option_defs[d].letter ? option_defs[d].letter : ' ', option_defs[d].letter ? ", " : "  ",
-             option_defs[d].name, option_defs[d].value ? " " : "",
-             option_defs[d].value ? option_defs[d].metavar : "");
-    fprintf(out, "  %-28s %s\n", spelled, option_defs[d].help);
-  }
+  for (size_t d = 0; d < N_OPTION_DEFS; d++)
+    if (option_defs[d].commands == C_ALL)
+      fprintf(out, "  %-28s %s\n", spell_option(&option_defs[d], spelled, sizeof spelled),
+              option_defs[d].help);
   fprintf(out, "Options go before or after the command; --opt=VALUE, --opt VALUE, -oVALUE and -o VALUE are\n"
                "the same; -- ends the options (a file named --json).\n"
                "\nenvironment:\n"
