@@ -181,6 +181,8 @@ int cmd_quantize(const struct options *o) {
     return rc;
   catch_signals();
   rc = qkeep_quantize(o->args[0], o->args[1], &q);
+  if (rc && q.progress)
+    fputc('\n', stderr); /* after the progress line */
   if (rc == QKEEP_E_INTERRUPTED && atomic_load(&caught)) {
     report_failure(o, 128 + atomic_load(&caught), "interrupted",
                    "quantize: interrupted (%s): everything it wrote is removed; %s is as it was",

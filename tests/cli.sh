@@ -314,12 +314,12 @@ interrupt() {
   rc=$?
 }
 for case in INT:130 TERM:143 HUP:129; do
-  name=SIG${case%:*}
+  signame=SIG${case%:*}
   interrupt "${case%:*}"
-  check "$name stops quantize with exit ${case#*:}" test $rc -eq "${case#*:}"
-  check "$name: the output directory is absent" test ! -e "$tmp/sig"
-  check "$name: no staging directory or temporary file is left" test -z "$(ls -A "$tmp" | grep -e qkeep- -e '\.tmp$')"
-  check "$name: says it was interrupted" contains "$tmp/sig.out" "interrupted"
+  check "$signame stops quantize with exit ${case#*:}" test $rc -eq "${case#*:}"
+  check "$signame: the output directory is absent" test ! -e "$tmp/sig"
+  check "$signame: no staging directory or temporary file is left" test -z "$(ls -A "$tmp" | grep -e qkeep- -e '\.tmp$')"
+  check "$signame: says it was interrupted" contains "$tmp/sig.out" "interrupted"
 done
 "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/sig" --scheme w8a8-int8 >/dev/null 2>&1
 check "a rerun after an interrupted quantize works" test $? -eq 0

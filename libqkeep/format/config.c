@@ -577,8 +577,7 @@ int qkeep_config_load(const char *path, qkeep_config **out) {
     if (fd >= 0 && !file)
       close(fd);
     qkeep_config_free(cfg);
-    return set_error(err == ENOENT || err == ENOTDIR ? QKEEP_E_NOTFOUND : QKEEP_E_IO,
-                     "%s: cannot open config: %s", path, strerror(err));
+    return set_error(error_from_errno(err), "%s: cannot open config: %s", path, strerror(err));
   }
   struct parse_state st = {.cfg = cfg, .file = file};
   int rc = parse_file(&st);
