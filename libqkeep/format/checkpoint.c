@@ -665,7 +665,8 @@ static int hub_snapshot(const char *dir, char **snapshot) {
     while (n > 0 && (rev[n - 1] == '\n' || rev[n - 1] == '\r' || rev[n - 1] == ' '))
       n--;
     rev[n] = '\0';
-    bool valid = n > 0 && strspn(rev, "0123456789abcdefABCDEF") == n; /* a commit hash, nothing to walk */
+    /* a commit hash (40 or 64 hex digits), nothing that could walk out of snapshots/ */
+    bool valid = n > 0 && n < sizeof rev - 1 && strspn(rev, "0123456789abcdefABCDEF") == n;
     if (!valid)
       rc = set_error(QKEEP_E_FORMAT, "%s: '%s' is not a revision (a commit hash)", refs, rev);
     else if (qk_asprintf(snapshot, "%s/%s", snapshots, rev) < 0)
