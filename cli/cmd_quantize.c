@@ -1,6 +1,9 @@
 /* cmd_quantize.c: `qkeep quantize IN OUT --scheme S`. */
 #include <errno.h>
 #include <float.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,7 +13,7 @@
 
 const char usage_quantize[] =
     "usage: qkeep quantize IN OUT --scheme S [--group G] [--asym] [--static-input] [--asym-input]\n"
-    "                      [--kv-scales] [--activation-amax A] [--shard-bytes N] [--threads N]\n"
+    "                      [--kv-scales] [--activation-amax A] [--shard-bytes N] [--threads N] [--force]\n"
     "\n"
     "Writes OUT (a new directory) as a checkpoint in scheme S, with that scheme's real tensor\n"
     "names and config files, from the unquantized checkpoint IN (bf16/f16/f32; a .safetensors\n"
@@ -18,14 +21,22 @@ const char usage_quantize[] =
     "gptq-int4, awq-int4, ct-int4 (compressed-tensors pack-quantized W4A16). Linear weights are\n"
     "quantized; embeddings, norms, MoE routers and\n"
     "lm_head are copied. Fused shards (q/k/v, gate/up) share one NVFP4 global scale.\n"
-    "  --group G            int4 group size (default 128; at most every linear's K)\n"
-    "  --asym               int4 (gptq-int4, awq-int4, ct-int4) with zero points\n"
-    "  --static-input       w8a8: static per-tensor input scales (default: dynamic per token)\n"
-    "  --asym-input         w8a8: activations with a zero point\n"
-    "  --kv-scales          write FP8 k_scale / v_scale for each attention block\n"
-    "  --activation-amax A  |x| bound for static scales (no calibration data; default 1)\n"
-    "  --shard-bytes N      shard the output at N bytes (model-0000i-of-0000n + index)\n"
-    "  --threads N          threads (default: every online core); the bytes do not depend on it\n"
+    "  -s, --scheme S             the scheme written\n"
+    "  -g, --group G              int4 group size (default 128; at most every linear's K)\n"
+    "      --asym                 int4 (gptq-int4, awq-int4, ct-int4) with zero points\n"
+    "      --static-input         w8a8-int8: static per-tensor input scales (default: dynamic per token)\n"
+    "      --asym-input           w8a8-int8: activations with a zero point\n"
+    "      --kv-scales            write FP8 k_scale / v_scale for each attention block\n"
+    "  -a, --activation-amax A    |x| bound for static scales (no calibration data; default 1): NVFP4\n"
+    "                             input scales, w8a8-int8 with --static-input, --kv-scales\n"
+    "  -b, --shard-bytes N        shard the output at N bytes (model-0000i-of-0000n + index)\n"
+    "  -t, --threads N            threads (default: every online core); the bytes do not depend on it\n"
+    "  -f, --force                replace an existing OUT, once the new output is whole (only a\n"
+    "                             directory holding nothing but a checkpoint qkeep quantize writes)\n"
+    "A flag that does not apply to the scheme is refused. OUT's missing parent directories are\n"
+    "created. OUT appears only when whole: the files are written in a hidden directory beside it\n"
+    "and renamed. SIGINT, SIGTERM or SIGHUP stop the run and remove everything it wrote (qkeep\n"
+    "then exits 128+N); an error leaves nothing behind either.\n"
     "Streams: memory stays under twice the largest tensor (or fused q/k/v, gate/up group) plus\n"
     "small buffers, whatever the model's size. A progress line on a terminal (stderr); --json\n"
     "prints a summary (tensors, bytes, seconds, rate, threads, peak buffer bytes).\n";
@@ -51,53 +62,147 @@ static long long parse_count(const char *s) {
   return errno || end == s || *end || v < 0 ? -1 : v;
 }
 
-int cmd_quantize(const struct options *o) {
-  const char *scheme = option_value(o, "scheme");
-  if (o->n_args != 2 || !scheme) {
-    fputs(usage_quantize, stderr);
-    return 2;
+/*
+ * Signals. SIGINT, SIGTERM and SIGHUP during a run only set `caught`; the library polls it through
+ * the cancel callback, stops, removes what it wrote (the output directory stays absent), and this
+ * command then dies of the same signal (exit 128+N), as if it had not caught it. A signal ignored
+ * when qkeep started (nohup, a background job of a script) stays ignored. The library itself
+ * installs no handler: what to do on a signal is the program's choice.
+ */
+static atomic_int caught; /* lock-free, so a handler may set it (C11 7.14.1.1) */
+static const int stop_signals[] = {SIGINT, SIGTERM, SIGHUP};
+
+static void on_signal(int sig) { atomic_store(&caught, sig); }
+
+static int stop_requested(void *user) {
+  (void)user;
+  return atomic_load(&caught);
+}
+
+static void catch_signals(void) {
+  for (size_t i = 0; i < sizeof stop_signals / sizeof stop_signals[0]; i++) {
+    struct sigaction old, sa = {.sa_handler = on_signal, .sa_flags = SA_RESTART};
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(stop_signals[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
+      sigaction(stop_signals[i], &sa, NULL);
   }
+}
+
+/* Dies of the signal caught, with its default action (the shell sees 128+N). */
+static void die_of_caught_signal(void) {
+  int sig = atomic_load(&caught);
+  fflush(stdout);
+  signal(sig, SIG_DFL);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, sig);
+  pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+  raise(sig);
+}
+
+/* Which schemes each flag applies to: a flag given for another scheme is refused, not ignored. */
+static int check_flags(const struct options *o, const char *scheme) {
+  static const struct {
+    const char *flag, *schemes, *why;
+  } rules[] = {
+      {"group", "gptq-int4 awq-int4 ct-int4",
+       "NVFP4 and MXFP4 blocks are fixed (16, 32); w8a8-int8 is per channel"},
+      {"asym", "gptq-int4 awq-int4 ct-int4", "only int4 weights have zero points"},
+      {"static-input", "w8a8-int8", "NVFP4 input scales are always static; MXFP4 and int4 have none"},
+      {"asym-input", "w8a8-int8", "only int8 activations take a zero point"},
+  };
+  for (size_t i = 0; i < sizeof rules / sizeof rules[0]; i++) {
+    bool given = option_flag(o, rules[i].flag) || option_value(o, rules[i].flag);
+    if (!given)
+      continue;
+    const char *at = strstr(rules[i].schemes, scheme);
+    size_t len = strlen(scheme);
+    bool applies = at && (at[len] == ' ' || at[len] == '\0') && (at == rules[i].schemes || at[-1] == ' ');
+    if (!applies)
+      return report_failure(o, 2, "usage", "quantize: --%s does not apply to --scheme %s (only to %s: %s)",
+                            rules[i].flag, scheme, rules[i].schemes, rules[i].why);
+  }
+  /* static scales: NVFP4's input scales, w8a8's with --static-input, and --kv-scales */
+  if (option_value(o, "activation-amax") && !strstr(scheme, "nvfp4") && !option_flag(o, "kv-scales") &&
+      !(strcmp(scheme, "w8a8-int8") == 0 && option_flag(o, "static-input")))
+    return report_failure(o, 2, "usage",
+                          "quantize: --activation-amax does not apply to --scheme %s here: it sets static "
+                          "scales (NVFP4 input scales, w8a8-int8 with --static-input, --kv-scales)",
+                          scheme);
+  return 0;
+}
+
+/* The options into q; 0, or 2 after a usage error. */
+static int quantize_options(const struct options *o, struct qkeep_quantize_options *q) {
   long long group = 0, shard = 0;
   double amax = 0;
   /* the library refuses these too; here the message names the option as the user typed it */
   if (option_int(o, "group", 1, INT32_MAX, &group) || option_float(o, "activation-amax", 0, &amax) ||
       option_int(o, "shard-bytes", 1, INT64_MAX, &shard))
     return 2;
-  if (amax > FLT_MAX || (amax > 0 && amax < FLT_MIN)) {
-    fprintf(stderr, "qkeep: quantize: --activation-amax %s: out of the float range\n",
-            option_value(o, "activation-amax"));
-    return 2;
-  }
+  if (amax > FLT_MAX || (amax > 0 && amax < FLT_MIN))
+    return report_failure(o, 2, "usage", "quantize: --activation-amax %s: out of the float range",
+                          option_value(o, "activation-amax"));
   const char *threads = option_value(o, "threads");
   long long n_threads = threads ? parse_count(threads) : 0;
-  if (n_threads < 0 || n_threads > 4096 || (threads && n_threads == 0)) {
-    fprintf(stderr, "qkeep: --threads %s: expected a number of threads from 1 to 4096\n", threads);
+  if (n_threads < 0 || n_threads > 4096 || (threads && n_threads == 0))
+    return report_failure(o, 2, "usage",
+                          "quantize: --threads %s: expected a number of threads from 1 to 4096", threads);
+  q->group_size = group;
+  q->activation_amax = (float)amax;
+  q->max_shard_bytes = shard;
+  q->threads = (int)n_threads;
+  return check_flags(o, q->scheme);
+}
+
+int cmd_quantize(const struct options *o) {
+  const char *scheme = option_value(o, "scheme");
+  if (o->n_args != 2 || !scheme) {
+    report_failure(o, 2, "usage", "quantize: %s",
+                   o->n_args != 2 ? "give IN and OUT" : "--scheme S is required");
+    fputs(usage_quantize, stderr);
     return 2;
   }
   struct qkeep_quantize_progress summary = {.size = sizeof summary};
   struct qkeep_quantize_options q = {
       .size = sizeof q,
       .scheme = scheme,
-      .group_size = group,
       .asym_weights = option_flag(o, "asym"),
       .static_input = option_flag(o, "static-input"),
       .asym_input = option_flag(o, "asym-input"),
       .kv_cache_scales = option_flag(o, "kv-scales"),
-      .activation_amax = (float)amax,
-      .max_shard_bytes = shard,
-      .threads = (int)n_threads,
       .progress = isatty(STDERR_FILENO) && !o->json ? show_progress : NULL,
       .summary = &summary,
+      .cancel = stop_requested,
+      .replace_existing = option_flag(o, "force"),
   };
-  int rc = qkeep_quantize(o->args[0], o->args[1], &q);
+  int rc = quantize_options(o, &q);
   if (rc)
-    return fail(rc);
+    return rc;
+  catch_signals();
+  rc = qkeep_quantize(o->args[0], o->args[1], &q);
+  if (rc && q.progress)
+    fputc('\n', stderr); /* after the progress line */
+  if (rc == QKEEP_E_INTERRUPTED && atomic_load(&caught)) {
+    report_failure(o, 128 + atomic_load(&caught), "interrupted",
+                   "quantize: interrupted (%s): everything it wrote is removed; %s is as it was",
+                   strsignal(atomic_load(&caught)), o->args[1]);
+    die_of_caught_signal();
+  }
+  if (rc == QKEEP_E_EXISTS && !q.replace_existing) {
+    fail(o, rc);
+    fprintf(stderr, "qkeep: quantize: --force replaces it once the new output is whole\n");
+    return 1;
+  }
+  if (rc)
+    return fail(o, rc);
   double rate = summary.seconds > 0 ? (double)summary.bytes_total / summary.seconds : 0;
   if (!o->json) {
     printf("wrote %s (%s)\n", o->args[1], scheme);
     return 0;
   }
-  printf("{\"output\":");
+  json_begin(stdout, true, NULL, NULL);
+  printf(",\"output\":");
   print_json_string(stdout, o->args[1]);
   printf(",\"scheme\":");
   print_json_string(stdout, scheme);

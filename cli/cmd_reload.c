@@ -120,8 +120,13 @@ static int report(const struct reload_run *r) {
   char h1[33], h2[33], size[32];
   qkeep_digest_hex(&r->d_reload, h1);
   qkeep_digest_hex(&r->d_cold, h2);
+  bool ok = identical && !moved && census_ok;
+  char message[160];
+  snprintf(message, sizeof message, "reload: %s%s%s", identical ? "" : "digests differ; ",
+           moved ? "pointers moved; " : "", census_ok ? "" : "census changed");
   if (r->o->json) {
-    printf("{\"w0\":");
+    json_begin(stdout, ok, "reload_differs", message);
+    printf(",\"w0\":");
     print_json_string(stdout, r->w0);
     printf(",\"w1\":");
     print_json_string(stdout, r->w1);
@@ -149,10 +154,10 @@ static int report(const struct reload_run *r) {
            census_ok ? "unchanged" : "CHANGED");
     report_owners(stdout, r->model);
   }
-  if (identical && !moved && census_ok)
+  if (ok)
     return 0;
-  fprintf(stderr, "qkeep: reload: %s%s%s\n", identical ? "" : "digests differ; ",
-          moved ? "pointers moved; " : "", census_ok ? "" : "census changed");
+  fflush(stdout);
+  fprintf(stderr, "qkeep: %s\n", message);
   return 1;
 }
 
@@ -163,8 +168,9 @@ int cmd_reload(const struct options *o) {
   r.w0 = o->n_args >= 1 ? o->args[0] : qkeep_config_checkpoint(r.cfg);
   r.w1 = o->n_args >= 2 ? o->args[1] : qkeep_config_reload_checkpoint(r.cfg);
   if (!rc && (!r.w0 || !r.w1 || o->n_args == 1)) {
-    fprintf(stderr, "qkeep: reload: give W0 and W1, or set [model] checkpoint and reload_checkpoint in %s\n",
-            qkeep_config_path(r.cfg));
+    report_failure(o, 2, "usage",
+                   "reload: give W0 and W1, or set [model] checkpoint and reload_checkpoint in %s",
+                   qkeep_config_path(r.cfg));
     qkeep_config_free(r.cfg);
     return 2;
   }
@@ -174,7 +180,7 @@ int cmd_reload(const struct options *o) {
     rc = reload_in_place(&r);
   if (!rc)
     rc = cold_start_w1(&r);
-  int status = rc ? fail(rc) : report(&r);
+  int status = rc ? fail(o, rc) : report(&r);
   free(r.before.data);
   free(r.after.data);
   qkeep_model_free(r.model);

@@ -19,7 +19,11 @@ const char usage_run[] =
     "the census, then runs every linear layer and MoE expert (w13 and w2) on M rows (default 4)\n"
     "of random activations with both the backend and the reference backend, and prints the\n"
     "largest absolute and relative error per layer, and the time of each phase.\n"
-    "Exits 1 when a rule is violated or a layer's relative error exceeds T (default 0.05).\n";
+    "  -r, --rows M        rows of random activations per check (default 4, at most 4096)\n"
+    "  -T, --tolerance T   largest relative error allowed (default 0.05)\n"
+    "  -S, --seed S        seed of the random activations (default 1)\n"
+    "Exits 1 when a rule is violated or a layer's relative error exceeds T; --json then prints\n"
+    "the results with \"ok\": false.\n";
 
 static void progress(void *user, size_t done, size_t total, const char *layer) {
   (void)user;
@@ -51,11 +55,13 @@ static int print_error(void *user, const struct qkeep_layer_error *e) {
     print_json_string(c->out, backend);
     fprintf(
         c->out,
-        ",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":%"
-        ".6g,"
-        "\"max_rel\":%.6g}",
+        ",\"scheme\":\"%s\",\"expert\":%d,\"matrix\":\"%s\",\"m\":%lld,\"n\":%lld,\"k\":%lld,\"max_abs\":",
         e->scheme, e->expert, e->matrix == QKEEP_MOE_W2 ? "w2" : "w13", (long long)e->m, (long long)e->n,
-        (long long)e->k, e->max_abs, e->max_rel);
+        (long long)e->k);
+    print_json_number(c->out, e->max_abs);
+    fprintf(c->out, ",\"max_rel\":");
+    print_json_number(c->out, e->max_rel);
+    fputc('}', c->out);
     return 0;
   }
   char expert[40] = ""; /* "[E].w13": an int and a fixed word */
@@ -117,8 +123,8 @@ static int load_and_audit(struct run *r) {
     rc = open_chain(r->cfg, &r->chain);
   r->ckpt = r->o->n_args ? r->o->args[0] : (r->cfg ? qkeep_config_checkpoint(r->cfg) : NULL);
   if (!rc && !r->ckpt) {
-    fprintf(stderr, "qkeep: run: no checkpoint given and %s has no [model] checkpoint\n",
-            qkeep_config_path(r->cfg));
+    report_failure(r->o, 2, "usage", "run: no checkpoint given and %s has no [model] checkpoint",
+                   qkeep_config_path(r->cfg));
     return -100;
   }
   r->t_plugin = cli_now();
@@ -168,13 +174,29 @@ static int report(const struct run *r) {
   struct qkeep_load_stats st = {.size = sizeof st};
   qkeep_model_load_stats(r->model, &st);
   const struct check *c = &r->check;
+  const struct qkeep_census *cs = &r->census;
+  bool ok = !cs->missing && !cs->c1 && !cs->c2 && !c->over;
+  char message[200];
+  snprintf(message, sizeof message, "run: %s (missing %lld, C1 %lld, C2 %lld, layers over tolerance %d)",
+           c->over ? "check failed" : "rule violations", (long long)cs->missing, (long long)cs->c1,
+           (long long)cs->c2, c->over);
   if (r->o->json) {
-    printf("{\"layers\":[%s],\"census\":", r->layers_json ? r->layers_json : "");
+    /* backends and owners at the top, as for reload; the census object carries them too */
+    json_begin(stdout, ok, c->over ? "check_failed" : "rule_violations", message);
+    printf(",\"checkpoint\":");
+    print_json_string(stdout, r->ckpt);
+    printf(",");
+    owners_json(stdout, r->model);
+    printf(",\"layers\":[%s],\"census\":", r->layers_json ? r->layers_json : "");
     report_census(stdout, r->ckpt, r->model, &r->census, &r->digest, true);
-    printf(",\"max_rel\":%.6g,\"tolerance\":%g,\"seconds\":{\"plugin\":%.6f,\"open\":%.6f,\"read\":%.6f,"
+    printf(",\"max_rel\":");
+    print_json_number(stdout, c->worst);
+    printf(",\"tolerance\":");
+    print_json_number(stdout, c->tolerance);
+    printf(",\"seconds\":{\"plugin\":%.6f,\"open\":%.6f,\"read\":%.6f,"
            "\"pwal\":%.6f,\"census\":%.6f,\"reference_load\":%.6f,\"check\":%.6f}}\n",
-           c->worst, c->tolerance, r->t_plugin - r->t0, st.open_seconds, st.read_seconds, st.pwal_seconds,
-           r->t_census - r->t_load, r->t_ref - r->t_census, r->t_check - r->t_ref);
+           r->t_plugin - r->t0, st.open_seconds, st.read_seconds, st.pwal_seconds, r->t_census - r->t_load,
+           r->t_ref - r->t_census, r->t_check - r->t_ref);
   } else {
     char size[32];
     printf("%d GEMMs checked, largest relative error %.3g (tolerance %g)\n", c->layers, c->worst,
@@ -185,12 +207,10 @@ static int report(const struct run *r) {
            human_bytes((double)st.checkpoint_bytes, size, sizeof size), 1e3 * st.pwal_seconds,
            1e3 * (r->t_census - r->t_load), 1e3 * (r->t_ref - r->t_census), 1e3 * (r->t_check - r->t_ref));
   }
-  const struct qkeep_census *cs = &r->census;
-  if (!cs->missing && !cs->c1 && !cs->c2 && !c->over)
+  if (ok)
     return 0;
-  fprintf(stderr, "qkeep: run: %s (missing %lld, C1 %lld, C2 %lld, layers over tolerance %d)\n",
-          c->over ? "check failed" : "rule violations", (long long)cs->missing, (long long)cs->c1,
-          (long long)cs->c2, c->over);
+  fflush(stdout);
+  fprintf(stderr, "qkeep: %s\n", message);
   return 1;
 }
 
@@ -202,7 +222,7 @@ int cmd_run(const struct options *o) {
   rc = load_and_audit(&r);
   if (!rc)
     rc = forward_check(&r);
-  int status = rc == -100 ? 2 : rc ? fail(rc) : report(&r);
+  int status = rc == -100 ? 2 : rc ? fail(o, rc) : report(&r);
   free(r.layers_json);
   qkeep_model_free(r.model);
   qkeep_model_free(r.ref);

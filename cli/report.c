@@ -1,15 +1,38 @@
 /* report.c: how the qkeep command prints a census, as a table or JSON. */
 #include "cli.h"
 
+/* The length of the valid UTF-8 sequence at p (1 to 4), or 0 when the bytes there are not one
+ * (a stray continuation, a truncated or overlong sequence, a surrogate, past U+10FFFF). */
+static int utf8_sequence(const unsigned char *p) {
+  int len = p[0] < 0x80                    ? 1
+            : p[0] >= 0xc2 && p[0] <= 0xdf ? 2
+            : p[0] >= 0xe0 && p[0] <= 0xef ? 3
+            : p[0] >= 0xf0 && p[0] <= 0xf4 ? 4
+                                           : 0;
+  for (int i = 1; i < len; i++)
+    if ((p[i] & 0xc0) != 0x80)
+      return 0;
+  if ((p[0] == 0xe0 && p[1] < 0xa0) || (p[0] == 0xed && p[1] >= 0xa0) || (p[0] == 0xf0 && p[1] < 0x90) ||
+      (p[0] == 0xf4 && p[1] >= 0x90))
+    return 0;
+  return len;
+}
+
 void print_json_string(FILE *out, const char *s) {
   fputc('"', out);
-  for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-    if (*p == '"' || *p == '\\')
-      fprintf(out, "\\%c", *p);
-    else if (*p < 0x20)
-      fprintf(out, "\\u%04x", *p);
-    else
-      fputc(*p, out);
+  for (const unsigned char *p = (const unsigned char *)s; *p;) {
+    int len = utf8_sequence(p);
+    if (!len) {
+      fputs("\\ufffd", out);
+      p++;
+    } else if (*p == '"' || *p == '\\') {
+      fprintf(out, "\\%c", *p++);
+    } else if (*p < 0x20 || *p == 0x7f) {
+      fprintf(out, "\\u%04x", *p++);
+    } else {
+      fwrite(p, 1, (size_t)len, out);
+      p += len;
+    }
   }
   fputc('"', out);
 }
@@ -76,9 +99,11 @@ void report_owners(FILE *out, const qkeep_model *model) {
   }
 }
 
-static void census_json(FILE *out, const char *checkpoint, const qkeep_model *model,
-                        const struct qkeep_census *c, const char *hex) {
-  fprintf(out, "{\"checkpoint\":");
+void census_members_json(FILE *out, bool first, const char *checkpoint, const qkeep_model *model,
+                         const struct qkeep_census *c, const struct qkeep_digest *d) {
+  char hex[33];
+  qkeep_digest_hex(d, hex);
+  fprintf(out, "%s\"checkpoint\":", first ? "" : ",");
   print_json_string(out, checkpoint);
   fputc(',', out);
   owners_json(out, model);
@@ -95,10 +120,10 @@ static void census_json(FILE *out, const char *checkpoint, const qkeep_model *mo
       fputc(',', out);
     print_json_string(out, c->reason[i]);
   }
-  fprintf(
-      out,
-      "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":%.6f,\"digest\":\"%s\"}",
-      (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes, c->kept_share, hex);
+  fprintf(out, "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":",
+          (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes);
+  print_json_number(out, c->kept_share);
+  fprintf(out, ",\"digest\":\"%s\"", hex);
 }
 
 void report_census(FILE *out, const char *checkpoint, const qkeep_model *model, const struct qkeep_census *c,
@@ -106,7 +131,9 @@ void report_census(FILE *out, const char *checkpoint, const qkeep_model *model, 
   char hex[33], b1[32], b2[32], b3[32];
   qkeep_digest_hex(d, hex);
   if (json) {
-    census_json(out, checkpoint, model, c, hex);
+    fputc('{', out);
+    census_members_json(out, true, checkpoint, model, c, d);
+    fputc('}', out);
     return;
   }
   fprintf(out, "census of %s\n", checkpoint);

@@ -349,6 +349,32 @@ START_TEST(test_null_accessors) {
 }
 END_TEST
 
+/* A section for a backend outside the chain (misspelt, or left over) and a rank outside its group are
+ * errors with the line; an empty plugin_dir entry is an error, not the config's own directory. */
+START_TEST(test_sections_ranks_dirs) {
+  expect_error("[qkeep]\nbackend = cpu-onednn, reference\n[backend.cpu-onedn]\nthreads = 2\n", QKEEP_E_CONFIG,
+               3, "no backend 'cpu-onedn' in the chain (did you mean [backend.cpu-onednn]?)");
+  expect_error("[backend.cuda-nvfp4]\ndevice = 0\n[qkeep]\nbackend = reference\n", QKEEP_E_CONFIG, 1,
+               "backend 'cuda-nvfp4' is not in the chain (line 4");
+  expect_error("[qkeep]\nbackend = reference\n[model]\ntp_size = 2\ntp_rank = 2\n", QKEEP_E_CONFIG, 5,
+               "tp_rank = 2: out of range for tp_size = 2 (ranks 0 to 1)");
+  expect_error("[qkeep]\nbackend = reference\n[model]\nep_rank = 1\n", QKEEP_E_CONFIG, 4,
+               "ep_rank = 1: out of range for ep_size = 1");
+  expect_error("[qkeep]\nbackend = reference\nplugin_dir = a::b\n", QKEEP_E_CONFIG, 3,
+               "empty entry in 'a::b'");
+  expect_error("[qkeep]\nbackend = reference\nplugin_dir = a:\n", QKEEP_E_CONFIG, 3, "empty entry");
+  expect_error("[qkeep]\nbackend = reference\nplugin_dir = :a\n", QKEEP_E_CONFIG, 3, "empty entry");
+  /* the oracle's section is always allowed, the chain's too */
+  char *path =
+      write_config("oracle.ini", "[qkeep]\nbackend = cpu-onednn\n[backend.reference]\nactivations = int8\n"
+                                 "[model]\ntp_size = 2\ntp_rank = 1\n");
+  qkeep_config *cfg = NULL;
+  ck_assert_msg(qkeep_config_load(path, &cfg) == 0, "%s", qkeep_errmsg());
+  qkeep_config_free(cfg);
+  free(path);
+}
+END_TEST
+
 static Suite *config_suite(void) {
   Suite *s = suite_create("config");
   TCase *tc = tcase_create("load");
@@ -369,6 +395,7 @@ static Suite *config_suite(void) {
   tcase_add_test(tc, test_backend_chain);
   tcase_add_test(tc, test_config_not_a_regular_file);
   tcase_add_test(tc, test_null_accessors);
+  tcase_add_test(tc, test_sections_ranks_dirs);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -505,11 +505,12 @@ START_TEST(test_configure_no_hook) {
 }
 END_TEST
 
-/* Options of another backend's section are not passed to this one. */
+/* Options of another backend's section (of the chain) are not passed to this one. */
 START_TEST(test_configure_other_section) {
   char *path = tu_path(tmpdir, "two.ini");
   const char *text =
-      "[qkeep]\nbackend = test-good\n[backend.test-good]\nthreads = 3\n[backend.test-nodev]\nx = 1\n";
+      "[qkeep]\nbackend = test-good, test-nodev\n[backend.test-good]\nthreads = 3\n[backend.test-"
+      "nodev]\nx = 1\n";
   ck_assert_int_eq(tu_write_file(path, text, strlen(text)), 0);
   qkeep_config *cfg = load_config(path);
   qkeep_plugin *p = NULL;

@@ -363,6 +363,77 @@ START_TEST(memory_stays_under_the_stated_bound) {
 }
 END_TEST
 
+/* Entries of dir other than "." and "..". */
+static int entries(const char *dir) {
+  DIR *d = opendir(dir);
+  ck_assert_ptr_nonnull(d);
+  int n = 0;
+  for (struct dirent *e; (e = readdir(d));)
+    n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+  closedir(d);
+  return n;
+}
+
+/* Stops after `after` polls. */
+static int cancel_after(void *user) {
+  int *polls = user;
+  return --*polls < 0;
+}
+
+/* The output appears whole or not at all: a cancelled run (at its first poll or later) leaves no
+ * file, staging directory or parent it made; an existing output is refused, replaced only when asked
+ * and only when it holds nothing but an output; missing parents are made. */
+START_TEST(the_output_appears_whole_or_not_at_all) {
+  char *dir = tu_tmpdir("publish");
+  char *model = write_model(dir, "model.safetensors");
+  char *parent = tu_path(dir, "new"), *out = tu_path(dir, "new/deeper/out");
+  for (int after = 0; after < 4; after++) {
+    int polls = after;
+    struct qkeep_quantize_options o = options("w8a8-int8", 2, 300000);
+    o.cancel = cancel_after;
+    o.cancel_user = &polls;
+    ck_assert_int_eq(qkeep_quantize(model, out, &o), QKEEP_E_INTERRUPTED);
+    ck_assert_msg(strstr(qkeep_errmsg(), out) != NULL, "%s", qkeep_errmsg());
+    ck_assert_int_ne(access(parent, F_OK), 0);
+    ck_assert_int_eq(entries(dir), 1); /* the model alone */
+  }
+  struct qkeep_quantize_options o = options("w8a8-int8", 2, 0);
+  ck_assert_msg(qkeep_quantize(model, out, &o) == 0, "%s", qkeep_errmsg());
+  char *file = tu_path(out, "model.safetensors");
+  size_t len;
+  char *first = tu_read_file(file, &len);
+  ck_assert_ptr_nonnull(first);
+  ck_assert_int_eq(qkeep_quantize(model, out, &o), QKEEP_E_EXISTS);
+  o = options("mxfp4", 1, 0);
+  o.replace_existing = true;
+  ck_assert_msg(qkeep_quantize(model, out, &o) == 0, "%s", qkeep_errmsg());
+  size_t len2;
+  char *second = tu_read_file(file, &len2);
+  ck_assert(len2 != len || memcmp(first, second, len) != 0); /* the mxfp4 output now */
+  char *deeper = tu_path(dir, "new/deeper");
+  ck_assert_int_eq(entries(deeper), 1); /* no staging directory beside it */
+  free(deeper);
+  char *notes = tu_path(out, "notes.txt");
+  ck_assert_int_eq(tu_write_file(notes, "x", 1), 0);
+  ck_assert_int_eq(qkeep_quantize(model, out, &o), QKEEP_E_EXISTS);
+  ck_assert_msg(strstr(qkeep_errmsg(), "notes.txt"), "%s", qkeep_errmsg());
+  ck_assert_int_eq(access(notes, F_OK), 0);
+  ck_assert_int_eq(
+      qkeep_quantize(model, out, &(struct qkeep_quantize_options){.size = sizeof o, .scheme = "fp8"}),
+      QKEEP_E_UNSUPPORTED);
+  ck_assert_msg(strstr(qkeep_errmsg(), "mxfp4"), "%s", qkeep_errmsg());
+  free(first);
+  free(second);
+  free(notes);
+  free(file);
+  free(out);
+  free(parent);
+  free(model);
+  tu_rmtree(dir);
+  free(dir);
+}
+END_TEST
+
 START_TEST(the_first_error_wins_at_any_thread_count) {
   char *dir = tu_tmpdir("errors");
   struct st_writer *w;
@@ -615,6 +686,7 @@ static Suite *quantize_suite(void) {
   tcase_add_loop_test(tc, streamed_file_equals_one_built_in_memory, 0, 2);
   tcase_add_test(tc, memory_stays_under_the_stated_bound);
   tcase_add_test(tc, the_first_error_wins_at_any_thread_count);
+  tcase_add_test(tc, the_output_appears_whole_or_not_at_all);
   tcase_add_test(tc, layout_is_the_written_file);
   tcase_add_test(tc, e4m3_values_are_the_decoders);
   tcase_add_test(tc, the_input_config_json_follows_the_directorys_rules);

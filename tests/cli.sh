@@ -91,7 +91,7 @@ check "tp rank 1 of 2: census missing 0" line_is "$tmp/out" "missing" 0
 check "tp rank 1 of 2: run checks its layers" test $? -eq 0
 printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 2\ntp_rank = 2\n' >"$tmp/tpbad.ini"
 "$qkeep" -c "$tmp/tpbad.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
-check "a rank outside its group is refused" contains "$tmp/out" "tp rank 2 of 2"
+check "a rank outside its group is refused with its line" contains "$tmp/out" "tpbad.ini:5: \[model\] tp_rank = 2: out of range"
 printf '[qkeep]\nbackend = reference\n[model]\ntp_size = 0\n' >"$tmp/tpzero.ini"
 "$qkeep" -c "$tmp/tpzero.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
 check "tp_size 0 is a config error with its line" contains "$tmp/out" "tpzero.ini:4"
@@ -165,6 +165,252 @@ check "reload says what W1 lacks" contains "$tmp/out" "the model expects"
 "$qkeep" run --help >"$tmp/out" 2>&1; check "run --help" contains "$tmp/out" "usage: qkeep"
 "$qkeep" quantize --help >"$tmp/out" 2>&1; check "quantize --help" contains "$tmp/out" "usage: qkeep"
 
+
+# ---- the command line parses one way ----
+# extra positional arguments are usage errors, with the command's usage line
+for args in "run A B" "reload W0 W1 extra" "plugins extra" "version extra" "census A B" "quantize A B C --scheme mxfp4"; do
+  # shellcheck disable=SC2086 # the words on purpose
+  "$qkeep" -c "$tmp/qkeep.ini" $args >"$tmp/out" 2>&1; rc=$?
+  check "'$args' is a usage error" test $rc -eq 2
+  check "'$args' names the extra argument" grep -q "unexpected argument" "$tmp/out"
+  check "'$args' shows the usage line" grep -q "^usage: qkeep" "$tmp/out"
+done
+"$qkeep" -c "$tmp/qkeep.ini" run --scheme mxfp4 "$tmp/w0" >"$tmp/out" 2>&1
+check "an option of another command is refused" test $? -eq 2
+check "... naming the command it belongs to" contains "$tmp/out" "--scheme is an option of quantize, not of run"
+# every form of an option with a value: --opt=V, --opt V, -oV, -o V
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/tiny.safetensors" --json >"$tmp/ref.json" 2>/dev/null
+for form in "-c $tmp/qkeep.ini" "-c$tmp/qkeep.ini" "--config=$tmp/qkeep.ini" "--config $tmp/qkeep.ini"; do
+  # shellcheck disable=SC2086
+  "$qkeep" $form census "$tmp/tiny.safetensors" --json >"$tmp/doc" 2>"$tmp/err"
+  check "'${form%%/*}...' is read" test "$("$jsonget" digest <"$tmp/doc")" = "$("$jsonget" digest <"$tmp/ref.json")"
+done
+for form in "--rows=2" "--rows 2" "-r2" "-r 2"; do
+  # shellcheck disable=SC2086
+  "$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" $form --json >"$tmp/doc" 2>/dev/null
+  check "run $form" test "$("$jsonget" layers 0 m <"$tmp/doc")" = 2
+done
+for form in "--scheme=mxfp4" "-smxfp4" "-s mxfp4"; do
+  rm -rf "$tmp/form"
+  # shellcheck disable=SC2086
+  "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/form" $form --kv-scales >/dev/null 2>&1
+  check "quantize $form" cmp -s "$tmp/form/model.safetensors" "$tmp/t1/model.safetensors"
+done
+# -- ends the options: a checkpoint named --json
+cp "$tmp/tiny.safetensors" "$tmp/--json"
+(cd "$tmp" && "$qkeep" -c qkeep.ini census -- --json) >"$tmp/out" 2>&1
+check "-- ends the options" test $? -eq 0
+check "... and --json after it is a file" line_is "$tmp/out" "missing" 0
+# --version: version, ABI, plugin directory and config
+"$qkeep" --version >"$tmp/out" 2>&1
+check "--version exits 0" test $? -eq 0
+check "--version gives the ABI" contains "$tmp/out" "plugin ABI $abi"
+check "--version gives the plugin directory" grep -q "^plugin dir: /" "$tmp/out"
+check "--version gives the default config" grep -q "^config: .*qkeep.ini" "$tmp/out"
+"$qkeep" --version -c "$tmp/qkeep.ini" >"$tmp/out" 2>&1
+check "--version gives the config -c names" contains "$tmp/out" "config: $tmp/qkeep.ini"
+# help: qkeep help, help COMMAND, --help with every command's flags, the environment, exit codes
+"$qkeep" help >"$tmp/help" 2>&1; check "help exits 0" test $? -eq 0
+"$qkeep" --help >"$tmp/out" 2>&1; check "--help is help" cmp -s "$tmp/out" "$tmp/help"
+for word in "run \[CKPT\]" "census \[CKPT\]" "reload \[W0 W1\]" "quantize IN OUT" "plugins" "--scheme S" "--group G" \
+  "--asym" "--static-input" "--asym-input" "--kv-scales" "--activation-amax A" "--shard-bytes N" "--threads N" "--force" \
+  "--rows M" "--tolerance T" "--seed S" "--verbose" "--config FILE" "--json" "--debug" "--version" \
+  QKEEP_PLUGIN_PATH QKEEP_NCCL_LIBRARY QKEEP_CONFIG "exit status" "128+N"; do
+  check "--help lists $word" grep -q -- "$word" "$tmp/help"
+done
+for cmd in run census reload quantize plugins version help; do
+  "$qkeep" help $cmd >"$tmp/out" 2>&1
+  check "help $cmd" test $? -eq 0
+  "$qkeep" $cmd --help >"$tmp/out2" 2>&1
+  check "help $cmd is $cmd --help" cmp -s "$tmp/out" "$tmp/out2"
+done
+"$qkeep" help frobnicate >"$tmp/out" 2>&1; check "help of an unknown command is a usage error" test $? -eq 2
+"$qkeep" census --help >"$tmp/out" 2>&1
+check "census --help does not ask for a .safetensors file" sh -c "! grep -q 'CKPT (a .safetensors file' '$tmp/out'"
+check "census --help takes directories" contains "$tmp/out" "directory"
+
+# ---- --json: one valid UTF-8 document, success or failure ----
+"$qkeep" -c "$tmp/qkeep.ini" --json run "$tmp/nope" >"$tmp/doc" 2>/dev/null
+check "--json failure is one document" "$jsonget" <"$tmp/doc"
+check "--json failure says ok false" test "$("$jsonget" ok <"$tmp/doc")" = false
+check "--json failure has the error code" test "$("$jsonget" error code <"$tmp/doc")" = not_found
+check "--json failure has the message" grep -q "nope" "$tmp/doc"
+for args in "frobnicate" "run A B" "--bogus run" "quantize A B --scheme mxfp4 --asym" "run --rows 0"; do
+  # shellcheck disable=SC2086
+  "$qkeep" -c "$tmp/qkeep.ini" --json $args >"$tmp/doc" 2>/dev/null
+  check "--json '$args' is one failure document" test "$("$jsonget" error code <"$tmp/doc")" = usage
+done
+"$qkeep" -c "$tmp/qkeep.ini" run "$tmp/w0" --json >"$tmp/doc" 2>/dev/null
+check "--json success says ok true" test "$("$jsonget" ok <"$tmp/doc")" = true
+check "run --json: backends at the top" test "$("$jsonget" backends 0 name <"$tmp/doc")" = reference
+check "run --json: owners at the top" test "$("$jsonget" owners 0 backend <"$tmp/doc")" = reference
+for cmd in "census $tmp/tiny.safetensors" "reload $tmp/w0 $tmp/w1" plugins version "help run"; do
+  # shellcheck disable=SC2086
+  "$qkeep" -c "$tmp/qkeep.ini" --json $cmd >"$tmp/doc" 2>/dev/null
+  check "--json ${cmd%% *} says ok true" test "$("$jsonget" ok <"$tmp/doc")" = true
+done
+# a path that is not UTF-8: the document stays valid UTF-8 (U+FFFD for each bad byte)
+bad=$(printf '%s/bad\377name' "$tmp")
+cp "$tmp/tiny.safetensors" "$bad"
+"$qkeep" -c "$tmp/qkeep.ini" --json census "$bad" >"$tmp/doc" 2>/dev/null
+check "--json with a non-UTF-8 path is one document" "$jsonget" <"$tmp/doc"
+check "--json writes the bad byte as U+FFFD" contains "$tmp/doc" 'bad\\ufffdname'
+"$qkeep" -c "$tmp/qkeep.ini" --json census "$bad.absent" >"$tmp/doc" 2>/dev/null
+check "--json failure with a non-UTF-8 path is one document" "$jsonget" error message <"$tmp/doc"
+# NaN weights: the relative error is NaN, written as null, and the run fails
+cp "$tmp/tiny.safetensors" "$tmp/nan.safetensors"
+hdr=$(od -An -tu4 -N4 "$tmp/nan.safetensors" | tr -d ' ')
+size=$(stat -c %s "$tmp/nan.safetensors")
+head -c $((size - 8 - hdr)) /dev/zero | tr '\000' '\377' | # every weight 0xffff: a bf16 NaN
+  dd of="$tmp/nan.safetensors" bs=65536 seek=$((8 + hdr)) oflag=seek_bytes conv=notrunc status=none
+"$qkeep" -c "$tmp/qkeep.ini" --json run "$tmp/nan.safetensors" >"$tmp/doc" 2>/dev/null
+check "a NaN run fails" test "$("$jsonget" ok <"$tmp/doc")" = false
+check "NaN is null in JSON" test "$("$jsonget" max_rel <"$tmp/doc")" = null
+
+
+# ---- quantize: interrupted, replaced, and errors that name the file ----
+# st_write FILE HEADER DATA_BYTES: a safetensors file of that JSON header and zero data (sparse)
+st_write() {
+  hdr=$2
+  while [ $((${#hdr} % 8)) -ne 0 ]; do hdr="$hdr "; done
+  len=${#hdr} # the header's length as 8 little-endian bytes, in printf's octal escapes
+  # shellcheck disable=SC2059
+  printf "$(printf '\\%03o\\%03o\\%03o\\000\\000\\000\\000\\000' $((len & 255)) $((len >> 8 & 255)) $((len >> 16 & 255)))" >"$1"
+  printf '%s' "$hdr" >>"$1"
+  truncate -s $((8 + len + $3)) "$1"
+}
+# big_input FILE N ROWS COLS: an f32 checkpoint of N zero linear weights (read from the page cache
+# without disk), large enough that a quantize on one thread runs for seconds
+big_input() {
+  n=$2 bytes=$(($3 * $4 * 4)) json='{' i=0
+  while [ $i -lt "$n" ]; do
+    [ $i -gt 0 ] && json="$json,"
+    json="$json\"model.layers.$i.mlp.down_proj.weight\":{\"dtype\":\"F32\",\"shape\":[$3,$4],\"data_offsets\":[$((i * bytes)),$(((i + 1) * bytes))]}"
+    i=$((i + 1))
+  done
+  st_write "$1" "$json}" $((n * bytes))
+}
+big_input "$tmp/big.safetensors" 8 4096 8192
+# interrupt SIG [OPTION]: a quantize of the big input into $tmp/sig gets SIG once its staging
+# directory exists; its exit status is in $rc. SIGINT goes through timeout, which forwards it: a background
+# job of a script starts with SIGINT ignored, and qkeep keeps a signal ignored at its start ignored.
+interrupt() {
+  sig=$1
+  shift
+  if [ "$sig" = INT ]; then
+    timeout --preserve-status -s INT 600 "$qkeep" quantize "$tmp/big.safetensors" "$tmp/sig" --scheme w8a8-int8 \
+      --threads 1 "$@" >"$tmp/sig.out" 2>&1 &
+  else
+    "$qkeep" quantize "$tmp/big.safetensors" "$tmp/sig" --scheme w8a8-int8 --threads 1 "$@" >"$tmp/sig.out" 2>&1 &
+  fi
+  pid=$!
+  n=0
+  while [ $n -lt 1200 ] && ! ls -d "$tmp"/.sig.qkeep-* >/dev/null 2>&1; do
+    sleep 0.05
+    n=$((n + 1))
+  done
+  kill -"$sig" $pid
+  wait $pid
+  rc=$?
+}
+for case in INT:130 TERM:143 HUP:129; do
+  signame=SIG${case%:*}
+  interrupt "${case%:*}"
+  check "$signame stops quantize with exit ${case#*:}" test $rc -eq "${case#*:}"
+  check "$signame: the output directory is absent" test ! -e "$tmp/sig"
+  check "$signame: no staging directory or temporary file is left" test -z "$(ls -A "$tmp" | grep -e qkeep- -e '\.tmp$')"
+  check "$signame: says it was interrupted" contains "$tmp/sig.out" "interrupted"
+done
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/sig" --scheme w8a8-int8 >/dev/null 2>&1
+check "a rerun after an interrupted quantize works" test $? -eq 0
+check "... and writes the output" test -f "$tmp/sig/model.safetensors"
+# an existing output: refused without --force, replaced whole with it, never a directory of other files
+cp "$tmp/sig/model.safetensors" "$tmp/sig.before"
+"$qkeep" quantize "$tmp/other.safetensors" "$tmp/sig" --scheme w8a8-int8 >"$tmp/out" 2>&1
+check "quantize refuses an existing output without --force" test $? -eq 1
+check "... says --force replaces it" contains "$tmp/out" "--force"
+check "... and leaves it as it was" cmp -s "$tmp/sig/model.safetensors" "$tmp/sig.before"
+"$qkeep" quantize "$tmp/other.safetensors" "$tmp/sig" --scheme w8a8-int8 --force >"$tmp/out" 2>&1
+check "quantize --force replaces an output" test $? -eq 0
+"$qkeep" quantize "$tmp/other.safetensors" "$tmp/sig.fresh" --scheme w8a8-int8 >/dev/null 2>&1
+check "... with the new output" cmp -s "$tmp/sig/model.safetensors" "$tmp/sig.fresh/model.safetensors"
+check "... leaving no staging directory" test -z "$(ls -A "$tmp" | grep qkeep-)"
+interrupt TERM --force
+check "an interrupted quantize --force stops" test $rc -eq 143
+check "... leaving the existing output as it was" cmp -s "$tmp/sig/model.safetensors" "$tmp/sig.fresh/model.safetensors"
+mkdir -p "$tmp/mine" && echo notes >"$tmp/mine/notes.txt"
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/mine" --scheme mxfp4 --force >"$tmp/out" 2>&1
+check "--force does not replace a directory of other files" test $? -eq 1
+check "... names the file it would lose" contains "$tmp/out" "notes.txt"
+check "... which stays" test -f "$tmp/mine/notes.txt"
+rm -f "$tmp/big.safetensors"
+# missing parent directories are made, as mkdir -p
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/new/deeper/out" --scheme mxfp4 >"$tmp/out" 2>&1
+check "quantize makes missing parent directories" test -f "$tmp/new/deeper/out/model.safetensors"
+"$qkeep" quantize "$tmp/absent.safetensors" "$tmp/new2/out" --scheme mxfp4 >"$tmp/out" 2>&1
+check "a failed quantize is 'not found' for a missing input" grep -q "^qkeep: not found: .*absent.safetensors" "$tmp/out"
+check "... and removes the parents it made" test ! -e "$tmp/new2"
+# errors classed by errno, naming the user's path: permission (as nobody when root), read-only and
+# full file systems (a tmpfs in a user namespace, where unshare can make one)
+as_user() { if [ "$(id -u)" = 0 ]; then setpriv --reuid=65534 --regid=65534 --clear-groups "$@"; else "$@"; fi; }
+mkdir -p "$tmp/locked" && chmod 555 "$tmp/locked"
+if as_user true 2>/dev/null; then
+  as_user "$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/locked/out" --scheme mxfp4 >"$tmp/out" 2>&1
+  check "an unwritable parent is 'permission denied'" grep -q "^qkeep: permission denied: $tmp/locked/out" "$tmp/out"
+fi
+chmod 755 "$tmp/locked"
+if unshare -rm true 2>/dev/null; then
+  mkdir -p "$tmp/mnt"
+  unshare -rm sh -c "mount -t tmpfs -o ro tmpfs '$tmp/mnt' && '$qkeep' quantize '$tmp/tiny.safetensors' '$tmp/mnt/out' --scheme mxfp4" >"$tmp/out" 2>&1
+  check "a read-only file system is named so" grep -q "^qkeep: read-only file system: $tmp/mnt/out" "$tmp/out"
+  unshare -rm sh -c "mount -t tmpfs -o size=512k tmpfs '$tmp/mnt' && '$qkeep' quantize '$tmp/tiny.safetensors' '$tmp/mnt/out' --scheme w8a8-int8; ls -A '$tmp/mnt'" >"$tmp/out" 2>&1
+  check "a full disk is 'no space left'" grep -q "^qkeep: no space left on device: $tmp/mnt/out/model.safetensors" "$tmp/out"
+  check "... naming no temporary file" sh -c "! grep -q -e '\.tmp' -e qkeep- '$tmp/out'"
+  check "... and leaving nothing on it" test "$(tail -n 1 "$tmp/out")" = "$(grep '^qkeep:' "$tmp/out" | tail -n 1)"
+fi
+
+
+# a tensor named "": refused naming the file and saying why
+st_write "$tmp/noname.safetensors" '{"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' 4
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/noname.safetensors" >"$tmp/out" 2>&1
+check "a tensor named \"\" is refused" test $? -eq 1
+check "... naming the file and why" grep -q "noname.safetensors: a tensor named \"\" .*every tensor needs a name" "$tmp/out"
+# schemes that are not supported list the supported ones
+"$qkeep" quantize "$tmp/tiny.safetensors" "$tmp/fp8" --scheme fp8 >"$tmp/out" 2>&1
+check "quantize --scheme fp8 is unsupported" grep -q "^qkeep: unsupported: scheme 'fp8'.*modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8" "$tmp/out"
+mkdir -p "$tmp/fp8ckpt" && cp "$tmp/tiny.safetensors" "$tmp/fp8ckpt/model.safetensors"
+printf '{"quantization_config": {"quant_method": "fp8"}}' >"$tmp/fp8ckpt/config.json"
+"$qkeep" -c "$tmp/qkeep.ini" census "$tmp/fp8ckpt" >"$tmp/out" 2>&1
+check "an fp8 checkpoint is unsupported, listing what is read" grep -q "'fp8' is not supported (qkeep reads modelopt, compressed-tensors" "$tmp/out"
+# config sections for a backend outside the chain: an error with file:line, a close name suggested
+printf '[qkeep]\nbackend = reference\n[backend.refrence]\nactivations = int8\n' >"$tmp/typo.ini"
+"$qkeep" -c "$tmp/typo.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "a misspelt backend section is an error" test $? -eq 1
+check "... with file:line and the close name" contains "$tmp/out" "typo.ini:3: \[backend.refrence\]: no backend 'refrence' in the chain (did you mean \[backend.reference\]?)"
+printf '[qkeep]\nbackend = reference\nplugin_dir = %s:\n' "$build/plugins/cpu/.libs" >"$tmp/emptydir.ini"
+"$qkeep" -c "$tmp/emptydir.ini" census "$tmp/tiny.safetensors" >"$tmp/out" 2>&1
+check "an empty plugin_dir entry is an error with its line" contains "$tmp/out" "emptydir.ini:3: \[qkeep\] plugin_dir: empty entry"
+# a Hugging Face hub cache repository root resolves to the snapshot refs/main names
+hub="$tmp/hub/models--org--tiny"
+mkdir -p "$hub/refs" "$hub/blobs" "$hub/snapshots/0123abcd"
+cp "$tmp/w0/model.safetensors" "$hub/blobs/5f3e"
+cp "$tmp/w0/config.json" "$hub/snapshots/0123abcd/config.json"
+ln -s ../../blobs/5f3e "$hub/snapshots/0123abcd/model.safetensors"
+printf '0123abcd' >"$hub/refs/main"
+"$qkeep" -c "$tmp/qkeep.ini" census "$hub" --json >"$tmp/doc" 2>"$tmp/err"
+check "a hub cache repository root loads" test "$("$jsonget" ok <"$tmp/doc")" = true
+check "... the snapshot of refs/main" test "$("$jsonget" digest <"$tmp/doc")" = \
+  "$("$qkeep" -c "$tmp/qkeep.ini" census "$tmp/w0" --json 2>/dev/null | "$jsonget" digest)"
+printf 'feed' >"$hub/refs/main"
+"$qkeep" -c "$tmp/qkeep.ini" census "$hub" >"$tmp/out" 2>&1
+check "a hub repository whose refs/main names no snapshot says so" contains "$tmp/out" "refs/main names revision feed, but snapshots/feed is absent"
+# an input that cannot be read is 'permission denied', naming it
+cp "$tmp/tiny.safetensors" "$tmp/secret.safetensors" && chmod 600 "$tmp/secret.safetensors"
+if [ "$(id -u)" = 0 ] && as_user true 2>/dev/null; then
+  as_user "$qkeep" -c "$tmp/qkeep.ini" census "$tmp/secret.safetensors" >"$tmp/out" 2>&1
+  check "an unreadable checkpoint is 'permission denied'" grep -q "^qkeep: permission denied: $tmp/secret.safetensors" "$tmp/out"
+fi
+
 # The default config (conf/qkeep.ini of the build tree, every backend configure built, in a
 # chain) runs and reloads every shipped example of every scheme, GPU or not.
 default="$build/conf/qkeep.ini"
@@ -200,6 +446,18 @@ printf '[qkeep]\nbackend = hostile\nplugin_dir = .\n[model]\ncheckpoint = hostil
 (cd "$tmp/hostile" && env -u QKEEP_CONFIG "$qkeep" census) >"$tmp/out" 2>&1
 check "the current directory's config is not read" test $? -eq 0
 check "the build tree's config is read instead" contains "$tmp/out" "tiny-w8a8-int8"
+# "no device" says what is missing, once (GPU backends built on a machine without that GPU)
+"$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
+"$qkeep" -c "$default" census "$build/examples/tiny-w8a8-int8" >/dev/null 2>"$tmp/warn"
+if [ -f "$build/plugins/cuda/.libs/backend-cuda-nvfp4.so" ] && ! ls /dev/nvidia* >/dev/null 2>&1 && [ ! -e /proc/driver/nvidia ]; then
+  check "cuda-nvfp4 without a driver says so" grep -q "^cuda-nvfp4 .*no device: no NVIDIA driver or device (/dev/nvidia\* and /proc/driver/nvidia absent)" "$tmp/out"
+  check "... and its skip warning too" grep -q "backend cuda-nvfp4 skipped: no NVIDIA driver or device" "$tmp/warn"
+  check "... never 'driver version is insufficient'" sh -c "! grep -q 'insufficient' '$tmp/out' '$tmp/warn'"
+fi
+if [ -f "$build/plugins/rocm/.libs/backend-rocm-mxfp4.so" ] && [ ! -e /dev/kfd ]; then
+  check "rocm-mxfp4 without /dev/kfd says so" grep -q "^rocm-mxfp4 .*no device: no AMD GPU (/dev/kfd absent)" "$tmp/out"
+  check "... never 'no device' twice" sh -c "! grep -q 'no device.*no device' '$tmp/out' '$tmp/warn'"
+fi
 # `qkeep plugins` with the default config lists every backend the build made, with its probe
 "$qkeep" -c "$default" plugins >"$tmp/out" 2>&1
 for so in "$build"/plugins/*/.libs/backend-*.so; do

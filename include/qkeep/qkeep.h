@@ -673,6 +673,17 @@ struct qkeep_quantize_options {
   void (*progress)(void *user, const struct qkeep_quantize_progress *p);
   void *progress_user;
   struct qkeep_quantize_progress *summary; /* (optional) filled on success (its size set by the caller) */
+  /*
+   * (optional) Polled on the calling thread between pieces of work (a unit, an 8 MiB chunk of a
+   * copied tensor, at least every 0.1 s while waiting); non-zero stops the run, which removes what
+   * it wrote and returns QKEEP_E_INTERRUPTED. It must not block or call qkeep. The library installs
+   * no signal handler: a program stops a run on SIGINT by a handler that sets a flag this returns.
+   */
+  int (*cancel)(void *user);
+  void *cancel_user;
+  /* Replace an existing out_dir, once the new output is whole (one atomic exchange where the file
+   * system has it); only a directory that holds nothing but files qkeep quantize writes. */
+  bool replace_existing;
 };
 
 /*
@@ -681,9 +692,19 @@ struct qkeep_quantize_options {
  * directory), with the scheme's real tensor names, config.json and, for
  * ModelOpt, hf_quant_config.json. Fused shards (q/k/v, gate/up, each expert's
  * gate/up) share one NVFP4 global scale. Deterministic: the same input and
- * options give the same bytes, whatever the number of threads. On failure
- * nothing is left in out_dir, and the error is the one a single thread
- * reports (the first failing tensor in the input's name order).
+ * options give the same bytes, whatever the number of threads.
+ *
+ * Output: missing parent directories are created (as mkdir -p). The files are
+ * written in a private directory beside out_dir (".NAME.qkeep-XXXXXX") and
+ * renamed to out_dir only once whole, so out_dir never holds a partial output,
+ * even if the process is killed. An existing out_dir is QKEEP_E_EXISTS unless
+ * replace_existing. On failure or cancel nothing is left behind (the staging
+ * directory and the parents this call made are removed), and the error is the
+ * one a single thread reports (the first failing tensor in the input's name
+ * order); file errors are classed by errno (QKEEP_E_NOTFOUND,
+ * QKEEP_E_PERMISSION, QKEEP_E_READONLY, QKEEP_E_NOSPACE, else QKEEP_E_IO) and
+ * name out_dir's final file, never a temporary one. A scheme it does not write
+ * is QKEEP_E_UNSUPPORTED, naming those it does.
  *
  * Streaming: the output's headers are laid out from the input's header before
  * any data is read (every output size follows from the input shapes and the

@@ -38,6 +38,12 @@ enum qkeep_error {
   QKEEP_E_RULE = -12,        /* the request would break a lifecycle rule */
   QKEEP_E_CONFIG = -13,      /* the configuration file is wrong */
   QKEEP_E_STATE = -14,       /* the object is not in a state that allows this */
+  /* Appended: a file operation's failure by its errno (EACCES/EPERM, EROFS, ENOSPC/EDQUOT), and a
+   * run stopped by its caller (qkeep_quantize_options.cancel). */
+  QKEEP_E_PERMISSION = -15,  /* permission denied */
+  QKEEP_E_READONLY = -16,    /* read-only file system */
+  QKEEP_E_NOSPACE = -17,     /* no space left on the device (or over quota) */
+  QKEEP_E_INTERRUPTED = -18, /* stopped by the caller before it finished; nothing was left behind */
 };
 
 /*

@@ -28,6 +28,9 @@
 /* Records the calling thread's error detail and returns `code`. */
 int set_error(int code, const char *fmt, ...) PRINTF_LIKE(2, 3);
 int set_error_v(int code, const char *fmt, va_list ap);
+/* The QKEEP_E_* code for a failed file operation's errno: not found, permission denied, read-only
+ * file system, no space, exists, out of memory; QKEEP_E_IO for the rest. */
+int error_from_errno(int err);
 /* Changes whenever this thread's detail is set: tells whether a call (a backend's) left one. */
 unsigned long error_generation(void);
 /* Prefixes the current detail with more context ("layer x: " + detail). */

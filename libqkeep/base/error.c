@@ -5,6 +5,7 @@
  * function that fails leaves its "which file, tensor, layer" message there,
  * and the library never prints it itself.
  */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -37,11 +38,31 @@ const char *qkeep_strerror(int code) {
   case QKEEP_E_RULE: return "lifecycle rule violated";
   case QKEEP_E_CONFIG: return "configuration error";
   case QKEEP_E_STATE: return "invalid state";
+  case QKEEP_E_PERMISSION: return "permission denied";
+  case QKEEP_E_READONLY: return "read-only file system";
+  case QKEEP_E_NOSPACE: return "no space left on device";
+  case QKEEP_E_INTERRUPTED: return "interrupted";
   default: return "unknown error";
   }
 }
 
 const char *qkeep_errmsg(void) { return errmsg; }
+
+int error_from_errno(int err) {
+  switch (err) {
+  case ENOENT:
+  case ENOTDIR: return QKEEP_E_NOTFOUND;
+  case EACCES:
+  case EPERM: return QKEEP_E_PERMISSION;
+  case EROFS: return QKEEP_E_READONLY;
+  case ENOSPC:
+  case EDQUOT: return QKEEP_E_NOSPACE;
+  case EEXIST:
+  case ENOTEMPTY: return QKEEP_E_EXISTS;
+  case ENOMEM: return QKEEP_E_NOMEM;
+  default: return QKEEP_E_IO;
+  }
+}
 
 unsigned long error_generation(void) { return errmsg_generation; }
 

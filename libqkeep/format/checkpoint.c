@@ -83,7 +83,7 @@ static int exists(const char *path) {
     return 1;
   if (errno == ENOENT || errno == ENOTDIR)
     return 0;
-  return set_error(QKEEP_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+  return set_error(error_from_errno(errno), "%s: cannot stat: %s", path, strerror(errno));
 }
 
 static int read_all(int fd, const char *path, char *buf, size_t n) {
@@ -118,7 +118,7 @@ static int read_text(const char *path, size_t max_bytes, bool optional, char **o
       return 0;
     if (errno == ENOENT)
       return set_error(QKEEP_E_NOTFOUND, "%s: no such file", path);
-    return set_error(QKEEP_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    return set_error(error_from_errno(errno), "%s: cannot open: %s", path, strerror(errno));
   }
   int rc = 0;
   char *buf = NULL;
@@ -572,7 +572,7 @@ static bool is_safetensors_name(const char *name) {
 static int open_only_file(struct ckpt *c) {
   DIR *d = opendir(c->dir);
   if (!d)
-    return set_error(QKEEP_E_IO, "%s: cannot list the directory: %s", c->dir, strerror(errno));
+    return set_error(error_from_errno(errno), "%s: cannot list the directory: %s", c->dir, strerror(errno));
   char *first = NULL, *second = NULL;
   size_t count = 0;
   int rc = 0;
@@ -644,6 +644,51 @@ static int open_dir(struct ckpt *c) {
  * QKEEP_E_FORMAT (a malformed or inconsistent file), QKEEP_E_UNSUPPORTED (a
  * quantization qkeep cannot load), QKEEP_E_IO, QKEEP_E_NOMEM.
  */
+static int ckpt_open_at(const char *path, const struct stat *st, struct ckpt **out);
+
+/*
+ * A Hugging Face hub cache repository (models--ORG--NAME: refs/main holding a revision, and
+ * snapshots/<revision>/) resolves to the snapshot refs/main names, as the hub's own tools read it:
+ * *snapshot is that path (malloc'd), or NULL when dir is not such a repository.
+ */
+static int hub_snapshot(const char *dir, char **snapshot) {
+  *snapshot = NULL;
+  char *refs = NULL, *snapshots = NULL;
+  struct stat st;
+  int rc = 0;
+  if (qk_asprintf(&refs, "%s/refs/main", dir) < 0 || qk_asprintf(&snapshots, "%s/snapshots", dir) < 0)
+    rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", dir);
+  bool hub =
+      !rc && stat(refs, &st) == 0 && S_ISREG(st.st_mode) && stat(snapshots, &st) == 0 && S_ISDIR(st.st_mode);
+  FILE *f = hub ? fopen(refs, "re") : NULL;
+  if (hub && !f)
+    rc = set_error(error_from_errno(errno), "%s: cannot read: %s", refs, strerror(errno));
+  if (f) {
+    char rev[256] = "";
+    size_t n = fread(rev, 1, sizeof rev - 1, f);
+    fclose(f);
+    while (n > 0 && (rev[n - 1] == '\n' || rev[n - 1] == '\r' || rev[n - 1] == ' '))
+      n--;
+    rev[n] = '\0';
+    /* a commit hash (40 or 64 hex digits), nothing that could walk out of snapshots/ */
+    bool valid = n > 0 && n < sizeof rev - 1 && strspn(rev, "0123456789abcdefABCDEF") == n;
+    if (!valid)
+      rc = set_error(QKEEP_E_FORMAT, "%s: '%s' is not a revision (a commit hash)", refs, rev);
+    else if (qk_asprintf(snapshot, "%s/%s", snapshots, rev) < 0)
+      rc = set_error(QKEEP_E_NOMEM, "%s: out of memory", dir);
+    else if (stat(*snapshot, &st) != 0 || !S_ISDIR(st.st_mode))
+      rc = set_error(QKEEP_E_NOTFOUND, "%s: refs/main names revision %s, but snapshots/%s is absent", dir,
+                     rev, rev);
+    if (rc) {
+      free(*snapshot);
+      *snapshot = NULL;
+    }
+  }
+  free(refs);
+  free(snapshots);
+  return rc;
+}
+
 int ckpt_open(const char *path, struct ckpt **out) {
   assert(out);
   *out = NULL;
@@ -653,8 +698,26 @@ int ckpt_open(const char *path, struct ckpt **out) {
   if (stat(path, &st) != 0) {
     if (errno == ENOENT || errno == ENOTDIR)
       return set_error(QKEEP_E_NOTFOUND, "%s: no such file or directory", path);
-    return set_error(QKEEP_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+    return set_error(error_from_errno(errno), "%s: cannot stat: %s", path, strerror(errno));
   }
+  char *snapshot = NULL;
+  if (S_ISDIR(st.st_mode)) {
+    int rc = hub_snapshot(path, &snapshot);
+    if (rc)
+      return rc;
+    if (snapshot && stat(snapshot, &st) != 0) {
+      free(snapshot);
+      return set_error(error_from_errno(errno), "%s: cannot stat: %s", path, strerror(errno));
+    }
+  }
+  int opened = ckpt_open_at(snapshot ? snapshot : path, &st, out);
+  free(snapshot);
+  return opened;
+}
+
+/* ckpt_open on a path whose stat is st. */
+static int ckpt_open_at(const char *path, const struct stat *stp, struct ckpt **out) {
+  struct stat st = *stp;
   struct ckpt *c = calloc(1, sizeof *c);
   if (!c)
     return set_error(QKEEP_E_NOMEM, "%s: out of memory", path);

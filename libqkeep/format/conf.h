@@ -30,6 +30,7 @@ struct qkeep_config {
   /* [backend.NAME] sections: every key, in file order */
   struct config_backend_section {
     char *name;
+    int line; /* of its first header */
     struct config_option *options;
     size_t n_options, cap_options;
   } * sections;

@@ -135,6 +135,7 @@ static int open_backend_section(struct parse_state *st, const char *name) {
   memset(sec, 0, sizeof *sec);
   if (!(sec->name = xstrdup(name)))
     return parse_fail(st, QKEEP_E_NOMEM, "out of memory");
+  sec->line = st->lineno;
   st->backend_index = cfg->n_sections++;
   return 0;
 }
@@ -335,9 +336,16 @@ static int handle_qkeep(struct parse_state *st, const char *key, const char *val
       cfg->backend = cfg->backends[0];
     return rc;
   }
-  if (strcmp(key, "plugin_dir") == 0)
+  if (strcmp(key, "plugin_dir") == 0) {
+    size_t len = strlen(value);
+    if (value[0] == ':' || value[len - 1] == ':' || strstr(value, "::"))
+      return parse_fail(st, QKEEP_E_CONFIG,
+                        "[qkeep] plugin_dir: empty entry in '%s' (entries are separated by ':'; write . for "
+                        "the config's own directory)",
+                        value);
     return set_once(st, "qkeep", key, &st->plugin_dir_line, &cfg->plugin_dir,
                     resolve_path_list(cfg->path, value));
+  }
   return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] unknown key '%s' (expected backend or plugin_dir)", key);
 }
 
@@ -447,6 +455,78 @@ static int handle_pair_at(struct parse_state *st, const char *key, const char *v
 #endif
 }
 
+/* Edit distance of a and b, capped: enough to tell a misspelt backend name. */
+static size_t edit_distance(const char *a, const char *b) {
+  size_t la = strlen(a), lb = strlen(b);
+  if (la > 64 || lb > 64)
+    return 64;
+  size_t row[65];
+  for (size_t j = 0; j <= lb; j++)
+    row[j] = j;
+  for (size_t i = 1; i <= la; i++) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= lb; j++) {
+      size_t up = row[j], best = diag + (a[i - 1] != b[j - 1]);
+      best = up + 1 < best ? up + 1 : best;
+      best = row[j - 1] + 1 < best ? row[j - 1] + 1 : best;
+      row[j] = best;
+      diag = up;
+    }
+  }
+  return row[lb];
+}
+
+/*
+ * Every [backend.NAME] names a backend of the chain, or reference (the oracle `qkeep run` checks
+ * against, configured from its section): keys for a backend that never runs would be ignored, and a
+ * misspelt name would hide its keys. The error has the header's line and the close name, if any.
+ */
+static int check_sections(struct parse_state *st) {
+  const qkeep_config *cfg = st->cfg;
+  for (size_t i = 0; i < cfg->n_sections; i++) {
+    const char *name = cfg->sections[i].name;
+    bool known = strcmp(name, "reference") == 0;
+    const char *close = NULL;
+    size_t best = 3; /* at most 2 edits away */
+    for (size_t b = 0; b < cfg->n_backends && !known; b++) {
+      known = strcmp(cfg->backends[b], name) == 0;
+      size_t d = edit_distance(cfg->backends[b], name);
+      if (d < best)
+        best = d, close = cfg->backends[b];
+    }
+    if (known)
+      continue;
+    st->lineno = cfg->sections[i].line;
+    if (close)
+      return parse_fail(st, QKEEP_E_CONFIG,
+                        "[backend.%s]: no backend '%s' in the chain (did you mean [backend.%s]?)", name, name,
+                        close);
+    return parse_fail(st, QKEEP_E_CONFIG,
+                      "[backend.%s]: backend '%s' is not in the chain (line %d: backend = ...), so its keys "
+                      "would never be used",
+                      name, name, cfg->backend_line);
+  }
+  return 0;
+}
+
+/* A rank below its group's size (1 when not set), the error on the rank's line. */
+static int check_ranks(struct parse_state *st) {
+  const qkeep_config *cfg = st->cfg;
+  static const char *const names[2][2] = {{"tp_size", "tp_rank"}, {"ep_size", "ep_rank"}};
+  const int sizes[2] = {cfg->parallel.tp_size, cfg->parallel.ep_size};
+  const int ranks[2] = {cfg->parallel.tp_rank, cfg->parallel.ep_rank};
+  for (int g = 0; g < 2; g++) {
+    int size = sizes[g] > 0 ? sizes[g] : 1;
+    if (!cfg->parallel_line[2 * g + 1] || ranks[g] < size)
+      continue;
+    st->lineno = cfg->parallel_line[2 * g + 1];
+    return parse_fail(st, QKEEP_E_CONFIG, "[model] %s = %d: out of range for %s = %d (ranks 0 to %d)",
+                      names[g][1], ranks[g], names[g][0], size, size - 1);
+  }
+  return 0;
+}
+
 /* Runs inih over the open file; returns 0 or the first error, its detail set. */
 static int parse_file(struct parse_state *st) {
   int bad_line = ini_parse_stream(read_line, st, handle_pair, st);
@@ -468,7 +548,8 @@ static int parse_file(struct parse_state *st) {
     /* No [qkeep] at all: point at the end of the file. */
     return parse_fail(st, QKEEP_E_CONFIG, "missing [qkeep] section with backend = NAME");
   }
-  return 0;
+  int rc = check_sections(st);
+  return rc ? rc : check_ranks(st);
 }
 
 int qkeep_config_load(const char *path, qkeep_config **out) {
@@ -496,8 +577,7 @@ int qkeep_config_load(const char *path, qkeep_config **out) {
     if (fd >= 0 && !file)
       close(fd);
     qkeep_config_free(cfg);
-    return set_error(err == ENOENT || err == ENOTDIR ? QKEEP_E_NOTFOUND : QKEEP_E_IO,
-                     "%s: cannot open config: %s", path, strerror(err));
+    return set_error(error_from_errno(err), "%s: cannot open config: %s", path, strerror(err));
   }
   struct parse_state st = {.cfg = cfg, .file = file};
   int rc = parse_file(&st);

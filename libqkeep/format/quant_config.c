@@ -861,7 +861,10 @@ static int ct_parse(const struct origin *o, const json_t *qcfg, struct quant_con
     if ((rc = ct_int4(&og.o, groups, format, qc)) != 0)
       return rc;
   } else {
-    return key_error(QKEEP_E_UNSUPPORTED, o, "format", "'%s' is not supported", format);
+    return key_error(QKEEP_E_UNSUPPORTED, o, "format",
+                     "'%s' is not supported (compressed-tensors formats read: nvfp4-pack-quantized, "
+                     "mxfp4-pack-quantized, int-quantized, naive-quantized, pack-quantized)",
+                     format);
   }
 
   if ((rc = get_object(o, qcfg, "kv_cache_scheme", &kv)) < 0)
@@ -998,7 +1001,11 @@ static int parse_method(const struct origin *o, const char *method, const json_t
     return gptq_parse(o, qcfg, qc, cap);
   if (strcasecmp(method, "awq") == 0)
     return awq_parse(o, qcfg, qc, cap);
-  return key_error(QKEEP_E_UNSUPPORTED, o, "quant_method", "'%s' is not supported", method);
+  return key_error(
+      QKEEP_E_UNSUPPORTED, o, "quant_method",
+      "'%s' is not supported (qkeep reads modelopt, compressed-tensors, mxfp4, gptq and awq: the "
+      "schemes modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4, ct-int4)",
+      method);
 }
 
 /*

@@ -178,7 +178,7 @@ static int open_file(struct st_file *f) {
     int err = errno;
     if (err == ENOENT || err == ENOTDIR)
       return file_error(QKEEP_E_NOTFOUND, f, "no such file");
-    return file_error(QKEEP_E_IO, f, "cannot open: %s", strerror(err));
+    return file_error(error_from_errno(err), f, "cannot open: %s", strerror(err));
   }
   f->fd = fd;
   f->file_size = (uint64_t)sb.st_size;
@@ -602,6 +602,11 @@ static int parse_entry(struct st_file *f, const struct json_scan *h, const struc
     json_decref(value);
     return rc;
   }
+  if (!rc && !*name) /* a param is found by its name: an unnamed one could never be loaded or looked up */
+    rc = file_error(QKEEP_E_FORMAT, f,
+                    "a tensor named \"\" (header byte %zu): every tensor needs a name, the one a model "
+                    "finds it by",
+                    m->key_at);
   if (!rc)
     rc = grow_array((void **)&f->tensors, cap, f->n_tensors + 1, sizeof *f->tensors);
   if (!rc && (rc = name_index_put(&f->index, name, f->n_tensors, NULL)) == QKEEP_E_EXISTS) {

@@ -221,8 +221,8 @@ static void error_restore(const struct saved_error *saved) { set_error(QKEEP_OK,
 
 /* The code an init failure is reported with: the backend's own when it is one of ours. */
 static int init_error_code(int rc) {
-  /* QKEEP_E_STATE is the last code this core knows. */
-  return rc < 0 && rc >= QKEEP_E_STATE ? rc : QKEEP_E_PLUGIN;
+  /* QKEEP_E_INTERRUPTED is the last code this core knows. */
+  return rc < 0 && rc >= QKEEP_E_INTERRUPTED ? rc : QKEEP_E_PLUGIN;
 }
 
 /*

@@ -29,11 +29,13 @@
  * unit and the first in input order wins, as a single thread would report it.
  */
 #include <assert.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -145,7 +147,8 @@ struct quantizer {
   const struct ckpt *ck;
   const struct qkeep_quantize_options *opt;
   const struct scheme *sch;
-  const char *out_dir;
+  const char *out_dir;  /* where the files are written: the staging directory beside user_dir */
+  const char *user_dir; /* the output directory the caller named, which errors name */
   bool ct, nvfp4, mxfp4, int8, gptq, awq, ct_int4;
   int64_t group; /* int4 group size */
   struct out_tensor *outs;
@@ -155,9 +158,11 @@ struct quantizer {
   int n_shards;
   int *fds;
   char **tmp_paths;
+  char **shard_labels;      /* each shard's final path under user_dir, for errors */
   int64_t written;          /* output bytes, under the lock once streaming */
   int64_t scratch_elements; /* f32 scratch per thread: the largest row block */
   json_t *input_config;     /* the input's config.json, read before any work; NULL when it has none */
+  int threads;
 };
 
 static int add_out(struct quantizer *q, char *name, const struct qkeep_spec *spec, size_t *index) {
@@ -588,7 +593,8 @@ static int open_shards(struct quantizer *q) {
   q->n_shards = q->n_outs ? shard + 1 : 0;
   q->fds = malloc((size_t)(q->n_shards ? q->n_shards : 1) * sizeof *q->fds);
   q->tmp_paths = calloc((size_t)(q->n_shards ? q->n_shards : 1), sizeof *q->tmp_paths);
-  if (!q->fds || !q->tmp_paths)
+  q->shard_labels = calloc((size_t)(q->n_shards ? q->n_shards : 1), sizeof *q->shard_labels);
+  if (!q->fds || !q->tmp_paths || !q->shard_labels)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   for (int s = 0; s < q->n_shards; s++)
     q->fds[s] = -1;
@@ -608,20 +614,25 @@ static int open_shards(struct quantizer *q) {
     st_writer_free(w);
     if (!rc && !(q->tmp_paths[s] = strfmt("%s/shard-%05d.tmp", q->out_dir, s)))
       rc = set_error(QKEEP_E_NOMEM, "out of memory");
+    if (!rc && !(q->shard_labels[s] = q->n_shards == 1 ? strfmt("%s/model.safetensors", q->user_dir)
+                                                       : strfmt("%s/model-%05d-of-%05d.safetensors",
+                                                                q->user_dir, s + 1, q->n_shards)))
+      rc = set_error(QKEEP_E_NOMEM, "out of memory");
     if (!rc && (q->fds[s] = open(q->tmp_paths[s], O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0)
-      rc = set_error(QKEEP_E_IO, "%s: cannot create: %s", q->tmp_paths[s], strerror(errno));
+      rc = set_error(error_from_errno(errno), "%s: cannot create: %s", q->shard_labels[s], strerror(errno));
     /* The file's full size now, so that a full disk shows here rather than half-way. */
     if (!rc && ftruncate(q->fds[s], (off_t)layout.file_size) != 0)
-      rc = set_error(QKEEP_E_IO, "%s: cannot size to %llu bytes: %s", q->tmp_paths[s],
+      rc = set_error(error_from_errno(errno), "%s: cannot size to %llu bytes: %s", q->shard_labels[s],
                      (unsigned long long)layout.file_size, strerror(errno));
     if (!rc && pwrite_full(q->fds[s], layout.header, layout.header_len, 0) != 0)
-      rc = set_error(QKEEP_E_IO, "%s: cannot write the header: %s", q->tmp_paths[s], strerror(errno));
+      rc = set_error(error_from_errno(errno), "%s: cannot write the header: %s", q->shard_labels[s],
+                     strerror(errno));
     for (size_t i = first; i < end && !rc; i++) {
       q->outs[i].offset = layout.offsets[i - first];
       if (q->outs[i].constant &&
           pwrite_full(q->fds[s], q->outs[i].value, q->outs[i].nbytes, q->outs[i].offset))
-        rc = set_error(QKEEP_E_IO, "%s: cannot write '%s': %s", q->tmp_paths[s], q->outs[i].name,
-                       strerror(errno));
+        rc = set_error(error_from_errno(errno), "%s: cannot write '%s': %s", q->shard_labels[s],
+                       q->outs[i].name, strerror(errno));
       else if (q->outs[i].constant)
         q->written += (int64_t)q->outs[i].nbytes;
     }
@@ -636,7 +647,7 @@ static int open_shards(struct quantizer *q) {
 static int write_out(struct quantizer *q, size_t index, const void *data) {
   const struct out_tensor *o = &q->outs[index];
   if (o->nbytes && pwrite_full(q->fds[o->shard], data, o->nbytes, o->offset) != 0)
-    return set_error(QKEEP_E_IO, "%s: cannot write '%s': %s", q->tmp_paths[o->shard], o->name,
+    return set_error(error_from_errno(errno), "%s: cannot write '%s': %s", q->shard_labels[o->shard], o->name,
                      strerror(errno));
   return 0;
 }
@@ -652,7 +663,7 @@ static int finish_shards(struct quantizer *q) {
   int rc = 0;
   for (int s = 0; s < q->n_shards; s++) {
     if (close(q->fds[s]) != 0 && !rc)
-      rc = set_error(QKEEP_E_IO, "%s: %s", q->tmp_paths[s], strerror(errno));
+      rc = set_error(error_from_errno(errno), "%s: %s", q->shard_labels[s], strerror(errno));
     q->fds[s] = -1;
   }
   for (int s = 0; s < q->n_shards && !rc; s++) {
@@ -660,7 +671,8 @@ static int finish_shards(struct quantizer *q) {
     if ((rc = shard_name(q, s, &to)))
       break;
     if (rename(q->tmp_paths[s], to) != 0)
-      rc = set_error(QKEEP_E_IO, "%s: cannot rename to %s: %s", q->tmp_paths[s], to, strerror(errno));
+      rc = set_error(error_from_errno(errno), "%s: cannot rename into place: %s", q->shard_labels[s],
+                     strerror(errno));
     free(to);
   }
   if (rc || q->n_shards < 2)
@@ -678,7 +690,8 @@ static int finish_shards(struct quantizer *q) {
   if (!path)
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   else if (json_dump_file(index, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0)
-    rc = set_error(QKEEP_E_IO, "%s: cannot write", path);
+    rc = set_error(error_from_errno(errno), "%s/model.safetensors.index.json: cannot write: %s", q->user_dir,
+                   strerror(errno));
   free(path);
   json_decref(index);
   return rc;
@@ -1063,6 +1076,17 @@ static void *worker(void *arg) {
 
 /* ---- the calling thread: reading, copying, progress -------------------------------------------- */
 
+/* Whether the caller asked the run to stop (its cancel callback). Calling thread only. */
+static bool cancelled(const struct quantizer *q) {
+  int (*cancel)(void *) = OPTION(q->opt, cancel);
+  return cancel && cancel(OPTION(q->opt, cancel_user)) != 0;
+}
+
+static int interrupted(const struct quantizer *q) {
+  return set_error(QKEEP_E_INTERRUPTED, "%s: stopped before it was written whole; nothing was left behind",
+                   q->user_dir);
+}
+
 struct driver {
   struct pool *p;
   float *scratch;
@@ -1117,6 +1141,8 @@ static void help_until(struct driver *d, bool (*ready)(struct pool *p, int64_t a
       }
       pthread_cond_timedwait(&p->wake, &p->lock, &until);
     }
+    if (p->first_failed != 0 && cancelled(p->q))
+      note_failure(p, 0, interrupted(p->q)); /* no more units start; those in flight end */
     report(d, false, NULL);
   }
 }
@@ -1162,8 +1188,10 @@ static int copy_unit(struct driver *d, const struct unit *u, const struct ckpt_t
     size_t n = t->t->nbytes - at < COPY_CHUNK ? (size_t)(t->t->nbytes - at) : COPY_CHUNK;
     int rc = read_part(t, at, d->chunk, n);
     if (!rc && pwrite_full(q->fds[o->shard], d->chunk, n, o->offset + at) != 0)
-      rc = set_error(QKEEP_E_IO, "%s: cannot write '%s': %s", q->tmp_paths[o->shard], o->name,
+      rc = set_error(error_from_errno(errno), "%s: cannot write '%s': %s", q->shard_labels[o->shard], o->name,
                      strerror(errno));
+    if (!rc && cancelled(q))
+      rc = interrupted(q);
     if (rc)
       return rc;
   }
@@ -1224,6 +1252,10 @@ static int stream(struct quantizer *q, int threads, struct qkeep_quantize_progre
   pthread_mutex_lock(&p.lock);
   for (size_t i = 0; i < q->n_units && p.first_failed == q->n_units; i++) {
     struct unit *u = &q->units[i];
+    if (cancelled(q)) {
+      note_failure(&p, 0, interrupted(q)); /* index 0: reported before any other failure */
+      break;
+    }
     if (u->kind == UNIT_COPY) {
       pthread_mutex_unlock(&p.lock);
       int rc = copy_unit(&d, u, u->copy_in);
@@ -1437,14 +1469,15 @@ static int write_configs(struct quantizer *q) {
   if (!(path = strfmt("%s/config.json", q->out_dir)))
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   else if (json_dump_file(config, path, JSON_INDENT(2)))
-    rc = set_error(QKEEP_E_IO, "%s: cannot write", path);
+    rc = set_error(error_from_errno(errno), "%s/config.json: cannot write: %s", q->user_dir, strerror(errno));
   free(path);
   json_decref(config);
   if (!rc && hf) {
     if (!(path = strfmt("%s/hf_quant_config.json", q->out_dir)))
       rc = set_error(QKEEP_E_NOMEM, "out of memory");
     else if (json_dump_file(hf, path, JSON_INDENT(2)))
-      rc = set_error(QKEEP_E_IO, "%s: cannot write", path);
+      rc = set_error(error_from_errno(errno), "%s/hf_quant_config.json: cannot write: %s", q->user_dir,
+                     strerror(errno));
     free(path);
   }
   json_decref(hf);
@@ -1493,9 +1526,12 @@ static void quantizer_free(struct quantizer *q) {
       close(q->fds[s]);
     if (q->tmp_paths)
       free(q->tmp_paths[s]);
+    if (q->shard_labels)
+      free(q->shard_labels[s]);
   }
   free(q->fds);
   free(q->tmp_paths);
+  free(q->shard_labels);
 }
 
 /* The options, before anything is created: a bad value is an error, never a silent default. */
@@ -1530,6 +1566,201 @@ static int check_input(const struct ckpt *ck) {
   return 0;
 }
 
+/* ---- the output directory: parents, staging, publishing ------------------------------------- */
+
+/* The names qkeep quantize writes; an existing output is replaced only when it holds nothing else. */
+static bool output_name(const char *name) {
+  static const char *const names[] = {"config.json", "hf_quant_config.json", "model.safetensors",
+                                      "model.safetensors.index.json"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+    if (strcmp(name, names[i]) == 0)
+      return true;
+  unsigned a, b;
+  int end = 0;
+  return sscanf(name, "model-%5u-of-%5u.safetensors%n", &a, &b, &end) == 2 && name[end] == '\0';
+}
+
+/* Whether out_dir exists (*exists); an existing one is an error unless it may be replaced, which
+ * needs a real directory holding only files qkeep quantize writes (never a user's other files). */
+static int check_existing(const char *out_dir, bool replace, bool *exists) {
+  struct stat st;
+  *exists = lstat(out_dir, &st) == 0;
+  if (!*exists)
+    return errno == ENOENT ? 0
+                           : set_error(error_from_errno(errno), "%s: cannot check the output directory: %s",
+                                       out_dir, strerror(errno));
+  if (!replace)
+    return set_error(QKEEP_E_EXISTS,
+                     "%s: already exists (the output is a new directory; replacing it must "
+                     "be asked for)",
+                     out_dir);
+  if (!S_ISDIR(st.st_mode))
+    return set_error(QKEEP_E_EXISTS, "%s: exists and is not a directory: not replaced", out_dir);
+  DIR *dir = opendir(out_dir);
+  if (!dir)
+    return set_error(error_from_errno(errno), "%s: cannot read: %s", out_dir, strerror(errno));
+  int rc = 0;
+  for (struct dirent *e; !rc && (e = readdir(dir));)
+    if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0 && !output_name(e->d_name))
+      rc = set_error(QKEEP_E_EXISTS, "%s: not replaced: it holds '%s', which qkeep quantize does not write",
+                     out_dir, e->d_name);
+  closedir(dir);
+  return rc;
+}
+
+/* Removes every file of a directory that holds only files, then the directory. */
+static void remove_tree(const char *path) {
+  DIR *dir = opendir(path);
+  if (dir) {
+    for (struct dirent *e; (e = readdir(dir));)
+      if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+        unlink_fmt("%s/%s", path, e->d_name);
+    closedir(dir);
+  }
+  rmdir(path);
+}
+
+/* The parent directories of out_dir that do not exist yet are made (as mkdir -p); *made lists
+ * those this call made, deepest last, so that a failed run removes them again. */
+struct made_dirs {
+  char **path;
+  size_t n;
+};
+
+/* Forgets the list (the directories stay). */
+static void remove_made_list(struct made_dirs *made) {
+  for (size_t i = 0; i < made->n; i++)
+    free(made->path[i]);
+  free(made->path);
+  made->path = NULL;
+  made->n = 0;
+}
+
+static void remove_made(struct made_dirs *made) {
+  while (made->n > 0) {
+    rmdir(made->path[--made->n]);
+    free(made->path[made->n]);
+  }
+  free(made->path);
+  made->path = NULL;
+}
+
+static int make_parents(const char *out_dir, struct made_dirs *made) {
+  char *path = xstrdup(out_dir);
+  if (!path)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = 0;
+  for (char *slash = strchr(path + 1, '/'); slash && !rc; slash = strchr(slash + 1, '/')) {
+    *slash = '\0';
+    if (mkdir(path, 0755) == 0) {
+      char **grown = realloc(made->path, (made->n + 1) * sizeof *grown);
+      char *copy = grown ? xstrdup(path) : NULL;
+      if (grown)
+        made->path = grown;
+      if (!copy) {
+        rmdir(path);
+        rc = set_error(QKEEP_E_NOMEM, "out of memory");
+      } else {
+        made->path[made->n++] = copy;
+      }
+    } else if (errno != EEXIST) {
+      rc = set_error(error_from_errno(errno), "%s: cannot create its parent directory %s: %s", out_dir, path,
+                     strerror(errno));
+    }
+    *slash = '/';
+  }
+  free(path);
+  return rc;
+}
+
+/* A new directory beside out_dir (".NAME.qkeep-PID-N", with the umask's mode as out_dir will
+ * have) that the output is written in and then renamed from, so that out_dir never holds a partial
+ * output. */
+static int make_stage(const char *out_dir, char **stage) {
+  const char *slash = strrchr(out_dir, '/');
+  const char *base = slash ? slash + 1 : out_dir;
+  for (unsigned n = 0; n < 1000; n++) {
+    if (!(*stage = strfmt("%.*s.%s.qkeep-%ld-%u", (int)(base - out_dir), out_dir, base, (long)getpid(), n)))
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    if (mkdir(*stage, 0777) == 0)
+      return 0;
+    int err = errno;
+    free(*stage);
+    *stage = NULL;
+    if (err != EEXIST)
+      return set_error(error_from_errno(err), "%s: cannot create the output directory: %s", out_dir,
+                       strerror(err));
+  }
+  return set_error(QKEEP_E_EXISTS, "%s: no free name for a directory beside it", out_dir);
+}
+
+/* Moves the whole output from stage to out_dir: a rename that refuses to replace anything, or, to
+ * replace an existing output, one atomic exchange after which the old output is removed. */
+static int publish(const char *stage, const char *out_dir, bool replace) {
+  unsigned flags = replace ? RENAME_EXCHANGE : RENAME_NOREPLACE;
+  if (renameat2(AT_FDCWD, stage, AT_FDCWD, out_dir, flags) == 0) {
+    if (replace)
+      remove_tree(stage); /* the old output, now under the staging name */
+    return 0;
+  }
+  if (errno == EINVAL || errno == ENOSYS) { /* a file system without renameat2's flags */
+    struct stat st;
+    if (replace && lstat(out_dir, &st) == 0)
+      remove_tree(out_dir); /* checked to hold only an output of ours */
+    else if (!replace && lstat(out_dir, &st) == 0)
+      errno = EEXIST;
+    if (errno != EEXIST && rename(stage, out_dir) == 0)
+      return 0;
+  }
+  if (errno == EEXIST || errno == ENOTEMPTY)
+    return set_error(QKEEP_E_EXISTS, "%s: appeared while the output was written; not replaced", out_dir);
+  return set_error(error_from_errno(errno), "%s: cannot move the output into place: %s", out_dir,
+                   strerror(errno));
+}
+
+/* The output directory as named, without trailing slashes; "/" and names ending in "." refused. */
+static int output_path(const char *out_dir, char **out) {
+  size_t len = strlen(out_dir);
+  while (len > 1 && out_dir[len - 1] == '/')
+    len--;
+  const char *base = out_dir + len;
+  while (base > out_dir && base[-1] != '/')
+    base--;
+  size_t base_len = (size_t)(out_dir + len - base);
+  if (len == 0 || base_len == 0 || (base_len == 1 && base[0] == '.') ||
+      (base_len == 2 && base[0] == '.' && base[1] == '.'))
+    return set_error(QKEEP_E_INVAL, "'%s': not a name for a new output directory", out_dir);
+  *out = strfmt("%.*s", (int)len, out_dir);
+  return *out ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+}
+
+/* Reads, quantizes and writes into q->out_dir; on failure removes what it wrote there. */
+static int quantize_into(struct quantizer *q, const char *in) {
+  int rc = 0;
+  if (q->ck->qc.method != QM_NONE)
+    rc =
+        set_error(QKEEP_E_INVAL, "%s: already quantized (%s); qkeep quantize needs an unquantized checkpoint",
+                  in, q->ck->qc.scheme);
+  if (!rc && strcmp(q->ck->dir, q->user_dir) != 0)
+    rc = read_input_config(q);
+  if (!rc)
+    rc = plan(q);
+  if (!rc)
+    rc = open_shards(q);
+  struct qkeep_quantize_progress *summary = OPTION(q->opt, summary);
+  if (!rc)
+    rc = stream(q, q->threads, summary);
+  if (!rc)
+    rc = finish_shards(q);
+  if (!rc)
+    rc = write_configs(q);
+  if (!rc && cancelled(q))
+    rc = interrupted(q);
+  if (rc)
+    remove_output(q); /* nothing half-written stays */
+  return rc;
+}
+
 int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opt) {
   if (!in || !out_dir || !opt || !opt->scheme)
     return set_error(QKEEP_E_INVAL, "qkeep_quantize: NULL argument");
@@ -1538,10 +1769,11 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
     return rc;
   const struct scheme *sch = scheme_by_name(opt->scheme);
   if (!sch || sch == &scheme_unquantized)
-    return set_error(QKEEP_E_INVAL,
-                     "unknown scheme '%s' (modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4, "
-                     "ct-int4)",
-                     opt->scheme);
+    return set_error(
+        QKEEP_E_UNSUPPORTED,
+        "scheme '%s': qkeep quantize writes modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, "
+        "awq-int4 and ct-int4",
+        opt->scheme);
   int threads = OPTION(opt, threads);
   if (threads < 0)
     return set_error(QKEEP_E_INVAL, "qkeep_quantize: %d threads", threads);
@@ -1549,48 +1781,47 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
     long online = sysconf(_SC_NPROCESSORS_ONLN);
     threads = online > 0 ? (int)(online < 1024 ? online : 1024) : 1;
   }
-  if (mkdir(out_dir, 0755) != 0)
-    return set_error(errno == EEXIST ? QKEEP_E_EXISTS : QKEEP_E_IO,
-                     "%s: cannot create the output directory: %s", out_dir, strerror(errno));
-  struct ckpt *ck;
-  rc = ckpt_open(in, &ck);
-  if (!rc && (rc = check_input(ck)))
-    ckpt_close(ck);
-  if (rc) {
-    rmdir(out_dir);
-    return rc;
+  bool replace = OPTION(opt, replace_existing), exists = false;
+  char *user_dir = NULL, *stage = NULL;
+  struct made_dirs made = {0};
+  struct ckpt *ck = NULL;
+  rc = output_path(out_dir, &user_dir);
+  if (!rc)
+    rc = check_existing(user_dir, replace, &exists);
+  if (!rc)
+    rc = make_parents(user_dir, &made);
+  if (!rc)
+    rc = make_stage(user_dir, &stage);
+  if (!rc)
+    rc = ckpt_open(in, &ck);
+  if (!rc)
+    rc = check_input(ck);
+  if (!rc) {
+    struct quantizer q = {.ck = ck, .opt = opt, .sch = sch, .out_dir = stage, .user_dir = user_dir};
+    const char *s = sch->name;
+    q.ct = strcmp(s, "ct-nvfp4") == 0;
+    q.nvfp4 = strstr(s, "nvfp4") != NULL;
+    q.mxfp4 = strcmp(s, "mxfp4") == 0;
+    q.int8 = strcmp(s, "w8a8-int8") == 0;
+    q.ct_int4 = strcmp(s, "ct-int4") == 0;
+    q.awq = strcmp(s, "awq-int4") == 0;
+    q.gptq = strcmp(s, "gptq-int4") == 0 || q.awq;
+    q.group = opt->group_size > 0 ? opt->group_size : 128;
+    q.scratch_elements = 1;
+    q.threads = threads;
+    rc = quantize_into(&q, in);
+    quantizer_free(&q);
   }
-  const char *s = sch->name;
-  struct quantizer q = {.ck = ck, .opt = opt, .sch = sch, .out_dir = out_dir};
-  q.ct = strcmp(s, "ct-nvfp4") == 0;
-  q.nvfp4 = strstr(s, "nvfp4") != NULL;
-  q.mxfp4 = strcmp(s, "mxfp4") == 0;
-  q.int8 = strcmp(s, "w8a8-int8") == 0;
-  q.ct_int4 = strcmp(s, "ct-int4") == 0;
-  q.awq = strcmp(s, "awq-int4") == 0;
-  q.gptq = strcmp(s, "gptq-int4") == 0 || q.awq;
-  q.group = opt->group_size > 0 ? opt->group_size : 128;
-  q.scratch_elements = 1;
-  if (ck->qc.method != QM_NONE)
-    rc =
-        set_error(QKEEP_E_INVAL, "%s: already quantized (%s); qkeep quantize needs an unquantized checkpoint",
-                  in, ck->qc.scheme);
-  if (!rc && strcmp(ck->dir, out_dir) != 0)
-    rc = read_input_config(&q);
   if (!rc)
-    rc = plan(&q);
-  if (!rc)
-    rc = open_shards(&q);
-  struct qkeep_quantize_progress *summary = OPTION(opt, summary);
-  if (!rc)
-    rc = stream(&q, threads, summary);
-  if (!rc)
-    rc = finish_shards(&q);
-  if (!rc)
-    rc = write_configs(&q);
+    rc = publish(stage, user_dir, exists);
+  if (rc && stage)
+    remove_tree(stage);
   if (rc)
-    remove_output(&q); /* nothing half-written stays */
-  quantizer_free(&q);
+    remove_made(&made);
+  else
+    remove_made_list(&made);
   ckpt_close(ck);
+  free(stage);
+  free(user_dir);
   return rc;
 }

@@ -26,11 +26,13 @@
  * with rocm-mxfp4 (plugins/gpu: mxfp4_pwal.c repacks, mxfp4.cu launches).
  */
 #include <cuda_runtime_api.h>
+#include <dirent.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cuda_nvfp4.h"
 #include "layout.h"
@@ -233,6 +235,20 @@ static int mem_sync(const struct qkeep_backend *be) {
 
 /* ---- probe, configure, supports ----------------------------------------------------------------- */
 
+/* Whether the NVIDIA kernel driver shows: a /dev/nvidia* node, or /proc/driver/nvidia. Without
+ * either, the runtime's own error ("driver version is insufficient") names the wrong cause. */
+static bool nvidia_driver_present(void) {
+  if (access("/proc/driver/nvidia", F_OK) == 0)
+    return true;
+  DIR *dev = opendir("/dev");
+  bool found = false;
+  for (struct dirent *e; dev && !found && (e = readdir(dev));)
+    found = strncmp(e->d_name, "nvidia", 6) == 0;
+  if (dev)
+    closedir(dev);
+  return found;
+}
+
 static int cuda_probe(const struct qkeep_backend *be, char *msg, size_t msg_len) {
   const struct cuda_backend *c = backend_of(be);
   char dummy[1];
@@ -240,6 +256,11 @@ static int cuda_probe(const struct qkeep_backend *be, char *msg, size_t msg_len)
     msg = dummy, msg_len = sizeof dummy;
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess && !nvidia_driver_present()) {
+    snprintf(msg, msg_len, "no NVIDIA driver or device (/dev/nvidia* and /proc/driver/nvidia absent)");
+    (void)cudaGetLastError();
+    return QKEEP_E_NODEV;
+  }
   if (err != cudaSuccess) {
     snprintf(msg, msg_len, "no usable CUDA device: %s (%s)", cudaGetErrorString(err), cudaGetErrorName(err));
     (void)cudaGetLastError();

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "mxfp4.h"
 #include "qkeep/qkeep_backend_util.h"
@@ -229,22 +230,27 @@ static int rocm_probe(const struct qkeep_backend *be, char *msg, size_t msg_len)
   char dummy[1];
   if (!msg_len)
     msg = dummy, msg_len = sizeof dummy;
+  /* The callers print the message after "no device" or "skipped": it says what is missing. */
+  if (access("/dev/kfd", F_OK) != 0) { /* the amdgpu driver's compute node: no AMD GPU to use */
+    snprintf(msg, msg_len, "no AMD GPU (/dev/kfd absent)");
+    return QKEEP_E_NODEV;
+  }
   const char *why;
   const struct hip_api *hip = rocm_hip(&why);
   if (!hip) {
-    snprintf(msg, msg_len, "no device: %s", why);
+    snprintf(msg, msg_len, "%s", why);
     return QKEEP_E_NODEV;
   }
   int count = 0;
   hipError_t err = hip->GetDeviceCount(&count);
   if (err != hipSuccess || count == 0) {
-    snprintf(msg, msg_len, "no device: no AMD GPU (%s)",
+    snprintf(msg, msg_len, "no AMD GPU the HIP runtime can use (%s)",
              err != hipSuccess ? hip->GetErrorName(err) : "0 devices");
     (void)hip->GetLastError();
     return QKEEP_E_NODEV;
   }
   if (r->device >= count) {
-    snprintf(msg, msg_len, "no device: HIP device %d requested, %d present", r->device, count);
+    snprintf(msg, msg_len, "HIP device %d requested, %d present", r->device, count);
     return QKEEP_E_NODEV;
   }
   const char *what = "hipSetDevice";
@@ -252,8 +258,8 @@ static int rocm_probe(const struct qkeep_backend *be, char *msg, size_t msg_len)
   if (err == hipSuccess)
     err = rocm_kernels_load(&r->kernels, &what);
   if (err != hipSuccess) {
-    snprintf(msg, msg_len, "no device: HIP device %d cannot run the gfx942 code object: %s: %s", r->device,
-             what, hip->GetErrorName(err));
+    snprintf(msg, msg_len, "HIP device %d cannot run the gfx942 code object: %s: %s", r->device, what,
+             hip->GetErrorName(err));
     (void)hip->GetLastError();
     return QKEEP_E_NODEV;
   }
