@@ -19,10 +19,7 @@
 #include <unistd.h>
 
 #include "cli.h"
-
-#ifndef QKEEP_PKGDATADIR
-#define QKEEP_PKGDATADIR "/usr/local/share/qkeep"
-#endif
+#include "qkeep_dirs.h" /* QKEEP_PKGDATADIR, QKEEP_BUILD_DIR: written by make */
 
 static const char usage_main[] =
     "usage: qkeep [-c CONFIG] [--json] [--debug] COMMAND [ARGS]\n"
