@@ -1,5 +1,5 @@
 /*
- * plugin.c: finds, loads and checks backend plugins (DESIGN.md, "Plugin ABI").
+ * plugin.c: finds, loads and checks backend plugins (docs/ABI.md, "Versions", "Finding plugins").
  *
  * The backend NAME lives in "backend-NAME.so", searched in each directory of
  * $QKEEP_PLUGIN_PATH, then the caller's plugin_dir, then the install
