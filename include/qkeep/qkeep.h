@@ -11,7 +11,7 @@
  * Threads: the library keeps no global state beyond the logger (and its level)
  * and the per-thread error detail, so two models (and two configs, two plugin
  * handles) may be used from two threads at once. One model is used from one
- * thread at a time: no apply (qkeep_layer_apply_f32, a backend's kernel)
+ * thread at a time: no forward (qkeep_layer_forward, qkeep_layer_apply_f32)
  * while a load or reload of the same model runs, and no two reloads at once.
  * Models on several threads may share a plugin when its backend keeps its
  * scratch per layer, as the in-tree ones do (cpu-onednn locks a layer's
@@ -698,11 +698,91 @@ struct qkeep_quantize_options {
  */
 QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opts);
 
-/* ---- kernels ----------------------------------------------------------------- */
+/* ---- the engine forward -------------------------------------------------------- */
+
+/*
+ * What qkeep_layer_forward computes. Activations live in the layer's memory (device memory
+ * of the device qkeep_layer_device names, host memory for a CPU backend), row-major and
+ * contiguous; x 16-byte aligned.
+ *   linear:        y[m, N] = x[m, K] W^T (+ bias)
+ *   MoE, one expert (topk 0): W13 y[m, 2I] = x[m, H] w13[expert]^T; W2 y[m, H] = x[m, I] w2^T
+ *   MoE, routed (topk > 0, `expert` ignored): W13 takes x[m, H] to y[m * topk, 2I], one row
+ *     per (token, slot) with the expert topk_ids[t, s]; W2 takes x[m * topk, I] to y[m, H],
+ *     the sum over slots of topk_weights[t, s] times the slot's row.
+ * x F32, BF16 or F16; y F32 or x's dtype. N, K, H = K and 2I = N as qkeep_layer_get_info
+ * gives them.
+ */
+struct qkeep_forward_args {
+  size_t size; /* sizeof(struct qkeep_forward_args): the struct grows by appending */
+  int64_t m;   /* rows (tokens); 0 does nothing */
+  const void *x;
+  enum qkeep_dtype x_dtype;
+  void *y;
+  enum qkeep_dtype y_dtype;
+  int32_t expert;               /* MoE without routing: which expert */
+  enum qkeep_moe_matrix matrix; /* MoE: QKEEP_MOE_W13 or QKEEP_MOE_W2 */
+  int32_t topk;                 /* MoE: > 0 for routed; 0 otherwise */
+  const int32_t *topk_ids;      /* routed: [m, topk] expert ids, in the layer's memory */
+  const float *topk_weights;    /* routed W2: [m, topk] router weights, in the layer's memory */
+  void *stream;                 /* device layers: the cudaStream_t / hipStream_t to run on; NULL: legacy default */
+  void *workspace;              /* scratch in the layer's memory, >= qkeep_layer_workspace bytes, 256-aligned */
+  size_t workspace_bytes;
+};
+
+/*
+ * Runs a layer's kernel on activations the caller owns: the engine's forward.
+ *
+ * Thread and stream: any thread, one call at a time per layer's model unless the owner's
+ * docs say otherwise; a device layer's work is enqueued on args->stream and the call may
+ * return before it is done (the caller synchronises the stream when it needs y). A host
+ * layer computes before it returns.
+ * What it does not do, for a layer whose owner is graph-safe (qkeep_layer_device's
+ * graph_safe): allocate or free memory, synchronise the device or a stream, copy to or from
+ * the host, or launch work on another stream; so the call can be captured in a CUDA graph
+ * (cudaStreamCaptureModeGlobal). Everything it reads is a live param, backend state made at
+ * PWAL, or the workspace.
+ * Reloads: never concurrently with qkeep_model_reload, a sync or a load of the same model.
+ * After a reload or sync the same call with the same pointers (or the replay of a graph
+ * captured before it) computes with the new weights: no param, buffer or PWAL state moves.
+ * Errors: QKEEP_E_INVAL (null or misshaped arguments, an expert out of range, a workspace
+ * smaller than qkeep_layer_workspace asks, named in the detail); QKEEP_E_UNSUPPORTED (a kind
+ * without a forward: embeddings, norms, kv scales; a dtype pair other than those above; an
+ * owner without kernels or without routed MoE); QKEEP_E_STATE (a reload failed and could not
+ * roll back). A failure inside a kernel launch returns the backend's error; nothing is
+ * written to y then, or y is partly written (the caller's buffer, not a param).
+ */
+QKEEP_API int qkeep_layer_forward(qkeep_layer *layer, const struct qkeep_forward_args *args);
+
+/*
+ * The workspace bytes qkeep_layer_forward needs for these arguments (the pointers and the
+ * stream are not read) into *bytes; 0 when it needs none. The answer for a given m, dtypes,
+ * matrix and topk never changes over the model's life (reloads included), and a smaller m
+ * never needs more, so an engine sizes one workspace for its largest batch once. Same errors
+ * as qkeep_layer_forward for arguments it would refuse.
+ */
+QKEEP_API int qkeep_layer_workspace(qkeep_layer *layer, const struct qkeep_forward_args *args, size_t *bytes);
+
+/* Where a layer lives and what its forward promises (qkeep_layer_device). */
+struct qkeep_layer_device {
+  size_t size;                /* set by the caller: sizeof(struct qkeep_layer_device) */
+  enum qkeep_device_type type; /* of its params' memory (and the activations qkeep_layer_forward takes) */
+  int index;                  /* the device ordinal; 0 for host memory */
+  bool forward;               /* the layer has a forward: a linear or MoE layer whose owner has kernels */
+  bool graph_safe;            /* the owner promises QKEEP_BACKEND_F_GRAPH_SAFE */
+  bool routed;                /* an MoE layer whose owner runs routed MoE (topk > 0) */
+};
+
+/* Fills *out (out->size set by the caller; fields past it are not written). QKEEP_E_INVAL for
+ * a NULL argument. */
+QKEEP_API int qkeep_layer_device(const qkeep_layer *layer, struct qkeep_layer_device *out);
+
+/* ---- kernels, host f32 (the forward check) ------------------------------------------- */
 
 /*
  * y[M, N] = x[M, K] W^T through the backend's kernel for a linear layer; x and
- * y are host f32 arrays, moved to and from the device by the core.
+ * y are host f32 arrays, moved to and from the device by the core, which also
+ * allocates the workspace and waits for the result: for checks and tools, not for an
+ * engine's loop (qkeep_layer_forward).
  */
 QKEEP_API int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *y);
 

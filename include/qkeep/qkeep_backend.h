@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 3
+#define QKEEP_BACKEND_ABI_MINOR 4
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -185,6 +185,14 @@ struct qkeep_apply_args {
   const int32_t *topk_ids;   /* [m, topk] expert per (token, slot), device memory */
   const float *topk_weights; /* [m, topk] router weights, device memory (W2 only) */
   void *stream;              /* the device stream to run on (cudaStream_t); NULL: the default */
+  /*
+   * ABI 1.4: scratch the caller owns, in the backend's memory, at least the bytes the
+   * backend's workspace slot asked for these arguments (256-byte aligned). A backend with a
+   * workspace slot takes all its scratch from here and allocates nothing while it applies;
+   * workspace NULL with workspace_bytes 0 when it asked for none.
+   */
+  void *workspace;
+  size_t workspace_bytes;
 };
 
 /*
@@ -306,8 +314,12 @@ struct qkeep_backend {
   /*
    * (optional; absent: the layer cannot be run) Runs the kernel of a layer the backend owns:
    * y = x W^T, or one MoE expert's matrix, or a routed MoE (qkeep_apply_args). x and y are
-   * in the backend's memory; may return before the work is done (the core syncs). Reads
-   * only live params and buffers. Not called during a load or reload of the same model.
+   * in the backend's memory; x F32, BF16 or F16, y F32 or x's dtype (QKEEP_E_UNSUPPORTED with
+   * set_error for any other pair, or for a kind or routing it does not run). A device backend
+   * enqueues on args->stream and may return before the work is done (whoever waits syncs the
+   * stream). Reads only live params, buffers, its PWAL state and args->workspace. Called on
+   * the engine's thread (qkeep_layer_forward) or the core's; never during a load or reload of
+   * the same model. With QKEEP_BACKEND_F_GRAPH_SAFE, what that flag promises.
    */
   int (*apply)(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *args);
   /* (optional) Frees the state set with host->set_state, once per layer that has state, when
@@ -345,7 +357,39 @@ struct qkeep_backend {
   const struct qkeep_backend_key *keys;
   size_t n_keys;
   size_t key_size;
+
+  /* ---- ABI 1.4 ---- */
+
+  /*
+   * (optional; absent: apply needs no workspace) The bytes of scratch apply needs for these
+   * arguments (m, dtypes, expert or matrix, topk; the pointers and the stream are not read),
+   * into *bytes; 0 for none. The same arguments always give the same answer, and a smaller m
+   * never needs more. The core calls it on the engine's thread before a forward (the caller
+   * passes a workspace at least that large) and before its own applies (it allocates the
+   * workspace with the memory ops). QKEEP_E_UNSUPPORTED, with set_error, for arguments apply
+   * would refuse.
+   */
+  int (*workspace)(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *args,
+                   size_t *bytes);
+  /*
+   * (optional; absent: host memory when `memory` is NULL, else QKEEP_DEVICE_OTHER) The device
+   * whose memory the backend's params and activations live in: its type and ordinal.
+   */
+  int (*device)(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index);
+  /* QKEEP_BACKEND_F_* bits (0 before ABI 1.4). */
+  uint32_t flags;
 };
+
+/*
+ * The backend's apply may be captured in a CUDA (or HIP) graph: given the workspace it asked
+ * for, it allocates nothing, frees nothing, synchronises nothing, copies nothing to or from
+ * the host and enqueues its work on args->stream only; everything its kernels read is a live
+ * param, a buffer, state set at PWAL or the workspace, and a reload or sync refreshes them at
+ * the same addresses, so a graph captured before a reload computes with the new weights.
+ */
+#define QKEEP_BACKEND_F_GRAPH_SAFE (1u << 0)
+/* apply runs routed MoE (args->topk > 0) for the MoE layers the backend owns. */
+#define QKEEP_BACKEND_F_ROUTED_MOE (1u << 1)
 
 /*
  * The one exported entry point. `host` stays valid until fini. Returns 0 and

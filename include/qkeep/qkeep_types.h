@@ -83,6 +83,15 @@ enum qkeep_layer_kind {
   QKEEP_LAYER_KIND_COUNT
 };
 
+/* Where a layer's memory lives, so that an engine (or DLPack) can name the device of its
+ * params and activations. OTHER: a device whose backend does not say (built before ABI 1.4). */
+enum qkeep_device_type {
+  QKEEP_DEVICE_HOST = 0, /* host memory: the CPU backends */
+  QKEEP_DEVICE_CUDA = 1, /* an NVIDIA GPU; the index is the CUDA device ordinal */
+  QKEEP_DEVICE_ROCM = 2, /* an AMD GPU; the index is the HIP device ordinal */
+  QKEEP_DEVICE_OTHER = 3
+};
+
 /* Layer flags (struct qkeep_layer_info.flags): what the scheme's config implies. */
 #define QKEEP_LAYER_F_WEIGHT_SYM (1u << 0)        /* int weights without zero points */
 #define QKEEP_LAYER_F_ACT_ORDER (1u << 1)         /* GPTQ desc_act: g_idx is a permutation */
