@@ -6,7 +6,7 @@
  *     runs; the dequantisation is done once, only the matmul is timed);
  *   - a copy ceiling: the int4 layer's bytes (codes and f16 scales) over the memcpy
  *     bandwidth measured here with the same threads (bytes read plus written, as
- *     BENCHMARKING.md measures it, so a kernel that only reads can come in under it);
+ *     docs/PERFORMANCE.md measures it, so a kernel that only reads can come in under it);
  * at M = 1, 16, 128, 512 for K x N = 4096 x 4096, 4096 x 14336 and 14336 x 4096. One JSON
  * object per line: per shape and M, one line per zentorch mode with every peer's time.
  *

@@ -12,7 +12,7 @@
  * torch peer runs right after, in its own process. Times are medians of
  * `runs` timed calls after warm-up. The ceiling is the weight bytes over the
  * copy bandwidth measured here with the same threads (memcpy, bytes read
- * plus written, as BENCHMARKING.md measures it): streaming weights only
+ * plus written, as docs/PERFORMANCE.md measures it): streaming weights only
  * reads, so a kernel can come in under it (ceiling_ratio < 1).
  *
  *   bench_int8 [THREADS]     (default: $QKEEP_BENCH_THREADS, else every online CPU;

@@ -2,7 +2,7 @@
  * bench_mxfp4.cu: the shared MXFP4 W4A16 GEMM (plugins/gpu/mxfp4_kernel.h, its CUDA
  * build) against cuBLAS bf16 on the same layer (the MXFP4 weights dequantised to
  * bf16), and the bandwidth ceiling, in one process. One JSON object per line
- * (docs/BENCHMARKING.md):
+ * (docs/PERFORMANCE.md, "Method"):
  *
  *   {"bench":"d2d_copy", ...}                          the ceiling's bandwidth
  *   {"bench":"mxfp4_w4a16","M":..,"N":..,"K":..,"qkeep_us":..,"peer":"cublas_bf16",

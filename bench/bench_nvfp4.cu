@@ -2,7 +2,7 @@
  * bench_nvfp4.cu: the cuda-nvfp4 W4A16 GEMM against cuBLAS bf16 on the same
  * layer (the NVFP4 weights dequantised to bf16), and the bandwidth ceiling,
  * in one process; then PWAL time and peak device memory of a load through
- * the plugin. One JSON object per line (docs/BENCHMARKING.md):
+ * the plugin. One JSON object per line (docs/PERFORMANCE.md, "Method"):
  *
  *   {"bench":"d2d_copy", ...}                          the ceiling's bandwidth
  *   {"bench":"nvfp4_w4a16","M":..,"N":..,"K":.., "qkeep_us":.., "peer":"cublas_bf16",

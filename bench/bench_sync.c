@@ -33,8 +33,8 @@
  * CPU). QKEEP_BENCH_TRACE=1 logs where each bucket's time goes (a line per bucket on stderr).
  *
  * NVLink multicast stays off: the bench sets NCCL_NVLS_ENABLE=0 in its own environment before any
- * NCCL call (qkeep leaves NCCL's configuration to its caller), as the lent GPU machines require (a
- * program using multicast there can put the host's shared GPUs out of service).
+ * NCCL call (qkeep leaves NCCL's configuration to its caller), as a host whose GPUs are shared
+ * requires (a program using multicast there can put the host's shared GPUs out of service).
  */
 #include <dlfcn.h>
 #include <stdio.h>

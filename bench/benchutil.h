@@ -258,7 +258,7 @@ struct point {
 typedef double (*bench_call_fn)(void *arg, int s, int c);
 
 /*
- * Times `sides` calls interleaved call by call (BENCHMARKING.md's side by side): a warm-up over
+ * Times `sides` calls interleaved call by call (side by side, docs/PERFORMANCE.md's method): a warm-up over
  * every weight copy (page faults, JIT; `copies` is the most any side has), whose last round sizes
  * the run count to about `seconds` (at least 7, at most max_runs), then that many rounds of every
  * side in turn. us[s] is side s's median in microseconds; returns the run count.

@@ -25,10 +25,7 @@
 #include <unistd.h>
 
 #include "cli.h"
-
-#ifndef QKEEP_PKGDATADIR
-#define QKEEP_PKGDATADIR "/usr/local/share/qkeep"
-#endif
+#include "qkeep_dirs.h" /* QKEEP_PKGDATADIR, QKEEP_BUILD_DIR: written by make */
 
 /* Commands, as bits of the option table's "applies to" masks. */
 enum {

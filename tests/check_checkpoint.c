@@ -1007,7 +1007,7 @@ static void put_text(const char *sub, const char *file, const char *text) {
 
 static const char *const link_tensors[] = {"model.a.weight", "model.b.weight", NULL};
 
-/* Issue 10, item 15: a checkpoint directory's links are followed only inside its own tree (or into the hub
+/* A checkpoint directory's links are followed only inside its own tree (or into the hub
  * cache's blobs/). Outside, they were followed and the errors quoted the target's bytes: a secret file's
  * first 8 bytes printed as a header length, `near 'root'` from /etc/passwd. */
 START_TEST(test_links_leaving_the_directory_are_refused) {

@@ -1,7 +1,7 @@
 /*
  * check_cuda_layout.c: the cuda-nvfp4 kernel layouts on the CPU (no GPU
- * needed). The scale swizzle against vLLM's formula (formats.md §2.5 and
- * vllm-lifecycle.md §3.a, written out here independently of layout.h); both
+ * needed). The scale swizzle against vLLM's formula (its NVFP4 block-scale
+ * swizzle, written out here independently of layout.h); both
  * layouts as bijections of their padded domains; transform round trips with
  * zero padding; and the weight tiles read back the way the GEMM reads them:
  * an emulation of mma.m16n8k16's fragments, fed by the same bit tricks the

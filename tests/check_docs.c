@@ -12,6 +12,10 @@
  * either: each environment variable they read (getenv("NAME") with a literal name, the only form
  * allowed) must be listed in README's "Environment" section, and they never print (no stderr,
  * stdout, printf, puts, perror...) nor change the caller's environment (setenv, putenv...).
+ *
+ * The docs (README.md, every .md of docs/, the man page) speak to users: no word about how the work on
+ * the project was organised (an issue, a session, the lead, a path of the machines it ran on),
+ * and every NAME.md they or a source cite is a file of the repository (there is no DESIGN.md).
  */
 #include <check.h>
 #include <ctype.h>
@@ -19,7 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "checkutil.h"
 #include "private.h"
@@ -497,6 +503,183 @@ START_TEST(the_source_scan_finds_planted_prints_and_variables) {
 }
 END_TEST
 
+/* ---- the docs speak to users ----------------------------------------------------------------- */
+
+/* Whole words (any case) about how the work was organised, never about the product. */
+static const char *const work_words[] = {"issue", "issues", "session", "sessions", NULL};
+/* Text (any case) that no doc has a reason to hold. */
+static const char *const work_phrases[] = {"the lead", "/work/", "design.md", NULL};
+
+static bool is_name_char(char c) {
+  return isalnum((unsigned char)c) || c == '_' || c == '.' || c == '/' || c == '-';
+}
+
+/* Whether the NAME.md a doc cites is in the repository: as a path from the top, beside the doc,
+ * or, a bare name, at the top or in docs/. */
+static bool cited_doc_exists(const char *doc_dir, const char *name) {
+  const char *const bases[] = {tu_srcdir(), doc_dir, NULL};
+  bool found = false;
+  for (size_t b = 0; bases[b] && !found; b++) {
+    char *path = tu_path(bases[b], name);
+    found = access(path, F_OK) == 0;
+    free(path);
+  }
+  if (!found && !strchr(name, '/')) {
+    char *docs = tu_path(tu_srcdir(), "docs");
+    char *path = tu_path(docs, name);
+    found = access(path, F_OK) == 0;
+    free(path), free(docs);
+  }
+  return found;
+}
+
+/* Each NAME.md that text (NUL-terminated, n bytes) cites (the longest run of name characters
+ * ending in ".md") must be a file of the repository; doc_dir: the directory of the text's file. */
+static void scan_citations(struct scan *sc, const char *file, const char *doc_dir, const char *text,
+                           size_t n) {
+  for (size_t i = 1; i + 3 <= n; i++) {
+    if (strncmp(text + i, ".md", 3) != 0 || isalnum((unsigned char)text[i + 3]) ||
+        !isalnum((unsigned char)text[i - 1]))
+      continue;
+    size_t start = i;
+    while (start > 0 && is_name_char(text[start - 1]))
+      start--;
+    char *name = strndup(text + start, i + 3 - start);
+    if (!cited_doc_exists(doc_dir, name))
+      problem(sc, file, text, start, "cites a file the repository does not have:", name);
+    free(name);
+  }
+}
+
+/* Looks at one doc's text (NUL-terminated, n bytes); doc_dir: its directory. */
+static void scan_prose(struct scan *sc, const char *file, const char *doc_dir, const char *text, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (isalpha((unsigned char)text[i]) && (i == 0 || !isalnum((unsigned char)text[i - 1]))) {
+      size_t len = 0;
+      while (isalpha((unsigned char)text[i + len]))
+        len++;
+      char word[32];
+      if (len < sizeof word && !isalnum((unsigned char)text[i + len])) {
+        for (size_t k = 0; k < len; k++)
+          word[k] = (char)tolower((unsigned char)text[i + k]);
+        word[len] = 0;
+        if (among_words(word, len, work_words))
+          problem(sc, file, text, i, "speaks of how the work was organised:", word);
+      }
+    }
+    for (size_t p = 0; work_phrases[p]; p++) {
+      size_t len = strlen(work_phrases[p]); /* a whole phrase: "the lead's", not "the leading" */
+      if (strncasecmp(text + i, work_phrases[p], len) == 0 && !isalnum((unsigned char)text[i + len]))
+        problem(sc, file, text, i, "holds", work_phrases[p]);
+    }
+  }
+  scan_citations(sc, file, doc_dir, text, n);
+}
+
+static void scan_prose_file(struct scan *sc, const char *doc_dir, const char *name) {
+  char *path = tu_path(doc_dir, name);
+  size_t n = 0;
+  char *text = tu_read_file(path, &n);
+  ck_assert_msg(text != NULL, "cannot read %s", path);
+  text = realloc(text, n + 1), text[n] = 0;
+  scan_prose(sc, path, doc_dir, text, n);
+  sc->files++;
+  free(text), free(path);
+}
+
+START_TEST(the_docs_speak_to_users) {
+  struct scan sc = {0};
+  scan_prose_file(&sc, tu_srcdir(), "README.md");
+  char *docs = tu_path(tu_srcdir(), "docs");
+  DIR *d = opendir(docs);
+  ck_assert_msg(d != NULL, "cannot read %s", docs);
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    size_t len = strlen(e->d_name);
+    if ((len > 3 && strcmp(e->d_name + len - 3, ".md") == 0) || strcmp(e->d_name, "qkeep.1.in") == 0)
+      scan_prose_file(&sc, docs, e->d_name);
+  }
+  closedir(d);
+  ck_assert_uint_ge(sc.files, 8); /* README, the man page and every .md of docs/ */
+  for (size_t i = 0; i < sc.n_problems; i++)
+    fprintf(stderr, "%s\n", sc.problems[i]);
+  ck_assert_msg(sc.n_problems == 0, "%s (and %zu more)", sc.n_problems ? sc.problems[0] : "",
+                sc.n_problems ? sc.n_problems - 1 : 0);
+  free(docs);
+  scan_free(&sc);
+}
+END_TEST
+
+/* Each source cites only docs the repository has (no DESIGN.md, no notes kept elsewhere). */
+static void scan_source_citations(struct scan *sc, const char *path) {
+  DIR *d = opendir(path);
+  ck_assert_msg(d != NULL, "cannot read %s", path);
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    if (e->d_name[0] == '.' ||
+        strcmp(e->d_name, "check_docs.c") == 0) /* its planted test names missing docs */
+      continue;
+    char *sub = tu_path(path, e->d_name);
+    struct stat sb;
+    size_t len = strlen(e->d_name);
+    if (stat(sub, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+      scan_source_citations(sc, sub);
+    } else if (S_ISREG(sb.st_mode) && len > 2 &&
+               (strcmp(e->d_name + len - 2, ".c") == 0 || strcmp(e->d_name + len - 2, ".h") == 0 ||
+                (len > 3 && strcmp(e->d_name + len - 3, ".cu") == 0))) {
+      size_t n = 0;
+      char *text = tu_read_file(sub, &n);
+      ck_assert_msg(text != NULL, "cannot read %s", sub);
+      text = realloc(text, n + 1), text[n] = 0;
+      scan_citations(sc, sub, tu_srcdir(), text, n);
+      sc->files++;
+      free(text);
+    }
+    free(sub);
+  }
+  closedir(d);
+}
+
+START_TEST(every_doc_a_source_cites_is_there) {
+  struct scan sc = {0};
+  static const char *const dirs[] = {"libqkeep", "cli", "plugins", "include", "bench", "tests"};
+  for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
+    char *path = tu_path(tu_srcdir(), dirs[i]);
+    scan_source_citations(&sc, path);
+    free(path);
+  }
+  ck_assert_uint_ge(sc.files, 100);
+  for (size_t i = 0; i < sc.n_problems; i++)
+    fprintf(stderr, "%s\n", sc.problems[i]);
+  ck_assert_msg(sc.n_problems == 0, "%s (and %zu more)", sc.n_problems ? sc.problems[0] : "",
+                sc.n_problems ? sc.n_problems - 1 : 0);
+  scan_free(&sc);
+}
+END_TEST
+
+/* The prose scan finds what it is for, and not inside other words or in files that exist. */
+START_TEST(the_prose_scan_finds_planted_words_and_citations) {
+  static const char planted[] =
+      "Measured in the Session of Monday; see issue 27.\n"
+      "Tissues, reissued, sessional, the leading one: other words. See docs/ABI.md and README.md.\n"
+      "As the lead's run showed (DESIGN.md, \"Config\"); docs/GONE.md.\n";
+  struct scan sc = {0};
+  scan_prose(&sc, "planted.md", tu_srcdir(), planted, strlen(planted));
+  static const char *const want[] = {"planted.md:1: speaks of how the work was organised: session",
+                                     "planted.md:1: speaks of how the work was organised: issue",
+                                     "planted.md:3: holds the lead",
+                                     "planted.md:3: holds design.md",
+                                     "planted.md:3: cites a file the repository does not have: DESIGN.md",
+                                     "planted.md:3: cites a file the repository does not have: docs/GONE.md"};
+  for (size_t i = 0; i < sc.n_problems; i++)
+    fprintf(stderr, "%s\n", sc.problems[i]);
+  ck_assert_uint_eq(sc.n_problems, sizeof want / sizeof want[0]);
+  for (size_t i = 0; i < sc.n_problems; i++)
+    ck_assert_str_eq(sc.problems[i], want[i]);
+  scan_free(&sc);
+}
+END_TEST
+
 static void setup(void) {
   dir = tu_tmpdir("docs");
   ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &ref), 0);
@@ -523,6 +706,11 @@ int main(void) {
   tcase_add_test(core, the_core_never_prints_nor_changes_the_environment);
   tcase_add_test(core, the_source_scan_finds_planted_prints_and_variables);
   suite_add_tcase(s, core);
+  TCase *prose = tcase_create("prose");
+  tcase_add_test(prose, the_docs_speak_to_users);
+  tcase_add_test(prose, every_doc_a_source_cites_is_there);
+  tcase_add_test(prose, the_prose_scan_finds_planted_words_and_citations);
+  suite_add_tcase(s, prose);
   SRunner *sr = srunner_create(s);
   srunner_set_fork_status(sr, draft ? CK_NOFORK : CK_FORK);
   srunner_run_all(sr, CK_NORMAL);

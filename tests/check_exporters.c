@@ -29,7 +29,7 @@
 #define EXPERTS 2
 #define E_INTER 128
 
-/* ---- independent decoders (formats.md §1-§3), deliberately not libqkeep's ---------------- */
+/* ---- independent decoders (docs/FORMATS.md, 1-3), deliberately not libqkeep's ---------------- */
 
 static float bf16_value(uint16_t b) {
   uint32_t u = (uint32_t)b << 16;

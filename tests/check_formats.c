@@ -1,7 +1,7 @@
 /*
  * check_formats.c: the element and scale codecs (formats.h, quantize.c) and
  * the checkpoint quantizers of quant.h. Expected bytes are worked out by hand
- * from reference/formats.md (§1-3, §9) in the comments next to them, never
+ * from docs/FORMATS.md and the exporters' recipes in the comments next to them, never
  * taken from the code under test; the random round trips check error bounds
  * derived from each recipe.
  */

@@ -44,7 +44,7 @@ for dir in $layers; do
           elif [ "$lr" -gt "$r" ]; then
             echo "FAIL: ${f#"$src"/} ($dir) includes $inc ($l is above $dir)"; echo x >&3
           fi ;;
-        config.h) ;;
+        config.h | qkeep_dirs.h) ;; # generated: configure's, and make's installation directories
         *) echo "FAIL: ${f#"$src"/} includes \"$inc\" (name a layer: \"LAYER/$inc\")"; echo x >&3 ;;
       esac
     done

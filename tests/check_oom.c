@@ -251,10 +251,10 @@ START_TEST(allocations_fail_cleanly_on_cpu_onednn) {
     return; /* not built */
   qkeep_plugin_close(p);
   /* oneDNN's C API lets std::bad_alloc escape (terminate) and survives some failures with a
-   * state that crashes later (docs/RELIABILITY-part-a.md): its own allocations, and libgomp's, are
-   * not failed here; the plugin's and the core's are. */
+   * state that crashes later (docs/RELIABILITY.md, "oneDNN under allocation failure"): its own
+   * allocations, and libgomp's, are not failed here; the plugin's and the core's are. */
   static const char *const third_party[] = {"libdnnl", "libstdc++", "libgomp", NULL};
-  if (!getenv("QKEEP_OOM_NO_EXEMPT")) /* set, to see what oneDNN does (docs/RELIABILITY-part-a.md) */
+  if (!getenv("QKEEP_OOM_NO_EXEMPT")) /* set, to see what oneDNN does (docs/RELIABILITY.md) */
     fm_exempt(third_party);
   run_all("cpu-onednn", false, stride_from_env(0));
   fm_exempt(NULL);

@@ -224,7 +224,7 @@ static void zero_points_as_i8(struct st_writer *w, const struct st_tensor *t, vo
   add_as_is(w, t, bytes);
 }
 
-/* Issue 10, item 9: I8 input zero points on fused layers (q/k/v, gate/up, experts). The shard merge read
+/* I8 input zero points on fused layers (q/k/v, gate/up, experts). The shard merge read
  * 4 bytes per 1-byte shard, so a valid checkpoint was refused with heap bytes in the message. They load,
  * run as the I32 ones do, and reload. */
 START_TEST(i8_input_zero_points_on_fused_layers) {

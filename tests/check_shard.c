@@ -1510,7 +1510,7 @@ END_TEST
 START_TEST(a_sync_through_the_nccl_transport_over_a_stand_in_libnccl) {
   char *lib = tu_path(tu_builddir(), "tests/plugins/.libs/libnccl-fake.so");
   char *w0 = checkpoint("gptq-int4", 0), *w1 = checkpoint("gptq-int4", 1);
-  /* NVLink multicast off, as an engine on the lent GPU machines keeps it: the caller's setting,
+  /* NVLink multicast off, as an engine on a host with shared GPUs keeps it: the caller's setting,
    * before its first NCCL call, is what NCCL sees. */
   setenv("NCCL_NVLS_ENABLE", "0", 1);
   unsigned char id[128];

@@ -1,5 +1,5 @@
 /*
- * config.c: the INI configuration (DESIGN.md, "Config").
+ * config.c: the INI configuration (README.md, "The config").
  *
  *   [qkeep]          backend = NAME[, NAME...] (required: the chain, in order), plugin_dir = DIR
  *   [model]          checkpoint = PATH, reload_checkpoint = PATH, fuse = MAP

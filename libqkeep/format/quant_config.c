@@ -1,7 +1,7 @@
 /*
  * quant_config.c: the quantization a checkpoint declares, read from
  * config.json's quantization_config and ModelOpt's hf_quant_config.json
- * (formats.md §2.4, vllm-lifecycle.md §3).
+ * (docs/FORMATS.md, "2. Which scheme" and "3. Schemes").
  *
  * Every key qkeep relies on is type-checked, and a value it cannot honour
  * fails with QKEEP_E_UNSUPPORTED naming it, rather than loading bytes under a

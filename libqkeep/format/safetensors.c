@@ -1,5 +1,5 @@
 /*
- * safetensors.c: the strict safetensors reader (formats.md §7).
+ * safetensors.c: the strict safetensors reader (docs/FORMATS.md, "1.1 safetensors").
  *
  * st_open reads the 8-byte header length and the JSON header with pread,
  * checks every rule the reference reader checks, plus two it leaves loose
@@ -729,7 +729,7 @@ static int check_layout(struct st_file *f) {
  * (st_close); on failure *out is NULL, nothing stays open or allocated, and
  * the message names the path and, where there is one, the tensor:
  * QKEEP_E_NOTFOUND (no such file), QKEEP_E_IO (cannot open or read, not a
- * regular file), QKEEP_E_FORMAT (any rule of formats.md §7), QKEEP_E_NOMEM.
+ * regular file), QKEEP_E_FORMAT (any rule of docs/FORMATS.md, 1.1), QKEEP_E_NOMEM.
  */
 int st_open(const char *path, struct st_file **out) {
   assert(out);

@@ -47,7 +47,7 @@ struct st_file {
 };
 
 /*
- * Opens and validates a .safetensors file strictly (formats.md §7): header
+ * Opens and validates a .safetensors file strictly (docs/FORMATS.md, 1.1): header
  * length, UTF-8 JSON object, known dtypes, shape x dtype = bytes, offsets
  * contiguous from 0 without gaps or overlaps, no trailing bytes, no duplicate
  * names, __metadata__ values strings. Errors name the path and the tensor.

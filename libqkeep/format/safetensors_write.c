@@ -1,6 +1,6 @@
 /*
  * safetensors_write.c: builds a safetensors file in memory and writes it the
- * way the reference serializer does (formats.md §7.2), so that a file qkeep
+ * way the reference serializer (huggingface/safetensors) does, so that a file qkeep
  * writes is byte for byte the file huggingface/safetensors would write for the
  * same tensors and metadata:
  *

@@ -1,5 +1,5 @@
 /*
- * chain.c: which backend of a model's chain owns each layer (DESIGN.md, "Backend chain").
+ * chain.c: which backend of a model's chain owns each layer (docs/ABI.md, "The backend chain").
  *
  * A model holds an ordered chain of backends. Each layer goes to the first link whose
  * probe found its device and whose backend accepts the layer: supports_layer (ABI 1.1)

@@ -1,5 +1,5 @@
 /*
- * plugin.c: finds, loads and checks backend plugins (DESIGN.md, "Plugin ABI").
+ * plugin.c: finds, loads and checks backend plugins (docs/ABI.md, "Versions", "Finding plugins").
  *
  * The backend NAME lives in "backend-NAME.so", searched in each directory of
  * $QKEEP_PLUGIN_PATH, then the caller's plugin_dir, then the install
@@ -27,10 +27,7 @@
 
 #include "plugin/plugin.h"
 #include "qkeep/qkeep_backend_util.h"
-
-#ifndef QKEEP_PLUGIN_DIR
-#error "QKEEP_PLUGIN_DIR must be defined by the build (the plugin install directory)"
-#endif
+#include "qkeep_dirs.h" /* QKEEP_PLUGIN_DIR, the plugin install directory: written by make */
 
 #define PLUGIN_PREFIX "backend-"
 #define PLUGIN_SUFFIX ".so"

@@ -4,7 +4,7 @@
  * base only). Nothing that loads a model includes it.
  *
  * The quantizers that write checkpoints (libqkeep/quantize/quantize.c), following
- * reference/formats.md exactly, including its §9 decisions, so their output is
+ * the exporters' recipes exactly (docs/FORMATS.md, "6. qkeep quantize"), so their output is
  * reproducible byte for byte. Weights are row-major f32 [n, k] (n outputs, k
  * inputs). Every function returns 0, or QKEEP_E_INVAL when the input holds
  * NaN or Inf or the shape does not fit the format (detail via set_error,
@@ -18,7 +18,7 @@
 
 #include "base/formats.h"
 
-/* e2m1 code of x: the formats.md §1.2 table (RNE, ties per the table, saturate at ±6);
+/* e2m1 code of x: the OCP MX e2m1 values (RNE, ties per the table, saturate at ±6);
  * the sign bit is set iff x < 0. x must be finite. */
 uint8_t qk_e2m1_encode(float x);
 /* e4m3fn byte of x: round to nearest even with subnormals, saturating at ±448. */
@@ -53,7 +53,7 @@ int quant_int8_channel(const float *w, int64_t n, int64_t k, int8_t *q, float *s
 
 /*
  * GPTQ int4 with groups of g along k (k % g == 0, k % 8 == 0, n % 8 == 0), round to
- * nearest (no Hessian update), GPTQ's scale rules (formats.md §9). Layout as AutoGPTQ v1
+ * nearest (no Hessian update), GPTQ's scale rules (docs/FORMATS.md, 6). Layout as AutoGPTQ v1
  * writes it: qweight i32 [k/8, n] (lowest k in the lowest nibble), scales f16 bits
  * [k/g, n], qzeros i32 [k/g, n/8] packed along n storing zero - 1, g_idx i32 [k] = k/g.
  * sym: zero = 8.

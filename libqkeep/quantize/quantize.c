@@ -1,8 +1,8 @@
 /*
  * quantize.c: the checkpoint quantizers of quant.h (NVFP4 as ModelOpt and as
  * compressed-tensors write it, MXFP4, int8 per channel, GPTQ int4) and their
- * dequantizers. Every rounding step follows reference/formats.md and its §9
- * decisions so that the bytes are reproducible; the comments say where a
+ * dequantizers. Every rounding step follows the exporters' recipes (docs/FORMATS.md,
+ * "6. qkeep quantize") so that the bytes are reproducible; the comments say where a
  * reference's order of operations matters.
  *
  * All arithmetic is IEEE float32 evaluated in float32 (FLT_EVAL_METHOD 0, as on
@@ -68,7 +68,7 @@ static inline uint8_t e2m1_code(float x) {
    * NaN from ever looking like a saturated weight: every comparison below is false
    * for NaN, so its magnitude code is 0 and its sign test false. */
   float a = fabsf(x);
-  /* The formats.md §1.2 bounds, counted without branches (the table's codes are the
+  /* The e2m1 rounding bounds, counted without branches (the table's codes are the
    * number of bounds passed): > where the tie goes down to the even neighbour, >=
    * where it goes up. Above 5 everything, Inf included, saturates at 6. */
   uint8_t code = (uint8_t)((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +

@@ -1,5 +1,5 @@
 /*
- * scheme/modelopt_nvfp4.c: NVFP4 as ModelOpt exports it (formats.md §2.4).
+ * scheme/modelopt_nvfp4.c: NVFP4 as ModelOpt exports it (docs/FORMATS.md, "modelopt-nvfp4").
  * weight u8 [N, K/2] (packed e2m1), weight_scale e4m3 [N, K/16] (linear,
  * not swizzled), weight_scale_2 f32 (= amax/2688, a decode factor) and
  * input_scale f32 per fused shard. Normalisation merges the per-shard global

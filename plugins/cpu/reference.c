@@ -1,7 +1,7 @@
 /*
  * reference.c: the `reference` backend. Portable C, every scheme qkeep reads;
  * its PWAL leaves params exactly as loaded (under the rules), and apply
- * dequantises each scheme exactly as reference/formats.md specifies, to f32,
+ * dequantises each scheme exactly as docs/FORMATS.md specifies, to f32,
  * and multiplies with double accumulation. MoE layers apply one expert's w13
  * or w2 at a time. It is the
  * oracle the other backends are tested against, so it favours clarity over

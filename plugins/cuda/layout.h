@@ -5,7 +5,7 @@
  * one copy. Plain C; under nvcc every function is __host__ __device__.
  *
  * Block scales (e4m3, checkpoint [R, C] with C = K/16, row-major) use the
- * 128x4 swizzle of CUTLASS / cuBLAS / FlashInfer / vLLM (formats.md §2.5):
+ * 128x4 swizzle of CUTLASS / cuBLAS / FlashInfer / vLLM:
  * rows padded to Rp = round_up(R, 128), columns to Cp = round_up(C, 4), the
  * padding zero, and scale (r, c) at byte
  *
