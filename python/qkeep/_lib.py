@@ -104,6 +104,7 @@ class LayerDevice(ctypes.Structure):
 
 
 NAME_FN = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_bool, POINTER(View))
+STORAGE_FN = ctypes.CFUNCTYPE(c_int, c_void_p, c_char_p, c_char_p, c_void_p, c_size_t)
 
 # name: (restype, argtypes). Every function here is in every ABI 1.x library.
 _PROTOTYPES = {
@@ -145,6 +146,7 @@ _PROTOTYPES = {
     "qkeep_param_checkpoint_name": (c_char_p, [c_void_p]),
     "qkeep_param_runtime_name": (c_char_p, [c_void_p]),
     "qkeep_foreach_name": (c_int, [c_void_p, NAME_FN, c_void_p]),
+    "qkeep_foreach_storage": (c_int, [c_void_p, STORAGE_FN, c_void_p]),
     "qkeep_census": (c_int, [c_void_p, POINTER(Census)]),
     "qkeep_digest": (c_int, [c_void_p, POINTER(Digest)]),
     "qkeep_digest_hex": (None, [POINTER(Digest), ctypes.c_char * 33]),

@@ -267,6 +267,18 @@ class Model:
         self.layers()
         return Param(self._by_ptr[layer.value], text(_lib.lib.qkeep_param_runtime_name(param)))
 
+    def storages(self):
+        """Every distinct storage of the model once (params and buffers): (layer, name, address,
+        capacity), the memory every view of the model lies in."""
+        out = []
+
+        def collect(user, layer, name, data, capacity):
+            out.append((layer.decode(), name.decode(), int(data or 0), int(capacity)))
+            return 0
+
+        check(_lib.lib.qkeep_foreach_storage(self._h(), _lib.STORAGE_FN(collect), None), self.checkpoint)
+        return out
+
     def params(self):
         """Every param of every layer, by "layer/name" (its registered names, aliases included)."""
         return {"%s/%s" % (l.name, n): p for l in self.layers() for n, p in l.params().items()}
