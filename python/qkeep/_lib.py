@@ -177,10 +177,29 @@ def _build_tree_library():
     return path if os.path.isfile(path) else None
 
 
+def _untrusted(path):
+    """Why a library named by the environment must not be loaded (the plugins' rule: the file and its
+    directory owned by root or the caller and writable by no one else), or None."""
+    real = os.path.realpath(path)
+    for what in (real, os.path.dirname(real)):
+        try:
+            st = os.stat(what)
+        except OSError as e:
+            return "%s: %s" % (what, e.strerror)
+        if st.st_uid not in (0, os.getuid()):
+            return "%s is owned by uid %d, neither root nor the caller" % (what, st.st_uid)
+        if st.st_mode & 0o022:
+            return "%s is writable by its group or others (mode %o)" % (what, st.st_mode & 0o7777)
+    return None
+
+
 def _candidates():
     env = os.environ.get("QKEEP_LIBRARY")
-    if env:
-        return [env]  # named explicitly: nothing else is tried
+    if env:  # named explicitly: nothing else is tried
+        why = _untrusted(env)
+        if why:
+            raise ImportError("qkeep: QKEEP_LIBRARY=%s refused: %s" % (env, why))
+        return [env]
     here = os.path.join(os.path.dirname(os.path.abspath(__file__)), SONAME)
     found = [p for p in (here, _build_tree_library()) if p and os.path.isfile(p)]
     inst = _install_dirs()

@@ -55,6 +55,20 @@ class TestLoad(Base):
                          os.path.realpath(os.path.join(tu.BUILD, "libqkeep", ".libs", "libqkeep.so.0")))
         self.assertRegex(qkeep.version(), r"^\d+\.\d+\.\d+")
 
+    @unittest.skipUnless(os.path.realpath(tu.SRC) == os.path.realpath(tu.BUILD), "the build tree is not the source tree")
+    def test_imported_from_the_build_tree_it_finds_the_trees_library_and_config(self):
+        import subprocess
+        import sys
+        env = {k: v for k, v in os.environ.items() if k not in ("QKEEP_LIBRARY", "QKEEP_CONFIG")}
+        env["PYTHONPATH"] = os.path.join(tu.SRC, "python")
+        run = subprocess.run([sys.executable, "-c", "import qkeep; print(qkeep.library_path); "
+                              "print(qkeep.default_config())"], env=env, cwd="/", check=True,
+                             stdout=subprocess.PIPE, universal_newlines=True)
+        lib, config = run.stdout.split()
+        self.assertEqual(os.path.realpath(lib), os.path.join(os.path.realpath(tu.BUILD), "libqkeep", ".libs",
+                                                             "libqkeep.so.0"))
+        self.assertEqual(os.path.realpath(config), os.path.join(os.path.realpath(tu.BUILD), "conf", "qkeep.ini"))
+
     def test_every_example_loads_on_the_cpu_chain_with_the_census_of_the_qkeep_command(self):
         names = ["tiny"] + ["tiny-" + s for s in self.schemes] + ["tiny-w1-" + s for s in self.schemes]
         self.assertGreaterEqual(len(self.schemes), 7, self.schemes)
@@ -231,6 +245,24 @@ class TestErrors(Base):
         with open(junk, "wb") as f:
             f.write(b"\xff" * 64)
         self.assertError(lambda: qkeep.load(junk, backend="reference", config=self.config), "junk.safetensors")
+
+    def test_a_library_others_may_write_is_refused(self):
+        import shutil
+        import subprocess
+        import sys
+        lib = os.path.join(self.dir, "libqkeep.so.0")
+        shutil.copy(_lib.library_path, lib)
+        os.chmod(lib, 0o666)
+        env = dict(os.environ, QKEEP_LIBRARY=lib)
+        run = subprocess.run([sys.executable, "-c", "import qkeep"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, universal_newlines=True)
+        self.assertNotEqual(run.returncode, 0)
+        self.assertIn("QKEEP_LIBRARY=%s refused" % lib, run.stdout)
+        self.assertIn("writable by its group or others", run.stdout)
+        os.chmod(lib, 0o644)
+        run = subprocess.run([sys.executable, "-c", "import qkeep; print(qkeep.library_path)"], env=env,
+                             stdout=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual(run.stdout.strip(), lib)
 
     def test_online_quantization_is_refused(self):
         e = self.assertError(lambda: qkeep.load(tu.example("tiny"), config=self.config, quantize="mxfp4"),
