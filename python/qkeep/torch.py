@@ -110,7 +110,11 @@ class QkeepExperts(nn.Module):
             return ((up + 1) * (gate * torch.sigmoid(gate * alpha))).contiguous()
         return (self.act(gate) * up).contiguous()
 
-    def forward(self, hidden_states, top_k_index, top_k_weights, *unused, **kwunused):
+    def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_indices=None, routing_weights=None,
+                **unused):
+        # Qwen3-MoE and Mixtral pass (top_k_index, top_k_weights); gpt-oss (router_indices=, routing_weights=)
+        top_k_index = top_k_index if top_k_index is not None else router_indices
+        top_k_weights = top_k_weights if top_k_weights is not None else routing_weights
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         ids = top_k_index.reshape(x.shape[0], -1)
