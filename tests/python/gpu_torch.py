@@ -143,6 +143,12 @@ class TestPatched(unittest.TestCase):
                     hf, qm = self.patched(fx, "w0", scheme)
                     self.assertEqual(qkeep.torch.foreign_tensors(hf, qm), [])
                     self.assertTrue(all(l.device == "cuda:0" for l in qm.layers()))
+                    for key, p in qm.params().items():  # DLPack and the CUDA interface share the memory
+                        self.assertEqual(p.__dlpack_device__(), (2, 0))
+                        self.assertEqual(torch.from_dlpack(p).data_ptr(), p.data_ptr, key)
+                        if p.dtype in ("F32", "F16", "I32", "U8"):
+                            self.assertEqual(torch.as_tensor(p, device=DEVICE).data_ptr(), p.data_ptr, key)
+                        self.assertFalse(hasattr(p, "__array_interface__"))
 
     def test_greedy_decode_agrees_with_the_bf16_model(self):
         for name, fx in self.fixtures.items():
@@ -174,12 +180,35 @@ class TestPatched(unittest.TestCase):
                         r = ref.layer(layer.name)
                         calls = [{}] if layer.kind == "linear" else \
                             [dict(matrix=m, expert=e) for e in range(layer.experts) for m in ("w13", "w2")]
+                        if layer.kind == "moe" and layer.routed:
+                            calls.append("routed")
                         for kw in calls:
+                            if kw == "routed":
+                                self.check_routed(layer, r, gen)
+                                continue
                             k = layer.n // 2 if kw.get("matrix") == "w2" else layer.k
                             x = (torch.rand(4, k, generator=gen, device=DEVICE) * 2 - 1).to(torch.bfloat16)
                             y = layer.forward(x, **kw).float().cpu()
                             want = torch.from_numpy(r.forward(x.float().cpu().numpy(), **kw))
                             self.assertLess(rel_error(y, want), LAYER_TOLERANCE, (layer.name, kw))
+
+    def check_routed(self, layer, ref, gen):
+        m, topk = 6, 2
+        ids = torch.stack([torch.randperm(layer.experts, generator=gen, device=DEVICE)[:topk] for _ in range(m)])
+        ids = ids.to(torch.int32)
+        weights = torch.rand(m, topk, generator=gen, device=DEVICE)
+        x = (torch.rand(m, layer.k, generator=gen, device=DEVICE) * 2 - 1).to(torch.bfloat16)
+        y13 = layer.forward(x, matrix="w13", topk_ids=ids).float().cpu()
+        want = torch.cat([torch.from_numpy(ref.forward(x[t:t + 1].float().cpu().numpy(), matrix="w13",
+                                                       expert=int(ids[t, s]))) for t in range(m) for s in range(topk)])
+        self.assertLess(rel_error(y13, want), LAYER_TOLERANCE, (layer.name, "routed w13"))
+        x2 = (torch.rand(m * topk, layer.n // 2, generator=gen, device=DEVICE) * 2 - 1).to(torch.bfloat16)
+        y2 = layer.forward(x2, matrix="w2", topk_ids=ids, topk_weights=weights).float().cpu()
+        rows = [torch.from_numpy(ref.forward(x2[t * topk + s:t * topk + s + 1].float().cpu().numpy(), matrix="w2",
+                                             expert=int(ids[t, s]))) * float(weights[t, s])
+                for t in range(m) for s in range(topk)]
+        want2 = torch.stack([sum(rows[t * topk:(t + 1) * topk])[0] for t in range(m)])
+        self.assertLess(rel_error(y2, want2), LAYER_TOLERANCE, (layer.name, "routed w2"))
 
     def test_a_graph_replayed_after_a_reload_equals_a_cold_w1_graph(self):
         for name, fx in self.fixtures.items():
