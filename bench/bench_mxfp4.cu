@@ -107,7 +107,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int 
       auto qkeep_with = [&](int split) {
         return [&, split](int c) {
           CHECK_CUDA((cudaError_t)mxfp4_gemm_run(&L.q[c], 0, m, x, QKEEP_DTYPE_BF16, y, QKEEP_DTYPE_BF16,
-                                                 split, stream));
+                                                 split, nullptr, stream));
         };
       };
       auto peer = [&](int c) {

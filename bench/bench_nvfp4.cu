@@ -164,7 +164,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
       auto qkeep_with = [&](const nvfp4_tuning *tune) {
         return [&, tune](int c) {
           CHECK_CUDA((cudaError_t)nvfp4_gemm_run(&L.q[c], 0, m, x, QKEEP_DTYPE_BF16, y, QKEEP_DTYPE_BF16,
-                                                 tune, stream));
+                                                 tune, nullptr, stream));
         };
       };
       auto peer = [&](int c) {
@@ -451,7 +451,7 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       auto qkeep_with = [&](const nvfp4_tuning *tune) {
         return [&, tune](int c) {
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[(size_t)c], T, topk, d_ids, d_weights, w2, d_x,
-                                                QKEEP_DTYPE_BF16, d_y, QKEEP_DTYPE_BF16, tune, stream));
+                                                QKEEP_DTYPE_BF16, d_y, QKEEP_DTYPE_BF16, tune, nullptr, stream));
         };
       };
       auto peer = [&](int c) {
@@ -472,10 +472,10 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       auto rows_error = [&](const nvfp4_tuning *tune) {
         if (w2)
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], pairs, 1, d_flat, nullptr, false, d_x,
-                                                QKEEP_DTYPE_BF16, d_rows, QKEEP_DTYPE_BF16, tune, stream));
+                                                QKEEP_DTYPE_BF16, d_rows, QKEEP_DTYPE_BF16, tune, nullptr, stream));
         else
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], T, topk, d_ids, nullptr, false, d_x, QKEEP_DTYPE_BF16,
-                                                d_rows, QKEEP_DTYPE_BF16, tune, stream));
+                                                d_rows, QKEEP_DTYPE_BF16, tune, nullptr, stream));
         CHECK_CUDA(cudaStreamSynchronize(stream));
         std::vector<__nv_bfloat16> got((size_t)(pairs * n)), want((size_t)(pairs * n));
         CHECK_CUDA(cudaMemcpy(got.data(), d_rows, got.size() * 2, cudaMemcpyDeviceToHost));
@@ -544,7 +544,7 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
               nvfp4_weights{w.w, w.sf, alpha, nullptr, QKEEP_DTYPE_F32, n * (int64_t)hit.size(), k, 1});
         d_us = time_us(stream, copies_q, [&](int c) {
           CHECK_CUDA((cudaError_t)nvfp4_gemm_run(&dense[(size_t)c], 0, 1, d_x, QKEEP_DTYPE_BF16, d_rows,
-                                                 QKEEP_DTYPE_BF16, nullptr, stream));
+                                                 QKEEP_DTYPE_BF16, nullptr, nullptr, stream));
         });
       }
       const double q_us = median(q_runs), p_us = median(p_runs), ceiling = 1e6 * (double)hit_q / bandwidth;

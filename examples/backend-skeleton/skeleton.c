@@ -117,33 +117,60 @@ static int skeleton_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   return rc;
 }
 
+/* What the f32 kernel of one apply needs besides its arguments. */
+struct sk_call {
+  const struct qkeep_layer_info *info;
+  struct qkeep_view w, s, bias;
+  bool has_bias;
+};
+
+/* y[m, N] = x[m, K] W^T in f32 over the K-major int8 codes (qkeep_be_f32_kernel). */
+static int skeleton_kernel(void *user, int32_t expert, enum qkeep_moe_matrix matrix, int64_t rows,
+                           const float *x, float *y) {
+  (void)expert;
+  (void)matrix;
+  const struct sk_call *c = user;
+  const int8_t *codes = c->w.data; /* [K, N] */
+  int64_t n_out = c->info->n, k_in = c->info->k;
+  for (int64_t m = 0; m < rows; m++)
+    for (int64_t n = 0; n < n_out; n++) {
+      float acc = 0;
+      for (int64_t k = 0; k < k_in; k++)
+        acc += x[m * k_in + k] * (float)codes[k * n_out + n];
+      acc *= qkeep_load_float(c->s.data, c->s.spec.dtype, (size_t)n);
+      y[m * n_out + n] = acc + (c->has_bias ? qkeep_load_float(c->bias.data, c->bias.spec.dtype, (size_t)n) : 0.0f);
+    }
+  return 0;
+}
+
+/* The workspace the helper's f32 staging needs for bf16 and f16 activations (ABI 1.4). */
+static int skeleton_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
+                              const struct qkeep_apply_args *a, size_t *bytes) {
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = sk(be)->host->layer_info(layer, &info);
+  if (!rc)
+    *bytes = qkeep_be_f32_workspace(a, qkeep_be_dims(&info, a));
+  return rc;
+}
+
+/* f32, bf16 and f16 activations: qkeep_be_f32_apply stages them as f32 for the kernel. */
 static int skeleton_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                           const struct qkeep_apply_args *a) {
   const struct qkeep_host *host = sk(be)->host;
   struct qkeep_layer_info info = {.size = sizeof info};
-  struct qkeep_view w = {.size = sizeof w}, s = {.size = sizeof s}, bias = {.size = sizeof bias};
+  struct sk_call call = {.info = &info,
+                         .w = {.size = sizeof call.w},
+                         .s = {.size = sizeof call.s},
+                         .bias = {.size = sizeof call.bias}};
   int rc = host->layer_info(layer, &info);
   if (!rc)
-    rc = host->get_live(layer, "weight", &w);
+    rc = host->get_live(layer, "weight", &call.w);
   if (!rc)
-    rc = host->get_live(layer, "weight_scale", &s);
+    rc = host->get_live(layer, "weight_scale", &call.s);
   if (rc)
     return rc;
-  if (a->x_dtype != QKEEP_DTYPE_F32 || a->y_dtype != QKEEP_DTYPE_F32)
-    return host->set_error(QKEEP_E_UNSUPPORTED, "%s: skeleton takes f32 activations only", info.name);
-  bool has_bias = host->get_live(layer, "bias", &bias) == 0;
-  const int8_t *codes = w.data; /* [K, N] */
-  const float *x = a->x;
-  float *y = a->y;
-  for (int64_t m = 0; m < a->m; m++)
-    for (int64_t n = 0; n < info.n; n++) {
-      float acc = 0;
-      for (int64_t k = 0; k < info.k; k++)
-        acc += x[m * info.k + k] * (float)codes[k * info.n + n];
-      acc *= qkeep_load_float(s.data, s.spec.dtype, (size_t)n);
-      y[m * info.n + n] = acc + (has_bias ? qkeep_load_float(bias.data, bias.spec.dtype, (size_t)n) : 0.0f);
-    }
-  return 0;
+  call.has_bias = host->get_live(layer, "bias", &call.bias) == 0;
+  return qkeep_be_f32_apply(host, &info, a, skeleton_kernel, &call);
 }
 
 static void skeleton_fini(const struct qkeep_backend *be) { free((void *)(uintptr_t)be); }
@@ -170,6 +197,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .keys = skeleton_keys,
       .n_keys = sizeof skeleton_keys / sizeof skeleton_keys[0],
       .key_size = sizeof skeleton_keys[0],
+      .workspace = skeleton_workspace, /* ABI 1.4 slots: an older core ignores them */
   };
   *out = &s->be;
   return 0;

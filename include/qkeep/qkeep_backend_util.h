@@ -249,6 +249,204 @@ static inline int qkeep_gptq_zero(const int32_t *qzeros, int64_t n_cols, int64_t
   return v2 ? stored : (stored + 1) & 0xf;
 }
 
+/* ---- apply for a host kernel that takes f32 ------------------------------------------------------ */
+
+/*
+ * A host backend whose kernel computes one matrix in f32 (y[m, out] = x[m, in] W^T for a linear
+ * layer or one MoE expert's w13 or w2) gets every activation dtype and routed MoE from these
+ * two helpers: qkeep_be_f32_workspace for its workspace slot, qkeep_be_f32_apply for its apply.
+ * They stage x and y as f32 in the workspace when the dtypes are not f32, and run routed MoE as
+ * one kernel call per expert hit, over that expert's rows gathered in slot order, combining W2's
+ * rows in slot order (so the result does not depend on thread counts). The kernel sees only f32,
+ * contiguous, 64-byte aligned arrays.
+ */
+typedef int (*qkeep_be_f32_kernel)(void *user, int32_t expert, enum qkeep_moe_matrix matrix, int64_t m,
+                                   const float *x, float *y);
+
+/* The matrix an apply multiplies with, as the host helpers need it. */
+struct qkeep_be_matrix_dims {
+  int64_t in, out; /* K and N of the matrix: a linear layer's k and n; MoE W13 (H, 2I), W2 (I, H) */
+  int64_t experts; /* an MoE layer's experts; 0 for a linear layer */
+};
+
+/* The dims of a's matrix for a layer described by info. */
+static inline struct qkeep_be_matrix_dims qkeep_be_dims(const struct qkeep_layer_info *info,
+                                                        const struct qkeep_apply_args *a) {
+  struct qkeep_be_matrix_dims d = {info->k, info->n, 0};
+  if (info->kind == QKEEP_LAYER_MOE) {
+    d.experts = info->experts;
+    if (a->matrix == QKEEP_MOE_W2)
+      d.in = info->n / 2, d.out = info->k;
+  }
+  return d;
+}
+
+static inline size_t qkeep_be_align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* Whether a has the routed-MoE fields (a caller built before they existed has not). */
+static inline int32_t qkeep_be_topk(const struct qkeep_apply_args *a) {
+  return a->size >= offsetof(struct qkeep_apply_args, topk_weights) + sizeof a->topk_weights ? a->topk : 0;
+}
+
+/* Bytes of the f32 staging (and routing) the helpers need; 0 for f32 in and out, unrouted. */
+static inline size_t qkeep_be_f32_workspace(const struct qkeep_apply_args *a, struct qkeep_be_matrix_dims d) {
+  int32_t topk = qkeep_be_topk(a);
+  size_t m = (size_t)(a->m > 0 ? a->m : 0);
+  if (topk <= 0) {
+    size_t x = a->x_dtype == QKEEP_DTYPE_F32 ? 0 : qkeep_be_align64(m * (size_t)d.in * 4);
+    size_t y = a->y_dtype == QKEEP_DTYPE_F32 ? 0 : qkeep_be_align64(m * (size_t)d.out * 4);
+    return x + y;
+  }
+  size_t pairs = m * (size_t)topk;
+  return qkeep_be_align64(pairs * (size_t)d.in * 4) + qkeep_be_align64(pairs * (size_t)d.out * 4) +
+         qkeep_be_align64(m * (size_t)d.out * 4) + qkeep_be_align64(pairs * sizeof(int64_t)) +
+         qkeep_be_align64(((size_t)d.experts + 1 + pairs) * sizeof(int64_t));
+}
+
+static inline void qkeep_be_row_to_f32(const void *src, enum qkeep_dtype dt, size_t first, size_t n, float *dst) {
+  if (dt == QKEEP_DTYPE_F32) {
+    memcpy(dst, (const float *)src + first, n * sizeof *dst);
+    return;
+  }
+  for (size_t i = 0; i < n; i++)
+    dst[i] = qkeep_load_float(src, dt, first + i);
+}
+
+static inline void qkeep_be_row_from_f32(const float *src, size_t n, enum qkeep_dtype dt, void *dst, size_t first) {
+  if (dt == QKEEP_DTYPE_F32) {
+    memcpy((float *)dst + first, src, n * sizeof *src);
+    return;
+  }
+  uint16_t *out = (uint16_t *)dst + first;
+  for (size_t i = 0; i < n; i++)
+    out[i] = dt == QKEEP_DTYPE_BF16 ? qkeep_f32_to_bf16(src[i]) : qkeep_f32_to_f16(src[i]);
+}
+
+/* Routed MoE through kernel: W13 one output row per (token, slot); W2 the weighted sum over slots. */
+static inline int qkeep_be_f32_routed(const struct qkeep_apply_args *a, struct qkeep_be_matrix_dims d,
+                                      qkeep_be_f32_kernel kernel, void *user) {
+  const size_t m = (size_t)a->m, topk = (size_t)a->topk, pairs = m * topk, in = (size_t)d.in,
+               out = (size_t)d.out;
+  const bool w2 = a->matrix == QKEEP_MOE_W2;
+  char *ws = (char *)a->workspace;
+  float *xg = (float *)ws;
+  float *yg = (float *)(ws += qkeep_be_align64(pairs * in * 4));
+  float *acc = (float *)(ws += qkeep_be_align64(pairs * out * 4));
+  int64_t *order = (int64_t *)(ws += qkeep_be_align64(m * out * 4));
+  int64_t *start = (int64_t *)(ws + qkeep_be_align64(pairs * sizeof(int64_t)));
+  for (int64_t e = 0; e <= d.experts; e++)
+    start[e] = 0;
+  /* an id outside [0, experts) skips its slot, as the GPU kernels do: no W13 row, no W2 term */
+  for (size_t p = 0; p < pairs; p++) {
+    int32_t e = a->topk_ids[p];
+    if (e >= 0 && e < d.experts)
+      start[e + 1]++;
+  }
+  for (int64_t e = 0; e < d.experts; e++)
+    start[e + 1] += start[e];
+  const size_t hit = (size_t)start[d.experts];
+  /* order: the pairs of expert 0 in slot order, then expert 1's, ... (a stable counting sort) */
+  for (size_t p = 0; p < pairs; p++)
+    if (a->topk_ids[p] >= 0 && a->topk_ids[p] < d.experts)
+      order[start[a->topk_ids[p]]++] = (int64_t)p;
+  for (int64_t e = d.experts; e > 0; e--)
+    start[e] = start[e - 1];
+  start[0] = 0;
+  for (size_t i = 0; i < hit; i++) {
+    size_t p = (size_t)order[i], row = w2 ? p : p / topk;
+    qkeep_be_row_to_f32(a->x, a->x_dtype, row * in, in, xg + i * in);
+  }
+  for (int64_t e = 0; e < d.experts; e++) {
+    int64_t rows = start[e + 1] - start[e];
+    int rc = rows ? kernel(user, (int32_t)e, a->matrix, rows, xg + (size_t)start[e] * in,
+                           yg + (size_t)start[e] * out)
+                  : 0;
+    if (rc)
+      return rc;
+  }
+  if (!w2) {
+    for (size_t i = 0; i < hit; i++)
+      qkeep_be_row_from_f32(yg + i * out, out, a->y_dtype, a->y, (size_t)order[i] * out);
+    return 0;
+  }
+  /* where each pair's row landed (the inverse of order), then each token's slots in order */
+  int64_t *where = start + d.experts + 1;
+  for (size_t p = 0; p < pairs; p++)
+    where[p] = -1;
+  for (size_t i = 0; i < hit; i++)
+    where[order[i]] = (int64_t)i;
+  for (size_t t = 0; t < m; t++) {
+    float *row = acc + t * out;
+    for (size_t j = 0; j < out; j++)
+      row[j] = 0.0f;
+    for (size_t s = 0; s < topk; s++) {
+      if (where[t * topk + s] < 0)
+        continue;
+      float w = a->topk_weights[t * topk + s];
+      const float *src = yg + (size_t)where[t * topk + s] * out;
+      for (size_t j = 0; j < out; j++)
+        row[j] += w * src[j];
+    }
+    qkeep_be_row_from_f32(row, out, a->y_dtype, a->y, t * out);
+  }
+  return 0;
+}
+
+/*
+ * Runs args (any activation dtype, routed or not) for the layer info describes through kernel,
+ * with the workspace qkeep_be_f32_workspace asked for. A caller of an older ABI that passes no workspace gets
+ * f32 only; other dtypes or routing without a workspace are QKEEP_E_UNSUPPORTED.
+ */
+static inline int qkeep_be_f32_apply(const struct qkeep_host *host, const struct qkeep_layer_info *info,
+                                     const struct qkeep_apply_args *args, qkeep_be_f32_kernel kernel,
+                                     void *user) {
+  /* An older core's arguments end early: the fields past its size are expert 0, W13, unrouted. */
+  struct qkeep_apply_args full;
+  memset(&full, 0, sizeof full);
+  memcpy(&full, args, args->size < sizeof full ? args->size : sizeof full);
+  bool has_ws = args->size >= offsetof(struct qkeep_apply_args, workspace_bytes) + sizeof full.workspace_bytes;
+  full.size = sizeof full;
+  const struct qkeep_apply_args *a = &full;
+  const char *layer_name = info->name;
+  struct qkeep_be_matrix_dims d = qkeep_be_dims(info, a);
+  size_t need = qkeep_be_f32_workspace(a, d);
+  bool float_ok = (a->x_dtype == QKEEP_DTYPE_F32 || a->x_dtype == QKEEP_DTYPE_BF16 ||
+                   a->x_dtype == QKEEP_DTYPE_F16) &&
+                  (a->y_dtype == QKEEP_DTYPE_F32 || a->y_dtype == a->x_dtype);
+  if (!float_ok)
+    return host->set_error(QKEEP_E_UNSUPPORTED, "%s: x and y must be F32, BF16 or F16 (y F32 or x's dtype)",
+                           layer_name);
+  if (need && (!has_ws || !a->workspace || a->workspace_bytes < need))
+    return host->set_error(QKEEP_E_INVAL, "%s: needs %zu bytes of workspace", layer_name, need);
+  if (a->m <= 0)
+    return 0;
+  if (qkeep_be_topk(a) > 0) {
+    if (d.experts < 1 || !a->topk_ids || (a->matrix == QKEEP_MOE_W2 && !a->topk_weights))
+      return host->set_error(QKEEP_E_INVAL, "%s: routed MoE needs an MoE layer, topk_ids and (W2) topk_weights",
+                             layer_name);
+    return qkeep_be_f32_routed(a, d, kernel, user);
+  }
+  if (d.experts && (a->expert < 0 || a->expert >= d.experts))
+    return host->set_error(QKEEP_E_INVAL, "%s: expert %d of %lld", layer_name, (int)a->expert,
+                           (long long)d.experts);
+  size_t nx = (size_t)a->m * (size_t)d.in, ny = (size_t)a->m * (size_t)d.out;
+  char *ws = (char *)(need ? a->workspace : NULL);
+  const float *x = (const float *)a->x;
+  float *y = (float *)a->y;
+  if (a->x_dtype != QKEEP_DTYPE_F32) {
+    float *xs = (float *)ws;
+    qkeep_be_row_to_f32(a->x, a->x_dtype, 0, nx, xs);
+    x = xs;
+    ws += qkeep_be_align64(nx * 4);
+  }
+  if (a->y_dtype != QKEEP_DTYPE_F32)
+    y = (float *)ws;
+  int rc = kernel(user, d.experts ? a->expert : 0, a->matrix, a->m, x, y);
+  if (!rc && a->y_dtype != QKEEP_DTYPE_F32)
+    qkeep_be_row_from_f32(y, ny, a->y_dtype, a->y, 0);
+  return rc;
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,6 +1,6 @@
 /*
- * model.c: a model's layers, its device, checkpoint-name lookup, and running
- * a layer's kernel through the backend.
+ * model.c: a model's layers, its chain and devices, and checkpoint-name lookup
+ * (forward.c runs a layer's kernel).
  */
 #include <ctype.h>
 #include <errno.h>
@@ -365,67 +365,6 @@ qkeep_param *qkeep_model_lookup(const qkeep_model *model, const char *checkpoint
   if (layer_out)
     *layer_out = ref->layer;
   return ref->layer->sources[ref->source].param;
-}
-
-/* Moves x to the device, runs the backend's kernel, and brings y back. */
-static int apply_f32(qkeep_layer *layer, int64_t m, int64_t n, int64_t k, int32_t expert,
-                     enum qkeep_moe_matrix matrix, const float *x, float *y) {
-  const struct qkeep_backend *be = layer_backend(layer);
-  if (!be || !be->apply)
-    return set_error(QKEEP_E_UNSUPPORTED, "apply %s: the layer's owner has no kernels", layer->name);
-  if (layer->model->poisoned)
-    return set_error(QKEEP_E_STATE,
-                     "apply %s: a reload failed and could not roll back; reload before running", layer->name);
-  const struct device *dev = layer_device(layer);
-  size_t x_bytes, y_bytes;
-  if (!f32_matrix_bytes(m, k, &x_bytes) || !f32_matrix_bytes(m, n, &y_bytes))
-    return set_error(QKEEP_E_INVAL,
-                     "apply %s: %lld rows of %lld inputs and %lld outputs (f32) do not fit in memory",
-                     layer->name, (long long)m, (long long)k, (long long)n);
-  void *dx = NULL, *dy = NULL;
-  int rc = dev_alloc(dev, x_bytes, &dx);
-  if (!rc)
-    rc = dev_alloc(dev, y_bytes, &dy);
-  if (!rc)
-    rc = dev_h2d(dev, dx, x, x_bytes);
-  if (!rc) {
-    struct qkeep_apply_args args = {.size = sizeof args,
-                                    .m = m,
-                                    .x = dx,
-                                    .x_dtype = QKEEP_DTYPE_F32,
-                                    .y = dy,
-                                    .y_dtype = QKEEP_DTYPE_F32,
-                                    .expert = expert,
-                                    .matrix = matrix};
-    rc = be->apply(be, layer, &args);
-  }
-  if (!rc)
-    rc = dev_sync(dev);
-  if (!rc)
-    rc = dev_d2h(dev, y, dy, y_bytes);
-  dev_free(dev, dx);
-  dev_free(dev, dy);
-  return rc ? add_error_context(rc, "apply %s (backend %s)", layer->name, be->name) : 0;
-}
-
-int qkeep_layer_apply_f32(qkeep_layer *layer, int64_t m, const float *x, float *y) {
-  if (!layer || m < 0 || (m && (!x || !y)))
-    return set_error(QKEEP_E_INVAL, "apply: invalid argument");
-  if (layer->kind != QKEEP_LAYER_LINEAR)
-    return set_error(QKEEP_E_UNSUPPORTED, "apply %s: layer kind %s has no GEMM", layer->name,
-                     qkeep_layer_kind_name(layer->kind));
-  return apply_f32(layer, m, layer->dims.n, layer->dims.k, 0, QKEEP_MOE_W13, x, y);
-}
-
-int qkeep_layer_apply_expert_f32(qkeep_layer *layer, int32_t expert, enum qkeep_moe_matrix matrix, int64_t m,
-                                 const float *x, float *y) {
-  if (!layer || m < 0 || (m && (!x || !y)))
-    return set_error(QKEEP_E_INVAL, "apply: invalid argument");
-  if (layer->kind != QKEEP_LAYER_MOE || expert < 0 || expert >= layer->dims.experts)
-    return set_error(QKEEP_E_INVAL, "apply %s: not an MoE layer with expert %d", layer->name, expert);
-  int64_t inter = layer->dims.n / 2, hidden = layer->dims.k;
-  bool w13 = matrix == QKEEP_MOE_W13;
-  return apply_f32(layer, m, w13 ? layer->dims.n : hidden, w13 ? hidden : inter, expert, matrix, x, y);
 }
 
 int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,

@@ -392,35 +392,40 @@ static int quantize_activations(const struct matrix *m, enum act_mode mode, floa
   return 0;
 }
 
-static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
-                           const struct qkeep_apply_args *a) {
-  const struct qkeep_host *host = host_of(be);
-  struct qkeep_layer_info info = {.size = sizeof info};
-  int rc = host->layer_info(layer, &info);
-  if (rc)
-    return rc;
-  if (a->x_dtype != QKEEP_DTYPE_F32 || a->y_dtype != QKEEP_DTYPE_F32)
-    return host->set_error(QKEEP_E_UNSUPPORTED, "%s: the reference kernel takes f32 activations", info.name);
-  bool moe = info.kind == QKEEP_LAYER_MOE, w2 = moe && a->matrix == QKEEP_MOE_W2;
+/* What the f32 kernel of one apply needs besides its arguments. */
+struct ref_call {
+  const struct qkeep_backend *be;
+  qkeep_layer *layer;
+  const struct qkeep_layer_info *info;
+};
+
+/* y[m, rows] = x[m, cols] W^T in f32 for the linear matrix or one expert's (qkeep_be_f32_kernel). */
+static int reference_kernel(void *user, int32_t expert, enum qkeep_moe_matrix matrix, int64_t rows_m,
+                            const float *x_in, float *y) {
+  const struct ref_call *call = user;
+  const struct qkeep_host *host = host_of(call->be);
+  const struct qkeep_layer_info *info = call->info;
+  qkeep_layer *layer = call->layer;
+  bool moe = info->kind == QKEEP_LAYER_MOE, w2 = moe && matrix == QKEEP_MOE_W2;
   struct matrix m = {host,
                      layer,
-                     &info,
+                     info,
                      moe ? (w2 ? "w2_" : "w13_") : "",
-                     w2 ? info.k : info.n,
-                     w2 ? info.n / 2 : info.k,
-                     moe ? a->expert : 0};
-  enum act_mode mode = ((const struct reference *)be)->activations;
-  bool quantize = mode != ACT_FLOAT && strcmp(info.scheme, "w8a8-int8") == 0;
+                     w2 ? info->k : info->n,
+                     w2 ? info->n / 2 : info->k,
+                     moe ? expert : 0};
+  enum act_mode mode = ((const struct reference *)call->be)->activations;
+  bool quantize = mode != ACT_FLOAT && strcmp(info->scheme, "w8a8-int8") == 0;
   float *w = malloc((size_t)(m.rows * m.cols) * sizeof *w);
-  float *xq = quantize ? malloc((size_t)(a->m * m.cols) * sizeof *xq + 1) : NULL;
+  float *xq = quantize ? malloc((size_t)(rows_m * m.cols) * sizeof *xq + 1) : NULL;
   if (!w || (quantize && !xq)) {
     free(w);
-    return host->set_error(QKEEP_E_NOMEM, "%s: out of memory dequantising", info.name);
+    return host->set_error(QKEEP_E_NOMEM, "%s: out of memory dequantising", info->name);
   }
-  rc = dequantise(&m, w);
+  int rc = dequantise(&m, w);
   if (!rc && quantize) {
-    memcpy(xq, a->x, (size_t)(a->m * m.cols) * sizeof *xq);
-    rc = quantize_activations(&m, mode, xq, a->m);
+    memcpy(xq, x_in, (size_t)(rows_m * m.cols) * sizeof *xq);
+    rc = quantize_activations(&m, mode, xq, rows_m);
   }
   struct qkeep_view bias = {.size = sizeof bias};
   const unsigned char *bias_data = NULL;
@@ -429,9 +434,8 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   if (!rc && host->view(layer, bias_name, &bias) == 0 && bias.state == QKEEP_PARAM_LIVE)
     bias_data = (const unsigned char *)bias.data +
                 (size_t)m.expert * (size_t)m.rows * qkeep_be_dtype_size(bias.spec.dtype);
-  const float *x = quantize ? xq : a->x;
-  float *y = a->y;
-  for (int64_t r = 0; !rc && r < a->m; r++)
+  const float *x = quantize ? xq : x_in;
+  for (int64_t r = 0; !rc && r < rows_m; r++)
     for (int64_t n = 0; n < m.rows; n++) {
       double acc = bias_data ? qkeep_load_float(bias_data, bias.spec.dtype, (size_t)n) : 0.0;
       for (int64_t k = 0; k < m.cols; k++)
@@ -441,6 +445,34 @@ static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   free(w);
   free(xq);
   return rc;
+}
+
+static int reference_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
+                               const struct qkeep_apply_args *a, size_t *bytes) {
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = host_of(be)->layer_info(layer, &info);
+  if (!rc)
+    *bytes = qkeep_be_f32_workspace(a, qkeep_be_dims(&info, a));
+  return rc;
+}
+
+/* Any activation dtype and routed MoE through the f32 kernel (qkeep_be_f32_apply). Not graph-safe:
+ * the reference dequantises the weight on every call, into memory it allocates. */
+static int reference_apply(const struct qkeep_backend *be, qkeep_layer *layer,
+                           const struct qkeep_apply_args *a) {
+  const struct qkeep_host *host = host_of(be);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = host->layer_info(layer, &info);
+  if (rc)
+    return rc;
+  struct ref_call call = {be, layer, &info};
+  return qkeep_be_f32_apply(host, &info, a, reference_kernel, &call);
+}
+
+static int reference_device(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index) {
+  (void)be;
+  *type = QKEEP_DEVICE_HOST, *index = 0;
+  return 0;
 }
 
 static void reference_fini(const struct qkeep_backend *be) { free((void *)be); }
@@ -470,6 +502,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .keys = reference_keys,
       .n_keys = sizeof reference_keys / sizeof reference_keys[0],
       .key_size = sizeof reference_keys[0],
+      .workspace = reference_workspace,
+      .device = reference_device,
+      .flags = QKEEP_BACKEND_F_ROUTED_MOE,
   };
   *out = &r->be;
   return 0;

@@ -622,27 +622,106 @@ static int cuda_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
 
 /* ---- apply ------------------------------------------------------------------------------------ */
 
+/* The arguments' routed-MoE fields, stream and workspace count only when the caller's struct has them. */
+static bool has_routing(const struct qkeep_apply_args *a) {
+  return a->size >= offsetof(struct qkeep_apply_args, stream) + sizeof a->stream;
+}
+
+static bool has_workspace(const struct qkeep_apply_args *a) {
+  return a->size >= offsetof(struct qkeep_apply_args, workspace_bytes) + sizeof a->workspace_bytes;
+}
+
+/* The matrix of an MoE apply, or QKEEP_E_INVAL. */
+static int moe_matrix(const struct cuda_backend *c, const struct qkeep_apply_args *a) {
+  if ((unsigned)a->matrix > QKEEP_MOE_W2)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: MoE matrix %d", (int)a->matrix);
+  return (int)a->matrix;
+}
+
+/* The workspace one apply takes (the same arithmetic as the launchers' plans). */
+static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a,
+                          size_t *bytes) {
+  struct cuda_backend *c = backend_of(be);
+  const struct layer_state *st = c->host->get_state(layer);
+  *bytes = 0;
+  if (!st)
+    return c->host->set_error(QKEEP_E_STATE, "cuda-nvfp4: workspace query before the layer's PWAL");
+  int rc = use_device(c);
+  if (rc || st->dense || a->m <= 0)
+    return rc;
+  bool routed = has_routing(a) && a->topk > 0;
+  if (st->mxfp4) {
+    if (!st->mx.moe) {
+      *bytes = mxfp4_gemm_workspace(&st->mx.w[0], a->m, a->x_dtype, c->tuning.split_k, 0);
+      return 0;
+    }
+    int mat = moe_matrix(c, a);
+    if (mat < 0)
+      return mat;
+    const struct mxfp4_weights *wt = &st->mx.w[mat];
+    *bytes = routed ? mxfp4_moe_workspace(wt, a->m, a->topk, mat == QKEEP_MOE_W2, a->x_dtype)
+                    : mxfp4_gemm_workspace(wt, a->m, a->x_dtype, c->tuning.split_k, 0);
+    return 0;
+  }
+  if (!st->moe) {
+    *bytes = nvfp4_gemm_workspace(&st->nvfp4[0], a->m, a->x_dtype, &c->tuning);
+    return 0;
+  }
+  int mat = moe_matrix(c, a);
+  if (mat < 0)
+    return mat;
+  const struct nvfp4_weights *wt = &st->nvfp4[mat];
+  *bytes = routed ? nvfp4_moe_workspace(wt, a->m, a->topk, mat == QKEEP_MOE_W2, a->x_dtype, &c->tuning)
+                  : nvfp4_gemm_workspace(wt, a->m, a->x_dtype, &c->tuning);
+  return 0;
+}
+
 /* An mxfp4 layer's apply: the linear matrix, one expert, or routed MoE. */
 static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *st,
-                       const struct qkeep_apply_args *args, const struct qkeep_apply_args *ext,
-                       void *stream) {
+                       const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws, void *stream) {
   if (!st->mx.moe)
     return mxfp4_gemm_run(&st->mx.w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                          c->tuning.split_k, stream);
-  if ((unsigned)args->matrix > QKEEP_MOE_W2)
-    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: MoE matrix %d", (int)args->matrix);
-  const struct mxfp4_weights *wt = &st->mx.w[args->matrix];
-  if (ext && ext->topk > 0)
-    return mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights,
-                         args->matrix == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype,
-                         stream);
+                          c->tuning.split_k, ws, stream);
+  int mat = moe_matrix(c, args);
+  if (mat < 0)
+    return mat;
+  const struct mxfp4_weights *wt = &st->mx.w[mat];
+  if (routed)
+    return mxfp4_moe_run(wt, args->m, args->topk, args->topk_ids, args->topk_weights, mat == QKEEP_MOE_W2,
+                         args->x, args->x_dtype, args->y, args->y_dtype, ws, stream);
   if (args->expert < 0 || args->expert >= wt->experts)
     return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
                               (long long)wt->experts);
   return mxfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                        c->tuning.split_k, stream);
+                        c->tuning.split_k, ws, stream);
 }
 
+/* An NVFP4 layer's apply: the linear matrix, one expert, or routed MoE. */
+static int apply_nvfp4(const struct cuda_backend *c, const struct layer_state *st,
+                       const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws, void *stream) {
+  if (!st->moe)
+    return nvfp4_gemm_run(&st->nvfp4[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
+                          &c->tuning, ws, stream);
+  int mat = moe_matrix(c, args);
+  if (mat < 0)
+    return mat;
+  const struct nvfp4_weights *wt = &st->nvfp4[mat];
+  if (routed)
+    return nvfp4_moe_run(wt, args->m, args->topk, args->topk_ids, args->topk_weights, mat == QKEEP_MOE_W2,
+                         args->x, args->x_dtype, args->y, args->y_dtype, &c->tuning, ws, stream);
+  if (args->expert < 0 || args->expert >= wt->experts)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
+                              (long long)wt->experts);
+  return nvfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype, &c->tuning,
+                        ws, stream);
+}
+
+/*
+ * Graph-safe: kernels read the params, the PWAL buffers (alpha, swizzled scales, tiled codes:
+ * rewritten in place by every PWAL) and the caller's workspace; nothing is allocated, copied to
+ * the host or waited for. A core older than ABI 1.4 passes no workspace: the launchers then
+ * allocate their scratch stream-ordered, as before.
+ */
 static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                       const struct qkeep_apply_args *args) {
   struct cuda_backend *c = backend_of(be);
@@ -653,42 +732,36 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   int rc = use_device(c);
   if (rc)
     return rc;
-  /* The routed-MoE fields and the stream were appended: they count only when the caller's struct has them. */
-  const struct qkeep_apply_args *ext = args->size >= sizeof(struct qkeep_apply_args) ? args : NULL;
-  void *stream = ext ? ext->stream : NULL;
+  bool routed = has_routing(args) && args->topk > 0;
+  void *stream = has_routing(args) ? args->stream : NULL;
+  struct gpu_scratch scratch = {0}, *ws = NULL;
+  if (has_workspace(args)) {
+    scratch = (struct gpu_scratch){(char *)args->workspace, args->workspace ? args->workspace_bytes : 0, 0};
+    ws = &scratch;
+  }
   int err;
-  if (st->mxfp4) {
-    err = apply_mxfp4(c, st, args, ext, stream);
-    if (err < 0)
-      return err; /* a QKEEP_E_* code, detail set */
-  } else if (st->dense) {
+  if (st->dense)
     err = dense_gemm_run(st->w, st->w_dtype, st->bias, st->bias_dtype, st->n, st->k, args->m, args->x,
                          args->x_dtype, args->y, args->y_dtype, stream);
-  } else if (!st->moe) {
-    err = nvfp4_gemm_run(&st->nvfp4[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                         &c->tuning, stream);
-  } else {
-    if ((unsigned)args->matrix > QKEEP_MOE_W2)
-      return host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: MoE matrix %d", (int)args->matrix);
-    const struct nvfp4_weights *wt = &st->nvfp4[args->matrix];
-    if (ext && ext->topk > 0) {
-      err = nvfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights,
-                          args->matrix == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype,
-                          &c->tuning, stream);
-    } else {
-      if (args->expert < 0 || args->expert >= wt->experts)
-        return host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
-                               (long long)wt->experts);
-      err = nvfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                           &c->tuning, stream);
-    }
-  }
+  else
+    err = st->mxfp4 ? apply_mxfp4(c, st, args, routed, ws, stream) : apply_nvfp4(c, st, args, routed, ws, stream);
+  if (err < 0)
+    return err; /* a QKEEP_E_* code, detail set */
   if (err == cudaErrorInvalidValue)
     return host->set_error(
         QKEEP_E_INVAL,
         "cuda-nvfp4: apply: unsupported arguments (x and y must be F32, F16 or BF16 and x "
         "16-byte aligned; routed MoE needs topk_ids, W2 also topk_weights, at most 2048 experts)");
+  if (err == cudaErrorMemoryAllocation && ws)
+    return host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: apply: the workspace (%zu bytes) is smaller than the "
+                                          "workspace slot asks for these arguments",
+                           scratch.bytes);
   return err ? cuda_error(c, (cudaError_t)err, "apply") : 0;
+}
+
+static int cuda_device(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index) {
+  *type = QKEEP_DEVICE_CUDA, *index = backend_of(be)->device;
+  return 0;
 }
 
 static void cuda_layer_cleanup(const struct qkeep_backend *be, qkeep_layer *layer, void *state) {
@@ -749,6 +822,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .keys = cuda_keys,
       .n_keys = sizeof cuda_keys / sizeof cuda_keys[0],
       .key_size = sizeof cuda_keys[0],
+      .workspace = cuda_workspace,
+      .device = cuda_device,
+      .flags = QKEEP_BACKEND_F_GRAPH_SAFE | QKEEP_BACKEND_F_ROUTED_MOE,
   };
   *out = &c->be;
   return 0;

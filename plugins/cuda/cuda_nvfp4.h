@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../gpu/scratch.h"
 #include "qkeep/qkeep_backend.h"
 
 #ifdef __cplusplus
@@ -153,10 +154,15 @@ void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
  * y [m, n] = (x [m, k] W_e^T) * alpha[e] + bias[e] for expert e of wt (0 for a linear
  * layer). x in F32, F16 or BF16 (F32 is rounded to bf16 for the tensor cores; f16 runs
  * f16 MMAs, the others bf16), 16-byte aligned; y in F32, F16 or BF16. Accumulates in f32.
+ * Scratch comes from ws (nvfp4_gemm_workspace bytes; the launch then allocates nothing and can
+ * be captured in a graph); ws NULL: stream-ordered allocation (benchmarks and tools).
  */
 int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, const void *x,
                    enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
-                   const struct nvfp4_tuning *tune, void *stream);
+                   const struct nvfp4_tuning *tune, struct gpu_scratch *ws, void *stream);
+/* The workspace bytes nvfp4_gemm_run takes from ws for these arguments (0: none). */
+size_t nvfp4_gemm_workspace(const struct nvfp4_weights *wt, int64_t m, enum qkeep_dtype x_dtype,
+                            const struct nvfp4_tuning *tune);
 
 /*
  * Routed MoE GEMM over all experts of wt at once, on the kernel nvfp4_moe_plan picks (its
@@ -170,7 +176,11 @@ int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, co
  */
 int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
                   const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype, void *y,
-                  enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune, void *stream);
+                  enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune, struct gpu_scratch *ws,
+                  void *stream);
+/* The workspace bytes nvfp4_moe_run takes from ws for these arguments. */
+size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t topk, bool combine,
+                           enum qkeep_dtype x_dtype, const struct nvfp4_tuning *tune);
 
 /* y [m, n] = x [m, k] W^T + bias for an unquantized weight W [n, k] (F32, F16 or BF16);
  * a plain CUDA-core kernel, correct for any shape, not tuned. */

@@ -1345,10 +1345,30 @@ cudaError_t wgmma_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int g
 
 int grid_for(long long items, int threads);
 
-/* Stages x into scratch (stream-ordered), runs the wgmma kernel, frees the scratch. Plain:
+/* n bytes of scratch: from the caller's workspace, or (ws NULL) stream-ordered, *owned set. */
+cudaError_t take_scratch(struct gpu_scratch *ws, size_t n, cudaStream_t st, void **out, bool *owned) {
+  *owned = ws == nullptr;
+  if (ws) {
+    *out = gpu_scratch_take(ws, n);
+    return *out ? cudaSuccess : cudaErrorMemoryAllocation;
+  }
+  return cudaMallocAsync(out, n, st);
+}
+
+cudaError_t give_scratch(void *p, bool owned, cudaStream_t st) {
+  return p && owned ? cudaFreeAsync(p, st) : cudaSuccess;
+}
+
+/* The staged activations of the wgmma kernel: grid_x token tiles of the plan's tile_m rows. */
+size_t wgmma_x_bytes(const struct nvfp4_tuning &plan, long long grid_x, int64_t k) {
+  return (size_t)nvfp4_x_elems(grid_x * plan.tile_m, k, plan.tile_m) * 2;
+}
+
+/* Stages x into scratch, runs the wgmma kernel, gives the scratch back. Plain:
  * a.m tokens; routed (a.tiles set): `routed_tiles` token tiles at most (the grid). */
 cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const void *x,
-                      enum qkeep_dtype x_dtype, cudaStream_t st, long long routed_tiles = 0) {
+                      enum qkeep_dtype x_dtype, struct gpu_scratch *ws, cudaStream_t st,
+                      long long routed_tiles = 0) {
   const int mt = plan.tile_m;
   const long long grid_x = a.tiles ? routed_tiles : (a.m + mt - 1) / mt,
                   grid_y = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
@@ -1358,7 +1378,8 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   const StageRoute route = {a.tiles, a.num_tiles, a.pairs, a.x_div};
   const int m = a.tiles ? 0 : a.m;
   void *xs = nullptr;
-  cudaError_t err = cudaMallocAsync(&xs, (size_t)nvfp4_x_elems(rows, a.k, mt) * 2, st);
+  bool owned;
+  cudaError_t err = take_scratch(ws, wgmma_x_bytes(plan, grid_x, a.k), st, &xs, &owned);
   if (err != cudaSuccess)
     return err;
   const int blocks = grid_for(items, 256);
@@ -1384,7 +1405,7 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
     err = x_dtype == QKEEP_DTYPE_F16 ? wgmma_shape<false>(plan, wa, (int)grid_x, (int)grid_y, st)
                                      : wgmma_shape<true>(plan, wa, (int)grid_x, (int)grid_y, st);
   }
-  cudaError_t free_err = cudaFreeAsync(xs, st);
+  cudaError_t free_err = give_scratch(xs, owned, st);
   return err != cudaSuccess ? err : free_err;
 }
 
@@ -1653,7 +1674,7 @@ extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtyp
 
 extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, int64_t m, const void *x,
                               enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
-                              const struct nvfp4_tuning *tune, void *stream) {
+                              const struct nvfp4_tuning *tune, struct gpu_scratch *ws, void *stream) {
   if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || expert < 0 || expert >= wt->experts ||
       wt->k % NVFP4_BLOCK || ((uintptr_t)x & 15) || m > INT32_MAX || wt->n > INT32_MAX || wt->k > INT32_MAX)
     return cudaErrorInvalidValue;
@@ -1665,7 +1686,7 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
   a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
   cudaError_t err;
   if (plan.kernel == NVFP4_KERNEL_WGMMA) {
-    err = run_wgmma(plan, a, x, x_dtype, (cudaStream_t)stream);
+    err = run_wgmma(plan, a, x, x_dtype, ws, (cudaStream_t)stream);
   } else if (plan.kernel == NVFP4_KERNEL_STREAM) {
     const int64_t blocks = (a.w_tiles + plan.rows - 1) / plan.rows;
     if (blocks > INT32_MAX)
@@ -1681,10 +1702,13 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+static void moe_shape(const struct nvfp4_weights *wt, int pairs, const struct nvfp4_tuning *tune,
+                      struct nvfp4_tuning *plan, int *max_tiles);
+
 extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
                              const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype,
                              void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune,
-                             void *stream) {
+                             struct gpu_scratch *ws, void *stream) {
   if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || topk < 1 || !topk_ids || (combine && !topk_weights) ||
       wt->experts < 1 || wt->experts > kMaxMoeExperts || wt->k % NVFP4_BLOCK || ((uintptr_t)x & 15) ||
       m * topk > INT32_MAX / 2 || wt->n > INT32_MAX || wt->k > INT32_MAX)
@@ -1694,9 +1718,9 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
     return cudaSuccess;
   cudaStream_t st = (cudaStream_t)stream;
   struct nvfp4_tuning plan;
-  nvfp4_moe_plan(pairs, experts, wt->n, wt->k, sm_count(), wgmma_ok(), tune, &plan);
+  int max_tiles;
+  moe_shape(wt, pairs, tune, &plan, &max_tiles);
   const int tile_m = plan.tile_m;
-  const int max_tiles = min(pairs, (pairs + tile_m - 1) / tile_m + experts);
   const int grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
   const int64_t stream_blocks = plan.kernel == NVFP4_KERNEL_STREAM
                                     ? (nvfp4_w_rows(wt->n) / NVFP4_TILE_ROWS + plan.rows - 1) / plan.rows
@@ -1709,8 +1733,9 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   size_t tiles_bytes = sizeof(int4) * (size_t)max_tiles, sorted_bytes = sizeof(int) * ((size_t)pairs + 4);
   size_t rows_bytes = combine ? sizeof(float) * (size_t)pairs * (size_t)wt->n : 0;
   char *scratch = nullptr;
+  bool owned;
   cudaError_t err =
-      cudaMallocAsync(reinterpret_cast<void **>(&scratch), tiles_bytes + sorted_bytes + rows_bytes, st);
+      take_scratch(ws, tiles_bytes + sorted_bytes + rows_bytes, st, reinterpret_cast<void **>(&scratch), &owned);
   if (err != cudaSuccess)
     return err;
   int4 *tiles = reinterpret_cast<int4 *>(scratch);
@@ -1729,7 +1754,7 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
       err = dispatch_stream(plan, x_dtype, a, dim3((unsigned)max_tiles, (unsigned)stream_blocks), st);
     } else if (plan.kernel == NVFP4_KERNEL_WGMMA) {
       a.splits = plan.split_k;
-      err = run_wgmma(plan, a, x, x_dtype, st, max_tiles);
+      err = run_wgmma(plan, a, x, x_dtype, ws, st, max_tiles);
     } else {
       /* Most tiles a step can have is one per expert hit; size the split for that. */
       int64_t est_blocks = (int64_t)min(pairs, experts) * grid_y;
@@ -1747,8 +1772,43 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
                                              y_dtype);
     err = cudaGetLastError();
   }
-  cudaError_t free_err = cudaFreeAsync(scratch, st);
+  cudaError_t free_err = give_scratch(scratch, owned, st);
   return err != cudaSuccess ? err : free_err;
+}
+
+/* The plan of a routed launch, as nvfp4_moe_run makes it, and its tile bound. */
+static void moe_shape(const struct nvfp4_weights *wt, int pairs, const struct nvfp4_tuning *tune,
+                      struct nvfp4_tuning *plan, int *max_tiles) {
+  nvfp4_moe_plan(pairs, (int)wt->experts, wt->n, wt->k, sm_count(), wgmma_ok(), tune, plan);
+  *max_tiles = min(pairs, (pairs + plan->tile_m - 1) / plan->tile_m + (int)wt->experts);
+}
+
+extern "C" size_t nvfp4_gemm_workspace(const struct nvfp4_weights *wt, int64_t m, enum qkeep_dtype x_dtype,
+                                       const struct nvfp4_tuning *tune) {
+  if (m <= 0 || m > INT32_MAX)
+    return 0;
+  struct nvfp4_tuning plan;
+  nvfp4_gemm_plan(m, wt->n, wt->k, x_dtype, tune, &plan);
+  if (plan.kernel != NVFP4_KERNEL_WGMMA)
+    return 0;
+  return gpu_scratch_round(wgmma_x_bytes(plan, (m + plan.tile_m - 1) / plan.tile_m, wt->k));
+}
+
+extern "C" size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t topk, bool combine,
+                                      enum qkeep_dtype x_dtype, const struct nvfp4_tuning *tune) {
+  (void)x_dtype;
+  if (m <= 0 || topk < 1 || m * topk > INT32_MAX / 2 || wt->experts < 1 || wt->experts > kMaxMoeExperts)
+    return 0;
+  const int pairs = (int)(m * topk);
+  struct nvfp4_tuning plan;
+  int max_tiles;
+  moe_shape(wt, pairs, tune, &plan, &max_tiles);
+  size_t bytes = sizeof(int4) * (size_t)max_tiles + sizeof(int) * ((size_t)pairs + 4) +
+                 (combine ? sizeof(float) * (size_t)pairs * (size_t)wt->n : 0);
+  size_t total = gpu_scratch_round(bytes);
+  if (plan.kernel == NVFP4_KERNEL_WGMMA)
+    total += gpu_scratch_round(wgmma_x_bytes(plan, max_tiles, wt->k));
+  return total;
 }
 
 extern "C" int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias,

@@ -45,20 +45,40 @@ unsigned flat_blocks(int64_t total) {
   return (unsigned)(b < 1 ? 1 : b > 8192 ? 8192 : b);
 }
 
-/* x as 16-bit activations: itself, or a stream-ordered bf16 copy of f32 (*scratch, freed by the caller). */
-cudaError_t activations(const void *x, enum qkeep_dtype dtype, int64_t elems, cudaStream_t s,
-                        const uint16_t **out, void **scratch) {
-  *scratch = nullptr;
+/* n bytes of scratch: from the caller's workspace, or (ws NULL) stream-ordered, *owned set. */
+cudaError_t scratch(struct gpu_scratch *ws, size_t n, cudaStream_t s, void **out, bool *owned) {
+  *owned = ws == nullptr;
+  if (ws) {
+    *out = gpu_scratch_take(ws, n);
+    return *out ? cudaSuccess : cudaErrorMemoryAllocation;
+  }
+  return cudaMallocAsync(out, n, s);
+}
+
+void scratch_done(void *p, bool owned, cudaStream_t s) {
+  if (p && owned)
+    (void)cudaFreeAsync(p, s);
+}
+
+size_t x16_bytes(enum qkeep_dtype dtype, int64_t elems) {
+  return dtype == QKEEP_DTYPE_F32 ? gpu_scratch_round((size_t)elems * 2 + 16) : 0;
+}
+
+/* x as 16-bit activations: itself, or a bf16 copy of f32 in scratch (*scratch_out, *owned as scratch()). */
+cudaError_t activations(const void *x, enum qkeep_dtype dtype, int64_t elems, struct gpu_scratch *ws,
+                        cudaStream_t s, const uint16_t **out, void **scratch_out, bool *owned) {
+  *scratch_out = nullptr;
+  *owned = false;
   if (dtype != QKEEP_DTYPE_F32) {
     *out = static_cast<const uint16_t *>(x);
     return cudaSuccess;
   }
-  cudaError_t err = cudaMallocAsync(scratch, (size_t)elems * 2 + 16, s);
+  cudaError_t err = scratch(ws, (size_t)elems * 2 + 16, s, scratch_out, owned);
   if (err != cudaSuccess)
     return err;
-  mxfp4_convert_args c = {static_cast<const float *>(x), static_cast<uint16_t *>(*scratch), elems};
+  mxfp4_convert_args c = {static_cast<const float *>(x), static_cast<uint16_t *>(*scratch_out), elems};
   mxfp4_k_convert<<<flat_blocks(elems), MXFP4_THREADS, 0, s>>>(c);
-  *out = static_cast<const uint16_t *>(*scratch);
+  *out = static_cast<const uint16_t *>(*scratch_out);
   return cudaGetLastError();
 }
 
@@ -84,7 +104,7 @@ mxfp4_gemm_args base_args(const mxfp4_weights *wt, const uint16_t *x, void *y, e
 
 extern "C" int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, const void *x,
                               enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, int split_k,
-                              void *stream) {
+                              struct gpu_scratch *ws, void *stream) {
   if (!float_dtype(x_dtype) || !float_dtype(y_dtype) || ((uintptr_t)x & 15) || expert < 0 ||
       expert >= wt->experts || m < 0)
     return cudaErrorInvalidValue;
@@ -97,11 +117,12 @@ extern "C" int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, in
     return cudaErrorInvalidValue;
   const uint16_t *x16;
   void *x_scratch, *partial = nullptr;
-  cudaError_t err = activations(x, x_dtype, m * wt->k, s, &x16, &x_scratch);
+  bool x_owned, partial_owned = false;
+  cudaError_t err = activations(x, x_dtype, m * wt->k, ws, s, &x16, &x_scratch, &x_owned);
   mxfp4_gemm_args a = base_args(wt, x16, y, y_dtype);
   a.m = m, a.expert = expert, a.chunks_per_split = plan.chunks_per_split, a.out_rows = m;
   if (err == cudaSuccess && plan.split > 1) {
-    err = cudaMallocAsync(&partial, sizeof(float) * (size_t)(plan.split * m * wt->n), s);
+    err = scratch(ws, sizeof(float) * (size_t)(plan.split * m * wt->n), s, &partial, &partial_owned);
     a.partial = static_cast<float *>(partial);
   }
   if (err == cudaSuccess) {
@@ -122,16 +143,14 @@ extern "C" int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, in
     mxfp4_k_reduce<<<flat_blocks(m * wt->n), MXFP4_THREADS, 0, s>>>(r);
     err = cudaGetLastError();
   }
-  if (partial)
-    (void)cudaFreeAsync(partial, s);
-  if (x_scratch)
-    (void)cudaFreeAsync(x_scratch, s);
+  scratch_done(partial, partial_owned, s);
+  scratch_done(x_scratch, x_owned, s);
   return err;
 }
 
 extern "C" int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
                              const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype,
-                             void *y, enum qkeep_dtype y_dtype, void *stream) {
+                             void *y, enum qkeep_dtype y_dtype, struct gpu_scratch *ws, void *stream) {
   const int64_t slots = m * topk;
   if (!float_dtype(x_dtype) || !float_dtype(y_dtype) || ((uintptr_t)x & 15) || topk < 1 || !topk_ids ||
       (combine && !topk_weights) || m < 0 || slots > 65535)
@@ -141,12 +160,13 @@ extern "C" int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint16_t *x16;
   void *x_scratch, *partial = nullptr;
-  cudaError_t err = activations(x, x_dtype, (combine ? slots : m) * wt->k, s, &x16, &x_scratch);
+  bool x_owned, partial_owned = false;
+  cudaError_t err = activations(x, x_dtype, (combine ? slots : m) * wt->k, ws, s, &x16, &x_scratch, &x_owned);
   mxfp4_gemm_args a = base_args(wt, x16, y, y_dtype);
   a.m = slots, a.ids = topk_ids, a.x_div = combine ? 1 : topk, a.out_rows = slots;
   a.chunks_per_split = mxfp4_round_up(a.chunks, 8);
   if (err == cudaSuccess && combine) {
-    err = cudaMallocAsync(&partial, sizeof(float) * (size_t)(slots * wt->n), s);
+    err = scratch(ws, sizeof(float) * (size_t)(slots * wt->n), s, &partial, &partial_owned);
     a.partial = static_cast<float *>(partial);
   }
   if (err == cudaSuccess) {
@@ -169,11 +189,28 @@ extern "C" int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t 
     mxfp4_k_combine<<<flat_blocks(m * wt->n), MXFP4_THREADS, 0, s>>>(c);
     err = cudaGetLastError();
   }
-  if (partial)
-    (void)cudaFreeAsync(partial, s);
-  if (x_scratch)
-    (void)cudaFreeAsync(x_scratch, s);
+  scratch_done(partial, partial_owned, s);
+  scratch_done(x_scratch, x_owned, s);
   return err;
+}
+
+extern "C" size_t mxfp4_gemm_workspace(const struct mxfp4_weights *wt, int64_t m, enum qkeep_dtype x_dtype,
+                                       int split_k, int sms) {
+  if (m <= 0)
+    return 0;
+  mxfp4_plan plan;
+  mxfp4_plan_gemm(m, wt->n, wt->k, 32, sms > 0 ? sms : sm_count(), split_k, &plan);
+  size_t partial = plan.split > 1 ? gpu_scratch_round(sizeof(float) * (size_t)(plan.split * m * wt->n)) : 0;
+  return x16_bytes(x_dtype, m * wt->k) + partial;
+}
+
+extern "C" size_t mxfp4_moe_workspace(const struct mxfp4_weights *wt, int64_t m, int32_t topk, bool combine,
+                                      enum qkeep_dtype x_dtype) {
+  if (m <= 0 || topk < 1)
+    return 0;
+  const int64_t slots = m * topk;
+  return x16_bytes(x_dtype, (combine ? slots : m) * wt->k) +
+         (combine ? gpu_scratch_round(sizeof(float) * (size_t)(slots * wt->n)) : 0);
 }
 
 extern "C" int mxfp4_tile_gpu_run(bool scales, const void *src, void *dst, int64_t experts, int64_t rows,

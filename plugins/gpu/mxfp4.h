@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "mxfp4_layout.h"
+#include "scratch.h"
 #include "qkeep/qkeep_backend.h"
 
 #ifdef __cplusplus
@@ -123,9 +124,16 @@ int mxfp4_pwal(const struct mxfp4_device *d, qkeep_layer *layer, const struct qk
  * bf16; f16 runs f16 MMAs, the others bf16), rows 16-byte aligned; y in F32, F16 or BF16.
  * Accumulates in f32; the sum order is fixed, so equal inputs give equal bits. Runs on `stream`
  * (NULL: the default stream) and does not synchronise. Returns 0 or the vendor's error code.
+ * Scratch comes from ws (mxfp4_gemm_workspace bytes; nothing is allocated, so the launch can be
+ * captured in a graph); ws NULL: stream-ordered allocation (benchmarks and tools).
  */
 int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, const void *x,
-                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, int split_k, void *stream);
+                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, int split_k,
+                   struct gpu_scratch *ws, void *stream);
+/* The workspace bytes mxfp4_gemm_run takes from ws (the bf16 copy of f32 x, the K-split partials);
+ * sms: the multiprocessors (CUs) the launch plans for, 0 for the current device's. */
+size_t mxfp4_gemm_workspace(const struct mxfp4_weights *wt, int64_t m, enum qkeep_dtype x_dtype, int split_k,
+                            int sms);
 
 /*
  * Routed MoE over all experts of wt, as cuda-nvfp4's nvfp4_moe_run: topk_ids [m, topk] (int32,
@@ -137,7 +145,10 @@ int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, co
  */
 int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
                   const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype, void *y,
-                  enum qkeep_dtype y_dtype, void *stream);
+                  enum qkeep_dtype y_dtype, struct gpu_scratch *ws, void *stream);
+/* The workspace bytes mxfp4_moe_run takes from ws. */
+size_t mxfp4_moe_workspace(const struct mxfp4_weights *wt, int64_t m, int32_t topk, bool combine,
+                           enum qkeep_dtype x_dtype);
 
 /* The GPU transform of struct mxfp4_device's tile_gpu, for `wave`'s own build (device pointers). */
 int mxfp4_tile_gpu_run(bool scales, const void *src, void *dst, int64_t experts, int64_t rows, int64_t k,

@@ -336,6 +336,42 @@ static int rocm_pwal(const struct qkeep_backend *be, qkeep_layer *layer) {
   return rc ? rc : mem_sync(be);
 }
 
+/* The arguments' routed-MoE fields, stream and workspace count only when the caller's struct has them. */
+static bool has_routing(const struct qkeep_apply_args *a) {
+  return a->size >= offsetof(struct qkeep_apply_args, stream) + sizeof a->stream;
+}
+
+static bool has_workspace(const struct qkeep_apply_args *a) {
+  return a->size >= offsetof(struct qkeep_apply_args, workspace_bytes) + sizeof a->workspace_bytes;
+}
+
+/* The workspace one apply takes (the launchers' own arithmetic). */
+static int rocm_workspace(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a,
+                          size_t *bytes) {
+  struct rocm_backend *r = backend_of(be);
+  const struct mxfp4_layer *st = r->host->get_state(layer);
+  *bytes = 0;
+  if (!st)
+    return r->host->set_error(QKEEP_E_STATE, "rocm-mxfp4: workspace query before the layer's PWAL");
+  const struct hip_api *hip;
+  int rc = use_device(r, &hip);
+  if (rc || a->m <= 0)
+    return rc;
+  if (!st->moe) {
+    *bytes = mxfp4_gemm_workspace(&st->w[0], a->m, a->x_dtype, r->split_k, 0);
+    return 0;
+  }
+  if ((unsigned)a->matrix > QKEEP_MOE_W2)
+    return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: MoE matrix %d", (int)a->matrix);
+  const struct mxfp4_weights *wt = &st->w[a->matrix];
+  *bytes = has_routing(a) && a->topk > 0
+               ? mxfp4_moe_workspace(wt, a->m, a->topk, a->matrix == QKEEP_MOE_W2, a->x_dtype)
+               : mxfp4_gemm_workspace(wt, a->m, a->x_dtype, r->split_k, 0);
+  return 0;
+}
+
+/* Takes its scratch from the caller's workspace (a core older than ABI 1.4: stream-ordered
+ * allocation). Not declared graph-safe: HIP graph capture is untested without an AMD GPU. */
 static int rocm_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                       const struct qkeep_apply_args *args) {
   struct rocm_backend *r = backend_of(be);
@@ -346,33 +382,46 @@ static int rocm_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   int rc = use_device(r, &hip);
   if (rc)
     return rc;
-  const struct qkeep_apply_args *ext = args->size >= sizeof(struct qkeep_apply_args) ? args : NULL;
+  const struct qkeep_apply_args *ext = has_routing(args) ? args : NULL;
   void *stream = ext ? ext->stream : NULL;
+  struct gpu_scratch scratch = {0}, *ws = NULL;
+  if (has_workspace(args)) {
+    scratch = (struct gpu_scratch){(char *)args->workspace, args->workspace ? args->workspace_bytes : 0, 0};
+    ws = &scratch;
+  }
   int err;
   if (!st->moe) {
     err = mxfp4_gemm_run(&st->w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype, r->split_k,
-                         stream);
+                         ws, stream);
   } else {
     if ((unsigned)args->matrix > QKEEP_MOE_W2)
       return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: MoE matrix %d", (int)args->matrix);
     const struct mxfp4_weights *wt = &st->w[args->matrix];
     if (ext && ext->topk > 0) {
-      err =
-          mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights,
-                        args->matrix == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype, stream);
+      err = mxfp4_moe_run(wt, args->m, ext->topk, ext->topk_ids, ext->topk_weights, args->matrix == QKEEP_MOE_W2,
+                          args->x, args->x_dtype, args->y, args->y_dtype, ws, stream);
     } else {
       if (args->expert < 0 || args->expert >= wt->experts)
         return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: expert %d of %lld", (int)args->expert,
                                   (long long)wt->experts);
       err = mxfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                           r->split_k, stream);
+                           r->split_k, ws, stream);
     }
   }
   if (err == hipErrorInvalidValue)
     return r->host->set_error(
         QKEEP_E_INVAL, "rocm-mxfp4: apply: unsupported arguments (x and y must be F32, F16 or BF16 and x "
                        "16-byte aligned; routed MoE needs topk_ids, W2 also topk_weights)");
+  if (err == hipErrorOutOfMemory && ws)
+    return r->host->set_error(QKEEP_E_INVAL, "rocm-mxfp4: apply: the workspace (%zu bytes) is smaller than "
+                                             "the workspace slot asks for these arguments",
+                              scratch.bytes);
   return err ? hip_error(r, (hipError_t)err, "apply") : 0;
+}
+
+static int rocm_device(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index) {
+  *type = QKEEP_DEVICE_ROCM, *index = backend_of(be)->device;
+  return 0;
 }
 
 static void rocm_layer_cleanup(const struct qkeep_backend *be, qkeep_layer *layer, void *state) {
@@ -436,6 +485,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .keys = rocm_keys,
       .n_keys = sizeof rocm_keys / sizeof rocm_keys[0],
       .key_size = sizeof rocm_keys[0],
+      .workspace = rocm_workspace,
+      .device = rocm_device,
+      .flags = QKEEP_BACKEND_F_ROUTED_MOE,
   };
   *out = &r->be;
   return 0;

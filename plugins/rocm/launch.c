@@ -48,14 +48,32 @@ static void scratch_free(void *p, hipStream_t s) {
   }
 }
 
+/* n bytes of scratch: from the caller's workspace (ws set: never allocates), else stream-ordered. */
+static hipError_t scratch_get(struct gpu_scratch *ws, void **out, size_t n, hipStream_t s) {
+  if (!ws)
+    return scratch_alloc(out, n, s);
+  *out = gpu_scratch_take(ws, n);
+  return *out ? hipSuccess : hipErrorOutOfMemory;
+}
+
+static void scratch_put(struct gpu_scratch *ws, void *p, hipStream_t s) {
+  if (!ws)
+    scratch_free(p, s);
+}
+
+static size_t x16_bytes(enum qkeep_dtype dtype, int64_t elems) {
+  return dtype == QKEEP_DTYPE_F32 ? gpu_scratch_round((size_t)elems * 2 + 16) : 0;
+}
+
 static hipError_t activations(const struct rocm_kernels *k, const void *x, enum qkeep_dtype dtype,
-                              int64_t elems, hipStream_t s, const uint16_t **out, void **scratch) {
+                              int64_t elems, struct gpu_scratch *ws, hipStream_t s, const uint16_t **out,
+                              void **scratch) {
   *scratch = NULL;
   if (dtype != QKEEP_DTYPE_F32) {
     *out = x;
     return hipSuccess;
   }
-  hipError_t err = scratch_alloc(scratch, (size_t)elems * 2 + 16, s);
+  hipError_t err = scratch_get(ws, scratch, (size_t)elems * 2 + 16, s);
   if (err != hipSuccess)
     return err;
   struct mxfp4_convert_args c = {x, *scratch, elems};
@@ -82,7 +100,8 @@ static struct mxfp4_gemm_args base_args(const struct mxfp4_weights *wt, const ui
 static int size_index(int tokens) { return tokens <= 16 ? 0 : tokens <= 32 ? 1 : 2; }
 
 int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, const void *x,
-                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, int split_k, void *stream) {
+                   enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, int split_k,
+                   struct gpu_scratch *ws, void *stream) {
   const struct rocm_kernels *k = rocm_current_kernels();
   if (!k || !float_dtype(x_dtype) || !float_dtype(y_dtype) || ((uintptr_t)x & 15) || expert < 0 ||
       expert >= wt->experts || m < 0)
@@ -96,11 +115,11 @@ int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, co
     return hipErrorInvalidValue;
   const uint16_t *x16 = NULL;
   void *x_scratch, *partial = NULL;
-  hipError_t err = activations(k, x, x_dtype, m * wt->k, s, &x16, &x_scratch);
+  hipError_t err = activations(k, x, x_dtype, m * wt->k, ws, s, &x16, &x_scratch);
   struct mxfp4_gemm_args a = base_args(wt, x16, y, y_dtype);
   a.m = m, a.expert = expert, a.chunks_per_split = plan.chunks_per_split, a.out_rows = m;
   if (err == hipSuccess && plan.split > 1) {
-    err = scratch_alloc(&partial, sizeof(float) * (size_t)(plan.split * m * wt->n), s);
+    err = scratch_get(ws, &partial, sizeof(float) * (size_t)(plan.split * m * wt->n), s);
     a.partial = partial;
   }
   if (err == hipSuccess)
@@ -111,14 +130,14 @@ int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, co
                                   a.bias_dtype, (int32_t)y_dtype, expert};
     err = launch(k->reduce, flat_blocks(m * wt->n), 1, 1, &r, s);
   }
-  scratch_free(partial, s);
-  scratch_free(x_scratch, s);
+  scratch_put(ws, partial, s);
+  scratch_put(ws, x_scratch, s);
   return err;
 }
 
 int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
                   const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype, void *y,
-                  enum qkeep_dtype y_dtype, void *stream) {
+                  enum qkeep_dtype y_dtype, struct gpu_scratch *ws, void *stream) {
   const struct rocm_kernels *k = rocm_current_kernels();
   const int64_t slots = m * topk;
   if (!k || !float_dtype(x_dtype) || !float_dtype(y_dtype) || ((uintptr_t)x & 15) || topk < 1 || !topk_ids ||
@@ -129,12 +148,12 @@ int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const
   hipStream_t s = stream;
   const uint16_t *x16 = NULL;
   void *x_scratch, *partial = NULL;
-  hipError_t err = activations(k, x, x_dtype, (combine ? slots : m) * wt->k, s, &x16, &x_scratch);
+  hipError_t err = activations(k, x, x_dtype, (combine ? slots : m) * wt->k, ws, s, &x16, &x_scratch);
   struct mxfp4_gemm_args a = base_args(wt, x16, y, y_dtype);
   a.m = slots, a.ids = topk_ids, a.x_div = combine ? 1 : topk, a.out_rows = slots;
   a.chunks_per_split = mxfp4_round_up(a.chunks, 8); /* one split: the 16-token kernel's stage is 8 */
   if (err == hipSuccess && combine) {
-    err = scratch_alloc(&partial, sizeof(float) * (size_t)(slots * wt->n), s);
+    err = scratch_get(ws, &partial, sizeof(float) * (size_t)(slots * wt->n), s);
     a.partial = partial;
   }
   if (err == hipSuccess)
@@ -146,8 +165,8 @@ int mxfp4_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const
         a.bias_dtype, (int32_t)y_dtype};
     err = launch(k->combine, flat_blocks(m * wt->n), 1, 1, &c, s);
   }
-  scratch_free(partial, s);
-  scratch_free(x_scratch, s);
+  scratch_put(ws, partial, s);
+  scratch_put(ws, x_scratch, s);
   return err;
 }
 
@@ -159,4 +178,24 @@ int mxfp4_tile_gpu_run(bool scales, const void *src, void *dst, int64_t experts,
   struct mxfp4_tile_args t = {src, dst, experts, rows, k};
   int64_t total = experts * (scales ? mxfp4_scale_bytes(rows, k) : mxfp4_code_bytes(rows, k) / 4);
   return launch(scales ? kn->tile_scales : kn->tile_codes, flat_blocks(total), 1, 1, &t, stream);
+}
+
+size_t mxfp4_gemm_workspace(const struct mxfp4_weights *wt, int64_t m, enum qkeep_dtype x_dtype, int split_k,
+                            int sms) {
+  const struct rocm_kernels *k = rocm_current_kernels();
+  if (m <= 0)
+    return 0;
+  struct mxfp4_plan plan;
+  mxfp4_plan_gemm(m, wt->n, wt->k, 64, sms > 0 ? sms : k ? k->compute_units : 304, split_k, &plan);
+  size_t partial = plan.split > 1 ? gpu_scratch_round(sizeof(float) * (size_t)(plan.split * m * wt->n)) : 0;
+  return x16_bytes(x_dtype, m * wt->k) + partial;
+}
+
+size_t mxfp4_moe_workspace(const struct mxfp4_weights *wt, int64_t m, int32_t topk, bool combine,
+                           enum qkeep_dtype x_dtype) {
+  if (m <= 0 || topk < 1)
+    return 0;
+  const int64_t slots = m * topk;
+  return x16_bytes(x_dtype, (combine ? slots : m) * wt->k) +
+         (combine ? gpu_scratch_round(sizeof(float) * (size_t)(slots * wt->n)) : 0);
 }

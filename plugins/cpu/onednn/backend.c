@@ -478,6 +478,43 @@ static int operands(const struct od_backend *b, qkeep_layer *layer, const struct
   return op->act.dynamic ? 0 : static_act(b, layer, info, mt, e, &op->act);
 }
 
+/* What the f32 kernel of one apply needs besides its arguments. */
+struct od_call {
+  struct od_backend *b;
+  qkeep_layer *layer;
+  const struct qkeep_layer_info *info;
+  struct od_layer *st;
+};
+
+/* One matrix in f32 through oneDNN (qkeep_be_f32_kernel). */
+static int onednn_kernel(void *user, int32_t expert, enum qkeep_moe_matrix matrix, int64_t m, const float *x,
+                         float *y) {
+  const struct od_call *call = user;
+  struct od_layer *st = call->st;
+  struct od_matrix *mt = &st->mat[st->n_mat == 2 && matrix == QKEEP_MOE_W2];
+  if (expert < 0 || expert >= mt->experts)
+    return call->b->host->set_error(QKEEP_E_INVAL, "%s: expert %lld of %lld", call->info->name,
+                                    (long long)expert, (long long)mt->experts);
+  struct od_operands op;
+  int rc = operands(call->b, call->layer, call->info, st, mt, expert, &op);
+  if (rc)
+    return rc;
+  pthread_mutex_lock(&st->lock);
+  rc = od_apply(call->b, st, mt, &op, m, x, y);
+  pthread_mutex_unlock(&st->lock);
+  return rc;
+}
+
+static int onednn_workspace(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a,
+                            size_t *bytes) {
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = od_of(be)->host->layer_info(layer, &info);
+  if (!rc)
+    *bytes = qkeep_be_f32_workspace(a, qkeep_be_dims(&info, a));
+  return rc;
+}
+
+/* f32 kernels; other activation dtypes and routed MoE through qkeep_be_f32_apply's staging. */
 static int onednn_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                         const struct qkeep_apply_args *a) {
   struct od_backend *b = od_of(be);
@@ -489,26 +526,16 @@ static int onednn_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   if (!st || !st->n_mat)
     return b->host->set_error(QKEEP_E_STATE, "%s: cpu-onednn has no kernel for this layer (PWAL did not run)",
                               info.name);
-  if (a->size < offsetof(struct qkeep_apply_args, expert) || a->x_dtype != QKEEP_DTYPE_F32 ||
-      a->y_dtype != QKEEP_DTYPE_F32 || a->m < 0)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-onednn takes f32 activations and outputs",
-                              info.name);
-  /* Slots past args->size are absent: expert 0, w13. */
-  bool has_expert = a->size >= offsetof(struct qkeep_apply_args, matrix) + sizeof a->matrix;
-  int64_t expert = has_expert ? a->expert : 0;
-  struct od_matrix *mt = &st->mat[st->n_mat == 2 && has_expert && a->matrix == QKEEP_MOE_W2];
-  if (expert < 0 || expert >= mt->experts)
-    return b->host->set_error(QKEEP_E_INVAL, "%s: expert %lld of %lld", info.name, (long long)expert,
-                              (long long)mt->experts);
-  if (a->m == 0)
-    return 0;
-  struct od_operands op;
-  if ((rc = operands(b, layer, &info, st, mt, expert, &op)))
-    return rc;
-  pthread_mutex_lock(&st->lock);
-  rc = od_apply(b, st, mt, &op, a->m, a->x, a->y);
-  pthread_mutex_unlock(&st->lock);
-  return rc;
+  if (a->m < 0)
+    return b->host->set_error(QKEEP_E_INVAL, "%s: m %lld", info.name, (long long)a->m);
+  struct od_call call = {b, layer, &info, st};
+  return qkeep_be_f32_apply(b->host, &info, a, onednn_kernel, &call);
+}
+
+static int onednn_device(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index) {
+  (void)be;
+  *type = QKEEP_DEVICE_HOST, *index = 0;
+  return 0;
 }
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
@@ -562,6 +589,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .keys = onednn_keys,
       .n_keys = sizeof onednn_keys / sizeof onednn_keys[0],
       .key_size = sizeof onednn_keys[0],
+      .workspace = onednn_workspace,
+      .device = onednn_device,
+      .flags = QKEEP_BACKEND_F_ROUTED_MOE,
   };
   *out = &b->be;
   return 0;

@@ -543,6 +543,63 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
   return 0;
 }
 
+/* One matrix with native dtypes (f32 or bf16 in and out). */
+static int zentorch_native(struct zt_backend *b, qkeep_layer *layer, const struct qkeep_layer_info *info,
+                           const struct zt_layer *st, const struct qkeep_apply_args *a, int32_t expert,
+                           enum qkeep_moe_matrix matrix) {
+  const struct zt_matrix *mt = &st->mat[st->n_mat == 2 && matrix == QKEEP_MOE_W2];
+  if (expert < 0 || expert >= mt->experts)
+    return b->host->set_error(QKEEP_E_INVAL, "%s: expert %lld of %lld", info->name, (long long)expert,
+                              (long long)mt->experts);
+  if (a->m == 0)
+    return 0;
+  struct zt_gemm g = {0};
+  const int32_t *perm = NULL;
+  const void *bias = NULL;
+  enum qkeep_dtype bias_dtype = QKEEP_DTYPE_F32;
+  int rc = resolve(b, layer, info, mt, expert, &g, &perm, &bias, &bias_dtype);
+  return rc ? rc : run(b, info, &g, perm, bias, bias_dtype, a);
+}
+
+/* What the f32 kernel of one staged apply needs besides its arguments. */
+struct zt_call {
+  struct zt_backend *b;
+  qkeep_layer *layer;
+  const struct qkeep_layer_info *info;
+  const struct zt_layer *st;
+};
+
+/* One matrix in f32 (qkeep_be_f32_kernel), for F16 activations and routed MoE. */
+static int zentorch_kernel(void *user, int32_t expert, enum qkeep_moe_matrix matrix, int64_t m, const float *x,
+                           float *y) {
+  const struct zt_call *c = user;
+  struct qkeep_apply_args f32 = {.size = sizeof f32,
+                                 .m = m,
+                                 .x = x,
+                                 .x_dtype = QKEEP_DTYPE_F32,
+                                 .y = y,
+                                 .y_dtype = QKEEP_DTYPE_F32,
+                                 .expert = expert,
+                                 .matrix = matrix};
+  return zentorch_native(c->b, c->layer, c->info, c->st, &f32, expert, matrix);
+}
+
+/* Whether a runs on the native f32/bf16 path (else through qkeep_be_f32_apply's staging). */
+static bool zentorch_native_args(const struct qkeep_apply_args *a) {
+  bool x_ok = a->x_dtype == QKEEP_DTYPE_F32 || a->x_dtype == QKEEP_DTYPE_BF16,
+       y_ok = a->y_dtype == QKEEP_DTYPE_F32 || a->y_dtype == QKEEP_DTYPE_BF16;
+  return x_ok && y_ok && qkeep_be_topk(a) <= 0;
+}
+
+static int zentorch_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
+                              const struct qkeep_apply_args *a, size_t *bytes) {
+  struct qkeep_layer_info info = {.size = sizeof info};
+  int rc = zt_of(be)->host->layer_info(layer, &info);
+  if (!rc)
+    *bytes = zentorch_native_args(a) ? 0 : qkeep_be_f32_workspace(a, qkeep_be_dims(&info, a));
+  return rc;
+}
+
 static int zentorch_apply(const struct qkeep_backend *be, qkeep_layer *layer,
                           const struct qkeep_apply_args *a) {
   struct zt_backend *b = zt_of(be);
@@ -554,31 +611,23 @@ static int zentorch_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   if (!st || !st->n_mat)
     return b->host->set_error(QKEEP_E_STATE,
                               "%s: cpu-zentorch has no kernel for this layer (PWAL did not run)", info.name);
-  bool x_ok = a->x_dtype == QKEEP_DTYPE_F32 || a->x_dtype == QKEEP_DTYPE_BF16,
-       y_ok = a->y_dtype == QKEEP_DTYPE_F32 || a->y_dtype == QKEEP_DTYPE_BF16;
-  if (a->size < offsetof(struct qkeep_apply_args, expert) || !x_ok || !y_ok || a->m < 0)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED,
-                              "%s: cpu-zentorch takes f32 or bf16 activations and outputs", info.name);
-  /* Slots past args->size are absent: expert 0, w13, no routing. */
+  if (a->size < offsetof(struct qkeep_apply_args, expert) || a->m < 0)
+    return b->host->set_error(QKEEP_E_INVAL, "%s: cpu-zentorch: arguments of an ABI 1.0 core, or m < 0",
+                              info.name);
+  if (!zentorch_native_args(a)) {
+    struct zt_call call = {b, layer, &info, st};
+    return qkeep_be_f32_apply(b->host, &info, a, zentorch_kernel, &call);
+  }
+  /* Slots past args->size are absent: expert 0, w13. */
   bool has_expert = a->size >= offsetof(struct qkeep_apply_args, matrix) + sizeof a->matrix;
-  bool has_topk = a->size >= offsetof(struct qkeep_apply_args, topk) + sizeof a->topk;
-  if (has_topk && a->topk > 0)
-    return b->host->set_error(QKEEP_E_UNSUPPORTED, "%s: cpu-zentorch applies one expert at a time (topk %d)",
-                              info.name, (int)a->topk);
-  int64_t expert = has_expert ? a->expert : 0;
-  const struct zt_matrix *mt = &st->mat[st->n_mat == 2 && has_expert && a->matrix == QKEEP_MOE_W2];
-  if (expert < 0 || expert >= mt->experts)
-    return b->host->set_error(QKEEP_E_INVAL, "%s: expert %lld of %lld", info.name, (long long)expert,
-                              (long long)mt->experts);
-  if (a->m == 0)
-    return 0;
-  struct zt_gemm g = {0};
-  const int32_t *perm = NULL;
-  const void *bias = NULL;
-  enum qkeep_dtype bias_dtype = QKEEP_DTYPE_F32;
-  if ((rc = resolve(b, layer, &info, mt, expert, &g, &perm, &bias, &bias_dtype)))
-    return rc;
-  return run(b, &info, &g, perm, bias, bias_dtype, a);
+  return zentorch_native(b, layer, &info, st, a, has_expert ? a->expert : 0,
+                         has_expert ? a->matrix : QKEEP_MOE_W13);
+}
+
+static int zentorch_device(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index) {
+  (void)be;
+  *type = QKEEP_DEVICE_HOST, *index = 0;
+  return 0;
 }
 
 /* ---- lifetime ---------------------------------------------------------------------------------------- */
@@ -631,6 +680,9 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .keys = zentorch_keys,
       .n_keys = sizeof zentorch_keys / sizeof zentorch_keys[0],
       .key_size = sizeof zentorch_keys[0],
+      .workspace = zentorch_workspace,
+      .device = zentorch_device,
+      .flags = QKEEP_BACKEND_F_ROUTED_MOE,
   };
   *out = &b->be;
   return 0;
