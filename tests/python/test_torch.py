@@ -121,6 +121,30 @@ class TestTorch(unittest.TestCase):
         self.assertIn("model.extra", str(e.exception))
 
     @unittest.skipUnless(HAVE_FORWARD, "this libqkeep has no qkeep_layer_forward yet")
+    def test_the_readme_example_runs_and_its_view_sees_w1(self):
+        import os
+        import textwrap
+        with open(os.path.join(tu.SRC, "README.md")) as f:
+            text = f.read()
+        section = text[text.index("## From Python"):]
+        block = section[section.index("\n\n    ") + 2:]
+        block = textwrap.dedent(block[:block.index("\n\n")])
+        self.assertIn("qkeep.load", block)
+        cwd = os.getcwd()
+        os.chdir(tu.BUILD)
+        try:
+            scope = {}
+            exec(compile(block, "README.md", "exec"), scope)
+        finally:
+            os.chdir(cwd)
+        model = scope["model"]
+        self.addCleanup(model.close)
+        self.assertEqual(scope["y"].shape, (4, 512))
+        with qkeep.load(tu.example("tiny-w1-mxfp4"), backend="reference") as cold:
+            self.assertTrue(torch.equal(scope["norm"], self.qt.tensor(cold.lookup("model.norm.weight"))))
+        self.assertEqual(scope["norm"].data_ptr(), model.lookup("model.norm.weight").data_ptr)
+
+    @unittest.skipUnless(HAVE_FORWARD, "this libqkeep has no qkeep_layer_forward yet")
     def test_the_patched_mlp_and_moe_compute_what_the_reference_layers_do(self):
         hf = tiny_module()
         self.qt.patch(hf, self.model)
