@@ -84,6 +84,35 @@ def hf_model(config, path=None, seed=0):
     return m.to(DEVICE).eval()
 
 
+def per_expert(path):
+    """Rewrites stacked bf16 experts (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]), where
+    save_pretrained wrote them so, as the per-expert tensors of the published checkpoints
+    (experts.N.gate_proj.weight...), which qkeep quantize reads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    file = os.path.join(path, "model.safetensors")
+    if not os.path.exists(file):
+        return
+    with safe_open(file, "pt") as f:
+        keys = list(f.keys())
+        if not any(k.endswith("mlp.experts.gate_up_proj") for k in keys):
+            return
+        tensors = {}
+        for k in keys:
+            t = f.get_tensor(k)
+            if k.endswith("mlp.experts.gate_up_proj"):
+                inter = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    tensors["%s.%d.gate_proj.weight" % (k[:-len(".gate_up_proj")], e)] = t[e, :inter].contiguous()
+                    tensors["%s.%d.up_proj.weight" % (k[:-len(".gate_up_proj")], e)] = t[e, inter:].contiguous()
+            elif k.endswith("mlp.experts.down_proj"):
+                for e in range(t.shape[0]):
+                    tensors["%s.%d.down_proj.weight" % (k[:-len(".down_proj")], e)] = t[e].contiguous()
+            else:
+                tensors[k] = t
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
 class Fixture:
     """Per model: W0 and W1 saved by save_pretrained, and each quantized into every scheme."""
 
@@ -93,7 +122,8 @@ class Fixture:
         self.bf16 = {}
         for w, seed in (("w0", 1), ("w1", 2)):
             path = os.path.join(self.dir, w)
-            hf_model(self.config, seed=seed).save_pretrained(path, safe_serialization=True)
+            hf_model(self.config, seed=seed).save_pretrained(path)
+            per_expert(path)
             self.bf16[w] = path
             for scheme in SCHEMES:
                 subprocess.run([tu.CLI, "quantize", path, self.q(w, scheme), "--scheme", scheme], check=True,
