@@ -115,6 +115,36 @@ class TestLoad(Base):
         self.assertNotIn("model.layers.0.self_attn.qkv_proj", names)
 
 
+class TestLayout(unittest.TestCase):
+    def test_every_ctypes_struct_has_the_c_headers_offsets(self):
+        import shutil
+        import subprocess
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        if not cc:
+            self.skipTest("no C compiler")
+        structs = {"qkeep_spec": _lib.Spec, "qkeep_view": _lib.View, "qkeep_layer_info": _lib.LayerInfo,
+                   "qkeep_chain_info": _lib.ChainInfo, "qkeep_census": _lib.Census, "qkeep_digest": _lib.Digest,
+                   "qkeep_parallel": _lib.Parallel, "qkeep_load_stats": _lib.LoadStats,
+                   "qkeep_forward_args": _lib.ForwardArgs, "qkeep_layer_device": _lib.LayerDevice}
+        lines = ['#include <stddef.h>', '#include <stdio.h>', '#include "qkeep/qkeep.h"', "int main(void) {"]
+        for c, py in structs.items():
+            for field, _ in py._fields_:
+                lines.append('  printf("%s.%s %%zu\\n", offsetof(struct %s, %s));' % (c, field, c, field))
+            lines.append('  printf("%s %%zu\\n", sizeof(struct %s));' % (c, c))
+        lines.append("  return 0;\n}")
+        with tu.TempDir() as d:
+            src, exe = os.path.join(d, "layout.c"), os.path.join(d, "layout")
+            with open(src, "w") as f:
+                f.write("\n".join(lines))
+            subprocess.run([cc, "-std=c11", "-I", os.path.join(tu.SRC, "include"), src, "-o", exe], check=True)
+            out = subprocess.run([exe], check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout
+        want = dict(line.rsplit(" ", 1) for line in out.splitlines())
+        for c, py in structs.items():
+            for field, _ in py._fields_:
+                self.assertEqual(getattr(py, field).offset, int(want["%s.%s" % (c, field)]), (c, field))
+            self.assertEqual(ctypes.sizeof(py), int(want[c]), c)
+
+
 class TestViews(Base):
     def test_a_numpy_view_is_the_params_memory_for_every_param_of_every_scheme(self):
         for name in ["tiny"] + ["tiny-" + s for s in self.schemes]:
