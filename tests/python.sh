@@ -4,13 +4,20 @@
 # numpy, and under the sanitizers (an ASan libqkeep cannot be loaded into an uninstrumented python).
 build=${QKEEP_TEST_BUILDDIR:-.}
 src=${QKEEP_TEST_SRCDIR:-.}
-py=${PYTHON:-python3}
-if [ "$py" = ":" ] || ! command -v "$py" >/dev/null 2>&1; then
-  echo "SKIP: no python3 (configure found none)"; exit 77
+# The package is pure Python: any python3 >= 3.9 with numpy runs the tests, configure's first
+# ($PYTHON), else the one on PATH, else Debian's (a PATH may put a python3 without numpy first).
+py=
+for candidate in "${PYTHON:-}" python3 /usr/bin/python3; do
+  if [ -n "$candidate" ] && [ "$candidate" != ":" ] && command -v "$candidate" >/dev/null 2>&1 &&
+    "$candidate" -c "import sys, numpy; sys.exit(sys.version_info < (3, 9))" 2>/dev/null; then
+    py=$candidate
+    break
+  fi
+done
+if [ -z "$py" ]; then
+  echo "SKIP: no python3 >= 3.9 with numpy (Debian: python3 python3-numpy)"; exit 77
 fi
-if ! "$py" -c "import numpy" 2>/dev/null; then
-  echo "SKIP: $py has no numpy (Debian: python3-numpy)"; exit 77
-fi
+echo "python: $py ($("$py" -c 'import sys, numpy; print(sys.version.split()[0], "numpy", numpy.__version__)'))"
 lib="$build/libqkeep/.libs/libqkeep.so.0"
 if ! probe=$("$py" -c "import ctypes, sys; ctypes.CDLL(sys.argv[1])" "$lib" 2>&1); then
   case $probe in
