@@ -77,6 +77,7 @@ class Model:
         self._workspaces = {}
         self.checkpoint = None
         self.config_path = None
+        self.fuse = None
         try:
             self._open_config(backend, config)
             self._open_chain(backend)
@@ -124,6 +125,7 @@ class Model:
             fuse = text(_lib.lib.qkeep_config_fuse(self._cfg))
         if fuse is not None:
             check(_lib.lib.qkeep_model_set_fusion(self._handle, fuse.encode()), "fuse = %s" % fuse)
+        self.fuse = fuse  # the fusion map loads use (None: qkeep's default)
         place = _lib.Parallel(size=ctypes.sizeof(_lib.Parallel))
         if self._cfg:
             check(_lib.lib.qkeep_config_parallel(self._cfg, ctypes.byref(place)))

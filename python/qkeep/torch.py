@@ -192,10 +192,12 @@ def patch(hf_model, qkeep_model, fuse=None):
     qkeep's layers) compute with qkeep_model's layers: its nn.Linear modules and MoE experts become
     qkeep modules, and every other weight (embeddings, norms, routers, an unquantized lm_head, biases)
     a zero-copy view of qkeep's param of the same checkpoint name, so that qkeep_model.reload() or a
-    sync updates the whole model in place. fuse: the fusion map the qkeep model was loaded with
-    (default: qkeep's). Error, naming the module, for a weight qkeep does not hold or holds elsewhere.
+    sync updates the whole model in place. fuse: the fusion map of the qkeep model's layers (default:
+    the one it was loaded with). Error, naming the module, for a weight qkeep does not hold or holds elsewhere.
     Returns a Patch."""
-    rules = _fusion_rules(fuse if fuse is not None else _DEFAULT_FUSE)
+    if fuse is None:
+        fuse = getattr(qkeep_model, "fuse", None) or _DEFAULT_FUSE
+    rules = _fusion_rules(fuse)
     done = Patch()
     runs = {}
     config = getattr(hf_model, "config", None)

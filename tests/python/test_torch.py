@@ -113,6 +113,15 @@ class TestTorch(unittest.TestCase):
             for name, p in hf.named_parameters():
                 self.assertTrue(torch.equal(p, self.qt.tensor(cold.lookup(name)).view(p.shape)), name)
 
+    def test_an_unfused_model_patches_each_projection_to_its_own_layer(self):
+        with qkeep.load(tu.example("tiny"), backend="reference", fuse="none") as m:
+            hf = tiny_module()
+            done = self.qt.patch(hf, m)
+            q = hf.model.layers[0].self_attn.q_proj
+            self.assertEqual((q.qkeep_layer.name, q.start, q.stop), ("model.layers.0.self_attn.q_proj", 0, 256))
+            self.assertEqual(len(done.linears), 19)
+            self.assertEqual(self.qt.foreign_tensors(hf, m), [])
+
     def test_a_weight_qkeep_does_not_hold_is_an_error_naming_it(self):
         hf = tiny_module()
         hf.model.extra = nn.Linear(3, 3)
