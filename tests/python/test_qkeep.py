@@ -190,6 +190,19 @@ class TestViews(Base):
         self.assertEqual(_dlpack.live_exports(), exports)
         self.assertIsNone(ref(), "the model outlived its last view")
 
+    def test_a_numpy_view_keeps_the_model_alive_until_it_goes(self):
+        m = qkeep.load(tu.example("tiny"), backend="reference", config=self.config)
+        ref = weakref.ref(m)
+        a = m.lookup("model.norm.weight").numpy()
+        expect = a.copy()
+        del m
+        gc.collect()
+        self.assertIsNotNone(ref())
+        np.testing.assert_array_equal(a, expect)
+        del a
+        gc.collect()
+        self.assertIsNone(ref())
+
     def test_an_unconsumed_capsule_lets_go_and_a_versioned_one_is_named_so(self):
         m = self.load("tiny", backend="reference")
         p = m.lookup("model.norm.weight")
