@@ -108,6 +108,14 @@ class TestLoad(Base):
             self.assertEqual(m.checkpoint, tu.example("tiny-awq-int4"))
             self.assertEqual(m.census()["digest"], tu.cli_json(cfg, "census")["digest"])
 
+    def test_a_parallel_place_loads_the_ranks_slice(self):
+        m = self.load("tiny-gptq-int4", backend="reference", parallel={"tp_size": 2, "tp_rank": 1})
+        self.assertEqual(m.layer("model.layers.0.self_attn.qkv_proj").n, 256)
+        self.assertEqual(m.layer("model.layers.0.mlp.down_proj").k, 256)
+        with self.assertRaises(qkeep.Error) as e:
+            qkeep.load(tu.example("tiny"), backend="reference", parallel={"tp_ranks": 2})
+        self.assertIn("tp_ranks", str(e.exception))
+
     def test_a_fusion_map_of_none_keeps_q_k_v_apart(self):
         m = self.load("tiny", backend="reference", fuse="none")
         names = {l.name for l in m.layers()}
