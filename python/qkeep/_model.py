@@ -222,7 +222,7 @@ class Model:
         c = _lib.Census(size=ctypes.sizeof(_lib.Census))
         check(_lib.lib.qkeep_census(self._h(), ctypes.byref(c)), self.checkpoint)
         layers = self.layers()
-        out = {"checkpoint": self.checkpoint, "backends": self.backends(),
+        out = {"ok": True, "checkpoint": self.checkpoint, "backends": self.backends(),
                "owners": [{"layer": l.name, "scheme": l.scheme, "kind": l.kind, "backend": l.backend}
                           for l in layers],
                "layers": len(layers)}
@@ -231,7 +231,7 @@ class Model:
             out[f] = int(getattr(c, f))
         out["release_reasons"] = [text(c.reason[i]) for i in range(c.reasons)]
         out["buffers"], out["kept_bytes"], out["total_bytes"] = int(c.buffers), int(c.kept_bytes), int(c.total_bytes)
-        out["kept_share"] = float("%.6f" % c.kept_share)  # the CLI prints six decimals
+        out["kept_share"] = float("%.6g" % c.kept_share)  # the CLI prints six significant digits
         out["digest"] = self.digest()
         return out
 
