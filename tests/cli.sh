@@ -367,7 +367,7 @@ if unshare -rm true 2>/dev/null; then
   check "a read-only file system is named so" grep -q "^qkeep: read-only file system: $tmp/mnt/out" "$tmp/out"
   unshare -rm sh -c "mount -t tmpfs -o size=512k tmpfs '$tmp/mnt' && '$qkeep' quantize '$tmp/tiny.safetensors' '$tmp/mnt/out' --scheme w8a8-int8; ls -A '$tmp/mnt'" >"$tmp/out" 2>&1
   check "a full disk is 'no space left'" grep -q "^qkeep: no space left on device: $tmp/mnt/out/model.safetensors" "$tmp/out"
-  check "... naming no temporary file" sh -c "! grep -q -e '\.tmp' -e qkeep- '$tmp/out'"
+  check "... naming no temporary file" sh -c "! grep -q -e '\.tmp' -e '\.out\.qkeep-' '$tmp/out'"
   check "... and leaving nothing on it" test "$(tail -n 1 "$tmp/out")" = "$(grep '^qkeep:' "$tmp/out" | tail -n 1)"
 fi
 
