@@ -70,9 +70,12 @@ def step_seconds(model, ids, mode, runs=20):
     import torch
 
     pos = torch.zeros_like(ids)
+    # one position per sequence: nothing to mask; a 4-D mask made here keeps transformers from
+    # building its own, which copies a host scalar (refused inside a graph capture)
+    mask = torch.zeros((ids.shape[0], 1, ids.shape[1], ids.shape[1]), dtype=torch.bfloat16, device=ids.device)
 
     def step():
-        return model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
 
     with torch.no_grad():
         stream = torch.cuda.Stream()
