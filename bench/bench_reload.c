@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "private.h"
+#include "ring_options.h"
 #include "testutil.h"
 
 /* A Llama-shaped unquantized model: hidden 1024, intermediate 2816, `layers` decoder layers. */
@@ -71,30 +72,6 @@ static int64_t largest_layer(const qkeep_model *m) {
       best = bytes;
   }
   return best;
-}
-
-/* The stream's shape from one "SLOTS:PIECE:READERS:FENCES" field of QKEEP_BENCH_RINGS (NULL: the
- * defaults), and its label. The model checks the values (qkeep_model_set_load_options). */
-static struct qkeep_load_options ring_options(const char *spec, char *label, size_t label_len) {
-  struct qkeep_load_options o = {.size = sizeof o};
-  const char *p = spec;
-  for (int i = 0; i < 4 && p; i++) {
-    size_t n = strcspn(p, ":,");
-    char v[32] = "";
-    if (n && n < sizeof v)
-      memcpy(v, p, n), v[n] = 0;
-    if (*v && i == 0)
-      o.stream_slots = atoi(v);
-    else if (*v && i == 1)
-      o.stream_piece = (size_t)strtoull(v, NULL, 10);
-    else if (*v && i == 2)
-      o.stream_readers = atoi(v);
-    else if (*v && i == 3)
-      o.stream_no_fences = strcmp(v, "0") == 0;
-    p = p[n] == ':' ? p + n + 1 : NULL;
-  }
-  snprintf(label, label_len, "%.*s", spec ? (int)strcspn(spec, ",") : 7, spec ? spec : "default");
-  return o;
 }
 
 static int fail(const char *what) {

@@ -45,6 +45,7 @@
 #include <unistd.h>
 
 #include "private.h"
+#include "synth_nvfp4.h"
 #include "testutil.h"
 
 /* ---- the CUDA driver, dlopened (device count and free memory only) ---- */
@@ -70,117 +71,6 @@ static int cuda_devices(void) {
 static int64_t free_device_bytes(void) {
   size_t free_b = 0, total = 0;
   return cu_mem_info && cu_mem_info(&free_b, &total) == 0 ? (int64_t)free_b : -1;
-}
-
-/* ---- synthetic NVFP4 checkpoints ---- */
-
-struct shape {
-  const char *name;
-  int hidden, q, kv, inter, experts, moe_inter, vocab, layers;
-  bool qk_norm;
-};
-static const struct shape shapes[] = {
-    {"llama3-8b-4l", 4096, 4096, 1024, 14336, 0, 0, 128256, 4, false},
-    {"qwen3-30b-a3b-4l", 2048, 4096, 512, 0, 128, 768, 151936, 4, true},
-};
-
-static unsigned char *scratch;
-
-static int add(struct st_writer *w, const char *name, enum qkeep_dtype dt, int ndim, int64_t d0, int64_t d1) {
-  struct qkeep_spec s = {dt, ndim, {d0, d1}};
-  return st_writer_add(w, name, &s, scratch);
-}
-
-static void fill(size_t n, uint64_t *seed, unsigned char mask) {
-  for (size_t i = 0; i < n; i += 8) {
-    uint64_t r = tu_rand(seed);
-    for (size_t j = 0; j < 8 && i + j < n; j++)
-      scratch[i + j] = (unsigned char)(r >> (8 * j)) & mask;
-  }
-}
-
-static int add_nvfp4(struct st_writer *w, const char *module, int64_t n, int64_t k, uint64_t *seed) {
-  char name[256];
-  float scalar = 0.5f + (float)(tu_rand(seed) % 1000) / 1000.0f;
-  snprintf(name, sizeof name, "%s.weight", module);
-  fill((size_t)(n * k / 2), seed, 0xff);
-  int rc = add(w, name, QKEEP_DTYPE_U8, 2, n, k / 2);
-  snprintf(name, sizeof name, "%s.weight_scale", module);
-  fill((size_t)(n * k / 16), seed, 0x3f); /* e4m3, non-negative, not NaN */
-  rc = rc ? rc : add(w, name, QKEEP_DTYPE_F8_E4M3, 2, n, k / 16);
-  static const char *const scalars[] = {"weight_scale_2", "input_scale"};
-  for (int i = 0; i < 2 && !rc; i++) {
-    snprintf(name, sizeof name, "%s.%s", module, scalars[i]);
-    memcpy(scratch, &scalar, sizeof scalar);
-    rc = add(w, name, QKEEP_DTYPE_F32, 0, 0, 0);
-  }
-  return rc;
-}
-
-static int add_bf16(struct st_writer *w, const char *name, int ndim, int64_t d0, int64_t d1, uint64_t *seed) {
-  size_t n = (size_t)d0 * (size_t)(ndim > 1 ? d1 : 1);
-  for (size_t i = 0; i < n; i++) {
-    scratch[2 * i] = (unsigned char)tu_rand(seed);
-    scratch[2 * i + 1] = 0x3c; /* bf16 in [2^-7, 2^-6) */
-  }
-  return add(w, name, QKEEP_DTYPE_BF16, ndim, d0, d1);
-}
-
-static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
-  struct st_writer *w;
-  char name[256];
-  int rc = st_writer_new(&w);
-  size_t biggest = (size_t)s->vocab * (size_t)s->hidden * 2;
-  if (!rc && !(scratch = malloc(biggest)))
-    rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  rc = rc ? rc : add_bf16(w, "model.embed_tokens.weight", 2, s->vocab, s->hidden, &seed);
-  rc = rc ? rc : add_bf16(w, "lm_head.weight", 2, s->vocab, s->hidden, &seed);
-  rc = rc ? rc : add_bf16(w, "model.norm.weight", 1, s->hidden, 0, &seed);
-  for (int l = 0; l < s->layers && !rc; l++) {
-    static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
-    for (int p = 0; p < 4 && !rc; p++) {
-      snprintf(name, sizeof name, "model.layers.%d.self_attn.%s", l, proj[p]);
-      rc = add_nvfp4(w, name, p == 0 ? s->q : p < 3 ? s->kv : s->hidden, p == 3 ? s->q : s->hidden, &seed);
-    }
-    static const char *const norms[] = {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
-                                        "self_attn.k_norm"};
-    for (int n = 0; n < (s->qk_norm ? 4 : 2) && !rc; n++) {
-      snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, norms[n]);
-      rc = add_bf16(w, name, 1, n < 2 ? s->hidden : 128, 0, &seed);
-    }
-    static const char *const mlp[] = {"gate_proj", "up_proj", "down_proj"};
-    if (!s->experts)
-      for (int p = 0; p < 3 && !rc; p++) {
-        snprintf(name, sizeof name, "model.layers.%d.mlp.%s", l, mlp[p]);
-        rc = add_nvfp4(w, name, p < 2 ? s->inter : s->hidden, p < 2 ? s->hidden : s->inter, &seed);
-      }
-    if (s->experts && !rc) {
-      snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
-      rc = add_bf16(w, name, 2, s->experts, s->hidden, &seed);
-    }
-    for (int e = 0; e < s->experts && !rc; e++)
-      for (int p = 0; p < 3 && !rc; p++) {
-        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, e, mlp[p]);
-        rc = add_nvfp4(w, name, p < 2 ? s->moe_inter : s->hidden, p < 2 ? s->hidden : s->moe_inter, &seed);
-      }
-  }
-  char *file = tu_path(dir, "model.safetensors"), *cfg = tu_path(dir, "config.json"),
-       *hf = tu_path(dir, "hf_quant_config.json");
-  static const char config[] = "{\"tie_word_embeddings\": false, \"quantization_config\": {\"quant_method\": "
-                               "\"modelopt\", \"quant_algo\": \"NVFP4\", \"group_size\": 16, \"ignore\": "
-                               "[\"lm_head\", \"model.layers.*.mlp.gate\"]}}\n";
-  static const char hfq[] =
-      "{\"producer\": {\"name\": \"modelopt\", \"version\": \"synthetic\"}, "
-      "\"quantization\": {\"quant_algo\": \"NVFP4\", \"kv_cache_quant_algo\": null, "
-      "\"group_size\": 16, \"exclude_modules\": [\"lm_head\", \"model.layers.*.mlp.gate\"]}}\n";
-  if (!rc)
-    rc = st_writer_write(w, file);
-  if (!rc && (tu_write_file(cfg, config, strlen(config)) || tu_write_file(hf, hfq, strlen(hfq))))
-    rc = set_error(QKEEP_E_IO, "%s: cannot write the configs", dir);
-  st_writer_free(w);
-  free(scratch), free(file), free(cfg), free(hf);
-  scratch = NULL;
-  return rc;
 }
 
 /* ---- one rank ---- */

@@ -1,0 +1,274 @@
+/*
+ * bench_load.c: a cold start and an in-place reload of a ≥ 4 GB checkpoint into GPU memory, from a
+ * warm page cache, against the ceilings of the same machine measured in the same run:
+ *   - raw_read: every byte of the checkpoint read by as many threads as the host has cores
+ *     (pread of 8 MiB pieces into private buffers): what the host's page cache gives;
+ *   - pinned_h2d: the same number of bytes copied host-to-device from pinned memory in 8 MiB
+ *     pieces on one stream: what the PCIe link gives;
+ *   - safetensors (with QKEEP_BENCH_PYTHON naming a python with torch and safetensors): the
+ *     safetensors library's load_file(path, device="cuda:0") of the same file, in a child process
+ *     (its CUDA initialisation excluded: timed from the call to the last byte on the device).
+ * The model: Llama-3-8B's shapes in ModelOpt NVFP4 (synth_nvfp4.h), LAYERS decoder layers (16 by
+ * default: 4.06 GB with the bf16 embeddings and lm_head), on the chain `cuda-nvfp4, reference`
+ * (every tensor goes to the GPU). Each round: the raw read, a cold start on W1 (a new model: the
+ * staging ring made, every layer read, copied and processed; the CUDA context already made), and
+ * a reload of a model holding W0 to W1 and back (each timed). Medians of RUNS rounds after a
+ * warm-up round; both files are read once first so that the page cache holds them.
+ *
+ *   bench_load [LAYERS] [RUNS]
+ *
+ * QKEEP_BENCH_RINGS="SLOTS:PIECE:READERS:FENCES,..." measures each ring shape (ring_options.h);
+ * without it, the model's defaults. QKEEP_BENCH_TRACE=1 logs the stream's trace of every load.
+ * One JSON object per line; GB/s are 1e9 bytes per second of checkpoint bytes. The checkpoints go
+ * under $TMPDIR (or /tmp), about 2 x 4.1 GB, removed at the end.
+ */
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "private.h"
+#include "ring_options.h"
+#include "synth_nvfp4.h"
+#include "testutil.h"
+
+#define PIECE ((size_t)8 << 20)
+enum { MAX_RUNS = 32 };
+
+#define CUDA_OK(call)                                                                                        \
+  do {                                                                                                       \
+    cudaError_t e_ = (call);                                                                                 \
+    if (e_ != cudaSuccess) {                                                                                 \
+      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                 \
+      exit(1);                                                                                               \
+    }                                                                                                        \
+  } while (0)
+
+static int fail(const char *what) {
+  printf("{\"bench\":\"load\",\"error\":\"%s: %s\"}\n", what, qkeep_errmsg());
+  return 1;
+}
+
+/* ---- raw read: every core, 8 MiB preads ---- */
+
+struct raw_read {
+  int fd;
+  size_t size;
+  atomic_size_t next;
+  atomic_int failed;
+};
+
+static void *raw_reader(void *arg) {
+  struct raw_read *r = arg;
+  char *buf = malloc(PIECE);
+  for (size_t at; buf && (at = atomic_fetch_add(&r->next, PIECE)) < r->size;) {
+    size_t n = r->size - at < PIECE ? r->size - at : PIECE;
+    if (pread(r->fd, buf, n, (off_t)at) != (ssize_t)n)
+      atomic_store(&r->failed, 1);
+  }
+  if (!buf)
+    atomic_store(&r->failed, 1);
+  free(buf);
+  return NULL;
+}
+
+/* Seconds to read the file with `threads` threads (< 0 on a failure). */
+static double raw_read(const char *path, int threads) {
+  struct raw_read r = {.fd = open(path, O_RDONLY)};
+  struct stat st;
+  if (r.fd < 0 || fstat(r.fd, &st))
+    return -1;
+  r.size = (size_t)st.st_size;
+  pthread_t t[64];
+  threads = threads > 64 ? 64 : threads;
+  double t0 = now_seconds();
+  int started = 0;
+  while (started < threads && pthread_create(&t[started], NULL, raw_reader, &r) == 0)
+    started++;
+  for (int i = 0; i < started; i++)
+    pthread_join(t[i], NULL);
+  double s = now_seconds() - t0;
+  close(r.fd);
+  return started && !atomic_load(&r.failed) ? s : -1;
+}
+
+/* ---- pinned host-to-device ceiling ---- */
+
+static double pinned_h2d(size_t bytes) {
+  const size_t ring = (size_t)64 << 20, room = (size_t)1 << 30;
+  void *host, *dev;
+  cudaStream_t stream;
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaHostAlloc(&host, ring, cudaHostAllocDefault));
+  memset(host, 1, ring);
+  CUDA_OK(cudaMalloc(&dev, room));
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  CUDA_OK(cudaEventRecord(start, stream));
+  for (size_t at = 0; at < bytes; at += PIECE) {
+    size_t n = bytes - at < PIECE ? bytes - at : PIECE;
+    CUDA_OK(cudaMemcpyAsync((char *)dev + at % room, (char *)host + at % ring, n, cudaMemcpyHostToDevice,
+                            stream));
+  }
+  CUDA_OK(cudaEventRecord(stop, stream));
+  CUDA_OK(cudaEventSynchronize(stop));
+  float ms;
+  CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+  CUDA_OK(cudaEventDestroy(start));
+  CUDA_OK(cudaEventDestroy(stop));
+  CUDA_OK(cudaStreamDestroy(stream));
+  CUDA_OK(cudaFree(dev));
+  CUDA_OK(cudaFreeHost(host));
+  return ms / 1000.0;
+}
+
+/* ---- the safetensors library, in a child python ---- */
+
+static void safetensors_peer(const char *python, const char *file, double bytes, int runs) {
+  char cmd[4096];
+  snprintf(
+      cmd, sizeof cmd,
+      "%s -c 'import sys, time, torch\n"
+      "from safetensors.torch import load_file\n"
+      "torch.zeros(1, device=\"cuda:0\"); torch.cuda.synchronize()\n"
+      "for r in range(%d):\n"
+      "    t = time.perf_counter(); d = load_file(sys.argv[1], device=\"cuda:0\"); torch.cuda.synchronize()\n"
+      "    print(time.perf_counter() - t); del d; torch.cuda.empty_cache()\n' '%s' 2>/dev/null",
+      python, runs + 1, file);
+  FILE *p = popen(cmd, "r");
+  double v[MAX_RUNS + 1];
+  int n = 0;
+  while (p && n <= runs && fscanf(p, "%lf", &v[n]) == 1)
+    n++;
+  int status = p ? pclose(p) : -1;
+  if (n < 2 || status != 0) {
+    printf("{\"bench\":\"load_peer\",\"peer\":\"safetensors_load_file_cuda\",\"skipped\":\"%s did not run it "
+           "(torch, safetensors and a GPU needed)\"}\n",
+           python);
+    return;
+  }
+  double s = tu_median(v + 1, n - 1); /* the first is a warm-up */
+  printf("{\"bench\":\"load_peer\",\"peer\":\"safetensors_load_file_cuda\",\"bytes\":%.0f,\"s\":%.4f,"
+         "\"gbps\":%.2f,\"runs\":%d}\n",
+         bytes, s, bytes / s / 1e9, n - 1);
+}
+
+/* ---- qkeep ---- */
+
+static int model_new(qkeep_plugin **plugins, size_t n, const struct qkeep_load_options *o,
+                     qkeep_model **out) {
+  int rc = qkeep_model_new_chain(plugins, n, out);
+  if (!rc && (rc = qkeep_model_set_load_options(*out, o)))
+    qkeep_model_free(*out);
+  return rc;
+}
+
+static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec, const char *w0,
+                      const char *w1, const char *file1, double bytes, int runs, int cores, double h2d_s) {
+  char label[64];
+  struct qkeep_load_options o = ring_options(spec, label, sizeof label);
+  double raw[MAX_RUNS], cold[MAX_RUNS], reload[MAX_RUNS], paired[MAX_RUNS];
+  qkeep_model *held;
+  if (model_new(plugins, n_plugins, &o, &held) || qkeep_model_load(held, w0))
+    return fail("loading W0");
+  const char *target[2] = {w1, w0};
+  for (int r = -1; r < runs; r++) { /* round -1: the warm-up */
+    double t_raw = raw_read(file1, cores);
+    qkeep_model *m;
+    double t0 = now_seconds();
+    if (model_new(plugins, n_plugins, &o, &m) || qkeep_model_load(m, w1))
+      return fail("cold start");
+    double t_cold = now_seconds() - t0;
+    qkeep_model_free(m);
+    double t_reload = 0;
+    for (int k = 0; k < 2; k++) {
+      t0 = now_seconds();
+      if (qkeep_model_reload(held, target[k], 0))
+        return fail("reload");
+      t_reload += (now_seconds() - t0) / 2;
+    }
+    if (t_raw < 0)
+      return fail("raw read");
+    if (r >= 0)
+      raw[r] = t_raw, cold[r] = t_cold, reload[r] = t_reload, paired[r] = t_reload / t_cold;
+  }
+  struct qkeep_memory_stats mem = {.size = sizeof mem};
+  (void)qkeep_model_memory(held, &mem, false);
+  qkeep_model_free(held);
+  double s_raw = tu_median(raw, runs), s_cold = tu_median(cold, runs), s_reload = tu_median(reload, runs);
+  printf("{\"bench\":\"load\",\"model\":\"llama3-8b-nvfp4\",\"bytes\":%.0f,\"ring\":\"%s\","
+         "\"cold_s\":%.4f,\"cold_gbps\":%.2f,\"reload_s\":%.4f,\"reload_gbps\":%.2f,"
+         "\"reload_over_cold\":%.3f,\"reload_over_cold_paired\":%.3f,"
+         "\"raw_read_s\":%.4f,\"raw_read_gbps\":%.2f,\"raw_read_threads\":%d,\"pinned_h2d_gbps\":%.2f,"
+         "\"cold_of_h2d\":%.3f,\"reload_of_h2d\":%.3f,\"pinned_bytes\":%lld,\"runs\":%d}\n",
+         bytes, label, s_cold, bytes / s_cold / 1e9, s_reload, bytes / s_reload / 1e9, s_reload / s_cold,
+         tu_median(paired, runs), s_raw, bytes / s_raw / 1e9, cores, bytes / h2d_s / 1e9, h2d_s / s_cold,
+         h2d_s / s_reload, (long long)mem.pinned_bytes, runs);
+  fflush(stdout);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  int layers = argc > 1 ? atoi(argv[1]) : 16, runs = argc > 2 ? atoi(argv[2]) : 3;
+  runs = runs < 1 ? 1 : runs > MAX_RUNS ? MAX_RUNS : runs;
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) {
+    printf("{\"bench\":\"load\",\"skipped\":\"no CUDA device\"}\n");
+    return 0;
+  }
+  const char *trace = getenv("QKEEP_BENCH_TRACE");
+  if (trace && *trace && strcmp(trace, "0") != 0)
+    tu_log_to_stderr(QKEEP_LOG_DEBUG);
+  CUDA_OK(cudaFree(NULL)); /* the context, outside every timing */
+  int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
+  cores = cores < 1 ? 1 : cores;
+  char *dir = tu_tmpdir("bench-load");
+  char *w0 = dir ? tu_path(dir, "w0") : NULL, *w1 = dir ? tu_path(dir, "w1") : NULL;
+  char *file1 = w1 ? tu_path(w1, "model.safetensors") : NULL,
+       *file0 = w0 ? tu_path(w0, "model.safetensors") : NULL;
+  struct shape s = shapes[0];
+  s.layers = layers;
+  if (!file0 || !file1 || mkdir(w0, 0755) || mkdir(w1, 0755) || write_model(&s, w0, 1) ||
+      write_model(&s, w1, 2))
+    return fail("writing the checkpoints");
+  struct stat st;
+  if (stat(file1, &st) || raw_read(file0, cores) < 0 || raw_read(file1, cores) < 0)
+    return fail("reading the checkpoints");
+  double bytes = (double)st.st_size;
+  char *ini = tu_path(dir, "qkeep.ini");
+  static const char cfg[] = "[qkeep]\nbackend = cuda-nvfp4, reference\n";
+  qkeep_config *config;
+  qkeep_plugin **plugins;
+  size_t n_plugins;
+  if (tu_write_file(ini, cfg, strlen(cfg)) || qkeep_config_load(ini, &config) ||
+      qkeep_plugins_open_config(config, &plugins, &n_plugins))
+    return fail("plugins");
+  double h2d[MAX_RUNS];
+  for (int r = 0; r < runs; r++)
+    h2d[r] = pinned_h2d((size_t)bytes);
+  double h2d_s = tu_median(h2d, runs);
+  printf("{\"bench\":\"load_ceiling\",\"bytes\":%.0f,\"pinned_h2d_s\":%.4f,\"pinned_h2d_gbps\":%.2f,"
+         "\"piece\":%zu,\"runs\":%d}\n",
+         bytes, h2d_s, bytes / h2d_s / 1e9, PIECE, runs);
+  fflush(stdout);
+  const char *python = getenv("QKEEP_BENCH_PYTHON");
+  if (python && *python)
+    safetensors_peer(python, file1, bytes, runs);
+  const char *rings = getenv("QKEEP_BENCH_RINGS");
+  int rc = 0;
+  if (!rings || !*rings)
+    rc = bench_ring(plugins, n_plugins, NULL, w0, w1, file1, bytes, runs, cores, h2d_s);
+  for (const char *p = rings; p && *p && !rc; p += strcspn(p, ","), p += *p == ',')
+    rc = bench_ring(plugins, n_plugins, p, w0, w1, file1, bytes, runs, cores, h2d_s);
+  qkeep_plugins_close(plugins, n_plugins);
+  qkeep_config_free(config);
+  tu_rmtree(dir);
+  free(dir), free(w0), free(w1), free(file0), free(file1), free(ini);
+  return rc;
+}
