@@ -37,32 +37,18 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "cuda_check.h"
 #include "private.h"
 #include "synth_nvfp4.h"
 #include "testutil.h"
 
 enum { RUNS = 7, MIN_LAUNCHES = 200, TOPK = 8 };
 
-#define CUDA_OK(call)                                                                                        \
-  do {                                                                                                       \
-    cudaError_t e_ = (call);                                                                                 \
-    if (e_ != cudaSuccess) {                                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                 \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
 #define BLAS_OK(call)                                                                                        \
   do {                                                                                                       \
     cublasStatus_t s_ = (call);                                                                              \
     if (s_ != CUBLAS_STATUS_SUCCESS) {                                                                       \
       fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #call, (int)s_);                  \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
-#define QKEEP_OK(call)                                                                                       \
-  do {                                                                                                       \
-    if ((call)) {                                                                                            \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, qkeep_errmsg());                         \
       exit(1);                                                                                               \
     }                                                                                                        \
   } while (0)

@@ -32,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cuda_check.h"
 #include "private.h"
 #include "ring_options.h"
 #include "synth_nvfp4.h"
@@ -39,15 +40,6 @@
 
 #define PIECE ((size_t)8 << 20)
 enum { MAX_RUNS = 32 };
-
-#define CUDA_OK(call)                                                                                        \
-  do {                                                                                                       \
-    cudaError_t e_ = (call);                                                                                 \
-    if (e_ != cudaSuccess) {                                                                                 \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));                 \
-      exit(1);                                                                                               \
-    }                                                                                                        \
-  } while (0)
 
 static int fail(const char *what) {
   printf("{\"bench\":\"load\",\"error\":\"%s: %s\"}\n", what, qkeep_errmsg());

@@ -129,12 +129,12 @@ static void build(qkeep_model *m, struct run *r, size_t *routed) {
     ck_assert_msg(dev.graph_safe, "%s: cuda-nvfp4 should be graph-safe", info.name);
     uint64_t seed = 1000 + i;
     if (info.kind == QKEEP_LAYER_LINEAR) {
-      struct qkeep_forward_args a = {.size = sizeof a, .m = 4, .x_dtype = QKEEP_DTYPE_BF16,
-                                     .y_dtype = QKEEP_DTYPE_BF16};
+      struct qkeep_forward_args a = {
+          .size = sizeof a, .m = 4, .x_dtype = QKEEP_DTYPE_BF16, .y_dtype = QKEEP_DTYPE_BF16};
       a.x = device_x(4, info.k, a.x_dtype, seed);
       add_call(r, l, a, 4, info.n, NULL, NULL);
-      a = (struct qkeep_forward_args){.size = sizeof a, .m = 64, .x_dtype = QKEEP_DTYPE_F32,
-                                      .y_dtype = QKEEP_DTYPE_F32};
+      a = (struct qkeep_forward_args){
+          .size = sizeof a, .m = 64, .x_dtype = QKEEP_DTYPE_F32, .y_dtype = QKEEP_DTYPE_F32};
       a.x = device_x(64, info.k, a.x_dtype, seed + 7);
       add_call(r, l, a, 64, info.n, NULL, NULL);
       continue;
@@ -146,18 +146,30 @@ static void build(qkeep_model *m, struct run *r, size_t *routed) {
     for (int64_t p = 0; p < tokens * TOPK; p++)
       ids[p] = (int32_t)((p * 3 + p / TOPK) % e), weights[p] = 0.25f + 0.5f * (float)(p % TOPK);
     void *d_ids = device_copy(ids, sizeof ids), *d_weights = device_copy(weights, sizeof weights);
-    struct qkeep_forward_args a = {.size = sizeof a, .m = tokens, .x_dtype = QKEEP_DTYPE_BF16,
-                                   .y_dtype = QKEEP_DTYPE_BF16, .matrix = QKEEP_MOE_W13, .topk = TOPK,
+    struct qkeep_forward_args a = {.size = sizeof a,
+                                   .m = tokens,
+                                   .x_dtype = QKEEP_DTYPE_BF16,
+                                   .y_dtype = QKEEP_DTYPE_BF16,
+                                   .matrix = QKEEP_MOE_W13,
+                                   .topk = TOPK,
                                    .topk_ids = d_ids};
     a.x = device_x(tokens, hidden, a.x_dtype, seed);
     add_call(r, l, a, tokens * TOPK, 2 * inter, d_ids, d_weights);
-    a = (struct qkeep_forward_args){.size = sizeof a, .m = tokens, .x_dtype = QKEEP_DTYPE_BF16,
-                                    .y_dtype = QKEEP_DTYPE_F32, .matrix = QKEEP_MOE_W2, .topk = TOPK,
-                                    .topk_ids = d_ids, .topk_weights = d_weights};
+    a = (struct qkeep_forward_args){.size = sizeof a,
+                                    .m = tokens,
+                                    .x_dtype = QKEEP_DTYPE_BF16,
+                                    .y_dtype = QKEEP_DTYPE_F32,
+                                    .matrix = QKEEP_MOE_W2,
+                                    .topk = TOPK,
+                                    .topk_ids = d_ids,
+                                    .topk_weights = d_weights};
     a.x = device_x(tokens * TOPK, inter, a.x_dtype, seed + 1);
     add_call(r, l, a, tokens, hidden, NULL, NULL);
-    a = (struct qkeep_forward_args){.size = sizeof a, .m = 3, .x_dtype = QKEEP_DTYPE_F32,
-                                    .y_dtype = QKEEP_DTYPE_F32, .expert = (int32_t)(e - 1),
+    a = (struct qkeep_forward_args){.size = sizeof a,
+                                    .m = 3,
+                                    .x_dtype = QKEEP_DTYPE_F32,
+                                    .y_dtype = QKEEP_DTYPE_F32,
+                                    .expert = (int32_t)(e - 1),
                                     .matrix = QKEEP_MOE_W13};
     a.x = device_x(3, hidden, a.x_dtype, seed + 2);
     add_call(r, l, a, 3, 2 * inter, NULL, NULL);
@@ -273,7 +285,8 @@ static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4"};
 START_TEST(a_captured_graph_computes_with_the_reloaded_weights) {
   const char *scheme = schemes[_i];
   static const struct gtu_model shape = {H, KV, I, E_I, EXPERTS, VOCAB};
-  char *s0 = gtu_write_source(dir, "w0.safetensors", 1, &shape), *s1 = gtu_write_source(dir, "w1.safetensors", 2, &shape);
+  char *s0 = gtu_write_source(dir, "w0.safetensors", 1, &shape),
+       *s1 = gtu_write_source(dir, "w1.safetensors", 2, &shape);
   char *w0 = quantize(s0, scheme, "q0"), *w1 = quantize(s1, scheme, "q1");
   qkeep_model *m = load(w0), *cold = load(w1);
   struct run live, fresh;
@@ -290,7 +303,8 @@ START_TEST(a_captured_graph_computes_with_the_reloaded_weights) {
   /* a reload from the file, then the same graph */
   ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
   unsigned char *y1 = replay(&live, &n1);
-  ck_assert_msg(memcmp(y1, want, n1) == 0, "%s: the graph after a reload differs from a cold W1 graph", scheme);
+  ck_assert_msg(memcmp(y1, want, n1) == 0, "%s: the graph after a reload differs from a cold W1 graph",
+                scheme);
   free(y1);
   /* back to W0 by file, then a one-rank weight sync to W1 */
   ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
@@ -320,32 +334,4 @@ static Suite *graph_suite(void) {
   return s;
 }
 
-int main(void) {
-  char *libs = tu_path(tu_builddir(), "plugins/cuda/.libs"), *path = tu_path(libs, "backend-cuda-nvfp4.so"),
-       msg[256] = "";
-  free(libs);
-  int rc = qkeep_plugin_open_path(path, &gpu);
-  free(path);
-  if (rc) {
-    fprintf(stderr, "check_gpu_graph: cannot open the cuda-nvfp4 plugin: %s\n", qkeep_errmsg());
-    return 1;
-  }
-  rc = qkeep_plugin_probe(gpu, msg, sizeof msg);
-  if (rc) {
-    printf("SKIP: check_gpu_graph: %s\n", msg);
-    qkeep_plugin_close(gpu);
-    return rc == QKEEP_E_NODEV ? 77 : 1;
-  }
-  if (qkeep_plugin_open("reference", NULL, &ref)) {
-    fprintf(stderr, "check_gpu_graph: %s\n", qkeep_errmsg());
-    return 1;
-  }
-  SRunner *sr = srunner_create(graph_suite());
-  srunner_set_fork_status(sr, CK_NOFORK); /* CUDA does not survive fork() */
-  srunner_run_all(sr, CK_VERBOSE);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  qkeep_plugin_close(ref);
-  qkeep_plugin_close(gpu);
-  return failed ? 1 : 0;
-}
+int main(void) { return gtu_main("check_gpu_graph", graph_suite, &gpu, &ref); }

@@ -27,9 +27,9 @@
 
 #include "checkutil.h"
 #include "gpu_testutil.h"
-#include "private.h"
 #include "mxfp4.h"
 #include "mxfp4_fixture.h"
+#include "private.h"
 #include "testutil.h"
 
 #define H 224  /* hidden: a multiple of 32, not of 64 */
@@ -471,33 +471,4 @@ static Suite *gpu_suite(void) {
   return s;
 }
 
-int main(void) {
-  char *libs = tu_path(tu_builddir(), "plugins/cuda/.libs"), *path = tu_path(libs, "backend-cuda-nvfp4.so");
-  char msg[256] = "";
-  int rc = qkeep_plugin_open_path(path, &gpu);
-  free(libs);
-  free(path);
-  if (rc) {
-    fprintf(stderr, "check_gpu_mxfp4: cannot open the cuda-nvfp4 plugin: %s\n", qkeep_errmsg());
-    return 1;
-  }
-  rc = qkeep_plugin_probe(gpu, msg, sizeof msg);
-  if (rc) {
-    printf("SKIP: check_gpu_mxfp4: %s\n", msg);
-    qkeep_plugin_close(gpu);
-    return rc == QKEEP_E_NODEV ? 77 : 1;
-  }
-  printf("check_gpu_mxfp4: %s\n", msg);
-  if (qkeep_plugin_open("reference", NULL, &ref)) {
-    fprintf(stderr, "check_gpu_mxfp4: %s\n", qkeep_errmsg());
-    return 1;
-  }
-  SRunner *sr = srunner_create(gpu_suite());
-  srunner_set_fork_status(sr, CK_NOFORK); /* CUDA does not survive fork() */
-  srunner_run_all(sr, CK_VERBOSE);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  qkeep_plugin_close(ref);
-  qkeep_plugin_close(gpu);
-  return failed ? 1 : 0;
-}
+int main(void) { return gtu_main("check_gpu_mxfp4", gpu_suite, &gpu, &ref); }

@@ -24,8 +24,8 @@
 #include "checkutil.h"
 #include "cuda_nvfp4.h"
 #include "gpu_testutil.h"
-#include "private.h"
 #include "layout.h"
+#include "private.h"
 #include "testutil.h"
 
 #define H 208  /* hidden: a multiple of 16, not of 64 or 128 */
@@ -39,13 +39,6 @@
 static char *dir;
 static qkeep_plugin *gpu, *ref;
 static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4"};
-
-static char *plugin_path(void) {
-  char *libs = tu_path(tu_builddir(), "plugins/cuda/.libs");
-  char *path = tu_path(libs, "backend-cuda-nvfp4.so");
-  free(libs);
-  return path;
-}
 
 static const struct qkeep_backend *backend(void) { return qkeep_plugin_backend(gpu); }
 
@@ -593,32 +586,4 @@ static Suite *gpu_suite(void) {
   return s;
 }
 
-int main(void) {
-  char *path = plugin_path(), msg[256] = "";
-  int rc = qkeep_plugin_open_path(path, &gpu);
-  free(path);
-  if (rc) {
-    fprintf(stderr, "check_gpu_nvfp4: cannot open the cuda-nvfp4 plugin: %s\n", qkeep_errmsg());
-    return 1;
-  }
-  /* No device, no test: 77 is automake's SKIP. */
-  rc = qkeep_plugin_probe(gpu, msg, sizeof msg);
-  if (rc) {
-    printf("SKIP: check_gpu_nvfp4: %s\n", msg);
-    qkeep_plugin_close(gpu);
-    return rc == QKEEP_E_NODEV ? 77 : 1;
-  }
-  printf("check_gpu_nvfp4: %s\n", msg);
-  if (qkeep_plugin_open("reference", NULL, &ref)) {
-    fprintf(stderr, "check_gpu_nvfp4: %s\n", qkeep_errmsg());
-    return 1;
-  }
-  SRunner *sr = srunner_create(gpu_suite());
-  srunner_set_fork_status(sr, CK_NOFORK); /* CUDA does not survive fork() */
-  srunner_run_all(sr, CK_VERBOSE);
-  int failed = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  qkeep_plugin_close(ref);
-  qkeep_plugin_close(gpu);
-  return failed ? 1 : 0;
-}
+int main(void) { return gtu_main("check_gpu_nvfp4", gpu_suite, &gpu, &ref); }

@@ -145,4 +145,40 @@ static inline void gtu_assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tok
                 w.max_rel, w.where);
 }
 
+/*
+ * The main of a GPU suite: opens the build tree's cuda-nvfp4 plugin into *gpu (its probe's answer
+ * printed; no device: SKIP, exit 77) and the reference backend into *ref, runs the suite in this
+ * process (CUDA does not survive fork()), closes both. Returns the exit status.
+ */
+static inline int gtu_main(const char *prog, Suite *(*suite)(void), qkeep_plugin **gpu, qkeep_plugin **ref) {
+  char *libs = tu_path(tu_builddir(), "plugins/cuda/.libs"), *path = tu_path(libs, "backend-cuda-nvfp4.so"),
+       msg[256] = "";
+  free(libs);
+  int rc = qkeep_plugin_open_path(path, gpu);
+  free(path);
+  if (rc) {
+    fprintf(stderr, "%s: cannot open the cuda-nvfp4 plugin: %s\n", prog, qkeep_errmsg());
+    return 1;
+  }
+  if ((rc = qkeep_plugin_probe(*gpu, msg, sizeof msg))) { /* no device, no test: 77 is automake's SKIP */
+    printf("SKIP: %s: %s\n", prog, msg);
+    qkeep_plugin_close(*gpu);
+    return rc == QKEEP_E_NODEV ? 77 : 1;
+  }
+  printf("%s: %s\n", prog, msg);
+  if (qkeep_plugin_open("reference", NULL, ref)) {
+    fprintf(stderr, "%s: %s\n", prog, qkeep_errmsg());
+    qkeep_plugin_close(*gpu);
+    return 1;
+  }
+  SRunner *sr = srunner_create(suite());
+  srunner_set_fork_status(sr, CK_NOFORK);
+  srunner_run_all(sr, CK_VERBOSE);
+  int failed = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  qkeep_plugin_close(*ref);
+  qkeep_plugin_close(*gpu);
+  return failed ? 1 : 0;
+}
+
 #endif
