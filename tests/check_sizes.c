@@ -306,6 +306,23 @@ START_TEST(packed_dimension_past_64_bits_is_refused) {
 }
 END_TEST
 
+/* A reload of bad checkpoint `ck` into a reference model of `good` is refused (QKEEP_E_FORMAT, the
+ * message holding `needle`) and changes nothing (the digest). */
+static void reload_refused_unchanged(const char *good, const char *ck, const char *needle) {
+  qkeep_plugin *plugin;
+  ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
+  ck_assert_int_eq(qkeep_model_load(m, good), 0);
+  struct qkeep_digest before, after;
+  ck_assert_int_eq(qkeep_digest(m, &before), 0);
+  ck_assert_int_eq(qkeep_model_reload(m, ck, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), needle) != NULL, "%s", qkeep_errmsg());
+  ck_assert_int_eq(qkeep_digest(m, &after), 0);
+  ck_assert_mem_eq(&before, &after, sizeof before);
+  qkeep_model_free(m);
+  qkeep_plugin_close(plugin);
+}
 /* A static activation scale of 0 divides the activations: refused naming the tensor, at load and
  * by a reload of the same bytes. Non-zero scales of the same checkpoints load (the control). */
 START_TEST(zero_static_input_scale_is_refused) {
@@ -328,20 +345,7 @@ START_TEST(zero_static_input_scale_is_refused) {
     expect_refused("reference", ck, QKEEP_E_FORMAT, variant_dir[cases[c].v], needle);
     if (cases[c].v == V_W8A8 && have_onednn())
       expect_refused("cpu-onednn", ck, QKEEP_E_FORMAT, variant_dir[cases[c].v], needle);
-    /* a reload into a good model refuses the same tensor and changes nothing */
-    qkeep_plugin *plugin;
-    ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
-    qkeep_model *m;
-    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-    ck_assert_int_eq(qkeep_model_load(m, variant_dir[cases[c].v]), 0);
-    struct qkeep_digest before, after;
-    ck_assert_int_eq(qkeep_digest(m, &before), 0);
-    ck_assert_int_eq(qkeep_model_reload(m, ck, 0), QKEEP_E_FORMAT);
-    ck_assert_msg(strstr(qkeep_errmsg(), "element 0 is zero") != NULL, "%s", qkeep_errmsg());
-    ck_assert_int_eq(qkeep_digest(m, &after), 0);
-    ck_assert_mem_eq(&before, &after, sizeof before);
-    qkeep_model_free(m);
-    qkeep_plugin_close(plugin);
+    reload_refused_unchanged(variant_dir[cases[c].v], ck, "element 0 is zero");
     free(file);
     free(ck);
   }
@@ -391,19 +395,7 @@ START_TEST(scales_whose_reciprocal_or_product_overflows_are_refused) {
     expect_refused("reference", ck, QKEEP_E_FORMAT, NULL, cases[c].why);
     if (cases[c].v == V_W8A8 && have_onednn())
       expect_refused("cpu-onednn", ck, QKEEP_E_FORMAT, variant_dir[cases[c].v], needle);
-    qkeep_plugin *plugin;
-    ck_assert_int_eq(qkeep_plugin_open("reference", NULL, &plugin), 0);
-    qkeep_model *m;
-    ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
-    ck_assert_int_eq(qkeep_model_load(m, variant_dir[cases[c].v]), 0);
-    struct qkeep_digest before, after;
-    ck_assert_int_eq(qkeep_digest(m, &before), 0);
-    ck_assert_int_eq(qkeep_model_reload(m, ck, 0), QKEEP_E_FORMAT);
-    ck_assert_msg(strstr(qkeep_errmsg(), needle) != NULL, "%s", qkeep_errmsg());
-    ck_assert_int_eq(qkeep_digest(m, &after), 0);
-    ck_assert_mem_eq(&before, &after, sizeof before);
-    qkeep_model_free(m);
-    qkeep_plugin_close(plugin);
+    reload_refused_unchanged(variant_dir[cases[c].v], ck, needle);
     free(file);
     free(ck);
   }
