@@ -606,6 +606,11 @@ struct qkeep_census {
   int64_t kept_bytes;  /* bytes no kernel reads: retired + slack past live views */
   int64_t total_bytes; /* every distinct storage's capacity */
   double kept_share;   /* kept_bytes / total_bytes */
+  /* Appended (0 past the caller's size): unquantized checkpoint tensors quantized on load
+   * (qkeep_model_set_quantize): their params (state QKEEP_PARAM_QUANTIZED, registered, 0 bytes kept),
+   * and their checkpoint bytes, which land quantized in the kernel params. */
+  int64_t quantized_on_load;
+  int64_t quantized_on_load_bytes;
 };
 
 /* Counts the model against the rules. Never fails on a valid model. */
@@ -718,6 +723,26 @@ struct qkeep_quantize_options {
  * not the model's size (summary->buffer_bound and ->peak_buffer_bytes).
  */
 QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opts);
+
+/*
+ * Online quantization: the model's later loads take unquantized checkpoints (BF16, F16 or F32; a
+ * .safetensors file, shards, a Hugging Face directory) and quantize them on load into options->scheme,
+ * with the options qkeep_quantize takes. A load then gives exactly the model (digest, census, every
+ * kernel tensor) that qkeep_quantize with the same options followed by a cold start gives, on any chain
+ * and any tensor-parallel rank: each layer is planned as the quantized checkpoint would be (its owner
+ * chosen by the chain as for that checkpoint), and its tensors are quantized on the host by the offline
+ * quantizer's code, on options->threads threads (0: every online core), one unit at a time (a weight,
+ * or an NVFP4 fusion group: q/k/v, gate/up, an expert's w1/w3, whose members share one global scale),
+ * then land in the owner's memory. The unquantized names stay checkpoint names of the model
+ * (qkeep_model_lookup gives a param of state QKEEP_PARAM_QUANTIZED, which keeps no bytes); reloads and
+ * syncs take them (qkeep_sync_plan plans them) and quantize in place; docs/RULES.md has the rules.
+ * options NULL: loads take checkpoints as they are again. The options are copied (only the first
+ * options->size bytes read). Call it on an empty model, before a load: QKEEP_E_STATE otherwise.
+ * QKEEP_E_INVAL for the fields only a written output has (max_shard_bytes, replace_existing, progress,
+ * summary, cancel) or a bad value (as qkeep_quantize); QKEEP_E_UNSUPPORTED for a scheme qkeep quantize
+ * does not write. A load of a checkpoint that is already quantized is QKEEP_E_INVAL.
+ */
+QKEEP_API int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_options *options);
 
 /* ---- the engine forward -------------------------------------------------------- */
 
