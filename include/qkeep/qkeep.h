@@ -770,8 +770,8 @@ struct qkeep_forward_args {
   int32_t topk;                 /* MoE: > 0 for routed; 0 otherwise */
   const int32_t *topk_ids;      /* routed: [m, topk] expert ids, in the layer's memory */
   const float *topk_weights;    /* routed W2: [m, topk] router weights, in the layer's memory */
-  void *stream;                 /* device layers: the cudaStream_t / hipStream_t to run on; NULL: legacy default */
-  void *workspace;              /* scratch in the layer's memory, >= qkeep_layer_workspace bytes, 256-aligned */
+  void *stream;    /* device layers: the cudaStream_t / hipStream_t to run on; NULL: legacy default */
+  void *workspace; /* scratch in the layer's memory, >= qkeep_layer_workspace bytes, 256-aligned */
   size_t workspace_bytes;
 };
 
@@ -810,12 +810,12 @@ QKEEP_API int qkeep_layer_workspace(qkeep_layer *layer, const struct qkeep_forwa
 
 /* Where a layer lives and what its forward promises (qkeep_layer_device). */
 struct qkeep_layer_device {
-  size_t size;                /* set by the caller: sizeof(struct qkeep_layer_device) */
+  size_t size;                 /* set by the caller: sizeof(struct qkeep_layer_device) */
   enum qkeep_device_type type; /* of its params' memory (and the activations qkeep_layer_forward takes) */
-  int index;                  /* the device ordinal; 0 for host memory */
-  bool forward;               /* the layer has a forward: a linear or MoE layer whose owner has kernels */
-  bool graph_safe;            /* the owner promises QKEEP_BACKEND_F_GRAPH_SAFE */
-  bool routed;                /* an MoE layer whose owner runs routed MoE (topk > 0) */
+  int index;                   /* the device ordinal; 0 for host memory */
+  bool forward;                /* the layer has a forward: a linear or MoE layer whose owner has kernels */
+  bool graph_safe;             /* the owner promises QKEEP_BACKEND_F_GRAPH_SAFE */
+  bool routed;                 /* an MoE layer whose owner runs routed MoE (topk > 0) */
 };
 
 /* Fills *out (out->size set by the caller; fields past it are not written). QKEEP_E_INVAL for

@@ -271,7 +271,8 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
   /* What is compared against an earlier shard goes last, once every shard's copy has started. */
   for (int pass = 0; pass < 2; pass++)
     for (size_t i = 0; i < layer->n_sources && !rc; i++)
-      if (!layer->sources[i].loaded && !layer->sources[i].online && layer->sources[i].compare_only == (pass == 1))
+      if (!layer->sources[i].loaded && !layer->sources[i].online &&
+          layer->sources[i].compare_only == (pass == 1))
         rc = load_source(layer, pv, &layer->sources[i], st);
   /* Tensors quantized on load: made from the unquantized sources, unit by unit (load/online.c). */
   if (!rc && layer->n_derived)

@@ -26,8 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "load/load.h"
 #include "base/formats.h"
+#include "load/load.h"
 #include "quantize/plan.h"
 
 /* ---- planning ------------------------------------------------------------------------------ */
@@ -70,8 +70,15 @@ static int add_member_source(qkeep_layer *layer, const struct quant_plan *plan, 
   p->create_bytes = qm.nbytes;
   p->view.spec = spec; /* no storage: a view of nothing */
   layer->online_params[layer->n_online_params++] = p;
-  struct source s = {.checkpoint_name = name, .param = p, .rows = 1, .row_bytes = qm.nbytes,
-                     .dst_stride = qm.nbytes, .spec = spec, .online = true, .unit = u, .member = m};
+  struct source s = {.checkpoint_name = name,
+                     .param = p,
+                     .rows = 1,
+                     .row_bytes = qm.nbytes,
+                     .dst_stride = qm.nbytes,
+                     .spec = spec,
+                     .online = true,
+                     .unit = u,
+                     .member = m};
   *at = (*n_sources)++;
   sources[*at] = s;
   return 0;
@@ -97,7 +104,8 @@ static int convert_layer(qkeep_layer *layer, const struct online_quantize *on) {
                         sizeof *layer->derived);
     if (rc)
       return rc;
-    layer->derived[layer->n_derived++] = (struct derived){.src = layer->sources[i], .output = out, .unit = o.unit};
+    layer->derived[layer->n_derived++] =
+        (struct derived){.src = layer->sources[i], .output = out, .unit = o.unit};
     units += o.unit != SIZE_MAX ? (size_t)quant_plan_members(on->plan, o.unit) : 0;
   }
   if (!layer->n_derived)
@@ -216,8 +224,17 @@ static const void *output_bytes(const struct unit_outputs *uo, const struct quan
 static void uo_describe(const struct provider *p, const void *handle, struct provided *out) {
   const struct unit_outputs *uo = p->ctx;
   const struct quant_output *o = handle;
-  *out = (struct provided){o->name, (int)o->spec.dtype, qkeep_dtype_name(o->spec.dtype), o->spec.ndim,
-                           o->spec.shape, o->nbytes, uo->where, o, NULL, 0, false};
+  *out = (struct provided){o->name,
+                           (int)o->spec.dtype,
+                           qkeep_dtype_name(o->spec.dtype),
+                           o->spec.ndim,
+                           o->spec.shape,
+                           o->nbytes,
+                           uo->where,
+                           o,
+                           NULL,
+                           0,
+                           false};
 }
 
 static bool uo_find(const struct provider *p, const char *name, struct provided *out) {
@@ -299,8 +316,8 @@ static int load_unit(qkeep_layer *layer, const struct provider *pv, struct stagi
   for (size_t d = first; d < end && !rc; d++)
     quant_plan_output(plan, layer->derived[d].output, &outs[d - first]);
   struct unit_outputs uo = {pv->what, outs, end - first, (void *const(*)[4])dst};
-  struct provider made = {pv->what, &uo,      uo_find, uo_read, uo_host, NULL, uo_count, uo_name_at,
-                          NULL,     uo_read_range, uo_describe, 0, NULL, 0};
+  struct provider made = {pv->what,   &uo,  uo_find,       uo_read,     uo_host, NULL, uo_count,
+                          uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
   for (size_t d = first; d < end && !rc; d++)
     rc = load_source(layer, &made, &layer->derived[d].src, st);
   for (int m = 0; m < members && !rc; m++)
@@ -346,11 +363,15 @@ int online_check_values(const qkeep_layer *layer, const struct provider *pv, str
   if (bad < n) {
     int64_t k = src->spec.shape[1] ? src->spec.shape[1] : 1;
     float v = qk_load_float(bytes, dtype, bad);
-    rc = set_error(QKEEP_E_FORMAT,
-                   "%s: tensor '%s': element %zu (row %lld, column %lld) is %s: it cannot be quantized on load "
-                   "(layer %s)",
-                   t.where, t.name, bad, (long long)(bad / (size_t)k), (long long)(bad % (size_t)k),
-                   isnan(v) ? "NaN" : v > 0 ? "+Inf" : "-Inf", layer->name);
+    rc = set_error(
+        QKEEP_E_FORMAT,
+        "%s: tensor '%s': element %zu (row %lld, column %lld) is %s: it cannot be quantized on load "
+        "(layer %s)",
+        t.where, t.name, bad, (long long)(bad / (size_t)k), (long long)(bad % (size_t)k),
+        isnan(v) ? "NaN"
+        : v > 0  ? "+Inf"
+                 : "-Inf",
+        layer->name);
   }
   free(held);
   return rc;

@@ -100,7 +100,7 @@ void model_clear(qkeep_model *model) {
   free(model->index.source_refs);
   model->index.source_refs = NULL;
   model->index.n_source_refs = model->index.cap_source_refs = 0;
-  shard_clear(model); /* other ranks' tensor names (param/foreign.c) */
+  shard_clear(model);                  /* other ranks' tensor names (param/foreign.c) */
   quant_plan_free(model->online.plan); /* the options stay for the next load */
   model->online.plan = NULL;
   name_index_clear(&model->online.outputs);
@@ -151,7 +151,8 @@ int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_opt
   if (!model)
     return set_error(QKEEP_E_INVAL, "qkeep_model_set_quantize: NULL model");
   if (model->n_layers)
-    return set_error(QKEEP_E_STATE, "qkeep_model_set_quantize: the model holds %zu layers (set it before a load)",
+    return set_error(QKEEP_E_STATE,
+                     "qkeep_model_set_quantize: the model holds %zu layers (set it before a load)",
                      model->n_layers);
   if (!options) {
     free(model->online.scheme);
@@ -163,7 +164,7 @@ int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_opt
   if (!options->scheme)
     return set_error(QKEEP_E_INVAL, "qkeep_model_set_quantize: no scheme");
   /* What only a written checkpoint has: a load writes no files and reports no progress of its own. */
-  const char *refused = options->max_shard_bytes ? "max_shard_bytes"
+  const char *refused = options->max_shard_bytes                     ? "max_shard_bytes"
                         : QUANTIZE_OPTION(options, replace_existing) ? "replace_existing"
                         : QUANTIZE_OPTION(options, progress)         ? "progress"
                         : QUANTIZE_OPTION(options, summary)          ? "summary"

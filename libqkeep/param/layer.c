@@ -207,9 +207,8 @@ int layer_add_source_slice(qkeep_layer *layer, const char *checkpoint_name, qkee
     return rc;
   }
   layer->sources[layer->n_sources++] =
-      (struct source){copy,  param, dst_offset, rows,         row_bytes, dst_stride, compare_only,
-                      *spec, false, false,      {0, 0, 0, 0}, NULL,      0,
-                      false, SIZE_MAX,   0};
+      (struct source){copy,  param, dst_offset,   rows, row_bytes, dst_stride, compare_only, *spec,
+                      false, false, {0, 0, 0, 0}, NULL, 0,         false,      SIZE_MAX,     0};
   if (slice)
     layer->sources[layer->n_sources - 1].slice = *slice;
   return 0;

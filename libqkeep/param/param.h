@@ -122,8 +122,8 @@ struct online_quantize {
   bool set;                           /* the options below apply to the next load */
   struct qkeep_quantize_options opts; /* copied; scheme points at `scheme` */
   char *scheme;
-  struct quant_plan *plan;       /* the loaded model's plan (NULL: the model does not quantize on load) */
-  struct name_index outputs;     /* the plan's output names -> index */
+  struct quant_plan *plan;   /* the loaded model's plan (NULL: the model does not quantize on load) */
+  struct name_index outputs; /* the plan's output names -> index */
 };
 
 struct qkeep_layer {

@@ -26,12 +26,12 @@ struct quant_output {
   const char *name; /* borrowed from the plan */
   struct qkeep_spec spec;
   size_t nbytes;
-  const char *input;           /* the input it is made from (copied or quantized); NULL: a kv-cache scale */
-  bool copied;                 /* the input copied unchanged (same name, spec and bytes) */
-  bool constant;               /* its bytes are known from the plan: value */
-  const unsigned char *value;  /* a constant's bytes (nbytes of them) */
-  size_t unit;                 /* a quantized output: its unit; SIZE_MAX otherwise */
-  int member, slot;            /* its member in the unit and its place among the member's outputs */
+  const char *input;          /* the input it is made from (copied or quantized); NULL: a kv-cache scale */
+  bool copied;                /* the input copied unchanged (same name, spec and bytes) */
+  bool constant;              /* its bytes are known from the plan: value */
+  const unsigned char *value; /* a constant's bytes (nbytes of them) */
+  size_t unit;                /* a quantized output: its unit; SIZE_MAX otherwise */
+  int member, slot;           /* its member in the unit and its place among the member's outputs */
 };
 
 /* One input of a unit: a 2-D float weight [n, k]. */
@@ -40,8 +40,8 @@ struct quant_member {
   enum qkeep_dtype dtype;
   int64_t n, k;
   size_t nbytes;
-  int n_out;       /* its outputs, constants included */
-  size_t out[4];   /* their indices in the plan */
+  int n_out;     /* its outputs, constants included */
+  size_t out[4]; /* their indices in the plan */
 };
 
 /*

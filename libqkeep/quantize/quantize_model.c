@@ -1871,8 +1871,8 @@ struct quant_plan {
   char *scheme;
   size_t *units; /* the quantized units' indices in q.units */
   size_t n_units;
-  char **inputs;      /* per output: the input's name (owned), or NULL */
-  size_t *out_unit;   /* per output: its unit in units[], or SIZE_MAX */
+  char **inputs;    /* per output: the input's name (owned), or NULL */
+  size_t *out_unit; /* per output: its unit in units[], or SIZE_MAX */
   int *out_member, *out_slot;
   char **member_inputs; /* the members' input names (owned), for their `input` */
   size_t n_member_inputs;
@@ -1937,7 +1937,8 @@ static int plan_detach(struct quant_plan *p) {
   return p->config_json && (!hf || p->hf_json) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
 }
 
-int quant_plan_new(const struct ckpt *ck, const struct qkeep_quantize_options *opts, struct quant_plan **out) {
+int quant_plan_new(const struct ckpt *ck, const struct qkeep_quantize_options *opts,
+                   struct quant_plan **out) {
   *out = NULL;
   if (!ck || !opts || !opts->scheme)
     return set_error(QKEEP_E_INVAL, "quantize on load: NULL argument or no scheme");
@@ -1947,8 +1948,9 @@ int quant_plan_new(const struct ckpt *ck, const struct qkeep_quantize_options *o
   if (!rc)
     rc = check_scheme_threads(opts, &sch, &threads);
   if (!rc && ck->qc.method != QM_NONE)
-    rc = set_error(QKEEP_E_INVAL, "%s: already quantized (%s); quantizing on load needs an unquantized checkpoint",
-                   ck->path, ck->qc.scheme);
+    rc = set_error(QKEEP_E_INVAL,
+                   "%s: already quantized (%s); quantizing on load needs an unquantized checkpoint", ck->path,
+                   ck->qc.scheme);
   if (!rc)
     rc = check_input(ck);
   if (rc)
@@ -1986,27 +1988,27 @@ size_t quant_plan_outputs(const struct quant_plan *p) { return p->q.n_outs; }
 
 void quant_plan_output(const struct quant_plan *p, size_t index, struct quant_output *out) {
   const struct out_tensor *o = &p->q.outs[index];
-  *out = (struct quant_output){o->name,
-                               o->spec,
-                               o->nbytes,
-                               p->inputs[index],
-                               o->copied,
-                               o->constant,
-                               o->value,
-                               p->out_unit[index],
-                               p->out_member[index],
-                               p->out_slot[index]};
+  *out = (struct quant_output){
+      o->name,     o->spec,  o->nbytes,          p->inputs[index],     o->copied,
+      o->constant, o->value, p->out_unit[index], p->out_member[index], p->out_slot[index]};
 }
 
 size_t quant_plan_units(const struct quant_plan *p) { return p->n_units; }
 
-int quant_plan_members(const struct quant_plan *p, size_t unit) { return p->q.units[p->units[unit]].n_members; }
+int quant_plan_members(const struct quant_plan *p, size_t unit) {
+  return p->q.units[p->units[unit]].n_members;
+}
 
 void quant_plan_member(const struct quant_plan *p, size_t unit, int member, struct quant_member *out) {
   const struct member *m = &p->q.units[p->units[unit]].m[member];
   size_t elements = (size_t)(m->n * m->k);
-  *out = (struct quant_member){m->input, (enum qkeep_dtype)m->dtype, m->n, m->k,
-                               elements * qkeep_dtype_size((enum qkeep_dtype)m->dtype), m->n_out, {0}};
+  *out = (struct quant_member){m->input,
+                               (enum qkeep_dtype)m->dtype,
+                               m->n,
+                               m->k,
+                               elements * qkeep_dtype_size((enum qkeep_dtype)m->dtype),
+                               m->n_out,
+                               {0}};
   memcpy(out->out, m->out, sizeof out->out);
 }
 

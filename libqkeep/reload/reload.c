@@ -874,7 +874,8 @@ int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tenso
  * scale, fused shards, experts, or a tensor copied beside it such as a bias) is refused, naming them: they
  * load together through qkeep_model_reload_tensors with QKEEP_RELOAD_PARTIAL.
  */
-static int load_tensor_online(qkeep_model *model, qkeep_layer *layer, const struct qkeep_named_tensor *tensor) {
+static int load_tensor_online(qkeep_model *model, qkeep_layer *layer,
+                              const struct qkeep_named_tensor *tensor) {
   for (size_t i = 0; i < layer->n_sources; i++)
     if (strcmp(layer->sources[i].checkpoint_name, tensor->name) != 0)
       return set_error(QKEEP_E_UNSUPPORTED,
