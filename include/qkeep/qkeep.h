@@ -81,7 +81,7 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
 
 /*
  * Reads an INI config: [qkeep] backend, plugin_dir (colon-separated directories); [model]
- * checkpoint, reload_checkpoint, fuse;
+ * checkpoint, reload_checkpoint, fuse, tp/ep sizes and ranks, quantize and its quantize_* options;
  * [backend.NAME] keys passed to that backend. Unknown sections or keys and bad
  * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg().
  * On success the caller owns *out (qkeep_config_free).
@@ -743,6 +743,14 @@ QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct q
  * does not write. A load of a checkpoint that is already quantized is QKEEP_E_INVAL.
  */
 QKEEP_API int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_options *options);
+/*
+ * [model] quantize = SCHEME of a config, with its options (quantize_group, quantize_asym,
+ * quantize_static_input, quantize_asym_input, quantize_kv_scales, quantize_activation_amax,
+ * quantize_threads; absent ones 0), into *out (out->size: what the caller knows, 0 for all;
+ * scheme borrowed from the config), for qkeep_model_set_quantize. QKEEP_E_NOTFOUND when the
+ * config names no scheme (nothing is set).
+ */
+QKEEP_API int qkeep_config_quantize(const qkeep_config *cfg, struct qkeep_quantize_options *out);
 
 /* ---- the engine forward -------------------------------------------------------- */
 
