@@ -65,7 +65,7 @@ static const struct option_def {
     {"scheme", 's', true, C_QUANTIZE, "S",
      "modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4, ct-int4"},
     {"quantize", 0, true, C_ONLINE, "S",
-     "quantize an unquantized checkpoint on load into scheme S, as qkeep quantize would (its options apply)"},
+     "quantize an unquantized checkpoint on load into S (qkeep quantize's options apply)"},
     {"group", 'g', true, C_QUANTIZE | C_ONLINE, "G", "int4 group size (default 128)"},
     {"asym", 0, false, C_QUANTIZE | C_ONLINE, NULL, "int4 with zero points (gptq-int4, awq-int4, ct-int4)"},
     {"static-input", 0, false, C_QUANTIZE | C_ONLINE, NULL, "w8a8-int8: static per-tensor input scales"},
@@ -132,7 +132,13 @@ const char usage_census[] =
     "violations, aliases, retired, released, kept bytes, and the digest. CKPT is a .safetensors\n"
     "file, a checkpoint directory (one file or shards with model.safetensors.index.json), or a\n"
     "Hugging Face hub cache repository (models--ORG--NAME, read at refs/main).\n"
-    "Exits 1 when a rule is violated (missing, C1 or C2 non-zero).\n";
+    "Exits 1 when a rule is violated (missing, C1 or C2 non-zero).\n"
+    "\n"
+    "--quantize S loads an unquantized CKPT (BF16, F16, F32) quantized on load into scheme S, with\n"
+    "qkeep quantize's options (--group, --asym, --static-input, --asym-input, --kv-scales,\n"
+    "--activation-amax, --threads): the same model as qkeep quantize then a load; the census then\n"
+    "counts the unquantized tensors as quantized on load (0 bytes kept). [model] quantize = S in\n"
+    "the config does the same.\n";
 const char usage_help[] = "usage: qkeep help [COMMAND]\n"
                           "\n"
                           "Prints the help of qkeep (every command, option, environment variable and\n"
@@ -337,7 +343,7 @@ static int check_args(const struct options *o, const struct command_def *cmd) {
     if (given && !(option_defs[d].commands & cmd->bit)) {
       const char *owner = "another command";
       for (size_t c = 0; c < N_COMMANDS; c++)
-        if (option_defs[d].commands == commands[c].bit)
+        if ((option_defs[d].commands & commands[c].bit) && option_defs[d].commands != C_ALL)
           owner = commands[c].name;
       return usage_error(o->json, cmd->usage, "%s: --%s is an option of %s, not of %s", cmd->name,
                          option_defs[d].name, owner, cmd->name);
@@ -418,7 +424,7 @@ static void print_main_help(FILE *out) {
   for (size_t c = 0; c < N_COMMANDS; c++) {
     fprintf(out, "  %-28s %s\n", commands[c].synopsis, commands[c].summary);
     for (size_t d = 0; d < N_OPTION_DEFS; d++)
-      if (option_defs[d].commands == commands[c].bit)
+      if ((option_defs[d].commands & commands[c].bit) && option_defs[d].commands != C_ALL)
         fprintf(out, "      %-24s %s\n", spell_option(&option_defs[d], spelled, sizeof spelled),
                 option_defs[d].help);
   }
