@@ -606,6 +606,9 @@ static size_t covered_bytes(const qkeep_layer *layer, const qkeep_param *p) {
   for (size_t i = 0; i < layer->n_sources; i++)
     if (layer->sources[i].param == p && !layer->sources[i].compare_only)
       bytes += layer->sources[i].rows * layer->sources[i].row_bytes;
+  for (size_t i = 0; i < layer->n_derived; i++) /* tensors made on load (online quantization) */
+    if (layer->derived[i].src.param == p && !layer->derived[i].src.compare_only)
+      bytes += layer->derived[i].src.rows * layer->derived[i].src.row_bytes;
   return bytes;
 }
 
