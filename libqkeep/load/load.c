@@ -255,6 +255,29 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
   free(which);
 }
 
+/* The layer's tensors made on load (online quantization): per unit, made on the host from the unquantized
+ * sources, then landed as any checkpoint tensor is; the unit's sources count as loaded. */
+static int load_made(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  int rc = 0;
+  for (size_t first = 0, end; first < layer->n_derived && !rc; first = end) {
+    end = online_unit_end(layer, first);
+    struct online_unit u;
+    if ((rc = online_unit_make(layer, pv, first, end, &u)))
+      break;
+    for (size_t d = first; d < end && !rc; d++)
+      rc = load_source(layer, &u.made, &layer->derived[d].src, st);
+    const struct derived *d0 = &layer->derived[first];
+    int members = d0->unit == SIZE_MAX ? 0 : quant_plan_members(layer->model->online.plan, d0->unit);
+    for (int m = 0; m < members && !rc; m++)
+      layer->sources[d0->members[m]].loaded = true;
+    struct mem_stats *mem = &layer->model->mem;
+    if ((int64_t)staging_bytes(st) + u.bytes > mem->staging_peak)
+      mem->staging_peak = (int64_t)staging_bytes(st) + u.bytes;
+    online_unit_free(&u);
+  }
+  return rc ? add_error_context(rc, "layer %s (quantized on load)", layer->name) : 0;
+}
+
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   for (size_t i = 0; i < layer->n_sources; i++)
     layer->sources[i].loaded = false, layer->sources[i].mirrored = false;
@@ -276,7 +299,7 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
         rc = load_source(layer, pv, &layer->sources[i], st);
   /* Tensors quantized on load: made from the unquantized sources, unit by unit (load/online.c). */
   if (!rc && layer->n_derived)
-    rc = online_load_layer(layer, pv, st);
+    rc = load_made(layer, pv, st);
   /* A mirror is valid when every source that writes its param filled it too (streamed, or from a host copy).
    */
   for (size_t i = 0; i < layer->n_params && !rc; i++)

@@ -8,6 +8,7 @@
 #define QKEEP_LOAD_H
 
 #include "device/stream.h"
+#include "load/online.h"
 #include "model/model.h"
 #include "scheme/shard_plan.h"
 
@@ -60,18 +61,5 @@ int finish_layer(qkeep_layer *layer);
 int shard_load_slice(qkeep_layer *layer, const struct provider *pv, const struct source *src,
                      const struct provided *t, const void *on_device, const void *on_host,
                      struct staging *st);
-
-/* ---- online quantization (load/online.c) ---- */
-
-/* Plans the model (empty, with quantize options set) for the unquantized checkpoint ck as the checkpoint
- * qkeep quantize would write from it: the plan is kept in model->online, layers are assembled from it, and
- * each layer's made tensors become derived sources of its unquantized sources. Nothing is allocated. */
-int online_assemble(qkeep_model *model, const struct ckpt *ck);
-/* Loads the layer's derived tensors, unit by unit: the unit's unquantized sources read from pv, quantized
- * on the host, landed through load_source. Marks those sources loaded. */
-int online_load_layer(qkeep_layer *layer, const struct provider *pv, struct staging *st);
-/* Checks an unquantized source's values in pv (every one finite) before anything changes: QKEEP_E_FORMAT
- * naming the tensor, element, row, column and layer. */
-int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src);
 
 #endif

@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "base/formats.h"
-#include "load/load.h"
+#include "load/online.h"
 #include "quantize/plan.h"
 
 /* ---- planning ------------------------------------------------------------------------------ */
@@ -209,20 +209,13 @@ int online_assemble(qkeep_model *model, const struct ckpt *ck) {
 
 /* ---- the bytes of one unit ------------------------------------------------------------------- */
 
-/* The tensors a unit's run made, as a provider for load_source: host bytes, by name. */
-struct unit_outputs {
-  const char *where;
-  struct quant_output *outs; /* the layer's derived outputs of the run */
-  size_t n;
-  void *const (*dst)[4];
-};
-
-static const void *output_bytes(const struct unit_outputs *uo, const struct quant_output *o) {
-  return o->constant ? (const void *)o->value : uo->dst[o->member][o->slot];
+/* A unit's outputs as a provider (struct online_unit, load.h): host bytes, by name. */
+static const void *output_bytes(const struct online_unit *u, const struct quant_output *o) {
+  return o->constant ? (const void *)o->value : u->dst[o->member][o->slot];
 }
 
 static void uo_describe(const struct provider *p, const void *handle, struct provided *out) {
-  const struct unit_outputs *uo = p->ctx;
+  const struct online_unit *uo = p->ctx;
   const struct quant_output *o = handle;
   *out = (struct provided){o->name,
                            (int)o->spec.dtype,
@@ -238,7 +231,7 @@ static void uo_describe(const struct provider *p, const void *handle, struct pro
 }
 
 static bool uo_find(const struct provider *p, const char *name, struct provided *out) {
-  const struct unit_outputs *uo = p->ctx;
+  const struct online_unit *uo = p->ctx;
   for (size_t i = 0; i < uo->n; i++)
     if (strcmp(uo->outs[i].name, name) == 0) {
       uo_describe(p, &uo->outs[i], out);
@@ -262,88 +255,91 @@ static int uo_read_range(const struct provider *p, const struct provided *t, siz
   return 0;
 }
 
-static size_t uo_count(const struct provider *p) { return ((const struct unit_outputs *)p->ctx)->n; }
+static size_t uo_count(const struct provider *p) { return ((const struct online_unit *)p->ctx)->n; }
 static const char *uo_name_at(const struct provider *p, size_t i) {
-  return ((const struct unit_outputs *)p->ctx)->outs[i].name;
+  return ((const struct online_unit *)p->ctx)->outs[i].name;
 }
 
-/* A source's bytes in host memory: the provider's own, else a copy in *held (the caller frees it). */
-static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, struct source *src,
+/* A source's bytes in host memory: the provider's own, else a copy in *held (the caller frees it). The
+ * tensor must be there as the source expects (the caller's validation, or this check). */
+static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
                          struct provided *t, const void **bytes, void **held) {
   *bytes = NULL, *held = NULL;
-  int rc = check_source(layer, pv, src, t);
-  if (rc)
-    return rc;
+  if (!pv->find(pv, src->checkpoint_name, t))
+    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
+                     src->checkpoint_name, layer->name);
+  if (t->dtype != (int)src->spec.dtype || t->nbytes != qkeep_spec_bytes(&src->spec) || t->ndim != 2 ||
+      t->shape[0] != src->spec.shape[0] || t->shape[1] != src->spec.shape[1])
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s, the model expects %s [%lld, %lld] (layer %s)",
+                     t->where, t->name, t->dtype_name, qkeep_dtype_name(src->spec.dtype),
+                     (long long)src->spec.shape[0], (long long)src->spec.shape[1], layer->name);
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
   if (!on_device && pv->host_bytes && (*bytes = pv->host_bytes(pv, t)) != NULL)
     return 0;
   if (!(*held = malloc(t->nbytes ? t->nbytes : 1)))
     return set_error(QKEEP_E_NOMEM, "out of memory reading '%s' (%zu bytes)", t->name, t->nbytes);
-  rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
+  int rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
   *bytes = *held;
   return rc;
 }
 
-/* Quantizes unit derived[first].unit and lands derived [first, end) of the layer. */
-static int load_unit(qkeep_layer *layer, const struct provider *pv, struct staging *st, size_t first,
-                     size_t end) {
+size_t online_unit_end(const qkeep_layer *layer, size_t first) {
+  size_t end = first + 1;
+  while (end < layer->n_derived && layer->derived[end].unit == layer->derived[first].unit)
+    end++;
+  return end;
+}
+
+int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
+                     struct online_unit *u) {
   const struct quant_plan *plan = layer->model->online.plan;
   const struct derived *d0 = &layer->derived[first];
   size_t unit = d0->unit;
   int members = unit == SIZE_MAX ? 0 : quant_plan_members(plan, unit), rc = 0;
   const void *src[3] = {0};
-  void *held[3] = {0}, *dst[3][4] = {{0}};
-  int64_t unit_bytes = 0;
+  *u = (struct online_unit){0};
   for (int m = 0; m < members && !rc; m++) {
     struct provided t;
-    rc = host_bytes_of(layer, pv, &layer->sources[d0->members[m]], &t, &src[m], &held[m]);
+    rc = host_bytes_of(layer, pv, &layer->sources[d0->members[m]], &t, &src[m], &u->held[m]);
     struct quant_member qm;
     quant_plan_member(plan, unit, m, &qm);
     for (int s = 0; s < qm.n_out && !rc; s++) {
       struct quant_output o;
       quant_plan_output(plan, qm.out[s], &o);
-      if (!o.constant && !(dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
+      if (!o.constant && !(u->dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
         rc = set_error(QKEEP_E_NOMEM, "out of memory quantizing '%s'", qm.input);
-      unit_bytes += o.constant ? 0 : (int64_t)o.nbytes;
+      u->bytes += o.constant ? 0 : (int64_t)o.nbytes;
     }
-    unit_bytes += held[m] ? (int64_t)t.nbytes : 0;
+    u->bytes += u->held[m] ? (int64_t)t.nbytes : 0;
   }
   if (!rc && members)
-    rc = quant_plan_run(plan, unit, src, (void *const(*)[4])dst);
-  struct quant_output *outs = rc ? NULL : malloc((end - first) * sizeof *outs);
-  if (!rc && !outs)
+    rc = quant_plan_run(plan, unit, src, (void *const(*)[4])u->dst);
+  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t d = first; d < end && !rc; d++)
-    quant_plan_output(plan, layer->derived[d].output, &outs[d - first]);
-  struct unit_outputs uo = {pv->what, outs, end - first, (void *const(*)[4])dst};
-  struct provider made = {pv->what,   &uo,  uo_find,       uo_read,     uo_host, NULL, uo_count,
-                          uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
-  for (size_t d = first; d < end && !rc; d++)
-    rc = load_source(layer, &made, &layer->derived[d].src, st);
-  for (int m = 0; m < members && !rc; m++)
-    layer->sources[d0->members[m]].loaded = true;
-  struct mem_stats *mem = &layer->model->mem;
-  if ((int64_t)staging_bytes(st) + unit_bytes > mem->staging_peak)
-    mem->staging_peak = (int64_t)staging_bytes(st) + unit_bytes;
-  free(outs);
-  for (int m = 0; m < 3; m++) {
-    free(held[m]);
-    for (int s = 0; s < 4; s++)
-      free(dst[m][s]);
+    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
+  u->n = rc ? 0 : end - first;
+  u->where = pv->what;
+  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
+                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
+  if (rc) {
+    online_unit_free(u);
+    return rc;
   }
-  return rc ? add_error_context(rc, "layer %s (quantized on load)", layer->name) : 0;
+  return 0;
 }
 
-int online_load_layer(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
-  int rc = 0;
-  for (size_t d = 0; d < layer->n_derived && !rc;) {
-    size_t end = d + 1;
-    while (end < layer->n_derived && layer->derived[end].unit == layer->derived[d].unit)
-      end++;
-    rc = load_unit(layer, pv, st, d, end);
-    d = end;
+void online_unit_free(struct online_unit *u) {
+  free(u->outs);
+  u->outs = NULL;
+  for (int m = 0; m < 3; m++) {
+    free(u->held[m]);
+    u->held[m] = NULL;
+    for (int s = 0; s < 4; s++) {
+      free(u->dst[m][s]);
+      u->dst[m][s] = NULL;
+    }
   }
-  return rc;
 }
 
 /* ---- validation ---------------------------------------------------------------------------- */

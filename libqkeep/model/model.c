@@ -177,7 +177,7 @@ int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_opt
                      "kv_cache_scales, activation_amax and threads",
                      refused);
   struct qkeep_quantize_options copy = {0};
-  copy_sized(&copy, options, options->size ? options->size : sizeof copy);
+  copy_sized(&copy, options, options->size && options->size < sizeof copy ? options->size : sizeof copy);
   copy.size = sizeof copy;
   int rc = quant_options_check(&copy);
   if (rc)
