@@ -6,6 +6,7 @@
  *     reference alone, cpu-onednn and cpu-zentorch where they take the scheme): an online load of
  *     examples/tiny equals quantize-then-load: digest, census (all but the new class), every
  *     registered tensor of every layer byte for byte, and each layer's backend.
+ *   - F32 and F16 sources, and a source sharded over two files with an index, equally.
  *   - Every unquantized checkpoint name resolves (state QKEEP_PARAM_QUANTIZED for those quantized),
  *     and the census counts them in their own class, with no rule broken.
  *   - Reload W0 -> W1 (examples/tiny-w1) equals a cold online start on W1, with every storage's
@@ -522,12 +523,96 @@ START_TEST(set_quantize_refuses_what_a_load_cannot_take) {
 }
 END_TEST
 
+/* examples/tiny rewritten: every tensor in `dtype` (F32 or F16), in `shards` files with an index when
+ * shards > 1 (tensors dealt round-robin). The directory; the caller removes it. */
+static char *tiny_as(enum qkeep_dtype dtype, int shards) {
+  char *tiny = example("tiny");
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(tiny, &ck), 0);
+  char *dir = tu_tmpdir("online-src");
+  struct st_writer *w[2];
+  for (int f = 0; f < shards; f++)
+    ck_assert_int_eq(st_writer_new(&w[f]), 0);
+  FILE *index = NULL;
+  if (shards > 1) {
+    char *path = tu_path(dir, "model.safetensors.index.json");
+    index = fopen(path, "w");
+    ck_assert_ptr_nonnull(index);
+    fprintf(index, "{\"metadata\": {}, \"weight_map\": {");
+    free(path);
+  }
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    size_t n = t->nbytes / 2;
+    uint16_t *bf16 = malloc(t->nbytes);
+    float *f32 = malloc(n * 4);
+    uint16_t *f16 = malloc(n * 2);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bf16), 0);
+    for (size_t e = 0; e < n; e++) {
+      f32[e] = qkeep_bf16_to_f32(bf16[e]);
+      f16[e] = qkeep_f32_to_f16(f32[e]);
+    }
+    struct qkeep_spec spec = {.dtype = dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    int f = (int)(i % (size_t)shards);
+    ck_assert_int_eq(
+        st_writer_add(w[f], t->name, &spec, dtype == QKEEP_DTYPE_F32 ? (void *)f32 : (void *)f16), 0);
+    if (index)
+      fprintf(index, "%s\"%s\": \"model-%05d-of-%05d.safetensors\"", i ? ", " : "", t->name, f + 1, shards);
+    free(bf16), free(f32), free(f16);
+  }
+  if (index) {
+    fprintf(index, "}}\n");
+    fclose(index);
+  }
+  for (int f = 0; f < shards; f++) {
+    char name[64];
+    snprintf(name, sizeof name, shards > 1 ? "model-%05d-of-%05d.safetensors" : "model.safetensors", f + 1,
+             shards);
+    char *path = tu_path(dir, name);
+    ck_assert_int_eq(st_writer_write(w[f], path), 0);
+    st_writer_free(w[f]);
+    free(path);
+  }
+  ckpt_close(ck);
+  free(tiny);
+  return dir;
+}
+
+START_TEST(f32_f16_and_sharded_sources_load_online_as_quantize_then_load) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  const struct {
+    enum qkeep_dtype dtype;
+    int shards;
+  } sources[] = {{QKEEP_DTYPE_F32, 1}, {QKEEP_DTYPE_F16, 2}};
+  for (size_t k = 0; k < 2; k++) {
+    char *src = tiny_as(sources[k].dtype, sources[k].shards);
+    for (size_t s = 0; s < N_SCHEMES; s++) {
+      struct qkeep_quantize_options o = options_for(schemes[s]);
+      char *offline_dir = quantize_to_dir(src, &o);
+      qkeep_model *offline = load_model(chain, n, offline_dir, NULL, 1, 0),
+                  *online = load_model(chain, n, src, &o, 1, 0);
+      assert_same_model(online, offline, schemes[s]);
+      qkeep_model_free(online);
+      qkeep_model_free(offline);
+      remove_dir(offline_dir);
+    }
+    tu_rmtree(src);
+    free(src);
+  }
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
 static Suite *online_suite(void) {
   Suite *s = suite_create("online");
   TCase *tc = tcase_create("online");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, every_scheme_online_equals_quantize_then_load_on_the_default_chain);
   tcase_add_test(tc, every_scheme_online_equals_quantize_then_load_on_reference_and_cpu_chains);
+  tcase_add_test(tc, f32_f16_and_sharded_sources_load_online_as_quantize_then_load);
   tcase_add_test(tc, every_unquantized_name_resolves_and_keeps_no_bytes);
   tcase_add_test(tc, reload_w0_to_w1_equals_a_cold_online_w1_and_moves_no_pointer);
   tcase_add_test(tc, tensor_parallel_ranks_equal_the_ranks_of_the_offline_output);
