@@ -71,6 +71,11 @@ void json_begin(FILE *out, bool ok, const char *code, const char *message);
 /* A double as JSON: %.6g, or null when it is NaN or infinite. */
 void print_json_number(FILE *out, double v);
 
+/* --quantize S and its options (group, asym, static-input, asym-input, kv-scales, activation-amax,
+ * threads) of a command that loads, into *q: 0; 1 when --quantize is not given (then none of its
+ * options may be); 2 after a usage error (an option that does not apply to S). */
+int online_options(const struct options *o, struct qkeep_quantize_options *q);
+
 int cmd_run(const struct options *o);
 int cmd_quantize(const struct options *o);
 int cmd_reload(const struct options *o);

@@ -100,6 +100,11 @@ static void die_of_caught_signal(void) {
   raise(sig);
 }
 
+/* The option that names the scheme: --scheme for qkeep quantize, --quantize for the commands that load. */
+static const char *scheme_flag(const struct options *o) {
+  return strcmp(o->command, "quantize") == 0 ? "--scheme" : "--quantize";
+}
+
 /* Which schemes each flag applies to: a flag given for another scheme is refused, not ignored. */
 static int check_flags(const struct options *o, const char *scheme) {
   static const struct {
@@ -119,16 +124,16 @@ static int check_flags(const struct options *o, const char *scheme) {
     size_t len = strlen(scheme);
     bool applies = at && (at[len] == ' ' || at[len] == '\0') && (at == rules[i].schemes || at[-1] == ' ');
     if (!applies)
-      return report_failure(o, 2, "usage", "quantize: --%s does not apply to --scheme %s (only to %s: %s)",
-                            rules[i].flag, scheme, rules[i].schemes, rules[i].why);
+      return report_failure(o, 2, "usage", "%s: --%s does not apply to %s %s (only to %s: %s)", o->command,
+                            rules[i].flag, scheme_flag(o), scheme, rules[i].schemes, rules[i].why);
   }
   /* static scales: NVFP4's input scales, w8a8's with --static-input, and --kv-scales */
   if (option_value(o, "activation-amax") && !strstr(scheme, "nvfp4") && !option_flag(o, "kv-scales") &&
       !(strcmp(scheme, "w8a8-int8") == 0 && option_flag(o, "static-input")))
     return report_failure(o, 2, "usage",
-                          "quantize: --activation-amax does not apply to --scheme %s here: it sets static "
+                          "%s: --activation-amax does not apply to %s %s here: it sets static "
                           "scales (NVFP4 input scales, w8a8-int8 with --static-input, --kv-scales)",
-                          scheme);
+                          o->command, scheme_flag(o), scheme);
   return 0;
 }
 
@@ -141,18 +146,41 @@ static int quantize_options(const struct options *o, struct qkeep_quantize_optio
       option_int(o, "shard-bytes", 1, INT64_MAX, &shard))
     return 2;
   if (amax > FLT_MAX || (amax > 0 && amax < FLT_MIN))
-    return report_failure(o, 2, "usage", "quantize: --activation-amax %s: out of the float range",
+    return report_failure(o, 2, "usage", "%s: --activation-amax %s: out of the float range", o->command,
                           option_value(o, "activation-amax"));
   const char *threads = option_value(o, "threads");
   long long n_threads = threads ? parse_count(threads) : 0;
   if (n_threads < 0 || n_threads > 4096 || (threads && n_threads == 0))
-    return report_failure(o, 2, "usage",
-                          "quantize: --threads %s: expected a number of threads from 1 to 4096", threads);
+    return report_failure(o, 2, "usage", "%s: --threads %s: expected a number of threads from 1 to 4096",
+                          o->command, threads);
   q->group_size = group;
   q->activation_amax = (float)amax;
   q->max_shard_bytes = shard;
   q->threads = (int)n_threads;
   return check_flags(o, q->scheme);
+}
+
+int online_options(const struct options *o, struct qkeep_quantize_options *q) {
+  static const char *const flags[] = {"group",           "asym",   "static-input", "asym-input", "kv-scales",
+                                      "activation-amax", "threads"};
+  const char *scheme = option_value(o, "quantize");
+  if (!scheme) {
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++)
+      if (option_flag(o, flags[i]) || option_value(o, flags[i]))
+        return report_failure(o, 2, "usage",
+                              "%s: --%s needs --quantize S (it is an option of quantizing on load)",
+                              o->command, flags[i]);
+    return 1;
+  }
+  *q = (struct qkeep_quantize_options){
+      .size = sizeof *q,
+      .scheme = scheme,
+      .asym_weights = option_flag(o, "asym"),
+      .static_input = option_flag(o, "static-input"),
+      .asym_input = option_flag(o, "asym-input"),
+      .kv_cache_scales = option_flag(o, "kv-scales"),
+  };
+  return quantize_options(o, q);
 }
 
 int cmd_quantize(const struct options *o) {

@@ -16,7 +16,10 @@ const char usage_reload[] =
     "for byte (digest), that no param or buffer data pointer moved, and that the census is\n"
     "unchanged. Prints the times of the cold starts, the reload and a raw read of W1.\n"
     "Default W0 and W1: the config's [model] checkpoint and reload_checkpoint.\n"
-    "Exits 1 when any check fails.\n";
+    "Exits 1 when any check fails.\n"
+    "--quantize S (with qkeep quantize's options) takes unquantized W0 and W1 and quantizes both on\n"
+    "load into scheme S: the reload quantizes W1 in place into the kept kernel params, and must equal\n"
+    "a cold start on W1 quantized the same way.\n";
 
 struct pointers {
   const void **data;

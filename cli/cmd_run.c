@@ -23,7 +23,9 @@ const char usage_run[] =
     "  -T, --tolerance T   largest relative error allowed (default 0.05)\n"
     "  -S, --seed S        seed of the random activations (default 1)\n"
     "Exits 1 when a rule is violated or a layer's relative error exceeds T; --json then prints\n"
-    "the results with \"ok\": false.\n";
+    "the results with \"ok\": false.\n"
+    "--quantize S (with qkeep quantize's options) quantizes an unquantized CKPT on load into scheme S,\n"
+    "as [model] quantize = S does.\n";
 
 static void progress(void *user, size_t done, size_t total, const char *layer) {
   (void)user;

@@ -37,7 +37,12 @@ enum {
   C_QUANTIZE = 1 << 5,
   C_HELP = 1 << 6,
   C_ALL = 0x7f,
+  C_ONLINE = C_RUN | C_CENSUS | C_RELOAD, /* the commands that load: --quantize and its options */
 };
+
+/* --quantize S and its options for this run (cmd_quantize.c reads them); set: given. */
+static struct qkeep_quantize_options cli_quantize;
+static bool cli_quantize_set;
 
 /* Every option: long name, short letter (0: none), whether it takes a value, the commands it
  * applies to, the value's name and a line of help. The order is the help's. */
@@ -59,14 +64,18 @@ static const struct option_def {
     {"seed", 'S', true, C_RUN, "S", "seed of the random activations (default 1)"},
     {"scheme", 's', true, C_QUANTIZE, "S",
      "modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, awq-int4, ct-int4"},
-    {"group", 'g', true, C_QUANTIZE, "G", "int4 group size (default 128)"},
-    {"asym", 0, false, C_QUANTIZE, NULL, "int4 with zero points (gptq-int4, awq-int4, ct-int4)"},
-    {"static-input", 0, false, C_QUANTIZE, NULL, "w8a8-int8: static per-tensor input scales"},
-    {"asym-input", 0, false, C_QUANTIZE, NULL, "w8a8-int8: activations with a zero point"},
-    {"kv-scales", 0, false, C_QUANTIZE, NULL, "write FP8 k_scale / v_scale for each attention block"},
-    {"activation-amax", 'a', true, C_QUANTIZE, "A", "|x| bound for static input scales (default 1)"},
+    {"quantize", 0, true, C_ONLINE, "S",
+     "quantize an unquantized checkpoint on load into S (qkeep quantize's options apply)"},
+    {"group", 'g', true, C_QUANTIZE | C_ONLINE, "G", "int4 group size (default 128)"},
+    {"asym", 0, false, C_QUANTIZE | C_ONLINE, NULL, "int4 with zero points (gptq-int4, awq-int4, ct-int4)"},
+    {"static-input", 0, false, C_QUANTIZE | C_ONLINE, NULL, "w8a8-int8: static per-tensor input scales"},
+    {"asym-input", 0, false, C_QUANTIZE | C_ONLINE, NULL, "w8a8-int8: activations with a zero point"},
+    {"kv-scales", 0, false, C_QUANTIZE | C_ONLINE, NULL,
+     "write FP8 k_scale / v_scale for each attention block"},
+    {"activation-amax", 'a', true, C_QUANTIZE | C_ONLINE, "A",
+     "|x| bound for static input scales (default 1)"},
     {"shard-bytes", 'b', true, C_QUANTIZE, "N", "shard the output at N bytes"},
-    {"threads", 't', true, C_QUANTIZE, "N", "threads (default: every online core)"},
+    {"threads", 't', true, C_QUANTIZE | C_ONLINE, "N", "threads (default: every online core)"},
     {"force", 'f', false, C_QUANTIZE, NULL, "replace an existing OUT (only once the new one is whole)"},
 };
 #define N_OPTION_DEFS (sizeof option_defs / sizeof option_defs[0])
@@ -123,7 +132,13 @@ const char usage_census[] =
     "violations, aliases, retired, released, kept bytes, and the digest. CKPT is a .safetensors\n"
     "file, a checkpoint directory (one file or shards with model.safetensors.index.json), or a\n"
     "Hugging Face hub cache repository (models--ORG--NAME, read at refs/main).\n"
-    "Exits 1 when a rule is violated (missing, C1 or C2 non-zero).\n";
+    "Exits 1 when a rule is violated (missing, C1 or C2 non-zero).\n"
+    "\n"
+    "--quantize S loads an unquantized CKPT (BF16, F16, F32) quantized on load into scheme S, with\n"
+    "qkeep quantize's options (--group, --asym, --static-input, --asym-input, --kv-scales,\n"
+    "--activation-amax, --threads): the same model as qkeep quantize then a load; the census then\n"
+    "counts the unquantized tensors as quantized on load (0 bytes kept). [model] quantize = S in\n"
+    "the config does the same.\n";
 const char usage_help[] = "usage: qkeep help [COMMAND]\n"
                           "\n"
                           "Prints the help of qkeep (every command, option, environment variable and\n"
@@ -328,7 +343,7 @@ static int check_args(const struct options *o, const struct command_def *cmd) {
     if (given && !(option_defs[d].commands & cmd->bit)) {
       const char *owner = "another command";
       for (size_t c = 0; c < N_COMMANDS; c++)
-        if (option_defs[d].commands == commands[c].bit)
+        if ((option_defs[d].commands & commands[c].bit) && option_defs[d].commands != C_ALL)
           owner = commands[c].name;
       return usage_error(o->json, cmd->usage, "%s: --%s is an option of %s, not of %s", cmd->name,
                          option_defs[d].name, owner, cmd->name);
@@ -409,7 +424,7 @@ static void print_main_help(FILE *out) {
   for (size_t c = 0; c < N_COMMANDS; c++) {
     fprintf(out, "  %-28s %s\n", commands[c].synopsis, commands[c].summary);
     for (size_t d = 0; d < N_OPTION_DEFS; d++)
-      if (option_defs[d].commands == commands[c].bit)
+      if ((option_defs[d].commands & commands[c].bit) && option_defs[d].commands != C_ALL)
         fprintf(out, "      %-24s %s\n", spell_option(&option_defs[d], spelled, sizeof spelled),
                 option_defs[d].help);
   }
@@ -525,6 +540,16 @@ int new_model(const qkeep_config *cfg, qkeep_plugin *const *plugins, size_t n, q
   struct qkeep_parallel parallel = {.size = sizeof parallel};
   if (!rc && cfg && !(rc = qkeep_config_parallel(cfg, &parallel)))
     rc = qkeep_model_set_parallel(*out, &parallel); /* [model] tp_size, tp_rank, ep_size, ep_rank */
+  /* --quantize S, else the config's [model] quantize: the load quantizes an unquantized checkpoint */
+  struct qkeep_quantize_options q = {.size = sizeof q};
+  if (!rc && cli_quantize_set)
+    rc = qkeep_model_set_quantize(*out, &cli_quantize);
+  else if (!rc && cfg && qkeep_config_quantize(cfg, &q) == 0)
+    rc = qkeep_model_set_quantize(*out, &q);
+  if (rc && *out) {
+    qkeep_model_free(*out);
+    *out = NULL;
+  }
   return rc;
 }
 
@@ -747,6 +772,12 @@ static int dispatch(struct options *o) {
     return rc;
   if (o->help) /* qkeep COMMAND --help is qkeep help COMMAND */
     return print_help(o, cmd->usage);
+  if (cmd->bit & C_ONLINE) {
+    rc = online_options(o, &cli_quantize);
+    if (rc == 2)
+      return rc;
+    cli_quantize_set = rc == 0;
+  }
   return cmd->run(o);
 }
 

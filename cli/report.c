@@ -120,8 +120,11 @@ void census_members_json(FILE *out, bool first, const char *checkpoint, const qk
       fputc(',', out);
     print_json_string(out, c->reason[i]);
   }
-  fprintf(out, "],\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":",
-          (long long)c->buffers, (long long)c->kept_bytes, (long long)c->total_bytes);
+  fprintf(out,
+          "],\"quantized_on_load\":%lld,\"quantized_on_load_bytes\":%lld,\"quantized_on_load_kept_bytes\":0,"
+          "\"buffers\":%lld,\"kept_bytes\":%lld,\"total_bytes\":%lld,\"kept_share\":",
+          (long long)c->quantized_on_load, (long long)c->quantized_on_load_bytes, (long long)c->buffers,
+          (long long)c->kept_bytes, (long long)c->total_bytes);
   print_json_number(out, c->kept_share);
   fprintf(out, ",\"digest\":\"%s\"", hex);
 }
@@ -149,6 +152,8 @@ void report_census(FILE *out, const char *checkpoint, const qkeep_model *model, 
   fprintf(out, "  %-26s %lld\n", "released", (long long)c->released);
   for (int i = 0; i < c->reasons; i++)
     fprintf(out, "  %-26s %s\n", "  reason", c->reason[i]);
+  fprintf(out, "  %-26s %lld (%s quantized, 0 kept)\n", "quantized on load", (long long)c->quantized_on_load,
+          human_bytes((double)c->quantized_on_load_bytes, b1, sizeof b1));
   fprintf(out, "  %-26s %lld\n", "buffers", (long long)c->buffers);
   fprintf(out, "  %-26s %s (%.2f%% of %s)\n", "kept beyond kernel needs",
           human_bytes((double)c->kept_bytes, b2, sizeof b2), 100.0 * c->kept_share,

@@ -2,7 +2,7 @@
 # check_layers.sh: the core's dependencies run one way, from the API down to the base.
 #
 # The core's folders are layers, lowest first:
-#   base format device param scheme plugin model load reload quantize
+#   base format device param scheme quantize plugin model load reload
 # A file may use its own layer and those below it, never one above: checked on the
 # #include lines of every core source and header, and on the symbols each object file
 # takes from the others (nm), so a call through a declaration written by hand is caught
@@ -15,7 +15,7 @@
 set -u
 src=${1:-${QKEEP_TEST_SRCDIR:-.}}
 build=${2:-${QKEEP_TEST_BUILDDIR:-.}}
-layers="base format device param scheme plugin model load reload quantize"
+layers="base format device param scheme quantize plugin model load reload"
 NM=${NM:-nm}
 fail=0
 

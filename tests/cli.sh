@@ -426,6 +426,36 @@ for ex in "$build"/examples/tiny-*/; do
   check "default config reloads $scheme" test $? -eq 0
   check "$scheme reload identical" contains "$tmp/out" "identical"
 done
+# Online quantization: `reload --quantize S` of the bf16 examples is identical to a cold W1, moves no
+# pointer, and lands the bytes of the checkpoint qkeep quantize wrote with the same options.
+for scheme in modelopt-nvfp4 ct-nvfp4 mxfp4 w8a8-int8 gptq-int4 awq-int4; do
+  "$qkeep" -c "$default" reload --quantize "$scheme" --kv-scales -a 4 "$build/examples/tiny" \
+    "$build/examples/tiny-w1" >"$tmp/out" 2>&1
+  check "reload --quantize $scheme exits 0" test $? -eq 0
+  check "reload --quantize $scheme identical to a cold W1" contains "$tmp/out" "identical"
+  check "reload --quantize $scheme moves no pointer" grep -Eq "data pointers +([0-9]+) of \\1 unchanged" "$tmp/out"
+  "$qkeep" -c "$default" reload --json --quantize "$scheme" --kv-scales -a 4 "$build/examples/tiny" \
+    "$build/examples/tiny-w1" >"$tmp/doc" 2>/dev/null
+  "$qkeep" -c "$default" census --json "$build/examples/tiny-w1-$scheme" >"$tmp/doc2" 2>/dev/null
+  check "reload --quantize $scheme equals quantize-then-load" \
+    test "$("$jsonget" digest_reload <"$tmp/doc")" = "$("$jsonget" digest <"$tmp/doc2")"
+  "$qkeep" -c "$default" census --json --quantize "$scheme" --kv-scales -a 4 "$build/examples/tiny" >"$tmp/doc" 2>/dev/null
+  check "census --quantize $scheme counts the class" test "$("$jsonget" quantized_on_load <"$tmp/doc")" = 30
+done
+"$qkeep" -c "$default" census --group 64 "$build/examples/tiny" >"$tmp/out" 2>&1
+check "--group without --quantize is a usage error" test $? -eq 2
+"$qkeep" -c "$default" census --quantize mxfp4 --asym "$build/examples/tiny" >"$tmp/out" 2>&1
+check "--asym does not apply to --quantize mxfp4" test $? -eq 2
+printf '[qkeep]\nbackend = reference\nplugin_dir = %s\n[model]\ncheckpoint = %s\nquantize = w8a8-int8\nquantize_kv_scales = true\nquantize_activation_amax = 4\n' \
+  "$build/plugins/cpu/.libs" "$build/examples/tiny" >"$tmp/online.ini"
+"$qkeep" -c "$tmp/online.ini" census --json >"$tmp/doc" 2>/dev/null
+printf '[qkeep]\nbackend = reference\nplugin_dir = %s\n' "$build/plugins/cpu/.libs" >"$tmp/plain.ini"
+"$qkeep" -c "$tmp/plain.ini" census --json "$build/examples/tiny-w8a8-int8" >"$tmp/doc2" 2>/dev/null
+check "[model] quantize loads as the quantized checkpoint" \
+  test "$("$jsonget" digest <"$tmp/doc")" = "$("$jsonget" digest <"$tmp/doc2")"
+printf '[model]\nquantize = fp8\n' >"$tmp/bad.ini"
+"$qkeep" -c "$tmp/bad.ini" census "$build/examples/tiny" >"$tmp/out" 2>&1
+check "[model] quantize names the line of an unknown scheme" contains "$tmp/out" "bad.ini:2"
 # The oracle quantising activations as an int8 kernel does: a strict check of cpu-onednn's int8 path
 if [ -f "$build/plugins/cpu/.libs/backend-cpu-onednn.so" ]; then
   levels=int8

@@ -81,7 +81,7 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
 
 /*
  * Reads an INI config: [qkeep] backend, plugin_dir (colon-separated directories); [model]
- * checkpoint, reload_checkpoint, fuse;
+ * checkpoint, reload_checkpoint, fuse, tp/ep sizes and ranks, quantize and its quantize_* options;
  * [backend.NAME] keys passed to that backend. Unknown sections or keys and bad
  * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg().
  * On success the caller owns *out (qkeep_config_free).
@@ -606,6 +606,11 @@ struct qkeep_census {
   int64_t kept_bytes;  /* bytes no kernel reads: retired + slack past live views */
   int64_t total_bytes; /* every distinct storage's capacity */
   double kept_share;   /* kept_bytes / total_bytes */
+  /* Appended (0 past the caller's size): unquantized checkpoint tensors quantized on load
+   * (qkeep_model_set_quantize): their params (state QKEEP_PARAM_QUANTIZED, registered, 0 bytes kept),
+   * and their checkpoint bytes, which land quantized in the kernel params. */
+  int64_t quantized_on_load;
+  int64_t quantized_on_load_bytes;
 };
 
 /* Counts the model against the rules. Never fails on a valid model. */
@@ -719,6 +724,34 @@ struct qkeep_quantize_options {
  */
 QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opts);
 
+/*
+ * Online quantization: the model's later loads take unquantized checkpoints (BF16, F16 or F32; a
+ * .safetensors file, shards, a Hugging Face directory) and quantize them on load into options->scheme,
+ * with the options qkeep_quantize takes. A load then gives exactly the model (digest, census, every
+ * kernel tensor) that qkeep_quantize with the same options followed by a cold start gives, on any chain
+ * and any tensor-parallel rank: each layer is planned as the quantized checkpoint would be (its owner
+ * chosen by the chain as for that checkpoint), and its tensors are quantized on the host by the offline
+ * quantizer's code, on options->threads threads (0: every online core), one unit at a time (a weight,
+ * or an NVFP4 fusion group: q/k/v, gate/up, an expert's w1/w3, whose members share one global scale),
+ * then land in the owner's memory. The unquantized names stay checkpoint names of the model
+ * (qkeep_model_lookup gives a param of state QKEEP_PARAM_QUANTIZED, which keeps no bytes); reloads and
+ * syncs take them (qkeep_sync_plan plans them) and quantize in place; docs/RULES.md has the rules.
+ * options NULL: loads take checkpoints as they are again. The options are copied (only the first
+ * options->size bytes read). Call it on an empty model, before a load: QKEEP_E_STATE otherwise.
+ * QKEEP_E_INVAL for the fields only a written output has (max_shard_bytes, replace_existing, progress,
+ * summary, cancel) or a bad value (as qkeep_quantize); QKEEP_E_UNSUPPORTED for a scheme qkeep quantize
+ * does not write. A load of a checkpoint that is already quantized is QKEEP_E_INVAL.
+ */
+QKEEP_API int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_options *options);
+/*
+ * [model] quantize = SCHEME of a config, with its options (quantize_group, quantize_asym,
+ * quantize_static_input, quantize_asym_input, quantize_kv_scales, quantize_activation_amax,
+ * quantize_threads; absent ones 0), into *out (out->size: what the caller knows, 0 for all;
+ * scheme borrowed from the config), for qkeep_model_set_quantize. QKEEP_E_NOTFOUND when the
+ * config names no scheme (nothing is set).
+ */
+QKEEP_API int qkeep_config_quantize(const qkeep_config *cfg, struct qkeep_quantize_options *out);
+
 /* ---- the engine forward -------------------------------------------------------- */
 
 /*
@@ -745,8 +778,8 @@ struct qkeep_forward_args {
   int32_t topk;                 /* MoE: > 0 for routed; 0 otherwise */
   const int32_t *topk_ids;      /* routed: [m, topk] expert ids, in the layer's memory */
   const float *topk_weights;    /* routed W2: [m, topk] router weights, in the layer's memory */
-  void *stream;                 /* device layers: the cudaStream_t / hipStream_t to run on; NULL: legacy default */
-  void *workspace;              /* scratch in the layer's memory, >= qkeep_layer_workspace bytes, 256-aligned */
+  void *stream;    /* device layers: the cudaStream_t / hipStream_t to run on; NULL: legacy default */
+  void *workspace; /* scratch in the layer's memory, >= qkeep_layer_workspace bytes, 256-aligned */
   size_t workspace_bytes;
 };
 
@@ -785,12 +818,12 @@ QKEEP_API int qkeep_layer_workspace(qkeep_layer *layer, const struct qkeep_forwa
 
 /* Where a layer lives and what its forward promises (qkeep_layer_device). */
 struct qkeep_layer_device {
-  size_t size;                /* set by the caller: sizeof(struct qkeep_layer_device) */
+  size_t size;                 /* set by the caller: sizeof(struct qkeep_layer_device) */
   enum qkeep_device_type type; /* of its params' memory (and the activations qkeep_layer_forward takes) */
-  int index;                  /* the device ordinal; 0 for host memory */
-  bool forward;               /* the layer has a forward: a linear or MoE layer whose owner has kernels */
-  bool graph_safe;            /* the owner promises QKEEP_BACKEND_F_GRAPH_SAFE */
-  bool routed;                /* an MoE layer whose owner runs routed MoE (topk > 0) */
+  int index;                   /* the device ordinal; 0 for host memory */
+  bool forward;                /* the layer has a forward: a linear or MoE layer whose owner has kernels */
+  bool graph_safe;             /* the owner promises QKEEP_BACKEND_F_GRAPH_SAFE */
+  bool routed;                 /* an MoE layer whose owner runs routed MoE (topk > 0) */
 };
 
 /* Fills *out (out->size set by the caller; fields past it are not written). QKEEP_E_INVAL for

@@ -122,6 +122,10 @@ enum qkeep_param_state {
   QKEEP_PARAM_LIVE = 0,     /* read by a kernel */
   QKEEP_PARAM_RETIRED = 1,  /* bytes kept, read by no kernel */
   QKEEP_PARAM_RELEASED = 2, /* storage emptied, with a reason (census shows it) */
+  /* An unquantized checkpoint tensor of a model that quantizes on load (qkeep_model_set_quantize): its
+   * name is registered and loads, but no storage is kept; its bytes land quantized in the layer's
+   * kernel params. */
+  QKEEP_PARAM_QUANTIZED = 3,
 };
 
 #ifdef __cplusplus

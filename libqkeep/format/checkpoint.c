@@ -20,6 +20,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -810,4 +811,65 @@ int ckpt_read_many(const struct ckpt *c, const struct ckpt_tensor *const *ts, vo
   free(part_dst);
   free(done);
   return rc;
+}
+
+/* ---- a checkpoint described, not read ------------------------------------------------------- */
+
+static int by_st_name(const void *a, const void *b) {
+  return strcmp(((const struct st_tensor *)a)->name, ((const struct st_tensor *)b)->name);
+}
+
+int ckpt_describe(const char *path, const char *dir, const char *const *names, const struct qkeep_spec *specs,
+                  size_t n, const char *config_json, const char *hf_quant_json, struct ckpt **out) {
+  *out = NULL;
+  struct ckpt *c = calloc(1, sizeof *c);
+  struct st_file *f = calloc(1, sizeof *f);
+  int rc = c && f ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  if (!rc) {
+    c->qc = (struct quant_config){.method = QM_NONE, .scheme = "unquantized"};
+    f->fd = -1; /* nothing to read: ckpt_read fails on it */
+    c->path = xstrdup(path), c->dir = xstrdup(dir), f->path = xstrdup(path);
+    f->tensors = calloc(n ? n : 1, sizeof *f->tensors);
+    c->tensors = calloc(n ? n : 1, sizeof *c->tensors);
+    c->files = calloc(1, sizeof *c->files);
+    if (!c->path || !c->dir || !f->path || !f->tensors || !c->tensors || !c->files)
+      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < n && !rc; i++) {
+    struct st_tensor *t = &f->tensors[i];
+    if (!(t->name = xstrdup(names[i]))) {
+      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+      break;
+    }
+    f->n_tensors++;
+    snprintf(t->dtype_name, sizeof t->dtype_name, "%s", qkeep_dtype_name(specs[i].dtype));
+    t->dtype = (int)specs[i].dtype;
+    t->ndim = specs[i].ndim;
+    memcpy(t->shape, specs[i].shape, sizeof t->shape);
+    t->nbytes = qkeep_spec_bytes(&specs[i]);
+  }
+  if (!rc && n > 1)
+    qsort(f->tensors, n, sizeof *f->tensors, by_st_name);
+  if (!rc)
+    rc = name_index_reserve(&f->index, n);
+  for (size_t i = 0; i < n && !rc; i++)
+    if ((rc = name_index_put(&f->index, f->tensors[i].name, i, NULL)) == QKEEP_E_EXISTS)
+      rc = set_error(QKEEP_E_FORMAT, "%s: tensor '%s' twice", path, f->tensors[i].name);
+  if (!rc) {
+    c->files[c->n_files++] = f;
+    f = NULL;
+    for (size_t i = 0; i < n; i++)
+      c->tensors[i] = (struct ckpt_tensor){.t = &c->files[0]->tensors[i], .file = c->files[0]};
+    c->n_tensors = n;
+    rc = quant_config_parse(config_json, hf_quant_json, dir, &c->qc);
+  }
+  if (f)
+    st_close(f);
+  if (rc) {
+    ckpt_close(c);
+    return rc;
+  }
+  quant_config_budget_for(&c->qc, c->n_tensors);
+  *out = c;
+  return 0;
 }

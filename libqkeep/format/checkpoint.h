@@ -114,6 +114,16 @@ int ckpt_read_range(const struct ckpt *c, const struct ckpt_tensor *t, size_t of
 /* Reads n tensors, ts[i]'s bytes into dsts[i], batched per shard (st_read_many). */
 int ckpt_read_many(const struct ckpt *c, const struct ckpt_tensor *const *ts, void *const *dsts, size_t n);
 
+/*
+ * A checkpoint that no file holds, for planning a model from what a checkpoint would hold (a load
+ * that quantizes on its way: load/online.c): n tensors (names copied, in any order, no two alike)
+ * with their specs, and the quantization that config.json's and hf_quant_config.json's texts
+ * declare (either may be NULL). Errors and messages name `path`, the config files `dir`. Its
+ * tensors cannot be read (ckpt_read fails). Free it with ckpt_close.
+ */
+int ckpt_describe(const char *path, const char *dir, const char *const *names, const struct qkeep_spec *specs,
+                  size_t n, const char *config_json, const char *hf_quant_json, struct ckpt **out);
+
 /* Parses a quantization config: config.json's text (may be NULL) and hf_quant_config.json's
  * (may be NULL). `where` is the directory holding both, so errors read WHERE/config.json
  * (NULL or "": bare file names). */

@@ -27,6 +27,10 @@ struct qkeep_config {
   char *fuse;
   struct qkeep_parallel parallel; /* [model] tp_size, tp_rank, ep_size, ep_rank */
   int parallel_line[4];
+  /* [model] quantize = SCHEME and its quantize_* options (online quantization; scheme NULL: none) */
+  char *quantize_scheme;
+  struct qkeep_quantize_options quantize;
+  int quantize_line[8];
   /* [backend.NAME] sections: every key, in file order */
   struct config_backend_section {
     char *name;

@@ -349,6 +349,88 @@ static int handle_qkeep(struct parse_state *st, const char *key, const char *val
   return parse_fail(st, QKEEP_E_CONFIG, "[qkeep] unknown key '%s' (expected backend or plugin_dir)", key);
 }
 
+/* "true" / "false" (also 1 / 0, yes / no) into *out; false when it is neither. */
+static bool parse_bool(const char *value, bool *out) {
+  static const char *const yes[] = {"true", "1", "yes"}, *const no[] = {"false", "0", "no"};
+  for (int i = 0; i < 3; i++)
+    if (strcmp(value, yes[i]) == 0 || strcmp(value, no[i]) == 0) {
+      *out = strcmp(value, yes[i]) == 0;
+      return true;
+    }
+  return false;
+}
+
+/* [model] quantize and its options (what `qkeep quantize` takes); 1 when the key is none of them. */
+static int handle_quantize(struct parse_state *st, const char *key, const char *value) {
+  static const char *const keys[8] = {"quantize",
+                                      "quantize_group",
+                                      "quantize_asym",
+                                      "quantize_static_input",
+                                      "quantize_asym_input",
+                                      "quantize_kv_scales",
+                                      "quantize_activation_amax",
+                                      "quantize_threads"};
+  static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
+                                        "gptq-int4",      "awq-int4", "ct-int4"};
+  qkeep_config *cfg = st->cfg;
+  struct qkeep_quantize_options *q = &cfg->quantize;
+  int i = 0;
+  while (i < 8 && strcmp(key, keys[i]) != 0)
+    i++;
+  if (i == 8)
+    return 1;
+  if (cfg->quantize_line[i])
+    return parse_fail(st, QKEEP_E_CONFIG, "[model] duplicate key '%s' (first set on line %d)", key,
+                      cfg->quantize_line[i]);
+  cfg->quantize_line[i] = st->lineno;
+  q->size = sizeof *q;
+  char *end = NULL;
+  bool ok = true;
+  switch (i) {
+  case 0: {
+    size_t s = 0;
+    while (s < sizeof schemes / sizeof schemes[0] && strcmp(value, schemes[s]) != 0)
+      s++;
+    if (s == sizeof schemes / sizeof schemes[0])
+      return parse_fail(st, QKEEP_E_CONFIG,
+                        "[model] quantize: unknown scheme '%s' (expected modelopt-nvfp4, ct-nvfp4, mxfp4, "
+                        "w8a8-int8, gptq-int4, awq-int4 or ct-int4)",
+                        value);
+    if (!(cfg->quantize_scheme = xstrdup(value)))
+      return parse_fail(st, QKEEP_E_NOMEM, "out of memory");
+    q->scheme = cfg->quantize_scheme;
+    return 0;
+  }
+  case 1:
+  case 7: {
+    long v = strtol(value, &end, 10);
+    ok = *value && !*end && v >= (i == 1 ? 1 : 0) && v <= (i == 1 ? INT32_MAX : 1024);
+    if (ok && i == 1)
+      q->group_size = v;
+    else if (ok)
+      q->threads = (int)v;
+    if (!ok)
+      return parse_fail(st, QKEEP_E_CONFIG, "[model] %s: '%s' is not %s", key, value,
+                        i == 1 ? "a group size from 1 to 2147483647"
+                               : "a thread count from 0 (every core) to 1024");
+    return 0;
+  }
+  case 6: {
+    float v = strtof(value, &end);
+    if (!*value || *end || !(v > 0) || v > 3.0e38f)
+      return parse_fail(st, QKEEP_E_CONFIG, "[model] %s: '%s' is not a finite number > 0", key, value);
+    q->activation_amax = v;
+    return 0;
+  }
+  default: {
+    bool *fields[] = {&q->asym_weights, &q->static_input, &q->asym_input, &q->kv_cache_scales};
+    if (!parse_bool(value, fields[i - 2]))
+      return parse_fail(st, QKEEP_E_CONFIG, "[model] %s: '%s' is not true or false", key, value);
+    return 0;
+  }
+  }
+}
+
 static int handle_model(struct parse_state *st, const char *key, const char *value) {
   qkeep_config *cfg = st->cfg;
   if (strcmp(key, "checkpoint") == 0)
@@ -385,10 +467,14 @@ static int handle_model(struct parse_state *st, const char *key, const char *val
     cfg->parallel_line[i] = st->lineno;
     return 0;
   }
+  int handled = handle_quantize(st, key, value);
+  if (handled != 1)
+    return handled;
   return parse_fail(
       st, QKEEP_E_CONFIG,
       "[model] unknown key '%s' (expected checkpoint, reload_checkpoint, fuse, tp_size, tp_rank, "
-      "ep_size or ep_rank)",
+      "ep_size, ep_rank, quantize, quantize_group, quantize_asym, quantize_static_input, "
+      "quantize_asym_input, quantize_kv_scales, quantize_activation_amax or quantize_threads)",
       key);
 }
 
@@ -612,6 +698,7 @@ void qkeep_config_free(qkeep_config *cfg) {
   free(cfg->checkpoint);
   free(cfg->reload_checkpoint);
   free(cfg->fuse);
+  free(cfg->quantize_scheme);
   free(cfg);
 }
 
@@ -626,6 +713,15 @@ const char *qkeep_config_reload_checkpoint(const qkeep_config *cfg) {
   return cfg ? cfg->reload_checkpoint : NULL;
 }
 const char *qkeep_config_fuse(const qkeep_config *cfg) { return cfg ? cfg->fuse : NULL; }
+
+int qkeep_config_quantize(const qkeep_config *cfg, struct qkeep_quantize_options *out) {
+  if (!cfg || !out)
+    return set_error(QKEEP_E_INVAL, "qkeep_config_quantize: NULL argument");
+  if (!cfg->quantize_scheme)
+    return QKEEP_E_NOTFOUND;
+  copy_sized(out, &cfg->quantize, sizeof cfg->quantize);
+  return 0;
+}
 
 int qkeep_config_parallel(const qkeep_config *cfg, struct qkeep_parallel *out) {
   if (!cfg || !out)

@@ -140,7 +140,7 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
  * one contiguous run, written (not compared), and no copy of them in memory already. */
 static bool reads_direct(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
                          const struct provided *t) {
-  return pv->read_many && layer_device(layer)->ops == host_device()->ops && src->rows == 1 &&
+  return pv->read_many && layer_device(layer)->ops == host_device()->ops && src->rows == 1 && !src->online &&
          !src->compare_only && !src->slice.rows && !(pv->device_bytes && pv->device_bytes(pv, t)) &&
          !(pv->host_bytes && pv->host_bytes(pv, t));
 }
@@ -196,7 +196,8 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, const
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     struct source *src = &layer->sources[i];
     struct stream_item *it = &items[n];
-    if (src->compare_only || src->rows != 1 || src->slice.rows || (rc = check_source(layer, pv, src, &it->t)))
+    if (src->online || src->compare_only || src->rows != 1 || src->slice.rows ||
+        (rc = check_source(layer, pv, src, &it->t)))
       continue; /* a tensor-parallel slice (slice.rows) loads through load/slice.c */
     if (pv->device_bytes && pv->device_bytes(pv, &it->t))
       continue;
@@ -254,9 +255,34 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
   free(which);
 }
 
+/* The layer's tensors made on load (online quantization): per unit, made on the host from the unquantized
+ * sources, then landed as any checkpoint tensor is; the unit's sources count as loaded. */
+static int load_made(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
+  int rc = 0;
+  for (size_t first = 0, end; first < layer->n_derived && !rc; first = end) {
+    end = online_unit_end(layer, first);
+    struct online_unit u;
+    if ((rc = online_unit_make(layer, pv, first, end, &u)))
+      break;
+    for (size_t d = first; d < end && !rc; d++)
+      rc = load_source(layer, &u.made, &layer->derived[d].src, st);
+    const struct derived *d0 = &layer->derived[first];
+    int members = d0->unit == SIZE_MAX ? 0 : quant_plan_members(layer->model->online.plan, d0->unit);
+    for (int m = 0; m < members && !rc; m++)
+      layer->sources[d0->members[m]].loaded = true;
+    struct mem_stats *mem = &layer->model->mem;
+    if ((int64_t)staging_bytes(st) + u.bytes > mem->staging_peak)
+      mem->staging_peak = (int64_t)staging_bytes(st) + u.bytes;
+    online_unit_free(&u);
+  }
+  return rc ? add_error_context(rc, "layer %s (quantized on load)", layer->name) : 0;
+}
+
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   for (size_t i = 0; i < layer->n_sources; i++)
     layer->sources[i].loaded = false, layer->sources[i].mirrored = false;
+  for (size_t i = 0; i < layer->n_derived; i++)
+    layer->derived[i].src.loaded = false, layer->derived[i].src.mirrored = false;
   for (size_t i = 0; i < layer->n_params; i++)
     layer->params[i]->mirror_valid = false;
   const struct device *dev = layer_device(layer);
@@ -268,14 +294,19 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
   /* What is compared against an earlier shard goes last, once every shard's copy has started. */
   for (int pass = 0; pass < 2; pass++)
     for (size_t i = 0; i < layer->n_sources && !rc; i++)
-      if (!layer->sources[i].loaded && layer->sources[i].compare_only == (pass == 1))
+      if (!layer->sources[i].loaded && !layer->sources[i].online &&
+          layer->sources[i].compare_only == (pass == 1))
         rc = load_source(layer, pv, &layer->sources[i], st);
+  /* Tensors quantized on load: made from the unquantized sources, unit by unit (load/online.c). */
+  if (!rc && layer->n_derived)
+    rc = load_made(layer, pv, st);
   /* A mirror is valid when every source that writes its param filled it too (streamed, or from a host copy).
    */
   for (size_t i = 0; i < layer->n_params && !rc; i++)
     layer->params[i]->mirror_valid = layer->params[i]->mirror != NULL;
-  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
-    const struct source *src = &layer->sources[i];
+  for (size_t i = 0; i < layer->n_sources + layer->n_derived && !rc; i++) {
+    const struct source *src =
+        i < layer->n_sources ? &layer->sources[i] : &layer->derived[i - layer->n_sources].src;
     if (!src->compare_only && (!src->mirrored || src->rows != 1))
       src->param->mirror_valid = false;
   }
@@ -319,7 +350,8 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   ckpt_provider(&pv, ck);
   /* Plan (every layer and param from the checkpoint, nothing allocated), choose each layer's owner
    * (the chain), then materialise (every param's storage in its owner's memory). */
-  rc = assemble_model(model, ck);
+  /* A model that quantizes on load plans the checkpoint qkeep quantize would write from this one. */
+  rc = model->online.set ? online_assemble(model, ck) : assemble_model(model, ck);
   if (!rc)
     rc = check_all_taken(model, ck);
   if (!rc)

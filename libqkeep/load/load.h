@@ -8,6 +8,7 @@
 #define QKEEP_LOAD_H
 
 #include "device/stream.h"
+#include "load/online.h"
 #include "model/model.h"
 #include "scheme/shard_plan.h"
 

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "model/model.h"
+#include "quantize/plan.h"
 
 /* Probes one link (once per plugin); a link whose device is absent takes no layer. */
 static int probe_owner(struct owner *o) {
@@ -99,7 +100,10 @@ void model_clear(qkeep_model *model) {
   free(model->index.source_refs);
   model->index.source_refs = NULL;
   model->index.n_source_refs = model->index.cap_source_refs = 0;
-  shard_clear(model); /* other ranks' tensor names (param/foreign.c) */
+  shard_clear(model);                  /* other ranks' tensor names (param/foreign.c) */
+  quant_plan_free(model->online.plan); /* the options stay for the next load */
+  model->online.plan = NULL;
+  name_index_clear(&model->online.outputs);
 }
 
 static void free_fusion(qkeep_model *model) {
@@ -113,6 +117,7 @@ void qkeep_model_free(qkeep_model *model) {
     return;
   model_clear(model);
   free_fusion(model);
+  free(model->online.scheme);
   free(model->source.path);
   free(model->source.ids);
   for (size_t i = 0; i < model->chain.n_owners; i++) {
@@ -135,6 +140,56 @@ int qkeep_model_set_fusion(qkeep_model *model, const char *spec) {
   model->fusion = rules;
   model->n_fusion = n;
   model->fusion_set = true;
+  return 0;
+}
+
+/* An option of the caller's struct, or 0 / NULL past its size. */
+#define QUANTIZE_OPTION(opt, field)                                                                          \
+  ((opt)->size >= offsetof(struct qkeep_quantize_options, field) + sizeof(opt)->field ? (opt)->field : 0)
+
+int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_options *options) {
+  if (!model)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_set_quantize: NULL model");
+  if (model->n_layers)
+    return set_error(QKEEP_E_STATE,
+                     "qkeep_model_set_quantize: the model holds %zu layers (set it before a load)",
+                     model->n_layers);
+  if (!options) {
+    free(model->online.scheme);
+    model->online.scheme = NULL;
+    model->online.set = false;
+    memset(&model->online.opts, 0, sizeof model->online.opts);
+    return 0;
+  }
+  if (!options->scheme)
+    return set_error(QKEEP_E_INVAL, "qkeep_model_set_quantize: no scheme");
+  /* What only a written checkpoint has: a load writes no files and reports no progress of its own. */
+  const char *refused = options->max_shard_bytes                     ? "max_shard_bytes"
+                        : QUANTIZE_OPTION(options, replace_existing) ? "replace_existing"
+                        : QUANTIZE_OPTION(options, progress)         ? "progress"
+                        : QUANTIZE_OPTION(options, summary)          ? "summary"
+                        : QUANTIZE_OPTION(options, cancel)           ? "cancel"
+                                                                     : NULL;
+  if (refused)
+    return set_error(QKEEP_E_INVAL,
+                     "qkeep_model_set_quantize: '%s' is an option of qkeep_quantize's output; a load that "
+                     "quantizes takes scheme, group_size, asym_weights, static_input, asym_input, "
+                     "kv_cache_scales, activation_amax and threads",
+                     refused);
+  struct qkeep_quantize_options copy = {0};
+  copy_sized(&copy, options, options->size && options->size < sizeof copy ? options->size : sizeof copy);
+  copy.size = sizeof copy;
+  int rc = quant_options_check(&copy);
+  if (rc)
+    return add_error_context(rc, "qkeep_model_set_quantize");
+  char *scheme = xstrdup(options->scheme);
+  if (!scheme)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  free(model->online.scheme);
+  model->online.scheme = scheme;
+  copy.scheme = scheme;
+  model->online.opts = copy;
+  model->online.set = true;
   return 0;
 }
 

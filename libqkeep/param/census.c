@@ -133,6 +133,10 @@ int qkeep_census(const qkeep_model *model, struct qkeep_census *out) {
       }
       rc = add_range(&ranges, &n_ranges, &cap_ranges, s, p);
     }
+    for (size_t i = 0; i < layer->n_online_params; i++) { /* no storage: nothing kept, nothing shared */
+      c.quantized_on_load++;
+      c.quantized_on_load_bytes += (int64_t)layer->online_params[i]->create_bytes;
+    }
     for (size_t i = 0; i < layer->n_buffers && !rc; i++) {
       c.buffers++;
       rc = add_range(&ranges, &n_ranges, &cap_ranges, layer->buffers[i]->view.storage, layer->buffers[i]);

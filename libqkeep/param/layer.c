@@ -155,6 +155,26 @@ static int index_source(qkeep_layer *layer, const char *name) {
   return 0;
 }
 
+int model_reindex_sources(qkeep_model *model) {
+  struct model_index *ix = &model->index;
+  name_index_clear(&ix->sources);
+  ix->n_source_refs = 0;
+  int rc = 0;
+  for (size_t l = 0; l < model->n_layers && !rc; l++) {
+    qkeep_layer *layer = model->layers[l];
+    for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+      rc = grow_array((void **)&ix->source_refs, &ix->cap_source_refs, ix->n_source_refs + 1,
+                      sizeof *ix->source_refs);
+      if (!rc && (rc = name_index_put(&ix->sources, layer->sources[i].checkpoint_name, ix->n_source_refs,
+                                      NULL)) == QKEEP_E_EXISTS)
+        rc = 0; /* layers in order: the first source keeps the name */
+      else if (!rc)
+        ix->source_refs[ix->n_source_refs++] = (struct source_ref){layer, i};
+    }
+  }
+  return rc;
+}
+
 int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                              size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
                              bool compare_only, const struct qkeep_spec *spec) {
@@ -187,8 +207,8 @@ int layer_add_source_slice(qkeep_layer *layer, const char *checkpoint_name, qkee
     return rc;
   }
   layer->sources[layer->n_sources++] =
-      (struct source){copy,  param, dst_offset, rows,         row_bytes, dst_stride, compare_only,
-                      *spec, false, false,      {0, 0, 0, 0}, NULL,      0};
+      (struct source){copy,  param, dst_offset,   rows, row_bytes, dst_stride, compare_only, *spec,
+                      false, false, {0, 0, 0, 0}, NULL, 0,         false,      SIZE_MAX,     0};
   if (slice)
     layer->sources[layer->n_sources - 1].slice = *slice;
   return 0;
@@ -241,6 +261,15 @@ void layer_destroy(qkeep_layer *layer) {
     free(layer->names[i].name);
   for (size_t i = 0; i < layer->n_sources; i++)
     free(layer->sources[i].checkpoint_name);
+  for (size_t i = 0; i < layer->n_derived; i++)
+    free(layer->derived[i].src.checkpoint_name);
+  free(layer->derived);
+  for (size_t i = 0; i < layer->n_online_params; i++) {
+    free(layer->online_params[i]->checkpoint_name);
+    free(layer->online_params[i]->runtime_name);
+    free(layer->online_params[i]);
+  }
+  free(layer->online_params);
   free(layer->params);
   free(layer->buffers);
   name_index_clear(&layer->name_index);

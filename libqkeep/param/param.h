@@ -95,10 +95,36 @@ struct source {
    * found_pass (0: none yet). */
   const void *found;
   uint64_t found_pass;
+  /* Online quantization (load/online.c): an unquantized tensor that lands quantized. param is its
+   * quantized-on-load param (no storage); member `member` of the plan's unit `unit` is made from it,
+   * whose outputs land through the layer's derived sources. */
+  bool online;
+  size_t unit;
+  int member;
+};
+
+/* A tensor the checkpoint does not hold, made on load from its unquantized sources (online
+ * quantization): where it lands (src: param and layout, as a checkpoint tensor's source) and which
+ * output of the plan it is (unit SIZE_MAX: a constant such as a kv-cache scale). */
+struct derived {
+  struct source src;
+  size_t output, unit;
+  size_t members[3]; /* the layer's sources of the unit's members (by member), once planned */
+  size_t order;      /* while planning: the sort key (the unit's first source, then its own) */
 };
 
 struct scheme;
 struct ckpt;
+struct quant_plan;
+
+/* A model that quantizes unquantized checkpoints on load (qkeep_model_set_quantize; load/online.c). */
+struct online_quantize {
+  bool set;                           /* the options below apply to the next load */
+  struct qkeep_quantize_options opts; /* copied; scheme points at `scheme` */
+  char *scheme;
+  struct quant_plan *plan;   /* the loaded model's plan (NULL: the model does not quantize on load) */
+  struct name_index outputs; /* the plan's output names -> index */
+};
 
 struct qkeep_layer {
   qkeep_model *model;
@@ -126,6 +152,12 @@ struct qkeep_layer {
   /* How a tensor/expert-parallel model cut this layer (scheme/shard_plan.c): the role and the full,
    * unsharded dims; role QKEEP_SHARD_REPLICATED with ranks 1 when the model is not sharded. */
   struct qkeep_layer_shard shard;
+  /* Online quantization (load/online.c): the quantized tensors made on load (by unit), and the
+   * quantized-on-load params of its unquantized sources (owned, not in params or names). */
+  struct derived *derived;
+  size_t n_derived, cap_derived;
+  qkeep_param **online_params;
+  size_t n_online_params, cap_online_params;
 };
 
 /*
@@ -200,6 +232,7 @@ struct qkeep_model {
   struct mem_stats mem;
   /* The stream's shape (qkeep_model_set_load_options; zero fields: the defaults). */
   struct qkeep_load_options load_options;
+  struct online_quantize online;
   /* Set only through qkeep__test_control (reload/test_control.c): its reloads fail with `code` when
    * they reach layer index `layer` (-1: none). */
   struct reload_fault {
@@ -237,6 +270,10 @@ int layer_add_source_slice(qkeep_layer *layer, const char *checkpoint_name, qkee
                            bool compare_only, const struct qkeep_spec *spec, const struct slice *slice);
 void layer_destroy(qkeep_layer *layer);
 /* Drops every layer (backend state first), leaving the model empty. */
+
+/* Rebuilds the model's index of checkpoint names from every layer's sources (after a layer's sources
+ * change: online quantization's planning). */
+int model_reindex_sources(qkeep_model *model);
 
 /* ---- tensor/expert parallel bookkeeping (param/foreign.c) ---- */
 

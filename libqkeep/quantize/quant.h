@@ -1,7 +1,8 @@
 /*
- * quantize/quant.h: the quantize layer (libqkeep/quantize), a leaf: the offline quantizer behind
+ * quantize/quant.h: the quantize layer (libqkeep/quantize): the offline quantizer behind
  * `qkeep quantize` (quantize_model.c, which uses scheme and format) and its numerics (quantize.c,
- * base only). Nothing that loads a model includes it.
+ * base only). Loads that quantize on their way use it through its plan (quantize/plan.h), so it
+ * sits below the layers that load (plugin, model, load, reload).
  *
  * The quantizers that write checkpoints (libqkeep/quantize/quantize.c), following
  * the exporters' recipes exactly (docs/FORMATS.md, "6. qkeep quantize"), so their output is

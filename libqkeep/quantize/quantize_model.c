@@ -35,12 +35,14 @@
 #include <jansson.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "quantize/plan.h"
 #include "quantize/quant.h"
 #include "scheme/scheme.h"
 
@@ -106,8 +108,10 @@ enum unit_kind { UNIT_COPY, UNIT_QUANT };
 
 /* A weight being quantized and its outputs. */
 struct member {
-  const struct ckpt_tensor *in;
-  char *module; /* its name less ".weight" */
+  const struct ckpt_tensor *in; /* NULL in a plan kept past its checkpoint (quant_plan_new) */
+  char *module;                 /* its name less ".weight" */
+  const char *input;            /* the input tensor's name (in's, or the plan's own copy) */
+  int dtype;                    /* the input's enum qkeep_dtype (F32, F16 or BF16) */
   int64_t n, k;
   size_t out[MAX_OUTPUTS]; /* plan indices of its outputs, in the scheme's order (below) */
   int n_out;
@@ -549,7 +553,11 @@ static int plan(struct quantizer *q) {
     for (int g = 0; g < n_group && !rc; g++) {
       size_t at = (size_t)(group[g] - ck->tensors);
       struct member *m = &u->m[u->n_members++];
-      *m = (struct member){.in = group[g], .n = group[g]->t->shape[0], .k = group[g]->t->shape[1]};
+      *m = (struct member){.in = group[g],
+                           .input = group[g]->t->name,
+                           .dtype = group[g]->t->dtype,
+                           .n = group[g]->t->shape[0],
+                           .k = group[g]->t->shape[1]};
       m->module = strfmt("%.*s", (int)(strlen(group[g]->t->name) - 7), group[g]->t->name);
       if (!m->module)
         rc = set_error(QKEEP_E_NOMEM, "out of memory");
@@ -702,7 +710,7 @@ static int finish_shards(struct quantizer *q) {
 /* Rows of f32 from a member's input bytes. */
 static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *restrict dst) {
   int64_t count = rows * m->k, first = row0 * m->k;
-  switch ((enum qkeep_dtype)m->in->t->dtype) {
+  switch ((enum qkeep_dtype)m->dtype) {
   case QKEEP_DTYPE_F32: memcpy(dst, (const float *)m->raw + first, (size_t)count * sizeof *dst); break;
   case QKEEP_DTYPE_BF16: { /* bf16 is the top half of an f32 */
     const uint16_t *restrict src = (const uint16_t *)m->raw + first;
@@ -720,7 +728,7 @@ static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *re
   }
   default:
     for (int64_t i = 0; i < count; i++)
-      dst[i] = qk_load_float(m->raw, m->in->t->dtype, (size_t)(first + i));
+      dst[i] = qk_load_float(m->raw, m->dtype, (size_t)(first + i));
   }
 }
 
@@ -732,7 +740,7 @@ static void to_f32(const struct member *m, int64_t row0, int64_t rows, float *re
  */
 static bool raw_amax(const struct member *m, int64_t row0, int64_t rows, float *amax) {
   int64_t count = rows * m->k, first = row0 * m->k;
-  switch ((enum qkeep_dtype)m->in->t->dtype) {
+  switch ((enum qkeep_dtype)m->dtype) {
   case QKEEP_DTYPE_BF16:
   case QKEEP_DTYPE_F16: {
     const uint16_t *src = (const uint16_t *)m->raw + first;
@@ -747,7 +755,7 @@ static bool raw_amax(const struct member *m, int64_t row0, int64_t rows, float *
       int16_t a = (int16_t)(src[i] & 0x7fffu);
       top = a > top ? a : top;
     }
-    bool bf16 = m->in->t->dtype == QKEEP_DTYPE_BF16;
+    bool bf16 = m->dtype == QKEEP_DTYPE_BF16;
     if (top >= (bf16 ? 0x7f80 : 0x7c00)) /* the exponent all ones */
       return false;
     *amax = bf16 ? qk_bf16_to_f32((uint16_t)top) : qk_f16_to_f32((uint16_t)top);
@@ -924,7 +932,7 @@ static int stage_error(struct unit *u) {
   if (rc) {
     int64_t r0, rows;
     struct member *m = block_rows(u, at, &r0, &rows);
-    add_error_context(rc, "quantizing '%s'", m->in->t->name);
+    add_error_context(rc, "quantizing '%s'", m->input);
   }
   for (int64_t b = 0; b < u->n_blocks; b++) {
     free(u->results[b].finite_msg);
@@ -946,7 +954,7 @@ static int stage_done(struct quantizer *q, struct unit *u) {
       amax = u->results[b].amax > amax ? u->results[b].amax : amax;
     float global;
     if ((rc = quant_nvfp4_global(amax, q->ct, &global)))
-      return add_error_context(rc, "quantizing '%s'", u->m[0].in->t->name);
+      return add_error_context(rc, "quantizing '%s'", u->m[0].input);
     u->group_amax = amax;
     return 1;
   }
@@ -960,7 +968,7 @@ static int stage_done(struct quantizer *q, struct unit *u) {
     if (q->gptq && !q->awq)
       for (int64_t kk = 0; kk < m->k; kk++)
         ((int32_t *)m->buf[2])[kk] = (int32_t)(kk / q->group);
-    for (int o = 0; o < m->n_out && !rc; o++)
+    for (int o = 0; o < m->n_out && !rc && q->fds; o++) /* a plan run online writes no file */
       if (!q->outs[m->out[o]].constant)
         rc = write_out(q, m->out[o], m->buf[o]);
   }
@@ -1458,13 +1466,20 @@ static int read_input_config(struct quantizer *q) {
 }
 
 /* config.json: the input's (when it has one) with quantization_config set. */
+static json_t *output_config(const struct quantizer *q, json_t **hf) {
+  json_t *config = q->input_config ? json_deep_copy(q->input_config) : json_object();
+  *hf = NULL;
+  if (config)
+    json_object_set_new(config, "quantization_config", quantization_config(q, hf));
+  return config;
+}
+
 static int write_configs(struct quantizer *q) {
   char *path;
-  json_t *config = q->input_config ? json_deep_copy(q->input_config) : json_object();
+  json_t *hf = NULL;
+  json_t *config = output_config(q, &hf);
   if (!config)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  json_t *hf = NULL;
-  json_object_set_new(config, "quantization_config", quantization_config(q, &hf));
   int rc = 0;
   if (!(path = strfmt("%s/config.json", q->out_dir)))
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
@@ -1761,26 +1776,58 @@ static int quantize_into(struct quantizer *q, const char *in) {
   return rc;
 }
 
+/* The scheme's flags and the options' group and threads, into a quantizer with ck, opt and sch set. */
+static void setup_quantizer(struct quantizer *q, int threads) {
+  const char *s = q->sch->name;
+  q->ct = strcmp(s, "ct-nvfp4") == 0;
+  q->nvfp4 = strstr(s, "nvfp4") != NULL;
+  q->mxfp4 = strcmp(s, "mxfp4") == 0;
+  q->int8 = strcmp(s, "w8a8-int8") == 0;
+  q->ct_int4 = strcmp(s, "ct-int4") == 0;
+  q->awq = strcmp(s, "awq-int4") == 0;
+  q->gptq = strcmp(s, "gptq-int4") == 0 || q->awq;
+  q->group = q->opt->group_size > 0 ? q->opt->group_size : 128;
+  q->scratch_elements = 1;
+  q->threads = threads;
+}
+
+/* The options' scheme and thread count, checked: a scheme qkeep quantize writes, threads >= 0 (0: every
+ * online core). */
+static int check_scheme_threads(const struct qkeep_quantize_options *opt, const struct scheme **sch,
+                                int *threads) {
+  *sch = scheme_by_name(opt->scheme);
+  if (!*sch || *sch == &scheme_unquantized)
+    return set_error(
+        QKEEP_E_UNSUPPORTED,
+        "scheme '%s': qkeep quantize writes modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, "
+        "awq-int4 and ct-int4",
+        opt->scheme);
+  *threads = OPTION(opt, threads);
+  if (*threads < 0)
+    return set_error(QKEEP_E_INVAL, "qkeep_quantize: %d threads", *threads);
+  if (*threads == 0) {
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    *threads = online > 0 ? (int)(online < 1024 ? online : 1024) : 1;
+  }
+  return 0;
+}
+
+int quant_options_check(const struct qkeep_quantize_options *opts) {
+  const struct scheme *sch;
+  int threads, rc = check_options(opts);
+  return rc ? rc : check_scheme_threads(opts, &sch, &threads);
+}
+
 int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quantize_options *opt) {
   if (!in || !out_dir || !opt || !opt->scheme)
     return set_error(QKEEP_E_INVAL, "qkeep_quantize: NULL argument");
   int rc = check_options(opt);
   if (rc)
     return rc;
-  const struct scheme *sch = scheme_by_name(opt->scheme);
-  if (!sch || sch == &scheme_unquantized)
-    return set_error(
-        QKEEP_E_UNSUPPORTED,
-        "scheme '%s': qkeep quantize writes modelopt-nvfp4, ct-nvfp4, mxfp4, w8a8-int8, gptq-int4, "
-        "awq-int4 and ct-int4",
-        opt->scheme);
-  int threads = OPTION(opt, threads);
-  if (threads < 0)
-    return set_error(QKEEP_E_INVAL, "qkeep_quantize: %d threads", threads);
-  if (threads == 0) {
-    long online = sysconf(_SC_NPROCESSORS_ONLN);
-    threads = online > 0 ? (int)(online < 1024 ? online : 1024) : 1;
-  }
+  const struct scheme *sch;
+  int threads;
+  if ((rc = check_scheme_threads(opt, &sch, &threads)))
+    return rc;
   bool replace = OPTION(opt, replace_existing), exists = false;
   char *user_dir = NULL, *stage = NULL;
   struct made_dirs made = {0};
@@ -1798,17 +1845,7 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
     rc = check_input(ck);
   if (!rc) {
     struct quantizer q = {.ck = ck, .opt = opt, .sch = sch, .out_dir = stage, .user_dir = user_dir};
-    const char *s = sch->name;
-    q.ct = strcmp(s, "ct-nvfp4") == 0;
-    q.nvfp4 = strstr(s, "nvfp4") != NULL;
-    q.mxfp4 = strcmp(s, "mxfp4") == 0;
-    q.int8 = strcmp(s, "w8a8-int8") == 0;
-    q.ct_int4 = strcmp(s, "ct-int4") == 0;
-    q.awq = strcmp(s, "awq-int4") == 0;
-    q.gptq = strcmp(s, "gptq-int4") == 0 || q.awq;
-    q.group = opt->group_size > 0 ? opt->group_size : 128;
-    q.scratch_elements = 1;
-    q.threads = threads;
+    setup_quantizer(&q, threads);
     rc = quantize_into(&q, in);
     quantizer_free(&q);
   }
@@ -1823,5 +1860,242 @@ int qkeep_quantize(const char *in, const char *out_dir, const struct qkeep_quant
   ckpt_close(ck);
   free(stage);
   free(user_dir);
+  return rc;
+}
+
+/* ---- the plan kept for loads that quantize (quantize/plan.h) ------------------------------------ */
+
+struct quant_plan {
+  struct quantizer q; /* q.ck is NULL once planned: nothing points into the checkpoint */
+  struct qkeep_quantize_options opts;
+  char *scheme;
+  size_t *units; /* the quantized units' indices in q.units */
+  size_t n_units;
+  char **inputs;    /* per output: the input's name (owned), or NULL */
+  size_t *out_unit; /* per output: its unit in units[], or SIZE_MAX */
+  int *out_member, *out_slot;
+  char **member_inputs; /* the members' input names (owned), for their `input` */
+  size_t n_member_inputs;
+  char *config_json, *hf_json;
+};
+
+void quant_plan_free(struct quant_plan *p) {
+  if (!p)
+    return;
+  for (size_t i = 0; i < p->q.n_outs && p->inputs; i++)
+    free(p->inputs[i]);
+  for (size_t i = 0; i < p->n_member_inputs; i++)
+    free(p->member_inputs[i]);
+  quantizer_free(&p->q);
+  free(p->inputs), free(p->out_unit), free(p->out_member), free(p->out_slot), free(p->member_inputs);
+  free(p->units), free(p->scheme), free(p->config_json), free(p->hf_json);
+  free(p);
+}
+
+/* What outlives the checkpoint: names copied, pointers into it dropped, the config texts made. */
+static int plan_detach(struct quant_plan *p) {
+  struct quantizer *q = &p->q;
+  size_t n = q->n_outs ? q->n_outs : 1, members = 0;
+  p->inputs = calloc(n, sizeof *p->inputs);
+  p->out_unit = malloc(n * sizeof *p->out_unit);
+  p->out_member = calloc(n, sizeof *p->out_member);
+  p->out_slot = calloc(n, sizeof *p->out_slot);
+  p->units = malloc((q->n_units ? q->n_units : 1) * sizeof *p->units);
+  p->member_inputs = calloc((q->n_units ? q->n_units : 1) * MAX_MEMBERS, sizeof *p->member_inputs);
+  if (!p->inputs || !p->out_unit || !p->out_member || !p->out_slot || !p->units || !p->member_inputs)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < q->n_outs; i++) {
+    p->out_unit[i] = SIZE_MAX;
+    if (q->outs[i].from && !(p->inputs[i] = xstrdup(q->outs[i].from->t->name)))
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    q->outs[i].from = NULL;
+  }
+  for (size_t u = 0; u < q->n_units; u++) {
+    struct unit *x = &q->units[u];
+    if (x->kind != UNIT_QUANT)
+      continue;
+    for (int m = 0; m < x->n_members; m++) {
+      struct member *mb = &x->m[m];
+      if (!(p->member_inputs[members] = xstrdup(mb->input)))
+        return set_error(QKEEP_E_NOMEM, "out of memory");
+      mb->input = p->member_inputs[members++];
+      p->n_member_inputs = members;
+      mb->in = NULL;
+      for (int o = 0; o < mb->n_out; o++)
+        p->out_unit[mb->out[o]] = p->n_units, p->out_member[mb->out[o]] = m, p->out_slot[mb->out[o]] = o;
+    }
+    p->units[p->n_units++] = u;
+  }
+  json_t *hf = NULL, *config = output_config(q, &hf);
+  if (config)
+    p->config_json = json_dumps(config, JSON_INDENT(2));
+  if (hf)
+    p->hf_json = json_dumps(hf, JSON_INDENT(2));
+  json_decref(config);
+  json_decref(hf);
+  q->ck = NULL;
+  return p->config_json && (!hf || p->hf_json) ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+}
+
+int quant_plan_new(const struct ckpt *ck, const struct qkeep_quantize_options *opts,
+                   struct quant_plan **out) {
+  *out = NULL;
+  if (!ck || !opts || !opts->scheme)
+    return set_error(QKEEP_E_INVAL, "quantize on load: NULL argument or no scheme");
+  int rc = check_options(opts);
+  const struct scheme *sch = NULL;
+  int threads = 1;
+  if (!rc)
+    rc = check_scheme_threads(opts, &sch, &threads);
+  if (!rc && ck->qc.method != QM_NONE)
+    rc = set_error(QKEEP_E_INVAL,
+                   "%s: already quantized (%s); quantizing on load needs an unquantized checkpoint", ck->path,
+                   ck->qc.scheme);
+  if (!rc)
+    rc = check_input(ck);
+  if (rc)
+    return rc;
+  struct quant_plan *p = calloc(1, sizeof *p);
+  if (!p)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  /* The options the plan reads, copied: callbacks and out_dir-only fields are not kept. */
+  copy_sized(&p->opts, opts, opts->size ? opts->size : sizeof p->opts);
+  p->opts.size = sizeof p->opts;
+  p->opts.progress = NULL, p->opts.progress_user = NULL, p->opts.summary = NULL;
+  p->opts.cancel = NULL, p->opts.cancel_user = NULL;
+  p->opts.threads = threads;
+  if (!(p->scheme = xstrdup(opts->scheme))) {
+    free(p);
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  p->opts.scheme = p->scheme;
+  p->q = (struct quantizer){.ck = ck, .opt = &p->opts, .sch = sch, .out_dir = ck->path, .user_dir = ck->path};
+  setup_quantizer(&p->q, threads);
+  rc = read_input_config(&p->q);
+  if (!rc)
+    rc = plan(&p->q);
+  if (!rc)
+    rc = plan_detach(p);
+  if (rc) {
+    quant_plan_free(p);
+    return rc;
+  }
+  *out = p;
+  return 0;
+}
+
+size_t quant_plan_outputs(const struct quant_plan *p) { return p->q.n_outs; }
+
+void quant_plan_output(const struct quant_plan *p, size_t index, struct quant_output *out) {
+  const struct out_tensor *o = &p->q.outs[index];
+  *out = (struct quant_output){
+      o->name,     o->spec,  o->nbytes,          p->inputs[index],     o->copied,
+      o->constant, o->value, p->out_unit[index], p->out_member[index], p->out_slot[index]};
+}
+
+size_t quant_plan_units(const struct quant_plan *p) { return p->n_units; }
+
+int quant_plan_members(const struct quant_plan *p, size_t unit) {
+  return p->q.units[p->units[unit]].n_members;
+}
+
+void quant_plan_member(const struct quant_plan *p, size_t unit, int member, struct quant_member *out) {
+  const struct member *m = &p->q.units[p->units[unit]].m[member];
+  size_t elements = (size_t)(m->n * m->k);
+  *out = (struct quant_member){m->input,
+                               (enum qkeep_dtype)m->dtype,
+                               m->n,
+                               m->k,
+                               elements * qkeep_dtype_size((enum qkeep_dtype)m->dtype),
+                               m->n_out,
+                               {0}};
+  memcpy(out->out, m->out, sizeof out->out);
+}
+
+int quant_plan_configs(const struct quant_plan *p, char **config_json, char **hf_quant_json) {
+  *config_json = xstrdup(p->config_json);
+  *hf_quant_json = p->hf_json ? xstrdup(p->hf_json) : NULL;
+  if (*config_json && (!p->hf_json || *hf_quant_json))
+    return 0;
+  free(*config_json);
+  free(*hf_quant_json);
+  *config_json = *hf_quant_json = NULL;
+  return set_error(QKEEP_E_NOMEM, "out of memory");
+}
+
+int quant_plan_threads(const struct quant_plan *p) { return p->q.threads; }
+
+/* One unit's row blocks on several threads: each takes the next block until none is left. */
+struct unit_run {
+  const struct quantizer *q;
+  struct unit *u;
+  int stage;
+  _Atomic int64_t next;
+};
+
+static void *unit_run_worker(void *arg) {
+  struct unit_run *r = arg;
+  float *scratch = malloc((size_t)r->q->scratch_elements * sizeof *scratch + 1);
+  for (int64_t b; scratch && (b = atomic_fetch_add(&r->next, 1)) < r->u->n_blocks;)
+    run_block(r->q, r->u, r->stage, b, scratch);
+  free(scratch);
+  return scratch ? NULL : (void *)1;
+}
+
+/* Every block of the stage, on up to `threads` threads (the calling one included). */
+static int run_stage(const struct quantizer *q, struct unit *u, int stage, int threads) {
+  struct unit_run r = {q, u, stage, 0};
+  int64_t extra = u->n_blocks - 1 < threads - 1 ? u->n_blocks - 1 : threads - 1;
+  pthread_t t[64];
+  int started = 0;
+  for (; started < extra && started < 64; started++)
+    if (pthread_create(&t[started], NULL, unit_run_worker, &r) != 0)
+      break; /* fewer threads: the same bytes, later */
+  (void)unit_run_worker(&r);
+  for (int i = 0; i < started; i++)
+    pthread_join(t[i], NULL);
+  /* a thread without scratch takes no block: only when every one lacked it are blocks left */
+  return atomic_load(&r.next) < u->n_blocks ? set_error(QKEEP_E_NOMEM, "out of memory") : 0;
+}
+
+int quant_plan_run(const struct quant_plan *p, size_t unit, const void *const *src, void *const (*dst)[4]) {
+  const struct quantizer *q = &p->q;
+  struct unit u = q->units[p->units[unit]]; /* a copy: the plan is not changed by a run */
+  int64_t blocks = 0;
+  int rc = 0;
+  for (int i = 0; i < u.n_members && !rc; i++) {
+    struct member *m = &u.m[i];
+    m->raw = (void *)src[i];
+    for (int o = 0; o < m->n_out; o++) {
+      m->buf[o] = q->outs[m->out[o]].constant ? NULL : dst[i][o];
+      if (m->buf[o]) /* AWQ's repack ORs nibbles into its words */
+        memset(m->buf[o], 0, q->outs[m->out[o]].nbytes);
+    }
+    m->tmp[0] = m->tmp[1] = NULL;
+    size_t groups = q->group ? (size_t)(m->k / q->group) : 0;
+    if (q->awq && (!(m->tmp[0] = calloc((size_t)(m->n * m->k / 2) + 1, 1)) ||
+                   !(m->tmp[1] = calloc(groups * (size_t)m->n / 2 + 1, 1))))
+      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+    if (q->ct_int4 && !(m->tmp[0] = malloc(groups * (size_t)m->n * sizeof(float) + 1)))
+      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+    m->first_block = blocks;
+    m->n_blocks = m->n > 0 ? (m->n + m->block_rows - 1) / m->block_rows : 0;
+    blocks += m->n_blocks;
+  }
+  u.n_stages = q->nvfp4 ? 2 : 1;
+  u.n_blocks = blocks;
+  if (!rc && !(u.results = calloc(blocks ? (size_t)blocks : 1, sizeof *u.results)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (u.stage = 0; !rc && u.stage < u.n_stages; u.stage++) {
+    rc = run_stage(q, &u, u.stage, q->threads);
+    int next = rc ? rc : stage_done((struct quantizer *)q, &u); /* no file: stage_done writes nothing */
+    rc = next < 0 ? next : 0;
+  }
+  for (int i = 0; i < u.n_members; i++)
+    free(u.m[i].tmp[0]), free(u.m[i].tmp[1]);
+  if (u.results)
+    for (int64_t b = 0; b < blocks; b++)
+      free(u.results[b].finite_msg), free(u.results[b].other_msg);
+  free(u.results);
   return rc;
 }

@@ -538,7 +538,9 @@ static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache)
   int rc = 0;
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     const qkeep_param *p = layer->sources[i].param;
-    if ((rc = check_source(layer, pv, &layer->sources[i], &t)) || !p->scale)
+    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].online)
+      rc = online_check_values(layer, pv, &layer->sources[i]); /* a NaN cannot be quantized */
+    if (rc || !p->scale)
       continue;
     rc = grow_array((void **)&cache->checks, &cache->cap_checks, cache->n_checks + 1, sizeof *cache->checks);
     if (!rc) {
@@ -604,6 +606,9 @@ static size_t covered_bytes(const qkeep_layer *layer, const qkeep_param *p) {
   for (size_t i = 0; i < layer->n_sources; i++)
     if (layer->sources[i].param == p && !layer->sources[i].compare_only)
       bytes += layer->sources[i].rows * layer->sources[i].row_bytes;
+  for (size_t i = 0; i < layer->n_derived; i++) /* tensors made on load (online quantization) */
+    if (layer->derived[i].src.param == p && !layer->derived[i].src.compare_only)
+      bytes += layer->derived[i].src.rows * layer->derived[i].src.row_bytes;
   return bytes;
 }
 
@@ -813,8 +818,10 @@ int qkeep_model_reload(qkeep_model *model, const char *checkpoint, unsigned flag
   t_open = now_seconds() - t_open;
   struct provider pv;
   ckpt_provider(&pv, ck);
-  /* The config as a cold start finds it: a directory's files; none for a bare .safetensors file. */
-  rc = reload(model, &pv, &ck->qc, flags, checkpoint, ck);
+  /* The config as a cold start finds it: a directory's files; none for a bare .safetensors file. A model
+   * that quantizes on load takes unquantized checkpoints, as its cold start did. */
+  bool online = model->online.plan && ck->qc.method == QM_NONE;
+  rc = reload(model, &pv, online ? NULL : &ck->qc, flags, checkpoint, ck);
   if (!rc) {
     model->stats.open_seconds += t_open;
     model->stats.checkpoint_bytes = 0;
@@ -863,6 +870,27 @@ int reload_tensors_in(qkeep_model *model, const struct qkeep_named_tensor *tenso
   return rc;
 }
 
+/*
+ * A direct load of an unquantized tensor of a model that quantizes on load: its layer is reloaded from it
+ * alone (validated first, in place, pointers unchanged), which gives the bytes a cold start gives only when
+ * the tensor is the layer's one source. A layer made from several (an NVFP4 fusion group sharing a global
+ * scale, fused shards, experts, or a tensor copied beside it such as a bias) is refused, naming them: they
+ * load together through qkeep_model_reload_tensors with QKEEP_RELOAD_PARTIAL.
+ */
+static int load_tensor_online(qkeep_model *model, qkeep_layer *layer,
+                              const struct qkeep_named_tensor *tensor) {
+  for (size_t i = 0; i < layer->n_sources; i++)
+    if (strcmp(layer->sources[i].checkpoint_name, tensor->name) != 0)
+      return set_error(QKEEP_E_UNSUPPORTED,
+                       "load_tensor: '%s' is quantized on load into layer %s together with '%s'%s; load "
+                       "them together with qkeep_model_reload_tensors (QKEEP_RELOAD_PARTIAL)",
+                       tensor->name, layer->name, layer->sources[i].checkpoint_name,
+                       layer->sources[i].online ? " (one unit of the quantize plan: a shared global scale or "
+                                                  "a fused param)"
+                                                : "");
+  return reload_tensors_in(model, tensor, 1, QKEEP_RELOAD_PARTIAL, NULL, 0);
+}
+
 int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor *tensor) {
   if (!model || !tensor || !tensor->name)
     return set_error(QKEEP_E_INVAL, "qkeep_model_load_tensor: NULL argument");
@@ -881,6 +909,10 @@ int qkeep_model_load_tensor(qkeep_model *model, const struct qkeep_named_tensor 
         set_error(QKEEP_E_NOTFOUND, "load_tensor: '%s' is not a checkpoint name of this model", tensor->name);
   if (!rc && model->poisoned)
     rc = set_error(QKEEP_E_STATE, "load_tensor: the model needs a full reload after a failed one");
+  if (!rc && src->online) { /* quantized on load: the layer is made again from it (docs/RULES.md) */
+    name_index_clear(&b.index);
+    return load_tensor_online(model, layer, tensor);
+  }
   if (!rc && (src->param->transformed || src->param->state != QKEEP_PARAM_LIVE || src->compare_only))
     rc = set_error(
         QKEEP_E_STATE,

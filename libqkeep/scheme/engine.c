@@ -520,6 +520,9 @@ bool param_was_loaded(const qkeep_layer *layer, const char *name) {
   for (size_t i = 0; p && i < layer->n_sources; i++)
     if (layer->sources[i].param == p && layer->sources[i].loaded)
       return true;
+  for (size_t i = 0; p && i < layer->n_derived; i++) /* made on load (online quantization) */
+    if (layer->derived[i].src.param == p && layer->derived[i].src.loaded)
+      return true;
   return false;
 }
 

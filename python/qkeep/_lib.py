@@ -26,7 +26,8 @@ DTYPES = ("F32", "F16", "BF16", "F8_E4M3", "F8_E8M0", "U8", "I8", "I32", "I64", 
 DTYPE = {name: value for value, name in enumerate(DTYPES)}
 
 KINDS = ("linear", "embedding", "moe", "kv_scales", "other")  # enum qkeep_layer_kind (its C names come from the library)
-PARAM_STATES = ("live", "retired", "released")
+PARAM_STATES = ("live", "retired", "released", "quantized on load")
+PARAM_QUANTIZED = 3
 DEVICE_HOST, DEVICE_CUDA, DEVICE_ROCM, DEVICE_OTHER = 0, 1, 2, 3
 MOE_W13, MOE_W2 = 0, 1
 MAX_DIMS = 6
@@ -74,7 +75,27 @@ class Census(ctypes.Structure):
         "loader_params", "registered_same", "missing", "c1", "c2", "aliases", "retired", "retired_bytes",
         "released", "released_bytes")] + [("reasons", c_int), ("reason", c_char_p * 8), ("buffers", c_int64),
                                           ("kept_bytes", c_int64), ("total_bytes", c_int64),
-                                          ("kept_share", c_double)]
+                                          ("kept_share", c_double), ("quantized_on_load", c_int64),
+                                          ("quantized_on_load_bytes", c_int64)]
+
+
+class QuantizeOptions(ctypes.Structure):
+    """struct qkeep_quantize_options up to `threads`: what a load that quantizes takes (its size says so)."""
+    _fields_ = [("size", c_size_t), ("scheme", c_char_p), ("group_size", c_int64), ("asym_weights", c_bool),
+                ("static_input", c_bool), ("asym_input", c_bool), ("kv_cache_scales", c_bool),
+                ("activation_amax", ctypes.c_float), ("max_shard_bytes", c_int64), ("threads", c_int)]
+
+
+QUANTIZE_KEYS = ("group_size", "asym_weights", "static_input", "asym_input", "kv_cache_scales", "activation_amax",
+                 "threads")
+
+
+def optional(name, restype, argtypes):
+    """A function of a newer library (None when the loaded one lacks it)."""
+    fn = getattr(lib, name, None)
+    if fn is not None:
+        fn.restype, fn.argtypes = restype, argtypes
+    return fn
 
 
 class Digest(ctypes.Structure):

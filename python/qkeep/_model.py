@@ -41,12 +41,13 @@ def load(checkpoint=None, backend=None, config=None, quantize=None, *, fuse=None
     directory. The config's [backend.NAME] keys, [model] fuse and parallel place apply either way.
     checkpoint None: the config's [model] checkpoint. fuse: a fusion map that overrides the config's.
     parallel: dict(tp_size=, tp_rank=, ep_size=, ep_rank=) overriding the config's.
-    quantize: online quantization; libqkeep has none, so anything but None raises Error.
+    quantize: online quantization of an unquantized checkpoint (BF16, F16, F32) on load: a scheme name
+    ("gptq-int4"), or a dict with "scheme" and qkeep quantize's options (group_size, asym_weights,
+    static_input, asym_input, kv_cache_scales, activation_amax, threads). The model is then the one
+    `qkeep quantize` with those options followed by a load gives; the unquantized names stay checkpoint
+    names (lookup, reload, sync) and keep no bytes. Default: the config's [model] quantize, if any.
     """
-    if quantize is not None:
-        raise Error(_lib.E_UNSUPPORTED, "online quantization not available (quantize=%r): quantize the checkpoint "
-                    "with `qkeep quantize IN OUT --scheme S` and load OUT" % (quantize,))
-    model = Model._open(backend, config, fuse, parallel)
+    model = Model._open(backend, config, fuse, parallel, quantize)
     try:
         if checkpoint is None:
             checkpoint = text(_lib.lib.qkeep_config_checkpoint(model._cfg)) if model._cfg else None
@@ -69,7 +70,7 @@ class Model:
         raise TypeError("use qkeep.load(...)")
 
     @classmethod
-    def _open(cls, backend, config, fuse, parallel):
+    def _open(cls, backend, config, fuse, parallel, quantize=None):
         self = object.__new__(cls)
         self._handle = self._cfg = None
         self._plugins, self._plugin_array = [], None
@@ -86,6 +87,7 @@ class Model:
             check(_lib.lib.qkeep_model_new_chain(arr, len(self._plugins), ctypes.byref(handle)))
             self._handle = handle
             self._configure(fuse, parallel)
+            self._set_quantize(quantize)
         except BaseException:
             self.close()
             raise
@@ -135,6 +137,33 @@ class Model:
                             % (key,))
             setattr(place, key, int(value))
         check(_lib.lib.qkeep_model_set_parallel(self._handle, ctypes.byref(place)))
+
+    def _set_quantize(self, quantize):
+        set_quantize = _lib.optional("qkeep_model_set_quantize", ctypes.c_int,
+                                     [ctypes.c_void_p, ctypes.POINTER(_lib.QuantizeOptions)])
+        opts = _lib.QuantizeOptions(size=ctypes.sizeof(_lib.QuantizeOptions))
+        if quantize is None:
+            from_config = _lib.optional("qkeep_config_quantize", ctypes.c_int,
+                                        [ctypes.c_void_p, ctypes.POINTER(_lib.QuantizeOptions)])
+            if not self._cfg or from_config is None or from_config(self._cfg, ctypes.byref(opts)) != 0:
+                self.quantize = None
+                return
+        else:
+            spec = {"scheme": quantize} if isinstance(quantize, str) else dict(quantize)
+            scheme = spec.pop("scheme", None)
+            if not isinstance(scheme, str):
+                raise Error(_lib.E_INVAL, "quantize: a scheme name, or a dict with \"scheme\" (got %r)" % (quantize,))
+            for key, value in spec.items():
+                if key not in _lib.QUANTIZE_KEYS:
+                    raise Error(_lib.E_INVAL, "quantize: unknown option %r (expected %s)"
+                                % (key, ", ".join(_lib.QUANTIZE_KEYS)))
+                setattr(opts, key, value)
+            self._quantize_scheme = scheme.encode()  # kept: the library copies it, but only at the call
+            opts.scheme = self._quantize_scheme
+        if set_quantize is None:
+            raise Error(_lib.E_UNSUPPORTED, "quantize: this libqkeep has no online quantization")
+        check(set_quantize(self._handle, ctypes.byref(opts)), "quantize = %s" % text(opts.scheme))
+        self.quantize = text(opts.scheme)
 
     def _load(self, checkpoint):
         path = os.fspath(checkpoint)
@@ -232,6 +261,9 @@ class Model:
         out["release_reasons"] = [text(c.reason[i]) for i in range(c.reasons)]
         out["buffers"], out["kept_bytes"], out["total_bytes"] = int(c.buffers), int(c.kept_bytes), int(c.total_bytes)
         out["kept_share"] = float("%.6g" % c.kept_share)  # the CLI prints six significant digits
+        out["quantized_on_load"] = int(c.quantized_on_load)
+        out["quantized_on_load_bytes"] = int(c.quantized_on_load_bytes)
+        out["quantized_on_load_kept_bytes"] = 0
         out["digest"] = self.digest()
         return out
 
@@ -267,6 +299,9 @@ class Model:
         if not param:
             raise Error(_lib.E_NOTFOUND, "%s: no param loads tensor '%s'" % (self.checkpoint, checkpoint_name))
         self.layers()
+        state = _lib.optional("qkeep_param_state", ctypes.c_int, [ctypes.c_void_p])
+        if state is not None and state(param) == _lib.PARAM_QUANTIZED:
+            return QuantizedOnLoad(self._by_ptr[layer.value], checkpoint_name)
         return Param(self._by_ptr[layer.value], text(_lib.lib.qkeep_param_runtime_name(param)))
 
     def storages(self):
@@ -618,3 +653,18 @@ class _NumpyIO:
         buf = np.empty(nbytes + _WORKSPACE_ALIGN, dtype=np.uint8)
         addr = buf.ctypes.data
         return buf, addr + (-addr % _WORKSPACE_ALIGN)
+
+
+class QuantizedOnLoad:
+    """An unquantized checkpoint tensor of a model that quantizes on load (qkeep.load(quantize=...)): its
+    name is a checkpoint name of the model (lookup, reload, sync), but it keeps no bytes: what loads into
+    it lands quantized in its layer's kernel params."""
+
+    state = "quantized on load"
+    nbytes = 0
+
+    def __init__(self, layer, name):
+        self.layer, self.name = layer, name
+
+    def __repr__(self):
+        return "<qkeep quantized-on-load %s of layer %s>" % (self.name, self.layer.name)

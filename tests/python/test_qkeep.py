@@ -314,10 +314,25 @@ class TestErrors(Base):
                              stdout=subprocess.PIPE, universal_newlines=True)
         self.assertEqual(run.stdout.strip(), lib)
 
-    def test_online_quantization_is_refused(self):
-        e = self.assertError(lambda: qkeep.load(tu.example("tiny"), config=self.config, quantize="mxfp4"),
-                             "online quantization not available", code=_lib.E_UNSUPPORTED)
-        self.assertEqual(e.name, _lib.strerror(_lib.E_UNSUPPORTED))
+    def test_online_quantization_equals_quantize_then_load_and_reloads_from_bf16(self):
+        for scheme in ("w8a8-int8", "gptq-int4", "mxfp4", "modelopt-nvfp4"):
+            with self.subTest(scheme=scheme):
+                options = {"scheme": scheme, "kv_cache_scales": True, "activation_amax": 4.0, "threads": 2}
+                with qkeep.load(tu.example("tiny"), config=self.config, quantize=options) as m:
+                    self.assertEqual(m.quantize, scheme)
+                    got, want = m.census(), tu.cli_json(self.config, "census", tu.example("tiny-" + scheme))
+                    self.assertEqual(got["digest"], want["digest"])
+                    self.assertEqual((got["quantized_on_load"], got["quantized_on_load_kept_bytes"]), (30, 0))
+                    self.assertEqual(want["quantized_on_load"], 0)
+                    p = m.lookup("model.layers.0.self_attn.q_proj.weight")
+                    self.assertEqual((p.state, p.nbytes), ("quantized on load", 0))
+                    m.reload(tu.example("tiny-w1"))
+                    w1 = tu.cli_json(self.config, "census", tu.example("tiny-w1-" + scheme))
+                    self.assertEqual(m.digest(), w1["digest"])
+        self.assertError(lambda: qkeep.load(tu.example("tiny"), config=self.config, quantize="fp8"),
+                         "fp8", code=_lib.E_UNSUPPORTED)
+        self.assertError(lambda: qkeep.load(tu.example("tiny"), config=self.config,
+                                            quantize={"scheme": "mxfp4", "bits": 3}), "bits", code=_lib.E_INVAL)
 
     def test_a_closed_model_and_unknown_names_raise(self):
         m = qkeep.load(tu.example("tiny"), backend="reference", config=self.config)

@@ -1,0 +1,374 @@
+/*
+ * online.c: online quantization. A model with quantize options (qkeep_model_set_quantize) loads an
+ * unquantized checkpoint as the checkpoint `qkeep quantize` would write from it with those options,
+ * byte for byte, without that checkpoint ever existing:
+ *
+ *   plan     the offline quantizer plans the output from the input's header (quantize/plan.h):
+ *            every output tensor, the units of work, the config files. A checkpoint that no file
+ *            holds is described from them (ckpt_describe) and assembled as any checkpoint is, so
+ *            layers, schemes, owners (the chain's first fit) and tensor-parallel cuts are those of
+ *            the quantized checkpoint.
+ *   sources  each layer's sources of quantized tensors become derived sources (where a made tensor
+ *            lands), and the unquantized tensors they are made from become the layer's sources, each
+ *            with a param of state QKEEP_PARAM_QUANTIZED (registered through the model's index,
+ *            no storage). Tensors copied unchanged stay sources as they were.
+ *   load     per layer, unit by unit (a weight, or an NVFP4 fusion group sharing a global scale):
+ *            the members' unquantized bytes are read from the provider (a checkpoint, buffers or a
+ *            sync's bucket), quantized on the host (quant_plan_run: the seam where a device kernel
+ *            may take a unit), and each made tensor lands through the ordinary load_source, as
+ *            the tensor of a checkpoint would. Memory: one unit's input and output bytes.
+ *
+ * Cold start, reload, rollback and sync all load layers through load_layer_sources, so each of them
+ * quantizes the same way.
+ */
+#include <assert.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/formats.h"
+#include "load/online.h"
+#include "quantize/plan.h"
+
+/* ---- planning ------------------------------------------------------------------------------ */
+
+static int by_unit(const void *a, const void *b) {
+  const struct derived *x = a, *y = b;
+  if (x->unit != y->unit)
+    return x->unit < y->unit ? -1 : 1;
+  return x->order < y->order ? -1 : x->order > y->order;
+}
+
+static int by_order(const void *a, const void *b) {
+  const struct derived *x = a, *y = b;
+  return x->order < y->order ? -1 : x->order > y->order;
+}
+
+/* A quantized-on-load param for member m of unit u, and its source in the layer. */
+static int add_member_source(qkeep_layer *layer, const struct quant_plan *plan, size_t u, int m,
+                             struct source *sources, size_t *n_sources, size_t *at) {
+  struct quant_member qm;
+  quant_plan_member(plan, u, m, &qm);
+  struct qkeep_spec spec = {.dtype = qm.dtype, .ndim = 2, .shape = {qm.n, qm.k}};
+  int rc = grow_array((void **)&layer->online_params, &layer->cap_online_params, layer->n_online_params + 1,
+                      sizeof *layer->online_params);
+  qkeep_param *p = rc ? NULL : calloc(1, sizeof *p);
+  char *name = p ? xstrdup(qm.input) : NULL;
+  if (p) {
+    p->checkpoint_name = xstrdup(qm.input);
+    p->runtime_name = xstrdup(qm.input);
+  }
+  if (!p || !name || !p->checkpoint_name || !p->runtime_name) {
+    if (p)
+      free(p->checkpoint_name), free(p->runtime_name);
+    free(p), free(name);
+    return rc ? rc : set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  p->layer = layer;
+  p->state = QKEEP_PARAM_QUANTIZED;
+  p->create_spec = spec;
+  p->create_bytes = qm.nbytes;
+  p->view.spec = spec; /* no storage: a view of nothing */
+  layer->online_params[layer->n_online_params++] = p;
+  struct source s = {.checkpoint_name = name,
+                     .param = p,
+                     .rows = 1,
+                     .row_bytes = qm.nbytes,
+                     .dst_stride = qm.nbytes,
+                     .spec = spec,
+                     .online = true,
+                     .unit = u,
+                     .member = m};
+  *at = (*n_sources)++;
+  sources[*at] = s;
+  return 0;
+}
+
+/*
+ * One layer: sources of made tensors become derived sources, ordered by unit (units in the order
+ * their first source had, so that a fused param's first shard, which a compare-only source of
+ * another shard checks against, lands first), and each unit's members become sources.
+ */
+static int convert_layer(qkeep_layer *layer, const struct online_quantize *on) {
+  size_t n_old = layer->n_sources, units = 0, n_sources = 0;
+  for (size_t i = 0; i < n_old; i++) {
+    size_t out;
+    struct quant_output o;
+    if (!name_index_get(&on->outputs, layer->sources[i].checkpoint_name, &out))
+      return set_error(QKEEP_E_FORMAT, "layer %s: source '%s' is no tensor of the quantize plan", layer->name,
+                       layer->sources[i].checkpoint_name);
+    quant_plan_output(on->plan, out, &o);
+    if (o.copied)
+      continue;
+    int rc = grow_array((void **)&layer->derived, &layer->cap_derived, layer->n_derived + 1,
+                        sizeof *layer->derived);
+    if (rc)
+      return rc;
+    layer->derived[layer->n_derived++] =
+        (struct derived){.src = layer->sources[i], .output = out, .unit = o.unit};
+    units += o.unit != SIZE_MAX ? (size_t)quant_plan_members(on->plan, o.unit) : 0;
+  }
+  if (!layer->n_derived)
+    return 0;
+  /* The sort key: the first position of the unit's sources, then the source's own (constants without a
+   * unit: their own position alone). Found by sorting by unit first, so the planning stays n log n. */
+  size_t nd = layer->n_derived;
+  for (size_t d = 0; d < nd; d++)
+    layer->derived[d].order = d;
+  qsort(layer->derived, nd, sizeof *layer->derived, by_unit);
+  for (size_t d = 0, first = 0; d < nd; d++) {
+    if (d == 0 || layer->derived[d].unit != layer->derived[d - 1].unit || layer->derived[d].unit == SIZE_MAX)
+      first = layer->derived[d].order; /* the smallest position: positions ascend within a unit */
+    layer->derived[d].order = first * nd + layer->derived[d].order;
+  }
+  qsort(layer->derived, layer->n_derived, sizeof *layer->derived, by_order);
+  struct source *sources = calloc(n_old + units + 1, sizeof *sources);
+  if (!sources)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n_old; i++) {
+    size_t out;
+    struct quant_output o;
+    name_index_get(&on->outputs, layer->sources[i].checkpoint_name, &out);
+    quant_plan_output(on->plan, out, &o);
+    if (o.copied)
+      sources[n_sources++] = layer->sources[i];
+  }
+  int rc = 0;
+  for (size_t d = 0; d < layer->n_derived && !rc; d++) {
+    struct derived *x = &layer->derived[d];
+    if (x->unit == SIZE_MAX)
+      continue;
+    if (d > 0 && layer->derived[d - 1].unit == x->unit) { /* the unit's members are sources already */
+      memcpy(x->members, layer->derived[d - 1].members, sizeof x->members);
+      continue;
+    }
+    for (int m = 0; m < quant_plan_members(on->plan, x->unit) && !rc; m++)
+      rc = add_member_source(layer, on->plan, x->unit, m, sources, &n_sources, &x->members[m]);
+  }
+  free(layer->sources); /* the names moved: to sources kept, or to derived */
+  layer->sources = sources;
+  layer->n_sources = n_sources;
+  layer->cap_sources = n_old + units + 1;
+  return rc;
+}
+
+/* Another expert-parallel rank's made tensors: their unquantized inputs are that rank's too. */
+static int note_foreign_inputs(qkeep_model *model) {
+  const struct online_quantize *on = &model->online;
+  size_t n = model->rank.n_foreign;
+  int rc = 0;
+  for (size_t i = 0; i < n && !rc; i++) {
+    size_t out;
+    struct quant_output o;
+    if (!name_index_get(&on->outputs, model->rank.foreign[i], &out))
+      continue;
+    quant_plan_output(on->plan, out, &o);
+    if (o.unit != SIZE_MAX && o.slot == 0) {
+      struct quant_member qm;
+      quant_plan_member(on->plan, o.unit, o.member, &qm);
+      rc = shard_note_foreign(model, qm.input);
+    }
+  }
+  return rc;
+}
+
+int online_assemble(qkeep_model *model, const struct ckpt *ck) {
+  struct online_quantize *on = &model->online;
+  assert(on->set && !on->plan);
+  int rc = quant_plan_new(ck, &on->opts, &on->plan);
+  if (rc)
+    return add_error_context(rc, "quantizing on load to %s", on->opts.scheme);
+  size_t n = quant_plan_outputs(on->plan);
+  const char **names = malloc((n ? n : 1) * sizeof *names);
+  struct qkeep_spec *specs = malloc((n ? n : 1) * sizeof *specs);
+  char *config = NULL, *hf = NULL;
+  struct ckpt *quantized = NULL;
+  rc = names && specs ? name_index_reserve(&on->outputs, n) : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < n && !rc; i++) {
+    struct quant_output o;
+    quant_plan_output(on->plan, i, &o);
+    names[i] = o.name, specs[i] = o.spec;
+    rc = name_index_put(&on->outputs, o.name, i, NULL);
+  }
+  if (!rc)
+    rc = quant_plan_configs(on->plan, &config, &hf);
+  if (!rc)
+    rc = ckpt_describe(ck->path, ck->dir, names, specs, n, config, hf, &quantized);
+  if (!rc)
+    rc = assemble_model(model, quantized);
+  for (size_t l = 0; l < model->n_layers && !rc; l++)
+    rc = convert_layer(model->layers[l], on);
+  if (!rc)
+    rc = model_reindex_sources(model);
+  if (!rc)
+    rc = note_foreign_inputs(model);
+  ckpt_close(quantized);
+  free(config), free(hf), free(names), free(specs);
+  return rc;
+}
+
+/* ---- the bytes of one unit ------------------------------------------------------------------- */
+
+/* A unit's outputs as a provider (struct online_unit, load.h): host bytes, by name. */
+static const void *output_bytes(const struct online_unit *u, const struct quant_output *o) {
+  return o->constant ? (const void *)o->value : u->dst[o->member][o->slot];
+}
+
+static void uo_describe(const struct provider *p, const void *handle, struct provided *out) {
+  const struct online_unit *uo = p->ctx;
+  const struct quant_output *o = handle;
+  *out = (struct provided){o->name,
+                           (int)o->spec.dtype,
+                           qkeep_dtype_name(o->spec.dtype),
+                           o->spec.ndim,
+                           o->spec.shape,
+                           o->nbytes,
+                           uo->where,
+                           o,
+                           NULL,
+                           0,
+                           false};
+}
+
+static bool uo_find(const struct provider *p, const char *name, struct provided *out) {
+  const struct online_unit *uo = p->ctx;
+  for (size_t i = 0; i < uo->n; i++)
+    if (strcmp(uo->outs[i].name, name) == 0) {
+      uo_describe(p, &uo->outs[i], out);
+      return true;
+    }
+  return false;
+}
+
+static const void *uo_host(const struct provider *p, const struct provided *t) {
+  return output_bytes(p->ctx, t->handle);
+}
+
+static int uo_read(const struct provider *p, const struct provided *t, void *dst) {
+  memcpy(dst, uo_host(p, t), t->nbytes);
+  return 0;
+}
+
+static int uo_read_range(const struct provider *p, const struct provided *t, size_t offset, size_t n,
+                         void *dst) {
+  memcpy(dst, (const char *)uo_host(p, t) + offset, n);
+  return 0;
+}
+
+static size_t uo_count(const struct provider *p) { return ((const struct online_unit *)p->ctx)->n; }
+static const char *uo_name_at(const struct provider *p, size_t i) {
+  return ((const struct online_unit *)p->ctx)->outs[i].name;
+}
+
+/* A source's bytes in host memory: the provider's own, else a copy in *held (the caller frees it). The
+ * tensor must be there as the source expects (the caller's validation, or this check). */
+static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t, const void **bytes, void **held) {
+  *bytes = NULL, *held = NULL;
+  if (!pv->find(pv, src->checkpoint_name, t))
+    return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
+                     src->checkpoint_name, layer->name);
+  if (t->dtype != (int)src->spec.dtype || t->nbytes != qkeep_spec_bytes(&src->spec) || t->ndim != 2 ||
+      t->shape[0] != src->spec.shape[0] || t->shape[1] != src->spec.shape[1])
+    return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s, the model expects %s [%lld, %lld] (layer %s)",
+                     t->where, t->name, t->dtype_name, qkeep_dtype_name(src->spec.dtype),
+                     (long long)src->spec.shape[0], (long long)src->spec.shape[1], layer->name);
+  const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
+  if (!on_device && pv->host_bytes && (*bytes = pv->host_bytes(pv, t)) != NULL)
+    return 0;
+  if (!(*held = malloc(t->nbytes ? t->nbytes : 1)))
+    return set_error(QKEEP_E_NOMEM, "out of memory reading '%s' (%zu bytes)", t->name, t->nbytes);
+  int rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
+  *bytes = *held;
+  return rc;
+}
+
+size_t online_unit_end(const qkeep_layer *layer, size_t first) {
+  size_t end = first + 1;
+  while (end < layer->n_derived && layer->derived[end].unit == layer->derived[first].unit)
+    end++;
+  return end;
+}
+
+int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
+                     struct online_unit *u) {
+  const struct quant_plan *plan = layer->model->online.plan;
+  const struct derived *d0 = &layer->derived[first];
+  size_t unit = d0->unit;
+  int members = unit == SIZE_MAX ? 0 : quant_plan_members(plan, unit), rc = 0;
+  const void *src[3] = {0};
+  *u = (struct online_unit){0};
+  for (int m = 0; m < members && !rc; m++) {
+    struct provided t;
+    rc = host_bytes_of(layer, pv, &layer->sources[d0->members[m]], &t, &src[m], &u->held[m]);
+    struct quant_member qm;
+    quant_plan_member(plan, unit, m, &qm);
+    for (int s = 0; s < qm.n_out && !rc; s++) {
+      struct quant_output o;
+      quant_plan_output(plan, qm.out[s], &o);
+      if (!o.constant && !(u->dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
+        rc = set_error(QKEEP_E_NOMEM, "out of memory quantizing '%s'", qm.input);
+      u->bytes += o.constant ? 0 : (int64_t)o.nbytes;
+    }
+    u->bytes += u->held[m] ? (int64_t)t.nbytes : 0;
+  }
+  if (!rc && members)
+    rc = quant_plan_run(plan, unit, src, (void *const(*)[4])u->dst);
+  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t d = first; d < end && !rc; d++)
+    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
+  u->n = rc ? 0 : end - first;
+  u->where = pv->what;
+  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
+                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
+  if (rc) {
+    online_unit_free(u);
+    return rc;
+  }
+  return 0;
+}
+
+void online_unit_free(struct online_unit *u) {
+  free(u->outs);
+  u->outs = NULL;
+  for (int m = 0; m < 3; m++) {
+    free(u->held[m]);
+    u->held[m] = NULL;
+    for (int s = 0; s < 4; s++) {
+      free(u->dst[m][s]);
+      u->dst[m][s] = NULL;
+    }
+  }
+}
+
+/* ---- validation ---------------------------------------------------------------------------- */
+
+int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src) {
+  struct provided t;
+  const void *bytes;
+  void *held;
+  int rc = host_bytes_of(layer, pv, src, &t, &bytes, &held);
+  size_t n = rc ? 0 : (size_t)qkeep_spec_numel(&src->spec), bad = n;
+  enum qkeep_dtype dtype = src->spec.dtype;
+  for (size_t i = 0; i < n && bad == n; i++) {
+    float v = qk_load_float(bytes, dtype, i);
+    if (!isfinite(v))
+      bad = i;
+  }
+  if (bad < n) {
+    int64_t k = src->spec.shape[1] ? src->spec.shape[1] : 1;
+    float v = qk_load_float(bytes, dtype, bad);
+    rc = set_error(
+        QKEEP_E_FORMAT,
+        "%s: tensor '%s': element %zu (row %lld, column %lld) is %s: it cannot be quantized on load "
+        "(layer %s)",
+        t.where, t.name, bad, (long long)(bad / (size_t)k), (long long)(bad % (size_t)k),
+        isnan(v) ? "NaN"
+        : v > 0  ? "+Inf"
+                 : "-Inf",
+        layer->name);
+  }
+  free(held);
+  return rc;
+}

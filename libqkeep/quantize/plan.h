@@ -1,0 +1,76 @@
+/*
+ * quantize/plan.h: the offline quantizer's plan, kept past its checkpoint, and its one
+ * quantization step, for loads that quantize as they go (online quantization, load/online.c).
+ * The same code writes `qkeep quantize`'s files (quantize_model.c), so a model quantized on load
+ * holds the bytes that quantizing to files and loading them gives.
+ *
+ * A plan is made from an unquantized checkpoint's header alone: every output tensor the
+ * offline quantizer would write (name, spec; constants with their bytes), the units of work
+ * (one quantized weight, or one NVFP4 fusion group whose members share a global scale), and
+ * the config files it would write. A unit's run quantizes its members' source bytes into the
+ * caller's destination buffers: the seam where a device kernel can take a scheme's unit later.
+ */
+#ifndef QKEEP_QUANT_PLAN_H
+#define QKEEP_QUANT_PLAN_H
+
+#include "format/checkpoint.h"
+
+struct quant_plan;
+
+/* The options a plan takes, checked as qkeep_quantize checks them (scheme, group size, activation amax,
+ * threads), before any checkpoint is read. */
+int quant_options_check(const struct qkeep_quantize_options *opts);
+
+/* One output tensor of a plan. */
+struct quant_output {
+  const char *name; /* borrowed from the plan */
+  struct qkeep_spec spec;
+  size_t nbytes;
+  const char *input;          /* the input it is made from (copied or quantized); NULL: a kv-cache scale */
+  bool copied;                /* the input copied unchanged (same name, spec and bytes) */
+  bool constant;              /* its bytes are known from the plan: value */
+  const unsigned char *value; /* a constant's bytes (nbytes of them) */
+  size_t unit;                /* a quantized output: its unit; SIZE_MAX otherwise */
+  int member, slot;           /* its member in the unit and its place among the member's outputs */
+};
+
+/* One input of a unit: a 2-D float weight [n, k]. */
+struct quant_member {
+  const char *input; /* its checkpoint name, borrowed from the plan */
+  enum qkeep_dtype dtype;
+  int64_t n, k;
+  size_t nbytes;
+  int n_out;     /* its outputs, constants included */
+  size_t out[4]; /* their indices in the plan */
+};
+
+/*
+ * Plans the quantization of checkpoint ck (unquantized) with opts, as qkeep_quantize would
+ * (the same checks and errors; out_dir-only fields are not read). The plan keeps no pointer into
+ * ck. QKEEP_E_UNSUPPORTED for a scheme qkeep quantize does not write, QKEEP_E_INVAL for bad
+ * options or an already quantized input, QKEEP_E_FORMAT for shapes the scheme cannot take.
+ */
+int quant_plan_new(const struct ckpt *ck, const struct qkeep_quantize_options *opts, struct quant_plan **out);
+void quant_plan_free(struct quant_plan *p);
+/* The plan's outputs, in the order qkeep quantize writes them. */
+size_t quant_plan_outputs(const struct quant_plan *p);
+void quant_plan_output(const struct quant_plan *p, size_t index, struct quant_output *out);
+/* Quantized units (copies are not units here) and their members (1 to 3). */
+size_t quant_plan_units(const struct quant_plan *p);
+int quant_plan_members(const struct quant_plan *p, size_t unit);
+void quant_plan_member(const struct quant_plan *p, size_t unit, int member, struct quant_member *out);
+/* The config.json and hf_quant_config.json (NULL when the scheme writes none) texts qkeep quantize
+ * writes for this plan (malloc'd). */
+int quant_plan_configs(const struct quant_plan *p, char **config_json, char **hf_quant_json);
+/* The threads a unit's run uses (the options' threads, or every online core). */
+int quant_plan_threads(const struct quant_plan *p);
+/*
+ * Quantizes one unit: src[m] holds member m's input bytes (host memory, its nbytes), dst[m][s]
+ * gets the bytes of the member's slot-s output (host memory, its nbytes; NULL for a constant,
+ * whose bytes the plan holds). Row blocks run on the plan's threads; the bytes do not depend on
+ * their number. QKEEP_E_INVAL naming the input tensor, element, row and column for a NaN or Inf
+ * (nothing useful is in dst then); QKEEP_E_NOMEM.
+ */
+int quant_plan_run(const struct quant_plan *p, size_t unit, const void *const *src, void *const (*dst)[4]);
+
+#endif

@@ -1,0 +1,627 @@
+/*
+ * check_online.c: online quantization (qkeep_model_set_quantize). The oracle is the offline path:
+ * qkeep_quantize with the same options into a directory, then a cold start of it.
+ *
+ *   - Every scheme qkeep quantize writes, on every CPU chain that runs it (the configured default,
+ *     reference alone, cpu-onednn and cpu-zentorch where they take the scheme): an online load of
+ *     examples/tiny equals quantize-then-load: digest, census (all but the new class), every
+ *     registered tensor of every layer byte for byte, and each layer's backend.
+ *   - F32 and F16 sources, and a source sharded over two files with an index, equally.
+ *   - Every unquantized checkpoint name resolves (state QKEEP_PARAM_QUANTIZED for those quantized),
+ *     and the census counts them in their own class, with no rule broken.
+ *   - Reload W0 -> W1 (examples/tiny-w1) equals a cold online start on W1, with every storage's
+ *     address unchanged; a sync of the bf16 buckets qkeep_sync_plan plans equals it too.
+ *   - Tensor parallel: each rank of TP = 2 equals that rank of the offline output.
+ *   - A NaN or an Inf in the source is refused before anything changes (the digest stays); a direct
+ *     load of one member of a fusion group is refused naming the group; of a lone weight it equals
+ *     the cold start's layer.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkutil.h"
+#include "private.h"
+#include "testutil.h"
+
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
+                                      "w8a8-int8",      "gptq-int4", "awq-int4"};
+#define N_SCHEMES (sizeof schemes / sizeof schemes[0])
+
+static char *example(const char *name) {
+  char *dir = tu_path(tu_builddir(), "examples");
+  char *p = tu_path(dir, name);
+  free(dir);
+  return p;
+}
+
+/* The options examples/tiny-SCHEME were written with (Makefile.am). */
+static struct qkeep_quantize_options options_for(const char *scheme) {
+  return (struct qkeep_quantize_options){.size = sizeof(struct qkeep_quantize_options),
+                                         .scheme = scheme,
+                                         .kv_cache_scales = true,
+                                         .activation_amax = 4.0f,
+                                         .threads = 2};
+}
+
+/* A chain of backends by name; *n gets how many opened (a backend not built is left out). */
+static void open_chain(const char *const *names, size_t count, qkeep_plugin **out, size_t *n) {
+  *n = 0;
+  for (size_t i = 0; i < count; i++)
+    if (qkeep_plugin_open(names[i], NULL, &out[*n]) == 0)
+      (*n)++;
+}
+
+static void close_chain(qkeep_plugin **p, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    qkeep_plugin_close(p[i]);
+}
+
+/* The configured default chain (conf/qkeep.ini of the build tree). */
+static int open_default(qkeep_plugin ***plugins, size_t *n) {
+  char *conf = tu_path(tu_builddir(), "conf/qkeep.ini");
+  qkeep_config *cfg;
+  ck_assert_msg(qkeep_config_load(conf, &cfg) == 0, "%s", qkeep_errmsg());
+  int rc = qkeep_plugins_open_config(cfg, plugins, n);
+  ck_assert_msg(rc == 0, "%s", qkeep_errmsg());
+  qkeep_config_free(cfg);
+  free(conf);
+  return rc;
+}
+
+static qkeep_model *load_model(qkeep_plugin *const *chain, size_t n, const char *path,
+                               const struct qkeep_quantize_options *online, int tp, int rank) {
+  qkeep_model *m;
+  ck_assert_msg(qkeep_model_new_chain(chain, n, &m) == 0, "%s", qkeep_errmsg());
+  if (tp > 1) {
+    struct qkeep_parallel p = {.size = sizeof p, .tp_size = tp, .tp_rank = rank};
+    ck_assert_int_eq(qkeep_model_set_parallel(m, &p), 0);
+  }
+  if (online)
+    ck_assert_msg(qkeep_model_set_quantize(m, online) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_model_load(m, path) == 0, "%s: %s", path, qkeep_errmsg());
+  return m;
+}
+
+static struct qkeep_digest digest_of(const qkeep_model *m) {
+  struct qkeep_digest d;
+  ck_assert_msg(qkeep_digest(m, &d) == 0, "%s", qkeep_errmsg());
+  return d;
+}
+
+static bool same_digest(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
+
+/* Every registered tensor of layer a, byte for byte in layer b (host memory: CPU backends). */
+struct compare_ctx {
+  const qkeep_layer *other;
+  const char *layer;
+  int compared;
+};
+
+static int compare_name(void *user, const char *name, bool is_buffer, const struct qkeep_view *v) {
+  struct compare_ctx *c = user;
+  struct qkeep_view w = {.size = sizeof w};
+  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s.%s missing offline", c->layer, name);
+  ck_assert_msg(v->nbytes == w.nbytes && v->spec.dtype == w.spec.dtype && v->spec.ndim == w.spec.ndim,
+                "%s.%s (%s): %zu bytes online, %zu offline", c->layer, name, is_buffer ? "buffer" : "param",
+                v->nbytes, w.nbytes);
+  ck_assert_msg(v->nbytes == 0 || memcmp(v->data, w.data, v->nbytes) == 0, "%s.%s: bytes differ", c->layer,
+                name);
+  c->compared++;
+  return 0;
+}
+
+/* online: loaded with quantize options; oracle: the model it must equal (offline_oracle: a cold start
+ * of qkeep_quantize's output, which has no param quantized on load; else an online model too). */
+static void assert_same(const qkeep_model *online, const qkeep_model *oracle, bool offline_oracle,
+                        const char *what) {
+  size_t n = qkeep_model_layer_count(online);
+  ck_assert_uint_eq(n, qkeep_model_layer_count(oracle));
+  for (size_t l = 0; l < n; l++) {
+    qkeep_layer *x = qkeep_model_layer(online, l), *y = qkeep_model_layer(oracle, l);
+    struct qkeep_layer_info ix = {.size = sizeof ix}, iy = {.size = sizeof iy};
+    qkeep_layer_get_info(x, &ix), qkeep_layer_get_info(y, &iy);
+    ck_assert_str_eq(ix.name, iy.name);
+    ck_assert_str_eq(ix.scheme, iy.scheme);
+    const char *bx = qkeep_layer_backend(x), *by = qkeep_layer_backend(y);
+    ck_assert_msg((!bx && !by) || (bx && by && strcmp(bx, by) == 0), "%s: %s: backends differ", what,
+                  ix.name);
+    struct compare_ctx c = {y, ix.name, 0};
+    ck_assert_int_eq(qkeep_foreach_name(x, compare_name, &c), 0);
+  }
+  ck_assert_msg(same_digest(digest_of(online), digest_of(oracle)), "%s: digests differ", what);
+  struct qkeep_census a = {.size = sizeof a}, b = {.size = sizeof b};
+  ck_assert_int_eq(qkeep_census(online, &a), 0);
+  ck_assert_int_eq(qkeep_census(oracle, &b), 0);
+  ck_assert_msg(a.quantized_on_load > 0 && a.quantized_on_load_bytes > 0 &&
+                    (offline_oracle ? b.quantized_on_load == 0 : b.quantized_on_load == a.quantized_on_load),
+                "%s: quantized on load %lld online, %lld in the oracle", what, (long long)a.quantized_on_load,
+                (long long)b.quantized_on_load);
+  if (offline_oracle)
+    a.quantized_on_load = a.quantized_on_load_bytes = 0;
+  for (int i = 0; i < a.reasons; i++)
+    a.reason[i] = b.reason[i]; /* borrowed strings of each model */
+  ck_assert_msg(memcmp(&a, &b, sizeof a) == 0, "%s: census differs", what);
+  ck_assert_int_eq(a.missing, 0);
+  ck_assert_int_eq(a.c1, 0);
+  ck_assert_int_eq(a.c2, 0);
+}
+
+static void assert_same_model(const qkeep_model *online, const qkeep_model *offline, const char *what) {
+  assert_same(online, offline, true, what);
+}
+
+/* qkeep_quantize of `in` with opts into a fresh directory (the caller frees and removes it). */
+static char *quantize_to_dir(const char *in, const struct qkeep_quantize_options *opts) {
+  char *tmp = tu_tmpdir("online");
+  char *out = tu_path(tmp, opts->scheme);
+  ck_assert_msg(qkeep_quantize(in, out, opts) == 0, "%s", qkeep_errmsg());
+  free(tmp);
+  return out;
+}
+
+static void remove_dir(char *out) {
+  char *slash = strrchr(out, '/');
+  *slash = '\0';
+  tu_rmtree(out);
+  free(out);
+}
+
+/* Online against offline for every scheme on one chain; schemes no backend of it takes are skipped. */
+static int compare_on_chain(qkeep_plugin *const *chain, size_t n, const char *label) {
+  char *tiny = example("tiny");
+  int compared = 0;
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    char *offline_dir = quantize_to_dir(tiny, &o);
+    qkeep_model *offline;
+    ck_assert_int_eq(qkeep_model_new_chain(chain, n, &offline), 0);
+    if (qkeep_model_load(offline, offline_dir) != 0) { /* the chain does not run this scheme */
+      qkeep_model_free(offline);
+      remove_dir(offline_dir);
+      continue;
+    }
+    qkeep_model *online = load_model(chain, n, tiny, &o, 1, 0);
+    char what[160];
+    snprintf(what, sizeof what, "%s on %s", schemes[s], label);
+    assert_same_model(online, offline, what);
+    compared++;
+    qkeep_model_free(online);
+    qkeep_model_free(offline);
+    remove_dir(offline_dir);
+  }
+  free(tiny);
+  return compared;
+}
+
+START_TEST(every_scheme_online_equals_quantize_then_load_on_the_default_chain) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  ck_assert_int_eq(compare_on_chain(chain, n, "the default chain"), (int)N_SCHEMES);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+START_TEST(every_scheme_online_equals_quantize_then_load_on_reference_and_cpu_chains) {
+  static const char *const chains[][2] = {
+      {"reference", NULL}, {"cpu-onednn", "reference"}, {"cpu-zentorch", "reference"}};
+  for (size_t c = 0; c < 3; c++) {
+    qkeep_plugin *chain[2];
+    size_t n;
+    open_chain(chains[c], chains[c][1] ? 2 : 1, chain, &n);
+    if (n == 0)
+      continue; /* not built */
+    int compared = compare_on_chain(chain, n, chains[c][0]);
+    ck_assert_int_eq(compared, (int)N_SCHEMES); /* reference runs every scheme at the end of each chain */
+    close_chain(chain, n);
+  }
+}
+END_TEST
+
+START_TEST(every_unquantized_name_resolves_and_keeps_no_bytes) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  char *tiny = example("tiny");
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(tiny, &ck), 0);
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    qkeep_model *m = load_model(&ref, 1, tiny, &o, 1, 0);
+    int64_t quantized = 0, bytes = 0;
+    for (size_t i = 0; i < ck->n_tensors; i++) {
+      qkeep_layer *layer = NULL;
+      qkeep_param *p = qkeep_model_lookup(m, ck->tensors[i].t->name, &layer);
+      ck_assert_msg(p && layer, "%s: '%s' does not resolve", schemes[s], ck->tensors[i].t->name);
+      if (qkeep_param_state(p) == QKEEP_PARAM_QUANTIZED) {
+        struct qkeep_view v = {.size = sizeof v};
+        ck_assert_int_eq(qkeep_param_view(p, &v), 0);
+        ck_assert_uint_eq(v.nbytes, 0);
+        ck_assert_uint_eq(v.capacity, 0);
+        ck_assert_str_eq(qkeep_param_checkpoint_name(p), ck->tensors[i].t->name);
+        quantized++;
+        bytes += (int64_t)ck->tensors[i].t->nbytes;
+      }
+    }
+    struct qkeep_census c = {.size = sizeof c};
+    ck_assert_int_eq(qkeep_census(m, &c), 0);
+    /* every linear but the lm_head: 3 layers x 7, plus 3 more per expert beyond the first MLP's */
+    ck_assert_int_eq(quantized, 3 * 4 + 2 * 3 + 4 * 3);
+    ck_assert_int_eq(c.quantized_on_load, quantized);
+    ck_assert_int_eq(c.quantized_on_load_bytes, bytes);
+    ck_assert_int_eq(c.missing + c.c1 + c.c2 + c.released, 0);
+    qkeep_model_free(m);
+  }
+  ckpt_close(ck);
+  free(tiny);
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
+/* Every storage's address, in the model's order. */
+struct addresses {
+  const void *at[4096];
+  size_t n;
+};
+static int note_address(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
+  (void)layer, (void)name, (void)capacity;
+  struct addresses *a = user;
+  ck_assert_uint_lt(a->n, 4096);
+  a->at[a->n++] = data;
+  return 0;
+}
+
+START_TEST(reload_w0_to_w1_equals_a_cold_online_w1_and_moves_no_pointer) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny"), *w1 = example("tiny-w1");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    qkeep_model *m = load_model(chain, n, tiny, &o, 1, 0), *cold = load_model(chain, n, w1, &o, 1, 0);
+    struct addresses *before = calloc(1, sizeof *before), *after = calloc(1, sizeof *after);
+    ck_assert_int_eq(qkeep_foreach_storage(m, note_address, before), 0);
+    ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s: %s", schemes[s], qkeep_errmsg());
+    ck_assert_int_eq(qkeep_foreach_storage(m, note_address, after), 0);
+    ck_assert_uint_eq(before->n, after->n);
+    ck_assert_msg(memcmp(before->at, after->at, before->n * sizeof *before->at) == 0, "%s: a pointer moved",
+                  schemes[s]);
+    assert_same(m, cold, false, schemes[s]);
+    /* and back: W0 again equals the cold W0 */
+    ck_assert_msg(qkeep_model_reload(m, tiny, 0) == 0, "%s", qkeep_errmsg());
+    qkeep_model *cold0 = load_model(chain, n, tiny, &o, 1, 0);
+    ck_assert(same_digest(digest_of(m), digest_of(cold0)));
+    free(before), free(after);
+    qkeep_model_free(cold0);
+    qkeep_model_free(cold);
+    qkeep_model_free(m);
+  }
+  free(tiny), free(w1);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+START_TEST(tensor_parallel_ranks_equal_the_ranks_of_the_offline_output) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    o.group_size = 64; /* K / 2 = 128 per rank of a row-parallel layer: whole groups on each */
+    char *offline_dir = quantize_to_dir(tiny, &o);
+    for (int rank = 0; rank < 2; rank++) {
+      qkeep_model *online = load_model(&ref, 1, tiny, &o, 2, rank);
+      qkeep_model *offline = load_model(&ref, 1, offline_dir, NULL, 2, rank);
+      assert_same_model(online, offline, schemes[s]);
+      qkeep_model_free(online);
+      qkeep_model_free(offline);
+    }
+    remove_dir(offline_dir);
+  }
+  free(tiny);
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
+/* Syncs m to checkpoint w1 through the bf16 buckets qkeep_sync_plan plans (host memory). */
+static int sync_from(qkeep_model *m, const char *w1, size_t bucket_bytes) {
+  struct qkeep_sync_entry *e;
+  size_t n, n_buckets;
+  ck_assert_msg(qkeep_sync_plan(m, bucket_bytes, &e, &n, &n_buckets) == 0, "%s", qkeep_errmsg());
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  qkeep_sync *sync;
+  ck_assert_int_eq(qkeep_sync_begin(m, &sync), 0);
+  int rc = 0;
+  for (size_t b = 0, first = 0; b < n_buckets && !rc; b++) {
+    size_t end = first, bytes = 0;
+    while (end < n && e[end].bucket == b) {
+      size_t last = e[end].tensor.offset + qkeep_spec_bytes(&e[end].tensor.spec);
+      bytes = last > bytes ? last : bytes;
+      end++;
+    }
+    unsigned char *data = calloc(bytes ? bytes : 1, 1);
+    struct qkeep_bucket_tensor *ts = calloc(end - first + 1, sizeof *ts);
+    for (size_t i = first; i < end; i++) {
+      const struct ckpt_tensor *t = ckpt_find(ck, e[i].tensor.name);
+      ck_assert_msg(t != NULL, "plan names '%s', which W1 lacks", e[i].tensor.name);
+      ck_assert_int_eq(ckpt_read(ck, t, data + e[i].tensor.offset), 0);
+      ts[i - first] = e[i].tensor;
+    }
+    struct qkeep_bucket bucket = {sizeof bucket, ts, end - first, data, bytes, false};
+    rc = qkeep_sync_bucket(sync, &bucket);
+    free(ts), free(data);
+    first = end;
+  }
+  rc = rc ? (qkeep_sync_abort(sync), rc) : qkeep_sync_end(sync);
+  ckpt_close(ck);
+  qkeep_sync_plan_free(e);
+  return rc;
+}
+
+START_TEST(a_sync_of_bf16_buckets_equals_a_cold_online_w1) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny"), *w1 = example("tiny-w1");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    qkeep_model *m = load_model(chain, n, tiny, &o, 1, 0), *cold = load_model(chain, n, w1, &o, 1, 0);
+    struct qkeep_sync_entry *e;
+    size_t entries, buckets;
+    ck_assert_int_eq(qkeep_sync_plan(m, 1 << 20, &e, &entries, &buckets), 0);
+    bool bf16 = false;
+    for (size_t i = 0; i < entries; i++)
+      bf16 |= strcmp(e[i].tensor.name, "model.layers.0.self_attn.q_proj.weight") == 0 &&
+              e[i].tensor.spec.dtype == QKEEP_DTYPE_BF16;
+    ck_assert_msg(bf16, "%s: the plan has no bf16 q_proj", schemes[s]);
+    qkeep_sync_plan_free(e);
+    /* 300 KiB buckets: layers larger than a bucket wait for their rest */
+    ck_assert_msg(sync_from(m, w1, 300 << 10) == 0, "%s: %s", schemes[s], qkeep_errmsg());
+    assert_same(m, cold, false, schemes[s]);
+    qkeep_model_free(cold);
+    qkeep_model_free(m);
+  }
+  free(tiny), free(w1);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* tiny-w1 rewritten with `bits` at element 5 of `tensor`, into a new file (the caller frees it). */
+static char *w1_with(const char *tensor, uint16_t bits) {
+  char *w1 = example("tiny-w1");
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    uint16_t *data = malloc(t->nbytes);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], data), 0);
+    if (strcmp(t->name, tensor) == 0)
+      data[5] = bits;
+    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    ck_assert_int_eq(st_writer_add(w, t->name, &spec, data), 0);
+    free(data);
+  }
+  char *dir = tu_tmpdir("online-bad");
+  char *path = tu_path(dir, "model.safetensors");
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  ckpt_close(ck);
+  free(dir), free(w1);
+  return path;
+}
+
+START_TEST(nan_or_inf_in_the_source_is_refused_before_anything_changes) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny");
+  static const uint16_t bad[] = {0x7fc0, 0x7f80, 0xff80}; /* NaN, +Inf, -Inf */
+  static const char *const where[] = {"model.layers.2.self_attn.v_proj.weight",
+                                      "model.layers.2.mlp.experts.3.up_proj.weight",
+                                      "model.layers.1.mlp.down_proj.weight"};
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    qkeep_model *m = load_model(chain, n, tiny, &o, 1, 0);
+    struct qkeep_digest d0 = digest_of(m);
+    for (int b = 0; b < 3; b++) {
+      char *path = w1_with(where[b], bad[b]);
+      ck_assert_int_eq(qkeep_model_reload(m, path, 0), QKEEP_E_FORMAT);
+      ck_assert_msg(strstr(qkeep_errmsg(), where[b]) && strstr(qkeep_errmsg(), "element 5"), "%s",
+                    qkeep_errmsg());
+      ck_assert(same_digest(d0, digest_of(m)));
+      /* and from buffers: the same refusal */
+      struct ckpt *ck;
+      ck_assert_int_eq(ckpt_open(path, &ck), 0);
+      const struct ckpt_tensor *t = ckpt_find(ck, where[b]);
+      void *data = malloc(t->t->nbytes);
+      ck_assert_int_eq(ckpt_read(ck, t, data), 0);
+      struct qkeep_named_tensor nt = {
+          where[b], {QKEEP_DTYPE_BF16, 2, {t->t->shape[0], t->t->shape[1]}}, data, false};
+      ck_assert_int_ne(qkeep_model_reload_tensors(m, &nt, 1, QKEEP_RELOAD_PARTIAL), 0);
+      ck_assert(same_digest(d0, digest_of(m)));
+      free(data);
+      ckpt_close(ck);
+      char *slash = strrchr(path, '/');
+      *slash = '\0';
+      tu_rmtree(path);
+      free(path);
+    }
+    qkeep_model_free(m);
+  }
+  free(tiny);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+START_TEST(direct_loads_of_a_lone_weight_quantize_and_of_a_group_member_are_refused) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny"), *w1 = example("tiny-w1");
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    qkeep_model *m = load_model(chain, n, tiny, &o, 1, 0), *cold = load_model(chain, n, w1, &o, 1, 0);
+    const char *lone = "model.layers.1.self_attn.o_proj.weight",
+               *member = "model.layers.1.self_attn.k_proj.weight";
+    for (int which = 0; which < 2; which++) {
+      const struct ckpt_tensor *t = ckpt_find(ck, which ? member : lone);
+      void *data = malloc(t->t->nbytes);
+      ck_assert_int_eq(ckpt_read(ck, t, data), 0);
+      struct qkeep_named_tensor nt = {
+          t->t->name, {QKEEP_DTYPE_BF16, 2, {t->t->shape[0], t->t->shape[1]}}, data, false};
+      int rc = qkeep_model_load_tensor(m, &nt);
+      if (which) {
+        ck_assert_int_eq(rc, QKEEP_E_UNSUPPORTED);
+        ck_assert_msg(strstr(qkeep_errmsg(), "q_proj.weight"), "%s", qkeep_errmsg());
+      } else {
+        ck_assert_msg(rc == 0, "%s: %s", schemes[s], qkeep_errmsg());
+      }
+      free(data);
+    }
+    qkeep_layer *x = qkeep_model_find_layer(m, "model.layers.1.self_attn.o_proj"),
+                *y = qkeep_model_find_layer(cold, "model.layers.1.self_attn.o_proj");
+    struct compare_ctx c = {y, "o_proj", 0};
+    ck_assert_int_eq(qkeep_foreach_name(x, compare_name, &c), 0);
+    ck_assert_int_gt(c.compared, 0);
+    qkeep_model_free(cold);
+    qkeep_model_free(m);
+  }
+  ckpt_close(ck);
+  free(tiny), free(w1);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+START_TEST(set_quantize_refuses_what_a_load_cannot_take) {
+  qkeep_model *m;
+  ck_assert_int_eq(qkeep_model_new(NULL, &m), 0);
+  struct qkeep_quantize_options o = options_for("gptq-int4");
+  o.max_shard_bytes = 1 << 20;
+  ck_assert_int_eq(qkeep_model_set_quantize(m, &o), QKEEP_E_INVAL);
+  ck_assert_msg(strstr(qkeep_errmsg(), "max_shard_bytes"), "%s", qkeep_errmsg());
+  o = options_for("fp8");
+  ck_assert_int_eq(qkeep_model_set_quantize(m, &o), QKEEP_E_UNSUPPORTED);
+  o = options_for("gptq-int4");
+  o.group_size = -1;
+  ck_assert_int_eq(qkeep_model_set_quantize(m, &o), QKEEP_E_INVAL);
+  o = options_for("gptq-int4");
+  ck_assert_int_eq(qkeep_model_set_quantize(m, &o), 0);
+  char *q = example("tiny-gptq-int4"), *tiny = example("tiny");
+  ck_assert_int_eq(qkeep_model_load(m, q), QKEEP_E_INVAL); /* already quantized */
+  ck_assert_msg(strstr(qkeep_errmsg(), "already quantized"), "%s", qkeep_errmsg());
+  ck_assert_msg(qkeep_model_load(m, tiny) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(qkeep_model_set_quantize(m, NULL), QKEEP_E_STATE);
+  qkeep_model_free(m);
+  free(q), free(tiny);
+}
+END_TEST
+
+/* examples/tiny rewritten: every tensor in `dtype` (F32 or F16), in `shards` files with an index when
+ * shards > 1 (tensors dealt round-robin). The directory; the caller removes it. */
+static char *tiny_as(enum qkeep_dtype dtype, int shards) {
+  char *tiny = example("tiny");
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(tiny, &ck), 0);
+  char *dir = tu_tmpdir("online-src");
+  struct st_writer *w[2];
+  for (int f = 0; f < shards; f++)
+    ck_assert_int_eq(st_writer_new(&w[f]), 0);
+  FILE *index = NULL;
+  if (shards > 1) {
+    char *path = tu_path(dir, "model.safetensors.index.json");
+    index = fopen(path, "w");
+    ck_assert_ptr_nonnull(index);
+    fprintf(index, "{\"metadata\": {}, \"weight_map\": {");
+    free(path);
+  }
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    size_t n = t->nbytes / 2;
+    uint16_t *bf16 = malloc(t->nbytes);
+    float *f32 = malloc(n * 4);
+    uint16_t *f16 = malloc(n * 2);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bf16), 0);
+    for (size_t e = 0; e < n; e++) {
+      f32[e] = qkeep_bf16_to_f32(bf16[e]);
+      f16[e] = qkeep_f32_to_f16(f32[e]);
+    }
+    struct qkeep_spec spec = {.dtype = dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    int f = (int)(i % (size_t)shards);
+    ck_assert_int_eq(
+        st_writer_add(w[f], t->name, &spec, dtype == QKEEP_DTYPE_F32 ? (void *)f32 : (void *)f16), 0);
+    if (index)
+      fprintf(index, "%s\"%s\": \"model-%05d-of-%05d.safetensors\"", i ? ", " : "", t->name, f + 1, shards);
+    free(bf16), free(f32), free(f16);
+  }
+  if (index) {
+    fprintf(index, "}}\n");
+    fclose(index);
+  }
+  for (int f = 0; f < shards; f++) {
+    char name[64];
+    snprintf(name, sizeof name, shards > 1 ? "model-%05d-of-%05d.safetensors" : "model.safetensors", f + 1,
+             shards);
+    char *path = tu_path(dir, name);
+    ck_assert_int_eq(st_writer_write(w[f], path), 0);
+    st_writer_free(w[f]);
+    free(path);
+  }
+  ckpt_close(ck);
+  free(tiny);
+  return dir;
+}
+
+START_TEST(f32_f16_and_sharded_sources_load_online_as_quantize_then_load) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  const struct {
+    enum qkeep_dtype dtype;
+    int shards;
+  } sources[] = {{QKEEP_DTYPE_F32, 1}, {QKEEP_DTYPE_F16, 2}};
+  for (size_t k = 0; k < 2; k++) {
+    char *src = tiny_as(sources[k].dtype, sources[k].shards);
+    for (size_t s = 0; s < N_SCHEMES; s++) {
+      struct qkeep_quantize_options o = options_for(schemes[s]);
+      char *offline_dir = quantize_to_dir(src, &o);
+      qkeep_model *offline = load_model(chain, n, offline_dir, NULL, 1, 0),
+                  *online = load_model(chain, n, src, &o, 1, 0);
+      assert_same_model(online, offline, schemes[s]);
+      qkeep_model_free(online);
+      qkeep_model_free(offline);
+      remove_dir(offline_dir);
+    }
+    tu_rmtree(src);
+    free(src);
+  }
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+static Suite *online_suite(void) {
+  Suite *s = suite_create("online");
+  TCase *tc = tcase_create("online");
+  tcase_set_timeout(tc, 600);
+  tcase_add_test(tc, every_scheme_online_equals_quantize_then_load_on_the_default_chain);
+  tcase_add_test(tc, every_scheme_online_equals_quantize_then_load_on_reference_and_cpu_chains);
+  tcase_add_test(tc, f32_f16_and_sharded_sources_load_online_as_quantize_then_load);
+  tcase_add_test(tc, every_unquantized_name_resolves_and_keeps_no_bytes);
+  tcase_add_test(tc, reload_w0_to_w1_equals_a_cold_online_w1_and_moves_no_pointer);
+  tcase_add_test(tc, tensor_parallel_ranks_equal_the_ranks_of_the_offline_output);
+  tcase_add_test(tc, a_sync_of_bf16_buckets_equals_a_cold_online_w1);
+  tcase_add_test(tc, nan_or_inf_in_the_source_is_refused_before_anything_changes);
+  tcase_add_test(tc, direct_loads_of_a_lone_weight_quantize_and_of_a_group_member_are_refused);
+  tcase_add_test(tc, set_quantize_refuses_what_a_load_cannot_take);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) { return tu_run_suite(online_suite(), CK_NORMAL); }
