@@ -48,8 +48,10 @@ static void f_host_free(const struct qkeep_backend *be, void *p) {
   ck_assert_uint_eq(q.queued, 0); /* the core syncs before it frees its staging */
   free(p);
 }
+static size_t h2d_calls; /* copy_h2d_async calls since the last reset_device */
 static int f_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
   (void)be;
+  h2d_calls++;
   ck_assert(aq_push(&q, dst, src, n));
   return 0;
 }
@@ -99,15 +101,20 @@ static bool gate_open = true;
 
 static unsigned char pattern(size_t at) { return (unsigned char)(at * 131u + (at >> 9) + 7u); }
 
+/* Where tensor `name` starts in the pattern: 0 for "t", 1000 * k for "s<k>" and "u<k>" (each small tensor
+ * its own bytes, so one landing in another's place shows). */
+static size_t seed_of(const char *name) { return name[0] == 't' ? 0 : 1000 * strtoul(name + 1, NULL, 10); }
+
 static int p_read_range(const struct provider *p, const struct provided *t, size_t offset, size_t n,
                         void *dst) {
-  (void)p, (void)t;
+  (void)p;
+  size_t seed = seed_of(t->name);
   pthread_mutex_lock(&gate_mu);
   while (!gate_open)
     pthread_cond_wait(&gate_cv, &gate_mu);
   pthread_mutex_unlock(&gate_mu);
   for (size_t i = 0; i < n; i++)
-    ((unsigned char *)dst)[i] = pattern(offset + i);
+    ((unsigned char *)dst)[i] = pattern(seed + offset + i);
   return 0;
 }
 
@@ -133,7 +140,29 @@ static struct qkeep_load_options ring(int slots, size_t piece) {
                                      .stream_readers = 3};
 }
 
-static void reset_device(void) { aq_free(&q); }
+static void reset_device(void) {
+  aq_free(&q);
+  h2d_calls = 0;
+}
+
+/* n small tensors "<prefix><k>" of `bytes` each, tensor k at dst + k * stride (names from `names`). */
+static struct stream_item *small_items(size_t n, size_t bytes, char *dst, size_t stride, char prefix,
+                                       char (*names)[16]) {
+  struct stream_item *it = calloc(n, sizeof *it);
+  for (size_t k = 0; k < n; k++) {
+    snprintf(names[k], sizeof names[k], "%c%zu", prefix, k);
+    it[k] = item(bytes, dst + k * stride);
+    it[k].t.name = names[k];
+  }
+  return it;
+}
+
+/* Whether tensor k of small_items landed (or, not `landed`, is still zero). */
+static void assert_small(const char *dst, size_t k, size_t bytes, size_t stride, bool landed) {
+  for (size_t i = 0; i < bytes; i++)
+    ck_assert_msg((unsigned char)dst[k * stride + i] == (landed ? pattern(1000 * k + i) : 0), "tensor %zu byte %zu",
+                  k, i);
+}
 
 /* Every piece of a tensor many times the ring's size lands, with or without fences (_i). */
 START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
@@ -245,6 +274,88 @@ START_TEST(a_piece_its_check_refuses_is_never_copied) {
 }
 END_TEST
 
+/* Small tensors share slots (200 of 100 bytes through a ring of two 4 KiB slots and the arena), each lands
+ * at its own place; stacked ones whose device bytes follow each other (64 experts of 256 bytes) take one
+ * copy per slot, not one each. */
+START_TEST(small_tensors_share_a_slot_and_adjacent_ones_one_copy) {
+  reset_device();
+  struct qkeep_load_options shape = ring(3, 4096);
+  struct qkeep_backend be;
+  struct device dev;
+  device_for(&dev, &be, _i == 0);
+  struct stream *s;
+  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  static char names[200][16];
+  size_t n = 200, bytes = 100, stride = 300;
+  char *dst = calloc(n, stride);
+  struct stream_item *it = small_items(n, bytes, dst, stride, 's', names);
+  ck_assert_msg(stream_items(s, &prov, it, n) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  for (size_t k = 0; k < n; k++)
+    assert_small(dst, k, bytes, stride, true);
+  ck_assert_uint_eq(h2d_calls, n); /* apart on the device: a copy each */
+  if (_i == 0)
+    ck_assert_uint_le(q.fences, n / 16 + 1); /* a fence per slot (16 pieces of 256 bytes), not per piece */
+  free(it);
+  /* 64 experts of one stacked param: four slots' worth, four copies */
+  h2d_calls = 0;
+  size_t experts = 64, expert = 256;
+  char *stacked = calloc(experts, expert);
+  it = small_items(experts, expert, stacked, expert, 's', names);
+  ck_assert_msg(stream_items(s, &prov, it, experts) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  for (size_t k = 0; k < experts; k++)
+    assert_small(stacked, k, expert, expert, true);
+  ck_assert_uint_eq(h2d_calls, experts * expert / 4096);
+  stream_free(s);
+  free(it);
+  free(dst);
+  free(stacked);
+}
+END_TEST
+
+/* Refuses the tensor named "s5" (its piece is never copied). */
+static int refuse_s5(const void *ctx, const struct provided *t, size_t at, const void *bytes, size_t n) {
+  (void)ctx, (void)at, (void)bytes, (void)n;
+  return strcmp(t->name, "s5") == 0 ? set_error(QKEEP_E_FORMAT, "%s: refused", t->name) : 0;
+}
+
+/* A tensor refused in a slot whose earlier tensors are being copied: their copies read that slot until
+ * they are done, so the next load must not refill it before (the slot was once freed at the failure);
+ * the next load's bytes and those copied before the failure both land. */
+START_TEST(a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done) {
+  reset_device();
+  struct qkeep_load_options shape = ring(3, 4096);
+  struct qkeep_backend be;
+  struct device dev;
+  device_for(&dev, &be, _i == 0);
+  struct stream *s;
+  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  static char names[10][16], others[10][16];
+  size_t n = 10, bytes = 100, stride = 300;
+  char *dst = calloc(n, stride), *dst2 = calloc(n, stride);
+  struct stream_item *it = small_items(n, bytes, dst, stride, 's', names);
+  for (size_t k = 0; k < n; k++)
+    it[k].t.dtype = QKEEP_DTYPE_U8, it[k].check = refuse_s5;
+  ck_assert_int_eq(stream_items(s, &prov, it, n), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "s5: refused"), "%s", qkeep_errmsg());
+  ck_assert_uint_eq(h2d_calls, 5);
+  /* the next load at once, into other memory, its tensors other bytes ("u<k>" start where "s<k>" do: the
+   * same bytes; so the second set starts at 10) */
+  struct stream_item *it2 = small_items(n, bytes, dst2, stride, 'u', others);
+  for (size_t k = 0; k < n; k++)
+    snprintf(others[k], sizeof others[k], "u%zu", k + 10);
+  ck_assert_msg(stream_items(s, &prov, it2, n) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  for (size_t k = 0; k < n; k++)
+    assert_small(dst, k, bytes, stride, k < 5);
+  for (size_t k = 0; k < n; k++)
+    assert_small(dst2 - 10 * stride, k + 10, bytes, stride, true);
+  stream_free(s);
+  free(it), free(it2), free(dst), free(dst2);
+}
+END_TEST
+
 int main(void) {
   Suite *su = suite_create("stream");
   TCase *tc = tcase_create("stream");
@@ -252,6 +363,8 @@ int main(void) {
   tcase_add_loop_test(tc, a_tensor_larger_than_the_ring_lands_whole, 0, 2);
   tcase_add_loop_test(tc, a_put_never_takes_a_slot_being_read_ahead, 0, 2);
   tcase_add_loop_test(tc, a_piece_its_check_refuses_is_never_copied, 0, 2);
+  tcase_add_loop_test(tc, small_tensors_share_a_slot_and_adjacent_ones_one_copy, 0, 2);
+  tcase_add_loop_test(tc, a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done, 0, 2);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_run_all(sr, CK_NORMAL);

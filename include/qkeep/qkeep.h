@@ -221,7 +221,7 @@ struct qkeep_memory_stats {
   int64_t storage_peak;  /* the most at any time */
   int64_t staging_peak;  /* host staging for tensors that cannot land directly */
   int64_t pinned_bytes;  /* page-locked host memory kept for streaming to the model's devices (slots x
-                            piece of qkeep_load_options, 8 MiB by default, per device backend with
+                            piece of qkeep_load_options, 64 MiB by default, per device backend with
                             asynchronous copies, from its first load to the model's free or a new
                             shape); counted in staging_peak too */
 };
@@ -240,9 +240,9 @@ QKEEP_API void qkeep_model_set_progress(qkeep_model *model,
  */
 struct qkeep_load_options {
   size_t size;           /* sizeof(struct qkeep_load_options) as the caller knows it (0: all of it) */
-  int stream_slots;      /* pinned slots in the ring, 2 to 64 (one holds small copies); 0: 16 */
-  size_t stream_piece;   /* bytes per slot, 4096 to 64 MiB; 0: 512 KiB */
-  int stream_readers;    /* reader threads, 1 to 16; 0: one per online core, at most 4 */
+  int stream_slots;      /* pinned slots in the ring, 2 to 128 (one holds small copies); 0: 32 */
+  size_t stream_piece;   /* bytes per slot, 4096 to 64 MiB; 0: 2 MiB. Small tensors share a slot */
+  int stream_readers;    /* reader threads, 1 to 64; 0: one per online core, at most 16 */
   bool stream_no_fences; /* true: ignore the backend's copy fences (ABI 1.3) and wait for the whole
                             device when no slot is free, as with a 1.2 backend; false: use them */
 };
@@ -252,7 +252,7 @@ struct qkeep_load_options {
  * read. A ring an earlier load made with another shape is freed here (pinned_bytes drops) and
  * the next load makes it anew; call it between loads, not while one of the model runs.
  * QKEEP_E_INVAL for a NULL argument, or a field out of its range, naming the field, its value
- * and the range ("stream_slots = 1: expected 2 to 64"); the model's options are then unchanged.
+ * and the range ("stream_slots = 1: expected 2 to 128"); the model's options are then unchanged.
  */
 QKEEP_API int qkeep_model_set_load_options(qkeep_model *model, const struct qkeep_load_options *options);
 /*

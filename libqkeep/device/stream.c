@@ -1,20 +1,22 @@
 /*
- * stream.c: checkpoint bytes to a device through pinned host memory, read by a few threads.
+ * stream.c: checkpoint bytes to a device through pinned host memory, read by many threads.
  *
- * A layer's device-bound tensors are cut into pieces of at most `piece` bytes. Reader threads
- * pread each piece from its file (or copy it from host bytes the provider holds) into a free
- * slot of a ring of pinned memory (the backend's host_alloc, ABI 1.2); the calling thread, in
- * piece order, starts each slot's asynchronous copy to the device as soon as its read is done.
- * So the reads run in parallel with each other and with the copies, every call into the
- * backend stays on the calling thread (the readers touch only files and host memory), and the
- * layer's copies have all been started, in order, before its PWAL runs on the same stream. An
- * item with a check (a scale: its values) has each piece checked by its reader in the slot, so
- * bad bytes never reach the device and nothing is read back to check them.
- * A slot is free again once its copy is done: with ABI 1.3's copy fences the calling thread
+ * A layer's device-bound tensors are cut into pieces of at most `piece` bytes, and consecutive
+ * small pieces are packed into groups that share one slot (a layer's scales and norms take one
+ * slot, not one each). Reader threads pread each group's pieces from their file (or copy them
+ * from host bytes the provider holds) into a free slot of a ring of pinned memory (the
+ * backend's host_alloc, ABI 1.2); the calling thread, in piece order, starts each piece's
+ * asynchronous copy to the device as soon as its group is read, one copy for a run of pieces
+ * whose device bytes follow each other (the experts of a stacked param). So the reads run in
+ * parallel with each other and with the copies, every call into the backend stays on the
+ * calling thread (the readers touch only files and host memory), and the layer's copies have
+ * all been started, in order, before its PWAL runs on the same stream. An item with a check
+ * (a scale: its values) has each piece checked by its reader in the slot, so bad bytes never
+ * reach the device and nothing is read back to check them.
+ * A slot is free again once its copies are done: with ABI 1.3's copy fences the calling thread
  * frees each slot whose fence has passed, and when none is free waits for the oldest copy
  * alone; without fences it waits for the whole device (sync), which frees every slot. The ring
- * lives as long as the model's owner (page-locking 8 MiB costs about 3-4 ms, as much as a
- * reload of a few layers); the readers only while a load runs.
+ * lives as long as the model's owner; the readers only while a load runs.
  *
  * The ring's shape is the model's (struct qkeep_load_options, read when the ring is made; the
  * defaults below, docs/PERFORMANCE.md). With a logger at QKEEP_LOG_DEBUG, the end of each load
@@ -29,22 +31,26 @@
 
 #include "device/stream.h"
 
-/* 16 slots of 512 KiB: the same 8 MiB of pinned memory as 8 of 1 MiB, but on the H200 host the
- * reload of a 219 MB model ran 0.97x the raw read against 1.13x (docs/PERFORMANCE.md): smaller
- * pieces keep more readers busy while the calling thread waits for the next piece in order. */
-#define DEFAULT_PIECE ((size_t)512 << 10)
-#define DEFAULT_SLOTS 16
-#define MAX_SLOTS 64
-#define DEFAULT_READERS 4
-#define MAX_READERS 16
+/* 32 slots of 2 MiB, and a reader per core: one thread copies page cache at about 8 GB/s, and on
+ * an H200 host a ring of 1-4 MiB pieces and 32-112 MiB fed the host-to-device copies at 48-52
+ * GB/s where 16 slots of 512 KiB and 4 readers gave 14-18 GB/s (docs/PERFORMANCE.md). */
+#define DEFAULT_PIECE ((size_t)2 << 20)
+#define DEFAULT_SLOTS 32
+#define MAX_SLOTS 128
+#define DEFAULT_READERS 16
+#define MAX_READERS 64
 #define MIN_PIECE ((size_t)4096)
 #define MAX_PIECE ((size_t)64 << 20)
+/* Where a packed piece starts in its slot: its device copy then starts on an aligned host address. */
+#define PACK_ALIGN ((size_t)256)
 
 struct piece {
   struct provided t;
   const unsigned char *on_host; /* the provider's host bytes, or NULL: read from its file */
   size_t at, n;                 /* the range of the tensor */
   size_t item;                  /* which item of the batch */
+  size_t group;                 /* the group whose slot holds it */
+  size_t off;                   /* where its bytes start in that slot */
   char *dst;                    /* device memory for byte `at` (set when it is copied) */
   unsigned char *mirror;        /* host memory for byte `at`, or NULL */
   /* its item's check and its context (stream_item) */
@@ -56,6 +62,11 @@ struct piece {
   char *msg; /* the reader's error message (its thread's) */
 };
 
+/* Consecutive pieces that share a slot: read by one reader, the slot free again after the last one's copy. */
+struct group {
+  size_t first, end; /* its pieces */
+};
+
 enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 
 /* Small puts (stream_put) of at most this many bytes share the last slot, the arena. */
@@ -64,7 +75,7 @@ enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 /* Where the calling thread waited: measured during a load only while the debug log listens. */
 struct stream_trace {
   bool on;
-  size_t pieces, bytes, fence_waits, syncs;
+  size_t pieces, copies, bytes, fence_waits, syncs;
   double read_wait, slot_wait, reading; /* seconds: for a read, for a slot; the readers' own time */
 };
 
@@ -83,10 +94,12 @@ struct stream {
   pthread_cond_t work, done;
   bool quit;
   size_t arena_used; /* bytes of the arena slot holding small puts (it is SLOT_COPYING when > 0) */
-  /* the batch being streamed or read ahead (readers take pieces [taken, submitted)) */
+  /* the batch being streamed or read ahead (readers take groups [taken, submitted)) */
   const struct provider *pv;
   struct piece *pieces;
-  size_t n_pieces, submitted, taken;
+  size_t n_pieces;
+  struct group *groups;
+  size_t n_groups, submitted, taken;
   struct stream_item *items; /* the batch's items (their dst unknown while reading ahead) */
   size_t n_items;
   struct stream_trace trace;
@@ -99,7 +112,7 @@ static unsigned char *slot_room(const struct stream *s, int slot) {
 /* Reads the piece into its slot and runs its item's check there, before any copy of it: here, in a
  * reader thread, so the checks run beside the reads and copies. */
 static void read_piece(const struct stream *s, struct piece *p) {
-  unsigned char *room = slot_room(s, p->slot);
+  unsigned char *room = slot_room(s, p->slot) + p->off;
   if (p->on_host)
     memcpy(room, p->on_host + p->at, p->n);
   else
@@ -118,14 +131,16 @@ static void *reader(void *arg) {
       pthread_cond_wait(&s->work, &s->mu);
     if (s->quit)
       break;
-    struct piece *p = &s->pieces[s->taken++];
+    const struct group *g = &s->groups[s->taken++];
     pthread_mutex_unlock(&s->mu);
     double t = s->trace.on ? now_seconds() : 0;
-    read_piece(s, p);
+    for (size_t i = g->first; i < g->end; i++)
+      read_piece(s, &s->pieces[i]);
     pthread_mutex_lock(&s->mu);
     if (s->trace.on)
       s->trace.reading += now_seconds() - t;
-    p->done = true;
+    for (size_t i = g->first; i < g->end; i++)
+      s->pieces[i].done = true;
     pthread_cond_broadcast(&s->done);
   }
   pthread_mutex_unlock(&s->mu);
@@ -152,9 +167,9 @@ static void trace_log(struct stream *s) {
   if (t->on && t->pieces)
     log_msg(
         QKEEP_LOG_DEBUG,
-        "qkeep stream: %zu pieces, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
+        "qkeep stream: %zu pieces in %zu copies, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
         "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)",
-        t->pieces, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
+        t->pieces, t->copies, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
         t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
   *t = (struct stream_trace){0};
 }
@@ -353,30 +368,63 @@ static struct piece *cut(const struct stream_item *items, size_t n_items, size_t
   return p;
 }
 
+/*
+ * Packs the pieces into groups, in order: a piece joins the group before it while the slot has
+ * room for it (placed PACK_ALIGN bytes apart, or right after a piece of the same item, whose
+ * device bytes it then follows). Sets each piece's group and offset; NULL when out of memory.
+ */
+static struct group *pack(struct piece *p, size_t n, size_t piece, size_t *n_groups) {
+  struct group *g = malloc((n ? n : 1) * sizeof *g);
+  if (!g) {
+    set_error(QKEEP_E_NOMEM, "out of memory for %zu pieces", n);
+    return NULL;
+  }
+  size_t k = 0, used = 0;
+  for (size_t i = 0; i < n; i++) {
+    size_t at = used;
+    if (k && i > 0 && !(p[i - 1].item == p[i].item && p[i - 1].at + p[i - 1].n == p[i].at))
+      at = (used + PACK_ALIGN - 1) & ~(PACK_ALIGN - 1);
+    if (!k || at + p[i].n > piece) { /* a new group */
+      g[k++] = (struct group){.first = i, .end = i};
+      at = 0;
+    }
+    g[k - 1].end = i + 1;
+    p[i].group = k - 1, p[i].off = at;
+    used = at + p[i].n;
+  }
+  *n_groups = k;
+  return g;
+}
+
 /* Makes the items the stream's batch (nothing submitted yet). */
 static int batch_begin(struct stream *s, const struct provider *pv, const struct stream_item *items,
                        size_t n_items) {
-  size_t n = 0;
+  size_t n = 0, n_groups = 0;
   struct piece *pieces = cut(items, n_items, s->piece, &n);
+  struct group *groups = pieces ? pack(pieces, n, s->piece, &n_groups) : NULL;
   struct stream_item *copy = malloc((n_items ? n_items : 1) * sizeof *copy);
-  if (!pieces || !copy) {
+  if (!pieces || !groups || !copy) {
     free(pieces);
+    free(groups);
     free(copy);
     return set_error(QKEEP_E_NOMEM, "out of memory for the device stream's batch");
   }
   memcpy(copy, items, n_items * sizeof *copy);
   pthread_mutex_lock(&s->mu);
-  s->pv = pv, s->pieces = pieces, s->n_pieces = n, s->submitted = s->taken = 0;
+  s->pv = pv, s->pieces = pieces, s->n_pieces = n, s->groups = groups, s->n_groups = n_groups;
+  s->submitted = s->taken = 0;
   pthread_mutex_unlock(&s->mu);
   s->items = copy, s->n_items = n_items;
   return 0;
 }
 
-/* Hands pieces to the readers while slots are free. Called with s->mu held. */
+/* Hands groups to the readers while slots are free. Called with s->mu held. */
 static void batch_submit(struct stream *s) {
   int slot;
-  while (s->submitted < s->n_pieces && (slot = free_slot(s)) >= 0) {
-    s->pieces[s->submitted].slot = slot;
+  while (s->submitted < s->n_groups && (slot = free_slot(s)) >= 0) {
+    const struct group *g = &s->groups[s->submitted];
+    for (size_t i = g->first; i < g->end; i++)
+      s->pieces[i].slot = slot;
     s->slot[slot] = SLOT_READING;
     s->submitted++;
     pthread_cond_signal(&s->work);
@@ -391,11 +439,13 @@ static void batch_drop(struct stream *s) {
   pthread_mutex_lock(&s->mu);
   s->submitted = s->taken;
   for (size_t i = 0; i < s->taken; i++)
-    while (!s->pieces[i].done)
-      pthread_cond_wait(&s->done, &s->mu);
+    for (size_t k = s->groups[i].first; k < s->groups[i].end; k++)
+      while (!s->pieces[k].done)
+        pthread_cond_wait(&s->done, &s->mu);
   struct piece *pieces = s->pieces;
   size_t n = s->n_pieces;
-  s->pieces = NULL, s->n_pieces = s->submitted = s->taken = 0;
+  free(s->groups);
+  s->pieces = NULL, s->groups = NULL, s->n_pieces = s->n_groups = s->submitted = s->taken = 0;
   pthread_mutex_unlock(&s->mu);
   for (size_t i = 0; i < n; i++)
     free(pieces[i].msg);
@@ -432,6 +482,11 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
   return 0;
 }
 
+/* Whether piece q's bytes follow piece p's in the slot and on the device: one copy takes both. */
+static bool follows(const struct piece *p, const struct piece *q) {
+  return q->group == p->group && q->off == p->off + p->n && q->dst == p->dst + p->n;
+}
+
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
                  size_t n_items) {
   int rc = s->n_readers ? 0 : start_readers(s);
@@ -448,39 +503,54 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
     p->dst = items[p->item].dst + p->at;
     p->mirror = items[p->item].mirror ? items[p->item].mirror + p->at : NULL;
   }
-  size_t copied = 0, n = s->n_pieces;
+  /* Pieces [run, copied) are read and wait for one copy, started when the next one does not follow;
+   * `started`: a copy from the slot of piece `copied`'s group has been started. */
+  size_t copied = 0, run = 0, n = s->n_pieces;
+  bool started = false;
   while (copied < n && !rc) {
     if ((rc = reclaim(s, false)) < 0)
       break;
     pthread_mutex_lock(&s->mu);
     batch_submit(s);
-    if (copied == s->submitted) { /* every slot waits on a copy: let the device finish the oldest */
+    struct piece *p = &s->pieces[copied];
+    if (p->group >= s->submitted) { /* every slot waits on a copy: let the device finish the oldest */
       pthread_mutex_unlock(&s->mu);
       double t = s->trace.on ? now_seconds() : 0;
       rc = reclaim(s, true);
       s->trace.slot_wait += s->trace.on ? now_seconds() - t : 0;
       continue;
     }
-    struct piece *p = &s->pieces[copied];
     double t = s->trace.on && !p->done ? now_seconds() : 0;
     while (!p->done)
       pthread_cond_wait(&s->done, &s->mu);
     pthread_mutex_unlock(&s->mu);
     s->trace.read_wait += t ? now_seconds() - t : 0;
-    const unsigned char *room = slot_room(s, p->slot);
-    if (p->rc)
+    if (p->rc) {
       rc = set_error(p->rc, "%s", p->msg ? p->msg : "read failed");
-    else
-      rc = dev_h2d_async(s->dev, p->dst, room, p->n);
-    if (!rc && p->mirror)
-      memcpy(p->mirror, room, p->n);
-    if (rc)
-      s->slot[p->slot] = SLOT_FREE;
-    else
-      rc = slot_copying(s, p->slot);
+      break;
+    }
+    if (p->mirror)
+      memcpy(p->mirror, slot_room(s, p->slot) + p->off, p->n);
     s->trace.pieces++, s->trace.bytes += p->n;
     copied++;
+    const struct piece *last = &s->pieces[copied - 1];
+    if (copied < n && follows(last, &s->pieces[copied]))
+      continue;
+    const struct piece *head = &s->pieces[run];
+    if ((rc = dev_h2d_async(s->dev, head->dst, slot_room(s, head->slot) + head->off,
+                            (size_t)(last->dst + last->n - head->dst))))
+      break;
+    s->trace.copies++;
+    run = copied, started = true;
+    if (copied == n || s->pieces[copied].group != last->group) { /* the group's last copy is started */
+      rc = slot_copying(s, last->slot);
+      started = false;
+    }
   }
+  /* A failure in a group whose earlier pieces are being copied: its slot is free once they are
+   * (batch_drop frees the slots read and never copied from). */
+  if (rc && started)
+    (void)slot_copying(s, s->pieces[run].slot);
   batch_drop(s); /* after a failure, the readers finish what they took first */
   return rc;
 }

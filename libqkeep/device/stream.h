@@ -26,7 +26,7 @@ struct stream_item {
   const void *check_ctx;
 };
 /* QKEEP_E_INVAL naming the first field of the stream's shape out of its range ("stream_slots = 1:
- * expected 2 to 64"), else 0. */
+ * expected 2 to 128"), else 0. */
 int stream_options_check(const struct qkeep_load_options *options);
 /* A stream to dev (its ops pass memory_ops_async) shaped by options (checked; NULL: the defaults):
  * the ring from its host_alloc; readers start with the first stream_items. */
