@@ -903,6 +903,8 @@ END_TEST
 static const struct qkeep_memory_ops *counted_ops;
 static struct qkeep_memory_ops counting;
 static size_t d2h_copies, allocations, cap_d2h;
+static const qkeep_model *param_model; /* count_begin's: d2d copies into its params are counted */
+static size_t d2d_into_params, batches, batch_ranges;
 static struct d2h_copy {
   const char *src;
   size_t n;
@@ -915,6 +917,15 @@ static int counting_d2h(const struct qkeep_backend *be, void *dst, const void *s
   d2h[d2h_copies++] = (struct d2h_copy){src, n};
   return counted_ops->copy_d2h(be, dst, src, n);
 }
+static bool in_params(const qkeep_model *m, const char *at, size_t n, bool scales_only);
+static int counting_d2d(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  d2d_into_params += param_model && in_params(param_model, dst, n, false);
+  return counted_ops->copy_d2d(be, dst, src, n);
+}
+static int counting_batch(const struct qkeep_backend *be, const struct qkeep_copy_range *r, size_t n) {
+  batches++, batch_ranges += n;
+  return counted_ops->copy_d2d_batch(be, r, n);
+}
 static int counting_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   allocations++;
   return counted_ops->alloc(be, bytes, out);
@@ -925,12 +936,15 @@ static struct device *count_begin(const struct device *d) {
   counting = *dev->ops;
   counting.copy_d2h = counting_d2h;
   counting.alloc = counting_alloc;
+  counting.copy_d2d = counting_d2d;
+  counting.copy_d2d_batch = dev->ops->copy_d2d_batch ? counting_batch : NULL;
   dev->ops = &counting;
-  d2h_copies = allocations = 0;
+  d2h_copies = allocations = d2d_into_params = batches = batch_ranges = 0;
   return dev;
 }
 static void count_end(struct device *dev) {
   dev->ops = counted_ops;
+  param_model = NULL;
   free(d2h), d2h = NULL, cap_d2h = 0;
 }
 
@@ -1118,6 +1132,42 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
    * q/k/v and gate/up per-tensor scales, reads the host copies the checks kept, not the device */
   ck_assert_msg(copies <= layers_with_scales, "%zu device-to-host copies for %zu scale tensors in %zu layers",
                 copies, scales, layers_with_scales);
+  qkeep_model_free(m), qkeep_model_free(cold);
+  sender_close(&sd);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
+/* From buckets in device memory, a layer's tensors land in its params through one batched copy (ABI
+ * 1.5's copy_d2d_batch: a MoE layer's expert tensors are thousands of ranges), not one copy each; with a
+ * backend that lacks the slot (_i == 1) the core copies range by range, and both give W1's bytes. */
+START_TEST(device_bucket_tensors_land_in_one_batch_per_layer) {
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
+  struct sender sd = {0};
+  sender_open(&sd, w1, BUCKET_NO_SPLIT);
+  qkeep_model *m = load_chain_rank(w0, &async, 1, 1, 0), *cold = load_chain_rank(w1, &async, 1, 1, 0);
+  size_t tensors = 0;
+  for (size_t b = 0; b < sd.n_buckets; b++)
+    tensors += sd.count[b];
+  struct device *dev = count_begin(layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts")));
+  if (_i == 1)
+    counting.copy_d2d_batch = NULL;
+  param_model = m;
+  ck_assert_msg(sync_from_device(m, dev, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
+  size_t singles = d2d_into_params, calls = batches, ranges = batch_ranges;
+  count_end(dev);
+  ck_assert(same_digest(digest_now(m), digest_now(cold)));
+  if (_i == 0) {
+    /* a layer of one tensor (a norm) makes one plain copy, as does normalisation for a merged scale */
+    ck_assert_msg(calls <= m->n_layers && singles <= tensors / 8 && ranges + singles >= tensors,
+                  "%zu single copies and %zu batches of %zu ranges for %zu tensors in %zu layers", singles, calls,
+                  ranges, tensors, m->n_layers);
+  } else {
+    ck_assert_msg(singles >= tensors / 2 && calls == 0, "%zu single copies, %zu batches", singles, calls);
+  }
   qkeep_model_free(m), qkeep_model_free(cold);
   sender_close(&sd);
   qkeep_plugin_close(async);
@@ -1649,6 +1699,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
   tcase_add_test(tc, a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load);
   tcase_add_test(tc, device_bucket_scales_are_checked_from_a_few_copies);
+  tcase_add_loop_test(tc, device_bucket_tensors_land_in_one_batch_per_layer, 0, 2);
   tcase_add_test(tc, a_load_on_an_async_device_copies_no_scale_back_to_check_it);
   tcase_add_test(tc, a_bad_scale_is_refused_in_the_same_words_on_every_path);
   tcase_add_test(tc, a_failed_sync_rolls_back_only_from_the_files_w0_was_read_from);

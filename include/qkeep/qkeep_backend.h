@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 4
+#define QKEEP_BACKEND_ABI_MINOR 5
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -85,6 +85,13 @@ struct qkeep_layer_info {
   /* ABI 1.1: */
   int32_t weight_dtype; /* enum qkeep_dtype of the layer's first loader param as the checkpoint holds it
                            (weight, weight_packed, qweight, w13_weight...); -1 when it has none */
+};
+
+/* One range of a batched device-to-device copy (copy_d2d_batch, ABI 1.5). */
+struct qkeep_copy_range {
+  void *dst;       /* device memory */
+  const void *src; /* device memory */
+  size_t bytes;
 };
 
 /*
@@ -132,6 +139,17 @@ struct qkeep_memory_ops {
    */
   int (*copy_fence)(const struct qkeep_backend *be, uint64_t *fence);
   int (*copy_fence_wait)(const struct qkeep_backend *be, uint64_t fence, int block);
+  /*
+   * ABI 1.5, optional (without it the core calls copy_d2d once per range). Copies n ranges of
+   * device memory to device memory, as n copy_d2d calls in order would, in one go (cuda-nvfp4: one
+   * kernel driven by a table of the ranges): a reload or weight sync from a bucket already in device
+   * memory lands a layer's thousands of small tensors (the experts of a MoE layer) with one call
+   * instead of one each. The core guarantees: no range's dst overlaps another range's dst or any
+   * range's src, bytes > 0, and `ranges` (host memory) is read only during the call. Like
+   * copy_d2d it may return before the copies are done, provided every later memory op, PWAL and
+   * apply of the backend sees the bytes (one stream). 0 or a negative QKEEP_E_* code.
+   */
+  int (*copy_d2d_batch)(const struct qkeep_backend *be, const struct qkeep_copy_range *ranges, size_t n);
 };
 
 /* The type of a configuration key a backend declares (ABI 1.1). */

@@ -58,6 +58,9 @@ bool memory_ops_fences(const struct qkeep_memory_ops *ops);
  * when the fence's copies are done, 1 when block is false and they are not yet, or an error. */
 int dev_fence(const struct device *dev, uint64_t *fence);
 int dev_fence_wait(const struct device *dev, uint64_t fence, bool block);
+/* Copies n device ranges to device memory (no dst overlapping another range): with the backend's
+ * copy_d2d_batch (ABI 1.5) in one call, else one dev_d2d each. */
+int dev_d2d_batch(const struct device *dev, const struct qkeep_copy_range *ranges, size_t n);
 /* ABI 1.2 slots; only for a device whose ops pass memory_ops_async. */
 int dev_host_alloc(const struct device *dev, size_t bytes, void **out);
 void dev_host_free(const struct device *dev, void *ptr);

@@ -100,6 +100,19 @@ int dev_d2d(const struct device *dev, void *dst, const void *src, size_t n) {
   int rc = (n && dst != src) ? dev->ops->copy_d2d(dev->be, dst, src, n) : 0;
   return rc ? set_error(rc, "device-to-device copy of %zu bytes failed", n) : 0;
 }
+int dev_d2d_batch(const struct device *dev, const struct qkeep_copy_range *ranges, size_t n) {
+  const struct qkeep_memory_ops *ops = dev->ops;
+  bool batch = ops->size >= offsetof(struct qkeep_memory_ops, copy_d2d_batch) + sizeof(ops->copy_d2d_batch) &&
+               ops->copy_d2d_batch;
+  if (!batch || n < 2) {
+    int rc = 0;
+    for (size_t i = 0; i < n && !rc; i++)
+      rc = dev_d2d(dev, ranges[i].dst, ranges[i].src, ranges[i].bytes);
+    return rc;
+  }
+  int rc = ops->copy_d2d_batch(dev->be, ranges, n);
+  return rc ? set_error(rc, "batched device-to-device copy of %zu ranges failed", n) : 0;
+}
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n) {
   int rc = n ? dev->ops->fill(dev->be, dst, byte, n) : 0;
   return rc ? set_error(rc, "device fill of %zu bytes failed", n) : 0;

@@ -243,6 +243,51 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
   return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
 }
 
+/*
+ * Copies every source whose bytes the provider holds in device memory (a weight sync's bucket) to its
+ * param with one batched copy (dev_d2d_batch: one call for a MoE layer's thousands of expert tensors),
+ * marking them loaded; a small scale's mirror is filled from the host copy the provider holds, as
+ * load_source does. Written sources only (not compared, not a tensor-parallel slice).
+ */
+static int load_device_batch(qkeep_layer *layer, const struct provider *pv) {
+  size_t n = 0, cap = 0;
+  struct qkeep_copy_range *ranges = NULL;
+  int rc = 0;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    struct source *src = &layer->sources[i];
+    struct provided t;
+    if (src->loaded || src->online || src->compare_only || src->slice.rows ||
+        (rc = check_source(layer, pv, src, &t)))
+      continue;
+    const unsigned char *from = pv->device_bytes(pv, &t);
+    if (!from)
+      continue;
+    if (n + src->rows > cap) {
+      size_t want = 2 * cap > n + src->rows ? 2 * cap : n + src->rows + 64;
+      struct qkeep_copy_range *more = realloc(ranges, want * sizeof *more);
+      if (!more) {
+        rc = set_error(QKEEP_E_NOMEM, "out of memory");
+        break;
+      }
+      ranges = more, cap = want;
+    }
+    char *dst = (char *)src->param->view.storage->data + src->dst_offset;
+    for (size_t r = 0; r < src->rows; r++)
+      if (src->row_bytes)
+        ranges[n++] = (struct qkeep_copy_range){dst + r * src->dst_stride, from + r * src->row_bytes,
+                                                src->row_bytes};
+    src->loaded = true;
+    const void *host_copy = src->rows == 1 && pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
+    unsigned char *mirror = host_copy ? source_mirror(src) : NULL;
+    if (mirror)
+      memcpy(mirror, host_copy, t.nbytes), src->mirrored = true;
+  }
+  if (!rc && n)
+    rc = dev_d2d_batch(layer_device(layer), ranges, n);
+  free(ranges);
+  return rc ? add_error_context(rc, "layer %s", layer->name) : 0;
+}
+
 void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st) {
   if (!next || !st->stream || stream_device(st->stream) != layer_device(next))
     return;
@@ -291,6 +336,8 @@ int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct sta
     rc = load_direct(layer, pv, st);
   else if (memory_ops_async(dev->ops))
     rc = load_streamed(layer, pv, st);
+  if (!rc && pv->device_bytes && dev->ops != host_device()->ops)
+    rc = load_device_batch(layer, pv);
   /* What is compared against an earlier shard goes last, once every shard's copy has started. */
   for (int pass = 0; pass < 2; pass++)
     for (size_t i = 0; i < layer->n_sources && !rc; i++)

@@ -53,6 +53,13 @@ struct cuda_backend {
   pthread_mutex_t fence_mu;
   uint64_t fences; /* tokens handed out */
   cudaEvent_t fence_event[FENCE_EVENTS];
+  /* Batched copies (ABI 1.5): the chunk table in pinned host memory and on the device, grown as
+   * needed, and the event behind its last upload (all under copy_mu). */
+  pthread_mutex_t copy_mu;
+  struct nvfp4_copy_chunk *copy_host, *copy_dev;
+  size_t copy_cap; /* chunks each holds */
+  cudaEvent_t copy_event;
+  bool copy_event_set;
 };
 
 /* What apply needs of a layer, cached by PWAL (pointers do not move between PWALs). */
@@ -261,6 +268,68 @@ static int mem_sync(const struct qkeep_backend *be) {
     return rc;
   cudaError_t err = cudaDeviceSynchronize();
   return err == cudaSuccess ? 0 : cuda_error(c, err, "cudaDeviceSynchronize");
+}
+
+/*
+ * ABI 1.5: the ranges cut into chunks of at most NVFP4_COPY_CHUNK bytes, their table written into
+ * pinned host memory and copied to the device, and one kernel that copies every chunk, all on the
+ * legacy stream behind what came before. The host table is rewritten only after the event recorded
+ * behind its last upload has passed; the device table's next upload runs after the kernel that
+ * reads it (one stream).
+ */
+static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_copy_range *ranges, size_t n) {
+  struct cuda_backend *c = backend_of(be);
+  int rc = use_device(c);
+  if (rc)
+    return rc;
+  size_t chunks = 0;
+  for (size_t i = 0; i < n; i++)
+    chunks += (ranges[i].bytes + NVFP4_COPY_CHUNK - 1) / NVFP4_COPY_CHUNK;
+  if (!chunks)
+    return 0;
+  const size_t bytes = chunks * sizeof(struct nvfp4_copy_chunk);
+  cudaError_t err = cudaSuccess;
+  const char *what = "waiting for the last copy table";
+  pthread_mutex_lock(&c->copy_mu);
+  if (!c->copy_event && (err = cudaEventCreateWithFlags(&c->copy_event, cudaEventDisableTiming)) != cudaSuccess)
+    what = "cudaEventCreate (copy table)", c->copy_event = NULL;
+  else if (c->copy_event_set)
+    err = cudaEventSynchronize(c->copy_event);
+  if (err == cudaSuccess && chunks > c->copy_cap) {
+    size_t want = chunks > 2 * c->copy_cap ? chunks : 2 * c->copy_cap;
+    void *host = NULL, *dev = NULL;
+    what = "allocating the copy table";
+    if ((err = cudaHostAlloc(&host, want * sizeof(struct nvfp4_copy_chunk), cudaHostAllocDefault)) ==
+            cudaSuccess &&
+        (err = cudaMalloc(&dev, want * sizeof(struct nvfp4_copy_chunk))) == cudaSuccess) {
+      (void)cudaFreeHost(c->copy_host);
+      (void)cudaFree(c->copy_dev); /* after the kernels that read it: cudaFree waits for the device */
+      c->copy_host = host, c->copy_dev = dev, c->copy_cap = want;
+    } else {
+      (void)cudaFreeHost(host);
+    }
+  }
+  if (err == cudaSuccess) {
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+      for (size_t at = 0; at < ranges[i].bytes; at += NVFP4_COPY_CHUNK) {
+        size_t left = ranges[i].bytes - at;
+        c->copy_host[k++] = (struct nvfp4_copy_chunk){
+            (char *)ranges[i].dst + at, (const char *)ranges[i].src + at,
+            left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
+      }
+    what = "cudaMemcpyAsync (copy table)";
+    err = cudaMemcpyAsync(c->copy_dev, c->copy_host, bytes, cudaMemcpyHostToDevice, 0);
+  }
+  if (err == cudaSuccess && (err = cudaEventRecord(c->copy_event, 0)) != cudaSuccess)
+    what = "cudaEventRecord (copy table)";
+  if (err == cudaSuccess) {
+    c->copy_event_set = true;
+    what = "copying chunks";
+    err = (cudaError_t)nvfp4_copy_chunks_gpu(c->copy_dev, chunks, NULL);
+  }
+  pthread_mutex_unlock(&c->copy_mu);
+  return err == cudaSuccess ? 0 : cuda_error(c, err, what);
 }
 
 /* ---- probe, configure, supports ----------------------------------------------------------------- */
@@ -829,6 +898,14 @@ static void cuda_fini(const struct qkeep_backend *be) {
     if (c->fence_event[i])
       (void)cudaEventDestroy(c->fence_event[i]);
   pthread_mutex_destroy(&c->fence_mu);
+  if (c->copy_event_set || c->copy_cap) {
+    (void)cudaDeviceSynchronize(); /* a batched copy may still read its table */
+    (void)cudaFreeHost(c->copy_host);
+    (void)cudaFree(c->copy_dev);
+  }
+  if (c->copy_event)
+    (void)cudaEventDestroy(c->copy_event);
+  pthread_mutex_destroy(&c->copy_mu);
   free(c);
 }
 
@@ -853,8 +930,10 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .copy_h2d_async = mem_h2d_async,
       .copy_fence = mem_copy_fence,
       .copy_fence_wait = mem_copy_fence_wait,
+      .copy_d2d_batch = mem_copy_batch,
   };
   pthread_mutex_init(&c->fence_mu, NULL);
+  pthread_mutex_init(&c->copy_mu, NULL);
   c->be = (struct qkeep_backend){
       .size = sizeof(struct qkeep_backend),
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,

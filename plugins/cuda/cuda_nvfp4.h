@@ -49,6 +49,17 @@ int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_
  * compressed-tensors encode factor, alpha = 1 / scale (0 when scale is 0). Queued on stream. */
 int nvfp4_alpha_gpu(const float *scale, float *alpha, int64_t experts, int invert, void *stream);
 
+/* One piece of a batched device copy: at most NVFP4_COPY_CHUNK bytes (cut so by the caller). */
+struct nvfp4_copy_chunk {
+  char *dst;
+  const char *src;
+  uint64_t bytes;
+};
+#define NVFP4_COPY_CHUNK ((size_t)256 << 10)
+/* Copies the n chunks of the table (device memory) on stream, one thread block each; no chunk's
+ * dst may overlap another chunk. */
+int nvfp4_copy_chunks_gpu(const struct nvfp4_copy_chunk *table, size_t n, void *stream);
+
 /* ---- the W4A16 GEMM ------------------------------------------------------------------------ */
 
 /*

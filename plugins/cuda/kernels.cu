@@ -1651,6 +1651,36 @@ extern "C" int nvfp4_alpha_gpu(const float *scale, float *alpha, int64_t experts
   return cudaGetLastError();
 }
 
+/* One block per chunk: 16-byte loads and stores where source and destination share their alignment
+ * (a head and tail of single bytes around them), single bytes otherwise. */
+__global__ void copy_chunks_kernel(const nvfp4_copy_chunk *table) {
+  const nvfp4_copy_chunk c = table[blockIdx.x];
+  const uintptr_t d = (uintptr_t)c.dst, s = (uintptr_t)c.src;
+  size_t head = c.bytes, body = 0;
+  if (((d ^ s) & 15) == 0) {
+    head = (16 - (d & 15)) & 15;
+    head = head < c.bytes ? head : c.bytes;
+    body = (c.bytes - head) / 16;
+  }
+  for (size_t i = threadIdx.x; i < head; i += blockDim.x)
+    c.dst[i] = c.src[i];
+  const uint4 *from = reinterpret_cast<const uint4 *>(c.src + head);
+  uint4 *to = reinterpret_cast<uint4 *>(c.dst + head);
+  for (size_t i = threadIdx.x; i < body; i += blockDim.x)
+    to[i] = from[i];
+  for (size_t i = head + body * 16 + threadIdx.x; i < c.bytes; i += blockDim.x)
+    c.dst[i] = c.src[i];
+}
+
+extern "C" int nvfp4_copy_chunks_gpu(const nvfp4_copy_chunk *table, size_t n, void *stream) {
+  if (!n)
+    return cudaSuccess;
+  if (n > 0x7fffffffu)
+    return cudaErrorInvalidValue;
+  copy_chunks_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(table);
+  return cudaGetLastError();
+}
+
 extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
                                 const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
   const int kernel = tune ? tune->kernel : NVFP4_KERNEL_AUTO;

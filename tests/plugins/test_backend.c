@@ -221,6 +221,13 @@ static int async_copy(const struct qkeep_backend *be, void *dst, const void *src
   memmove(dst, src, n);
   return 0;
 }
+/* ABI 1.5: the ranges in order, after the queued copies, as one call. */
+static int async_copy_batch(const struct qkeep_backend *be, const struct qkeep_copy_range *ranges, size_t n) {
+  async_flush(be);
+  for (size_t i = 0; i < n; i++)
+    memmove(ranges[i].dst, ranges[i].src, ranges[i].bytes);
+  return 0;
+}
 static int async_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
   async_flush(be);
   memset(dst, byte, n);
@@ -284,6 +291,7 @@ static const struct qkeep_memory_ops async_ops = {
     .copy_h2d_async = async_h2d,
     .copy_fence = async_fence,
     .copy_fence_wait = async_fence_wait,
+    .copy_d2d_batch = async_copy_batch,
 };
 #endif
 
