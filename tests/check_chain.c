@@ -10,6 +10,7 @@
  * built, and reference; cpu-zentorch, when built, answers the ABI 1.0 check with the others.
  */
 #include <check.h>
+#include <dirent.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -435,6 +436,41 @@ static int64_t pinned(qkeep_model *m) {
 /* A stream shape out of range is refused when it is set, naming the field, and the model keeps the
  * shape it had; a shorter (older) struct is read only as far as its size; a new shape frees the ring
  * of the old one, and the next load makes it anew. */
+/* The threads of this process now (/proc/self/task). */
+static int threads_now(void) {
+  DIR *d = opendir("/proc/self/task");
+  int n = 0;
+  for (struct dirent *e; d && (e = readdir(d));)
+    n += e->d_name[0] != '.';
+  if (d)
+    closedir(d);
+  return n;
+}
+
+/* The stream's reader threads start with the model's first load, serve every reload after it (none
+ * started or left behind per load), and stop when the model is freed. */
+START_TEST(the_readers_serve_every_reload_and_stop_with_the_model) {
+  use_ring(1); /* three readers */
+  qkeep_plugin *async;
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
+  char *w0 = write_large("large-w0.safetensors", 11), *w1 = write_large("large-w1.safetensors", 12);
+  qkeep_plugin *chain[] = {async};
+  int before = threads_now();
+  ck_assert_int_gt(before, 0);
+  qkeep_model *m = load_chain(chain, 1, w0);
+  ck_assert_int_eq(threads_now(), before + 3);
+  for (int i = 0; i < 3; i++) {
+    ck_assert_msg(qkeep_model_reload(m, i % 2 ? w0 : w1, 0) == 0, "%s", qkeep_errmsg());
+    ck_assert_int_eq(threads_now(), before + 3);
+  }
+  assert_digest(m, w1);
+  qkeep_model_free(m);
+  ck_assert_int_eq(threads_now(), before);
+  qkeep_plugin_close(async);
+  free(w0), free(w1);
+}
+END_TEST
+
 START_TEST(load_options_are_checked_field_by_field_and_take_effect_at_the_next_load) {
   qkeep_plugin *async;
   ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
@@ -815,6 +851,7 @@ static Suite *chain_suite(void) {
   tcase_add_test(tc, a_layer_no_backend_takes_fails_before_any_allocation);
   tcase_add_loop_test(tc, a_device_with_async_copies_loads_through_pinned_chunks, 0, 2);
   tcase_add_test(tc, load_options_are_checked_field_by_field_and_take_effect_at_the_next_load);
+  tcase_add_test(tc, the_readers_serve_every_reload_and_stop_with_the_model);
   tcase_add_test(tc, a_streaming_load_logs_its_trace_at_debug_level);
   tcase_add_loop_test(tc, quantized_layers_normalise_on_an_async_device, 0, 2);
   tcase_add_test(tc, the_weight_dtype_reaches_supports_layer);

@@ -16,7 +16,7 @@
  * A slot is free again once its copies are done: with ABI 1.3's copy fences the calling thread
  * frees each slot whose fence has passed, and when none is free waits for the oldest copy
  * alone; without fences it waits for the whole device (sync), which frees every slot. The ring
- * lives as long as the model's owner; the readers only while a load runs.
+ * and its reader threads live as long as the model's owner: every reload reuses them.
  *
  * The ring's shape is the model's (struct qkeep_load_options, read when the ring is made; the
  * defaults below, docs/PERFORMANCE.md). With a logger at QKEEP_LOG_DEBUG, the end of each load
@@ -89,7 +89,8 @@ struct stream {
   enum slot_state slot[MAX_SLOTS];
   uint64_t fence[MAX_SLOTS]; /* a COPYING slot's copies are done once this fence has passed */
   pthread_t readers[MAX_READERS];
-  int n_readers;
+  int n_readers;   /* started at the first load, stopped by stream_free: every reload reuses them */
+  bool active;     /* a load streams through it now (from its first stream_items or read ahead to stream_end) */
   pthread_mutex_t mu;
   pthread_cond_t work, done;
   bool quit;
@@ -179,22 +180,28 @@ int stream_end(struct stream *s) {
     return 0;
   batch_drop(s); /* a read ahead the load did not use (it failed, or the next layer went elsewhere) */
   int rc = stream_wait(s);
+  trace_log(s);
+  s->active = false;
+  return rc;
+}
+
+/* Stops the reader threads (they wait for the next load between loads). */
+static void stop_readers(struct stream *s) {
   pthread_mutex_lock(&s->mu);
   s->quit = true;
   pthread_cond_broadcast(&s->work);
   pthread_mutex_unlock(&s->mu);
   for (int i = 0; i < s->n_readers; i++)
     pthread_join(s->readers[i], NULL);
-  trace_log(s);
   s->n_readers = 0;
   s->quit = false;
-  return rc;
 }
 
 void stream_free(struct stream *s) {
   if (!s)
     return;
   (void)stream_end(s);
+  stop_readers(s);
   pthread_cond_destroy(&s->work);
   pthread_cond_destroy(&s->done);
   pthread_mutex_destroy(&s->mu);
@@ -230,12 +237,17 @@ int stream_new(const struct device *dev, const struct qkeep_load_options *option
   return 0;
 }
 
-/* The readers, when none runs (the first layer of a load). */
-static int start_readers(struct stream *s) {
-  s->trace.on = log_enabled(QKEEP_LOG_DEBUG); /* a load begins: measured while the debug log listens */
+/* A load begins streaming: the readers start if none runs yet (the model's first load). */
+static int begin_load(struct stream *s) {
+  if (s->active)
+    return 0;
+  s->trace.on = log_enabled(QKEEP_LOG_DEBUG); /* measured while the debug log listens */
   while (s->n_readers < s->want_readers && pthread_create(&s->readers[s->n_readers], NULL, reader, s) == 0)
     s->n_readers++;
-  return s->n_readers ? 0 : set_error(QKEEP_E_NOMEM, "cannot start a reader thread for the device stream");
+  if (!s->n_readers)
+    return set_error(QKEEP_E_NOMEM, "cannot start a reader thread for the device stream");
+  s->active = true;
+  return 0;
 }
 
 const struct device *stream_device(const struct stream *s) { return s->dev; }
@@ -253,7 +265,7 @@ int stream_wait(struct stream *s) {
   return copying ? dev_sync(s->dev) : 0;
 }
 
-bool stream_active(const struct stream *s) { return s && s->n_readers > 0; }
+bool stream_active(const struct stream *s) { return s && s->active; }
 
 static void slot_freed(struct stream *s, int i) {
   s->slot[i] = SLOT_FREE;
@@ -472,7 +484,7 @@ static bool batch_is(const struct stream *s, const struct stream_item *items, si
 int stream_prefetch(struct stream *s, const struct provider *pv, const struct stream_item *items,
                     size_t n_items) {
   batch_drop(s);
-  if (!n_items || (!s->n_readers && start_readers(s)) || batch_begin(s, pv, items, n_items))
+  if (!n_items || begin_load(s) || batch_begin(s, pv, items, n_items))
     return 0; /* reading ahead is only a head start: without it the load reads later */
   if (reclaim(s, false) < 0)
     return 0;
@@ -489,7 +501,7 @@ static bool follows(const struct piece *p, const struct piece *q) {
 
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
                  size_t n_items) {
-  int rc = s->n_readers ? 0 : start_readers(s);
+  int rc = begin_load(s);
   if (rc)
     return rc;
   if (!batch_is(s, items, n_items)) {

@@ -29,11 +29,12 @@ struct stream_item {
  * expected 2 to 128"), else 0. */
 int stream_options_check(const struct qkeep_load_options *options);
 /* A stream to dev (its ops pass memory_ops_async) shaped by options (checked; NULL: the defaults):
- * the ring from its host_alloc; readers start with the first stream_items. */
+ * the ring from its host_alloc; readers start with the first stream_items or stream_prefetch. */
 int stream_new(const struct device *dev, const struct qkeep_load_options *options, struct stream **out);
-/* The end of a load: waits for the copies (stream_wait) and stops the readers; the ring stays. */
+/* The end of a load: waits for the copies (stream_wait); the ring and the reader threads stay for the
+ * next load. */
 int stream_end(struct stream *s);
-/* stream_end, then frees the ring. */
+/* stream_end, then stops the readers and frees the ring. */
 void stream_free(struct stream *s);
 const struct device *stream_device(const struct stream *s);
 /* Pinned bytes the stream holds (0 for NULL). */
