@@ -731,13 +731,14 @@ QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct q
  * kernel tensor) that qkeep_quantize with the same options followed by a cold start gives, on any chain
  * and any tensor-parallel rank: each layer is planned as the quantized checkpoint would be (its owner
  * chosen by the chain as for that checkpoint), and its tensors are quantized on the host by the offline
- * quantizer's code, on options->threads threads (0: every online core), one unit at a time (a weight,
- * or an NVFP4 fusion group: q/k/v, gate/up, an expert's w1/w3, whose members share one global scale),
- * then land in the owner's memory. The unquantized names stay checkpoint names of the model
- * (qkeep_model_lookup gives a param of state QKEEP_PARAM_QUANTIZED, which keeps no bytes); reloads and
- * syncs take them (qkeep_sync_plan plans them) and quantize in place; docs/RULES.md has the rules.
- * options NULL: loads take checkpoints as they are again. The options are copied (only the first
- * options->size bytes read). Call it on an empty model, before a load: QKEEP_E_STATE otherwise.
+ * quantizer's code, on options->threads threads (0: every online core; started once per load), unit by
+ * unit (a weight, or an NVFP4 fusion group: q/k/v, gate/up, an expert's w1/w3, whose members share one
+ * global scale), then land in the owner's memory; the next unit is read and quantized while one lands
+ * and while a layer's PWAL runs, so at most two units' unquantized bytes are held. The unquantized names stay
+ * checkpoint names of the model (qkeep_model_lookup gives a param of state QKEEP_PARAM_QUANTIZED, which keeps
+ * no bytes); reloads and syncs take them (qkeep_sync_plan plans them) and quantize in place; docs/RULES.md
+ * has the rules. options NULL: loads take checkpoints as they are again. The options are copied (only the
+ * first options->size bytes read). Call it on an empty model, before a load: QKEEP_E_STATE otherwise.
  * QKEEP_E_INVAL for the fields only a written output has (max_shard_bytes, replace_existing, progress,
  * summary, cancel) or a bad value (as qkeep_quantize); QKEEP_E_UNSUPPORTED for a scheme qkeep quantize
  * does not write. A load of a checkpoint that is already quantized is QKEEP_E_INVAL.

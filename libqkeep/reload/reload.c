@@ -652,7 +652,13 @@ struct layer_before {
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
                  struct layer_before *before, struct reload_fault fault, double *t_read, double *t_pwal) {
   struct staging st = {.scales_checked = scales_checked};
-  int rc = 0;
+  /* The selected layers, in order: a layer quantized on load reads the next one's first unit ahead. */
+  qkeep_layer **order = malloc((model->n_layers ? model->n_layers : 1) * sizeof *order);
+  int rc = order ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t l = 0; l < model->n_layers && !rc; l++)
+    if (selected[l])
+      order[st.n_order++] = model->layers[l];
+  st.order = order;
   model_spares(model, true);
   for (size_t l = 0; l < model->n_layers && !rc; l++) {
     if (!selected[l])
@@ -683,6 +689,7 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st);
+  free(order);
   model_spares(model, false);
   return rc ? rc : staged;
 }
