@@ -395,6 +395,7 @@ static char *w1_with(const char *tensor, uint16_t bits) {
   ck_assert_int_eq(ckpt_open(w1, &ck), 0);
   struct st_writer *w;
   ck_assert_int_eq(st_writer_new(&w), 0);
+  ck_assert_msg(ckpt_find(ck, tensor) != NULL, "tiny-w1 has no '%s'", tensor); /* nothing planted */
   for (size_t i = 0; i < ck->n_tensors; i++) {
     const struct st_tensor *t = ck->tensors[i].t;
     uint16_t *data = malloc(t->nbytes);
@@ -455,6 +456,203 @@ START_TEST(nan_or_inf_in_the_source_is_refused_before_anything_changes) {
   }
   free(tiny);
   qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* Every registered tensor of a model (every layer's names): its address and bytes. */
+struct snapshot {
+  size_t n, cap;
+  struct {
+    char *name;
+    const void *data;
+    void *bytes;
+    size_t nbytes;
+  } * t;
+};
+
+static int snap_name(void *user, const char *name, bool is_buffer, const struct qkeep_view *v) {
+  (void)is_buffer;
+  struct snapshot *s = user;
+  if (s->n == s->cap) {
+    s->cap = s->cap ? 2 * s->cap : 64;
+    s->t = realloc(s->t, s->cap * sizeof *s->t);
+    ck_assert_ptr_nonnull(s->t);
+  }
+  s->t[s->n].name = strdup(name);
+  s->t[s->n].data = v->data;
+  s->t[s->n].nbytes = v->nbytes;
+  s->t[s->n].bytes = malloc(v->nbytes ? v->nbytes : 1);
+  memcpy(s->t[s->n].bytes, v->data, v->nbytes);
+  s->n++;
+  return 0;
+}
+
+static void snapshot_take(const qkeep_model *m, struct snapshot *s) {
+  *s = (struct snapshot){0};
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++)
+    ck_assert_int_eq(qkeep_foreach_name(qkeep_model_layer(m, l), snap_name, s), 0);
+}
+
+static void snapshot_free(struct snapshot *s) {
+  for (size_t i = 0; i < s->n; i++)
+    free(s->t[i].name), free(s->t[i].bytes);
+  free(s->t);
+}
+
+/* The same tensors at the same addresses with the same bytes. */
+static void assert_unchanged(const struct snapshot *a, const struct snapshot *b, const char *what) {
+  ck_assert_uint_eq(a->n, b->n);
+  for (size_t i = 0; i < a->n; i++) {
+    ck_assert_str_eq(a->t[i].name, b->t[i].name);
+    ck_assert_msg(a->t[i].data == b->t[i].data, "%s: %s moved", what, a->t[i].name);
+    ck_assert_msg(a->t[i].nbytes == b->t[i].nbytes &&
+                      memcmp(a->t[i].bytes, b->t[i].bytes, a->t[i].nbytes) == 0,
+                  "%s: %s changed", what, a->t[i].name);
+  }
+}
+
+/* The unquantized tensor whose unit a load quantizes last: the last member of the last unit of the last
+ * layer that quantizes on load. */
+static const char *last_quantized(const qkeep_model *m) {
+  for (size_t l = m->n_layers; l-- > 0;) {
+    const qkeep_layer *layer = m->layers[l];
+    if (!layer->n_derived)
+      continue;
+    const struct derived *d = &layer->derived[layer->n_derived - 1];
+    ck_assert(d->unit != SIZE_MAX);
+    int members = quant_plan_members(m->online.plan, d->unit);
+    return layer->sources[d->members[members - 1]].checkpoint_name;
+  }
+  ck_abort_msg("no layer quantizes on load");
+  return NULL;
+}
+
+/* Every tensor of a checkpoint as named host buffers (the caller frees the data and the array). */
+static struct qkeep_named_tensor *buffers_of(const char *path, size_t *n) {
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(path, &ck), 0);
+  struct qkeep_named_tensor *ts = calloc(ck->n_tensors, sizeof *ts);
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    void *data = malloc(t->nbytes ? t->nbytes : 1);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], data), 0);
+    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    ts[i] = (struct qkeep_named_tensor){strdup(t->name), spec, data, false};
+  }
+  *n = ck->n_tensors;
+  ckpt_close(ck);
+  return ts;
+}
+
+static void buffers_free(struct qkeep_named_tensor *ts, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    free((char *)ts[i].name), free((void *)ts[i].data);
+  free(ts);
+}
+
+START_TEST(a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    char *offline_dir = quantize_to_dir(tiny, &o);
+    qkeep_model *m = load_model(chain, n, tiny, &o, 1, 0),
+                *offline = load_model(chain, n, offline_dir, NULL, 1, 0);
+    const char *last = last_quantized(m);
+    char *path = w1_with(last, 0x7fc0);
+    struct snapshot before, after;
+    snapshot_take(m, &before);
+    /* from the file, and from buffers holding every tensor of it (a full reload) */
+    for (int from = 0; from < 2; from++) {
+      int rc;
+      if (from == 0) {
+        rc = qkeep_model_reload(m, path, 0);
+      } else {
+        size_t count;
+        struct qkeep_named_tensor *ts = buffers_of(path, &count);
+        rc = qkeep_model_reload_tensors(m, ts, count, 0);
+        buffers_free(ts, count);
+      }
+      ck_assert_msg(rc != 0, "%s: a NaN in %s was taken", schemes[s], last);
+      ck_assert_msg(strstr(qkeep_errmsg(), last) && strstr(qkeep_errmsg(), "NaN"), "%s: %s", schemes[s],
+                    qkeep_errmsg());
+      snapshot_take(m, &after);
+      assert_unchanged(&before, &after, schemes[s]);
+      snapshot_free(&after);
+      assert_same_model(m, offline, schemes[s]); /* still W0 as quantize-then-load gives it */
+    }
+    snapshot_free(&before);
+    char *slash = strrchr(path, '/');
+    *slash = '\0';
+    tu_rmtree(path);
+    free(path);
+    qkeep_model_free(offline);
+    qkeep_model_free(m);
+    remove_dir(offline_dir);
+  }
+  free(tiny);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* A cold start quantizes the next unit while one lands, into the next layer too: a NaN there is reported at
+ * its turn, naming it, and the model is left empty. */
+START_TEST(a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny");
+  /* the first unit of a layer after one that quantizes on load (read while that one lands), and the last */
+  static const char *const where[] = {"model.layers.1.self_attn.q_proj.weight",
+                                      "model.layers.2.mlp.experts.3.down_proj.weight"};
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    for (int b = 0; b < 2; b++) {
+      char *path = w1_with(where[b], 0x7f80);
+      qkeep_model *m;
+      ck_assert_int_eq(qkeep_model_new_chain(chain, n, &m), 0);
+      ck_assert_int_eq(qkeep_model_set_quantize(m, &o), 0);
+      ck_assert_int_ne(qkeep_model_load(m, path), 0);
+      ck_assert_msg(strstr(qkeep_errmsg(), where[b]) && strstr(qkeep_errmsg(), "element 5"), "%s: %s",
+                    schemes[s], qkeep_errmsg());
+      ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
+      qkeep_model_free(m);
+      char *slash = strrchr(path, '/');
+      *slash = '\0';
+      tu_rmtree(path);
+      free(path);
+    }
+  }
+  free(tiny);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* The bytes do not depend on the threads quantizing: one (the load's own, no pool thread) and more than the
+ * cores give quantize-then-load's. */
+START_TEST(one_thread_and_more_threads_than_cores_load_as_quantize_then_load) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    char *offline_dir = quantize_to_dir(tiny, &o);
+    qkeep_model *offline = load_model(&ref, 1, offline_dir, NULL, 1, 0);
+    static const int threads[] = {1, 5};
+    for (int t = 0; t < 2; t++) {
+      o.threads = threads[t];
+      qkeep_model *online = load_model(&ref, 1, tiny, &o, 1, 0);
+      assert_same_model(online, offline, schemes[s]);
+      qkeep_model_free(online);
+    }
+    qkeep_model_free(offline);
+    remove_dir(offline_dir);
+  }
+  free(tiny);
+  qkeep_plugin_close(ref);
 }
 END_TEST
 
@@ -618,6 +816,9 @@ static Suite *online_suite(void) {
   tcase_add_test(tc, tensor_parallel_ranks_equal_the_ranks_of_the_offline_output);
   tcase_add_test(tc, a_sync_of_bf16_buckets_equals_a_cold_online_w1);
   tcase_add_test(tc, nan_or_inf_in_the_source_is_refused_before_anything_changes);
+  tcase_add_test(tc, a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0);
+  tcase_add_test(tc, a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it);
+  tcase_add_test(tc, one_thread_and_more_threads_than_cores_load_as_quantize_then_load);
   tcase_add_test(tc, direct_loads_of_a_lone_weight_quantize_and_of_a_group_member_are_refused);
   tcase_add_test(tc, set_quantize_refuses_what_a_load_cannot_take);
   suite_add_tcase(s, tc);

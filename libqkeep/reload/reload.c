@@ -530,8 +530,20 @@ static int check_listed_scales(struct scale_cache *cache) {
   return rc;
 }
 
-/* Every source of the layer is in the provider as the model expects; its scales get room in the cache
- * and are listed for the check of their values. */
+/*
+ * Every source of the layer is in the provider as the model expects; its scales get room in the cache
+ * and are listed for the check of their values.
+ *
+ * A source quantized on load is read whole here for its values (a NaN or an Inf cannot be quantized),
+ * and read again when applying quantizes it: two reads, kept on purpose. One read would find the NaN
+ * only while applying, after earlier layers changed, and then only a rollback could give W0 back. A
+ * rollback re-reads W0 from its files, so it cannot promise W0: W0 may come from no file (buffers, a
+ * sync, a direct load, a partial reload), and its files may be rewritten in place while the reload runs
+ * (a trainer saving into the same directory), which the rollback detects and can only answer by
+ * poisoning the model. Keeping what one read made until the end instead (the unquantized or the
+ * quantized bytes of every layer) would hold a model's worth of memory where a load holds two units.
+ * So a bad value is refused here, before anything changes, whatever W0 came from.
+ */
 static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   struct provided t;
