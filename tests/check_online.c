@@ -804,6 +804,108 @@ START_TEST(f32_f16_and_sharded_sources_load_online_as_quantize_then_load) {
 }
 END_TEST
 
+/* Whether two outputs of qkeep quantize hold the same files with the same bytes (the files it writes). */
+static bool same_output(const char *a, const char *b) {
+  static const char *const files[] = {"model.safetensors", "config.json", "hf_quant_config.json"};
+  for (size_t f = 0; f < 3; f++) {
+    char *pa = tu_path(a, files[f]), *pb = tu_path(b, files[f]);
+    size_t na = 0, nb = 0;
+    void *x = tu_read_file(pa, &na), *y = tu_read_file(pb, &nb);
+    bool same = (!x && !y) || (x && y && na == nb && memcmp(x, y, na) == 0);
+    free(x), free(y), free(pa), free(pb);
+    if (!same)
+      return false;
+  }
+  return true;
+}
+
+/* A config of [model] quantize = scheme (none: NULL) and one more key; its path (the caller frees it and
+ * removes its directory). */
+static char *config_with(const char *scheme, const char *key, const char *value) {
+  char *dir = tu_tmpdir("online-ini");
+  char *path = tu_path(dir, "q.ini");
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f, "[qkeep]\nbackend = reference\n[model]\n");
+  if (scheme)
+    fprintf(f, "quantize = %s\n", scheme);
+  fprintf(f, "%s = %s\n", key, value);
+  fclose(f);
+  free(dir);
+  return path;
+}
+
+/*
+ * A [model] quantize_* key the scheme does not take is refused (QKEEP_E_INVAL naming the file, the key and
+ * the scheme), and one it takes is accepted. The oracle is qkeep quantize itself, which ignores an option its
+ * scheme does not use: a key must be taken exactly when its option changes the bytes quantize writes
+ * (threads, which never does, is taken by every scheme). Without quantize = SCHEME every such key is refused.
+ */
+START_TEST(config_quantize_keys_a_scheme_does_not_take_are_refused) {
+  static const char *const all[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
+                                    "gptq-int4",      "awq-int4", "ct-int4"};
+  static const struct {
+    const char *key, *value;
+  } keys[] = {{"quantize_group", "64"},          {"quantize_asym", "true"},
+              {"quantize_static_input", "true"}, {"quantize_asym_input", "true"},
+              {"quantize_kv_scales", "true"},    {"quantize_activation_amax", "4"},
+              {"quantize_threads", "1"}};
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < sizeof all / sizeof all[0]; s++) {
+    struct qkeep_quantize_options base = {.size = sizeof base, .scheme = all[s], .threads = 2};
+    char *plain = quantize_to_dir(tiny, &base);
+    for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
+      struct qkeep_quantize_options o = base;
+      switch (k) {
+      case 0: o.group_size = 64; break;
+      case 1: o.asym_weights = true; break;
+      case 2: o.static_input = true; break;
+      case 3: o.asym_input = true; break;
+      case 4: o.kv_cache_scales = true; break;
+      case 5: o.activation_amax = 4.0f; break;
+      default: o.threads = 1;
+      }
+      char *with = quantize_to_dir(tiny, &o);
+      bool takes = k == 6 || !same_output(plain, with);
+      remove_dir(with);
+      char *path = config_with(all[s], keys[k].key, keys[k].value);
+      qkeep_config *cfg = NULL;
+      int rc = qkeep_config_load(path, &cfg);
+      if (takes) {
+        ck_assert_msg(rc == 0, "%s with %s: %s", all[s], keys[k].key, qkeep_errmsg());
+        struct qkeep_quantize_options got = {.size = sizeof got};
+        ck_assert_int_eq(qkeep_config_quantize(cfg, &got), 0);
+        ck_assert_str_eq(got.scheme, all[s]);
+      } else {
+        ck_assert_msg(rc == QKEEP_E_INVAL, "%s with %s: %d (%s)", all[s], keys[k].key, rc, qkeep_errmsg());
+        ck_assert_msg(strstr(qkeep_errmsg(), path) && strstr(qkeep_errmsg(), ":5:") &&
+                          strstr(qkeep_errmsg(), keys[k].key) && strstr(qkeep_errmsg(), all[s]),
+                      "%s", qkeep_errmsg());
+      }
+      qkeep_config_free(cfg);
+      char *slash = strrchr(path, '/');
+      *slash = '\0';
+      tu_rmtree(path);
+      free(path);
+    }
+    remove_dir(plain);
+  }
+  for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) { /* no scheme: nothing would read the key */
+    char *path = config_with(NULL, keys[k].key, keys[k].value);
+    qkeep_config *cfg = NULL;
+    ck_assert_int_eq(qkeep_config_load(path, &cfg), QKEEP_E_INVAL);
+    ck_assert_msg(strstr(qkeep_errmsg(), path) && strstr(qkeep_errmsg(), keys[k].key) &&
+                      strstr(qkeep_errmsg(), "needs quantize"),
+                  "%s", qkeep_errmsg());
+    char *slash = strrchr(path, '/');
+    *slash = '\0';
+    tu_rmtree(path);
+    free(path);
+  }
+  free(tiny);
+}
+END_TEST
+
 static Suite *online_suite(void) {
   Suite *s = suite_create("online");
   TCase *tc = tcase_create("online");
@@ -821,6 +923,7 @@ static Suite *online_suite(void) {
   tcase_add_test(tc, one_thread_and_more_threads_than_cores_load_as_quantize_then_load);
   tcase_add_test(tc, direct_loads_of_a_lone_weight_quantize_and_of_a_group_member_are_refused);
   tcase_add_test(tc, set_quantize_refuses_what_a_load_cannot_take);
+  tcase_add_test(tc, config_quantize_keys_a_scheme_does_not_take_are_refused);
   suite_add_tcase(s, tc);
   return s;
 }
