@@ -804,6 +804,92 @@ START_TEST(f32_f16_and_sharded_sources_load_online_as_quantize_then_load) {
 }
 END_TEST
 
+/* The made tensors of unit u (of layer, from derived source `first`) equal the offline output's (ck). */
+static void assert_unit_is_offline(const qkeep_layer *layer, size_t first, const struct online_unit *u,
+                                   const struct ckpt *ck) {
+  size_t end = online_unit_end(layer, first);
+  ck_assert_uint_eq(u->n, end - first);
+  for (size_t d = first; d < end; d++) {
+    struct quant_output o;
+    quant_plan_output(layer->model->online.plan, layer->derived[d].output, &o);
+    struct provided t;
+    ck_assert_msg(u->made.find(&u->made, o.name, &t), "%s: the unit made no '%s'", layer->name, o.name);
+    const struct ckpt_tensor *want = ckpt_find(ck, o.name);
+    ck_assert_ptr_nonnull(want);
+    void *bytes = malloc(want->t->nbytes ? want->t->nbytes : 1);
+    ck_assert_int_eq(ckpt_read(ck, want, bytes), 0);
+    ck_assert_uint_eq(t.nbytes, want->t->nbytes);
+    ck_assert_msg(memcmp(u->made.host_bytes(&u->made, &t), bytes, t.nbytes) == 0, "%s: bytes differ", o.name);
+    free(bytes);
+  }
+}
+
+/* A checkpoint provider that notes the name of every tensor it reads (the tests run one at a time). */
+static struct provider counted_inner;
+static const char *counted[64];
+static size_t n_counted;
+
+static int counted_read(const struct provider *p, const struct provided *t, void *dst) {
+  (void)p;
+  ck_assert_uint_lt(n_counted, 64);
+  counted[n_counted++] = t->name;
+  return counted_inner.read(&counted_inner, t, dst);
+}
+
+/* The pipe read ahead into the next layer, and the load then asked for another one (its order not the
+ * pipe's): the unit read ahead is given up on and the one asked for is made, as qkeep quantize writes it,
+ * each tensor read once. */
+START_TEST(a_unit_read_ahead_for_another_turn_is_given_up_on) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  char *tiny = example("tiny");
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  char *offline_dir = quantize_to_dir(tiny, &o);
+  qkeep_model *m = load_model(&ref, 1, tiny, &o, 1, 0);
+  qkeep_layer *quantizing[3];
+  size_t n = 0;
+  for (size_t l = 0; l < m->n_layers && n < 3; l++) /* layers whose first unit quantizes (not constants) */
+    if (m->layers[l]->n_derived && m->layers[l]->derived[0].unit != SIZE_MAX)
+      quantizing[n++] = m->layers[l];
+  ck_assert_uint_eq(n, 3);
+  struct ckpt *in, *out;
+  ck_assert_int_eq(ckpt_open(tiny, &in), 0);
+  ck_assert_int_eq(ckpt_open(offline_dir, &out), 0);
+  struct provider pv;
+  ckpt_provider(&counted_inner, in);
+  pv = counted_inner;
+  pv.read = counted_read;
+  n_counted = 0;
+  struct online_pipe *pipe = NULL;
+  struct online_unit *u;
+  /* the first layer's last unit: the second layer's first is read ahead */
+  size_t last = 0;
+  for (size_t first = 0; first < quantizing[0]->n_derived; first = online_unit_end(quantizing[0], first))
+    last = first;
+  ck_assert_msg(online_pipe_take(&pipe, quantizing[0], last, &pv, m->layers, m->n_layers, &u) == 0, "%s",
+                qkeep_errmsg());
+  assert_unit_is_offline(quantizing[0], last, u, out);
+  online_pipe_done(pipe);
+  ck_assert_int_gt(online_pipe_bytes(pipe), 0); /* the one read ahead */
+  /* then the third layer, not the second */
+  ck_assert_msg(online_pipe_take(&pipe, quantizing[2], 0, &pv, m->layers, m->n_layers, &u) == 0, "%s",
+                qkeep_errmsg());
+  assert_unit_is_offline(quantizing[2], 0, u, out);
+  online_pipe_done(pipe);
+  online_pipe_free(pipe);
+  ck_assert_uint_ge(n_counted, 4); /* A's last unit, B's first (given up on), C's first and the one after */
+  for (size_t i = 0; i < n_counted; i++)
+    for (size_t j = 0; j < i; j++)
+      ck_assert_msg(strcmp(counted[i], counted[j]) != 0, "'%s' was read twice", counted[i]);
+  ckpt_close(in);
+  ckpt_close(out);
+  qkeep_model_free(m);
+  remove_dir(offline_dir);
+  free(tiny);
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
 /* Whether two outputs of qkeep quantize hold the same files with the same bytes (the files it writes). */
 static bool same_output(const char *a, const char *b) {
   static const char *const files[] = {"model.safetensors", "config.json", "hf_quant_config.json"};
@@ -921,6 +1007,7 @@ static Suite *online_suite(void) {
   tcase_add_test(tc, a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0);
   tcase_add_test(tc, a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it);
   tcase_add_test(tc, one_thread_and_more_threads_than_cores_load_as_quantize_then_load);
+  tcase_add_test(tc, a_unit_read_ahead_for_another_turn_is_given_up_on);
   tcase_add_test(tc, direct_loads_of_a_lone_weight_quantize_and_of_a_group_member_are_refused);
   tcase_add_test(tc, set_quantize_refuses_what_a_load_cannot_take);
   tcase_add_test(tc, config_quantize_keys_a_scheme_does_not_take_are_refused);

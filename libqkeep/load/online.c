@@ -420,18 +420,19 @@ int online_pipe_take(struct online_pipe **pipep, qkeep_layer *layer, size_t firs
     *pipep = pipe;
   }
   assert(pipe->plan == layer->model->online.plan);
-  struct flight *f = &pipe->f[pipe->head];
   /* A unit read ahead for another turn than this one (the load went another way): given up on. */
-  if (pipe->n && (f->layer != layer || f->first != first || f->pv != pv))
+  const struct flight *head = &pipe->f[pipe->head];
+  if (pipe->n && (head->layer != layer || head->first != first || head->pv != pv))
     while (pipe->n)
       online_pipe_done(pipe);
   if (!pipe->n)
     flight_launch(pipe, &pipe->f[(pipe->head + pipe->n++) % 2], layer, first, pv);
+  struct flight *f = &pipe->f[pipe->head];
+  /* The next unit is read now, while f quantizes on the pool. */
   qkeep_layer *next;
   size_t next_first;
   if (pipe->n == 1 && next_unit(pipe, layer, f->end, order, n_order, &next, &next_first))
-    flight_launch(pipe, &pipe->f[(pipe->head + pipe->n++) % 2], next, next_first,
-                  pv); /* read while f quantizes */
+    flight_launch(pipe, &pipe->f[(pipe->head + pipe->n++) % 2], next, next_first, pv);
   int rc = f->rc ? set_error(f->rc, "%s", f->msg ? f->msg : qkeep_strerror(f->rc))
                  : quant_pool_wait(pipe->pool, f->job);
   f->job = NULL; /* waited for */
