@@ -94,19 +94,27 @@ static int add_member_source(qkeep_layer *layer, const struct quant_plan *plan, 
  */
 static int convert_layer(qkeep_layer *layer, const struct online_quantize *on) {
   size_t n_old = layer->n_sources, units = 0, n_sources = 0;
+  assert(layer->n_derived == 0);
+  /* Until the sources are rebuilt below, layer->sources owns every name and derived[] borrows them: a
+   * failure before then forgets derived[] (n_derived 0), so that each name is freed once. */
   for (size_t i = 0; i < n_old; i++) {
     size_t out;
     struct quant_output o;
+    int rc = 0;
     if (!name_index_get(&on->outputs, layer->sources[i].checkpoint_name, &out))
-      return set_error(QKEEP_E_FORMAT, "layer %s: source '%s' is no tensor of the quantize plan", layer->name,
-                       layer->sources[i].checkpoint_name);
-    quant_plan_output(on->plan, out, &o);
-    if (o.copied)
+      rc = set_error(QKEEP_E_FORMAT, "layer %s: source '%s' is no tensor of the quantize plan", layer->name,
+                     layer->sources[i].checkpoint_name);
+    if (!rc)
+      quant_plan_output(on->plan, out, &o);
+    if (!rc && o.copied)
       continue;
-    int rc = grow_array((void **)&layer->derived, &layer->cap_derived, layer->n_derived + 1,
-                        sizeof *layer->derived);
-    if (rc)
+    if (!rc)
+      rc = grow_array((void **)&layer->derived, &layer->cap_derived, layer->n_derived + 1,
+                      sizeof *layer->derived);
+    if (rc) {
+      layer->n_derived = 0;
       return rc;
+    }
     layer->derived[layer->n_derived++] =
         (struct derived){.src = layer->sources[i], .output = out, .unit = o.unit};
     units += o.unit != SIZE_MAX ? (size_t)quant_plan_members(on->plan, o.unit) : 0;
@@ -126,8 +134,10 @@ static int convert_layer(qkeep_layer *layer, const struct online_quantize *on) {
   }
   qsort(layer->derived, layer->n_derived, sizeof *layer->derived, by_order);
   struct source *sources = calloc(n_old + units + 1, sizeof *sources);
-  if (!sources)
+  if (!sources) {
+    layer->n_derived = 0;
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
   for (size_t i = 0; i < n_old; i++) {
     size_t out;
     struct quant_output o;

@@ -89,6 +89,19 @@ static int pwrite_full(int fd, const void *data, size_t n, uint64_t offset) {
   return 0;
 }
 
+/* jansson's setters fail quietly (out of memory, or a NULL value from a constructor that failed): these
+ * note it in *ok, so that a config built with them is whole or refused, never written with a key
+ * missing. The value's reference is taken either way. */
+static void jset(bool *ok, json_t *object, const char *key, json_t *value) {
+  if (json_object_set_new(object, key, value) != 0)
+    *ok = false;
+}
+
+static void jappend(bool *ok, json_t *array, json_t *value) {
+  if (json_array_append_new(array, value) != 0)
+    *ok = false;
+}
+
 /* ---- the plan ------------------------------------------------------------------------ */
 
 /* One tensor of the output. */
@@ -603,10 +616,10 @@ static int open_shards(struct quantizer *q) {
   q->fds = malloc((size_t)(q->n_shards ? q->n_shards : 1) * sizeof *q->fds);
   q->tmp_paths = calloc((size_t)(q->n_shards ? q->n_shards : 1), sizeof *q->tmp_paths);
   q->shard_labels = calloc((size_t)(q->n_shards ? q->n_shards : 1), sizeof *q->shard_labels);
+  for (int s = 0; s < q->n_shards && q->fds; s++) /* before any return: quantizer_free closes what is >= 0 */
+    q->fds[s] = -1;
   if (!q->fds || !q->tmp_paths || !q->shard_labels)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  for (int s = 0; s < q->n_shards; s++)
-    q->fds[s] = -1;
   int rc = 0;
   size_t first = 0;
   for (int s = 0; s < q->n_shards && !rc; s++) {
@@ -687,15 +700,16 @@ static int finish_shards(struct quantizer *q) {
   if (rc || q->n_shards < 2)
     return rc;
   json_t *index = json_object(), *map = json_object(), *meta = json_object();
-  for (size_t i = 0; i < q->n_outs; i++) {
+  bool ok = index != NULL;
+  for (size_t i = 0; i < q->n_outs && ok; i++) {
     char *file = strfmt("model-%05d-of-%05d.safetensors", q->outs[i].shard + 1, q->n_shards);
-    json_object_set_new(map, q->outs[i].name, json_string(file ? file : ""));
+    jset(&ok, map, q->outs[i].name, file ? json_string(file) : NULL);
     free(file);
   }
-  json_object_set_new(meta, "format", json_string("pt"));
-  json_object_set_new(index, "metadata", meta);
-  json_object_set_new(index, "weight_map", map);
-  char *path = strfmt("%s/model.safetensors.index.json", q->out_dir);
+  jset(&ok, meta, "format", json_string("pt"));
+  jset(&ok, index, "metadata", meta);
+  jset(&ok, index, "weight_map", map);
+  char *path = ok ? strfmt("%s/model.safetensors.index.json", q->out_dir) : NULL;
   if (!path)
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   else if (json_dump_file(index, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0)
@@ -1380,89 +1394,88 @@ static int stream(struct quantizer *q, int threads, struct qkeep_quantize_progre
 
 /* A pack-quantized config group as llm-compressor's W4A16 preset writes it (actorder null, no activations).
  */
-static json_t *ct_int4_group(const struct quantizer *q) {
+static json_t *ct_int4_group(const struct quantizer *q, bool *ok) {
   json_t *weights = json_object(), *group = json_object(), *targets = json_array();
-  json_object_set_new(weights, "num_bits", json_integer(4));
-  json_object_set_new(weights, "type", json_string("int"));
-  json_object_set_new(weights, "symmetric", json_boolean(!q->opt->asym_weights));
-  json_object_set_new(weights, "strategy", json_string("group"));
-  json_object_set_new(weights, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
-  json_object_set_new(weights, "dynamic", json_false());
-  json_object_set_new(weights, "actorder", json_null());
-  json_object_set_new(weights, "observer", json_string("minmax"));
-  json_array_append_new(targets, json_string("Linear"));
-  json_object_set_new(group, "format", json_string("pack-quantized"));
-  json_object_set_new(group, "input_activations", json_null());
-  json_object_set_new(group, "output_activations", json_null());
-  json_object_set_new(group, "targets", targets);
-  json_object_set_new(group, "weights", weights);
+  jset(ok, weights, "num_bits", json_integer(4));
+  jset(ok, weights, "type", json_string("int"));
+  jset(ok, weights, "symmetric", json_boolean(!q->opt->asym_weights));
+  jset(ok, weights, "strategy", json_string("group"));
+  jset(ok, weights, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
+  jset(ok, weights, "dynamic", json_false());
+  jset(ok, weights, "actorder", json_null());
+  jset(ok, weights, "observer", json_string("minmax"));
+  jappend(ok, targets, json_string("Linear"));
+  jset(ok, group, "format", json_string("pack-quantized"));
+  jset(ok, group, "input_activations", json_null());
+  jset(ok, group, "output_activations", json_null());
+  jset(ok, group, "targets", targets);
+  jset(ok, group, "weights", weights);
   return group;
 }
 
-static json_t *ct_group(const struct quantizer *q, bool nvfp4) {
+static json_t *ct_group(const struct quantizer *q, bool nvfp4, bool *ok) {
   json_t *weights = json_object(), *group = json_object(), *targets = json_array();
-  json_object_set_new(weights, "num_bits", json_integer(nvfp4 || strcmp(q->sch->name, "mxfp4") == 0 ? 4 : 8));
-  json_object_set_new(weights, "type", json_string(strcmp(q->sch->name, "w8a8-int8") == 0 ? "int" : "float"));
-  json_object_set_new(weights, "symmetric", json_true());
-  json_object_set_new(weights, "dynamic", json_false());
+  jset(ok, weights, "num_bits", json_integer(nvfp4 || strcmp(q->sch->name, "mxfp4") == 0 ? 4 : 8));
+  jset(ok, weights, "type", json_string(strcmp(q->sch->name, "w8a8-int8") == 0 ? "int" : "float"));
+  jset(ok, weights, "symmetric", json_true());
+  jset(ok, weights, "dynamic", json_false());
   if (strcmp(q->sch->name, "w8a8-int8") == 0) {
-    json_object_set_new(weights, "strategy", json_string("channel"));
+    jset(ok, weights, "strategy", json_string("channel"));
     json_t *in = json_object();
-    json_object_set_new(in, "num_bits", json_integer(8));
-    json_object_set_new(in, "type", json_string("int"));
-    json_object_set_new(in, "strategy", json_string(q->opt->static_input ? "tensor" : "token"));
-    json_object_set_new(in, "dynamic", json_boolean(!q->opt->static_input));
-    json_object_set_new(in, "symmetric", json_boolean(!q->opt->asym_input));
-    json_object_set_new(group, "input_activations", in);
+    jset(ok, in, "num_bits", json_integer(8));
+    jset(ok, in, "type", json_string("int"));
+    jset(ok, in, "strategy", json_string(q->opt->static_input ? "tensor" : "token"));
+    jset(ok, in, "dynamic", json_boolean(!q->opt->static_input));
+    jset(ok, in, "symmetric", json_boolean(!q->opt->asym_input));
+    jset(ok, group, "input_activations", in);
   } else {
-    json_object_set_new(weights, "strategy", json_string(nvfp4 ? "tensor_group" : "group"));
-    json_object_set_new(weights, "group_size", json_integer(nvfp4 ? 16 : 32));
+    jset(ok, weights, "strategy", json_string(nvfp4 ? "tensor_group" : "group"));
+    jset(ok, weights, "group_size", json_integer(nvfp4 ? 16 : 32));
     if (nvfp4) {
       json_t *in = json_deep_copy(weights);
-      json_object_set_new(in, "dynamic", json_string("local"));
-      json_object_set_new(group, "input_activations", in);
+      jset(ok, in, "dynamic", json_string("local"));
+      jset(ok, group, "input_activations", in);
     }
   }
-  json_array_append_new(targets, json_string("Linear"));
-  json_object_set_new(group, "targets", targets);
-  json_object_set_new(group, "weights", weights);
+  jappend(ok, targets, json_string("Linear"));
+  jset(ok, group, "targets", targets);
+  jset(ok, group, "weights", weights);
   return group;
 }
 
 /* config.json's quantization_config for the scheme (and hf_quant_config.json for ModelOpt). */
-static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant) {
+static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant, bool *ok) {
   const char *s = q->sch->name;
   json_t *qc = json_object(), *ignore = json_array();
-  json_array_append_new(ignore, json_string("lm_head"));
+  jappend(ok, ignore, json_string("lm_head"));
   *hf_quant = NULL;
   if (strcmp(s, "modelopt-nvfp4") == 0) {
-    json_object_set_new(qc, "quant_method", json_string("modelopt"));
-    json_object_set_new(qc, "quant_algo", json_string("NVFP4"));
-    json_object_set_new(qc, "group_size", json_integer(16));
-    json_object_set_new(qc, "ignore", json_deep_copy(ignore));
+    jset(ok, qc, "quant_method", json_string("modelopt"));
+    jset(ok, qc, "quant_algo", json_string("NVFP4"));
+    jset(ok, qc, "group_size", json_integer(16));
+    jset(ok, qc, "ignore", json_deep_copy(ignore));
     json_t *h = json_object(), *producer = json_object(), *quant = json_object();
-    json_object_set_new(producer, "name", json_string("modelopt"));
-    json_object_set_new(producer, "version", json_string("qkeep-" PACKAGE_VERSION));
-    json_object_set_new(quant, "quant_algo", json_string("NVFP4"));
-    json_object_set_new(quant, "kv_cache_quant_algo",
-                        q->opt->kv_cache_scales ? json_string("FP8") : json_null());
-    json_object_set_new(quant, "group_size", json_integer(16));
-    json_object_set_new(quant, "exclude_modules", json_deep_copy(ignore));
-    json_object_set_new(h, "producer", producer);
-    json_object_set_new(h, "quantization", quant);
+    jset(ok, producer, "name", json_string("modelopt"));
+    jset(ok, producer, "version", json_string("qkeep-" PACKAGE_VERSION));
+    jset(ok, quant, "quant_algo", json_string("NVFP4"));
+    jset(ok, quant, "kv_cache_quant_algo", q->opt->kv_cache_scales ? json_string("FP8") : json_null());
+    jset(ok, quant, "group_size", json_integer(16));
+    jset(ok, quant, "exclude_modules", json_deep_copy(ignore));
+    jset(ok, h, "producer", producer);
+    jset(ok, h, "quantization", quant);
     *hf_quant = h;
   } else if (strcmp(s, "gptq-int4") == 0 || strcmp(s, "awq-int4") == 0) {
     bool awq = s[0] == 'a';
-    json_object_set_new(qc, "quant_method", json_string(awq ? "awq" : "gptq"));
-    json_object_set_new(qc, "bits", json_integer(4));
-    json_object_set_new(qc, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
+    jset(ok, qc, "quant_method", json_string(awq ? "awq" : "gptq"));
+    jset(ok, qc, "bits", json_integer(4));
+    jset(ok, qc, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
     if (awq) {
-      json_object_set_new(qc, "zero_point", json_boolean(q->opt->asym_weights));
-      json_object_set_new(qc, "version", json_string("gemm"));
+      jset(ok, qc, "zero_point", json_boolean(q->opt->asym_weights));
+      jset(ok, qc, "version", json_string("gemm"));
     } else {
-      json_object_set_new(qc, "desc_act", json_false());
-      json_object_set_new(qc, "sym", json_boolean(!q->opt->asym_weights));
-      json_object_set_new(qc, "checkpoint_format", json_string("gptq"));
+      jset(ok, qc, "desc_act", json_false());
+      jset(ok, qc, "sym", json_boolean(!q->opt->asym_weights));
+      jset(ok, qc, "checkpoint_format", json_string("gptq"));
     }
   } else {
     bool nvfp4 = strcmp(s, "ct-nvfp4") == 0, int4 = strcmp(s, "ct-int4") == 0;
@@ -1471,19 +1484,19 @@ static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant)
                          : int4                    ? "pack-quantized"
                                                    : "int-quantized";
     json_t *groups = json_object();
-    json_object_set_new(groups, "group_0", int4 ? ct_int4_group(q) : ct_group(q, nvfp4));
-    json_object_set_new(qc, "quantization_status", json_string("compressed"));
-    json_object_set_new(qc, "quant_method", json_string("compressed-tensors"));
-    json_object_set_new(qc, "format", json_string(format));
-    json_object_set_new(qc, "config_groups", groups);
-    json_object_set_new(qc, "ignore", json_deep_copy(ignore));
+    jset(ok, groups, "group_0", int4 ? ct_int4_group(q, ok) : ct_group(q, nvfp4, ok));
+    jset(ok, qc, "quantization_status", json_string("compressed"));
+    jset(ok, qc, "quant_method", json_string("compressed-tensors"));
+    jset(ok, qc, "format", json_string(format));
+    jset(ok, qc, "config_groups", groups);
+    jset(ok, qc, "ignore", json_deep_copy(ignore));
   }
   if (q->opt->kv_cache_scales && strcmp(s, "modelopt-nvfp4") != 0) {
     json_t *kv = json_object();
-    json_object_set_new(kv, "num_bits", json_integer(8));
-    json_object_set_new(kv, "type", json_string("float"));
-    json_object_set_new(kv, "dynamic", json_false());
-    json_object_set_new(qc, "kv_cache_scheme", kv);
+    jset(ok, kv, "num_bits", json_integer(8));
+    jset(ok, kv, "type", json_string("float"));
+    jset(ok, kv, "dynamic", json_false());
+    jset(ok, qc, "kv_cache_scheme", kv);
   }
   json_decref(ignore);
   return qc;
@@ -1514,13 +1527,19 @@ static int read_input_config(struct quantizer *q) {
   return 0;
 }
 
-/* config.json: the input's (when it has one) with quantization_config set. */
+/* config.json: the input's (when it has one) with quantization_config set; NULL when out of memory. */
 static json_t *output_config(const struct quantizer *q, json_t **hf) {
   json_t *config = q->input_config ? json_deep_copy(q->input_config) : json_object();
+  bool ok = config != NULL;
   *hf = NULL;
   if (config)
-    json_object_set_new(config, "quantization_config", quantization_config(q, hf));
-  return config;
+    jset(&ok, config, "quantization_config", quantization_config(q, hf, &ok));
+  if (ok)
+    return config;
+  json_decref(config);
+  json_decref(*hf);
+  *hf = NULL;
+  return NULL;
 }
 
 static int write_configs(struct quantizer *q) {
@@ -1977,9 +1996,9 @@ static int plan_detach(struct quant_plan *p) {
   }
   json_t *hf = NULL, *config = output_config(q, &hf);
   if (config)
-    p->config_json = json_dumps(config, JSON_INDENT(2));
+    p->config_json = json_dumps_watched(config, JSON_INDENT(2));
   if (hf)
-    p->hf_json = json_dumps(hf, JSON_INDENT(2));
+    p->hf_json = json_dumps_watched(hf, JSON_INDENT(2));
   json_decref(config);
   json_decref(hf);
   q->ck = NULL;
