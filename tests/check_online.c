@@ -992,6 +992,148 @@ START_TEST(config_quantize_keys_a_scheme_does_not_take_are_refused) {
 }
 END_TEST
 
+/* examples/NAME with every tensor in dtype (BF16, F16 or F32) and, when planted, element `at` of `tensor`
+ * holding the raw bits `bits` of that dtype, as one file (its path; the caller removes its directory). */
+static char *example_as(const char *name, enum qkeep_dtype dtype, const char *tensor, size_t at,
+                        uint32_t bits, bool planted) {
+  char *src = example(name);
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(src, &ck), 0);
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  bool found = !planted;
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    size_t n = t->nbytes / 2;
+    uint16_t *bf16 = malloc(t->nbytes);
+    unsigned char *out = malloc(n * 4);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bf16), 0);
+    size_t size = qkeep_dtype_size(dtype);
+    for (size_t e = 0; e < n; e++) {
+      float f = qkeep_bf16_to_f32(bf16[e]);
+      uint32_t f32;
+      memcpy(&f32, &f, 4);
+      uint16_t half = dtype == QKEEP_DTYPE_F16 ? qkeep_f32_to_f16(f) : bf16[e];
+      if (size == 4)
+        memcpy(out + 4 * e, &f32, 4);
+      else
+        memcpy(out + 2 * e, &half, 2);
+    }
+    if (planted && strcmp(t->name, tensor) == 0) {
+      ck_assert_uint_lt(at, n);
+      uint16_t half = (uint16_t)bits;
+      memcpy(out + size * at, size == 4 ? (const void *)&bits : (const void *)&half, size);
+      found = true;
+    }
+    struct qkeep_spec spec = {.dtype = dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    ck_assert_int_eq(st_writer_add(w, t->name, &spec, out), 0);
+    free(bf16), free(out);
+  }
+  ck_assert_msg(found, "%s has no '%s'", name, tensor);
+  char *dir = tu_tmpdir("online-as");
+  char *path = tu_path(dir, "model.safetensors");
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  ckpt_close(ck);
+  free(dir), free(src);
+  return path;
+}
+
+static void remove_file_dir(char *path) {
+  char *slash = strrchr(path, '/');
+  *slash = '\0';
+  tu_rmtree(path);
+  free(path);
+}
+
+/* A reload's check of W1's values finds a NaN or an Inf wherever it is in the tensor (the first element, one
+ * past whole runs of 64, the last) in each source dtype, naming its element; finite values of the largest
+ * exponent below infinity's, of either sign, are taken, and the reload then equals a cold online start of
+ * the same W1. */
+START_TEST(every_non_finite_value_is_found_and_every_finite_one_taken_in_each_dtype) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  const char *tensor = "model.layers.1.mlp.down_proj.weight";
+  static const struct {
+    enum qkeep_dtype dtype;
+    uint32_t nan, inf, ninf, max, nmax;
+  } dtypes[] = {
+      {QKEEP_DTYPE_BF16, 0x7fc1, 0x7f80, 0xff80, 0x7f00, 0xff00}, /* 2^127: its scale x 127 is finite */
+      {QKEEP_DTYPE_F16, 0x7e01, 0x7c00, 0xfc00, 0x7bff, 0xfbff},
+      {QKEEP_DTYPE_F32, 0x7fc00001, 0x7f800000, 0xff800000, 0x7f000000, 0xff000000}};
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  for (size_t d = 0; d < 3; d++) {
+    char *w0 = example_as("tiny", dtypes[d].dtype, NULL, 0, 0, false);
+    qkeep_model *m = load_model(&ref, 1, w0, &o, 1, 0);
+    struct qkeep_digest d0 = digest_of(m);
+    struct ckpt *ck;
+    ck_assert_int_eq(ckpt_open(w0, &ck), 0);
+    size_t n = (size_t)(ckpt_find(ck, tensor)->t->nbytes / qkeep_dtype_size(dtypes[d].dtype));
+    ckpt_close(ck);
+    const size_t where[] = {0, 3 * 64, 3 * 64 + 7, n - 1};
+    const uint32_t bad[] = {dtypes[d].nan, dtypes[d].inf, dtypes[d].ninf, dtypes[d].nan};
+    for (int b = 0; b < 4; b++) {
+      char *w1 = example_as("tiny-w1", dtypes[d].dtype, tensor, where[b], bad[b], true);
+      ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+      char element[64];
+      snprintf(element, sizeof element, "element %zu ", where[b]);
+      ck_assert_msg(strstr(qkeep_errmsg(), tensor) && strstr(qkeep_errmsg(), element), "dtype %d, %s: %s",
+                    (int)dtypes[d].dtype, element, qkeep_errmsg());
+      ck_assert(same_digest(d0, digest_of(m)));
+      remove_file_dir(w1);
+    }
+    for (int b = 0; b < 2; b++) {
+      char *w1 = example_as("tiny-w1", dtypes[d].dtype, tensor, b ? n - 1 : 3 * 64,
+                            b ? dtypes[d].nmax : dtypes[d].max, true);
+      ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "dtype %d: %s", (int)dtypes[d].dtype, qkeep_errmsg());
+      qkeep_model *cold = load_model(&ref, 1, w1, &o, 1, 0);
+      ck_assert(same_digest(digest_of(cold), digest_of(m)));
+      qkeep_model_free(cold);
+      remove_file_dir(w1);
+    }
+    qkeep_model_free(m);
+    remove_file_dir(w0);
+  }
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
+/*
+ * A W1 whose quantized scale a cold start refuses (f32's largest value: its int8 scale times 127 overflows
+ * float) is refused by an online reload too, naming the scale: a reload must equal a cold start, and the
+ * scales made on load never passed the reload's validation. The model is W0 afterwards, pointers unchanged.
+ * The oracle: qkeep quantize of that W1, whose cold start refuses the same scale.
+ */
+START_TEST(a_made_scale_a_cold_start_refuses_is_refused_by_a_reload) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  const char *tensor = "model.layers.1.mlp.down_proj.weight";
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  char *w1 = example_as("tiny-w1", QKEEP_DTYPE_F32, tensor, 200, 0x7f7fffff, true);
+  char *offline_dir = quantize_to_dir(w1, &o);
+  qkeep_model *oracle;
+  ck_assert_int_eq(qkeep_model_new(ref, &oracle), 0);
+  ck_assert_int_eq(qkeep_model_load(oracle, offline_dir), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "down_proj.weight_scale"), "%s", qkeep_errmsg());
+  qkeep_model_free(oracle);
+  char *w0 = example_as("tiny", QKEEP_DTYPE_F32, NULL, 0, 0, false);
+  qkeep_model *m = load_model(&ref, 1, w0, &o, 1, 0);
+  struct snapshot before, after;
+  snapshot_take(m, &before);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "down_proj.weight_scale"), "%s", qkeep_errmsg());
+  snapshot_take(m, &after);
+  assert_unchanged(&before, &after, "w8a8-int8");
+  snapshot_free(&before), snapshot_free(&after);
+  qkeep_model_free(m);
+  remove_dir(offline_dir);
+  remove_file_dir(w1);
+  remove_file_dir(w0);
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
 static Suite *online_suite(void) {
   Suite *s = suite_create("online");
   TCase *tc = tcase_create("online");
@@ -1004,6 +1146,8 @@ static Suite *online_suite(void) {
   tcase_add_test(tc, tensor_parallel_ranks_equal_the_ranks_of_the_offline_output);
   tcase_add_test(tc, a_sync_of_bf16_buckets_equals_a_cold_online_w1);
   tcase_add_test(tc, nan_or_inf_in_the_source_is_refused_before_anything_changes);
+  tcase_add_test(tc, every_non_finite_value_is_found_and_every_finite_one_taken_in_each_dtype);
+  tcase_add_test(tc, a_made_scale_a_cold_start_refuses_is_refused_by_a_reload);
   tcase_add_test(tc, a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0);
   tcase_add_test(tc, a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it);
   tcase_add_test(tc, one_thread_and_more_threads_than_cores_load_as_quantize_then_load);

@@ -260,6 +260,11 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
  * any checkpoint tensor is; the unit's sources count as loaded. */
 static int load_made(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   int rc = 0;
+  /* A reload's validation saw only the unquantized sources, never the scales made from them: those are
+   * checked as they land, as a cold start checks them (a cold start of the same W1 refuses what this does).
+   */
+  bool scales_checked = st->scales_checked;
+  st->scales_checked = false;
   for (size_t first = 0, end; first < layer->n_derived && !rc; first = end) {
     end = online_unit_end(layer, first);
     struct online_unit *u;
@@ -276,6 +281,7 @@ static int load_made(qkeep_layer *layer, const struct provider *pv, struct stagi
       layer->sources[d0->members[m]].loaded = true;
     online_pipe_done(st->online);
   }
+  st->scales_checked = scales_checked;
   return rc ? add_error_context(rc, "layer %s (quantized on load)", layer->name) : 0;
 }
 

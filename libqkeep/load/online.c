@@ -479,18 +479,57 @@ void online_pipe_free(struct online_pipe *pipe) {
 
 /* ---- validation ---------------------------------------------------------------------------- */
 
+/* Elements tested together before the one at fault is looked for: a loop of a constant count, which
+ * compilers vectorize. */
+#define CHECK_RUN 64
+
+/* The first of n elements (bf16, f16 or f32) that is a NaN or an Inf, or n. Their exponent bits are all
+ * set, so the magnitude's bits are at least those of infinity: an integer compare, no conversion. */
+static size_t first_not_finite(const void *bytes, enum qkeep_dtype dtype, size_t n) {
+  size_t i = 0;
+  if (dtype == QKEEP_DTYPE_F32) {
+    const uint32_t *v = bytes;
+    for (; i + CHECK_RUN <= n; i += CHECK_RUN) {
+      unsigned any = 0;
+      for (int j = 0; j < CHECK_RUN; j++)
+        any |= (v[i + j] & 0x7fffffffu) >= 0x7f800000u;
+      if (any)
+        break;
+    }
+    for (; i < n; i++)
+      if ((v[i] & 0x7fffffffu) >= 0x7f800000u)
+        return i;
+    return n;
+  }
+  if (dtype == QKEEP_DTYPE_BF16 || dtype == QKEEP_DTYPE_F16) {
+    const uint16_t *v = bytes;
+    uint16_t inf = dtype == QKEEP_DTYPE_BF16 ? 0x7f80 : 0x7c00;
+    for (; i + CHECK_RUN <= n; i += CHECK_RUN) {
+      unsigned any = 0;
+      for (int j = 0; j < CHECK_RUN; j++)
+        any |= (uint16_t)(v[i + j] & 0x7fffu) >= inf;
+      if (any)
+        break;
+    }
+    for (; i < n; i++)
+      if ((uint16_t)(v[i] & 0x7fffu) >= inf)
+        return i;
+    return n;
+  }
+  for (; i < n; i++) /* no other dtype is quantized on load; kept general */
+    if (!isfinite(qk_load_float(bytes, dtype, i)))
+      return i;
+  return n;
+}
+
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src) {
   struct provided t;
   const void *bytes;
   void *held;
   int rc = host_bytes_of(layer, pv, src, &t, &bytes, &held);
-  size_t n = rc ? 0 : (size_t)qkeep_spec_numel(&src->spec), bad = n;
+  size_t n = rc ? 0 : (size_t)qkeep_spec_numel(&src->spec);
   enum qkeep_dtype dtype = src->spec.dtype;
-  for (size_t i = 0; i < n && bad == n; i++) {
-    float v = qk_load_float(bytes, dtype, i);
-    if (!isfinite(v))
-      bad = i;
-  }
+  size_t bad = n ? first_not_finite(bytes, dtype, n) : 0;
   if (bad < n) {
     int64_t k = src->spec.shape[1] ? src->spec.shape[1] : 1;
     float v = qk_load_float(bytes, dtype, bad);

@@ -542,7 +542,9 @@ static int check_listed_scales(struct scale_cache *cache) {
  * (a trainer saving into the same directory), which the rollback detects and can only answer by
  * poisoning the model. Keeping what one read made until the end instead (the unquantized or the
  * quantized bytes of every layer) would hold a model's worth of memory where a load holds two units.
- * So a bad value is refused here, before anything changes, whatever W0 came from.
+ * So a bad value is refused here, before anything changes, whatever W0 came from. (What only the
+ * quantized bytes show, such as an int8 scale that f32's largest weight makes overflow, is found as they
+ * land, as a cold start finds it, and rolled back from there.)
  */
 static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
