@@ -5,13 +5,21 @@
  * gptq-int4, in each of RUNS runs (after a warm-up), interleaved:
  *   quantize   qkeep_quantize of the checkpoint into a directory (the offline quantizer);
  *   cold       a cold start of that directory on the configured default chain;
- *   online     a cold start of the bf16 checkpoint quantizing on load, same chain and options.
+ *   online     a cold start of the bf16 checkpoint quantizing on load, same chain and options;
+ *   reload     the online model reloaded from the bf16 checkpoint (quantized in place), and the cold
+ *              start's model reloaded from qkeep quantize's output (what a loop that quantizes each new
+ *              checkpoint offline reloads).
  * Every online model's digest is checked against the offline one's (identical: true). Per scheme
- * the medians, the online load's input rate against the offline quantizer's, and the ratio of
+ * the medians, the online load's input rate against the offline quantizer's, the ratio of
  * quantize + cold start to the online load (> 1: quantizing on load is the faster way to a running
- * model). One JSON object per line. The temporary directory is removed at the end.
+ * model), and its inverse as the target for the online path is stated: online_over_quantize_and_cold,
+ * the online load's time over the offline quantizer's plus a cold start of its output (target: at
+ * most 1.5), the median of each run's own ratio (the three timed back to back, so a slow moment of a
+ * shared machine weighs on both sides of one ratio); and for a reload,
+ * online_reload_over_quantize_and_reload, the online reload's time over the offline quantizer's plus the
+ * reload of its output, likewise. One JSON object per line. The temporary directory is removed at the end.
  *
- *   bench_online [SIZE_MB [RUNS [THREADS]]]      defaults: 96 3 (every online core)
+ *   bench_online [SIZE_MB [RUNS [THREADS]]]      defaults: 96 7 (every online core)
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,7 +108,7 @@ static double median(double *v, int n) { return tu_median(v, n); }
 
 int main(int argc, char **argv) {
   int64_t size_mb = argc > 1 ? atoll(argv[1]) : 96;
-  int runs = argc > 2 ? atoi(argv[2]) : 3, threads = argc > 3 ? atoi(argv[3]) : 0;
+  int runs = argc > 2 ? atoi(argv[2]) : 7, threads = argc > 3 ? atoi(argv[3]) : 0;
   if (size_mb < 1 || runs < 1 || runs > MAX_RUNS || threads < 0) {
     fprintf(stderr, "usage: bench_online [SIZE_MB [RUNS (1-16) [THREADS]]]\n");
     return 2;
@@ -121,7 +129,8 @@ int main(int argc, char **argv) {
   fflush(stdout);
   for (size_t s = 0; s < N_SCHEMES; s++) {
     struct qkeep_quantize_options o = {.size = sizeof o, .scheme = schemes[s], .threads = threads};
-    double quantize[MAX_RUNS], cold[MAX_RUNS], online[MAX_RUNS];
+    double quantize[MAX_RUNS], cold[MAX_RUNS], online[MAX_RUNS], over[MAX_RUNS];
+    double online_reload[MAX_RUNS], cold_reload[MAX_RUNS], reload_over[MAX_RUNS];
     bool identical = true;
     for (int r = -1; r < runs; r++) { /* run -1: the warm-up */
       double t0 = tu_now();
@@ -136,18 +145,35 @@ int main(int argc, char **argv) {
       if (qkeep_digest(offline, &a) || qkeep_digest(on, &b))
         die("qkeep_digest");
       identical &= a.hi == b.hi && a.lo == b.lo;
+      double t4 = tu_now();
+      if (qkeep_model_reload(on, model, 0))
+        die("the online reload");
+      double t5 = tu_now();
+      if (qkeep_model_reload(offline, out, 0))
+        die("the reload of qkeep quantize's output");
+      double t6 = tu_now();
+      if (qkeep_digest(offline, &a) || qkeep_digest(on, &b))
+        die("qkeep_digest");
+      identical &= a.hi == b.hi && a.lo == b.lo;
       qkeep_model_free(offline);
       qkeep_model_free(on);
       tu_rmtree(out);
-      if (r >= 0)
-        quantize[r] = t1 - t0, cold[r] = t2 - t1, online[r] = t3 - t2;
+      if (r >= 0) {
+        quantize[r] = t1 - t0, cold[r] = t2 - t1, online[r] = t3 - t2, over[r] = online[r] / (t2 - t0);
+        online_reload[r] = t5 - t4, cold_reload[r] = t6 - t5;
+        reload_over[r] = online_reload[r] / (quantize[r] + cold_reload[r]);
+      }
     }
     double q = median(quantize, runs), c = median(cold, runs), n = median(online, runs);
+    double nr = median(online_reload, runs), cr = median(cold_reload, runs);
     printf("{\"bench\":\"online\",\"scheme\":\"%s\",\"bytes\":%lld,\"runs\":%d,\"quantize_s\":%.4f,"
            "\"cold_s\":%.4f,\"online_s\":%.4f,\"quantize_mb_per_s\":%.1f,\"online_mb_per_s\":%.1f,"
-           "\"online_vs_quantize\":%.3f,\"online_vs_quantize_then_load\":%.3f,\"identical\":%s}\n",
+           "\"online_vs_quantize\":%.3f,\"online_vs_quantize_then_load\":%.3f,"
+           "\"online_over_quantize_and_cold\":%.3f,\"online_reload_s\":%.4f,\"cold_reload_s\":%.4f,"
+           "\"online_reload_over_quantize_and_reload\":%.3f,\"identical\":%s}\n",
            schemes[s], (long long)bytes, runs, q, c, n, (double)bytes / q / 1e6, (double)bytes / n / 1e6,
-           q / n, (q + c) / n, identical ? "true" : "false");
+           q / n, (q + c) / n, median(over, runs), nr, cr, median(reload_over, runs),
+           identical ? "true" : "false");
     fflush(stdout);
   }
   tu_rmtree(dir);

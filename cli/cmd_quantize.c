@@ -105,35 +105,18 @@ static const char *scheme_flag(const struct options *o) {
   return strcmp(o->command, "quantize") == 0 ? "--scheme" : "--quantize";
 }
 
-/* Which schemes each flag applies to: a flag given for another scheme is refused, not ignored. */
-static int check_flags(const struct options *o, const char *scheme) {
-  static const struct {
-    const char *flag, *schemes, *why;
-  } rules[] = {
-      {"group", "gptq-int4 awq-int4 ct-int4",
-       "NVFP4 and MXFP4 blocks are fixed (16, 32); w8a8-int8 is per channel"},
-      {"asym", "gptq-int4 awq-int4 ct-int4", "only int4 weights have zero points"},
-      {"static-input", "w8a8-int8", "NVFP4 input scales are always static; MXFP4 and int4 have none"},
-      {"asym-input", "w8a8-int8", "only int8 activations take a zero point"},
-  };
-  for (size_t i = 0; i < sizeof rules / sizeof rules[0]; i++) {
-    bool given = option_flag(o, rules[i].flag) || option_value(o, rules[i].flag);
-    if (!given)
-      continue;
-    const char *at = strstr(rules[i].schemes, scheme);
-    size_t len = strlen(scheme);
-    bool applies = at && (at[len] == ' ' || at[len] == '\0') && (at == rules[i].schemes || at[-1] == ' ');
-    if (!applies)
-      return report_failure(o, 2, "usage", "%s: --%s does not apply to %s %s (only to %s: %s)", o->command,
-                            rules[i].flag, scheme_flag(o), scheme, rules[i].schemes, rules[i].why);
+/* A flag given for a scheme that does not take it is refused, not ignored (the library's table, which a
+ * config's [model] quantize_* keys are checked by too). */
+static int check_flags(const struct options *o, const struct qkeep_quantize_options *q) {
+  static const char *const flags[] = {"group",           "asym",   "static-input", "asym-input", "kv-scales",
+                                      "activation-amax", "threads"};
+  for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
+    const char *why = NULL;
+    if ((option_flag(o, flags[i]) || option_value(o, flags[i])) &&
+        qkeep_quantize_option_applies(q->scheme, flags[i], q, &why) == QKEEP_E_INVAL)
+      return report_failure(o, 2, "usage", "%s: --%s does not apply to %s %s (%s)", o->command, flags[i],
+                            scheme_flag(o), q->scheme, why);
   }
-  /* static scales: NVFP4's input scales, w8a8's with --static-input, and --kv-scales */
-  if (option_value(o, "activation-amax") && !strstr(scheme, "nvfp4") && !option_flag(o, "kv-scales") &&
-      !(strcmp(scheme, "w8a8-int8") == 0 && option_flag(o, "static-input")))
-    return report_failure(o, 2, "usage",
-                          "%s: --activation-amax does not apply to %s %s here: it sets static "
-                          "scales (NVFP4 input scales, w8a8-int8 with --static-input, --kv-scales)",
-                          o->command, scheme_flag(o), scheme);
   return 0;
 }
 
@@ -157,7 +140,7 @@ static int quantize_options(const struct options *o, struct qkeep_quantize_optio
   q->activation_amax = (float)amax;
   q->max_shard_bytes = shard;
   q->threads = (int)n_threads;
-  return check_flags(o, q->scheme);
+  return check_flags(o, q);
 }
 
 int online_options(const struct options *o, struct qkeep_quantize_options *q) {

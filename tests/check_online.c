@@ -395,6 +395,7 @@ static char *w1_with(const char *tensor, uint16_t bits) {
   ck_assert_int_eq(ckpt_open(w1, &ck), 0);
   struct st_writer *w;
   ck_assert_int_eq(st_writer_new(&w), 0);
+  ck_assert_msg(ckpt_find(ck, tensor) != NULL, "tiny-w1 has no '%s'", tensor); /* nothing planted */
   for (size_t i = 0; i < ck->n_tensors; i++) {
     const struct st_tensor *t = ck->tensors[i].t;
     uint16_t *data = malloc(t->nbytes);
@@ -455,6 +456,203 @@ START_TEST(nan_or_inf_in_the_source_is_refused_before_anything_changes) {
   }
   free(tiny);
   qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* Every registered tensor of a model (every layer's names): its address and bytes. */
+struct snapshot {
+  size_t n, cap;
+  struct {
+    char *name;
+    const void *data;
+    void *bytes;
+    size_t nbytes;
+  } * t;
+};
+
+static int snap_name(void *user, const char *name, bool is_buffer, const struct qkeep_view *v) {
+  (void)is_buffer;
+  struct snapshot *s = user;
+  if (s->n == s->cap) {
+    s->cap = s->cap ? 2 * s->cap : 64;
+    s->t = realloc(s->t, s->cap * sizeof *s->t);
+    ck_assert_ptr_nonnull(s->t);
+  }
+  s->t[s->n].name = strdup(name);
+  s->t[s->n].data = v->data;
+  s->t[s->n].nbytes = v->nbytes;
+  s->t[s->n].bytes = malloc(v->nbytes ? v->nbytes : 1);
+  memcpy(s->t[s->n].bytes, v->data, v->nbytes);
+  s->n++;
+  return 0;
+}
+
+static void snapshot_take(const qkeep_model *m, struct snapshot *s) {
+  *s = (struct snapshot){0};
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++)
+    ck_assert_int_eq(qkeep_foreach_name(qkeep_model_layer(m, l), snap_name, s), 0);
+}
+
+static void snapshot_free(struct snapshot *s) {
+  for (size_t i = 0; i < s->n; i++)
+    free(s->t[i].name), free(s->t[i].bytes);
+  free(s->t);
+}
+
+/* The same tensors at the same addresses with the same bytes. */
+static void assert_unchanged(const struct snapshot *a, const struct snapshot *b, const char *what) {
+  ck_assert_uint_eq(a->n, b->n);
+  for (size_t i = 0; i < a->n; i++) {
+    ck_assert_str_eq(a->t[i].name, b->t[i].name);
+    ck_assert_msg(a->t[i].data == b->t[i].data, "%s: %s moved", what, a->t[i].name);
+    ck_assert_msg(a->t[i].nbytes == b->t[i].nbytes &&
+                      memcmp(a->t[i].bytes, b->t[i].bytes, a->t[i].nbytes) == 0,
+                  "%s: %s changed", what, a->t[i].name);
+  }
+}
+
+/* The unquantized tensor whose unit a load quantizes last: the last member of the last unit of the last
+ * layer that quantizes on load. */
+static const char *last_quantized(const qkeep_model *m) {
+  for (size_t l = m->n_layers; l-- > 0;) {
+    const qkeep_layer *layer = m->layers[l];
+    if (!layer->n_derived)
+      continue;
+    const struct derived *d = &layer->derived[layer->n_derived - 1];
+    ck_assert(d->unit != SIZE_MAX);
+    int members = quant_plan_members(m->online.plan, d->unit);
+    return layer->sources[d->members[members - 1]].checkpoint_name;
+  }
+  ck_abort_msg("no layer quantizes on load");
+  return NULL;
+}
+
+/* Every tensor of a checkpoint as named host buffers (the caller frees the data and the array). */
+static struct qkeep_named_tensor *buffers_of(const char *path, size_t *n) {
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(path, &ck), 0);
+  struct qkeep_named_tensor *ts = calloc(ck->n_tensors, sizeof *ts);
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    void *data = malloc(t->nbytes ? t->nbytes : 1);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], data), 0);
+    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    ts[i] = (struct qkeep_named_tensor){strdup(t->name), spec, data, false};
+  }
+  *n = ck->n_tensors;
+  ckpt_close(ck);
+  return ts;
+}
+
+static void buffers_free(struct qkeep_named_tensor *ts, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    free((char *)ts[i].name), free((void *)ts[i].data);
+  free(ts);
+}
+
+START_TEST(a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    char *offline_dir = quantize_to_dir(tiny, &o);
+    qkeep_model *m = load_model(chain, n, tiny, &o, 1, 0),
+                *offline = load_model(chain, n, offline_dir, NULL, 1, 0);
+    const char *last = last_quantized(m);
+    char *path = w1_with(last, 0x7fc0);
+    struct snapshot before, after;
+    snapshot_take(m, &before);
+    /* from the file, and from buffers holding every tensor of it (a full reload) */
+    for (int from = 0; from < 2; from++) {
+      int rc;
+      if (from == 0) {
+        rc = qkeep_model_reload(m, path, 0);
+      } else {
+        size_t count;
+        struct qkeep_named_tensor *ts = buffers_of(path, &count);
+        rc = qkeep_model_reload_tensors(m, ts, count, 0);
+        buffers_free(ts, count);
+      }
+      ck_assert_msg(rc != 0, "%s: a NaN in %s was taken", schemes[s], last);
+      ck_assert_msg(strstr(qkeep_errmsg(), last) && strstr(qkeep_errmsg(), "NaN"), "%s: %s", schemes[s],
+                    qkeep_errmsg());
+      snapshot_take(m, &after);
+      assert_unchanged(&before, &after, schemes[s]);
+      snapshot_free(&after);
+      assert_same_model(m, offline, schemes[s]); /* still W0 as quantize-then-load gives it */
+    }
+    snapshot_free(&before);
+    char *slash = strrchr(path, '/');
+    *slash = '\0';
+    tu_rmtree(path);
+    free(path);
+    qkeep_model_free(offline);
+    qkeep_model_free(m);
+    remove_dir(offline_dir);
+  }
+  free(tiny);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* A cold start quantizes the next unit while one lands, into the next layer too: a NaN there is reported at
+ * its turn, naming it, and the model is left empty. */
+START_TEST(a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *tiny = example("tiny");
+  /* the first unit of a layer after one that quantizes on load (read while that one lands), and the last */
+  static const char *const where[] = {"model.layers.1.self_attn.q_proj.weight",
+                                      "model.layers.2.mlp.experts.3.down_proj.weight"};
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    for (int b = 0; b < 2; b++) {
+      char *path = w1_with(where[b], 0x7f80);
+      qkeep_model *m;
+      ck_assert_int_eq(qkeep_model_new_chain(chain, n, &m), 0);
+      ck_assert_int_eq(qkeep_model_set_quantize(m, &o), 0);
+      ck_assert_int_ne(qkeep_model_load(m, path), 0);
+      ck_assert_msg(strstr(qkeep_errmsg(), where[b]) && strstr(qkeep_errmsg(), "element 5"), "%s: %s",
+                    schemes[s], qkeep_errmsg());
+      ck_assert_uint_eq(qkeep_model_layer_count(m), 0);
+      qkeep_model_free(m);
+      char *slash = strrchr(path, '/');
+      *slash = '\0';
+      tu_rmtree(path);
+      free(path);
+    }
+  }
+  free(tiny);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
+/* The bytes do not depend on the threads quantizing: one (the load's own, no pool thread) and more than the
+ * cores give quantize-then-load's. */
+START_TEST(one_thread_and_more_threads_than_cores_load_as_quantize_then_load) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < N_SCHEMES; s++) {
+    struct qkeep_quantize_options o = options_for(schemes[s]);
+    char *offline_dir = quantize_to_dir(tiny, &o);
+    qkeep_model *offline = load_model(&ref, 1, offline_dir, NULL, 1, 0);
+    static const int threads[] = {1, 5};
+    for (int t = 0; t < 2; t++) {
+      o.threads = threads[t];
+      qkeep_model *online = load_model(&ref, 1, tiny, &o, 1, 0);
+      assert_same_model(online, offline, schemes[s]);
+      qkeep_model_free(online);
+    }
+    qkeep_model_free(offline);
+    remove_dir(offline_dir);
+  }
+  free(tiny);
+  qkeep_plugin_close(ref);
 }
 END_TEST
 
@@ -606,6 +804,336 @@ START_TEST(f32_f16_and_sharded_sources_load_online_as_quantize_then_load) {
 }
 END_TEST
 
+/* The made tensors of unit u (of layer, from derived source `first`) equal the offline output's (ck). */
+static void assert_unit_is_offline(const qkeep_layer *layer, size_t first, const struct online_unit *u,
+                                   const struct ckpt *ck) {
+  size_t end = online_unit_end(layer, first);
+  ck_assert_uint_eq(u->n, end - first);
+  for (size_t d = first; d < end; d++) {
+    struct quant_output o;
+    quant_plan_output(layer->model->online.plan, layer->derived[d].output, &o);
+    struct provided t;
+    ck_assert_msg(u->made.find(&u->made, o.name, &t), "%s: the unit made no '%s'", layer->name, o.name);
+    const struct ckpt_tensor *want = ckpt_find(ck, o.name);
+    ck_assert_ptr_nonnull(want);
+    void *bytes = malloc(want->t->nbytes ? want->t->nbytes : 1);
+    ck_assert_int_eq(ckpt_read(ck, want, bytes), 0);
+    ck_assert_uint_eq(t.nbytes, want->t->nbytes);
+    ck_assert_msg(memcmp(u->made.host_bytes(&u->made, &t), bytes, t.nbytes) == 0, "%s: bytes differ", o.name);
+    free(bytes);
+  }
+}
+
+/* A checkpoint provider that notes the name of every tensor it reads (the tests run one at a time). */
+static struct provider counted_inner;
+static const char *counted[64];
+static size_t n_counted;
+
+static int counted_read(const struct provider *p, const struct provided *t, void *dst) {
+  (void)p;
+  ck_assert_uint_lt(n_counted, 64);
+  counted[n_counted++] = t->name;
+  return counted_inner.read(&counted_inner, t, dst);
+}
+
+/* The pipe read ahead into the next layer, and the load then asked for another one (its order not the
+ * pipe's): the unit read ahead is given up on and the one asked for is made, as qkeep quantize writes it,
+ * each tensor read once. */
+START_TEST(a_unit_read_ahead_for_another_turn_is_given_up_on) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  char *tiny = example("tiny");
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  char *offline_dir = quantize_to_dir(tiny, &o);
+  qkeep_model *m = load_model(&ref, 1, tiny, &o, 1, 0);
+  qkeep_layer *quantizing[3];
+  size_t n = 0;
+  for (size_t l = 0; l < m->n_layers && n < 3; l++) /* layers whose first unit quantizes (not constants) */
+    if (m->layers[l]->n_derived && m->layers[l]->derived[0].unit != SIZE_MAX)
+      quantizing[n++] = m->layers[l];
+  ck_assert_uint_eq(n, 3);
+  struct ckpt *in, *out;
+  ck_assert_int_eq(ckpt_open(tiny, &in), 0);
+  ck_assert_int_eq(ckpt_open(offline_dir, &out), 0);
+  struct provider pv;
+  ckpt_provider(&counted_inner, in);
+  pv = counted_inner;
+  pv.read = counted_read;
+  n_counted = 0;
+  struct online_pipe *pipe = NULL;
+  struct online_unit *u;
+  /* the first layer's last unit: the second layer's first is read ahead */
+  size_t last = 0;
+  for (size_t first = 0; first < quantizing[0]->n_derived; first = online_unit_end(quantizing[0], first))
+    last = first;
+  ck_assert_msg(online_pipe_take(&pipe, quantizing[0], last, &pv, m->layers, m->n_layers, &u) == 0, "%s",
+                qkeep_errmsg());
+  assert_unit_is_offline(quantizing[0], last, u, out);
+  online_pipe_done(pipe);
+  ck_assert_int_gt(online_pipe_bytes(pipe), 0); /* the one read ahead */
+  /* then the third layer, not the second */
+  ck_assert_msg(online_pipe_take(&pipe, quantizing[2], 0, &pv, m->layers, m->n_layers, &u) == 0, "%s",
+                qkeep_errmsg());
+  assert_unit_is_offline(quantizing[2], 0, u, out);
+  online_pipe_done(pipe);
+  online_pipe_free(pipe);
+  ck_assert_uint_ge(n_counted, 4); /* A's last unit, B's first (given up on), C's first and the one after */
+  for (size_t i = 0; i < n_counted; i++)
+    for (size_t j = 0; j < i; j++)
+      ck_assert_msg(strcmp(counted[i], counted[j]) != 0, "'%s' was read twice", counted[i]);
+  ckpt_close(in);
+  ckpt_close(out);
+  qkeep_model_free(m);
+  remove_dir(offline_dir);
+  free(tiny);
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
+/* Whether two outputs of qkeep quantize hold the same files with the same bytes (the files it writes). */
+static bool same_output(const char *a, const char *b) {
+  static const char *const files[] = {"model.safetensors", "config.json", "hf_quant_config.json"};
+  for (size_t f = 0; f < 3; f++) {
+    char *pa = tu_path(a, files[f]), *pb = tu_path(b, files[f]);
+    size_t na = 0, nb = 0;
+    void *x = tu_read_file(pa, &na), *y = tu_read_file(pb, &nb);
+    bool same = (!x && !y) || (x && y && na == nb && memcmp(x, y, na) == 0);
+    free(x), free(y), free(pa), free(pb);
+    if (!same)
+      return false;
+  }
+  return true;
+}
+
+/* A config of [model] quantize = scheme (none: NULL) and one more key; its path (the caller frees it and
+ * removes its directory). */
+static char *config_with(const char *scheme, const char *key, const char *value) {
+  char *dir = tu_tmpdir("online-ini");
+  char *path = tu_path(dir, "q.ini");
+  FILE *f = fopen(path, "w");
+  ck_assert_ptr_nonnull(f);
+  fprintf(f, "[qkeep]\nbackend = reference\n[model]\n");
+  if (scheme)
+    fprintf(f, "quantize = %s\n", scheme);
+  fprintf(f, "%s = %s\n", key, value);
+  fclose(f);
+  free(dir);
+  return path;
+}
+
+/*
+ * A [model] quantize_* key the scheme does not take is refused (QKEEP_E_INVAL naming the file, the key and
+ * the scheme), and one it takes is accepted. The oracle is qkeep quantize itself, which ignores an option its
+ * scheme does not use: a key must be taken exactly when its option changes the bytes quantize writes
+ * (threads, which never does, is taken by every scheme). Without quantize = SCHEME every such key is refused.
+ */
+START_TEST(config_quantize_keys_a_scheme_does_not_take_are_refused) {
+  static const char *const all[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
+                                    "gptq-int4",      "awq-int4", "ct-int4"};
+  static const struct {
+    const char *key, *value;
+  } keys[] = {{"quantize_group", "64"},          {"quantize_asym", "true"},
+              {"quantize_static_input", "true"}, {"quantize_asym_input", "true"},
+              {"quantize_kv_scales", "true"},    {"quantize_activation_amax", "4"},
+              {"quantize_threads", "1"}};
+  char *tiny = example("tiny");
+  for (size_t s = 0; s < sizeof all / sizeof all[0]; s++) {
+    struct qkeep_quantize_options base = {.size = sizeof base, .scheme = all[s], .threads = 2};
+    char *plain = quantize_to_dir(tiny, &base);
+    for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
+      struct qkeep_quantize_options o = base;
+      switch (k) {
+      case 0: o.group_size = 64; break;
+      case 1: o.asym_weights = true; break;
+      case 2: o.static_input = true; break;
+      case 3: o.asym_input = true; break;
+      case 4: o.kv_cache_scales = true; break;
+      case 5: o.activation_amax = 4.0f; break;
+      default: o.threads = 1;
+      }
+      char *with = quantize_to_dir(tiny, &o);
+      bool takes = k == 6 || !same_output(plain, with);
+      remove_dir(with);
+      char *path = config_with(all[s], keys[k].key, keys[k].value);
+      qkeep_config *cfg = NULL;
+      int rc = qkeep_config_load(path, &cfg);
+      if (takes) {
+        ck_assert_msg(rc == 0, "%s with %s: %s", all[s], keys[k].key, qkeep_errmsg());
+        struct qkeep_quantize_options got = {.size = sizeof got};
+        ck_assert_int_eq(qkeep_config_quantize(cfg, &got), 0);
+        ck_assert_str_eq(got.scheme, all[s]);
+      } else {
+        ck_assert_msg(rc == QKEEP_E_INVAL, "%s with %s: %d (%s)", all[s], keys[k].key, rc, qkeep_errmsg());
+        ck_assert_msg(strstr(qkeep_errmsg(), path) && strstr(qkeep_errmsg(), ":5:") &&
+                          strstr(qkeep_errmsg(), keys[k].key) && strstr(qkeep_errmsg(), all[s]),
+                      "%s", qkeep_errmsg());
+      }
+      qkeep_config_free(cfg);
+      char *slash = strrchr(path, '/');
+      *slash = '\0';
+      tu_rmtree(path);
+      free(path);
+    }
+    remove_dir(plain);
+  }
+  for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) { /* no scheme: nothing would read the key */
+    char *path = config_with(NULL, keys[k].key, keys[k].value);
+    qkeep_config *cfg = NULL;
+    ck_assert_int_eq(qkeep_config_load(path, &cfg), QKEEP_E_INVAL);
+    ck_assert_msg(strstr(qkeep_errmsg(), path) && strstr(qkeep_errmsg(), keys[k].key) &&
+                      strstr(qkeep_errmsg(), "needs quantize"),
+                  "%s", qkeep_errmsg());
+    char *slash = strrchr(path, '/');
+    *slash = '\0';
+    tu_rmtree(path);
+    free(path);
+  }
+  free(tiny);
+}
+END_TEST
+
+/* examples/NAME with every tensor in dtype (BF16, F16 or F32) and, when planted, element `at` of `tensor`
+ * holding the raw bits `bits` of that dtype, as one file (its path; the caller removes its directory). */
+static char *example_as(const char *name, enum qkeep_dtype dtype, const char *tensor, size_t at,
+                        uint32_t bits, bool planted) {
+  char *src = example(name);
+  struct ckpt *ck;
+  ck_assert_int_eq(ckpt_open(src, &ck), 0);
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  bool found = !planted;
+  for (size_t i = 0; i < ck->n_tensors; i++) {
+    const struct st_tensor *t = ck->tensors[i].t;
+    size_t n = t->nbytes / 2;
+    uint16_t *bf16 = malloc(t->nbytes);
+    unsigned char *out = malloc(n * 4);
+    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bf16), 0);
+    size_t size = qkeep_dtype_size(dtype);
+    for (size_t e = 0; e < n; e++) {
+      float f = qkeep_bf16_to_f32(bf16[e]);
+      uint32_t f32;
+      memcpy(&f32, &f, 4);
+      uint16_t half = dtype == QKEEP_DTYPE_F16 ? qkeep_f32_to_f16(f) : bf16[e];
+      if (size == 4)
+        memcpy(out + 4 * e, &f32, 4);
+      else
+        memcpy(out + 2 * e, &half, 2);
+    }
+    if (planted && strcmp(t->name, tensor) == 0) {
+      ck_assert_uint_lt(at, n);
+      uint16_t half = (uint16_t)bits;
+      memcpy(out + size * at, size == 4 ? (const void *)&bits : (const void *)&half, size);
+      found = true;
+    }
+    struct qkeep_spec spec = {.dtype = dtype, .ndim = t->ndim};
+    memcpy(spec.shape, t->shape, sizeof spec.shape);
+    ck_assert_int_eq(st_writer_add(w, t->name, &spec, out), 0);
+    free(bf16), free(out);
+  }
+  ck_assert_msg(found, "%s has no '%s'", name, tensor);
+  char *dir = tu_tmpdir("online-as");
+  char *path = tu_path(dir, "model.safetensors");
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  ckpt_close(ck);
+  free(dir), free(src);
+  return path;
+}
+
+static void remove_file_dir(char *path) {
+  char *slash = strrchr(path, '/');
+  *slash = '\0';
+  tu_rmtree(path);
+  free(path);
+}
+
+/* A reload's check of W1's values finds a NaN or an Inf wherever it is in the tensor (the first element, one
+ * past whole runs of 64, the last) in each source dtype, naming its element; finite values of the largest
+ * exponent below infinity's, of either sign, are taken, and the reload then equals a cold online start of
+ * the same W1. */
+START_TEST(every_non_finite_value_is_found_and_every_finite_one_taken_in_each_dtype) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  const char *tensor = "model.layers.1.mlp.down_proj.weight";
+  static const struct {
+    enum qkeep_dtype dtype;
+    uint32_t nan, inf, ninf, max, nmax;
+  } dtypes[] = {
+      {QKEEP_DTYPE_BF16, 0x7fc1, 0x7f80, 0xff80, 0x7f00, 0xff00}, /* 2^127: its scale x 127 is finite */
+      {QKEEP_DTYPE_F16, 0x7e01, 0x7c00, 0xfc00, 0x7bff, 0xfbff},
+      {QKEEP_DTYPE_F32, 0x7fc00001, 0x7f800000, 0xff800000, 0x7f000000, 0xff000000}};
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  for (size_t d = 0; d < 3; d++) {
+    char *w0 = example_as("tiny", dtypes[d].dtype, NULL, 0, 0, false);
+    qkeep_model *m = load_model(&ref, 1, w0, &o, 1, 0);
+    struct qkeep_digest d0 = digest_of(m);
+    struct ckpt *ck;
+    ck_assert_int_eq(ckpt_open(w0, &ck), 0);
+    size_t n = (size_t)(ckpt_find(ck, tensor)->t->nbytes / qkeep_dtype_size(dtypes[d].dtype));
+    ckpt_close(ck);
+    const size_t where[] = {0, 3 * 64, 3 * 64 + 7, n - 1};
+    const uint32_t bad[] = {dtypes[d].nan, dtypes[d].inf, dtypes[d].ninf, dtypes[d].nan};
+    for (int b = 0; b < 4; b++) {
+      char *w1 = example_as("tiny-w1", dtypes[d].dtype, tensor, where[b], bad[b], true);
+      ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+      char element[64];
+      snprintf(element, sizeof element, "element %zu ", where[b]);
+      ck_assert_msg(strstr(qkeep_errmsg(), tensor) && strstr(qkeep_errmsg(), element), "dtype %d, %s: %s",
+                    (int)dtypes[d].dtype, element, qkeep_errmsg());
+      ck_assert(same_digest(d0, digest_of(m)));
+      remove_file_dir(w1);
+    }
+    for (int b = 0; b < 2; b++) {
+      char *w1 = example_as("tiny-w1", dtypes[d].dtype, tensor, b ? n - 1 : 3 * 64,
+                            b ? dtypes[d].nmax : dtypes[d].max, true);
+      ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "dtype %d: %s", (int)dtypes[d].dtype, qkeep_errmsg());
+      qkeep_model *cold = load_model(&ref, 1, w1, &o, 1, 0);
+      ck_assert(same_digest(digest_of(cold), digest_of(m)));
+      qkeep_model_free(cold);
+      remove_file_dir(w1);
+    }
+    qkeep_model_free(m);
+    remove_file_dir(w0);
+  }
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
+/*
+ * A W1 whose quantized scale a cold start refuses (f32's largest value: its int8 scale times 127 overflows
+ * float) is refused by an online reload too, naming the scale: a reload must equal a cold start, and the
+ * scales made on load never passed the reload's validation. The model is W0 afterwards, pointers unchanged.
+ * The oracle: qkeep quantize of that W1, whose cold start refuses the same scale.
+ */
+START_TEST(a_made_scale_a_cold_start_refuses_is_refused_by_a_reload) {
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  const char *tensor = "model.layers.1.mlp.down_proj.weight";
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  char *w1 = example_as("tiny-w1", QKEEP_DTYPE_F32, tensor, 200, 0x7f7fffff, true);
+  char *offline_dir = quantize_to_dir(w1, &o);
+  qkeep_model *oracle;
+  ck_assert_int_eq(qkeep_model_new(ref, &oracle), 0);
+  ck_assert_int_eq(qkeep_model_load(oracle, offline_dir), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "down_proj.weight_scale"), "%s", qkeep_errmsg());
+  qkeep_model_free(oracle);
+  char *w0 = example_as("tiny", QKEEP_DTYPE_F32, NULL, 0, 0, false);
+  qkeep_model *m = load_model(&ref, 1, w0, &o, 1, 0);
+  struct snapshot before, after;
+  snapshot_take(m, &before);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "down_proj.weight_scale"), "%s", qkeep_errmsg());
+  snapshot_take(m, &after);
+  assert_unchanged(&before, &after, "w8a8-int8");
+  snapshot_free(&before), snapshot_free(&after);
+  qkeep_model_free(m);
+  remove_dir(offline_dir);
+  remove_file_dir(w1);
+  remove_file_dir(w0);
+  qkeep_plugin_close(ref);
+}
+END_TEST
+
 static Suite *online_suite(void) {
   Suite *s = suite_create("online");
   TCase *tc = tcase_create("online");
@@ -618,8 +1146,15 @@ static Suite *online_suite(void) {
   tcase_add_test(tc, tensor_parallel_ranks_equal_the_ranks_of_the_offline_output);
   tcase_add_test(tc, a_sync_of_bf16_buckets_equals_a_cold_online_w1);
   tcase_add_test(tc, nan_or_inf_in_the_source_is_refused_before_anything_changes);
+  tcase_add_test(tc, every_non_finite_value_is_found_and_every_finite_one_taken_in_each_dtype);
+  tcase_add_test(tc, a_made_scale_a_cold_start_refuses_is_refused_by_a_reload);
+  tcase_add_test(tc, a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0);
+  tcase_add_test(tc, a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it);
+  tcase_add_test(tc, one_thread_and_more_threads_than_cores_load_as_quantize_then_load);
+  tcase_add_test(tc, a_unit_read_ahead_for_another_turn_is_given_up_on);
   tcase_add_test(tc, direct_loads_of_a_lone_weight_quantize_and_of_a_group_member_are_refused);
   tcase_add_test(tc, set_quantize_refuses_what_a_load_cannot_take);
+  tcase_add_test(tc, config_quantize_keys_a_scheme_does_not_take_are_refused);
   suite_add_tcase(s, tc);
   return s;
 }

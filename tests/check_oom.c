@@ -10,7 +10,8 @@
  *   - QKEEP_E_NOMEM with a message, the model empty (a failed load) or, for reload, its digest
  *     that of W0 (nothing half-changed);
  * and every block allocated during it is freed (fm_live() as before; LeakSanitizer and valgrind
- * check the same at exit). Every N on the reference backend and on the chain test-async,
+ * check the same at exit). Every N on the reference backend (its online loads and reloads too, which
+ * quantize on a pool of threads) and on the chain test-async,
  * reference (a device whose memory and pinned staging the plugin allocates, so device allocations
  * fail too; census and reload); cpu-onednn (threads = 1) a stride of N (QKEEP_OOM_STRIDE, default T / 150),
  * with oneDNN's own allocations left alone (see allocations_fail_cleanly_on_cpu_onednn). To rerun one case:
@@ -18,10 +19,12 @@
  * QKEEP_OOM_STRIDE=10000000 CK_FORK=no, with FAILMALLOC_TRACE=1 for the failing call's stack.
  */
 #include <check.h>
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checkutil.h"
 #include "failmalloc.h"
@@ -59,10 +62,16 @@ struct body {
   const char *w0, *w1;
   /* reload: the model, loaded with W0 outside the failing region, and its digest */
   struct qkeep_digest w0_digest;
+  const struct qkeep_quantize_options *online; /* (NULL: none) the model quantizes on load */
 };
 
 static int new_model(const struct body *b, qkeep_model **m) {
-  return qkeep_model_new_chain(b->chain, b->n_chain, m);
+  int rc = qkeep_model_new_chain(b->chain, b->n_chain, m);
+  if (!rc && b->online && (rc = qkeep_model_set_quantize(*m, b->online)) != 0) {
+    qkeep_model_free(*m);
+    *m = NULL;
+  }
+  return rc;
 }
 
 static void record_error(struct outcome *o, int rc) {
@@ -130,6 +139,75 @@ static void reload_body(struct body *b, struct outcome *o, bool armed, long n) {
   record_error(o, rc);
   ck_assert_msg(qkeep_digest(m, &o->digest) == 0, "%s", qkeep_errmsg());
   qkeep_model_free(m);
+}
+
+static int by_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* An FNV-1a hash of every file of dir (names and bytes, in name order) into *d. */
+static void hash_dir(const char *dir, struct qkeep_digest *d) {
+  DIR *h = opendir(dir);
+  ck_assert_ptr_nonnull(h);
+  char *names[64];
+  size_t n = 0;
+  for (struct dirent *e; (e = readdir(h)) != NULL;)
+    if (e->d_name[0] != '.') {
+      ck_assert_uint_lt(n, 64);
+      names[n++] = strdup(e->d_name);
+    }
+  closedir(h);
+  qsort(names, n, sizeof *names, by_name);
+  uint64_t x = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; i++) {
+    char *path = tu_path(dir, names[i]);
+    size_t len = 0;
+    unsigned char *bytes = tu_read_file(path, &len);
+    ck_assert_ptr_nonnull(bytes);
+    for (const char *c = names[i]; *c; c++)
+      x = (x ^ (unsigned char)*c) * 1099511628211ULL;
+    for (size_t k = 0; k < len; k++)
+      x = (x ^ bytes[k]) * 1099511628211ULL;
+    free(bytes), free(path), free(names[i]);
+  }
+  d->hi = x, d->lo = n;
+}
+
+/* The process's open file descriptors. */
+static int open_fds(void) {
+  DIR *h = opendir("/proc/self/fd");
+  ck_assert_ptr_nonnull(h);
+  int n = 0;
+  while (readdir(h))
+    n++;
+  closedir(h);
+  return n;
+}
+
+/* qkeep quantize of W0 (unquantized) into a new directory, sharded (the index too) with kv-cache scales:
+ * a success writes the unfailed run's bytes (config files included), a failure leaves no directory, and
+ * either way every file descriptor it opened is closed and no other one (the process's) is. */
+static void quantize_body(struct body *b, struct outcome *o, bool armed, long n) {
+  char *dir = tu_tmpdir("oom-quantize"), *out = tu_path(dir, "out");
+  int fds = open_fds();
+  struct qkeep_quantize_options q = {.size = sizeof q,
+                                     .scheme = "w8a8-int8",
+                                     .kv_cache_scales = true,
+                                     .max_shard_bytes = 200000,
+                                     .threads = 2};
+  if (armed)
+    fm_arm(n);
+  int rc = qkeep_quantize(b->w0, out, &q);
+  if (armed)
+    fm_disarm();
+  record_error(o, rc);
+  ck_assert_msg(open_fds() == fds,
+                "quantize, allocation %ld failed: %d file descriptors open, %d before (%s)", n, open_fds(),
+                fds, o->msg);
+  if (!rc)
+    hash_dir(out, &o->digest);
+  else
+    o->model_empty_after_failure = access(out, F_OK) != 0;
+  tu_rmtree(dir);
+  free(out), free(dir);
 }
 
 /* Runs the body for N = 1, 1 + stride, ... up to its call count; returns how many N it ran. */
@@ -228,6 +306,29 @@ static void run_all(const char *backend, bool chained, long stride) {
     b.name = "census-nvfp4", b.fn = census_body, b.w0 = nvfp4;
     fail_each(&b, stride);
     free(nvfp4);
+    /* Online quantization: the load's pool of threads and its two units in flight (the next one read
+     * and quantizing while one lands), on a load and a reload; NVFP4 for a unit of several members and
+     * two stages. Two threads, so that a pool thread runs whatever the machine has. */
+    char *tiny = tu_path(tu_builddir(), "examples/tiny"),
+         *tiny_w1 = tu_path(tu_builddir(), "examples/tiny-w1");
+    static const char *const online[][3] = {{"w8a8-int8", "census-online-w8a8", "reload-online-w8a8"},
+                                            {"modelopt-nvfp4", "census-online-nvfp4", "reload-online-nvfp4"}};
+    for (int s = 0; s < 2; s++) {
+      struct qkeep_quantize_options q = {.size = sizeof q, .scheme = online[s][0], .threads = 2};
+      b.online = &q, b.w0 = tiny, b.w1 = tiny_w1;
+      ck_assert_int_eq(new_model(&b, &m), 0);
+      ck_assert_msg(qkeep_model_load(m, tiny) == 0, "%s", qkeep_errmsg());
+      ck_assert_int_eq(qkeep_digest(m, &b.w0_digest), 0);
+      qkeep_model_free(m);
+      b.name = online[s][1], b.fn = census_body;
+      fail_each(&b, stride);
+      b.name = online[s][2], b.fn = reload_body;
+      fail_each(&b, stride);
+    }
+    b.online = NULL;
+    b.name = "quantize", b.fn = quantize_body;
+    fail_each(&b, stride);
+    free(tiny), free(tiny_w1);
   }
   qkeep_plugin_close(plugin);
   qkeep_plugin_close(reference);

@@ -456,6 +456,16 @@ check "[model] quantize loads as the quantized checkpoint" \
 printf '[model]\nquantize = fp8\n' >"$tmp/bad.ini"
 "$qkeep" -c "$tmp/bad.ini" census "$build/examples/tiny" >"$tmp/out" 2>&1
 check "[model] quantize names the line of an unknown scheme" contains "$tmp/out" "bad.ini:2"
+# A quantize_* key the scheme does not take is refused as the flag is (one table in the library).
+printf '[qkeep]\nbackend = reference\nplugin_dir = %s\n[model]\nquantize = mxfp4\nquantize_asym = true\n' \
+  "$build/plugins/cpu/.libs" >"$tmp/asym.ini"
+"$qkeep" -c "$tmp/asym.ini" census "$build/examples/tiny" >"$tmp/out" 2>&1
+check "[model] quantize_asym with mxfp4 is refused" test $? -ne 0
+check "... on its line, naming the key and the scheme" contains "$tmp/out" \
+  "asym.ini:6: \\[model\\] quantize_asym does not apply to quantize = mxfp4 (only to gptq-int4"
+"$qkeep" -c "$default" census --quantize mxfp4 --asym "$build/examples/tiny" >"$tmp/out" 2>&1
+check "--asym with --quantize mxfp4 names where it applies" contains "$tmp/out" \
+  "--asym does not apply to --quantize mxfp4 (only to gptq-int4"
 # The oracle quantising activations as an int8 kernel does: a strict check of cpu-onednn's int8 path
 if [ -f "$build/plugins/cpu/.libs/backend-cpu-onednn.so" ]; then
   levels=int8

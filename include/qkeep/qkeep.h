@@ -83,7 +83,9 @@ QKEEP_API const char *qkeep_layer_kind_name(enum qkeep_layer_kind kind);
  * Reads an INI config: [qkeep] backend, plugin_dir (colon-separated directories); [model]
  * checkpoint, reload_checkpoint, fuse, tp/ep sizes and ranks, quantize and its quantize_* options;
  * [backend.NAME] keys passed to that backend. Unknown sections or keys and bad
- * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg().
+ * values fail with QKEEP_E_CONFIG and "file:line: ..." in qkeep_errmsg(); a quantize_* key that the
+ * scheme of quantize does not take (qkeep_quantize_option_applies), or one without quantize, fails
+ * with QKEEP_E_INVAL and "file:line: [model] KEY does not apply to quantize = SCHEME (...)".
  * On success the caller owns *out (qkeep_config_free).
  */
 QKEEP_API int qkeep_config_load(const char *path, qkeep_config **out);
@@ -731,18 +733,31 @@ QKEEP_API int qkeep_quantize(const char *in, const char *out_dir, const struct q
  * kernel tensor) that qkeep_quantize with the same options followed by a cold start gives, on any chain
  * and any tensor-parallel rank: each layer is planned as the quantized checkpoint would be (its owner
  * chosen by the chain as for that checkpoint), and its tensors are quantized on the host by the offline
- * quantizer's code, on options->threads threads (0: every online core), one unit at a time (a weight,
- * or an NVFP4 fusion group: q/k/v, gate/up, an expert's w1/w3, whose members share one global scale),
- * then land in the owner's memory. The unquantized names stay checkpoint names of the model
- * (qkeep_model_lookup gives a param of state QKEEP_PARAM_QUANTIZED, which keeps no bytes); reloads and
- * syncs take them (qkeep_sync_plan plans them) and quantize in place; docs/RULES.md has the rules.
- * options NULL: loads take checkpoints as they are again. The options are copied (only the first
- * options->size bytes read). Call it on an empty model, before a load: QKEEP_E_STATE otherwise.
+ * quantizer's code, on options->threads threads (0: every online core; started once per load), unit by
+ * unit (a weight, or an NVFP4 fusion group: q/k/v, gate/up, an expert's w1/w3, whose members share one
+ * global scale), then land in the owner's memory; the next unit is read and quantized while one lands
+ * and while a layer's PWAL runs, so at most two units' unquantized bytes are held. The unquantized names stay
+ * checkpoint names of the model (qkeep_model_lookup gives a param of state QKEEP_PARAM_QUANTIZED, which keeps
+ * no bytes); reloads and syncs take them (qkeep_sync_plan plans them) and quantize in place; docs/RULES.md
+ * has the rules. options NULL: loads take checkpoints as they are again. The options are copied (only the
+ * first options->size bytes read). Call it on an empty model, before a load: QKEEP_E_STATE otherwise.
  * QKEEP_E_INVAL for the fields only a written output has (max_shard_bytes, replace_existing, progress,
  * summary, cancel) or a bad value (as qkeep_quantize); QKEEP_E_UNSUPPORTED for a scheme qkeep quantize
  * does not write. A load of a checkpoint that is already quantized is QKEEP_E_INVAL.
  */
 QKEEP_API int qkeep_model_set_quantize(qkeep_model *model, const struct qkeep_quantize_options *options);
+/*
+ * Whether qkeep quantize's option `option` applies to `scheme`, for a program that takes the options by
+ * name and refuses, rather than ignores, one the scheme would not use (the qkeep command's flags and a
+ * config's [model] quantize_* keys are checked by this one table). option: "group", "asym",
+ * "static-input", "asym-input", "kv-scales", "activation-amax" or "threads" (kv-scales and threads apply
+ * to every scheme). opts (NULL: none) are the options given with it: activation-amax sets static
+ * scales, so it applies only where one is written (NVFP4's input scales, w8a8-int8 with static_input,
+ * kv_cache_scales). 0: it applies. QKEEP_E_INVAL: it does not; *why (when why is not NULL) then points to
+ * a static sentence saying where it applies and why. QKEEP_E_NOTFOUND: no such option.
+ */
+QKEEP_API int qkeep_quantize_option_applies(const char *scheme, const char *option,
+                                            const struct qkeep_quantize_options *opts, const char **why);
 /*
  * [model] quantize = SCHEME of a config, with its options (quantize_group, quantize_asym,
  * quantize_static_input, quantize_asym_input, quantize_kv_scales, quantize_activation_amax,

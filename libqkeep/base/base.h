@@ -168,6 +168,9 @@ int json_parse(const char *text, size_t len, size_t flags, struct json_t **out, 
 /* json_loadb (err a json_error_t *), NULL with *no_memory set when jansson could not allocate during
  * it, even where it still returned a (then damaged, and freed) result; see util.c. */
 struct json_t *json_loadb_watched(const char *text, size_t len, size_t flags, void *err, bool *no_memory);
+/* json_dumps (flags as jansson's), NULL when jansson could not allocate during it: its dump, like its
+ * parse, can drop what it failed to append and still return a text (then freed); see util.c. */
+char *json_dumps_watched(const struct json_t *json, size_t flags);
 /* jansson's parse of text[at, at + n) (a json_t *, the caller's); its errors placed in the whole text. */
 int json_scan_parse(const struct json_scan *s, size_t at, size_t n, struct json_t **out);
 /* The JSON string at text[at, at + n) (quotes included), decoded, malloc'd. A string holding the

@@ -166,6 +166,17 @@ json_t *json_loadb_watched(const char *text, size_t len, size_t flags, void *err
   return root;
 }
 
+char *json_dumps_watched(const json_t *json, size_t flags) {
+  pthread_once(&json_wrap_once, json_wrap_allocator);
+  json_alloc_failed = false;
+  char *text = json_dumps(json, flags);
+  if (json_alloc_failed) {
+    free(text);
+    return NULL;
+  }
+  return text;
+}
+
 int json_parse(const char *text, size_t len, size_t flags, json_t **out, int *line, int *column,
                int *position, char *why) {
   json_error_t err;

@@ -360,16 +360,22 @@ static bool parse_bool(const char *value, bool *out) {
   return false;
 }
 
-/* [model] quantize and its options (what `qkeep quantize` takes); 1 when the key is none of them. */
+/* [model] quantize and its options (what `qkeep quantize` takes), by cfg->quantize_line's index; and each
+ * option's name as qkeep_quantize_option_applies knows it (the qkeep command's flag, less its dashes). */
+static const char *const quantize_keys[8] = {"quantize",
+                                             "quantize_group",
+                                             "quantize_asym",
+                                             "quantize_static_input",
+                                             "quantize_asym_input",
+                                             "quantize_kv_scales",
+                                             "quantize_activation_amax",
+                                             "quantize_threads"};
+static const char *const quantize_options[8] = {
+    NULL, "group", "asym", "static-input", "asym-input", "kv-scales", "activation-amax", "threads"};
+
+/* [model] quantize and its options; 1 when the key is none of them. */
 static int handle_quantize(struct parse_state *st, const char *key, const char *value) {
-  static const char *const keys[8] = {"quantize",
-                                      "quantize_group",
-                                      "quantize_asym",
-                                      "quantize_static_input",
-                                      "quantize_asym_input",
-                                      "quantize_kv_scales",
-                                      "quantize_activation_amax",
-                                      "quantize_threads"};
+  const char *const *keys = quantize_keys;
   static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4",  "w8a8-int8",
                                         "gptq-int4",      "awq-int4", "ct-int4"};
   qkeep_config *cfg = st->cfg;
@@ -613,6 +619,35 @@ static int check_ranks(struct parse_state *st) {
   return 0;
 }
 
+/* The quantize_* keys against the scheme of [model] quantize: each must apply to it
+ * (qkeep_quantize_option_applies, the table the qkeep command's flags are checked by too), and none comes
+ * without it. QKEEP_E_INVAL on the line of the first key (in file order) that does not. */
+static int check_quantize_keys(struct parse_state *st) {
+  qkeep_config *cfg = st->cfg;
+  const struct qkeep_quantize_options *q = &cfg->quantize;
+  const char *const *options = quantize_options;
+  int first = 0;
+  const char *why = NULL;
+  for (int i = 1; i < 8; i++) {
+    const char *because = NULL;
+    if (!cfg->quantize_line[i] || (first && cfg->quantize_line[i] > cfg->quantize_line[first]))
+      continue;
+    if (cfg->quantize_scheme &&
+        qkeep_quantize_option_applies(cfg->quantize_scheme, options[i], q, &because) == 0)
+      continue;
+    first = i, why = because;
+  }
+  if (!first)
+    return 0;
+  st->lineno = cfg->quantize_line[first];
+  if (!cfg->quantize_scheme)
+    return parse_fail(st, QKEEP_E_INVAL,
+                      "[model] %s needs quantize = SCHEME (it is an option of quantizing on load)",
+                      quantize_keys[first]);
+  return parse_fail(st, QKEEP_E_INVAL, "[model] %s does not apply to quantize = %s (%s)",
+                    quantize_keys[first], cfg->quantize_scheme, why ? why : "");
+}
+
 /* Runs inih over the open file; returns 0 or the first error, its detail set. */
 static int parse_file(struct parse_state *st) {
   int bad_line = ini_parse_stream(read_line, st, handle_pair, st);
@@ -635,7 +670,9 @@ static int parse_file(struct parse_state *st) {
     return parse_fail(st, QKEEP_E_CONFIG, "missing [qkeep] section with backend = NAME");
   }
   int rc = check_sections(st);
-  return rc ? rc : check_ranks(st);
+  if (!rc)
+    rc = check_ranks(st);
+  return rc ? rc : check_quantize_keys(st);
 }
 
 int qkeep_config_load(const char *path, qkeep_config **out) {

@@ -301,25 +301,32 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
 }
 
 /* The layer's tensors made on load (online quantization): per unit, made on the host from the unquantized
- * sources, then landed as any checkpoint tensor is; the unit's sources count as loaded. */
+ * sources (the next unit in the load's order quantizing meanwhile: load/online.c's pipe), then landed as
+ * any checkpoint tensor is; the unit's sources count as loaded. */
 static int load_made(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   int rc = 0;
+  /* A reload's validation saw only the unquantized sources, never the scales made from them: those are
+   * checked as they land, as a cold start checks them (a cold start of the same W1 refuses what this does).
+   */
+  bool scales_checked = st->scales_checked;
+  st->scales_checked = false;
   for (size_t first = 0, end; first < layer->n_derived && !rc; first = end) {
     end = online_unit_end(layer, first);
-    struct online_unit u;
-    if ((rc = online_unit_make(layer, pv, first, end, &u)))
+    struct online_unit *u;
+    if ((rc = online_pipe_take(&st->online, layer, first, pv, st->order, st->n_order, &u)))
       break;
+    struct mem_stats *mem = &layer->model->mem;
+    if ((int64_t)staging_bytes(st) > mem->staging_peak)
+      mem->staging_peak = (int64_t)staging_bytes(st);
     for (size_t d = first; d < end && !rc; d++)
-      rc = load_source(layer, &u.made, &layer->derived[d].src, st);
+      rc = load_source(layer, &u->made, &layer->derived[d].src, st);
     const struct derived *d0 = &layer->derived[first];
     int members = d0->unit == SIZE_MAX ? 0 : quant_plan_members(layer->model->online.plan, d0->unit);
     for (int m = 0; m < members && !rc; m++)
       layer->sources[d0->members[m]].loaded = true;
-    struct mem_stats *mem = &layer->model->mem;
-    if ((int64_t)staging_bytes(st) + u.bytes > mem->staging_peak)
-      mem->staging_peak = (int64_t)staging_bytes(st) + u.bytes;
-    online_unit_free(&u);
+    online_pipe_done(st->online);
   }
+  st->scales_checked = scales_checked;
   return rc ? add_error_context(rc, "layer %s (quantized on load)", layer->name) : 0;
 }
 
@@ -407,6 +414,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     rc = model_materialise(model);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;
   model_spares(model, true);
+  st.order = model->layers, st.n_order = model->n_layers; /* every layer, from this checkpoint */
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     double a = now_seconds();
     rc = load_layer_sources(model->layers[i], &pv, &st);

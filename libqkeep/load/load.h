@@ -21,8 +21,15 @@ struct staging {
   /* The provider's scale values were checked already (a reload's validation of W1): the load does not
    * check them again. False: it checks each scale in host memory on its way (check_scales). */
   bool scales_checked;
+  /* Online quantization: the units in flight (made at the first layer that quantizes on load, freed with
+   * the staging), and the layers this load goes through from the same provider, in order (NULL: only
+   * the one being loaded), so that the next layer's first unit is read and quantized ahead. */
+  struct online_pipe *online;
+  qkeep_layer *const *order;
+  size_t n_order;
 };
-/* Ends the stream (its copies waited for), then frees the rest; returns the wait's error. */
+/* Ends the stream (its copies waited for) and the online units in flight, then frees the rest; returns the
+ * wait's error. */
 int staging_free(struct staging *s);
 /* Makes the staging's stream the one to dev, shaped by options (the model's): its owner's (made
  * once), else one for this load; a stream to another device is ended first. */

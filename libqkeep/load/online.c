@@ -14,9 +14,12 @@
  *            no storage). Tensors copied unchanged stay sources as they were.
  *   load     per layer, unit by unit (a weight, or an NVFP4 fusion group sharing a global scale):
  *            the members' unquantized bytes are read from the provider (a checkpoint, buffers or a
- *            sync's bucket), quantized on the host (quant_plan_run: the seam where a device kernel
+ *            sync's bucket), quantized on the host (quant_pool_start: the seam where a device kernel
  *            may take a unit), and each made tensor lands through the ordinary load_source, as
- *            the tensor of a checkpoint would. Memory: one unit's input and output bytes.
+ *            the tensor of a checkpoint would. The pipe keeps the next unit in the load's order
+ *            (into the next layer too) read and quantizing on the load's pool of threads while the
+ *            load lands this one and runs the layer's PWAL. Memory: two units' input and output
+ *            bytes.
  *
  * Cold start, reload, rollback and sync all load layers through load_layer_sources, so each of them
  * quantizes the same way.
@@ -91,19 +94,27 @@ static int add_member_source(qkeep_layer *layer, const struct quant_plan *plan, 
  */
 static int convert_layer(qkeep_layer *layer, const struct online_quantize *on) {
   size_t n_old = layer->n_sources, units = 0, n_sources = 0;
+  assert(layer->n_derived == 0);
+  /* Until the sources are rebuilt below, layer->sources owns every name and derived[] borrows them: a
+   * failure before then forgets derived[] (n_derived 0), so that each name is freed once. */
   for (size_t i = 0; i < n_old; i++) {
     size_t out;
     struct quant_output o;
+    int rc = 0;
     if (!name_index_get(&on->outputs, layer->sources[i].checkpoint_name, &out))
-      return set_error(QKEEP_E_FORMAT, "layer %s: source '%s' is no tensor of the quantize plan", layer->name,
-                       layer->sources[i].checkpoint_name);
-    quant_plan_output(on->plan, out, &o);
-    if (o.copied)
+      rc = set_error(QKEEP_E_FORMAT, "layer %s: source '%s' is no tensor of the quantize plan", layer->name,
+                     layer->sources[i].checkpoint_name);
+    if (!rc)
+      quant_plan_output(on->plan, out, &o);
+    if (!rc && o.copied)
       continue;
-    int rc = grow_array((void **)&layer->derived, &layer->cap_derived, layer->n_derived + 1,
-                        sizeof *layer->derived);
-    if (rc)
+    if (!rc)
+      rc = grow_array((void **)&layer->derived, &layer->cap_derived, layer->n_derived + 1,
+                      sizeof *layer->derived);
+    if (rc) {
+      layer->n_derived = 0;
       return rc;
+    }
     layer->derived[layer->n_derived++] =
         (struct derived){.src = layer->sources[i], .output = out, .unit = o.unit};
     units += o.unit != SIZE_MAX ? (size_t)quant_plan_members(on->plan, o.unit) : 0;
@@ -123,8 +134,10 @@ static int convert_layer(qkeep_layer *layer, const struct online_quantize *on) {
   }
   qsort(layer->derived, layer->n_derived, sizeof *layer->derived, by_order);
   struct source *sources = calloc(n_old + units + 1, sizeof *sources);
-  if (!sources)
+  if (!sources) {
+    layer->n_derived = 0;
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
   for (size_t i = 0; i < n_old; i++) {
     size_t out;
     struct quant_output o;
@@ -290,46 +303,7 @@ size_t online_unit_end(const qkeep_layer *layer, size_t first) {
   return end;
 }
 
-int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
-                     struct online_unit *u) {
-  const struct quant_plan *plan = layer->model->online.plan;
-  const struct derived *d0 = &layer->derived[first];
-  size_t unit = d0->unit;
-  int members = unit == SIZE_MAX ? 0 : quant_plan_members(plan, unit), rc = 0;
-  const void *src[3] = {0};
-  *u = (struct online_unit){0};
-  for (int m = 0; m < members && !rc; m++) {
-    struct provided t;
-    rc = host_bytes_of(layer, pv, &layer->sources[d0->members[m]], &t, &src[m], &u->held[m]);
-    struct quant_member qm;
-    quant_plan_member(plan, unit, m, &qm);
-    for (int s = 0; s < qm.n_out && !rc; s++) {
-      struct quant_output o;
-      quant_plan_output(plan, qm.out[s], &o);
-      if (!o.constant && !(u->dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
-        rc = set_error(QKEEP_E_NOMEM, "out of memory quantizing '%s'", qm.input);
-      u->bytes += o.constant ? 0 : (int64_t)o.nbytes;
-    }
-    u->bytes += u->held[m] ? (int64_t)t.nbytes : 0;
-  }
-  if (!rc && members)
-    rc = quant_plan_run(plan, unit, src, (void *const(*)[4])u->dst);
-  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
-    rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t d = first; d < end && !rc; d++)
-    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
-  u->n = rc ? 0 : end - first;
-  u->where = pv->what;
-  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
-                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
-  if (rc) {
-    online_unit_free(u);
-    return rc;
-  }
-  return 0;
-}
-
-void online_unit_free(struct online_unit *u) {
+static void unit_free(struct online_unit *u) {
   free(u->outs);
   u->outs = NULL;
   for (int m = 0; m < 3; m++) {
@@ -342,20 +316,220 @@ void online_unit_free(struct online_unit *u) {
   }
 }
 
+/* Reads the unit's unquantized members from pv (dtype and shape checked) and makes room for its outputs;
+ * u->made serves them once the unit is quantized. */
+static int unit_read(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
+                     struct online_unit *u) {
+  const struct quant_plan *plan = layer->model->online.plan;
+  const struct derived *d0 = &layer->derived[first];
+  size_t unit = d0->unit;
+  int members = unit == SIZE_MAX ? 0 : quant_plan_members(plan, unit), rc = 0;
+  *u = (struct online_unit){0};
+  for (int m = 0; m < members && !rc; m++) {
+    struct provided t;
+    rc = host_bytes_of(layer, pv, &layer->sources[d0->members[m]], &t, &u->src[m], &u->held[m]);
+    struct quant_member qm;
+    quant_plan_member(plan, unit, m, &qm);
+    for (int s = 0; s < qm.n_out && !rc; s++) {
+      struct quant_output o;
+      quant_plan_output(plan, qm.out[s], &o);
+      if (!o.constant && !(u->dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
+        rc = set_error(QKEEP_E_NOMEM, "out of memory quantizing '%s'", qm.input);
+      u->bytes += o.constant ? 0 : (int64_t)o.nbytes;
+    }
+    u->bytes += u->held[m] ? (int64_t)t.nbytes : 0;
+  }
+  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t d = first; d < end && !rc; d++)
+    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
+  u->n = rc ? 0 : end - first;
+  u->where = pv->what;
+  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
+                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
+  if (rc)
+    unit_free(u);
+  return rc;
+}
+
+/* ---- the pipe: units in flight --------------------------------------------------------------- */
+
+/* A unit read and quantizing (or failed: rc, its detail in msg, reported at its turn). */
+struct flight {
+  qkeep_layer *layer;
+  size_t first, end;
+  const struct provider *pv;
+  struct online_unit u;
+  struct quant_job *job; /* NULL: nothing to quantize (constants only), or failed */
+  int rc;
+  char *msg;
+};
+
+struct online_pipe {
+  struct quant_pool *pool;
+  const struct quant_plan *plan;
+  struct flight f[2]; /* a ring, in load order from f[head]: the unit taken next (each unit's provider
+                       * `made` points into its flight, so flights never move) */
+  int head, n;
+  size_t at; /* where in the load's order the last layer taken was found */
+};
+
+static void flight_drop(struct online_pipe *pipe, struct flight *f) {
+  quant_pool_discard(pipe->pool, f->job); /* the workers are done with its bytes before they go */
+  unit_free(&f->u);
+  free(f->msg);
+  *f = (struct flight){0};
+}
+
+/* Reads the unit [first, ...) of layer and starts quantizing it, into f. A failure is kept in f. */
+static void flight_launch(struct online_pipe *pipe, struct flight *f, qkeep_layer *layer, size_t first,
+                          const struct provider *pv) {
+  *f = (struct flight){.layer = layer, .first = first, .end = online_unit_end(layer, first), .pv = pv};
+  size_t unit = layer->derived[first].unit;
+  f->rc = unit_read(layer, pv, f->first, f->end, &f->u);
+  if (!f->rc && unit != SIZE_MAX)
+    f->rc = quant_pool_start(pipe->pool, unit, f->u.src, (void *const(*)[4])f->u.dst, &f->job);
+  if (f->rc)
+    f->msg = xstrdup(qkeep_errmsg());
+}
+
+/* The unit after [first, end) of layer in the load's order: the layer's next, or the first of the next
+ * layer in order that makes tensors on load. False: none. */
+static bool next_unit(struct online_pipe *pipe, qkeep_layer *layer, size_t end, qkeep_layer *const *order,
+                      size_t n_order, qkeep_layer **next, size_t *first) {
+  if (end < layer->n_derived) {
+    *next = layer, *first = end;
+    return true;
+  }
+  size_t at = pipe->at < n_order && order[pipe->at] == layer ? pipe->at : n_order;
+  for (size_t i = 0; i < n_order && at == n_order; i++)
+    if (order[i] == layer)
+      at = i;
+  pipe->at = at;
+  for (size_t i = at + 1; i < n_order; i++)
+    if (order[i]->n_derived) {
+      *next = order[i], *first = 0;
+      return true;
+    }
+  return false;
+}
+
+int online_pipe_take(struct online_pipe **pipep, qkeep_layer *layer, size_t first, const struct provider *pv,
+                     qkeep_layer *const *order, size_t n_order, struct online_unit **out) {
+  struct online_pipe *pipe = *pipep;
+  *out = NULL;
+  if (!pipe) {
+    if (!(pipe = calloc(1, sizeof *pipe)))
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    pipe->plan = layer->model->online.plan;
+    int rc = quant_pool_new(pipe->plan, &pipe->pool);
+    if (rc) {
+      free(pipe);
+      return rc;
+    }
+    *pipep = pipe;
+  }
+  assert(pipe->plan == layer->model->online.plan);
+  /* A unit read ahead for another turn than this one (the load went another way): given up on. */
+  const struct flight *head = &pipe->f[pipe->head];
+  if (pipe->n && (head->layer != layer || head->first != first || head->pv != pv))
+    while (pipe->n)
+      online_pipe_done(pipe);
+  if (!pipe->n)
+    flight_launch(pipe, &pipe->f[(pipe->head + pipe->n++) % 2], layer, first, pv);
+  struct flight *f = &pipe->f[pipe->head];
+  /* The next unit is read now, while f quantizes on the pool. */
+  qkeep_layer *next;
+  size_t next_first;
+  if (pipe->n == 1 && next_unit(pipe, layer, f->end, order, n_order, &next, &next_first))
+    flight_launch(pipe, &pipe->f[(pipe->head + pipe->n++) % 2], next, next_first, pv);
+  int rc = f->rc ? set_error(f->rc, "%s", f->msg ? f->msg : qkeep_strerror(f->rc))
+                 : quant_pool_wait(pipe->pool, f->job);
+  f->job = NULL; /* waited for */
+  if (rc) {
+    online_pipe_done(pipe);
+    return rc;
+  }
+  *out = &f->u;
+  return 0;
+}
+
+void online_pipe_done(struct online_pipe *pipe) {
+  assert(pipe && pipe->n > 0);
+  flight_drop(pipe, &pipe->f[pipe->head]);
+  pipe->head = (pipe->head + 1) % 2;
+  pipe->n--;
+}
+
+int64_t online_pipe_bytes(const struct online_pipe *pipe) {
+  int64_t bytes = 0;
+  for (int i = 0; pipe && i < pipe->n; i++)
+    bytes += pipe->f[(pipe->head + i) % 2].u.bytes;
+  return bytes;
+}
+
+void online_pipe_free(struct online_pipe *pipe) {
+  if (!pipe)
+    return;
+  while (pipe->n)
+    online_pipe_done(pipe);
+  quant_pool_free(pipe->pool);
+  free(pipe);
+}
+
 /* ---- validation ---------------------------------------------------------------------------- */
+
+/* Elements tested together before the one at fault is looked for: a loop of a constant count, which
+ * compilers vectorize. */
+#define CHECK_RUN 64
+
+/* The first of n elements (bf16, f16 or f32) that is a NaN or an Inf, or n. Their exponent bits are all
+ * set, so the magnitude's bits are at least those of infinity: an integer compare, no conversion. */
+static size_t first_not_finite(const void *bytes, enum qkeep_dtype dtype, size_t n) {
+  size_t i = 0;
+  if (dtype == QKEEP_DTYPE_F32) {
+    const uint32_t *v = bytes;
+    for (; i + CHECK_RUN <= n; i += CHECK_RUN) {
+      unsigned any = 0;
+      for (int j = 0; j < CHECK_RUN; j++)
+        any |= (v[i + j] & 0x7fffffffu) >= 0x7f800000u;
+      if (any)
+        break;
+    }
+    for (; i < n; i++)
+      if ((v[i] & 0x7fffffffu) >= 0x7f800000u)
+        return i;
+    return n;
+  }
+  if (dtype == QKEEP_DTYPE_BF16 || dtype == QKEEP_DTYPE_F16) {
+    const uint16_t *v = bytes;
+    uint16_t inf = dtype == QKEEP_DTYPE_BF16 ? 0x7f80 : 0x7c00;
+    for (; i + CHECK_RUN <= n; i += CHECK_RUN) {
+      unsigned any = 0;
+      for (int j = 0; j < CHECK_RUN; j++)
+        any |= (uint16_t)(v[i + j] & 0x7fffu) >= inf;
+      if (any)
+        break;
+    }
+    for (; i < n; i++)
+      if ((uint16_t)(v[i] & 0x7fffu) >= inf)
+        return i;
+    return n;
+  }
+  for (; i < n; i++) /* no other dtype is quantized on load; kept general */
+    if (!isfinite(qk_load_float(bytes, dtype, i)))
+      return i;
+  return n;
+}
 
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src) {
   struct provided t;
   const void *bytes;
   void *held;
   int rc = host_bytes_of(layer, pv, src, &t, &bytes, &held);
-  size_t n = rc ? 0 : (size_t)qkeep_spec_numel(&src->spec), bad = n;
+  size_t n = rc ? 0 : (size_t)qkeep_spec_numel(&src->spec);
   enum qkeep_dtype dtype = src->spec.dtype;
-  for (size_t i = 0; i < n && bad == n; i++) {
-    float v = qk_load_float(bytes, dtype, i);
-    if (!isfinite(v))
-      bad = i;
-  }
+  size_t bad = n ? first_not_finite(bytes, dtype, n) : 0;
   if (bad < n) {
     int64_t k = src->spec.shape[1] ? src->spec.shape[1] : 1;
     float v = qk_load_float(bytes, dtype, bad);

@@ -21,17 +21,39 @@ struct online_unit {
   const char *where;
   struct quant_output *outs; /* the plan's outputs of the layer's derived sources [first, end) */
   size_t n;
-  void *dst[3][4]; /* by member and slot: the quantized bytes */
-  void *held[3];   /* the members' unquantized bytes, when the provider had no host copy */
-  int64_t bytes;   /* host bytes it holds */
+  const void *src[3]; /* by member: the unquantized bytes (the provider's own, or held) */
+  void *dst[3][4];    /* by member and slot: the quantized bytes */
+  void *held[3];      /* the members' unquantized bytes, when the provider had no host copy */
+  int64_t bytes;      /* host bytes it holds */
 };
 /* The end of the run of derived sources that starts at `first` (one unit: one quantization). */
 size_t online_unit_end(const qkeep_layer *layer, size_t first);
-/* Reads the unit's unquantized members from pv (their dtype and shape checked), quantizes them on the
- * host (quant_plan_run) into u; the layer's derived sources [first, end) then land from u->made. */
-int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
-                     struct online_unit *u);
-void online_unit_free(struct online_unit *u);
+
+/*
+ * The units a load has in flight: the one the load lands now and the next one in its order, read and
+ * quantizing on a pool of threads that lives as long as the pipe (the load), so that reading the next
+ * unit's unquantized bytes, landing the last one's quantized bytes and the layer's PWAL all overlap the
+ * quantization. At most two units' bytes are held, never a whole layer or model. NULL: none yet (made
+ * at the first take).
+ */
+struct online_pipe;
+/*
+ * The layer's unit that starts at derived source `first`, made: read from pv (its members' dtype and
+ * shape checked) and quantized (load/online.c). The next unit is read and started first: the layer's
+ * next one, or the first unit of the next layer in order[0 .. n_order) (the layers the load goes
+ * through from the same provider, in order, `layer` among them; NULL: none) that has one. An error of
+ * a unit read ahead is reported at its turn (the failed unit is then freed). *out stays the pipe's
+ * until online_pipe_done.
+ */
+int online_pipe_take(struct online_pipe **pipe, qkeep_layer *layer, size_t first, const struct provider *pv,
+                     qkeep_layer *const *order, size_t n_order, struct online_unit **out);
+/* Frees the unit online_pipe_take gave (landed, or given up on). */
+void online_pipe_done(struct online_pipe *pipe);
+/* Host bytes the pipe's units hold now. */
+int64_t online_pipe_bytes(const struct online_pipe *pipe);
+/* Waits for every unit still quantizing, frees them and stops the threads; the error detail is left as
+ * it was. NULL: nothing. */
+void online_pipe_free(struct online_pipe *pipe);
 /* Checks an unquantized source's values in pv (every one finite) before anything changes: QKEEP_E_FORMAT
  * naming the tensor, element, row, column and layer. */
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src);

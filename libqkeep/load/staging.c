@@ -9,6 +9,8 @@
 
 int staging_free(struct staging *s) {
   int rc = stream_end(s->stream);
+  online_pipe_free(s->online);
+  s->online = NULL;
   if (s->own_stream)
     stream_free(s->stream);
   s->stream = NULL;
@@ -39,7 +41,9 @@ int staging_stream(struct staging *s, const struct device *dev, const struct qke
 }
 
 /* Host bytes staging holds now (the peak the model reports). */
-size_t staging_bytes(const struct staging *s) { return 2 * s->cap + stream_bytes(s->stream); }
+size_t staging_bytes(const struct staging *s) {
+  return 2 * s->cap + stream_bytes(s->stream) + (size_t)online_pipe_bytes(s->online);
+}
 
 int staging_reserve(struct staging *s, size_t bytes) {
   if (bytes <= s->cap)

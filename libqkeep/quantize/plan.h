@@ -65,12 +65,36 @@ int quant_plan_configs(const struct quant_plan *p, char **config_json, char **hf
 /* The threads a unit's run uses (the options' threads, or every online core). */
 int quant_plan_threads(const struct quant_plan *p);
 /*
- * Quantizes one unit: src[m] holds member m's input bytes (host memory, its nbytes), dst[m][s]
- * gets the bytes of the member's slot-s output (host memory, its nbytes; NULL for a constant,
- * whose bytes the plan holds). Row blocks run on the plan's threads; the bytes do not depend on
- * their number. QKEEP_E_INVAL naming the input tensor, element, row and column for a NaN or Inf
- * (nothing useful is in dst then); QKEEP_E_NOMEM.
+ * A pool of threads that quantizes a plan's units for one load: the plan's threads less one, started
+ * once (quant_pool_new) and stopped when the load ends (quant_pool_free), so that no unit pays for
+ * starting threads. One thread (the load's) starts units and waits for them; several may be in flight
+ * at once, their row blocks handed out in the order they were started, so the load can read the next
+ * unit's bytes and land the last one's while the pool quantizes. The bytes do not depend on the number
+ * of threads nor on which thread ran which block.
  */
-int quant_plan_run(const struct quant_plan *p, size_t unit, const void *const *src, void *const (*dst)[4]);
+struct quant_pool;
+struct quant_job;
+/* QKEEP_E_NOMEM. Fewer threads than asked when the system gives fewer (the waiting thread works too). */
+int quant_pool_new(const struct quant_plan *p, struct quant_pool **out);
+/* Stops the threads and frees the pool. Every job started must have been waited for. NULL: nothing. */
+void quant_pool_free(struct quant_pool *pool);
+/*
+ * Starts quantizing one unit: src[m] holds member m's input bytes (host memory, its nbytes), dst[m][s]
+ * gets the bytes of the member's slot-s output (host memory, its nbytes; NULL for a constant, whose
+ * bytes the plan holds). Both stay the caller's and must stay valid, untouched, until quant_pool_wait
+ * returns for *job. Returns QKEEP_E_NOMEM only when no job could be made (*job NULL); any other error,
+ * of the setting up or of the run, comes from quant_pool_wait.
+ */
+int quant_pool_start(struct quant_pool *pool, size_t unit, const void *const *src, void *const (*dst)[4],
+                     struct quant_job **job);
+/*
+ * Waits for a job to end (working on the pool's blocks meanwhile) and frees it; NULL: 0. QKEEP_E_INVAL
+ * naming the input tensor, element, row and column for a NaN or Inf (nothing useful is in dst then);
+ * QKEEP_E_NOMEM; the error detail is the calling thread's afterwards.
+ */
+int quant_pool_wait(struct quant_pool *pool, struct quant_job *job);
+/* Waits for a job to end and frees it, its outcome dropped (a load giving up on a unit it read ahead):
+ * the calling thread's error detail stays as it was. NULL: nothing. */
+void quant_pool_discard(struct quant_pool *pool, struct quant_job *job);
 
 #endif

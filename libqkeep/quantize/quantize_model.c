@@ -89,6 +89,19 @@ static int pwrite_full(int fd, const void *data, size_t n, uint64_t offset) {
   return 0;
 }
 
+/* jansson's setters fail quietly (out of memory, or a NULL value from a constructor that failed): these
+ * note it in *ok, so that a config built with them is whole or refused, never written with a key
+ * missing. The value's reference is taken either way. */
+static void jset(bool *ok, json_t *object, const char *key, json_t *value) {
+  if (json_object_set_new(object, key, value) != 0)
+    *ok = false;
+}
+
+static void jappend(bool *ok, json_t *array, json_t *value) {
+  if (json_array_append_new(array, value) != 0)
+    *ok = false;
+}
+
 /* ---- the plan ------------------------------------------------------------------------ */
 
 /* One tensor of the output. */
@@ -145,6 +158,7 @@ struct unit {
   struct block_result *results;
   float group_amax;
   struct unit *next_active;
+  struct quant_job *job; /* a load's unit (quant_pool_start): its caller takes it when done; NULL offline */
 };
 
 struct quantizer {
@@ -602,10 +616,10 @@ static int open_shards(struct quantizer *q) {
   q->fds = malloc((size_t)(q->n_shards ? q->n_shards : 1) * sizeof *q->fds);
   q->tmp_paths = calloc((size_t)(q->n_shards ? q->n_shards : 1), sizeof *q->tmp_paths);
   q->shard_labels = calloc((size_t)(q->n_shards ? q->n_shards : 1), sizeof *q->shard_labels);
+  for (int s = 0; s < q->n_shards && q->fds; s++) /* before any return: quantizer_free closes what is >= 0 */
+    q->fds[s] = -1;
   if (!q->fds || !q->tmp_paths || !q->shard_labels)
     return set_error(QKEEP_E_NOMEM, "out of memory");
-  for (int s = 0; s < q->n_shards; s++)
-    q->fds[s] = -1;
   int rc = 0;
   size_t first = 0;
   for (int s = 0; s < q->n_shards && !rc; s++) {
@@ -686,15 +700,16 @@ static int finish_shards(struct quantizer *q) {
   if (rc || q->n_shards < 2)
     return rc;
   json_t *index = json_object(), *map = json_object(), *meta = json_object();
-  for (size_t i = 0; i < q->n_outs; i++) {
+  bool ok = index != NULL;
+  for (size_t i = 0; i < q->n_outs && ok; i++) {
     char *file = strfmt("model-%05d-of-%05d.safetensors", q->outs[i].shard + 1, q->n_shards);
-    json_object_set_new(map, q->outs[i].name, json_string(file ? file : ""));
+    jset(&ok, map, q->outs[i].name, file ? json_string(file) : NULL);
     free(file);
   }
-  json_object_set_new(meta, "format", json_string("pt"));
-  json_object_set_new(index, "metadata", meta);
-  json_object_set_new(index, "weight_map", map);
-  char *path = strfmt("%s/model.safetensors.index.json", q->out_dir);
+  jset(&ok, meta, "format", json_string("pt"));
+  jset(&ok, index, "metadata", meta);
+  jset(&ok, index, "weight_map", map);
+  char *path = ok ? strfmt("%s/model.safetensors.index.json", q->out_dir) : NULL;
   if (!path)
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   else if (json_dump_file(index, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0)
@@ -977,7 +992,12 @@ static int stage_done(struct quantizer *q, struct unit *u) {
 
 /* ---- the pool ----------------------------------------------------------------------------- */
 
-/* Work shared by the threads: units in flight (in input order), each with blocks to hand out. */
+/*
+ * Work shared by the threads: units in flight (in input order), each with blocks to hand out. The
+ * offline quantizer's stream and a load's quant_pool (below) run on it alike; the two differ only
+ * in what happens to a unit once its last stage ends (written and freed here, or handed back to the
+ * load that started it: unit->job).
+ */
 struct pool {
   struct quantizer *q;
   pthread_mutex_t lock;
@@ -989,6 +1009,16 @@ struct pool {
   int failed_rc;
   char *failed_msg;
   bool stop;
+  pthread_t *threads; /* the workers (pool_start) */
+  int started;
+};
+
+/* A unit a load started (quant_pool_start): its own copy of the plan's unit, and how it ended. */
+struct quant_job {
+  struct unit u;
+  bool done; /* under the pool's lock */
+  int rc;
+  char *msg; /* the detail of rc, from the thread that ended the unit */
 };
 
 /* Records a unit's failure (the calling thread's detail); the lowest unit's wins. Under the lock. */
@@ -1011,6 +1041,29 @@ static bool take_block(struct pool *p, struct unit **u, int *stage, int64_t *b) 
       return true;
     }
   return false;
+}
+
+/* Takes a unit off the active list. Under the lock. */
+static void pool_unlink(struct pool *p, struct unit *u) {
+  struct unit **link = &p->active, *prev = NULL;
+  while (*link != u) {
+    prev = *link;
+    link = &(*link)->next_active;
+  }
+  *link = u->next_active;
+  if (p->active_tail == u)
+    p->active_tail = prev;
+}
+
+/* Appends a unit whose blocks are ready to the active list and wakes the workers. Under the lock. */
+static void pool_append(struct pool *p, struct unit *u) {
+  u->next_active = NULL;
+  if (p->active_tail)
+    p->active_tail->next_active = u;
+  else
+    p->active = u;
+  p->active_tail = u;
+  pthread_cond_broadcast(&p->wake);
 }
 
 static void unit_release(struct unit *u) {
@@ -1037,6 +1090,14 @@ static void work_one(struct pool *p, struct unit *u, int stage, int64_t b, float
     pthread_cond_broadcast(&p->wake);
     return;
   }
+  if (u->job) { /* a load's unit: off the active list, and back to the thread that waits for it */
+    pool_unlink(p, u);
+    u->job->rc = rc < 0 ? rc : 0;
+    u->job->msg = rc < 0 ? xstrdup(qkeep_errmsg()) : NULL;
+    u->job->done = true;
+    pthread_cond_broadcast(&p->wake);
+    return;
+  }
   if (rc)
     note_failure(p, u->index, rc);
   /* counted before it leaves the active list: the driver's final report follows an empty list */
@@ -1048,15 +1109,7 @@ static void work_one(struct pool *p, struct unit *u, int stage, int64_t b, float
         if (!p->q->outs[u->m[i].out[o]].constant)
           p->q->written += (int64_t)p->q->outs[u->m[i].out[o]].nbytes;
   }
-  /* off the active list */
-  struct unit **link = &p->active, *prev = NULL;
-  while (*link != u) {
-    prev = *link;
-    link = &(*link)->next_active;
-  }
-  *link = u->next_active;
-  if (p->active_tail == u)
-    p->active_tail = prev;
+  pool_unlink(p, u);
   pthread_mutex_unlock(&p->lock);
   unit_release(u);
   pthread_mutex_lock(&p->lock);
@@ -1080,6 +1133,36 @@ static void *worker(void *arg) {
   pthread_mutex_unlock(&p->lock);
   free(scratch);
   return NULL;
+}
+
+/* The lock, and up to `workers` threads running worker(); fewer when the system gives fewer (the same
+ * bytes, later: the thread that waits works on blocks too). */
+static int pool_start(struct pool *p, int workers) {
+  p->threads = calloc((size_t)(workers > 0 ? workers : 1), sizeof *p->threads);
+  if (!p->threads)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  pthread_mutex_init(&p->lock, NULL);
+  pthread_cond_init(&p->wake, NULL);
+  for (p->started = 0; p->started < workers; p->started++)
+    if (pthread_create(&p->threads[p->started], NULL, worker, p) != 0)
+      break;
+  return 0;
+}
+
+/* Stops and joins the workers (every unit ended or taken off first), then frees the pool's own parts. */
+static void pool_stop(struct pool *p) {
+  pthread_mutex_lock(&p->lock);
+  assert(!p->active);
+  p->stop = true;
+  pthread_cond_broadcast(&p->wake);
+  pthread_mutex_unlock(&p->lock);
+  for (int i = 0; i < p->started; i++)
+    pthread_join(p->threads[i], NULL);
+  pthread_cond_destroy(&p->wake);
+  pthread_mutex_destroy(&p->lock);
+  free(p->threads);
+  p->threads = NULL;
+  p->started = 0;
 }
 
 /* ---- the calling thread: reading, copying, progress -------------------------------------------- */
@@ -1241,22 +1324,14 @@ static int stream(struct quantizer *q, int threads, struct qkeep_quantize_progre
   p.budget *= 2;
   for (size_t i = 0; i < q->ck->n_tensors; i++)
     d.bytes_total += (int64_t)q->ck->tensors[i].t->nbytes;
-  pthread_t *pool_threads = calloc((size_t)threads, sizeof *pool_threads);
   d.scratch = malloc((size_t)q->scratch_elements * sizeof *d.scratch + 1);
   d.chunk = malloc(COPY_CHUNK);
-  if (!pool_threads || !d.scratch || !d.chunk) {
-    free(pool_threads);
+  if (!d.scratch || !d.chunk || pool_start(&p, threads - 1)) {
     free(d.scratch);
     free(d.chunk);
     return set_error(QKEEP_E_NOMEM, "out of memory");
   }
-  pthread_mutex_init(&p.lock, NULL);
-  pthread_cond_init(&p.wake, NULL);
-  int started = 0;
-  for (; started < threads - 1; started++)
-    if (pthread_create(&pool_threads[started], NULL, worker, &p) != 0)
-      break; /* fewer threads: the same bytes, later */
-  d.threads = started + 1;
+  d.threads = p.started + 1;
   pthread_mutex_lock(&p.lock);
   for (size_t i = 0; i < q->n_units && p.first_failed == q->n_units; i++) {
     struct unit *u = &q->units[i];
@@ -1301,28 +1376,16 @@ static int stream(struct quantizer *q, int threads, struct qkeep_quantize_progre
       p.in_flight_bytes -= u->bytes;
       continue;
     }
-    u->next_active = NULL;
-    if (p.active_tail)
-      p.active_tail->next_active = u;
-    else
-      p.active = u;
-    p.active_tail = u;
-    pthread_cond_broadcast(&p.wake);
+    pool_append(&p, u);
   }
   help_until(&d, all_done, 0);
   report(&d, true, summary);
-  p.stop = true;
-  pthread_cond_broadcast(&p.wake);
   pthread_mutex_unlock(&p.lock);
-  for (int i = 0; i < started; i++)
-    pthread_join(pool_threads[i], NULL);
-  pthread_cond_destroy(&p.wake);
-  pthread_mutex_destroy(&p.lock);
+  pool_stop(&p);
   int rc = 0;
   if (p.first_failed < q->n_units)
     rc = set_error(p.failed_rc, "%s", p.failed_msg ? p.failed_msg : qkeep_strerror(p.failed_rc));
   free(p.failed_msg);
-  free(pool_threads);
   free(d.scratch);
   free(d.chunk);
   return rc;
@@ -1331,89 +1394,88 @@ static int stream(struct quantizer *q, int threads, struct qkeep_quantize_progre
 
 /* A pack-quantized config group as llm-compressor's W4A16 preset writes it (actorder null, no activations).
  */
-static json_t *ct_int4_group(const struct quantizer *q) {
+static json_t *ct_int4_group(const struct quantizer *q, bool *ok) {
   json_t *weights = json_object(), *group = json_object(), *targets = json_array();
-  json_object_set_new(weights, "num_bits", json_integer(4));
-  json_object_set_new(weights, "type", json_string("int"));
-  json_object_set_new(weights, "symmetric", json_boolean(!q->opt->asym_weights));
-  json_object_set_new(weights, "strategy", json_string("group"));
-  json_object_set_new(weights, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
-  json_object_set_new(weights, "dynamic", json_false());
-  json_object_set_new(weights, "actorder", json_null());
-  json_object_set_new(weights, "observer", json_string("minmax"));
-  json_array_append_new(targets, json_string("Linear"));
-  json_object_set_new(group, "format", json_string("pack-quantized"));
-  json_object_set_new(group, "input_activations", json_null());
-  json_object_set_new(group, "output_activations", json_null());
-  json_object_set_new(group, "targets", targets);
-  json_object_set_new(group, "weights", weights);
+  jset(ok, weights, "num_bits", json_integer(4));
+  jset(ok, weights, "type", json_string("int"));
+  jset(ok, weights, "symmetric", json_boolean(!q->opt->asym_weights));
+  jset(ok, weights, "strategy", json_string("group"));
+  jset(ok, weights, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
+  jset(ok, weights, "dynamic", json_false());
+  jset(ok, weights, "actorder", json_null());
+  jset(ok, weights, "observer", json_string("minmax"));
+  jappend(ok, targets, json_string("Linear"));
+  jset(ok, group, "format", json_string("pack-quantized"));
+  jset(ok, group, "input_activations", json_null());
+  jset(ok, group, "output_activations", json_null());
+  jset(ok, group, "targets", targets);
+  jset(ok, group, "weights", weights);
   return group;
 }
 
-static json_t *ct_group(const struct quantizer *q, bool nvfp4) {
+static json_t *ct_group(const struct quantizer *q, bool nvfp4, bool *ok) {
   json_t *weights = json_object(), *group = json_object(), *targets = json_array();
-  json_object_set_new(weights, "num_bits", json_integer(nvfp4 || strcmp(q->sch->name, "mxfp4") == 0 ? 4 : 8));
-  json_object_set_new(weights, "type", json_string(strcmp(q->sch->name, "w8a8-int8") == 0 ? "int" : "float"));
-  json_object_set_new(weights, "symmetric", json_true());
-  json_object_set_new(weights, "dynamic", json_false());
+  jset(ok, weights, "num_bits", json_integer(nvfp4 || strcmp(q->sch->name, "mxfp4") == 0 ? 4 : 8));
+  jset(ok, weights, "type", json_string(strcmp(q->sch->name, "w8a8-int8") == 0 ? "int" : "float"));
+  jset(ok, weights, "symmetric", json_true());
+  jset(ok, weights, "dynamic", json_false());
   if (strcmp(q->sch->name, "w8a8-int8") == 0) {
-    json_object_set_new(weights, "strategy", json_string("channel"));
+    jset(ok, weights, "strategy", json_string("channel"));
     json_t *in = json_object();
-    json_object_set_new(in, "num_bits", json_integer(8));
-    json_object_set_new(in, "type", json_string("int"));
-    json_object_set_new(in, "strategy", json_string(q->opt->static_input ? "tensor" : "token"));
-    json_object_set_new(in, "dynamic", json_boolean(!q->opt->static_input));
-    json_object_set_new(in, "symmetric", json_boolean(!q->opt->asym_input));
-    json_object_set_new(group, "input_activations", in);
+    jset(ok, in, "num_bits", json_integer(8));
+    jset(ok, in, "type", json_string("int"));
+    jset(ok, in, "strategy", json_string(q->opt->static_input ? "tensor" : "token"));
+    jset(ok, in, "dynamic", json_boolean(!q->opt->static_input));
+    jset(ok, in, "symmetric", json_boolean(!q->opt->asym_input));
+    jset(ok, group, "input_activations", in);
   } else {
-    json_object_set_new(weights, "strategy", json_string(nvfp4 ? "tensor_group" : "group"));
-    json_object_set_new(weights, "group_size", json_integer(nvfp4 ? 16 : 32));
+    jset(ok, weights, "strategy", json_string(nvfp4 ? "tensor_group" : "group"));
+    jset(ok, weights, "group_size", json_integer(nvfp4 ? 16 : 32));
     if (nvfp4) {
       json_t *in = json_deep_copy(weights);
-      json_object_set_new(in, "dynamic", json_string("local"));
-      json_object_set_new(group, "input_activations", in);
+      jset(ok, in, "dynamic", json_string("local"));
+      jset(ok, group, "input_activations", in);
     }
   }
-  json_array_append_new(targets, json_string("Linear"));
-  json_object_set_new(group, "targets", targets);
-  json_object_set_new(group, "weights", weights);
+  jappend(ok, targets, json_string("Linear"));
+  jset(ok, group, "targets", targets);
+  jset(ok, group, "weights", weights);
   return group;
 }
 
 /* config.json's quantization_config for the scheme (and hf_quant_config.json for ModelOpt). */
-static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant) {
+static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant, bool *ok) {
   const char *s = q->sch->name;
   json_t *qc = json_object(), *ignore = json_array();
-  json_array_append_new(ignore, json_string("lm_head"));
+  jappend(ok, ignore, json_string("lm_head"));
   *hf_quant = NULL;
   if (strcmp(s, "modelopt-nvfp4") == 0) {
-    json_object_set_new(qc, "quant_method", json_string("modelopt"));
-    json_object_set_new(qc, "quant_algo", json_string("NVFP4"));
-    json_object_set_new(qc, "group_size", json_integer(16));
-    json_object_set_new(qc, "ignore", json_deep_copy(ignore));
+    jset(ok, qc, "quant_method", json_string("modelopt"));
+    jset(ok, qc, "quant_algo", json_string("NVFP4"));
+    jset(ok, qc, "group_size", json_integer(16));
+    jset(ok, qc, "ignore", json_deep_copy(ignore));
     json_t *h = json_object(), *producer = json_object(), *quant = json_object();
-    json_object_set_new(producer, "name", json_string("modelopt"));
-    json_object_set_new(producer, "version", json_string("qkeep-" PACKAGE_VERSION));
-    json_object_set_new(quant, "quant_algo", json_string("NVFP4"));
-    json_object_set_new(quant, "kv_cache_quant_algo",
-                        q->opt->kv_cache_scales ? json_string("FP8") : json_null());
-    json_object_set_new(quant, "group_size", json_integer(16));
-    json_object_set_new(quant, "exclude_modules", json_deep_copy(ignore));
-    json_object_set_new(h, "producer", producer);
-    json_object_set_new(h, "quantization", quant);
+    jset(ok, producer, "name", json_string("modelopt"));
+    jset(ok, producer, "version", json_string("qkeep-" PACKAGE_VERSION));
+    jset(ok, quant, "quant_algo", json_string("NVFP4"));
+    jset(ok, quant, "kv_cache_quant_algo", q->opt->kv_cache_scales ? json_string("FP8") : json_null());
+    jset(ok, quant, "group_size", json_integer(16));
+    jset(ok, quant, "exclude_modules", json_deep_copy(ignore));
+    jset(ok, h, "producer", producer);
+    jset(ok, h, "quantization", quant);
     *hf_quant = h;
   } else if (strcmp(s, "gptq-int4") == 0 || strcmp(s, "awq-int4") == 0) {
     bool awq = s[0] == 'a';
-    json_object_set_new(qc, "quant_method", json_string(awq ? "awq" : "gptq"));
-    json_object_set_new(qc, "bits", json_integer(4));
-    json_object_set_new(qc, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
+    jset(ok, qc, "quant_method", json_string(awq ? "awq" : "gptq"));
+    jset(ok, qc, "bits", json_integer(4));
+    jset(ok, qc, "group_size", json_integer(q->opt->group_size > 0 ? q->opt->group_size : 128));
     if (awq) {
-      json_object_set_new(qc, "zero_point", json_boolean(q->opt->asym_weights));
-      json_object_set_new(qc, "version", json_string("gemm"));
+      jset(ok, qc, "zero_point", json_boolean(q->opt->asym_weights));
+      jset(ok, qc, "version", json_string("gemm"));
     } else {
-      json_object_set_new(qc, "desc_act", json_false());
-      json_object_set_new(qc, "sym", json_boolean(!q->opt->asym_weights));
-      json_object_set_new(qc, "checkpoint_format", json_string("gptq"));
+      jset(ok, qc, "desc_act", json_false());
+      jset(ok, qc, "sym", json_boolean(!q->opt->asym_weights));
+      jset(ok, qc, "checkpoint_format", json_string("gptq"));
     }
   } else {
     bool nvfp4 = strcmp(s, "ct-nvfp4") == 0, int4 = strcmp(s, "ct-int4") == 0;
@@ -1422,19 +1484,19 @@ static json_t *quantization_config(const struct quantizer *q, json_t **hf_quant)
                          : int4                    ? "pack-quantized"
                                                    : "int-quantized";
     json_t *groups = json_object();
-    json_object_set_new(groups, "group_0", int4 ? ct_int4_group(q) : ct_group(q, nvfp4));
-    json_object_set_new(qc, "quantization_status", json_string("compressed"));
-    json_object_set_new(qc, "quant_method", json_string("compressed-tensors"));
-    json_object_set_new(qc, "format", json_string(format));
-    json_object_set_new(qc, "config_groups", groups);
-    json_object_set_new(qc, "ignore", json_deep_copy(ignore));
+    jset(ok, groups, "group_0", int4 ? ct_int4_group(q, ok) : ct_group(q, nvfp4, ok));
+    jset(ok, qc, "quantization_status", json_string("compressed"));
+    jset(ok, qc, "quant_method", json_string("compressed-tensors"));
+    jset(ok, qc, "format", json_string(format));
+    jset(ok, qc, "config_groups", groups);
+    jset(ok, qc, "ignore", json_deep_copy(ignore));
   }
   if (q->opt->kv_cache_scales && strcmp(s, "modelopt-nvfp4") != 0) {
     json_t *kv = json_object();
-    json_object_set_new(kv, "num_bits", json_integer(8));
-    json_object_set_new(kv, "type", json_string("float"));
-    json_object_set_new(kv, "dynamic", json_false());
-    json_object_set_new(qc, "kv_cache_scheme", kv);
+    jset(ok, kv, "num_bits", json_integer(8));
+    jset(ok, kv, "type", json_string("float"));
+    jset(ok, kv, "dynamic", json_false());
+    jset(ok, qc, "kv_cache_scheme", kv);
   }
   json_decref(ignore);
   return qc;
@@ -1465,13 +1527,19 @@ static int read_input_config(struct quantizer *q) {
   return 0;
 }
 
-/* config.json: the input's (when it has one) with quantization_config set. */
+/* config.json: the input's (when it has one) with quantization_config set; NULL when out of memory. */
 static json_t *output_config(const struct quantizer *q, json_t **hf) {
   json_t *config = q->input_config ? json_deep_copy(q->input_config) : json_object();
+  bool ok = config != NULL;
   *hf = NULL;
   if (config)
-    json_object_set_new(config, "quantization_config", quantization_config(q, hf));
-  return config;
+    jset(&ok, config, "quantization_config", quantization_config(q, hf, &ok));
+  if (ok)
+    return config;
+  json_decref(config);
+  json_decref(*hf);
+  *hf = NULL;
+  return NULL;
 }
 
 static int write_configs(struct quantizer *q) {
@@ -1928,9 +1996,9 @@ static int plan_detach(struct quant_plan *p) {
   }
   json_t *hf = NULL, *config = output_config(q, &hf);
   if (config)
-    p->config_json = json_dumps(config, JSON_INDENT(2));
+    p->config_json = json_dumps_watched(config, JSON_INDENT(2));
   if (hf)
-    p->hf_json = json_dumps(hf, JSON_INDENT(2));
+    p->hf_json = json_dumps_watched(hf, JSON_INDENT(2));
   json_decref(config);
   json_decref(hf);
   q->ck = NULL;
@@ -2025,77 +2093,151 @@ int quant_plan_configs(const struct quant_plan *p, char **config_json, char **hf
 
 int quant_plan_threads(const struct quant_plan *p) { return p->q.threads; }
 
-/* One unit's row blocks on several threads: each takes the next block until none is left. */
-struct unit_run {
-  const struct quantizer *q;
-  struct unit *u;
-  int stage;
-  _Atomic int64_t next;
+/* ---- a load's pool (quantize/plan.h) ------------------------------------------------------------ */
+
+struct quant_pool {
+  const struct quant_plan *plan;
+  struct pool p;  /* p.q: the plan's quantizer, which a load's units never change (no file: no write) */
+  float *scratch; /* the waiting thread's */
 };
 
-static void *unit_run_worker(void *arg) {
-  struct unit_run *r = arg;
-  float *scratch = malloc((size_t)r->q->scratch_elements * sizeof *scratch + 1);
-  for (int64_t b; scratch && (b = atomic_fetch_add(&r->next, 1)) < r->u->n_blocks;)
-    run_block(r->q, r->u, r->stage, b, scratch);
-  free(scratch);
-  return scratch ? NULL : (void *)1;
+int quant_pool_new(const struct quant_plan *plan, struct quant_pool **out) {
+  *out = NULL;
+  struct quant_pool *qp = calloc(1, sizeof *qp);
+  if (qp)
+    qp->scratch = malloc((size_t)plan->q.scratch_elements * sizeof *qp->scratch + 1);
+  if (!qp || !qp->scratch) {
+    free(qp);
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  qp->plan = plan;
+  qp->p = (struct pool){.q = (struct quantizer *)&plan->q, .first_failed = SIZE_MAX};
+  int rc = pool_start(&qp->p, plan->q.threads - 1);
+  if (rc) {
+    free(qp->scratch);
+    free(qp);
+    return rc;
+  }
+  *out = qp;
+  return 0;
 }
 
-/* Every block of the stage, on up to `threads` threads (the calling one included). */
-static int run_stage(const struct quantizer *q, struct unit *u, int stage, int threads) {
-  struct unit_run r = {q, u, stage, 0};
-  int64_t extra = u->n_blocks - 1 < threads - 1 ? u->n_blocks - 1 : threads - 1;
-  pthread_t t[64];
-  int started = 0;
-  for (; started < extra && started < 64; started++)
-    if (pthread_create(&t[started], NULL, unit_run_worker, &r) != 0)
-      break; /* fewer threads: the same bytes, later */
-  (void)unit_run_worker(&r);
-  for (int i = 0; i < started; i++)
-    pthread_join(t[i], NULL);
-  /* a thread without scratch takes no block: only when every one lacked it are blocks left */
-  return atomic_load(&r.next) < u->n_blocks ? set_error(QKEEP_E_NOMEM, "out of memory") : 0;
+void quant_pool_free(struct quant_pool *qp) {
+  if (!qp)
+    return;
+  pool_stop(&qp->p);
+  free(qp->scratch);
+  free(qp);
 }
 
-int quant_plan_run(const struct quant_plan *p, size_t unit, const void *const *src, void *const (*dst)[4]) {
-  const struct quantizer *q = &p->q;
-  struct unit u = q->units[p->units[unit]]; /* a copy: the plan is not changed by a run */
+/* The temporaries and results of a job's unit (not the caller's src and dst). */
+static void job_free(struct quant_job *job) {
+  struct unit *u = &job->u;
+  for (int i = 0; i < u->n_members; i++)
+    free(u->m[i].tmp[0]), free(u->m[i].tmp[1]);
+  if (u->results)
+    for (int64_t b = 0; b < u->n_blocks; b++)
+      free(u->results[b].finite_msg), free(u->results[b].other_msg);
+  free(u->results);
+  free(job->msg);
+  free(job);
+}
+
+/* The job's unit set up as start_unit sets up the offline quantizer's: the caller's bytes in, its
+ * buffers out (zeroed: AWQ's repack ORs nibbles into its words), the temporaries, the blocks. */
+static int job_prepare(const struct quantizer *q, struct quant_job *job, const void *const *src,
+                       void *const (*dst)[4]) {
+  struct unit *u = &job->u;
   int64_t blocks = 0;
-  int rc = 0;
-  for (int i = 0; i < u.n_members && !rc; i++) {
-    struct member *m = &u.m[i];
+  for (int i = 0; i < u->n_members; i++) {
+    struct member *m = &u->m[i];
     m->raw = (void *)src[i];
+    m->tmp[0] = m->tmp[1] = NULL;
+  }
+  for (int i = 0; i < u->n_members; i++) {
+    struct member *m = &u->m[i];
     for (int o = 0; o < m->n_out; o++) {
       m->buf[o] = q->outs[m->out[o]].constant ? NULL : dst[i][o];
-      if (m->buf[o]) /* AWQ's repack ORs nibbles into its words */
+      if (m->buf[o])
         memset(m->buf[o], 0, q->outs[m->out[o]].nbytes);
     }
-    m->tmp[0] = m->tmp[1] = NULL;
     size_t groups = q->group ? (size_t)(m->k / q->group) : 0;
     if (q->awq && (!(m->tmp[0] = calloc((size_t)(m->n * m->k / 2) + 1, 1)) ||
                    !(m->tmp[1] = calloc(groups * (size_t)m->n / 2 + 1, 1))))
-      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+      return set_error(QKEEP_E_NOMEM, "out of memory");
     if (q->ct_int4 && !(m->tmp[0] = malloc(groups * (size_t)m->n * sizeof(float) + 1)))
-      rc = set_error(QKEEP_E_NOMEM, "out of memory");
+      return set_error(QKEEP_E_NOMEM, "out of memory");
     m->first_block = blocks;
     m->n_blocks = m->n > 0 ? (m->n + m->block_rows - 1) / m->block_rows : 0;
     blocks += m->n_blocks;
   }
-  u.n_stages = q->nvfp4 ? 2 : 1;
-  u.n_blocks = blocks;
-  if (!rc && !(u.results = calloc(blocks ? (size_t)blocks : 1, sizeof *u.results)))
-    rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  for (u.stage = 0; !rc && u.stage < u.n_stages; u.stage++) {
-    rc = run_stage(q, &u, u.stage, q->threads);
-    int next = rc ? rc : stage_done((struct quantizer *)q, &u); /* no file: stage_done writes nothing */
-    rc = next < 0 ? next : 0;
+  u->n_stages = q->nvfp4 ? 2 : 1;
+  u->stage = 0;
+  u->n_blocks = blocks;
+  u->next_block = 0;
+  u->blocks_left = blocks;
+  u->job = job;
+  if (!(u->results = calloc(blocks ? (size_t)blocks : 1, sizeof *u->results)))
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  return 0;
+}
+
+int quant_pool_start(struct quant_pool *qp, size_t unit, const void *const *src, void *const (*dst)[4],
+                     struct quant_job **out) {
+  const struct quantizer *q = &qp->plan->q;
+  struct quant_job *job = calloc(1, sizeof *job);
+  *out = NULL;
+  if (!job)
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  job->u = q->units[qp->plan->units[unit]]; /* a copy: the plan is not changed by a run */
+  job->u.results = NULL;
+  int rc = job_prepare(q, job, src, dst);
+  while (!rc && job->u.n_blocks == 0 && (rc = stage_done(qp->p.q, &job->u)) == 1) /* no rows */
+    job->u.stage++;
+  if (rc || job->u.n_blocks == 0) { /* failed, or done already */
+    job->done = true;
+    job->rc = rc;
+    job->msg = rc ? xstrdup(qkeep_errmsg()) : NULL;
+    *out = job;
+    return 0;
   }
-  for (int i = 0; i < u.n_members; i++)
-    free(u.m[i].tmp[0]), free(u.m[i].tmp[1]);
-  if (u.results)
-    for (int64_t b = 0; b < blocks; b++)
-      free(u.results[b].finite_msg), free(u.results[b].other_msg);
-  free(u.results);
+  pthread_mutex_lock(&qp->p.lock);
+  pool_append(&qp->p, &job->u);
+  pthread_mutex_unlock(&qp->p.lock);
+  *out = job;
+  return 0;
+}
+
+/* Waits (working on blocks) until the job has ended. */
+static void job_wait(struct quant_pool *qp, struct quant_job *job) {
+  struct pool *p = &qp->p;
+  pthread_mutex_lock(&p->lock);
+  while (!job->done) {
+    struct unit *u;
+    int stage;
+    int64_t b;
+    if (take_block(p, &u, &stage, &b))
+      work_one(p, u, stage, b, qp->scratch);
+    else
+      pthread_cond_wait(&p->wake, &p->lock);
+  }
+  pthread_mutex_unlock(&p->lock);
+}
+
+int quant_pool_wait(struct quant_pool *qp, struct quant_job *job) {
+  if (!job)
+    return 0;
+  job_wait(qp, job);
+  int rc = job->rc;
+  if (rc)
+    set_error(rc, "%s", job->msg ? job->msg : qkeep_strerror(rc));
+  job_free(job);
   return rc;
+}
+
+void quant_pool_discard(struct quant_pool *qp, struct quant_job *job) {
+  if (!job)
+    return;
+  job_wait(qp, job);
+  job_free(job);
 }

@@ -530,8 +530,22 @@ static int check_listed_scales(struct scale_cache *cache) {
   return rc;
 }
 
-/* Every source of the layer is in the provider as the model expects; its scales get room in the cache
- * and are listed for the check of their values. */
+/*
+ * Every source of the layer is in the provider as the model expects; its scales get room in the cache
+ * and are listed for the check of their values.
+ *
+ * A source quantized on load is read whole here for its values (a NaN or an Inf cannot be quantized),
+ * and read again when applying quantizes it: two reads, kept on purpose. One read would find the NaN
+ * only while applying, after earlier layers changed, and then only a rollback could give W0 back. A
+ * rollback re-reads W0 from its files, so it cannot promise W0: W0 may come from no file (buffers, a
+ * sync, a direct load, a partial reload), and its files may be rewritten in place while the reload runs
+ * (a trainer saving into the same directory), which the rollback detects and can only answer by
+ * poisoning the model. Keeping what one read made until the end instead (the unquantized or the
+ * quantized bytes of every layer) would hold a model's worth of memory where a load holds two units.
+ * So a bad value is refused here, before anything changes, whatever W0 came from. (What only the
+ * quantized bytes show, such as an int8 scale that f32's largest weight makes overflow, is found as they
+ * land, as a cold start finds it, and rolled back from there.)
+ */
 static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   struct provided t;
@@ -652,7 +666,13 @@ struct layer_before {
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
                  struct layer_before *before, struct reload_fault fault, double *t_read, double *t_pwal) {
   struct staging st = {.scales_checked = scales_checked};
-  int rc = 0;
+  /* The selected layers, in order: a layer quantized on load reads the next one's first unit ahead. */
+  qkeep_layer **order = malloc((model->n_layers ? model->n_layers : 1) * sizeof *order);
+  int rc = order ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t l = 0; l < model->n_layers && !rc; l++)
+    if (selected[l])
+      order[st.n_order++] = model->layers[l];
+  st.order = order;
   model_spares(model, true);
   for (size_t l = 0; l < model->n_layers && !rc; l++) {
     if (!selected[l])
@@ -683,6 +703,7 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st);
+  free(order);
   model_spares(model, false);
   return rc ? rc : staged;
 }
