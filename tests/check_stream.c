@@ -157,6 +157,17 @@ static struct stream_item *small_items(size_t n, size_t bytes, char *dst, size_t
   return it;
 }
 
+/* A fresh fake device (with or without fences) and a stream to it through `slots` slots of `piece` bytes. */
+static struct stream *open_stream(struct device *dev, struct qkeep_backend *be, int slots, size_t piece,
+                                  bool fences) {
+  reset_device();
+  struct qkeep_load_options shape = ring(slots, piece);
+  device_for(dev, be, fences);
+  struct stream *s;
+  ck_assert_msg(stream_new(dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  return s;
+}
+
 /* Whether tensor k of small_items landed (or, not `landed`, is still zero). */
 static void assert_small(const char *dst, size_t k, size_t bytes, size_t stride, bool landed) {
   for (size_t i = 0; i < bytes; i++)
@@ -166,13 +177,9 @@ static void assert_small(const char *dst, size_t k, size_t bytes, size_t stride,
 
 /* Every piece of a tensor many times the ring's size lands, with or without fences (_i). */
 START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
-  reset_device();
-  struct qkeep_load_options shape = ring(3, 4096);
   struct qkeep_backend be;
   struct device dev;
-  device_for(&dev, &be, _i == 0);
-  struct stream *s;
-  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  struct stream *s = open_stream(&dev, &be, 3, 4096, _i == 0);
   size_t n = ((size_t)1 << 20) + 123;
   char *dst = calloc(1, n);
   struct stream_item it = item(n, dst);
@@ -190,13 +197,9 @@ END_TEST
 /* A put while a read ahead holds every slot must not borrow one of them (it once took slot 0
  * whatever its state): the bytes put are the bytes that land. */
 START_TEST(a_put_never_takes_a_slot_being_read_ahead) {
-  reset_device();
-  struct qkeep_load_options shape = ring(3, 16384);
   struct qkeep_backend be;
   struct device dev;
-  device_for(&dev, &be, _i == 0);
-  struct stream *s;
-  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  struct stream *s = open_stream(&dev, &be, 3, 16384, _i == 0);
   char *ahead = calloc(1, 65536);
   struct stream_item it = item(65536, NULL);
   set_gate(false); /* the readers stop inside their first reads */
@@ -243,13 +246,9 @@ static int refuse_one(const void *ctx, const struct provided *t, size_t at, cons
  * check's message; the pieces of a checked item hold whole elements of its dtype even when a slot does not
  * (4098-byte slots cut an f32 tensor every 4096 bytes). */
 START_TEST(a_piece_its_check_refuses_is_never_copied) {
-  reset_device();
-  struct qkeep_load_options shape = ring(3, 4098);
   struct qkeep_backend be;
   struct device dev;
-  device_for(&dev, &be, _i == 0);
-  struct stream *s;
-  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  struct stream *s = open_stream(&dev, &be, 3, 4098, _i == 0);
   size_t n = 40000;
   char *dst = calloc(1, n);
   struct stream_item it = item(n, dst);
@@ -278,13 +277,9 @@ END_TEST
  * at its own place; stacked ones whose device bytes follow each other (64 experts of 256 bytes) take one
  * copy per slot, not one each. */
 START_TEST(small_tensors_share_a_slot_and_adjacent_ones_one_copy) {
-  reset_device();
-  struct qkeep_load_options shape = ring(3, 4096);
   struct qkeep_backend be;
   struct device dev;
-  device_for(&dev, &be, _i == 0);
-  struct stream *s;
-  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  struct stream *s = open_stream(&dev, &be, 3, 4096, _i == 0);
   static char names[200][16];
   size_t n = 200, bytes = 100, stride = 300;
   char *dst = calloc(n, stride);
@@ -324,13 +319,9 @@ static int refuse_s5(const void *ctx, const struct provided *t, size_t at, const
  * they are done, so the next load must not refill it before (the slot was once freed at the failure);
  * the next load's bytes and those copied before the failure both land. */
 START_TEST(a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done) {
-  reset_device();
-  struct qkeep_load_options shape = ring(3, 4096);
   struct qkeep_backend be;
   struct device dev;
-  device_for(&dev, &be, _i == 0);
-  struct stream *s;
-  ck_assert_msg(stream_new(&dev, &shape, &s) == 0, "%s", qkeep_errmsg());
+  struct stream *s = open_stream(&dev, &be, 3, 4096, _i == 0);
   static char names[10][16], others[10][16];
   size_t n = 10, bytes = 100, stride = 300;
   char *dst = calloc(n, stride), *dst2 = calloc(n, stride);
