@@ -1083,16 +1083,35 @@ static int sync_from_device(qkeep_model *m, const struct device *dev, struct sen
 /* Buckets large enough that the fixture's plan splits no layer, small enough for two. */
 #define BUCKET_NO_SPLIT (256 << 10)
 
+/* W0 (modelopt-nvfp4) on test-async alone, W1's buckets planned (no layer split) and a cold W1 to compare. */
+struct async_case {
+  qkeep_plugin *async;
+  char *w0, *w1;
+  struct sender sd;
+  qkeep_model *m, *cold;
+};
+static void async_case_open(struct async_case *c) {
+  *c = (struct async_case){0};
+  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &c->async) == 0, "%s", qkeep_errmsg());
+  c->w0 = checkpoint("modelopt-nvfp4", 0), c->w1 = checkpoint("modelopt-nvfp4", 1);
+  sender_open(&c->sd, c->w1, BUCKET_NO_SPLIT);
+  c->m = load_chain_rank(c->w0, &c->async, 1, 1, 0), c->cold = load_chain_rank(c->w1, &c->async, 1, 1, 0);
+}
+static void async_case_close(struct async_case *c) {
+  qkeep_model_free(c->m), qkeep_model_free(c->cold);
+  sender_close(&c->sd);
+  qkeep_plugin_close(c->async);
+  free(c->w0), free(c->w1);
+}
+
 /* From a bucket in device memory, a layer's scale tensors (which the plan puts first) are copied to the
  * host for their check in a few runs, not one copy per tensor; a NaN in the middle of such a run still
  * fails the sync naming its tensor and element, and W0 is put back. */
 START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
-  qkeep_plugin *async;
-  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
-  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
-  struct sender sd = {0};
-  sender_open(&sd, w1, BUCKET_NO_SPLIT);
-  qkeep_model *m = load_chain_rank(w0, &async, 1, 1, 0), *cold = load_chain_rank(w1, &async, 1, 1, 0);
+  struct async_case c;
+  async_case_open(&c);
+  qkeep_model *m = c.m, *cold = c.cold;
+  struct sender *sdp = &c.sd;
   struct qkeep_digest d0 = digest_now(m);
   /* The plan: no layer split across buckets (so none waits, copied, for the rest), each layer's scales
    * first. A weight_scale with scales on both sides in its bucket gets the NaN. */
@@ -1100,30 +1119,30 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
   const char *bad_name = NULL;
   const qkeep_layer *last = NULL;
   size_t last_bucket = 0;
-  for (size_t b = 0; b < sd.n_buckets; b++)
-    for (size_t i = 0; i < sd.count[b]; i++) {
-      const struct source_ref *ref = model_find_source(m, sd.tensors[b][i].name);
+  for (size_t b = 0; b < sdp->n_buckets; b++)
+    for (size_t i = 0; i < sdp->count[b]; i++) {
+      const struct source_ref *ref = model_find_source(m, sdp->tensors[b][i].name);
       ck_assert_ptr_nonnull(ref);
       ck_assert_msg(ref->layer != last || b == last_bucket, "layer %s is split", ref->layer->name);
       bool scale = ref->layer->sources[ref->source].param->scale;
       scales += scale;
       layers_with_scales += scale && ref->layer != last;
       last = ref->layer, last_bucket = b;
-      bool between_scales = i > 0 && i + 1 < sd.count[b];
+      bool between_scales = i > 0 && i + 1 < sdp->count[b];
       for (int d = -1; d <= 1 && between_scales; d++) {
-        const struct source_ref *r = model_find_source(m, sd.tensors[b][(size_t)((ptrdiff_t)i + d)].name);
+        const struct source_ref *r = model_find_source(m, sdp->tensors[b][(size_t)((ptrdiff_t)i + d)].name);
         between_scales = r->layer->sources[r->source].param->scale;
       }
-      if (between_scales && !bad_name && ends_with(sd.tensors[b][i].name, ".weight_scale"))
-        bad = b, bad_at = sd.tensors[b][i].offset + 1, bad_name = sd.tensors[b][i].name;
+      if (between_scales && !bad_name && ends_with(sdp->tensors[b][i].name, ".weight_scale"))
+        bad = b, bad_at = sdp->tensors[b][i].offset + 1, bad_name = sdp->tensors[b][i].name;
     }
   ck_assert_ptr_nonnull(bad_name);
   struct device *dev = count_begin(layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts")));
-  ck_assert_msg(sync_from_device(m, dev, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(sync_from_device(m, dev, sdp, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
   size_t copies = d2h_copies;
   ck_assert(same_digest(digest_now(m), digest_now(cold)));
-  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
-  ck_assert_int_eq(sync_from_device(m, dev, &sd, bad, bad_at), QKEEP_E_FORMAT);
+  ck_assert_int_eq(qkeep_model_reload(m, c.w0, 0), 0);
+  ck_assert_int_eq(sync_from_device(m, dev, sdp, bad, bad_at), QKEEP_E_FORMAT);
   ck_assert_msg(strstr(qkeep_errmsg(), bad_name) && strstr(qkeep_errmsg(), "element 1 is NaN"), "%s",
                 qkeep_errmsg());
   ck_assert(same_digest(digest_now(m), d0));
@@ -1132,10 +1151,7 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
    * q/k/v and gate/up per-tensor scales, reads the host copies the checks kept, not the device */
   ck_assert_msg(copies <= layers_with_scales, "%zu device-to-host copies for %zu scale tensors in %zu layers",
                 copies, scales, layers_with_scales);
-  qkeep_model_free(m), qkeep_model_free(cold);
-  sender_close(&sd);
-  qkeep_plugin_close(async);
-  free(w0), free(w1);
+  async_case_close(&c);
 }
 END_TEST
 
@@ -1143,20 +1159,18 @@ END_TEST
  * 1.5's copy_d2d_batch: a MoE layer's expert tensors are thousands of ranges), not one copy each; with a
  * backend that lacks the slot (_i == 1) the core copies range by range, and both give W1's bytes. */
 START_TEST(device_bucket_tensors_land_in_one_batch_per_layer) {
-  qkeep_plugin *async;
-  ck_assert_msg(qkeep_plugin_open("test-async", NULL, &async) == 0, "%s", qkeep_errmsg());
-  char *w0 = checkpoint("modelopt-nvfp4", 0), *w1 = checkpoint("modelopt-nvfp4", 1);
-  struct sender sd = {0};
-  sender_open(&sd, w1, BUCKET_NO_SPLIT);
-  qkeep_model *m = load_chain_rank(w0, &async, 1, 1, 0), *cold = load_chain_rank(w1, &async, 1, 1, 0);
+  struct async_case c;
+  async_case_open(&c);
+  qkeep_model *m = c.m, *cold = c.cold;
+  struct sender *sdp = &c.sd;
   size_t tensors = 0;
-  for (size_t b = 0; b < sd.n_buckets; b++)
-    tensors += sd.count[b];
+  for (size_t b = 0; b < sdp->n_buckets; b++)
+    tensors += sdp->count[b];
   struct device *dev = count_begin(layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts")));
   if (_i == 1)
     counting.copy_d2d_batch = NULL;
   param_model = m;
-  ck_assert_msg(sync_from_device(m, dev, &sd, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(sync_from_device(m, dev, sdp, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
   size_t singles = d2d_into_params, calls = batches, ranges = batch_ranges;
   count_end(dev);
   ck_assert(same_digest(digest_now(m), digest_now(cold)));
@@ -1168,10 +1182,7 @@ START_TEST(device_bucket_tensors_land_in_one_batch_per_layer) {
   } else {
     ck_assert_msg(singles >= tensors / 2 && calls == 0, "%zu single copies, %zu batches", singles, calls);
   }
-  qkeep_model_free(m), qkeep_model_free(cold);
-  sender_close(&sd);
-  qkeep_plugin_close(async);
-  free(w0), free(w1);
+  async_case_close(&c);
 }
 END_TEST
 
