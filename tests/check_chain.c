@@ -379,8 +379,8 @@ START_TEST(a_device_with_async_copies_loads_through_pinned_chunks) {
   ck_assert_str_eq(owner(m, "model.layers.0.mlp.down_proj"), "test-async");
   struct qkeep_memory_stats mem = {.size = sizeof mem};
   ck_assert_int_eq(qkeep_model_memory(m, &mem, true), 0);
-  ck_assert_int_ge(mem.staging_peak, ring);     /* the pinned ring */
-  ck_assert_int_eq(mem.pinned_bytes, ring);     /* kept for the next load */
+  ck_assert_int_ge(mem.staging_peak, ring);              /* the pinned ring */
+  ck_assert_int_eq(mem.pinned_bytes, ring);              /* kept for the next load */
   ck_assert_int_lt(mem.staging_peak, ring + (12 << 20)); /* not the whole 12 MiB tensor as well */
   assert_digest(m, w0);
   forward_check(m, w0, 1e-5);

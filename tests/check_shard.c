@@ -1177,8 +1177,8 @@ START_TEST(device_bucket_tensors_land_in_one_batch_per_layer) {
   if (_i == 0) {
     /* a layer of one tensor (a norm) makes one plain copy, as does normalisation for a merged scale */
     ck_assert_msg(calls <= m->n_layers && singles <= tensors / 8 && ranges + singles >= tensors,
-                  "%zu single copies and %zu batches of %zu ranges for %zu tensors in %zu layers", singles, calls,
-                  ranges, tensors, m->n_layers);
+                  "%zu single copies and %zu batches of %zu ranges for %zu tensors in %zu layers", singles,
+                  calls, ranges, tensors, m->n_layers);
   } else {
     ck_assert_msg(singles >= tensors / 2 && calls == 0, "%zu single copies, %zu batches", singles, calls);
   }

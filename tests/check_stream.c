@@ -171,8 +171,8 @@ static struct stream *open_stream(struct device *dev, struct qkeep_backend *be, 
 /* Whether tensor k of small_items landed (or, not `landed`, is still zero). */
 static void assert_small(const char *dst, size_t k, size_t bytes, size_t stride, bool landed) {
   for (size_t i = 0; i < bytes; i++)
-    ck_assert_msg((unsigned char)dst[k * stride + i] == (landed ? pattern(1000 * k + i) : 0), "tensor %zu byte %zu",
-                  k, i);
+    ck_assert_msg((unsigned char)dst[k * stride + i] == (landed ? pattern(1000 * k + i) : 0),
+                  "tensor %zu byte %zu", k, i);
 }
 
 /* Every piece of a tensor many times the ring's size lands, with or without fences (_i). */

@@ -89,8 +89,8 @@ struct stream {
   enum slot_state slot[MAX_SLOTS];
   uint64_t fence[MAX_SLOTS]; /* a COPYING slot's copies are done once this fence has passed */
   pthread_t readers[MAX_READERS];
-  int n_readers;   /* started at the first load, stopped by stream_free: every reload reuses them */
-  bool active;     /* a load streams through it now (from its first stream_items or read ahead to stream_end) */
+  int n_readers; /* started at the first load, stopped by stream_free: every reload reuses them */
+  bool active;   /* a load streams through it now (from its first stream_items or read ahead to stream_end) */
   pthread_mutex_t mu;
   pthread_cond_t work, done;
   bool quit;
@@ -166,12 +166,12 @@ static void batch_drop(struct stream *s);
 static void trace_log(struct stream *s) {
   struct stream_trace *t = &s->trace;
   if (t->on && t->pieces)
-    log_msg(
-        QKEEP_LOG_DEBUG,
-        "qkeep stream: %zu pieces in %zu copies, %.1f MB; waited %.2f ms for reads, %.2f ms for slots (%zu fence waits, "
-        "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)",
-        t->pieces, t->copies, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits, t->syncs,
-        t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
+    log_msg(QKEEP_LOG_DEBUG,
+            "qkeep stream: %zu pieces in %zu copies, %.1f MB; waited %.2f ms for reads, %.2f ms for slots "
+            "(%zu fence waits, "
+            "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)",
+            t->pieces, t->copies, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits,
+            t->syncs, t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
   *t = (struct stream_trace){0};
 }
 

@@ -274,8 +274,8 @@ static int load_device_batch(qkeep_layer *layer, const struct provider *pv) {
     char *dst = (char *)src->param->view.storage->data + src->dst_offset;
     for (size_t r = 0; r < src->rows; r++)
       if (src->row_bytes)
-        ranges[n++] = (struct qkeep_copy_range){dst + r * src->dst_stride, from + r * src->row_bytes,
-                                                src->row_bytes};
+        ranges[n++] =
+            (struct qkeep_copy_range){dst + r * src->dst_stride, from + r * src->row_bytes, src->row_bytes};
     src->loaded = true;
     const void *host_copy = src->rows == 1 && pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
     unsigned char *mirror = host_copy ? source_mirror(src) : NULL;

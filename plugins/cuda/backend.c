@@ -291,7 +291,8 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
   cudaError_t err = cudaSuccess;
   const char *what = "waiting for the last copy table";
   pthread_mutex_lock(&c->copy_mu);
-  if (!c->copy_event && (err = cudaEventCreateWithFlags(&c->copy_event, cudaEventDisableTiming)) != cudaSuccess)
+  if (!c->copy_event &&
+      (err = cudaEventCreateWithFlags(&c->copy_event, cudaEventDisableTiming)) != cudaSuccess)
     what = "cudaEventCreate (copy table)", c->copy_event = NULL;
   else if (c->copy_event_set)
     err = cudaEventSynchronize(c->copy_event);
@@ -314,9 +315,9 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
     for (size_t i = 0; i < n; i++)
       for (size_t at = 0; at < ranges[i].bytes; at += NVFP4_COPY_CHUNK) {
         size_t left = ranges[i].bytes - at;
-        c->copy_host[k++] = (struct nvfp4_copy_chunk){
-            (char *)ranges[i].dst + at, (const char *)ranges[i].src + at,
-            left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
+        c->copy_host[k++] =
+            (struct nvfp4_copy_chunk){(char *)ranges[i].dst + at, (const char *)ranges[i].src + at,
+                                      left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
       }
     what = "cudaMemcpyAsync (copy table)";
     err = cudaMemcpyAsync(c->copy_dev, c->copy_host, bytes, cudaMemcpyHostToDevice, 0);
@@ -761,8 +762,8 @@ static int moe_matrix(const struct cuda_backend *c, const struct qkeep_apply_arg
 }
 
 /* The workspace one apply takes (the same arithmetic as the launchers' plans). */
-static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer, const struct qkeep_apply_args *a,
-                          size_t *bytes) {
+static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
+                          const struct qkeep_apply_args *a, size_t *bytes) {
   struct cuda_backend *c = backend_of(be);
   const struct layer_state *st = c->host->get_state(layer);
   *bytes = 0;
@@ -800,7 +801,8 @@ static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer, co
 
 /* An mxfp4 layer's apply: the linear matrix, one expert, or routed MoE. */
 static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *st,
-                       const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws, void *stream) {
+                       const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws,
+                       void *stream) {
   if (!st->mx.moe)
     return mxfp4_gemm_run(&st->mx.w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
                           c->tuning.split_k, ws, stream);
@@ -820,7 +822,8 @@ static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *s
 
 /* An NVFP4 layer's apply: the linear matrix, one expert, or routed MoE. */
 static int apply_nvfp4(const struct cuda_backend *c, const struct layer_state *st,
-                       const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws, void *stream) {
+                       const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws,
+                       void *stream) {
   if (!st->moe)
     return nvfp4_gemm_run(&st->nvfp4[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
                           &c->tuning, ws, stream);
@@ -866,7 +869,8 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
     err = dense_gemm_run(st->w, st->w_dtype, st->bias, st->bias_dtype, st->n, st->k, args->m, args->x,
                          args->x_dtype, args->y, args->y_dtype, stream);
   else
-    err = st->mxfp4 ? apply_mxfp4(c, st, args, routed, ws, stream) : apply_nvfp4(c, st, args, routed, ws, stream);
+    err = st->mxfp4 ? apply_mxfp4(c, st, args, routed, ws, stream)
+                    : apply_nvfp4(c, st, args, routed, ws, stream);
   if (err < 0)
     return err; /* a QKEEP_E_* code, detail set */
   if (err == cudaErrorInvalidValue)
@@ -875,8 +879,9 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
         "cuda-nvfp4: apply: unsupported arguments (x and y must be F32, F16 or BF16 and x "
         "16-byte aligned; routed MoE needs topk_ids, W2 also topk_weights, at most 2048 experts)");
   if (err == cudaErrorMemoryAllocation && ws)
-    return host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: apply: the workspace (%zu bytes) is smaller than the "
-                                          "workspace slot asks for these arguments",
+    return host->set_error(QKEEP_E_INVAL,
+                           "cuda-nvfp4: apply: the workspace (%zu bytes) is smaller than the "
+                           "workspace slot asks for these arguments",
                            scratch.bytes);
   return err ? cuda_error(c, (cudaError_t)err, "apply") : 0;
 }

@@ -1580,7 +1580,8 @@ __global__ void swizzle_scales_kernel(const uint8_t *src, uint8_t *dst, long lon
   }
 }
 
-/* alpha[e] = the merged global scale, or for compressed-tensors the inverse of its encode factor (0 stays 0). */
+/* alpha[e] = the merged global scale, or for compressed-tensors the inverse of its encode factor (0 stays 0).
+ */
 __global__ void alpha_kernel(const float *scale, float *alpha, long long experts, int invert) {
   for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < experts;
        e += (long long)gridDim.x * blockDim.x) {
@@ -1764,8 +1765,8 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   size_t rows_bytes = combine ? sizeof(float) * (size_t)pairs * (size_t)wt->n : 0;
   char *scratch = nullptr;
   bool owned;
-  cudaError_t err =
-      take_scratch(ws, tiles_bytes + sorted_bytes + rows_bytes, st, reinterpret_cast<void **>(&scratch), &owned);
+  cudaError_t err = take_scratch(ws, tiles_bytes + sorted_bytes + rows_bytes, st,
+                                 reinterpret_cast<void **>(&scratch), &owned);
   if (err != cudaSuccess)
     return err;
   int4 *tiles = reinterpret_cast<int4 *>(scratch);

@@ -226,7 +226,7 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
  * adds, per 32-bit lane, the four products of the u8 code bytes and the s8 activation bytes.
  */
 #define DA8W4_TILE(NAME, ATTR, DOT)                                                                          \
-  ATTR ALWAYS_INLINE void NAME(const struct zt_gemm *g, int64_t m, int mr, int64_t b, bool full) {          \
+  ATTR ALWAYS_INLINE void NAME(const struct zt_gemm *g, int64_t m, int mr, int64_t b, bool full) {           \
     int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;              \
     const int32_t *codes = g->codes + col0 * (g->k / 8);                                                     \
     int64_t words = g->k / 8 / g->groups;                                                                    \
@@ -297,7 +297,7 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
         float *y = g->y + (m + r) * g->n + col0 + 16 * v;                                                    \
         __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                  \
         __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                                 \
-        __m512 prev = grp ? LOAD_F32(full, mask[v], y) : _mm512_setzero_ps();                               \
+        __m512 prev = grp ? LOAD_F32(full, mask[v], y) : _mm512_setzero_ps();                                \
         __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, prev);                                        \
         if (last)                                                                                            \
           acc = _mm512_mul_ps(acc, _mm512_set1_ps(g->xscale[m + r]));                                        \
