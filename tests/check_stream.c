@@ -152,6 +152,7 @@ static struct stream_item *small_items(size_t n, size_t bytes, char *dst, size_t
   for (size_t k = 0; k < n; k++) {
     snprintf(names[k], sizeof names[k], "%c%zu", prefix, k);
     it[k] = item(bytes, dst + k * stride);
+    it[k].alloc = dst; /* one allocation */
     it[k].t.name = names[k];
   }
   return it;
@@ -302,6 +303,14 @@ START_TEST(small_tensors_share_a_slot_and_adjacent_ones_one_copy) {
   for (size_t k = 0; k < experts; k++)
     assert_small(stacked, k, expert, expert, true);
   ck_assert_uint_eq(h2d_calls, experts * expert / 4096);
+  /* the same bytes in memory of unknown (or different) allocations: a copy each (on CUDA a copy that
+   * spans two allocations fails, even side by side) */
+  for (size_t k = 0; k < experts; k++)
+    it[k].alloc = k % 2 ? NULL : stacked;
+  h2d_calls = 0;
+  ck_assert_msg(stream_items(s, &prov, it, experts) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  ck_assert_uint_eq(h2d_calls, experts);
   stream_free(s);
   free(it);
   free(dst);

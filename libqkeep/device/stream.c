@@ -52,6 +52,7 @@ struct piece {
   size_t group;                 /* the group whose slot holds it */
   size_t off;                   /* where its bytes start in that slot */
   char *dst;                    /* device memory for byte `at` (set when it is copied) */
+  const void *alloc;            /* its item's allocation (set when it is copied) */
   unsigned char *mirror;        /* host memory for byte `at`, or NULL */
   /* its item's check and its context (stream_item) */
   int (*check)(const void *check_ctx, const struct provided *t, size_t at, const void *bytes, size_t n);
@@ -494,9 +495,11 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
   return 0;
 }
 
-/* Whether piece q's bytes follow piece p's in the slot and on the device: one copy takes both. */
+/* Whether piece q's bytes follow piece p's in the slot and on the device, in one allocation: one copy
+ * takes both. */
 static bool follows(const struct piece *p, const struct piece *q) {
-  return q->group == p->group && q->off == p->off + p->n && q->dst == p->dst + p->n;
+  return q->group == p->group && q->off == p->off + p->n && q->dst == p->dst + p->n &&
+         (q->item == p->item || (p->alloc && q->alloc == p->alloc));
 }
 
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
@@ -513,6 +516,7 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
   for (size_t k = 0; k < s->n_pieces; k++) {
     struct piece *p = &s->pieces[k];
     p->dst = items[p->item].dst + p->at;
+    p->alloc = items[p->item].alloc;
     p->mirror = items[p->item].mirror ? items[p->item].mirror + p->at : NULL;
   }
   /* Pieces [run, copied) are read and wait for one copy, started when the next one does not follow;

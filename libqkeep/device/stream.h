@@ -18,6 +18,10 @@ struct stream_item {
   struct provided t;
   const unsigned char *on_host; /* NULL: read from the provider's file (read_range) */
   char *dst;                    /* its device memory */
+  /* The device allocation dst lies in (its param's storage), or NULL: one copy may take pieces of two
+   * items only when both name the same allocation (a copy may not span two: CUDA refuses it even when
+   * they happen to lie side by side). Like dst, not needed to read ahead. */
+  const void *alloc;
   unsigned char *mirror;        /* NULL, or host memory that gets a copy of the bytes too */
   /* (optional) Checks a piece of the tensor in host memory before it is copied: its n bytes from byte `at`
    * (whole elements of t's dtype), with check_ctx. Called by a reader thread; 0, or an error (its message

@@ -204,10 +204,11 @@ static int streamed_sources(qkeep_layer *layer, const struct provider *pv, const
     it->on_host = pv->host_bytes ? pv->host_bytes(pv, &it->t) : NULL;
     if (!it->on_host && !pv->read_range)
       continue;
-    it->dst = NULL, it->mirror = NULL;
+    it->dst = NULL, it->mirror = NULL, it->alloc = NULL;
     it->check = scale_to_check(st, src) ? check_piece : NULL, it->check_ctx = src->param;
     if (place) {
       it->dst = (char *)src->param->view.storage->data + src->dst_offset;
+      it->alloc = src->param->view.storage->data;
       it->mirror = source_mirror(src);
     }
     which[n++] = i;

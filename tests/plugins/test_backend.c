@@ -28,6 +28,9 @@
  * shows up as a leak under valgrind and ASan.
  */
 #include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/mman.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -206,15 +209,100 @@ static struct test_backend *async_of(const struct qkeep_backend *be) {
 /* Completes every queued copy. */
 static void async_flush(const struct qkeep_backend *be) { aq_flush(&async_of(be)->queue); }
 
+/* The live allocations of the device (every instance's), so that a copy that spans two of them, which a
+ * GPU refuses even when they lie side by side, stops the test (abort) as it fails there. */
+static pthread_mutex_t allocs_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct alloc_range {
+  const char *at;
+  size_t bytes;
+} *allocs;
+static size_t n_allocs, cap_allocs;
+
+/* Whether [dst, dst + n) lies inside one live allocation. */
+static bool in_one_alloc(const void *dst, size_t n) {
+  const char *d = dst;
+  bool ok = false;
+  pthread_mutex_lock(&allocs_mu);
+  for (size_t i = 0; i < n_allocs && !ok; i++)
+    ok = d >= allocs[i].at && n <= allocs[i].bytes && (size_t)(d - allocs[i].at) <= allocs[i].bytes - n;
+  pthread_mutex_unlock(&allocs_mu);
+  return ok;
+}
+
+/* Device memory comes from one arena, first fit, each allocation 256-byte aligned (as cudaMalloc's
+ * are) right after the live one before it, so that two allocations often lie side by side, as they
+ * do on a GPU; a freed allocation's pages go back to the system. allocs is kept in address order. */
+#define ARENA_BYTES ((size_t)4 << 30)
+static char *arena;
+
+/* Where a new allocation of `bytes` goes (its index in allocs and its offset), or false when none fits. */
+static bool arena_fit(size_t bytes, size_t *index, size_t *offset) {
+  if (!arena) {
+    void *p = mmap(NULL, ARENA_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      return false;
+    arena = p;
+  }
+  size_t end = 0; /* of the live allocation before the gap looked at */
+  for (size_t i = 0; i <= n_allocs; i++) {
+    size_t at = (end + 255) & ~(size_t)255, limit = i < n_allocs ? (size_t)(allocs[i].at - arena) : ARENA_BYTES;
+    if (at <= limit && bytes <= limit - at) {
+      *index = i, *offset = at;
+      return true;
+    }
+    if (i < n_allocs)
+      end = (size_t)(allocs[i].at - arena) + allocs[i].bytes;
+  }
+  return false;
+}
+
 /* Every op below runs after the queued copies, as on one stream. */
 static int async_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   async_flush(be);
-  *out = calloc(1, bytes ? bytes : 1);
-  return *out ? 0 : QKEEP_E_NOMEM;
+  bytes = bytes ? bytes : 1;
+  size_t index, offset;
+  pthread_mutex_lock(&allocs_mu);
+  if (n_allocs == cap_allocs) {
+    size_t want = cap_allocs ? 2 * cap_allocs : 64;
+    struct alloc_range *more = realloc(allocs, want * sizeof *more);
+    if (!more) {
+      pthread_mutex_unlock(&allocs_mu);
+      return QKEEP_E_NOMEM;
+    }
+    allocs = more, cap_allocs = want;
+  }
+  if (!arena_fit(bytes, &index, &offset)) {
+    pthread_mutex_unlock(&allocs_mu);
+    return QKEEP_E_NOMEM;
+  }
+  memmove(&allocs[index + 1], &allocs[index], (n_allocs - index) * sizeof *allocs);
+  allocs[index] = (struct alloc_range){arena + offset, bytes};
+  n_allocs++;
+  pthread_mutex_unlock(&allocs_mu);
+  *out = arena + offset; /* zero: never used, or its pages given back and its edges cleared when freed */
+  return 0;
 }
 static void async_free(const struct qkeep_backend *be, void *ptr) {
   async_flush(be);
-  free(ptr);
+  pthread_mutex_lock(&allocs_mu);
+  for (size_t i = 0; i < n_allocs; i++)
+    if (allocs[i].at == ptr) {
+      uintptr_t start = (uintptr_t)ptr, stop = start + allocs[i].bytes;
+      uintptr_t lo = (start + 4095) & ~(uintptr_t)4095, hi = stop & ~(uintptr_t)4095;
+      if (hi > lo) { /* whole pages back to the system (zero when touched again); the edges cleared */
+        memset(ptr, 0, lo - start);
+        memset((void *)hi, 0, stop - hi);
+        (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+      } else {
+        memset(ptr, 0, allocs[i].bytes);
+      }
+      memmove(&allocs[i], &allocs[i + 1], (n_allocs - i - 1) * sizeof *allocs);
+      n_allocs--;
+      break;
+    }
+  if (!n_allocs)
+    free(allocs), allocs = NULL, cap_allocs = 0;
+  pthread_mutex_unlock(&allocs_mu);
 }
 static int async_copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
   async_flush(be);
@@ -258,6 +346,8 @@ static void async_host_free(const struct qkeep_backend *be, void *ptr) {
   free(base);
 }
 static int async_h2d(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  if (!in_one_alloc(dst, n))
+    abort(); /* a copy across two allocations: a GPU refuses it */
   return aq_push(&async_of(be)->queue, dst, src, n) ? 0 : QKEEP_E_NOMEM;
 }
 
