@@ -255,17 +255,25 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
   free(which);
 }
 
-/* The layer's tensors made on load (online quantization): per unit, made on the host from the unquantized
- * sources, then landed as any checkpoint tensor is; the unit's sources count as loaded. */
+/* The layer's tensors made on load (online quantization): per unit, made on the layer's device when its
+ * owner takes the unit (load/online_device.c), else on the host from the unquantized sources, then landed
+ * as any checkpoint tensor is (but those the device wrote in place); the unit's sources count as loaded. */
 static int load_made(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   int rc = 0;
   for (size_t first = 0, end; first < layer->n_derived && !rc; first = end) {
     end = online_unit_end(layer, first);
     struct online_unit u;
-    if ((rc = online_unit_make(layer, pv, first, end, &u)))
+    bool *written = NULL;
+    if ((rc = online_unit_device(layer, pv, first, end, st, &u, &written)))
+      break;
+    if (!written && (rc = online_unit_make(layer, pv, first, end, &u)))
       break;
     for (size_t d = first; d < end && !rc; d++)
-      rc = load_source(layer, &u.made, &layer->derived[d].src, st);
+      if (written && written[d - first])
+        layer->derived[d].src.loaded = true; /* not mirrored: its param's mirror, if any, is not valid */
+      else
+        rc = load_source(layer, &u.made, &layer->derived[d].src, st);
+    free(written);
     const struct derived *d0 = &layer->derived[first];
     int members = d0->unit == SIZE_MAX ? 0 : quant_plan_members(layer->model->online.plan, d0->unit);
     for (int m = 0; m < members && !rc; m++)

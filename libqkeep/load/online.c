@@ -14,9 +14,11 @@
  *            no storage). Tensors copied unchanged stay sources as they were.
  *   load     per layer, unit by unit (a weight, or an NVFP4 fusion group sharing a global scale):
  *            the members' unquantized bytes are read from the provider (a checkpoint, buffers or a
- *            sync's bucket), quantized on the host (quant_plan_run: the seam where a device kernel
- *            may take a unit), and each made tensor lands through the ordinary load_source, as
- *            the tensor of a checkpoint would. Memory: one unit's input and output bytes.
+ *            sync's bucket), quantized on the host (quant_plan_run), and each made tensor lands
+ *            through the ordinary load_source, as the tensor of a checkpoint would. Memory: one
+ *            unit's input and output bytes. Where the layer's owner quantizes on its device
+ *            (the backend's quantize slot, ABI 1.5; load/online_device.c), the bytes go there
+ *            instead and only what follows from the amax (online_unit_finish) is made here.
  *
  * Cold start, reload, rollback and sync all load layers through load_layer_sources, so each of them
  * quantizes the same way.
@@ -262,9 +264,8 @@ static const char *uo_name_at(const struct provider *p, size_t i) {
 
 /* A source's bytes in host memory: the provider's own, else a copy in *held (the caller frees it). The
  * tensor must be there as the source expects (the caller's validation, or this check). */
-static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
-                         struct provided *t, const void **bytes, void **held) {
-  *bytes = NULL, *held = NULL;
+int online_member_tensor(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t) {
   if (!pv->find(pv, src->checkpoint_name, t))
     return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
                      src->checkpoint_name, layer->name);
@@ -273,12 +274,21 @@ static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, co
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s, the model expects %s [%lld, %lld] (layer %s)",
                      t->where, t->name, t->dtype_name, qkeep_dtype_name(src->spec.dtype),
                      (long long)src->spec.shape[0], (long long)src->spec.shape[1], layer->name);
+  return 0;
+}
+
+static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t, const void **bytes, void **held) {
+  *bytes = NULL, *held = NULL;
+  int rc = online_member_tensor(layer, pv, src, t);
+  if (rc)
+    return rc;
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
   if (!on_device && pv->host_bytes && (*bytes = pv->host_bytes(pv, t)) != NULL)
     return 0;
   if (!(*held = malloc(t->nbytes ? t->nbytes : 1)))
     return set_error(QKEEP_E_NOMEM, "out of memory reading '%s' (%zu bytes)", t->name, t->nbytes);
-  int rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
+  rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
   *bytes = *held;
   return rc;
 }
@@ -288,6 +298,26 @@ size_t online_unit_end(const qkeep_layer *layer, size_t first) {
   while (end < layer->n_derived && layer->derived[end].unit == layer->derived[first].unit)
     end++;
   return end;
+}
+
+/* The unit's outputs as its provider (u->made), once its bytes are made (rc 0); else u is freed and rc
+ * returned. */
+static int unit_outputs(const qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
+                        struct online_unit *u, int rc) {
+  const struct quant_plan *plan = layer->model->online.plan;
+  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t d = first; d < end && !rc; d++)
+    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
+  u->n = rc ? 0 : end - first;
+  u->where = pv->what;
+  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
+                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
+  if (rc) {
+    online_unit_free(u);
+    return rc;
+  }
+  return 0;
 }
 
 int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
@@ -314,19 +344,30 @@ int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first
   }
   if (!rc && members)
     rc = quant_plan_run(plan, unit, src, (void *const(*)[4])u->dst);
-  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
-    rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t d = first; d < end && !rc; d++)
-    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
-  u->n = rc ? 0 : end - first;
-  u->where = pv->what;
-  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
-                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
-  if (rc) {
-    online_unit_free(u);
-    return rc;
+  return unit_outputs(layer, pv, first, end, u, rc);
+}
+
+int online_unit_finish(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end, float amax,
+                       struct online_unit *u) {
+  const struct quant_plan *plan = layer->model->online.plan;
+  size_t unit = layer->derived[first].unit;
+  assert(unit != SIZE_MAX && quant_plan_device_scheme(plan));
+  int rc = 0;
+  *u = (struct online_unit){0};
+  for (int m = 0; m < quant_plan_members(plan, unit) && !rc; m++) {
+    struct quant_member qm;
+    quant_plan_member(plan, unit, m, &qm);
+    for (int s = 2; s < qm.n_out && !rc; s++) { /* past the codes and block scales the device wrote */
+      struct quant_output o;
+      quant_plan_output(plan, qm.out[s], &o);
+      if (!o.constant && !(u->dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
+        rc = set_error(QKEEP_E_NOMEM, "out of memory quantizing '%s'", qm.input);
+      u->bytes += o.constant ? 0 : (int64_t)o.nbytes;
+    }
   }
-  return 0;
+  if (!rc)
+    rc = quant_plan_finish(plan, unit, amax, (void *const(*)[4])u->dst);
+  return unit_outputs(layer, pv, first, end, u, rc);
 }
 
 void online_unit_free(struct online_unit *u) {

@@ -25,12 +25,22 @@ struct online_unit {
   void *held[3];   /* the members' unquantized bytes, when the provider had no host copy */
   int64_t bytes;   /* host bytes it holds */
 };
+/* The provider's tensor of an unquantized source (a unit's member), checked against it (found, dtype, 2-D
+ * shape, bytes): QKEEP_E_NOTFOUND or QKEEP_E_FORMAT naming the tensor and the layer. */
+int online_member_tensor(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t);
 /* The end of the run of derived sources that starts at `first` (one unit: one quantization). */
 size_t online_unit_end(const qkeep_layer *layer, size_t first);
 /* Reads the unit's unquantized members from pv (their dtype and shape checked), quantizes them on the
  * host (quant_plan_run) into u; the layer's derived sources [first, end) then land from u->made. */
 int online_unit_make(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
                      struct online_unit *u);
+/* The rest of a unit whose codes and block scales the layer's owner wrote on its device (its quantize
+ * slot): the outputs that follow from the members' amax (quant_plan_finish) are made in u, and the
+ * constants served; the device-written ones are in u->made too, but must not be landed from it (their
+ * dst is NULL). */
+int online_unit_finish(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end, float amax,
+                       struct online_unit *u);
 void online_unit_free(struct online_unit *u);
 /* Checks an unquantized source's values in pv (every one finite) before anything changes: QKEEP_E_FORMAT
  * naming the tensor, element, row, column and layer. */
