@@ -188,8 +188,10 @@ int online_unit_device(qkeep_layer *layer, const struct provider *pv, size_t fir
     online_unit_free(u);
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   }
-  if (*written)
+  if (*written) {
     memcpy(*written, du->written, (end - first) * sizeof **written);
+    layer->model->online.device_units++;
+  }
   free(du);
   return rc; /* done == 1 after staging: declined late, the host path reads the bytes again */
 }
