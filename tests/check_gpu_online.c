@@ -91,11 +91,11 @@ static uint32_t exact_bits(enum qkeep_dtype dtype, float v) {
 }
 
 enum kind {
-  MIXED,  /* blocks of: random exponents near 1, zeros, subnormals, the dtype's whole exponent range */
-  TIES,   /* every value on an e2m1 rounding bound once divided by its block's decode factor */
-  ZERO,   /* all zeros (amax 0) */
-  TINY,   /* nonzero, all below 2688 * FLT_MIN: NVFP4 refuses, MXFP4 takes it */
-  BAD,    /* MIXED with one NaN or Inf */
+  MIXED, /* blocks of: random exponents near 1, zeros, subnormals, the dtype's whole exponent range */
+  TIES,  /* every value on an e2m1 rounding bound once divided by its block's decode factor */
+  ZERO,  /* all zeros (amax 0) */
+  TINY,  /* nonzero, all below 2688 * FLT_MIN: NVFP4 refuses, MXFP4 takes it */
+  BAD,   /* MIXED with one NaN or Inf */
 };
 
 /* The ties: exact bounds (and the values between) of e2m1 in units of the decode factor. */
@@ -135,10 +135,11 @@ static void fill(void *data, enum qkeep_dtype dtype, int64_t n, int64_t k, enum 
       default:
         switch (which) {
         case 0: bits = bits_of(dtype, sign, (uint32_t)(bias - 6 + (int)(tu_rand(&s) % 12)), man); break;
-        case 1: bits = bits_of(dtype, sign, 0, j % 3 ? 0 : man); break;         /* zeros, some subnormal */
-        case 2: bits = bits_of(dtype, sign, 0, man | 1); break;                 /* subnormals */
+        case 1: bits = bits_of(dtype, sign, 0, j % 3 ? 0 : man); break; /* zeros, some subnormal */
+        case 2: bits = bits_of(dtype, sign, 0, man | 1); break;         /* subnormals */
         case 3: bits = bits_of(dtype, sign, (uint32_t)(1 + tu_rand(&s) % (uint64_t)emax), man); break;
-        default: bits = bits_of(dtype, sign, (uint32_t)(bias + (int)(tu_rand(&s) % 3)), man & ~1u); /* near 1 */
+        default:
+          bits = bits_of(dtype, sign, (uint32_t)(bias + (int)(tu_rand(&s) % 3)), man & ~1u); /* near 1 */
         }
       }
       put(data, dtype, i, bits);
@@ -210,8 +211,8 @@ static char *write_random(const char *dir, uint64_t seed) {
 /* ---- the kernels against quant_plan_run ---- */
 
 /* One unit on both sides: the host's outputs (quant_plan_run) and the slot's, compared. */
-static void compare_unit(const struct quant_plan *plan, size_t unit, const struct ckpt *ck, const char *scheme,
-                         int *refusals) {
+static void compare_unit(const struct quant_plan *plan, size_t unit, const struct ckpt *ck,
+                         const char *scheme, int *refusals) {
   int members = quant_plan_members(plan, unit);
   struct quant_member qm[3];
   void *src[3], *host[3][4] = {{0}}, *dsrc[3], *dout[3][2];
@@ -237,8 +238,8 @@ static void compare_unit(const struct quant_plan *plan, size_t unit, const struc
       dout[m][s] = dev_alloc_copy(pattern, out_bytes[m][s]);
       free(pattern);
     }
-    qmem[m] = (struct qkeep_quant_member){sizeof qmem[m], qm[m].input, qm[m].dtype, qm[m].n, qm[m].k,
-                                          dsrc[m], dout[m][0], dout[m][1]};
+    qmem[m] = (struct qkeep_quant_member){sizeof qmem[m], qm[m].input, qm[m].dtype, qm[m].n,
+                                          qm[m].k,        dsrc[m],     dout[m][0],  dout[m][1]};
   }
   int host_rc = quant_plan_run(plan, unit, (const void *const *)src, (void *const(*)[4])host);
   char host_msg[512];
@@ -256,7 +257,8 @@ static void compare_unit(const struct quant_plan *plan, size_t unit, const struc
                     "%s: the slot names member %d element %lld, the host: %s", scheme, u.bad_member,
                     (long long)u.bad_element, host_msg);
     } else {
-      ck_assert_msg(strstr(host_msg, "amax"), "%s: the slot refused for the amax, the host: %s", scheme, host_msg);
+      ck_assert_msg(strstr(host_msg, "amax"), "%s: the slot refused for the amax, the host: %s", scheme,
+                    host_msg);
     }
     for (int m = 0; m < members; m++)
       for (int s = 0; s < 2; s++) {
@@ -278,11 +280,11 @@ static void compare_unit(const struct quant_plan *plan, size_t unit, const struc
         unsigned char *got = malloc(out_bytes[m][s]);
         to_host(got, dout[m][s], out_bytes[m][s]);
         size_t i = first_difference(got, host[m][s], out_bytes[m][s]);
-        ck_assert_msg(i == out_bytes[m][s],
-                      "%s: '%s' %s: byte %zu (row %lld) is 0x%02x on the GPU, 0x%02x on the host", scheme,
-                      qm[m].input, s ? "block scales" : "codes", i,
-                      (long long)(i / (size_t)(out_bytes[m][s] / (size_t)qm[m].n)),
-                      i < out_bytes[m][s] ? got[i] : 0, i < out_bytes[m][s] ? ((unsigned char *)host[m][s])[i] : 0);
+        ck_assert_msg(
+            i == out_bytes[m][s], "%s: '%s' %s: byte %zu (row %lld) is 0x%02x on the GPU, 0x%02x on the host",
+            scheme, qm[m].input, s ? "block scales" : "codes", i,
+            (long long)(i / (size_t)(out_bytes[m][s] / (size_t)qm[m].n)), i < out_bytes[m][s] ? got[i] : 0,
+            i < out_bytes[m][s] ? ((unsigned char *)host[m][s])[i] : 0);
         free(got);
       }
       global[m][2] = malloc(4);
@@ -290,8 +292,9 @@ static void compare_unit(const struct quant_plan *plan, size_t unit, const struc
     /* the global scales the core derives from the slot's amax */
     ck_assert_int_eq(quant_plan_finish(plan, unit, u.amax, (void *const(*)[4])global), 0);
     for (int m = 0; m < members && strcmp(scheme, "mxfp4") != 0; m++)
-      ck_assert_msg(memcmp(global[m][2], host[m][2], 4) == 0, "%s: '%s': global scale %a from the GPU's amax, %a on the host",
-                    scheme, qm[m].input, (double)*(float *)global[m][2], (double)*(float *)host[m][2]);
+      ck_assert_msg(memcmp(global[m][2], host[m][2], 4) == 0,
+                    "%s: '%s': global scale %a from the GPU's amax, %a on the host", scheme, qm[m].input,
+                    (double)*(float *)global[m][2], (double)*(float *)host[m][2]);
     for (int m = 0; m < members; m++)
       free(global[m][2]);
   }
@@ -319,7 +322,8 @@ START_TEST(random_weights_quantize_on_the_gpu_as_on_the_host_bit_for_bit) {
       for (size_t unit = 0; unit < quant_plan_units(plan); unit++)
         compare_unit(plan, unit, ck, fp4[s], &refusals);
       /* NVFP4: the NaN group and the two tiny-amax weights; MXFP4: its k and v (each a unit) */
-      ck_assert_msg(refusals == (strcmp(fp4[s], "mxfp4") == 0 ? 2 : 3), "%s: %d units refused", fp4[s], refusals);
+      ck_assert_msg(refusals == (strcmp(fp4[s], "mxfp4") == 0 ? 2 : 3), "%s: %d units refused", fp4[s],
+                    refusals);
       quant_plan_free(plan);
     }
     ckpt_close(ck);
@@ -367,18 +371,19 @@ static int compare_name(void *user, const char *name, bool is_buffer, const stru
   (void)is_buffer;
   struct compare_ctx *c = user;
   struct qkeep_view w = {.size = sizeof w};
-  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s: %s.%s missing in the twin", c->what, c->layer, name);
-  ck_assert_msg(v->nbytes == w.nbytes && v->spec.dtype == w.spec.dtype, "%s: %s.%s: %zu bytes of %s, the twin %zu of %s",
-                c->what, c->layer, name, v->nbytes, qkeep_dtype_name(v->spec.dtype), w.nbytes,
-                qkeep_dtype_name(w.spec.dtype));
+  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s: %s.%s missing in the twin", c->what, c->layer,
+                name);
+  ck_assert_msg(v->nbytes == w.nbytes && v->spec.dtype == w.spec.dtype,
+                "%s: %s.%s: %zu bytes of %s, the twin %zu of %s", c->what, c->layer, name, v->nbytes,
+                qkeep_dtype_name(v->spec.dtype), w.nbytes, qkeep_dtype_name(w.spec.dtype));
   if (!v->nbytes)
     return 0;
   unsigned char *a = malloc(v->nbytes), *b = malloc(v->nbytes);
   to_host(a, v->data, v->nbytes);
   to_host(b, w.data, v->nbytes);
   size_t i = first_difference(a, b, v->nbytes);
-  ck_assert_msg(i == v->nbytes, "%s: %s.%s (after PWAL): byte %zu of %zu is 0x%02x, the twin's 0x%02x", c->what,
-                c->layer, name, i, v->nbytes, i < v->nbytes ? a[i] : 0, i < v->nbytes ? b[i] : 0);
+  ck_assert_msg(i == v->nbytes, "%s: %s.%s (after PWAL): byte %zu of %zu is 0x%02x, the twin's 0x%02x",
+                c->what, c->layer, name, i, v->nbytes, i < v->nbytes ? a[i] : 0, i < v->nbytes ? b[i] : 0);
   free(a), free(b);
   return 0;
 }
@@ -400,7 +405,8 @@ static void assert_same(qkeep_model *a, qkeep_model *b, const char *what) {
 /* Every unit of the plan went to the GPU since `before`. */
 static void assert_on_gpu(const qkeep_model *m, int64_t before, const char *what) {
   int64_t units = (int64_t)quant_plan_units(m->online.plan), done = m->online.device_units - before;
-  ck_assert_msg(done == units, "%s: %lld of %lld units quantized on the GPU", what, (long long)done, (long long)units);
+  ck_assert_msg(done == units, "%s: %lld of %lld units quantized on the GPU", what, (long long)done,
+                (long long)units);
 }
 
 START_TEST(an_online_load_on_the_gpu_equals_quantize_then_load) {

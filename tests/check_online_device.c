@@ -32,13 +32,13 @@ enum mode { TAKE, DECLINE, DECLINE_LATE, FAIL };
 
 static struct {
   enum mode mode;
-  int queries, units;      /* queries answered; units quantized */
-  size_t largest_unit;     /* the most bytes one unit's staged sources took (256-aligned, as staged) */
-  size_t largest_buffer;   /* the largest device buffer sources were staged in */
-  void *staging[64];       /* the live buffers sources were staged in (freed ones leave) */
+  int queries, units;    /* queries answered; units quantized */
+  size_t largest_unit;   /* the most bytes one unit's staged sources took (256-aligned, as staged) */
+  size_t largest_buffer; /* the largest device buffer sources were staged in */
+  void *staging[64];     /* the live buffers sources were staged in (freed ones leave) */
   int n_staging;
-  int n_buffers;           /* buffers sources were staged in */
-  int bad_member;          /* the last refusal's */
+  int n_buffers;  /* buffers sources were staged in */
+  int bad_member; /* the last refusal's */
   int64_t bad_element;
 } fk;
 
@@ -134,8 +134,6 @@ static const struct qkeep_memory_ops fake_ops = {
 
 /* ---- the quantize slot: the host quantizer on the staged bytes ---- */
 
-
-
 static void fake_reset(enum mode mode) {
   memset(&fk, 0, sizeof fk);
   fk.mode = mode;
@@ -160,8 +158,8 @@ static void note_staging(const struct qkeep_quant_unit *u) {
   size_t bytes = 0;
   for (int m = 0; m < u->n_members; m++) {
     ck_assert_msg(alloc_of(u->members[m].src) == a, "%s: members staged in two buffers", u->members[m].name);
-    bytes += ((size_t)(u->members[m].n * u->members[m].k) * qkeep_dtype_size(u->members[m].dtype) + 255) / 256 *
-             256;
+    bytes += ((size_t)(u->members[m].n * u->members[m].k) * qkeep_dtype_size(u->members[m].dtype) + 255) /
+             256 * 256;
   }
   fk.largest_unit = bytes > fk.largest_unit ? bytes : fk.largest_unit;
   fk.largest_buffer = allocs[a].bytes > fk.largest_buffer ? allocs[a].bytes : fk.largest_buffer;
@@ -289,15 +287,16 @@ static int compare_name(void *user, const char *name, bool is_buffer, const stru
   (void)is_buffer;
   struct compare_ctx *c = user;
   struct qkeep_view w = {.size = sizeof w};
-  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s: %s.%s missing in the twin", c->what, c->layer, name);
-  ck_assert_msg(v->nbytes == w.nbytes, "%s: %s.%s: %zu bytes, the twin %zu", c->what, c->layer, name, v->nbytes,
-                w.nbytes);
+  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s: %s.%s missing in the twin", c->what, c->layer,
+                name);
+  ck_assert_msg(v->nbytes == w.nbytes, "%s: %s.%s: %zu bytes, the twin %zu", c->what, c->layer, name,
+                v->nbytes, w.nbytes);
   const unsigned char *x = v->data, *y = w.data;
   size_t i = 0;
   while (i < v->nbytes && x[i] == y[i]) /* one assertion below: in a forked test each one is written out */
     i++;
-  ck_assert_msg(i == v->nbytes, "%s: %s.%s: byte %zu is 0x%02x, the twin's 0x%02x", c->what, c->layer, name, i,
-                i < v->nbytes ? x[i] : 0, i < v->nbytes ? y[i] : 0);
+  ck_assert_msg(i == v->nbytes, "%s: %s.%s: byte %zu is 0x%02x, the twin's 0x%02x", c->what, c->layer, name,
+                i, i < v->nbytes ? x[i] : 0, i < v->nbytes ? y[i] : 0);
   return 0;
 }
 
@@ -321,8 +320,9 @@ static void assert_same(qkeep_model *a, qkeep_model *b, const char *what) {
 static void assert_staging_bounded(const char *what) {
   ck_assert_msg(fk.units > 0 && fk.units == fk.queries, "%s: %d units quantized of %d asked", what, fk.units,
                 fk.queries);
-  ck_assert_msg(fk.largest_buffer <= fk.largest_unit, "%s: a staging buffer of %zu bytes, the largest unit %zu",
-                what, fk.largest_buffer, fk.largest_unit);
+  ck_assert_msg(fk.largest_buffer <= fk.largest_unit,
+                "%s: a staging buffer of %zu bytes, the largest unit %zu", what, fk.largest_buffer,
+                fk.largest_unit);
   ck_assert_msg(fk.n_staging == 0, "%s: a staging buffer outlived the load", what);
 }
 
