@@ -333,6 +333,7 @@ START_TEST(fp4_online_loads_on_the_device_equal_quantize_then_load) {
     fake_reset(TAKE);
     qkeep_model *online = load(fake(true), tiny, &o);
     assert_staging_bounded(fp4[s]);
+    ck_assert_int_eq(online->online.device_units, fk.units); /* what the GPU suite counts by */
     qkeep_model *offline = offline_twin(fake(true), tiny, &o);
     assert_same(online, offline, fp4[s]);
     qkeep_model_free(online);
