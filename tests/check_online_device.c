@@ -197,7 +197,7 @@ static int fake_quantize(const struct qkeep_backend *be, qkeep_layer *layer, str
   int rc = 0;
   for (int m = 0; m < u->n_members && !rc; m++) {
     const struct qkeep_quant_member *x = &u->members[m];
-    float a;
+    float a = 0.0f; /* quant_check_rows sets it only for finite rows */
     w[m] = values_of(x);
     if ((rc = quant_check_rows(w[m], 0, x->n, x->k, &a)) != 0) {
       for (int64_t i = 0; i < x->n * x->k; i++)
