@@ -8,7 +8,8 @@
  * reduction gives the host's amax exactly) and the first NaN or Inf (its row-major index, by an
  * atomic minimum). The host side reads both back before anything is written, so a refused unit
  * leaves every output as it was. The quantization then runs one thread per block of 16 (NVFP4) or
- * 32 (MXFP4) values: the block's amax, its scale byte, the codes.
+ * 32 (MXFP4) values: the block's amax, its scale byte, the codes (fp4_quant.h, the arithmetic a CPU
+ * test checks against the host quantizer).
  *
  * Numerics as the host's, step by step: every float operation is an explicit IEEE round-to-nearest
  * intrinsic (__fdiv_rn, __fmul_rn), so neither contraction nor a fast division can change a bit;
@@ -22,13 +23,11 @@
 #include <stdint.h>
 
 #include "cuda_nvfp4.h"
+#include "fp4_quant.h"
 
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kE4m3Max = 448.0f;
-constexpr uint8_t kE4m3One = 0x38;    /* 1.0: ModelOpt's scale of an all-zero tensor's blocks */
-constexpr uint8_t kE4m3Eighth = 0x20; /* 0.125: compressed-tensors' zero-scale fill */
 
 /* ---- loading values ---------------------------------------------------------------------------- */
 
@@ -84,55 +83,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-/* ---- scale bytes and codes, as quantize.c builds them ----------------------------------------------- */
-
-/* 2^e for -127 <= e <= 127 from its bits (2^-127 is the one subnormal). */
-__device__ __forceinline__ float pow2f(int e) {
-  return __uint_as_float(e >= -126 ? static_cast<uint32_t>(e + 127) << 23 : 0x00400000u);
-}
-
-/* e4m3fn byte of a in [0, 448] (quantize.c's e4m3_code for a non-negative, non-NaN value). */
-__device__ __forceinline__ uint8_t e4m3_code(float a) {
-  if (a >= kE4m3Max)
-    return 0x7e;
-  int e = -6;
-  if (a >= 0x1p-6f)
-    e = static_cast<int>(__float_as_uint(a) >> 23) - 127;
-  int units = __float2int_rn(__fmul_rn(a, pow2f(3 - e))); /* exact scaling, then ties to even */
-  return static_cast<uint8_t>((e + 6) * 8 + units);
-}
-
-/* The value of an e4m3fn byte that is not NaN. */
-__device__ __forceinline__ float e4m3_value(uint8_t b) {
-  uint32_t exp = (b >> 3) & 0xfu, man = b & 7u;
-  float v = exp == 0 ? __fmul_rn(static_cast<float>(man), 0x1p-9f)
-                     : __uint_as_float((exp - 7 + 127) << 23 | man << 20);
-  return b & 0x80 ? -v : v;
-}
-
-/* MXFP4's shared scale byte for a block's amax (qk_e8m0_from_amax). */
-__device__ __forceinline__ uint8_t e8m0_from_amax(float amax) {
-  uint32_t bits = __float_as_uint(amax) & 0x7fffffffu;
-  int e;
-  if (bits == 0)
-    e = -126;
-  else if (bits < 0x00800000u)
-    e = -149 + (31 - __clz(bits)); /* floor(log2) of a subnormal */
-  else
-    e = static_cast<int>(bits >> 23) - 127;
-  int shared = e - 2;
-  shared = shared < -127 ? -127 : shared > 127 ? 127 : shared;
-  return static_cast<uint8_t>(shared + 127);
-}
-
-/* e2m1 code of x / divisor (quantize.c's e2m1_pack): the bounds passed, the sign of the quotient. */
-__device__ __forceinline__ uint32_t e2m1_code(float x, float divisor) {
-  float v = __fdiv_rn(x, divisor), a = fabsf(v);
-  uint32_t code =
-      (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return code | (v < 0.0f ? 8u : 0u);
-}
-
 /* Writes n bytes (8 or 16) of codes: one vector store where aligned, else byte by byte. */
 template <int N> __device__ __forceinline__ void store_codes(uint8_t *dst, const uint32_t (&word)[N / 4]) {
   if ((reinterpret_cast<uintptr_t>(dst) & (N - 1)) == 0) {
@@ -158,42 +108,22 @@ struct nvfp4_args {
   bool zero; /* amax 0: codes 0, every block the flavour's zero scale */
 };
 
-/* One thread per 16-block (quantize.c's nvfp4_block). */
+/* One thread per 16-block (fp4q_nvfp4_block). */
 template <int DT> __global__ void __launch_bounds__(kThreads) nvfp4_quant_kernel(nvfp4_args a) {
   int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= a.blocks)
     return;
   uint32_t word[2] = {0, 0};
   if (a.zero) {
-    a.scales[b] = a.ct ? kE4m3Eighth : kE4m3One;
+    a.scales[b] = a.ct ? FP4Q_E4M3_EIGHTH : FP4Q_E4M3_ONE;
     store_codes<8>(a.codes + 8 * b, word);
     return;
   }
-  float x[16], amax_b = 0.0f;
+  float x[16];
 #pragma unroll
-  for (int j = 0; j < 16; j++) {
+  for (int j = 0; j < 16; j++)
     x[j] = value<DT>(a.src, 16 * b + j);
-    amax_b = fmaxf(amax_b, fabsf(x[j]));
-  }
-  float s_b;
-  if (a.ct) {
-    s_b = __fmul_rn(__fdiv_rn(amax_b, 6.0f), a.global);
-  } else {
-    s_b = __fdiv_rn(amax_b, __fmul_rn(6.0f, a.ws2));
-    if (s_b == 0.0f)
-      s_b = 1.0f;
-  }
-  uint8_t sc = e4m3_code(s_b < kE4m3Max ? s_b : kE4m3Max);
-  bool zero_scale = sc == 0;
-  if (zero_scale && a.ct)
-    sc = kE4m3Eighth;
-  a.scales[b] = sc;
-  if (!zero_scale) {
-    float divisor = a.ct ? __fdiv_rn(e4m3_value(sc), a.global) : __fmul_rn(e4m3_value(sc), a.ws2);
-#pragma unroll
-    for (int j = 0; j < 16; j++)
-      word[j / 8] |= e2m1_code(x[j], divisor) << (4 * (j % 8));
-  }
+  a.scales[b] = fp4q_nvfp4_block(x, a.ct, a.ws2, a.global, word);
   store_codes<8>(a.codes + 8 * b, word);
 }
 
@@ -203,24 +133,17 @@ struct mxfp4_args {
   uint8_t *codes, *scales;
 };
 
-/* One thread per 32-block (quantize.c's quant_mxfp4_rows). */
+/* One thread per 32-block (fp4q_mxfp4_block). */
 template <int DT> __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel(mxfp4_args a) {
   int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= a.blocks)
     return;
-  float x[32], amax_b = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 32; j++) {
-    x[j] = value<DT>(a.src, 32 * b + j);
-    amax_b = fmaxf(amax_b, fabsf(x[j]));
-  }
-  uint8_t byte = e8m0_from_amax(amax_b);
-  a.scales[b] = byte;
-  float shared = pow2f(static_cast<int>(byte) - 127);
-  uint32_t word[4] = {0, 0, 0, 0};
+  float x[32];
 #pragma unroll
   for (int j = 0; j < 32; j++)
-    word[j / 8] |= e2m1_code(x[j], shared) << (4 * (j % 8));
+    x[j] = value<DT>(a.src, 32 * b + j);
+  uint32_t word[4];
+  a.scales[b] = fp4q_mxfp4_block(x, word);
   store_codes<16>(a.codes + 16 * b, word);
 }
 
