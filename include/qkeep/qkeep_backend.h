@@ -53,6 +53,44 @@ typedef struct qkeep_tensor qkeep_tensor; /* opaque: a result tensor for replace
 
 struct qkeep_backend;
 
+/*
+ * ABI 1.5: one unit of online quantization, as the core hands it to a backend's `quantize`
+ * slot. A unit is one weight, or one NVFP4 fusion group (q/k/v, gate/up, an expert's w1/w3:
+ * the members qkeep quantize gives one global scale), of an unquantized checkpoint a model
+ * quantizes on load (qkeep_model_set_quantize).
+ */
+struct qkeep_quant_member {
+  size_t size;            /* sizeof(struct qkeep_quant_member) as the core knows it */
+  const char *name;       /* the unquantized tensor's checkpoint name (for messages) */
+  enum qkeep_dtype dtype; /* of src: QKEEP_DTYPE_F32, F16 or BF16 */
+  int64_t n, k;           /* src is [n, k], row-major and contiguous; k a multiple of the block */
+  /* The member's unquantized values in the backend's device memory (n * k elements of dtype,
+   * aligned to the element only), or NULL in a query (every member's NULL: see `quantize`). */
+  const void *src;
+  /* Where the outputs go, in the backend's device memory, contiguous, each the exact bytes the
+   * checkpoint qkeep quantize writes holds (docs/FORMATS.md, "6. qkeep quantize"): codes
+   * n * k / 2 bytes of e2m1 codes, two per byte along the row (element 2i in the low nibble);
+   * block_scales n * k / B bytes, row-major [n, k / B] (NVFP4: e4m3fn, B = 16; MXFP4: e8m0,
+   * B = 32). These are loader params' own bytes (the checkpoint layout, before PWAL). */
+  void *codes;
+  void *block_scales;
+};
+
+struct qkeep_quant_unit {
+  size_t size;        /* sizeof(struct qkeep_quant_unit) as the core knows it */
+  const char *scheme; /* "modelopt-nvfp4", "ct-nvfp4" or "mxfp4" (ABI 1.5; others may follow) */
+  int n_members;      /* 1 to 3 */
+  const struct qkeep_quant_member *members; /* n_members entries, member_size bytes apart */
+  size_t member_size;
+  /* Set by the backend. amax: max |x| over every value of every member (0 when all are zero), on
+   * success and on an NVFP4 refusal for a small amax. bad_member, bad_element: on a refusal for
+   * a NaN or an Inf, the first one in member order, then row-major order within the member
+   * (element = row * k + column); bad_member -1 otherwise. */
+  float amax;
+  int bad_member;
+  int64_t bad_element;
+};
+
 /* Log levels for host->log. */
 enum qkeep_log_level { QKEEP_LOG_ERROR = 0, QKEEP_LOG_WARN = 1, QKEEP_LOG_INFO = 2, QKEEP_LOG_DEBUG = 3 };
 
@@ -398,6 +436,44 @@ struct qkeep_backend {
   int (*device)(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index);
   /* QKEEP_BACKEND_F_* bits (0 before ABI 1.4). */
   uint32_t flags;
+
+  /* ---- ABI 1.5 ---- */
+
+  /*
+   * (optional; absent, or declining: the core quantizes the unit on the host and copies the
+   * bytes in, as before ABI 1.5) Quantizes one unit of online quantization on the backend's
+   * device, from values the core has staged there, into the loader params' device memory.
+   *
+   * What the core guarantees: `layer` is a layer the backend owns (NULL when the caller is not a
+   * load: a test or tool with buffers of its own); the unit's scheme is the model's quantize
+   * scheme; every member's src, codes and block_scales are device memory of this backend, the
+   * outputs do not overlap each other or any src, and src holds the member's values once every
+   * copy_h2d_async started before the call has completed (the backend orders its work after
+   * them: one stream, or an explicit wait). At most one unit's sources are staged at a time.
+   * A query is a call with every src NULL, made before anything is staged: return 0 to take such
+   * a unit, 1 to decline it; nothing is read or written.
+   *
+   * What the backend does: the outputs get exactly the bytes `qkeep quantize` writes for these
+   * values (same IEEE float32 arithmetic, rounding, ties, saturation and zero rules as
+   * libqkeep/quantize/quantize.c; docs/FORMATS.md "6. qkeep quantize"), so that a load is byte-
+   * identical to quantize-then-load. Every member's values are read first: a NaN or an Inf
+   * anywhere refuses the whole unit before any output byte is written. NVFP4 fusion groups share
+   * one global scale, from the amax of ALL the unit's members: ModelOpt's weight_scale_2 =
+   * amax / 2688 and compressed-tensors' weight_global_scale = 2688 / amax (float32 divisions),
+   * from which every block scale of every member derives; amax 0 gives codes 0 and every block
+   * scale 1.0 (0x38, ModelOpt) or 0.125 (0x20, compressed-tensors). The backend writes codes and
+   * block scales only: the core writes the global scales (from unit->amax) and the constants.
+   * Its writes are ordered before any later memory op, copy, pwal and apply of the backend, as
+   * copy_h2d_async's are; it may return before they are done (the core's sync waits).
+   *
+   * Returns 0 (done; unit->amax set), 1 (declined: nothing written; the core quantizes this unit
+   * on the host), QKEEP_E_INVAL with bad_member and bad_element set for a NaN or an Inf, or with
+   * amax set and bad_member -1 for an NVFP4 amax below 2688 * FLT_MIN (its global scale would be
+   * subnormal) -- nothing written in either case, and the core then reports the host's error,
+   * naming the tensor, row and column -- or another negative QKEEP_E_* code with set_error (the
+   * load fails, or the reload rolls back).
+   */
+  int (*quantize)(const struct qkeep_backend *be, qkeep_layer *layer, struct qkeep_quant_unit *unit);
 };
 
 /*

@@ -301,9 +301,10 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
   free(which);
 }
 
-/* The layer's tensors made on load (online quantization): per unit, made on the host from the unquantized
- * sources (the next unit in the load's order quantizing meanwhile: load/online.c's pipe), then landed as
- * any checkpoint tensor is; the unit's sources count as loaded. */
+/* The layer's tensors made on load (online quantization): per unit, made on the layer's device when its
+ * owner takes the unit (load/online_device.c), else on the host from the unquantized sources (the next
+ * unit in the load's order quantizing meanwhile: load/online.c's pipe), then landed as any checkpoint
+ * tensor is (but those the device wrote in place); the unit's sources count as loaded. */
 static int load_made(qkeep_layer *layer, const struct provider *pv, struct staging *st) {
   int rc = 0;
   /* A reload's validation saw only the unquantized sources, never the scales made from them: those are
@@ -313,14 +314,32 @@ static int load_made(qkeep_layer *layer, const struct provider *pv, struct stagi
   st->scales_checked = false;
   for (size_t first = 0, end; first < layer->n_derived && !rc; first = end) {
     end = online_unit_end(layer, first);
-    struct online_unit *u;
+    struct online_unit *u, on_device;
+    bool *written = NULL;
     if ((rc = online_pipe_take(&st->online, layer, first, pv, st->order, st->n_order, &u)))
       break;
+    if (!u) { /* the layer's owner quantizes it on its device; declined once staged: the host's */
+      u = &on_device;
+      rc = online_unit_device(layer, pv, first, end, st, u, &written);
+      if (!rc && !written)
+        rc = online_unit_make(st->online, layer, pv, first, end, u);
+      if (rc) {
+        online_pipe_done(st->online);
+        break;
+      }
+    }
     struct mem_stats *mem = &layer->model->mem;
-    if ((int64_t)staging_bytes(st) > mem->staging_peak)
-      mem->staging_peak = (int64_t)staging_bytes(st);
+    int64_t held = (int64_t)staging_bytes(st) + (u == &on_device ? u->bytes : 0);
+    if (held > mem->staging_peak)
+      mem->staging_peak = held;
     for (size_t d = first; d < end && !rc; d++)
-      rc = load_source(layer, &u->made, &layer->derived[d].src, st);
+      if (written && written[d - first])
+        layer->derived[d].src.loaded = true; /* not mirrored: its param's mirror, if any, is not valid */
+      else
+        rc = load_source(layer, &u->made, &layer->derived[d].src, st);
+    free(written);
+    if (u == &on_device)
+      online_unit_free(u);
     const struct derived *d0 = &layer->derived[first];
     int members = d0->unit == SIZE_MAX ? 0 : quant_plan_members(layer->model->online.plan, d0->unit);
     for (int m = 0; m < members && !rc; m++)

@@ -27,6 +27,11 @@ struct staging {
   struct online_pipe *online;
   qkeep_layer *const *order;
   size_t n_order;
+  /* Online quantization on a device (load/online_device.c): one unit's unquantized bytes in the device's
+   * memory, reused by the next unit (grown when it is larger), freed by staging_free. */
+  void *unit_src;
+  size_t unit_src_cap;
+  const struct device *unit_src_dev;
 };
 /* Ends the stream (its copies waited for) and the online units in flight, then frees the rest; returns the
  * wait's error. */
@@ -57,6 +62,18 @@ int check_source(const qkeep_layer *layer, const struct provider *pv, struct sou
                  struct provided *out);
 /* Largest scale param that keeps a host mirror of its bytes (load.c). */
 #define MIRROR_MAX 256
+
+/*
+ * The unit online_device_query took, quantized on the layer's device: its sources staged there (at most
+ * one unit's, in the staging's device buffer), codes and block scales written into their params by the
+ * backend, and u made with the rest (online_unit_finish); *written (malloc'd, by derived source from
+ * first) then tells which sources the device wrote: those are not landed from u. *written NULL (rc 0):
+ * the backend declined once the bytes were staged, nothing was written, and the host path
+ * (online_unit_make) is to quantize the unit. A NaN or an Inf is refused with the host quantizer's
+ * error.
+ */
+int online_unit_device(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
+                       struct staging *st, struct online_unit *u, bool **written);
 
 /* Normalisation then the backend's PWAL, once a layer has all its bytes. */
 int finish_layer(qkeep_layer *layer);

@@ -14,12 +14,14 @@
  *            no storage). Tensors copied unchanged stay sources as they were.
  *   load     per layer, unit by unit (a weight, or an NVFP4 fusion group sharing a global scale):
  *            the members' unquantized bytes are read from the provider (a checkpoint, buffers or a
- *            sync's bucket), quantized on the host (quant_pool_start: the seam where a device kernel
- *            may take a unit), and each made tensor lands through the ordinary load_source, as
- *            the tensor of a checkpoint would. The pipe keeps the next unit in the load's order
- *            (into the next layer too) read and quantizing on the load's pool of threads while the
- *            load lands this one and runs the layer's PWAL. Memory: two units' input and output
- *            bytes.
+ *            sync's bucket), quantized on the host (quant_pool_start), and each made tensor lands
+ *            through the ordinary load_source, as the tensor of a checkpoint would. The pipe keeps
+ *            the next unit in the load's order (into the next layer too) read and quantizing on the
+ *            load's pool of threads while the load lands this one and runs the layer's PWAL.
+ *            Memory: two units' input and output bytes. Where the layer's owner quantizes on its
+ *            device (the backend's quantize slot, ABI 1.5, asked as the unit enters the pipe;
+ *            load/online_device.c), the unit is not read here: its bytes go to the device instead
+ *            and only what follows from the amax (online_unit_finish) is made on the host.
  *
  * Cold start, reload, rollback and sync all load layers through load_layer_sources, so each of them
  * quantizes the same way.
@@ -275,9 +277,8 @@ static const char *uo_name_at(const struct provider *p, size_t i) {
 
 /* A source's bytes in host memory: the provider's own, else a copy in *held (the caller frees it). The
  * tensor must be there as the source expects (the caller's validation, or this check). */
-static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
-                         struct provided *t, const void **bytes, void **held) {
-  *bytes = NULL, *held = NULL;
+int online_member_tensor(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t) {
   if (!pv->find(pv, src->checkpoint_name, t))
     return set_error(QKEEP_E_NOTFOUND, "%s: tensor '%s' is missing (layer %s)", pv->what,
                      src->checkpoint_name, layer->name);
@@ -286,12 +287,21 @@ static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, co
     return set_error(QKEEP_E_FORMAT, "%s: tensor '%s': %s, the model expects %s [%lld, %lld] (layer %s)",
                      t->where, t->name, t->dtype_name, qkeep_dtype_name(src->spec.dtype),
                      (long long)src->spec.shape[0], (long long)src->spec.shape[1], layer->name);
+  return 0;
+}
+
+static int host_bytes_of(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t, const void **bytes, void **held) {
+  *bytes = NULL, *held = NULL;
+  int rc = online_member_tensor(layer, pv, src, t);
+  if (rc)
+    return rc;
   const void *on_device = pv->device_bytes ? pv->device_bytes(pv, t) : NULL;
   if (!on_device && pv->host_bytes && (*bytes = pv->host_bytes(pv, t)) != NULL)
     return 0;
   if (!(*held = malloc(t->nbytes ? t->nbytes : 1)))
     return set_error(QKEEP_E_NOMEM, "out of memory reading '%s' (%zu bytes)", t->name, t->nbytes);
-  int rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
+  rc = on_device ? dev_d2h(layer_device(layer), *held, on_device, t->nbytes) : pv->read(pv, t, *held);
   *bytes = *held;
   return rc;
 }
@@ -303,7 +313,50 @@ size_t online_unit_end(const qkeep_layer *layer, size_t first) {
   return end;
 }
 
-static void unit_free(struct online_unit *u) {
+/* The unit's outputs as its provider (u->made), once its bytes are made (rc 0); else u is freed and rc
+ * returned. */
+static int unit_outputs(const qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
+                        struct online_unit *u, int rc) {
+  const struct quant_plan *plan = layer->model->online.plan;
+  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
+    rc = set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t d = first; d < end && !rc; d++)
+    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
+  u->n = rc ? 0 : end - first;
+  u->where = pv->what;
+  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
+                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
+  if (rc) {
+    online_unit_free(u);
+    return rc;
+  }
+  return 0;
+}
+
+int online_unit_finish(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end, float amax,
+                       struct online_unit *u) {
+  const struct quant_plan *plan = layer->model->online.plan;
+  size_t unit = layer->derived[first].unit;
+  assert(unit != SIZE_MAX && quant_plan_device_scheme(plan));
+  int rc = 0;
+  *u = (struct online_unit){0};
+  for (int m = 0; m < quant_plan_members(plan, unit) && !rc; m++) {
+    struct quant_member qm;
+    quant_plan_member(plan, unit, m, &qm);
+    for (int s = 2; s < qm.n_out && !rc; s++) { /* past the codes and block scales the device wrote */
+      struct quant_output o;
+      quant_plan_output(plan, qm.out[s], &o);
+      if (!o.constant && !(u->dst[m][s] = malloc(o.nbytes ? o.nbytes : 1)))
+        rc = set_error(QKEEP_E_NOMEM, "out of memory quantizing '%s'", qm.input);
+      u->bytes += o.constant ? 0 : (int64_t)o.nbytes;
+    }
+  }
+  if (!rc)
+    rc = quant_plan_finish(plan, unit, amax, (void *const(*)[4])u->dst);
+  return unit_outputs(layer, pv, first, end, u, rc);
+}
+
+void online_unit_free(struct online_unit *u) {
   free(u->outs);
   u->outs = NULL;
   for (int m = 0; m < 3; m++) {
@@ -339,17 +392,7 @@ static int unit_read(qkeep_layer *layer, const struct provider *pv, size_t first
     }
     u->bytes += u->held[m] ? (int64_t)t.nbytes : 0;
   }
-  if (!rc && !(u->outs = malloc((end - first) * sizeof *u->outs)))
-    rc = set_error(QKEEP_E_NOMEM, "out of memory");
-  for (size_t d = first; d < end && !rc; d++)
-    quant_plan_output(plan, layer->derived[d].output, &u->outs[d - first]);
-  u->n = rc ? 0 : end - first;
-  u->where = pv->what;
-  u->made = (struct provider){pv->what,   u,    uo_find,       uo_read,     uo_host, NULL, uo_count,
-                              uo_name_at, NULL, uo_read_range, uo_describe, 0,       NULL, 0};
-  if (rc)
-    unit_free(u);
-  return rc;
+  return unit_outputs(layer, pv, first, end, u, rc);
 }
 
 /* ---- the pipe: units in flight --------------------------------------------------------------- */
@@ -360,7 +403,8 @@ struct flight {
   size_t first, end;
   const struct provider *pv;
   struct online_unit u;
-  struct quant_job *job; /* NULL: nothing to quantize (constants only), or failed */
+  struct quant_job *job; /* NULL: nothing to quantize (constants only), on the device, or failed */
+  bool device;           /* the layer's owner quantizes it on its device: not read here */
   int rc;
   char *msg;
 };
@@ -376,18 +420,21 @@ struct online_pipe {
 
 static void flight_drop(struct online_pipe *pipe, struct flight *f) {
   quant_pool_discard(pipe->pool, f->job); /* the workers are done with its bytes before they go */
-  unit_free(&f->u);
+  online_unit_free(&f->u);
   free(f->msg);
   *f = (struct flight){0};
 }
 
-/* Reads the unit [first, ...) of layer and starts quantizing it, into f. A failure is kept in f. */
+/* Reads the unit [first, ...) of layer and starts quantizing it, into f, unless the layer's owner takes it
+ * (its device quantizes it: nothing read). A failure is kept in f. */
 static void flight_launch(struct online_pipe *pipe, struct flight *f, qkeep_layer *layer, size_t first,
                           const struct provider *pv) {
   *f = (struct flight){.layer = layer, .first = first, .end = online_unit_end(layer, first), .pv = pv};
   size_t unit = layer->derived[first].unit;
-  f->rc = unit_read(layer, pv, f->first, f->end, &f->u);
-  if (!f->rc && unit != SIZE_MAX)
+  int taken = online_device_query(layer, f->first, f->end);
+  f->device = taken == 1;
+  f->rc = taken < 0 ? taken : f->device ? 0 : unit_read(layer, pv, f->first, f->end, &f->u);
+  if (!f->rc && !f->device && unit != SIZE_MAX)
     f->rc = quant_pool_start(pipe->pool, unit, f->u.src, (void *const(*)[4])f->u.dst, &f->job);
   if (f->rc)
     f->msg = xstrdup(qkeep_errmsg());
@@ -450,7 +497,7 @@ int online_pipe_take(struct online_pipe **pipep, qkeep_layer *layer, size_t firs
     online_pipe_done(pipe);
     return rc;
   }
-  *out = &f->u;
+  *out = f->device ? NULL : &f->u;
   return 0;
 }
 
@@ -466,6 +513,19 @@ int64_t online_pipe_bytes(const struct online_pipe *pipe) {
   for (int i = 0; pipe && i < pipe->n; i++)
     bytes += pipe->f[(pipe->head + i) % 2].u.bytes;
   return bytes;
+}
+
+int online_unit_make(struct online_pipe *pipe, qkeep_layer *layer, const struct provider *pv, size_t first,
+                     size_t end, struct online_unit *u) {
+  size_t unit = layer->derived[first].unit;
+  struct quant_job *job = NULL;
+  int rc = unit_read(layer, pv, first, end, u);
+  if (!rc && unit != SIZE_MAX &&
+      !(rc = quant_pool_start(pipe->pool, unit, u->src, (void *const(*)[4])u->dst, &job)))
+    rc = quant_pool_wait(pipe->pool, job);
+  if (rc)
+    online_unit_free(u);
+  return rc;
 }
 
 void online_pipe_free(struct online_pipe *pipe) {

@@ -26,8 +26,21 @@ struct online_unit {
   void *held[3];      /* the members' unquantized bytes, when the provider had no host copy */
   int64_t bytes;      /* host bytes it holds */
 };
+/* The provider's tensor of an unquantized source (a unit's member), checked against it (found, dtype, 2-D
+ * shape, bytes): QKEEP_E_NOTFOUND or QKEEP_E_FORMAT naming the tensor and the layer. */
+int online_member_tensor(const qkeep_layer *layer, const struct provider *pv, const struct source *src,
+                         struct provided *t);
 /* The end of the run of derived sources that starts at `first` (one unit: one quantization). */
 size_t online_unit_end(const qkeep_layer *layer, size_t first);
+
+/*
+ * Whether the layer's owner quantizes the unit of the layer's derived sources [first, end) on its device
+ * (the backend's quantize slot, ABI 1.5, asked with no values; the plan's scheme one a device may
+ * quantize, and every output of the device's landing whole in its param): 1 taken, 0 the host path, or
+ * the slot's error. Asked once per unit, before anything of the unit is read (the pipe, as the unit enters
+ * it; load/online_device.c).
+ */
+int online_device_query(qkeep_layer *layer, size_t first, size_t end);
 
 /*
  * The units a load has in flight: the one the load lands now and the next one in its order, read and
@@ -43,7 +56,9 @@ struct online_pipe;
  * next one, or the first unit of the next layer in order[0 .. n_order) (the layers the load goes
  * through from the same provider, in order, `layer` among them; NULL: none) that has one. An error of
  * a unit read ahead is reported at its turn (the failed unit is then freed). *out stays the pipe's
- * until online_pipe_done.
+ * until online_pipe_done. A unit the layer's owner quantizes on its device (online_device_query, asked
+ * as the unit enters the pipe) is not read: *out is NULL (rc 0), and the caller makes it with
+ * online_unit_device, then calls online_pipe_done as for any other.
  */
 int online_pipe_take(struct online_pipe **pipe, qkeep_layer *layer, size_t first, const struct provider *pv,
                      qkeep_layer *const *order, size_t n_order, struct online_unit **out);
@@ -54,6 +69,19 @@ int64_t online_pipe_bytes(const struct online_pipe *pipe);
 /* Waits for every unit still quantizing, frees them and stops the threads; the error detail is left as
  * it was. NULL: nothing. */
 void online_pipe_free(struct online_pipe *pipe);
+/* Reads the unit's unquantized members from pv (their dtype and shape checked), quantizes them on the
+ * host (on the pipe's pool, waited for) into u; the layer's derived sources [first, end) then land from
+ * u->made. Outside the pipe's order: a unit the device path gives back (declined once staged, or refused
+ * for its values). */
+int online_unit_make(struct online_pipe *pipe, qkeep_layer *layer, const struct provider *pv, size_t first,
+                     size_t end, struct online_unit *u);
+/* The rest of a unit whose codes and block scales the layer's owner wrote on its device (its quantize
+ * slot): the outputs that follow from the members' amax (quant_plan_finish) are made in u, and the
+ * constants served; the device-written ones are in u->made too, but must not be landed from it (their
+ * dst is NULL). */
+int online_unit_finish(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end, float amax,
+                       struct online_unit *u);
+void online_unit_free(struct online_unit *u);
 /* Checks an unquantized source's values in pv (every one finite) before anything changes: QKEEP_E_FORMAT
  * naming the tensor, element, row, column and layer. */
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src);

@@ -1,7 +1,8 @@
 /*
  * staging.c: a load's host staging (one tensor's bytes, and a second buffer to compare a
  * compare-only source with), and the stream to the device being loaded, which the staging holds:
- * the owner's, made at its first streamed load, or one made for this load alone.
+ * the owner's, made at its first streamed load, or one made for this load alone; and the device
+ * buffer of a unit quantized on the device (load/online_device.c).
  */
 #include <stdlib.h>
 
@@ -15,6 +16,12 @@ int staging_free(struct staging *s) {
     stream_free(s->stream);
   s->stream = NULL;
   s->own_stream = false;
+  if (s->unit_src) { /* after the kernels that read it (sync), as every storage is freed */
+    int synced = dev_sync(s->unit_src_dev);
+    rc = rc ? rc : synced;
+    dev_free(s->unit_src_dev, s->unit_src);
+  }
+  s->unit_src = NULL, s->unit_src_cap = 0, s->unit_src_dev = NULL;
   free(s->data);
   free(s->compare);
   s->data = s->compare = NULL;

@@ -124,6 +124,7 @@ struct online_quantize {
   char *scheme;
   struct quant_plan *plan;   /* the loaded model's plan (NULL: the model does not quantize on load) */
   struct name_index outputs; /* the plan's output names -> index */
+  int64_t device_units;      /* units the owners' quantize slots took, over the model's life (tests read it) */
 };
 
 struct qkeep_layer {

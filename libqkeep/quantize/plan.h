@@ -97,4 +97,25 @@ int quant_pool_wait(struct quant_pool *pool, struct quant_job *job);
  * the calling thread's error detail stays as it was. NULL: nothing. */
 void quant_pool_discard(struct quant_pool *pool, struct quant_job *job);
 
+/*
+ * Quantizes one unit on a pool of its own (started and stopped here), for a caller outside a load (a
+ * test checking a device's outputs against the host's): src and dst as quant_pool_start; QKEEP_E_INVAL
+ * naming the input tensor, element, row and column for a NaN or Inf (nothing useful is in dst then);
+ * QKEEP_E_NOMEM.
+ */
+int quant_plan_run(const struct quant_plan *p, size_t unit, const void *const *src, void *const (*dst)[4]);
+/*
+ * A device's share of a unit (the backend's quantize slot, ABI 1.5). The plan's scheme when a
+ * device may quantize its units: "modelopt-nvfp4", "ct-nvfp4" or "mxfp4", whose members' slot 0
+ * (codes) and slot 1 (block scales) a device writes; NULL for the other schemes.
+ */
+const char *quant_plan_device_scheme(const struct quant_plan *p);
+/*
+ * The rest of a unit whose codes and block scales a device wrote, from the amax of all its members
+ * (as the device found it): NVFP4's global scale of each member into dst[m][2] (host memory),
+ * exactly as quant_plan_run writes it; nothing for MXFP4. QKEEP_E_INVAL as quant_plan_run gives
+ * for an amax whose global scale would be subnormal.
+ */
+int quant_plan_finish(const struct quant_plan *p, size_t unit, float amax, void *const (*dst)[4]);
+
 #endif

@@ -2241,3 +2241,32 @@ void quant_pool_discard(struct quant_pool *qp, struct quant_job *job) {
   job_wait(qp, job);
   job_free(job);
 }
+
+int quant_plan_run(const struct quant_plan *p, size_t unit, const void *const *src, void *const (*dst)[4]) {
+  struct quant_pool *qp;
+  struct quant_job *job = NULL;
+  int rc = quant_pool_new(p, &qp);
+  if (!rc && !(rc = quant_pool_start(qp, unit, src, dst, &job)))
+    rc = quant_pool_wait(qp, job);
+  quant_pool_free(qp);
+  return rc;
+}
+
+const char *quant_plan_device_scheme(const struct quant_plan *p) {
+  return p->q.nvfp4 || p->q.mxfp4 ? p->scheme : NULL;
+}
+
+int quant_plan_finish(const struct quant_plan *p, size_t unit, float amax, void *const (*dst)[4]) {
+  const struct quantizer *q = &p->q;
+  const struct unit *u = &q->units[p->units[unit]];
+  assert(q->nvfp4 || q->mxfp4);
+  if (!q->nvfp4)
+    return 0;
+  float global; /* as stage_done: the group's amax, then each member's copy of its global scale */
+  int rc = quant_nvfp4_global(amax, q->ct, &global);
+  if (rc)
+    return add_error_context(rc, "quantizing '%s'", u->m[0].input);
+  for (int i = 0; i < u->n_members; i++)
+    memcpy(dst[i][2], &global, sizeof global);
+  return 0;
+}

@@ -24,11 +24,17 @@
  *
  * `mxfp4` layers (gpt-oss and compressed-tensors) run on the MXFP4 kernels shared
  * with rocm-mxfp4 (plugins/gpu: mxfp4_pwal.c repacks, mxfp4.cu launches).
+ *
+ * A model that quantizes on load (NVFP4 either naming, MXFP4) has its bf16/f16/f32 weights
+ * quantized here (the quantize slot, quantize.cu) into the loader params, byte for byte what
+ * the core's host quantizer would have copied in.
  */
 #include <cuda_runtime_api.h>
 #include <dirent.h>
+#include <float.h>
 #include <pthread.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +55,7 @@ struct cuda_backend {
   int device;
   struct nvfp4_tuning tuning; /* 0: automatic */
   bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
+  bool quantize_on_device;    /* the quantize slot takes units (key quantize_on_device; else declines) */
   /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
   pthread_mutex_t fence_mu;
   uint64_t fences; /* tokens handed out */
@@ -60,6 +67,10 @@ struct cuda_backend {
   size_t copy_cap; /* chunks each holds */
   cudaEvent_t copy_event;
   bool copy_event_set;
+  /* The quantize slot's scan results (device memory, one struct fp4_quant_scan per member), made at its
+   * first use; one unit at a time. */
+  pthread_mutex_t quant_mu;
+  void *quant_scan;
 };
 
 /* What apply needs of a layer, cached by PWAL (pointers do not move between PWALs). */
@@ -420,6 +431,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
      "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
     {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
     {"pwal", QKEEP_KEY_ENUM, "gpu|host", "gpu", "where the layout transforms run (host: their CPU twins)"},
+    {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "false",
+     "online quantization (NVFP4, MXFP4) on the GPU; off by default until the kernels have been verified "
+     "on hardware (false: every unit is quantized on the host)"},
 };
 
 static int cuda_configure(const struct qkeep_backend *be, const char *key, const char *value) {
@@ -466,10 +480,19 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     if (strcmp(value, "gpu") != 0 && strcmp(value, "host") != 0)
       return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);
     c->pwal_on_host = value[0] == 'h';
+  } else if (strcmp(key, "quantize_on_device") == 0) {
+    static const char *const yes[] = {"true", "yes", "on", "1"}, *const no[] = {"false", "no", "off", "0"};
+    int found = -1;
+    for (int i = 0; i < 4 && found < 0; i++)
+      found = strcmp(value, yes[i]) == 0 ? 1 : strcmp(value, no[i]) == 0 ? 0 : -1;
+    if (found < 0)
+      return c->host->set_error(QKEEP_E_CONFIG, "quantize_on_device = '%s': expected true or false", value);
+    c->quantize_on_device = found == 1;
   } else {
     return c->host->set_error(
         QKEEP_E_CONFIG,
-        "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, rows, unroll, pwal)",
+        "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, rows, unroll, pwal, "
+        "quantize_on_device)",
         key);
   }
   return 0;
@@ -886,6 +909,111 @@ static int cuda_apply(const struct qkeep_backend *be, qkeep_layer *layer,
   return err ? cuda_error(c, (cudaError_t)err, "apply") : 0;
 }
 
+/* ---- online quantization (ABI 1.5) ---------------------------------------------------------------- */
+
+/* The unit's scheme as the kernels know it; false for one they do not run. */
+static bool quant_scheme(const char *name, enum fp4_quant_scheme *out) {
+  static const struct {
+    const char *name;
+    enum fp4_quant_scheme scheme;
+  } known[] = {{"modelopt-nvfp4", FP4_QUANT_MODELOPT_NVFP4},
+               {"ct-nvfp4", FP4_QUANT_CT_NVFP4},
+               {"mxfp4", FP4_QUANT_MXFP4}};
+  for (size_t i = 0; name && i < sizeof known / sizeof known[0]; i++)
+    if (strcmp(name, known[i].name) == 0) {
+      *out = known[i].scheme;
+      return true;
+    }
+  return false;
+}
+
+/* Member i of the unit (members are member_size bytes apart; the fields read are ABI 1.5's). */
+static const struct qkeep_quant_member *quant_member(const struct qkeep_quant_unit *u, int i) {
+  return (const struct qkeep_quant_member *)(const void *)((const char *)u->members +
+                                                           (size_t)i * u->member_size);
+}
+
+/* Scans every member (one wait for all): the unit's amax, and its first NaN or Inf (member, element). */
+static int quant_scan(struct cuda_backend *c, const struct fp4_quant_member *m, int n, float *amax,
+                      int *bad_member, int64_t *bad_element) {
+  struct fp4_quant_scan found[3];
+  pthread_mutex_lock(&c->quant_mu);
+  cudaError_t err = c->quant_scan ? cudaSuccess : cudaMalloc(&c->quant_scan, sizeof found);
+  if (err == cudaSuccess) /* max_bits 0 and first_bad all ones: all ones, then each max_bits cleared */
+    err = cudaMemsetAsync(c->quant_scan, 0xff, sizeof found, 0);
+  for (int i = 0; i < n && err == cudaSuccess; i++)
+    err = cudaMemsetAsync((struct fp4_quant_scan *)c->quant_scan + i, 0, sizeof(uint32_t), 0);
+  for (int i = 0; i < n && err == cudaSuccess; i++)
+    err = (cudaError_t)fp4_quant_scan_gpu(&m[i], (struct fp4_quant_scan *)c->quant_scan + i, NULL);
+  if (err == cudaSuccess) /* on the legacy stream: after the staging copies and the scans */
+    err = cudaMemcpy(found, c->quant_scan, sizeof found, cudaMemcpyDeviceToHost);
+  pthread_mutex_unlock(&c->quant_mu);
+  if (err != cudaSuccess)
+    return cuda_error(c, err, "scanning the values to quantize");
+  *amax = 0.0f, *bad_member = -1, *bad_element = 0;
+  for (int i = 0; i < n; i++) {
+    float a;
+    memcpy(&a, &found[i].max_bits, sizeof a);
+    *amax = a > *amax ? a : *amax;
+    if (*bad_member < 0 && found[i].first_bad != ~0ull)
+      *bad_member = i, *bad_element = (int64_t)found[i].first_bad;
+  }
+  return 0;
+}
+
+/*
+ * The quantize slot: NVFP4 (both namings) and MXFP4 units of F32, F16 or BF16 weights, any shape the
+ * scheme takes. The scan first (nothing is written before every value is known to be finite), then
+ * the kernels, queued on the legacy stream after the core's staging copies and before PWAL.
+ */
+static int cuda_quantize(const struct qkeep_backend *be, qkeep_layer *layer, struct qkeep_quant_unit *u) {
+  struct cuda_backend *c = backend_of(be);
+  (void)layer;
+  enum fp4_quant_scheme scheme;
+  if (!u || u->size < offsetof(struct qkeep_quant_unit, bad_element) + sizeof u->bad_element ||
+      u->member_size < offsetof(struct qkeep_quant_member, block_scales) + sizeof(void *))
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: quantize: a unit of an unknown layout");
+  if (!c->quantize_on_device || !quant_scheme(u->scheme, &scheme) || u->n_members < 1 || u->n_members > 3)
+    return 1; /* off (key quantize_on_device, false by default): every unit declined, the host's */
+  int64_t block = scheme == FP4_QUANT_MXFP4 ? 32 : 16;
+  struct fp4_quant_member m[3];
+  int staged = 0;
+  for (int i = 0; i < u->n_members; i++) {
+    const struct qkeep_quant_member *q = quant_member(u, i);
+    if ((q->dtype != QKEEP_DTYPE_F32 && q->dtype != QKEEP_DTYPE_F16 && q->dtype != QKEEP_DTYPE_BF16) ||
+        q->n < 0 || q->k < 0 || q->k % block || (q->n && q->k > INT64_MAX / q->n))
+      return 1;
+    m[i] = (struct fp4_quant_member){q->src, q->dtype, q->n, q->k, q->codes, q->block_scales};
+    staged += q->src != NULL;
+  }
+  if (!staged)
+    return 0; /* a query: every unit of these schemes and dtypes is taken */
+  if (staged < u->n_members)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: quantize '%s': a member without values",
+                              quant_member(u, 0)->name);
+  int rc = use_device(c);
+  if (!rc)
+    rc = quant_scan(c, m, u->n_members, &u->amax, &u->bad_member, &u->bad_element);
+  if (rc)
+    return rc;
+  if (u->bad_member >= 0) {
+    const struct qkeep_quant_member *q = quant_member(u, u->bad_member);
+    return c->host->set_error(
+        QKEEP_E_INVAL, "cuda-nvfp4: '%s': element %lld (row %lld, column %lld) is NaN or infinite", q->name,
+        (long long)u->bad_element, (long long)(u->bad_element / q->k), (long long)(u->bad_element % q->k));
+  }
+  /* The host's refusal of a global scale that would be subnormal (2688 * FLT_MIN). */
+  if (scheme != FP4_QUANT_MXFP4 && u->amax != 0.0f && u->amax < 2688.0f * FLT_MIN)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: '%s': amax %g is below 2688 * FLT_MIN",
+                              quant_member(u, 0)->name, (double)u->amax);
+  for (int i = 0; i < u->n_members; i++) {
+    cudaError_t err = (cudaError_t)fp4_quant_gpu(&m[i], scheme, u->amax, NULL);
+    if (err != cudaSuccess)
+      return cuda_error(c, err, "quantizing");
+  }
+  return 0;
+}
+
 static int cuda_device(const struct qkeep_backend *be, enum qkeep_device_type *type, int *index) {
   *type = QKEEP_DEVICE_CUDA, *index = backend_of(be)->device;
   return 0;
@@ -911,6 +1039,9 @@ static void cuda_fini(const struct qkeep_backend *be) {
   if (c->copy_event)
     (void)cudaEventDestroy(c->copy_event);
   pthread_mutex_destroy(&c->copy_mu);
+  if (c->quant_scan)
+    (void)cudaFree(c->quant_scan);
+  pthread_mutex_destroy(&c->quant_mu);
   free(c);
 }
 
@@ -939,6 +1070,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
   };
   pthread_mutex_init(&c->fence_mu, NULL);
   pthread_mutex_init(&c->copy_mu, NULL);
+  pthread_mutex_init(&c->quant_mu, NULL);
   c->be = (struct qkeep_backend){
       .size = sizeof(struct qkeep_backend),
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,
@@ -962,6 +1094,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .workspace = cuda_workspace,
       .device = cuda_device,
       .flags = QKEEP_BACKEND_F_GRAPH_SAFE | QKEEP_BACKEND_F_ROUTED_MOE,
+      .quantize = cuda_quantize, /* ABI 1.5: an older core never calls it */
   };
   *out = &c->be;
   return 0;

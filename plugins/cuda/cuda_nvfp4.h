@@ -199,6 +199,34 @@ int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias, en
                    int64_t n, int64_t k, int64_t m, const void *x, enum qkeep_dtype x_dtype, void *y,
                    enum qkeep_dtype y_dtype, void *stream);
 
+/* ---- online quantization (quantize.cu): the quantize slot's kernels ------------------------------ */
+
+enum fp4_quant_scheme { FP4_QUANT_MODELOPT_NVFP4 = 0, FP4_QUANT_CT_NVFP4 = 1, FP4_QUANT_MXFP4 = 2 };
+
+/* One matrix to quantize: src [n, k] of dtype (F32, F16, BF16; device memory aligned to the element),
+ * codes n * k / 2 bytes and scales n * k / 16 (NVFP4) or n * k / 32 (MXFP4) bytes of device memory. */
+struct fp4_quant_member {
+  const void *src;
+  enum qkeep_dtype dtype;
+  int64_t n, k;
+  void *codes, *scales;
+};
+
+/* What the scan finds (device memory the caller sets before the scan: max_bits 0, first_bad all ones).
+ * max_bits: the f32 bits of max |x| over the finite values; first_bad: the row-major index of the first
+ * NaN or Inf (all ones: none). */
+struct fp4_quant_scan {
+  uint32_t max_bits;
+  uint32_t unused;
+  unsigned long long first_bad;
+};
+
+/* Queues the scan of m's values into scratch (a struct fp4_quant_scan, set as said above). */
+int fp4_quant_scan_gpu(const struct fp4_quant_member *m, void *scratch, void *stream);
+/* Queues the quantization of m's finite values, given the amax of m's whole unit (NVFP4: the fusion
+ * group's; the global scales are divided on the host as libqkeep/quantize does it): codes and scales
+ * get the host quantizer's bytes. */
+int fp4_quant_gpu(const struct fp4_quant_member *m, enum fp4_quant_scheme scheme, float amax, void *stream);
 
 #ifdef __cplusplus
 }
