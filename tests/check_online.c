@@ -866,13 +866,13 @@ START_TEST(a_unit_read_ahead_for_another_turn_is_given_up_on) {
   size_t last = 0;
   for (size_t first = 0; first < quantizing[0]->n_derived; first = online_unit_end(quantizing[0], first))
     last = first;
-  ck_assert_msg(online_pipe_take(&pipe, quantizing[0], last, &pv, m->layers, m->n_layers, &u) == 0, "%s",
-                qkeep_errmsg());
+  ck_assert_msg(online_pipe_take(&pipe, quantizing[0], last, &pv, m->layers, m->n_layers, NULL, &u) == 0,
+                "%s", qkeep_errmsg());
   assert_unit_is_offline(quantizing[0], last, u, out);
   online_pipe_done(pipe);
   ck_assert_int_gt(online_pipe_bytes(pipe), 0); /* the one read ahead */
   /* then the third layer, not the second */
-  ck_assert_msg(online_pipe_take(&pipe, quantizing[2], 0, &pv, m->layers, m->n_layers, &u) == 0, "%s",
+  ck_assert_msg(online_pipe_take(&pipe, quantizing[2], 0, &pv, m->layers, m->n_layers, NULL, &u) == 0, "%s",
                 qkeep_errmsg());
   assert_unit_is_offline(quantizing[2], 0, u, out);
   online_pipe_done(pipe);

@@ -316,7 +316,8 @@ static int load_made(qkeep_layer *layer, const struct provider *pv, struct stagi
     end = online_unit_end(layer, first);
     struct online_unit *u, on_device;
     bool *written = NULL;
-    if ((rc = online_pipe_take(&st->online, layer, first, pv, st->order, st->n_order, &u)))
+    if ((rc = online_pipe_take(&st->online, layer, first, pv, st->order, st->n_order, online_device_query,
+                               &u)))
       break;
     if (!u) { /* the layer's owner quantizes it on its device; declined once staged: the host's */
       u = &on_device;

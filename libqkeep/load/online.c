@@ -415,7 +415,8 @@ struct online_pipe {
   struct flight f[2]; /* a ring, in load order from f[head]: the unit taken next (each unit's provider
                        * `made` points into its flight, so flights never move) */
   int head, n;
-  size_t at; /* where in the load's order the last layer taken was found */
+  size_t at;             /* where in the load's order the last layer taken was found */
+  online_query_fn query; /* the take's: whether the layer's owner quantizes a unit itself (NULL: never) */
 };
 
 static void flight_drop(struct online_pipe *pipe, struct flight *f) {
@@ -431,7 +432,7 @@ static void flight_launch(struct online_pipe *pipe, struct flight *f, qkeep_laye
                           const struct provider *pv) {
   *f = (struct flight){.layer = layer, .first = first, .end = online_unit_end(layer, first), .pv = pv};
   size_t unit = layer->derived[first].unit;
-  int taken = online_device_query(layer, f->first, f->end);
+  int taken = pipe->query ? pipe->query(layer, f->first, f->end) : 0;
   f->device = taken == 1;
   f->rc = taken < 0 ? taken : f->device ? 0 : unit_read(layer, pv, f->first, f->end, &f->u);
   if (!f->rc && !f->device && unit != SIZE_MAX)
@@ -462,7 +463,8 @@ static bool next_unit(struct online_pipe *pipe, qkeep_layer *layer, size_t end, 
 }
 
 int online_pipe_take(struct online_pipe **pipep, qkeep_layer *layer, size_t first, const struct provider *pv,
-                     qkeep_layer *const *order, size_t n_order, struct online_unit **out) {
+                     qkeep_layer *const *order, size_t n_order, online_query_fn query,
+                     struct online_unit **out) {
   struct online_pipe *pipe = *pipep;
   *out = NULL;
   if (!pipe) {
@@ -477,6 +479,7 @@ int online_pipe_take(struct online_pipe **pipep, qkeep_layer *layer, size_t firs
     *pipep = pipe;
   }
   assert(pipe->plan == layer->model->online.plan);
+  pipe->query = query;
   /* A unit read ahead for another turn than this one (the load went another way): given up on. */
   const struct flight *head = &pipe->f[pipe->head];
   if (pipe->n && (head->layer != layer || head->first != first || head->pv != pv))

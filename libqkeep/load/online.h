@@ -41,6 +41,9 @@ size_t online_unit_end(const qkeep_layer *layer, size_t first);
  * it; load/online_device.c).
  */
 int online_device_query(qkeep_layer *layer, size_t first, size_t end);
+/* The type of online_device_query, as the pipe takes it (the pipe's file does not call into the device
+ * path's: the load hands it over). */
+typedef int (*online_query_fn)(qkeep_layer *layer, size_t first, size_t end);
 
 /*
  * The units a load has in flight: the one the load lands now and the next one in its order, read and
@@ -56,12 +59,14 @@ struct online_pipe;
  * next one, or the first unit of the next layer in order[0 .. n_order) (the layers the load goes
  * through from the same provider, in order, `layer` among them; NULL: none) that has one. An error of
  * a unit read ahead is reported at its turn (the failed unit is then freed). *out stays the pipe's
- * until online_pipe_done. A unit the layer's owner quantizes on its device (online_device_query, asked
- * as the unit enters the pipe) is not read: *out is NULL (rc 0), and the caller makes it with
- * online_unit_device, then calls online_pipe_done as for any other.
+ * until online_pipe_done. A unit the layer's owner quantizes on its device (`query`, asked as the unit
+ * enters the pipe: online_device_query, passed by the load, which sits above both files) is not read:
+ * *out is NULL (rc 0), and the caller makes it with online_unit_device, then calls online_pipe_done as
+ * for any other. query NULL: every unit is read and quantized here.
  */
 int online_pipe_take(struct online_pipe **pipe, qkeep_layer *layer, size_t first, const struct provider *pv,
-                     qkeep_layer *const *order, size_t n_order, struct online_unit **out);
+                     qkeep_layer *const *order, size_t n_order, online_query_fn query,
+                     struct online_unit **out);
 /* Frees the unit online_pipe_take gave (landed, or given up on). */
 void online_pipe_done(struct online_pipe *pipe);
 /* Host bytes the pipe's units hold now. */
