@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "gpu_testutil.h"
+#include "online_testutil.h"
 
 static qkeep_plugin *gpu, *ref;
 
@@ -46,6 +47,14 @@ static void *dev_alloc_copy(const void *host, size_t n) {
     ck_assert_msg(be()->memory->copy_h2d(be(), d, host, n) == 0, "%s", qkeep_errmsg());
   return d;
 }
+
+/* A bucket's device memory, freed once the device is done with it (the sync may still read it until its
+ * copies and kernels are). */
+static void release_bucket(void *on_device) {
+  ck_assert_int_eq(be()->memory->sync(be()), 0);
+  be()->memory->free(be(), on_device);
+}
+static const struct bucket_memory gpu_buckets = {dev_alloc_copy, release_bucket};
 
 static void to_host(void *host, const void *dev, size_t n) {
   ck_assert_msg(be()->memory->copy_d2h(be(), host, dev, n) == 0, "%s", qkeep_errmsg());
@@ -425,18 +434,6 @@ START_TEST(an_online_load_on_the_gpu_equals_quantize_then_load) {
 }
 END_TEST
 
-struct addresses {
-  const void *at[4096];
-  size_t n;
-};
-static int note_address(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
-  (void)layer, (void)name, (void)capacity;
-  struct addresses *a = user;
-  ck_assert_uint_lt(a->n, 4096);
-  a->at[a->n++] = data;
-  return 0;
-}
-
 START_TEST(an_online_reload_of_w1_into_w0_equals_w1_quantized_then_loaded) {
   char *tiny = example("tiny"), *w1 = example("tiny-w1");
   for (size_t s = 0; s < 3; s++) {
@@ -461,47 +458,6 @@ START_TEST(an_online_reload_of_w1_into_w0_equals_w1_quantized_then_loaded) {
 }
 END_TEST
 
-/* Syncs m to checkpoint w1 through the bf16 buckets qkeep_sync_plan plans, in host or GPU memory. */
-static int sync_from(qkeep_model *m, const char *w1, size_t bucket_bytes, bool on_device) {
-  struct qkeep_sync_entry *e;
-  size_t n, n_buckets;
-  ck_assert_msg(qkeep_sync_plan(m, bucket_bytes, &e, &n, &n_buckets) == 0, "%s", qkeep_errmsg());
-  struct ckpt *ck;
-  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
-  qkeep_sync *sync;
-  ck_assert_int_eq(qkeep_sync_begin(m, &sync), 0);
-  int rc = 0;
-  for (size_t b = 0, first = 0; b < n_buckets && !rc; b++) {
-    size_t end = first, bytes = 0;
-    while (end < n && e[end].bucket == b) {
-      size_t last = e[end].tensor.offset + qkeep_spec_bytes(&e[end].tensor.spec);
-      bytes = last > bytes ? last : bytes;
-      end++;
-    }
-    unsigned char *data = calloc(bytes ? bytes : 1, 1);
-    struct qkeep_bucket_tensor *ts = calloc(end - first + 1, sizeof *ts);
-    for (size_t i = first; i < end; i++) {
-      const struct ckpt_tensor *t = ckpt_find(ck, e[i].tensor.name);
-      ck_assert_msg(t != NULL, "the plan names '%s', which W1 lacks", e[i].tensor.name);
-      ck_assert_int_eq(ckpt_read(ck, t, data + e[i].tensor.offset), 0);
-      ts[i - first] = e[i].tensor;
-    }
-    void *dev = on_device ? dev_alloc_copy(data, bytes) : NULL;
-    struct qkeep_bucket bucket = {sizeof bucket, ts, end - first, on_device ? dev : data, bytes, on_device};
-    rc = qkeep_sync_bucket(sync, &bucket);
-    if (dev) { /* the sync may still read it until its copies and kernels are done */
-      ck_assert_int_eq(be()->memory->sync(be()), 0);
-      be()->memory->free(be(), dev);
-    }
-    free(ts), free(data);
-    first = end;
-  }
-  rc = rc ? (qkeep_sync_abort(sync), rc) : qkeep_sync_end(sync);
-  ckpt_close(ck);
-  qkeep_sync_plan_free(e);
-  return rc;
-}
-
 START_TEST(a_one_rank_sync_of_bf16_buckets_equals_w1_quantized_then_loaded) {
   char *tiny = example("tiny"), *w1 = example("tiny-w1");
   for (size_t s = 0; s < 3; s++) {
@@ -512,7 +468,8 @@ START_TEST(a_one_rank_sync_of_bf16_buckets_equals_w1_quantized_then_loaded) {
       snprintf(what, sizeof what, "%s, buckets in %s memory", fp4[s], on_device ? "GPU" : "host");
       qkeep_model *m = load_gpu(tiny, &o);
       int64_t units = m->online.device_units;
-      ck_assert_msg(sync_from(m, w1, 300 << 10, on_device) == 0, "%s: %s", what, qkeep_errmsg());
+      ck_assert_msg(sync_from_buckets(m, w1, 300 << 10, on_device ? &gpu_buckets : NULL) == 0, "%s: %s", what,
+                    qkeep_errmsg());
       assert_on_gpu(m, units, what);
       assert_same(m, twin, what);
       qkeep_model_free(m);

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "checkutil.h"
+#include "online_testutil.h"
 #include "private.h"
 #include "testutil.h"
 
@@ -259,19 +260,6 @@ START_TEST(every_unquantized_name_resolves_and_keeps_no_bytes) {
 }
 END_TEST
 
-/* Every storage's address, in the model's order. */
-struct addresses {
-  const void *at[4096];
-  size_t n;
-};
-static int note_address(void *user, const char *layer, const char *name, const void *data, size_t capacity) {
-  (void)layer, (void)name, (void)capacity;
-  struct addresses *a = user;
-  ck_assert_uint_lt(a->n, 4096);
-  a->at[a->n++] = data;
-  return 0;
-}
-
 START_TEST(reload_w0_to_w1_equals_a_cold_online_w1_and_moves_no_pointer) {
   qkeep_plugin **chain;
   size_t n;
@@ -324,42 +312,6 @@ START_TEST(tensor_parallel_ranks_equal_the_ranks_of_the_offline_output) {
 }
 END_TEST
 
-/* Syncs m to checkpoint w1 through the bf16 buckets qkeep_sync_plan plans (host memory). */
-static int sync_from(qkeep_model *m, const char *w1, size_t bucket_bytes) {
-  struct qkeep_sync_entry *e;
-  size_t n, n_buckets;
-  ck_assert_msg(qkeep_sync_plan(m, bucket_bytes, &e, &n, &n_buckets) == 0, "%s", qkeep_errmsg());
-  struct ckpt *ck;
-  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
-  qkeep_sync *sync;
-  ck_assert_int_eq(qkeep_sync_begin(m, &sync), 0);
-  int rc = 0;
-  for (size_t b = 0, first = 0; b < n_buckets && !rc; b++) {
-    size_t end = first, bytes = 0;
-    while (end < n && e[end].bucket == b) {
-      size_t last = e[end].tensor.offset + qkeep_spec_bytes(&e[end].tensor.spec);
-      bytes = last > bytes ? last : bytes;
-      end++;
-    }
-    unsigned char *data = calloc(bytes ? bytes : 1, 1);
-    struct qkeep_bucket_tensor *ts = calloc(end - first + 1, sizeof *ts);
-    for (size_t i = first; i < end; i++) {
-      const struct ckpt_tensor *t = ckpt_find(ck, e[i].tensor.name);
-      ck_assert_msg(t != NULL, "plan names '%s', which W1 lacks", e[i].tensor.name);
-      ck_assert_int_eq(ckpt_read(ck, t, data + e[i].tensor.offset), 0);
-      ts[i - first] = e[i].tensor;
-    }
-    struct qkeep_bucket bucket = {sizeof bucket, ts, end - first, data, bytes, false};
-    rc = qkeep_sync_bucket(sync, &bucket);
-    free(ts), free(data);
-    first = end;
-  }
-  rc = rc ? (qkeep_sync_abort(sync), rc) : qkeep_sync_end(sync);
-  ckpt_close(ck);
-  qkeep_sync_plan_free(e);
-  return rc;
-}
-
 START_TEST(a_sync_of_bf16_buckets_equals_a_cold_online_w1) {
   qkeep_plugin **chain;
   size_t n;
@@ -378,7 +330,7 @@ START_TEST(a_sync_of_bf16_buckets_equals_a_cold_online_w1) {
     ck_assert_msg(bf16, "%s: the plan has no bf16 q_proj", schemes[s]);
     qkeep_sync_plan_free(e);
     /* 300 KiB buckets: layers larger than a bucket wait for their rest */
-    ck_assert_msg(sync_from(m, w1, 300 << 10) == 0, "%s: %s", schemes[s], qkeep_errmsg());
+    ck_assert_msg(sync_from_buckets(m, w1, 300 << 10, NULL) == 0, "%s: %s", schemes[s], qkeep_errmsg());
     assert_same(m, cold, false, schemes[s]);
     qkeep_model_free(cold);
     qkeep_model_free(m);
