@@ -151,15 +151,34 @@ static const struct qkeep_backend *quantizing_backend(qkeep_layer *layer, size_t
   return be;
 }
 
-int online_device_query(qkeep_layer *layer, size_t first, size_t end) {
+/* The unit [first, end) as the layer's owner's quantize slot sees it (*be that backend), in a new
+ * device_unit; NULL when the owner has no slot for the plan's scheme or the unit has a shape the slot
+ * does not take (*rc 0), or when out of memory (*rc the error). */
+static struct device_unit *slot_unit(qkeep_layer *layer, size_t first, size_t end,
+                                     const struct qkeep_backend **be, int *rc) {
   const char *scheme;
-  const struct qkeep_backend *be = quantizing_backend(layer, first, &scheme);
-  if (!be)
-    return 0;
+  *rc = 0;
+  if (!(*be = quantizing_backend(layer, first, &scheme)))
+    return NULL;
   struct device_unit *du = malloc(sizeof *du);
+  if (!du) {
+    *rc = set_error(QKEEP_E_NOMEM, "out of memory");
+    return NULL;
+  }
+  if (!describe_unit(layer, first, end, scheme, du)) {
+    free(du);
+    return NULL;
+  }
+  return du;
+}
+
+int online_device_query(qkeep_layer *layer, size_t first, size_t end) {
+  const struct qkeep_backend *be;
+  int rc;
+  struct device_unit *du = slot_unit(layer, first, end, &be, &rc);
   if (!du)
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  int taken = describe_unit(layer, first, end, scheme, du) ? be->quantize(be, layer, &du->q) : 1;
+    return rc;
+  int taken = be->quantize(be, layer, &du->q);
   if (taken < 0)
     taken = add_error_context(taken, "backend %s: asked whether it quantizes '%s'", be->name, du->m[0].name);
   free(du);
@@ -169,18 +188,11 @@ int online_device_query(qkeep_layer *layer, size_t first, size_t end) {
 int online_unit_device(qkeep_layer *layer, const struct provider *pv, size_t first, size_t end,
                        struct staging *st, struct online_unit *u, bool **written) {
   *written = NULL;
-  const char *scheme;
-  const struct qkeep_backend *be = quantizing_backend(layer, first, &scheme);
-  if (!be)
-    return 0;
-  struct device_unit *du = malloc(sizeof *du);
+  const struct qkeep_backend *be;
+  int rc;
+  struct device_unit *du = slot_unit(layer, first, end, &be, &rc); /* as it was when the query took it */
   if (!du)
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  int rc = 0;
-  if (!describe_unit(layer, first, end, scheme, du)) { /* as it was when the query took it */
-    free(du);
-    return 0;
-  }
+    return rc;
   du->q.amax = 0.0f, du->q.bad_member = -1, du->q.bad_element = 0;
   const struct derived *d0 = &layer->derived[first];
   for (int m = 0; m < du->q.n_members && !rc; m++)
