@@ -22,8 +22,8 @@
 #include <string.h>
 
 #include "checkutil.h"
+#include "fake_async_device.h"
 #include "online_testutil.h"
-#include "plugins/async_queue.h"
 #include "private.h"
 #include "testutil.h"
 
@@ -45,16 +45,12 @@ static struct {
 
 /* ---- the fake device: host memory, queued copies, allocations tracked ---- */
 
-static struct async_queue q;
-
 #define MAX_ALLOCS 16384
 static struct {
   void *p;
   size_t bytes;
 } allocs[MAX_ALLOCS];
 static size_t n_allocs;
-
-static void flush(void) { aq_flush(&q); }
 
 /* The live allocation holding p, or -1. */
 static long alloc_of(const void *p) {
@@ -82,39 +78,10 @@ static void f_free(const struct qkeep_backend *be, void *p) {
     allocs[i] = allocs[--n_allocs];
   free(p);
 }
-static int f_copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
-  (void)be, flush();
-  memmove(dst, src, n);
-  return 0;
-}
-static int f_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
-  (void)be, flush();
-  memset(dst, byte, n);
-  return 0;
-}
-static int f_sync(const struct qkeep_backend *be) { return (void)be, flush(), 0; }
-static int f_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
-  (void)be;
-  return (*out = malloc(bytes ? bytes : 1)) ? 0 : QKEEP_E_NOMEM;
-}
-static void f_host_free(const struct qkeep_backend *be, void *p) {
-  (void)be;
-  ck_assert_uint_eq(q.queued, 0); /* the core syncs before it frees its staging */
-  free(p);
-}
 static int f_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
   (void)be;
   ck_assert(aq_push(&q, dst, src, n));
   return 0;
-}
-static int f_fence(const struct qkeep_backend *be, uint64_t *fence) {
-  (void)be;
-  ck_assert(aq_fence(&q, fence));
-  return 0;
-}
-static int f_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
-  (void)be;
-  return aq_fence_wait(&q, fence, block);
 }
 
 static const struct qkeep_memory_ops fake_ops = {

@@ -14,56 +14,22 @@
 #include <string.h>
 
 #include "checkutil.h"
-#include "plugins/async_queue.h"
+#include "fake_async_device.h"
 #include "private.h"
 
 /* ---- the fake device ---- */
-
-static struct async_queue q;
-
-static void flush(void) { aq_flush(&q); }
 
 static int f_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   (void)be, flush();
   return (*out = calloc(1, bytes ? bytes : 1)) ? 0 : QKEEP_E_NOMEM;
 }
 static void f_free(const struct qkeep_backend *be, void *p) { (void)be, flush(), free(p); }
-static int f_copy(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
-  (void)be, flush();
-  memmove(dst, src, n);
-  return 0;
-}
-static int f_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
-  (void)be, flush();
-  memset(dst, byte, n);
-  return 0;
-}
-static int f_sync(const struct qkeep_backend *be) { return (void)be, flush(), 0; }
-static int f_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
-  (void)be;
-  return (*out = malloc(bytes)) ? 0 : QKEEP_E_NOMEM;
-}
-static void f_host_free(const struct qkeep_backend *be, void *p) {
-  (void)be;
-  ck_assert_uint_eq(q.queued, 0); /* the core syncs before it frees its staging */
-  free(p);
-}
 static size_t h2d_calls; /* copy_h2d_async calls since the last reset_device */
 static int f_h2d_async(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
   (void)be;
   h2d_calls++;
   ck_assert(aq_push(&q, dst, src, n));
   return 0;
-}
-static int f_fence(const struct qkeep_backend *be, uint64_t *fence) {
-  (void)be;
-  ck_assert(aq_fence(&q, fence));
-  return 0;
-}
-static int f_fence_wait(const struct qkeep_backend *be, uint64_t fence, int block) {
-  (void)be;
-  ck_assert_uint_lt(fence, q.fences);
-  return aq_fence_wait(&q, fence, block);
 }
 
 static const struct qkeep_memory_ops fenced_ops = {
