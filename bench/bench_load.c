@@ -16,6 +16,20 @@
  * warm-up round; both files are read once first so that the page cache holds them.
  *
  *   bench_load [LAYERS] [RUNS]
+ *   bench_load online [LAYERS] [RUNS]
+ *
+ * With `online`, quantizing on load on the device: the same model unquantized (every linear bf16:
+ * about 9.1 GB at 16 layers), loaded with `quantize = modelopt-nvfp4` on the chain `cuda-nvfp4,
+ * reference` with cuda-nvfp4's quantize_on_device on (each unit's bf16 staged in device memory and
+ * quantized there), against in the same rounds:
+ *   - raw_read of the bf16 file by every core (the target: an online cold start within 1.5x of it);
+ *   - the cold start of the same model quantized offline (qkeep_quantize, then a cold load), whose
+ *     digest the online model must equal ("identical");
+ *   - an online reload of the bf16 file in place;
+ * and the quantize slot alone on device buffers (gate_proj and up_proj: one fusion group of two
+ * 14336 x 4096 bf16 members, the scan, its read-back and the kernels) against a device-to-device
+ * copy of the same bf16 bytes: bytes moved (read + written) per second each, and their ratio
+ * (target: at least 0.5).
  *
  * QKEEP_BENCH_RINGS="SLOTS:PIECE:READERS:FENCES,..." measures each ring shape (ring_options.h);
  * without it, the model's defaults. QKEEP_BENCH_TRACE=1 logs the stream's trace of every load.
@@ -206,7 +220,147 @@ static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec
   return 0;
 }
 
+/* ---- online quantization on the device ---- */
+
+/* Seconds of one call of the quantize slot on a fusion group of two n x k bf16 members (median of
+ * runs), and of a device copy of the same bf16 bytes; *bytes_moved: what the slot reads and writes. */
+static void quantize_slot_timing(const struct qkeep_backend *be, int64_t n, int64_t k, int runs,
+                                 double *slot_s, double *copy_s, double *bytes_moved) {
+  const size_t src = (size_t)(n * k) * 2, codes = (size_t)(n * k) / 2, scales = (size_t)(n * k) / 16;
+  void *d_src[2], *d_codes[2], *d_scales[2], *d_copy;
+  uint16_t *host = malloc(src);
+  uint64_t seed = 7;
+  for (size_t i = 0; host && i < src / 2; i++)
+    host[i] = (uint16_t)((tu_rand(&seed) & 0x80ffu) | 0x3c00u);
+  if (!host) {
+    printf("{\"bench\":\"online_kernel\",\"error\":\"out of memory\"}\n");
+    exit(1);
+  }
+  for (int m = 0; m < 2; m++) {
+    CUDA_OK(cudaMalloc(&d_src[m], src));
+    CUDA_OK(cudaMalloc(&d_codes[m], codes));
+    CUDA_OK(cudaMalloc(&d_scales[m], scales));
+    CUDA_OK(cudaMemcpy(d_src[m], host, src, cudaMemcpyHostToDevice));
+  }
+  CUDA_OK(cudaMalloc(&d_copy, 2 * src));
+  static const char *const names[2] = {"mlp.gate_proj.weight", "mlp.up_proj.weight"};
+  struct qkeep_quant_member members[2];
+  for (int m = 0; m < 2; m++)
+    members[m] = (struct qkeep_quant_member){sizeof members[m], names[m],   QKEEP_DTYPE_BF16, n, k,
+                                             d_src[m],          d_codes[m], d_scales[m]};
+  double slot[MAX_RUNS + 1], copy[MAX_RUNS + 1];
+  for (int r = 0; r <= runs; r++) { /* r 0: the warm-up */
+    struct qkeep_quant_unit u = {sizeof u, "modelopt-nvfp4", 2, members, sizeof members[0], 0.0f, -1, 0};
+    CUDA_OK(cudaDeviceSynchronize());
+    double t0 = now_seconds();
+    if (be->quantize(be, NULL, &u) != 0) {
+      printf("{\"bench\":\"online_kernel\",\"error\":\"the quantize slot: %s\"}\n", qkeep_errmsg());
+      exit(1);
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    double t1 = now_seconds();
+    for (int m = 0; m < 2; m++)
+      CUDA_OK(cudaMemcpyAsync((char *)d_copy + m * src, d_src[m], src, cudaMemcpyDeviceToDevice, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    slot[r] = t1 - t0, copy[r] = now_seconds() - t1;
+  }
+  *slot_s = tu_median(slot + 1, runs), *copy_s = tu_median(copy + 1, runs);
+  *bytes_moved = 2.0 * (double)(src + codes + scales);
+  for (int m = 0; m < 2; m++)
+    cudaFree(d_src[m]), cudaFree(d_codes[m]), cudaFree(d_scales[m]);
+  cudaFree(d_copy);
+  free(host);
+}
+
+static int bench_online(qkeep_plugin **plugins, size_t n_plugins, const char *bf16, const char *offline,
+                        const char *file, double bytes, int runs, int cores) {
+  struct qkeep_quantize_options q = {.size = sizeof q, .scheme = "modelopt-nvfp4"};
+  double t0 = now_seconds();
+  if (qkeep_quantize(bf16, offline, &q))
+    return fail("qkeep quantize");
+  double quantize_s = now_seconds() - t0;
+  double raw[MAX_RUNS], online[MAX_RUNS], cold[MAX_RUNS], reload[MAX_RUNS], over[MAX_RUNS];
+  bool identical = true;
+  for (int r = -1; r < runs; r++) { /* round -1: the warm-up */
+    double t_raw = raw_read(file, cores);
+    qkeep_model *on, *off;
+    t0 = now_seconds();
+    if (qkeep_model_new_chain(plugins, n_plugins, &on) || qkeep_model_set_quantize(on, &q) ||
+        qkeep_model_load(on, bf16))
+      return fail("online cold start");
+    double t1 = now_seconds();
+    if (qkeep_model_new_chain(plugins, n_plugins, &off) || qkeep_model_load(off, offline))
+      return fail("cold start of the offline twin");
+    double t2 = now_seconds();
+    if (qkeep_model_reload(on, bf16, 0))
+      return fail("online reload");
+    double t3 = now_seconds();
+    struct qkeep_digest a, b;
+    if (qkeep_digest(on, &a) || qkeep_digest(off, &b))
+      return fail("digest");
+    identical &= a.hi == b.hi && a.lo == b.lo;
+    qkeep_model_free(on);
+    qkeep_model_free(off);
+    if (t_raw < 0)
+      return fail("raw read");
+    if (r >= 0)
+      raw[r] = t_raw, online[r] = t1 - t0, cold[r] = t2 - t1, reload[r] = t3 - t2,
+      over[r] = online[r] / t_raw;
+  }
+  double s_raw = tu_median(raw, runs), s_on = tu_median(online, runs), s_cold = tu_median(cold, runs);
+  double s_reload = tu_median(reload, runs);
+  printf("{\"bench\":\"online_load\",\"model\":\"llama3-8b-bf16\",\"scheme\":\"modelopt-nvfp4\","
+         "\"bytes\":%.0f,\"online_s\":%.4f,\"online_gbps\":%.2f,\"online_reload_s\":%.4f,"
+         "\"online_reload_gbps\":%.2f,\"raw_read_s\":%.4f,\"raw_read_gbps\":%.2f,\"raw_read_threads\":%d,"
+         "\"online_over_raw_read\":%.3f,\"online_over_raw_read_paired\":%.3f,\"offline_cold_s\":%.4f,"
+         "\"online_over_offline_cold\":%.3f,\"quantize_s\":%.3f,\"identical\":%s,\"runs\":%d}\n",
+         bytes, s_on, bytes / s_on / 1e9, s_reload, bytes / s_reload / 1e9, s_raw, bytes / s_raw / 1e9, cores,
+         s_on / s_raw, tu_median(over, runs), s_cold, s_on / s_cold, quantize_s, identical ? "true" : "false",
+         runs);
+  fflush(stdout);
+  double slot_s, copy_s, moved;
+  quantize_slot_timing(plugins[0]->be, 14336, 4096, 2 * runs + 1, &slot_s, &copy_s, &moved);
+  double copy_bytes = 2.0 * 2.0 * 14336.0 * 4096.0 * 2.0; /* read + write of both members' bf16 */
+  printf("{\"bench\":\"online_kernel\",\"scheme\":\"modelopt-nvfp4\",\"unit\":\"gate_up 2x14336x4096 "
+         "bf16\",\"slot_us\":%.1f,\"slot_gbps\":%.1f,\"d2d_copy_us\":%.1f,\"d2d_copy_gbps\":%.1f,"
+         "\"slot_of_copy\":%.3f}\n",
+         slot_s * 1e6, moved / slot_s / 1e9, copy_s * 1e6, copy_bytes / copy_s / 1e9,
+         (moved / slot_s) / (copy_bytes / copy_s));
+  fflush(stdout);
+  return identical ? 0 : 1;
+}
+
+static int main_online(int layers, int runs, int cores) {
+  char *dir = tu_tmpdir("bench-online-gpu");
+  char *bf16 = dir ? tu_path(dir, "bf16") : NULL, *offline = dir ? tu_path(dir, "nvfp4") : NULL;
+  char *file = bf16 ? tu_path(bf16, "model.safetensors") : NULL,
+       *ini = dir ? tu_path(dir, "qkeep.ini") : NULL;
+  struct shape s = shapes[0];
+  s.layers = layers;
+  if (!file || !ini || mkdir(bf16, 0755) || write_checkpoint(&s, bf16, 1, true))
+    return fail("writing the bf16 checkpoint");
+  struct stat st;
+  if (stat(file, &st) || raw_read(file, cores) < 0)
+    return fail("reading the bf16 checkpoint");
+  static const char cfg[] = "[qkeep]\nbackend = cuda-nvfp4, reference\n"
+                            "[backend.cuda-nvfp4]\nquantize_on_device = true\n";
+  qkeep_config *config;
+  qkeep_plugin **plugins;
+  size_t n_plugins;
+  if (tu_write_file(ini, cfg, strlen(cfg)) || qkeep_config_load(ini, &config) ||
+      qkeep_plugins_open_config(config, &plugins, &n_plugins))
+    return fail("plugins");
+  int rc = bench_online(plugins, n_plugins, bf16, offline, file, (double)st.st_size, runs, cores);
+  qkeep_plugins_close(plugins, n_plugins);
+  qkeep_config_free(config);
+  tu_rmtree(dir);
+  free(dir), free(bf16), free(offline), free(file), free(ini);
+  return rc;
+}
+
 int main(int argc, char **argv) {
+  bool online = argc > 1 && strcmp(argv[1], "online") == 0;
+  argv += online, argc -= online;
   int layers = argc > 1 ? atoi(argv[1]) : 16, runs = argc > 2 ? atoi(argv[2]) : 3;
   runs = runs < 1 ? 1 : runs > MAX_RUNS ? MAX_RUNS : runs;
   int devices = 0;
@@ -220,6 +374,8 @@ int main(int argc, char **argv) {
   CUDA_OK(cudaFree(NULL)); /* the context, outside every timing */
   int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
   cores = cores < 1 ? 1 : cores;
+  if (online)
+    return main_online(layers, runs, cores);
   char *dir = tu_tmpdir("bench-load");
   char *w0 = dir ? tu_path(dir, "w0") : NULL, *w1 = dir ? tu_path(dir, "w1") : NULL;
   char *file1 = w1 ? tu_path(w1, "model.safetensors") : NULL,

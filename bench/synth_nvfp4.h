@@ -1,8 +1,9 @@
 /*
  * synth_nvfp4.h: the synthetic ModelOpt NVFP4 checkpoints the GPU benches load (bench_sync,
  * bench_forward): real tensor names and shapes of Llama-3-8B and Qwen3-30B-A3B, layers cut down,
- * codes and e4m3 block scales random from a seed, norms, router and embeddings bf16. Header-only
- * (static functions): one translation unit each.
+ * codes and e4m3 block scales random from a seed, norms, router and embeddings bf16; or the same
+ * model unquantized (every linear's weight bf16, random signs and magnitudes over eight binades), as a
+ * trainer would hand it over. Header-only (static functions): one translation unit each.
  */
 #ifndef QKEEP_BENCH_SYNTH_NVFP4_H
 #define QKEEP_BENCH_SYNTH_NVFP4_H
@@ -58,6 +59,22 @@ static int add_nvfp4(struct st_writer *w, const char *module, int64_t n, int64_t
   return rc;
 }
 
+/* An unquantized linear: module.weight, bf16 values of random sign in [2^-9, 2^-1) (n * k a multiple of 4).
+ */
+static int add_bf16_linear(struct st_writer *w, const char *module, int64_t n, int64_t k, uint64_t *seed) {
+  char name[256];
+  snprintf(name, sizeof name, "%s.weight", module);
+  for (size_t i = 0; i < (size_t)(n * k); i += 4) {
+    uint64_t r = tu_rand(seed);
+    for (size_t j = 0; j < 4; j++) {
+      uint16_t v = (uint16_t)(r >> (16 * j));
+      scratch[2 * (i + j)] = (unsigned char)v;
+      scratch[2 * (i + j) + 1] = (unsigned char)((v & 0x8000u) >> 8 | (0x3b + ((v >> 8) & 3)));
+    }
+  }
+  return add(w, name, QKEEP_DTYPE_BF16, 2, n, k);
+}
+
 static int add_bf16(struct st_writer *w, const char *name, int ndim, int64_t d0, int64_t d1, uint64_t *seed) {
   size_t n = (size_t)d0 * (size_t)(ndim > 1 ? d1 : 1);
   for (size_t i = 0; i < n; i++) {
@@ -67,7 +84,14 @@ static int add_bf16(struct st_writer *w, const char *name, int ndim, int64_t d0,
   return add(w, name, QKEEP_DTYPE_BF16, ndim, d0, d1);
 }
 
-static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
+/* The model's linears as ModelOpt NVFP4, or (bf16) unquantized. */
+static int add_linear(struct st_writer *w, const char *module, int64_t n, int64_t k, uint64_t *seed,
+                      bool bf16) {
+  return bf16 ? add_bf16_linear(w, module, n, k, seed) : add_nvfp4(w, module, n, k, seed);
+}
+
+/* Writes dir/model.safetensors and its configs: ModelOpt NVFP4, or with bf16 every linear unquantized. */
+static int write_checkpoint(const struct shape *s, const char *dir, uint64_t seed, bool bf16) {
   struct st_writer *w;
   char name[256];
   int rc = st_writer_new(&w);
@@ -81,7 +105,11 @@ static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
     static const char *const proj[] = {"q_proj", "k_proj", "v_proj", "o_proj"};
     for (int p = 0; p < 4 && !rc; p++) {
       snprintf(name, sizeof name, "model.layers.%d.self_attn.%s", l, proj[p]);
-      rc = add_nvfp4(w, name, p == 0 ? s->q : p < 3 ? s->kv : s->hidden, p == 3 ? s->q : s->hidden, &seed);
+      rc = add_linear(w, name,
+                      p == 0  ? s->q
+                      : p < 3 ? s->kv
+                              : s->hidden,
+                      p == 3 ? s->q : s->hidden, &seed, bf16);
     }
     static const char *const norms[] = {"input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
                                         "self_attn.k_norm"};
@@ -93,7 +121,7 @@ static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
     if (!s->experts)
       for (int p = 0; p < 3 && !rc; p++) {
         snprintf(name, sizeof name, "model.layers.%d.mlp.%s", l, mlp[p]);
-        rc = add_nvfp4(w, name, p < 2 ? s->inter : s->hidden, p < 2 ? s->hidden : s->inter, &seed);
+        rc = add_linear(w, name, p < 2 ? s->inter : s->hidden, p < 2 ? s->hidden : s->inter, &seed, bf16);
       }
     if (s->experts && !rc) {
       snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
@@ -102,7 +130,8 @@ static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
     for (int e = 0; e < s->experts && !rc; e++)
       for (int p = 0; p < 3 && !rc; p++) {
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s", l, e, mlp[p]);
-        rc = add_nvfp4(w, name, p < 2 ? s->moe_inter : s->hidden, p < 2 ? s->hidden : s->moe_inter, &seed);
+        rc = add_linear(w, name, p < 2 ? s->moe_inter : s->hidden, p < 2 ? s->hidden : s->moe_inter, &seed,
+                        bf16);
       }
   }
   char *file = tu_path(dir, "model.safetensors"), *cfg = tu_path(dir, "config.json"),
@@ -114,14 +143,23 @@ static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
       "{\"producer\": {\"name\": \"modelopt\", \"version\": \"synthetic\"}, "
       "\"quantization\": {\"quant_algo\": \"NVFP4\", \"kv_cache_quant_algo\": null, "
       "\"group_size\": 16, \"exclude_modules\": [\"lm_head\", \"model.layers.*.mlp.gate\"]}}\n";
+  static const char plain[] = "{\"tie_word_embeddings\": false}\n";
   if (!rc)
     rc = st_writer_write(w, file);
-  if (!rc && (tu_write_file(cfg, config, strlen(config)) || tu_write_file(hf, hfq, strlen(hfq))))
+  if (!rc && bf16 && tu_write_file(cfg, plain, strlen(plain)))
+    rc = set_error(QKEEP_E_IO, "%s: cannot write the config", dir);
+  else if (!rc && !bf16 &&
+           (tu_write_file(cfg, config, strlen(config)) || tu_write_file(hf, hfq, strlen(hfq))))
     rc = set_error(QKEEP_E_IO, "%s: cannot write the configs", dir);
   st_writer_free(w);
   free(scratch), free(file), free(cfg), free(hf);
   scratch = NULL;
   return rc;
+}
+
+/* The ModelOpt NVFP4 checkpoint (write_checkpoint). */
+static int write_model(const struct shape *s, const char *dir, uint64_t seed) {
+  return write_checkpoint(s, dir, seed, false);
 }
 
 #endif

@@ -22,6 +22,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "cuda_nvfp4.h"
 #include "fp4_quant.h"
 
@@ -31,45 +33,85 @@ constexpr int kThreads = 256;
 
 /* ---- loading values ---------------------------------------------------------------------------- */
 
-/* The f32 bits of element i of src (dtype: F32, F16 or BF16). F16 converts exactly (subnormals too). */
-template <int DT> __device__ __forceinline__ uint32_t value_bits(const void *src, int64_t i) {
+template <int DT> struct elem {
+  using type = typename std::conditional<DT == QKEEP_DTYPE_F32, uint32_t, uint16_t>::type;
+};
+
+/* The f32 bits of one element's own encoding e (dtype: F32, F16 or BF16). F16 converts exactly
+ * (subnormals too). */
+template <int DT> __device__ __forceinline__ uint32_t bits_of(uint32_t e) {
   if (DT == QKEEP_DTYPE_F32)
-    return static_cast<const uint32_t *>(src)[i];
-  uint16_t h = static_cast<const uint16_t *>(src)[i];
+    return e;
   if (DT == QKEEP_DTYPE_BF16)
-    return static_cast<uint32_t>(h) << 16;
-  return __float_as_uint(__half2float(__ushort_as_half(h)));
+    return e << 16;
+  return __float_as_uint(__half2float(__ushort_as_half(static_cast<uint16_t>(e))));
 }
 
-template <int DT> __device__ __forceinline__ float value(const void *src, int64_t i) {
-  return __uint_as_float(value_bits<DT>(src, i));
-}
-
-/* Whether the element's own encoding has its exponent all ones (NaN or Inf). */
-template <int DT> __device__ __forceinline__ bool not_finite(const void *src, int64_t i) {
+/* Whether the encoding e has its exponent all ones (NaN or Inf). */
+template <int DT> __device__ __forceinline__ bool not_finite(uint32_t e) {
   if (DT == QKEEP_DTYPE_F32)
-    return (static_cast<const uint32_t *>(src)[i] & 0x7f800000u) == 0x7f800000u;
-  uint16_t h = static_cast<const uint16_t *>(src)[i];
-  return DT == QKEEP_DTYPE_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
+    return (e & 0x7f800000u) == 0x7f800000u;
+  return DT == QKEEP_DTYPE_BF16 ? (e & 0x7f80u) == 0x7f80u : (e & 0x7c00u) == 0x7c00u;
+}
+
+/* Values first .. first + N - 1 of src as floats: 16-byte loads that bypass L1 (each value is read
+ * once) where src is 16-byte aligned (vec; N values are a multiple of 16 bytes), else one by one. */
+template <int DT, int N>
+__device__ __forceinline__ void load_values(const void *src, int64_t first, bool vec, float (&x)[N]) {
+  using E = typename elem<DT>::type;
+  const E *p = static_cast<const E *>(src) + first;
+  if (vec) {
+    constexpr int kVectors = N * static_cast<int>(sizeof(E)) / 16;
+    uint4 raw[kVectors];
+#pragma unroll
+    for (int i = 0; i < kVectors; i++)
+      raw[i] = __ldcs(reinterpret_cast<const uint4 *>(p) + i);
+    const E *e = reinterpret_cast<const E *>(raw);
+#pragma unroll
+    for (int j = 0; j < N; j++)
+      x[j] = __uint_as_float(bits_of<DT>(e[j]));
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < N; j++)
+    x[j] = __uint_as_float(bits_of<DT>(p[j]));
 }
 
 /* ---- the scan ----------------------------------------------------------------------------------------- */
 
-/* out[0]: max magnitude bits (atomicMax); out64[0]: the first non-finite element (atomicMin; ~0: none). */
+/* Folds element i (encoding e) into the running max magnitude bits and first non-finite index. */
+template <int DT>
+__device__ __forceinline__ void scan_one(uint32_t e, int64_t i, uint32_t &top, unsigned long long &bad) {
+  if (not_finite<DT>(e)) {
+    bad = static_cast<unsigned long long>(i) < bad ? static_cast<unsigned long long>(i) : bad;
+    return;
+  }
+  uint32_t a = bits_of<DT>(e) & 0x7fffffffu;
+  top = a > top ? a : top;
+}
+
+/* out[0]: max magnitude bits (atomicMax); out64[0]: the first non-finite element (atomicMin; ~0: none).
+ * vec: src is 16-byte aligned, so whole 16-byte vectors are read (the tail past the last one singly). */
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
-    scan_kernel(const void *src, int64_t count, uint32_t *max_bits, unsigned long long *first_bad) {
+    scan_kernel(const void *src, int64_t count, bool vec, uint32_t *max_bits, unsigned long long *first_bad) {
+  using E = typename elem<DT>::type;
+  constexpr int kPer = 16 / static_cast<int>(sizeof(E));
+  const E *p = static_cast<const E *>(src);
   uint32_t top = 0;
   unsigned long long bad = ~0ull;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    if (not_finite<DT>(src, i)) {
-      bad = static_cast<unsigned long long>(i) < bad ? static_cast<unsigned long long>(i) : bad;
-      continue;
-    }
-    uint32_t a = value_bits<DT>(src, i) & 0x7fffffffu;
-    top = a > top ? a : top;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t vectors = vec ? count / kPer : 0;
+  for (int64_t v = first; v < vectors; v += stride) {
+    uint4 raw = __ldcs(reinterpret_cast<const uint4 *>(p) + v);
+    const E *e = reinterpret_cast<const E *>(&raw);
+#pragma unroll
+    for (int j = 0; j < kPer; j++)
+      scan_one<DT>(e[j], v * kPer + j, top, bad);
   }
+  for (int64_t i = vectors * kPer + first; i < count; i += stride)
+    scan_one<DT>(p[i], i, top, bad);
   top = __reduce_max_sync(0xffffffffu, top);
   for (int off = 16; off > 0; off >>= 1) {
     unsigned long long other = __shfl_down_sync(0xffffffffu, bad, off);
@@ -100,6 +142,7 @@ template <int N> __device__ __forceinline__ void store_codes(uint8_t *dst, const
 
 struct nvfp4_args {
   const void *src;
+  bool vec;       /* src 16-byte aligned: whole blocks by 16-byte loads */
   int64_t blocks; /* n * k / 16 */
   uint8_t *codes, *scales;
   float ws2;    /* ModelOpt: weight_scale_2 = amax / 2688 */
@@ -120,15 +163,14 @@ template <int DT> __global__ void __launch_bounds__(kThreads) nvfp4_quant_kernel
     return;
   }
   float x[16];
-#pragma unroll
-  for (int j = 0; j < 16; j++)
-    x[j] = value<DT>(a.src, 16 * b + j);
+  load_values<DT>(a.src, 16 * b, a.vec, x);
   a.scales[b] = fp4q_nvfp4_block(x, a.ct, a.ws2, a.global, word);
   store_codes<8>(a.codes + 8 * b, word);
 }
 
 struct mxfp4_args {
   const void *src;
+  bool vec;
   int64_t blocks; /* n * k / 32 */
   uint8_t *codes, *scales;
 };
@@ -139,15 +181,15 @@ template <int DT> __global__ void __launch_bounds__(kThreads) mxfp4_quant_kernel
   if (b >= a.blocks)
     return;
   float x[32];
-#pragma unroll
-  for (int j = 0; j < 32; j++)
-    x[j] = value<DT>(a.src, 32 * b + j);
+  load_values<DT>(a.src, 32 * b, a.vec, x);
   uint32_t word[4];
   a.scales[b] = fp4q_mxfp4_block(x, word);
   store_codes<16>(a.codes + 16 * b, word);
 }
 
 /* ---- dispatch by dtype --------------------------------------------------------------------------------- */
+
+bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 int grid_for(int64_t items) {
   int64_t g = (items + kThreads - 1) / kThreads;
@@ -164,15 +206,16 @@ extern "C" int fp4_quant_scan_gpu(const struct fp4_quant_member *m, void *scratc
   int64_t count = m->n * m->k;
   int64_t grid = grid_for(count);
   int blocks = static_cast<int>(grid < 4096 ? grid : 4096); /* grid-stride beyond */
+  bool vec = aligned16(m->src);
   switch (m->dtype) {
   case QKEEP_DTYPE_F32:
-    scan_kernel<QKEEP_DTYPE_F32><<<blocks, kThreads, 0, s>>>(m->src, count, max_bits, first_bad);
+    scan_kernel<QKEEP_DTYPE_F32><<<blocks, kThreads, 0, s>>>(m->src, count, vec, max_bits, first_bad);
     break;
   case QKEEP_DTYPE_F16:
-    scan_kernel<QKEEP_DTYPE_F16><<<blocks, kThreads, 0, s>>>(m->src, count, max_bits, first_bad);
+    scan_kernel<QKEEP_DTYPE_F16><<<blocks, kThreads, 0, s>>>(m->src, count, vec, max_bits, first_bad);
     break;
   case QKEEP_DTYPE_BF16:
-    scan_kernel<QKEEP_DTYPE_BF16><<<blocks, kThreads, 0, s>>>(m->src, count, max_bits, first_bad);
+    scan_kernel<QKEEP_DTYPE_BF16><<<blocks, kThreads, 0, s>>>(m->src, count, vec, max_bits, first_bad);
     break;
   default: return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -184,7 +227,8 @@ extern "C" int fp4_quant_gpu(const struct fp4_quant_member *m, enum fp4_quant_sc
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int64_t count = m->n * m->k;
   if (scheme == FP4_QUANT_MXFP4) {
-    mxfp4_args a = {m->src, count / 32, static_cast<uint8_t *>(m->codes), static_cast<uint8_t *>(m->scales)};
+    mxfp4_args a = {m->src, aligned16(m->src), count / 32, static_cast<uint8_t *>(m->codes),
+                    static_cast<uint8_t *>(m->scales)};
     if (!a.blocks)
       return 0;
     int g = grid_for(a.blocks);
@@ -196,8 +240,15 @@ extern "C" int fp4_quant_gpu(const struct fp4_quant_member *m, enum fp4_quant_sc
     }
     return static_cast<int>(cudaGetLastError());
   }
-  nvfp4_args a = {m->src, count / 16, static_cast<uint8_t *>(m->codes), static_cast<uint8_t *>(m->scales),
-                  0.0f,   0.0f,       scheme == FP4_QUANT_CT_NVFP4,     amax == 0.0f};
+  nvfp4_args a = {m->src,
+                  aligned16(m->src),
+                  count / 16,
+                  static_cast<uint8_t *>(m->codes),
+                  static_cast<uint8_t *>(m->scales),
+                  0.0f,
+                  0.0f,
+                  scheme == FP4_QUANT_CT_NVFP4,
+                  amax == 0.0f};
   if (!a.zero) { /* the host's divisions, in float32 (this is host code): quant_nvfp4_rows's ws2, ct_global */
     a.ws2 = amax / 2688.0f;
     a.global = 2688.0f / amax;
