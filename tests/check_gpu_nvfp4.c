@@ -13,7 +13,11 @@
  *     device pointer unchanged;
  *   - bf16 and f16 activations, and the routed MoE apply (forced through
  *     each kernel, 1 to 256 tokens, top-k 8 over 16 experts of which some
- *     get no token and one most), agree with the f32 per-expert results.
+ *     get no token and one most), agree with the f32 per-expert results;
+ *   - the batched memory slots against the host: copy_d2d_batch (ranges of
+ *     every alignment, some cut into chunks) gives memmove's bytes, and
+ *     find_bad_bytes finds the lowest range holding a bad e4m3 or e8m0 byte
+ *     wherever it lies in the range, or none.
  */
 #include <check.h>
 #include <math.h>
@@ -553,6 +557,88 @@ START_TEST(routed_moe_every_kernel) {
 }
 END_TEST
 
+/* ---- the batched memory slots (ABI 1.5, 1.6) ------------------------------------------------------ */
+
+enum { ARENA = 4 << 20, RANGES = 40 };
+
+/* Random ranges in an arena: offsets of every alignment, lengths 0 to 600 KB (several chunks). */
+static void random_ranges(uint64_t *seed, size_t *at, size_t *bytes, size_t n, size_t limit) {
+  size_t next = 0;
+  for (size_t i = 0; i < n; i++) {
+    size_t len = tu_rand(seed) % 4 == 0 ? tu_rand(seed) % 600000 : tu_rand(seed) % 3000;
+    at[i] = next + tu_rand(seed) % 64;
+    bytes[i] = at[i] + len <= limit ? len : 0;
+    next = at[i] + bytes[i];
+  }
+}
+
+START_TEST(batched_copies_and_byte_checks_match_the_host) {
+  const struct qkeep_memory_ops *ops = backend()->memory;
+  ck_assert(ops->copy_d2d_batch && ops->find_bad_bytes);
+  uint64_t seed = 99;
+  unsigned char *host = malloc(ARENA), *got = malloc(ARENA), *want = malloc(ARENA);
+  void *src, *dst;
+  ck_assert_int_eq(ops->alloc(backend(), ARENA, &src), 0);
+  ck_assert_int_eq(ops->alloc(backend(), ARENA, &dst), 0);
+  size_t at[RANGES], bytes[RANGES], to[RANGES], unused[RANGES];
+  for (int round = 0; round < 4; round++) {
+    for (size_t i = 0; i < ARENA; i++)
+      host[i] = (unsigned char)tu_rand(&seed), want[i] = (unsigned char)(i * 7);
+    ck_assert_int_eq(ops->copy_h2d(backend(), src, host, ARENA), 0);
+    ck_assert_int_eq(ops->copy_h2d(backend(), dst, want, ARENA), 0);
+    random_ranges(&seed, at, bytes, RANGES, ARENA);
+    random_ranges(&seed, to, unused, RANGES, ARENA); /* destinations: as far apart, other alignments */
+    struct qkeep_copy_range r[RANGES];
+    size_t n = 0;
+    for (size_t i = 0; i < RANGES; i++)
+      if (bytes[i] && to[i] + bytes[i] <= ARENA && (i + 1 == RANGES || to[i] + bytes[i] <= to[i + 1])) {
+        r[n++] = (struct qkeep_copy_range){(char *)dst + to[i], (char *)src + at[i], bytes[i]};
+        memcpy(want + to[i], host + at[i], bytes[i]);
+      }
+    ck_assert_int_eq(ops->copy_d2d_batch(backend(), r, n), 0);
+    ck_assert_int_eq(ops->copy_d2h(backend(), got, dst, ARENA), 0);
+    for (size_t i = 0; i < ARENA; i++)
+      ck_assert_msg(got[i] == want[i], "round %d: byte %zu is %u after the batch, %u by memmove", round, i,
+                    got[i], want[i]);
+  }
+  /* Valid scale bytes (e4m3: 0 to 0x7e and 0x80; e8m0: 0 to 0xfe), then one bad byte in some ranges. */
+  for (int round = 0; round < 24; round++) {
+    random_ranges(&seed, at, bytes, RANGES, ARENA);
+    struct qkeep_byte_range r[RANGES];
+    for (size_t i = 0; i < ARENA; i++)
+      host[i] = (unsigned char)(tu_rand(&seed) % 0x7f);
+    for (size_t i = 0; i < RANGES; i++) {
+      int rule = tu_rand(&seed) % 2 ? QKEEP_BYTE_E4M3 : QKEEP_BYTE_E8M0;
+      r[i] = (struct qkeep_byte_range){(char *)src + at[i], bytes[i], rule};
+      for (size_t j = 0; j < bytes[i]; j += 1 + tu_rand(&seed) % 5) /* -0 and e8m0's large exponents */
+        host[at[i] + j] = rule == QKEEP_BYTE_E4M3 ? 0x80 : (unsigned char)(0x80 + tu_rand(&seed) % 0x7f);
+    }
+    size_t expect = RANGES, bad_ranges = round % 4; /* round 0, 4, ...: none */
+    for (size_t b = 0; b < bad_ranges; b++) {
+      size_t i = tu_rand(&seed) % RANGES;
+      if (!bytes[i])
+        continue;
+      /* the first byte, the last, or one inside the 16-byte body */
+      size_t where = b == 0 ? 0 : b == 1 ? bytes[i] - 1 : tu_rand(&seed) % bytes[i];
+      static const unsigned char e4m3_bad[] = {0x7f, 0xff, 0x81, 0xc0};
+      host[at[i] + where] = r[i].rule == QKEEP_BYTE_E8M0 ? 0xff : e4m3_bad[tu_rand(&seed) % 4];
+      expect = i < expect ? i : expect;
+    }
+    ck_assert_int_eq(ops->copy_h2d(backend(), src, host, ARENA), 0);
+    size_t first = 12345;
+    ck_assert_int_eq(ops->find_bad_bytes(backend(), r, RANGES, &first), 0);
+    ck_assert_msg(first == expect, "round %d: the device found range %zu, the host %zu", round, first,
+                  expect);
+  }
+  struct qkeep_byte_range odd = {src, 16, 3};
+  size_t first;
+  ck_assert_int_eq(ops->find_bad_bytes(backend(), &odd, 1, &first), QKEEP_E_INVAL);
+  ops->free(backend(), src);
+  ops->free(backend(), dst);
+  free(host), free(got), free(want);
+}
+END_TEST
+
 START_TEST(probe_and_config) {
   char msg[256];
   ck_assert_int_eq(qkeep_plugin_probe(gpu, msg, sizeof msg), 0);
@@ -575,6 +661,7 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, half_precision_activations);
+  tcase_add_test(tc, batched_copies_and_byte_checks_match_the_host);
   suite_add_tcase(s, tc);
   /* Routed MoE on its own (CK_RUN_CASE=routed runs it alone). */
   tc = tcase_create("routed");

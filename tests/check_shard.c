@@ -904,7 +904,7 @@ static const struct qkeep_memory_ops *counted_ops;
 static struct qkeep_memory_ops counting;
 static size_t d2h_copies, allocations, cap_d2h;
 static const qkeep_model *param_model; /* count_begin's: d2d copies into its params are counted */
-static size_t d2d_into_params, batches, batch_ranges;
+static size_t d2d_into_params, batches, batch_ranges, checks, checked_ranges;
 static struct d2h_copy {
   const char *src;
   size_t n;
@@ -923,8 +923,14 @@ static int counting_d2d(const struct qkeep_backend *be, void *dst, const void *s
   return counted_ops->copy_d2d(be, dst, src, n);
 }
 static int counting_batch(const struct qkeep_backend *be, const struct qkeep_copy_range *r, size_t n) {
-  batches++, batch_ranges += n;
+  if (!param_model || (n && in_params(param_model, r[0].dst, r[0].bytes, false))) /* not a gather of scales */
+    batches++, batch_ranges += n;
   return counted_ops->copy_d2d_batch(be, r, n);
+}
+static int counting_check(const struct qkeep_backend *be, const struct qkeep_byte_range *r, size_t n,
+                          size_t *first) {
+  checks++, checked_ranges += n;
+  return counted_ops->find_bad_bytes(be, r, n, first);
 }
 static int counting_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   allocations++;
@@ -938,8 +944,9 @@ static struct device *count_begin(const struct device *d) {
   counting.alloc = counting_alloc;
   counting.copy_d2d = counting_d2d;
   counting.copy_d2d_batch = dev->ops->copy_d2d_batch ? counting_batch : NULL;
+  counting.find_bad_bytes = dev->ops->find_bad_bytes ? counting_check : NULL;
   dev->ops = &counting;
-  d2h_copies = allocations = d2d_into_params = batches = batch_ranges = 0;
+  d2h_copies = allocations = d2d_into_params = batches = batch_ranges = checks = checked_ranges = 0;
   return dev;
 }
 static void count_end(struct device *dev) {
@@ -1025,7 +1032,10 @@ START_TEST(a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load) {
     for (size_t k = copied; k < d2h_copies; k++) { /* from this bucket, the model's params, or elsewhere */
       const char *at = d2h[k].src, *lo = rx;
       bool in_bucket = at >= lo && d2h[k].n <= sd.bytes[b] && (size_t)(at - lo) <= sd.bytes[b] - d2h[k].n;
-      from_kept += !in_bucket && !in_params(m, at, d2h[k].n, false);
+      bool gathered = false; /* scales gathered on the device first (copied from the bucket, once) */
+      for (size_t o = 0; o < m->chain.n_owners; o++)
+        gathered |= at == m->chain.owners[o].gather;
+      from_kept += !in_bucket && !gathered && !in_params(m, at, d2h[k].n, false);
     }
     for (size_t i = 0; i < sd.count[b]; i++) {
       const struct source_ref *ref = model_find_source(m, sd.tensors[b][i].name);
@@ -1104,9 +1114,11 @@ static void async_case_close(struct async_case *c) {
   free(c->w0), free(c->w1);
 }
 
-/* From a bucket in device memory, a layer's scale tensors (which the plan puts first) are copied to the
- * host for their check in a few runs, not one copy per tensor; a NaN in the middle of such a run still
- * fails the sync naming its tensor and element, and W0 is put back. */
+/* From a bucket in device memory, a layer's block scales are checked where they lie, by the device's
+ * find_bad_bytes (ABI 1.6: one call per layer, no block scale copied to the host); without the slot
+ * (_i == 1) its scale tensors (which the plan puts first) are copied to the host for their check in a few
+ * runs, not one copy per tensor. Either way a NaN in the middle of such a run still fails the sync naming
+ * its tensor and element, and W0 is put back. */
 START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
   struct async_case c;
   async_case_open(&c);
@@ -1115,7 +1127,7 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
   struct qkeep_digest d0 = digest_now(m);
   /* The plan: no layer split across buckets (so none waits, copied, for the rest), each layer's scales
    * first. A weight_scale with scales on both sides in its bucket gets the NaN. */
-  size_t scales = 0, layers_with_scales = 0, bad = SIZE_MAX, bad_at = 0;
+  size_t scales = 0, block_scales = 0, layers_with_scales = 0, bad = SIZE_MAX, bad_at = 0;
   const char *bad_name = NULL;
   const qkeep_layer *last = NULL;
   size_t last_bucket = 0;
@@ -1126,6 +1138,7 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
       ck_assert_msg(ref->layer != last || b == last_bucket, "layer %s is split", ref->layer->name);
       bool scale = ref->layer->sources[ref->source].param->scale;
       scales += scale;
+      block_scales += scale && sdp->tensors[b][i].spec.dtype == QKEEP_DTYPE_F8_E4M3;
       layers_with_scales += scale && ref->layer != last;
       last = ref->layer, last_bucket = b;
       bool between_scales = i > 0 && i + 1 < sdp->count[b];
@@ -1138,8 +1151,10 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
     }
   ck_assert_ptr_nonnull(bad_name);
   struct device *dev = count_begin(layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts")));
+  if (_i == 1)
+    counting.find_bad_bytes = NULL;
   ck_assert_msg(sync_from_device(m, dev, sdp, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
-  size_t copies = d2h_copies;
+  size_t copies = d2h_copies, device_checks = checks, device_ranges = checked_ranges;
   ck_assert(same_digest(digest_now(m), digest_now(cold)));
   ck_assert_int_eq(qkeep_model_reload(m, c.w0, 0), 0);
   ck_assert_int_eq(sync_from_device(m, dev, sdp, bad, bad_at), QKEEP_E_FORMAT);
@@ -1151,6 +1166,12 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
    * q/k/v and gate/up per-tensor scales, reads the host copies the checks kept, not the device */
   ck_assert_msg(copies <= layers_with_scales, "%zu device-to-host copies for %zu scale tensors in %zu layers",
                 copies, scales, layers_with_scales);
+  if (_i == 0) /* every e4m3 block scale checked on the device, a layer's at once */
+    ck_assert_msg(device_ranges == block_scales && device_checks >= 1 && device_checks <= layers_with_scales,
+                  "%zu device checks of %zu ranges for %zu block scale tensors in %zu layers", device_checks,
+                  device_ranges, block_scales, layers_with_scales);
+  else
+    ck_assert_msg(device_checks == 0, "%zu device checks without the slot", device_checks);
   async_case_close(&c);
 }
 END_TEST
@@ -1709,7 +1730,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, a_sync_of_w1_buckets_equals_a_cold_sharded_load_on_every_rank, 0, N_SCHEMES);
   tcase_add_test(tc, a_bad_bucket_fails_the_sync_and_puts_w0_back);
   tcase_add_test(tc, a_sync_of_device_buckets_splitting_the_experts_equals_a_cold_load);
-  tcase_add_test(tc, device_bucket_scales_are_checked_from_a_few_copies);
+  tcase_add_loop_test(tc, device_bucket_scales_are_checked_from_a_few_copies, 0, 2);
   tcase_add_loop_test(tc, device_bucket_tensors_land_in_one_batch_per_layer, 0, 2);
   tcase_add_test(tc, a_load_on_an_async_device_copies_no_scale_back_to_check_it);
   tcase_add_test(tc, a_bad_scale_is_refused_in_the_same_words_on_every_path);

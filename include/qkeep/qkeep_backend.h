@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 5
+#define QKEEP_BACKEND_ABI_MINOR 6
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -132,6 +132,21 @@ struct qkeep_copy_range {
   size_t bytes;
 };
 
+/* What makes a one-byte scale value invalid (find_bad_bytes, ABI 1.6): the rules a cold start applies to
+ * scales it reads (docs/RELIABILITY.md, "What is validated at load", the bytes). */
+enum qkeep_byte_rule {
+  QKEEP_BYTE_E4M3 =
+      1, /* FP8 e4m3 block scales: NaN (low seven bits all ones) or negative (sign set, not -0) */
+  QKEEP_BYTE_E8M0 = 2, /* e8m0 exponents (MXFP4 scales, also stored as u8): 0xff, the NaN */
+};
+
+/* One range of device memory for find_bad_bytes (ABI 1.6). */
+struct qkeep_byte_range {
+  const void *at; /* device memory */
+  size_t bytes;
+  int rule; /* enum qkeep_byte_rule */
+};
+
 /*
  * Memory operations for the backend's device. The core uses them for all of
  * its own work on params (zero-fill, replace into a prefix, digest, staging
@@ -188,6 +203,18 @@ struct qkeep_memory_ops {
    * apply of the backend sees the bytes (one stream). 0 or a negative QKEEP_E_* code.
    */
   int (*copy_d2d_batch)(const struct qkeep_backend *be, const struct qkeep_copy_range *ranges, size_t n);
+  /*
+   * ABI 1.6, optional (without it the core copies device-resident scales to the host to check them).
+   * Tells whether any byte of n ranges of device memory breaks its range's rule (enum qkeep_byte_rule):
+   * *first is the index of the lowest such range, or n when every byte is valid. A weight sync checks a
+   * bucket's block scales where they lie (cuda-nvfp4: one kernel over a table of the ranges) instead of
+   * bringing them to the host; the core names the bad element itself, from a host copy of the range
+   * found. The check sees every copy and kernel the backend queued before the call, and the answer is
+   * final when the call returns. `ranges` (host memory) is read only during the call; a range may have
+   * 0 bytes; an unknown rule is QKEEP_E_INVAL. 0 or a negative QKEEP_E_* code.
+   */
+  int (*find_bad_bytes)(const struct qkeep_backend *be, const struct qkeep_byte_range *ranges, size_t n,
+                        size_t *first);
 };
 
 /* The type of a configuration key a backend declares (ABI 1.1). */

@@ -46,7 +46,7 @@ static const struct qkeep_memory_ops host_ops = {
     .sync = host_sync,
 };
 
-static const struct device host_dev = {NULL, &host_ops, NULL, NULL, NULL};
+static const struct device host_dev = {NULL, &host_ops, NULL, NULL, NULL, NULL};
 
 const struct device *host_device(void) { return &host_dev; }
 
@@ -73,6 +73,7 @@ void device_init(struct device *dev, const struct qkeep_backend *be) {
   dev->stats = NULL;
   dev->spare = NULL;
   dev->stream = NULL;
+  dev->gather = NULL;
 }
 
 int dev_alloc(const struct device *dev, size_t bytes, void **out) {
@@ -112,6 +113,21 @@ int dev_d2d_batch(const struct device *dev, const struct qkeep_copy_range *range
   }
   int rc = ops->copy_d2d_batch(dev->be, ranges, n);
   return rc ? set_error(rc, "batched device-to-device copy of %zu ranges failed", n) : 0;
+}
+bool memory_ops_find_bad_bytes(const struct qkeep_memory_ops *ops) {
+  return ops &&
+         ops->size >= offsetof(struct qkeep_memory_ops, find_bad_bytes) + sizeof(ops->find_bad_bytes) &&
+         ops->find_bad_bytes;
+}
+int dev_find_bad_bytes(const struct device *dev, const struct qkeep_byte_range *ranges, size_t n,
+                       size_t *first) {
+  *first = n;
+  int rc = n ? dev->ops->find_bad_bytes(dev->be, ranges, n, first) : 0;
+  if (rc)
+    return set_error(rc, "the device's check of %zu scale ranges failed", n);
+  if (*first > n)
+    return set_error(QKEEP_E_DEVICE, "the device's check of %zu scale ranges answered range %zu", n, *first);
+  return 0;
 }
 int dev_fill(const struct device *dev, void *dst, int byte, size_t n) {
   int rc = n ? dev->ops->fill(dev->be, dst, byte, n) : 0;

@@ -50,6 +50,7 @@ int qkeep_model_new_chain(qkeep_plugin *const *plugins, size_t n, qkeep_model **
     o->dev.stats = &m->mem;
     o->dev.spare = &o->spare;
     o->dev.stream = &o->stream;
+    o->dev.gather = &o->gather;
     rc = probe_owner(o);
   }
   if (rc) {
@@ -122,6 +123,7 @@ void qkeep_model_free(qkeep_model *model) {
   free(model->source.ids);
   for (size_t i = 0; i < model->chain.n_owners; i++) {
     stream_free(model->chain.owners[i].stream);
+    dev_free(&model->chain.owners[i].dev, model->chain.owners[i].gather);
     free(model->chain.owners[i].probe_msg);
   }
   free(model->chain.owners);

@@ -124,7 +124,7 @@ struct online_quantize {
   char *scheme;
   struct quant_plan *plan;   /* the loaded model's plan (NULL: the model does not quantize on load) */
   struct name_index outputs; /* the plan's output names -> index */
-  int64_t device_units;      /* units the owners' quantize slots took, over the model's life (tests read it) */
+  int64_t device_units; /* units the owners' quantize slots took, over the model's life (tests read it) */
 };
 
 struct qkeep_layer {
@@ -171,6 +171,8 @@ struct owner {
   struct device dev;
   struct spare spare;    /* dev.spare points here */
   struct stream *stream; /* dev.stream points here; freed with the model */
+  void *gather;          /* dev.gather points here: device memory a check of scales gathers into, made at
+                            the first such check (reload/reload.c), freed with the model */
   int probe_rc;          /* 0: usable; otherwise the probe's code, and the link takes no layer */
   char *probe_msg;       /* why the probe failed ("" when it did not) */
   size_t layers;         /* layers it owns (for reports) */

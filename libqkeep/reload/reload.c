@@ -423,10 +423,134 @@ static int check_run(const struct scale_item *items, size_t first, size_t last, 
   return rc;
 }
 
+/* The device rule that checks the whole of a scale param's byte values (what bad_scales refuses of its
+ * dtype under its rule), or 0 when the check needs more than bytes (a float dtype, a scale divided by). */
+static int byte_rule(const struct scale_item *it) {
+  bool divided = it->param->rule.positive || it->param->rule.inverted;
+  switch (it->t.dtype) {
+  case QKEEP_DTYPE_F8_E4M3: return divided ? 0 : QKEEP_BYTE_E4M3;
+  case QKEEP_DTYPE_F8_E8M0:
+  case QKEEP_DTYPE_U8: return QKEEP_BYTE_E8M0;
+  default: return 0;
+  }
+}
+
+/*
+ * Checks on their device, with the backend's find_bad_bytes (ABI 1.6), the items whose check is a byte
+ * rule and whose bytes need not come to the host (no `keep`): one call per device for all of them (items
+ * sorted by device). Those found valid are removed from items (*n shrinks, the order kept); when a device
+ * finds a bad byte, its items all stay, for the host path to name the tensor and element.
+ */
+static int check_on_devices(struct scale_item *items, size_t *n) {
+  struct qkeep_byte_range *ranges = malloc((*n ? *n : 1) * sizeof *ranges);
+  size_t *which = malloc((*n ? *n : 1) * sizeof *which), kept = 0;
+  int rc = ranges && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory for the check of %zu scales", *n);
+  for (size_t first = 0, last; first < *n && !rc; first = last) {
+    const struct device *dev = items[first].dev;
+    for (last = first + 1; last < *n && items[last].dev == dev; last++)
+      ;
+    if (!dev || !memory_ops_find_bad_bytes(dev->ops))
+      continue;
+    size_t m = 0, bad;
+    for (size_t j = first; j < last; j++)
+      if (!items[j].keep && byte_rule(&items[j])) {
+        ranges[m] = (struct qkeep_byte_range){items[j].at, items[j].t.nbytes, byte_rule(&items[j])};
+        which[m++] = j;
+      }
+    if (m && !(rc = dev_find_bad_bytes(dev, ranges, m, &bad)) && bad == m)
+      for (size_t k = 0; k < m; k++)
+        items[which[k]].at = NULL; /* valid: dropped below */
+  }
+  for (size_t i = 0; i < *n && !rc; i++)
+    if (items[i].at)
+      items[kept++] = items[i];
+  if (!rc)
+    *n = kept;
+  free(ranges), free(which);
+  return rc;
+}
+
+/* Where the scales of many tensors are gathered (check_gathered): DEVICE_RUN_MAX bytes of device memory,
+ * the device's owner's (made once, freed with the model) or, for a device without an owner, this check's. */
+struct gather {
+  const struct device *dev;
+  void *scratch;
+  struct qkeep_copy_range *ranges;
+  size_t cap_ranges;
+};
+
+static void gather_free(struct gather *g) {
+  if (g->scratch && !g->dev->gather)
+    dev_free(g->dev, g->scratch);
+  free(g->ranges);
+}
+
+/* Makes g's scratch the device's. */
+static int gather_on(struct gather *g, const struct device *dev) {
+  if (g->scratch && g->dev == dev)
+    return 0;
+  if (g->scratch && !g->dev->gather)
+    dev_free(g->dev, g->scratch);
+  g->dev = dev, g->scratch = dev->gather ? *dev->gather : NULL;
+  int rc = g->scratch ? 0 : dev_alloc(dev, DEVICE_RUN_MAX, &g->scratch);
+  if (!rc && dev->gather)
+    *dev->gather = g->scratch;
+  if (rc)
+    g->scratch = NULL;
+  return rc;
+}
+
+/* Whether a device gathers scattered scales by a batched copy (ABI 1.5's copy_d2d_batch). */
+static bool gathers(const struct device *dev) {
+  const struct qkeep_memory_ops *ops = dev->ops;
+  return ops->size >= offsetof(struct qkeep_memory_ops, copy_d2d_batch) + sizeof(ops->copy_d2d_batch) &&
+         ops->copy_d2d_batch;
+}
+
+/* A gathered item's room: its bytes, rounded up to 16 (each item starts aligned for any dtype). */
+static size_t gathered_bytes(const struct scale_item *it) { return (it->t.nbytes + 15) & ~(size_t)15; }
+
+/*
+ * Items [first, last) of one device (their gathered_bytes at most DEVICE_RUN_MAX in all): gathered into
+ * one device buffer by one batched copy, brought to the host by one copy, checked there. A layer's
+ * per-tensor scales lie among its block scales (a MoE layer's hundreds of them, one between each
+ * expert's): one trip to the host instead of one per run.
+ */
+static int check_gathered(struct gather *g, const struct scale_item *items, size_t first, size_t last,
+                          unsigned char **host, size_t *cap) {
+  const struct device *dev = items[first].dev;
+  int rc = gather_on(g, dev);
+  if (rc || (rc = grow_array((void **)&g->ranges, &g->cap_ranges, last - first, sizeof *g->ranges)))
+    return rc;
+  if (*cap < DEVICE_RUN_MAX) {
+    unsigned char *grown = realloc(*host, DEVICE_RUN_MAX);
+    if (!grown)
+      return set_error(QKEEP_E_NOMEM, "out of memory for %zu bytes of device scales", DEVICE_RUN_MAX);
+    *host = grown, *cap = DEVICE_RUN_MAX;
+  }
+  size_t at = 0, n = 0;
+  for (size_t k = first; k < last; at += gathered_bytes(&items[k]), k++)
+    if (items[k].t.nbytes)
+      g->ranges[n++] = (struct qkeep_copy_range){(char *)g->scratch + at, items[k].at, items[k].t.nbytes};
+  if (!(rc = dev_d2d_batch(dev, g->ranges, n)))
+    rc = dev_d2h(dev, *host, g->scratch, at);
+  at = 0;
+  for (size_t k = first; k < last && !rc; at += gathered_bytes(&items[k]), k++) {
+    const struct scale_item *it = &items[k];
+    if (!(rc = check_scales(it->param, &it->t, 0, *host + at, it->t.nbytes)) && it->keep)
+      memcpy(it->keep, *host + at, it->t.nbytes);
+  }
+  return rc;
+}
+
 int check_device_scales(struct scale_item *items, size_t n) {
   qsort(items, n, sizeof *items, by_device_address);
+  int on_devices = check_on_devices(items, &n);
+  if (on_devices)
+    return on_devices;
   unsigned char *host = NULL;
   size_t cap = 0;
+  struct gather g = {0};
   int rc = 0;
   for (size_t first = 0, last; first < n && !rc; first = last) {
     const struct scale_item *it = &items[first];
@@ -434,6 +558,20 @@ int check_device_scales(struct scale_item *items, size_t n) {
       if (!(rc = check_scales(it->param, &it->t, 0, it->at, it->t.nbytes)) && it->keep)
         memcpy(it->keep, it->at, it->t.nbytes);
       last = first + 1;
+      continue;
+    }
+    if (gathers(it->dev)) {
+      size_t bytes = 0;
+      for (last = first;
+           last < n && items[last].dev == it->dev && bytes + gathered_bytes(&items[last]) <= DEVICE_RUN_MAX;
+           last++)
+        bytes += gathered_bytes(&items[last]);
+      if (last - first > 1) {
+        rc = check_gathered(&g, items, first, last, &host, &cap);
+        continue;
+      }
+      last = first + 1; /* one alone (or larger than a gather): its own copy */
+      rc = check_run(items, first, last, (uintptr_t)it->at, it->t.nbytes, &host, &cap);
       continue;
     }
     uintptr_t start = (uintptr_t)it->at, end = start + it->t.nbytes;
@@ -450,6 +588,7 @@ int check_device_scales(struct scale_item *items, size_t n) {
     }
     rc = check_run(items, first, last, start, (size_t)(end - start), &host, &cap);
   }
+  gather_free(&g);
   free(host);
   return rc;
 }

@@ -16,10 +16,12 @@ struct scale_item {
   const qkeep_param *param; /* what its values must be */
   unsigned char *keep;      /* NULL, or host memory that gets a copy of the bytes checked */
 };
-/* Checks the values of n scale tensors with check_scales: those in host memory where they are, those in
- * device memory from one copy to the host per run of them that lie close together in one block (their
- * one trip to the host: `keep` gets the bytes checked). Sorts items by device, block and address (reload.c).
- * 0, or check_scales' error, or a copy's error. */
+/* Checks the values of n scale tensors with check_scales: those in host memory where they are; those in
+ * device memory where they lie when the device has find_bad_bytes (ABI 1.6), their dtype's rule is one of
+ * bytes and no `keep` wants their bytes; the others (and every one on a device that found a bad byte, to
+ * name it) from one copy to the host per run of them that lie close together in one block (their one trip
+ * to the host: `keep` gets the bytes checked). Sorts items by device, block and address (reload.c). 0, or
+ * check_scales' error, or a copy's or the device check's error. */
 int check_device_scales(struct scale_item *items, size_t n);
 /* qkeep_model_reload_tensors with the allocations the tensors lie in known (a sync's bucket and the
  * blocks of tensors it kept): the scales in one are copied for their check in runs, and those in a block

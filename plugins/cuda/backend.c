@@ -60,13 +60,15 @@ struct cuda_backend {
   pthread_mutex_t fence_mu;
   uint64_t fences; /* tokens handed out */
   cudaEvent_t fence_event[FENCE_EVENTS];
-  /* Batched copies (ABI 1.5): the chunk table in pinned host memory and on the device, grown as
-   * needed, and the event behind its last upload (all under copy_mu). */
+  /* Batched copies and byte checks (ABI 1.5, 1.6): their chunk table in pinned host memory and on the
+   * device, grown as needed, the event behind its last upload, and the check's answer in device memory
+   * (all under copy_mu). */
   pthread_mutex_t copy_mu;
-  struct nvfp4_copy_chunk *copy_host, *copy_dev;
-  size_t copy_cap; /* chunks each holds */
+  void *copy_host, *copy_dev;
+  size_t copy_cap; /* bytes each holds */
   cudaEvent_t copy_event;
   bool copy_event_set;
+  unsigned long long *check_first; /* device memory: the lowest range with a bad byte (all ones: none) */
   /* The quantize slot's scan results (device memory, one struct fp4_quant_scan per member), made at its
    * first use; one unit at a time. */
   pthread_mutex_t quant_mu;
@@ -282,6 +284,47 @@ static int mem_sync(const struct qkeep_backend *be) {
 }
 
 /*
+ * The chunk table of a batched copy or check: `bytes` of it in pinned host memory to fill, once the
+ * event recorded behind its last upload has passed (*host; under copy_mu). cudaSuccess or the error,
+ * with *what saying which step failed.
+ */
+static cudaError_t table_reserve(struct cuda_backend *c, size_t bytes, void **host, const char **what) {
+  cudaError_t err = cudaSuccess;
+  *what = "waiting for the last chunk table";
+  if (!c->copy_event &&
+      (err = cudaEventCreateWithFlags(&c->copy_event, cudaEventDisableTiming)) != cudaSuccess)
+    *what = "cudaEventCreate (chunk table)", c->copy_event = NULL;
+  else if (c->copy_event_set)
+    err = cudaEventSynchronize(c->copy_event);
+  if (err == cudaSuccess && bytes > c->copy_cap) {
+    size_t want = bytes > 2 * c->copy_cap ? bytes : 2 * c->copy_cap;
+    void *h = NULL, *d = NULL;
+    *what = "allocating the chunk table";
+    if ((err = cudaHostAlloc(&h, want, cudaHostAllocDefault)) == cudaSuccess &&
+        (err = cudaMalloc(&d, want)) == cudaSuccess) {
+      (void)cudaFreeHost(c->copy_host);
+      (void)cudaFree(c->copy_dev); /* after the kernels that read it: cudaFree waits for the device */
+      c->copy_host = h, c->copy_dev = d, c->copy_cap = want;
+    } else {
+      (void)cudaFreeHost(h);
+    }
+  }
+  *host = c->copy_host;
+  return err;
+}
+
+/* Uploads the table's first `bytes` behind what the legacy stream runs, and records the event behind it
+ * (under copy_mu). */
+static cudaError_t table_upload(struct cuda_backend *c, size_t bytes, const char **what) {
+  *what = "cudaMemcpyAsync (chunk table)";
+  cudaError_t err = cudaMemcpyAsync(c->copy_dev, c->copy_host, bytes, cudaMemcpyHostToDevice, 0);
+  if (err == cudaSuccess && (err = cudaEventRecord(c->copy_event, 0)) != cudaSuccess)
+    *what = "cudaEventRecord (chunk table)";
+  c->copy_event_set |= err == cudaSuccess;
+  return err;
+}
+
+/*
  * ABI 1.5: the ranges cut into chunks of at most NVFP4_COPY_CHUNK bytes, their table written into
  * pinned host memory and copied to the device, and one kernel that copies every chunk, all on the
  * legacy stream behind what came before. The host table is rewritten only after the event recorded
@@ -299,49 +342,85 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
   if (!chunks)
     return 0;
   const size_t bytes = chunks * sizeof(struct nvfp4_copy_chunk);
-  cudaError_t err = cudaSuccess;
-  const char *what = "waiting for the last copy table";
+  const char *what;
+  void *host;
   pthread_mutex_lock(&c->copy_mu);
-  if (!c->copy_event &&
-      (err = cudaEventCreateWithFlags(&c->copy_event, cudaEventDisableTiming)) != cudaSuccess)
-    what = "cudaEventCreate (copy table)", c->copy_event = NULL;
-  else if (c->copy_event_set)
-    err = cudaEventSynchronize(c->copy_event);
-  if (err == cudaSuccess && chunks > c->copy_cap) {
-    size_t want = chunks > 2 * c->copy_cap ? chunks : 2 * c->copy_cap;
-    void *host = NULL, *dev = NULL;
-    what = "allocating the copy table";
-    if ((err = cudaHostAlloc(&host, want * sizeof(struct nvfp4_copy_chunk), cudaHostAllocDefault)) ==
-            cudaSuccess &&
-        (err = cudaMalloc(&dev, want * sizeof(struct nvfp4_copy_chunk))) == cudaSuccess) {
-      (void)cudaFreeHost(c->copy_host);
-      (void)cudaFree(c->copy_dev); /* after the kernels that read it: cudaFree waits for the device */
-      c->copy_host = host, c->copy_dev = dev, c->copy_cap = want;
-    } else {
-      (void)cudaFreeHost(host);
-    }
-  }
+  cudaError_t err = table_reserve(c, bytes, &host, &what);
   if (err == cudaSuccess) {
+    struct nvfp4_copy_chunk *table = host;
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
       for (size_t at = 0; at < ranges[i].bytes; at += NVFP4_COPY_CHUNK) {
         size_t left = ranges[i].bytes - at;
-        c->copy_host[k++] =
-            (struct nvfp4_copy_chunk){(char *)ranges[i].dst + at, (const char *)ranges[i].src + at,
-                                      left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
+        table[k++] = (struct nvfp4_copy_chunk){(char *)ranges[i].dst + at, (const char *)ranges[i].src + at,
+                                               left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
       }
-    what = "cudaMemcpyAsync (copy table)";
-    err = cudaMemcpyAsync(c->copy_dev, c->copy_host, bytes, cudaMemcpyHostToDevice, 0);
+    err = table_upload(c, bytes, &what);
   }
-  if (err == cudaSuccess && (err = cudaEventRecord(c->copy_event, 0)) != cudaSuccess)
-    what = "cudaEventRecord (copy table)";
   if (err == cudaSuccess) {
-    c->copy_event_set = true;
     what = "copying chunks";
     err = (cudaError_t)nvfp4_copy_chunks_gpu(c->copy_dev, chunks, NULL);
   }
   pthread_mutex_unlock(&c->copy_mu);
   return err == cudaSuccess ? 0 : cuda_error(c, err, what);
+}
+
+/*
+ * ABI 1.6: the ranges cut into chunks as mem_copy_batch cuts them, one kernel that checks every chunk
+ * and keeps the lowest range index with a bad byte (atomicMin), and one read of that index, which waits
+ * for the kernel (and for everything queued before it).
+ */
+static int mem_find_bad_bytes(const struct qkeep_backend *be, const struct qkeep_byte_range *ranges, size_t n,
+                              size_t *first) {
+  struct cuda_backend *c = backend_of(be);
+  size_t chunks = 0;
+  *first = n;
+  for (size_t i = 0; i < n; i++) {
+    if (ranges[i].rule != QKEEP_BYTE_E4M3 && ranges[i].rule != QKEEP_BYTE_E8M0)
+      return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: find_bad_bytes: range %zu has rule %d", i,
+                                ranges[i].rule);
+    chunks += (ranges[i].bytes + NVFP4_COPY_CHUNK - 1) / NVFP4_COPY_CHUNK;
+  }
+  if (n > UINT32_MAX)
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: find_bad_bytes: %zu ranges", n);
+  int rc = chunks ? use_device(c) : 0;
+  if (rc || !chunks)
+    return rc;
+  const size_t bytes = chunks * sizeof(struct nvfp4_check_chunk);
+  const char *what = "allocating the check's answer";
+  void *host;
+  unsigned long long found = ~0ull;
+  pthread_mutex_lock(&c->copy_mu);
+  cudaError_t err = c->check_first ? cudaSuccess : cudaMalloc((void **)&c->check_first, sizeof found);
+  if (err == cudaSuccess)
+    err = table_reserve(c, bytes, &host, &what);
+  if (err == cudaSuccess) {
+    struct nvfp4_check_chunk *table = host;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+      for (size_t at = 0; at < ranges[i].bytes; at += NVFP4_COPY_CHUNK) {
+        size_t left = ranges[i].bytes - at;
+        table[k++] = (struct nvfp4_check_chunk){(const unsigned char *)ranges[i].at + at, (uint32_t)i,
+                                                (uint32_t)ranges[i].rule,
+                                                left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
+      }
+    if ((err = cudaMemsetAsync(c->check_first, 0xff, sizeof found, 0)) != cudaSuccess)
+      what = "cudaMemsetAsync (the check's answer)";
+    else
+      err = table_upload(c, bytes, &what);
+  }
+  if (err == cudaSuccess) {
+    what = "checking bytes";
+    err = (cudaError_t)nvfp4_check_chunks_gpu(c->copy_dev, chunks, c->check_first, NULL);
+  }
+  if (err == cudaSuccess &&
+      (err = cudaMemcpy(&found, c->check_first, sizeof found, cudaMemcpyDeviceToHost)) != cudaSuccess)
+    what = "reading the check's answer";
+  pthread_mutex_unlock(&c->copy_mu);
+  if (err != cudaSuccess)
+    return cuda_error(c, err, what);
+  *first = found < n ? (size_t)found : n;
+  return 0;
 }
 
 /* ---- probe, configure, supports ----------------------------------------------------------------- */
@@ -1038,6 +1117,8 @@ static void cuda_fini(const struct qkeep_backend *be) {
   }
   if (c->copy_event)
     (void)cudaEventDestroy(c->copy_event);
+  if (c->check_first)
+    (void)cudaFree(c->check_first);
   pthread_mutex_destroy(&c->copy_mu);
   if (c->quant_scan)
     (void)cudaFree(c->quant_scan);
@@ -1067,6 +1148,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .copy_fence = mem_copy_fence,
       .copy_fence_wait = mem_copy_fence_wait,
       .copy_d2d_batch = mem_copy_batch,
+      .find_bad_bytes = mem_find_bad_bytes,
   };
   pthread_mutex_init(&c->fence_mu, NULL);
   pthread_mutex_init(&c->copy_mu, NULL);

@@ -1682,6 +1682,49 @@ extern "C" int nvfp4_copy_chunks_gpu(const nvfp4_copy_chunk *table, size_t n, vo
   return cudaGetLastError();
 }
 
+/* The bytes of w (four) that `rule` refuses, as 0xff bytes: e4m3 NaN (low seven bits all ones) or
+ * negative (above 0x80), e8m0 0xff. */
+__device__ __forceinline__ unsigned bad_bytes4(unsigned w, unsigned rule) {
+  if (rule == QKEEP_BYTE_E4M3)
+    return __vcmpeq4(w & 0x7f7f7f7fu, 0x7f7f7f7fu) | __vcmpgtu4(w, 0x80808080u);
+  return __vcmpeq4(w, 0xffffffffu);
+}
+
+/* One block per chunk: 16-byte loads of its aligned body (single bytes around it); a block whose range
+ * cannot lower the answer any more returns at once. */
+__global__ void check_chunks_kernel(const nvfp4_check_chunk *table, unsigned long long *first_bad) {
+  const nvfp4_check_chunk c = table[blockIdx.x];
+  if (c.range >= *reinterpret_cast<volatile unsigned long long *>(first_bad))
+    return;
+  const uintptr_t a = (uintptr_t)c.at;
+  size_t head = (16 - (a & 15)) & 15;
+  head = head < c.bytes ? head : c.bytes;
+  const size_t body = (c.bytes - head) / 16;
+  unsigned bad = 0;
+  for (size_t i = threadIdx.x; i < head; i += blockDim.x)
+    bad |= bad_bytes4(c.at[i], c.rule) & 0xffu;
+  const uint4 *v = reinterpret_cast<const uint4 *>(c.at + head);
+  for (size_t i = threadIdx.x; i < body; i += blockDim.x) {
+    uint4 w = v[i];
+    bad |=
+        bad_bytes4(w.x, c.rule) | bad_bytes4(w.y, c.rule) | bad_bytes4(w.z, c.rule) | bad_bytes4(w.w, c.rule);
+  }
+  for (size_t i = head + body * 16 + threadIdx.x; i < c.bytes; i += blockDim.x)
+    bad |= bad_bytes4(c.at[i], c.rule) & 0xffu;
+  if (__syncthreads_or(bad != 0) && threadIdx.x == 0)
+    atomicMin(first_bad, (unsigned long long)c.range);
+}
+
+extern "C" int nvfp4_check_chunks_gpu(const nvfp4_check_chunk *table, size_t n, unsigned long long *first_bad,
+                                      void *stream) {
+  if (!n)
+    return cudaSuccess;
+  if (n > 0x7fffffffu)
+    return cudaErrorInvalidValue;
+  check_chunks_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)stream>>>(table, first_bad);
+  return cudaGetLastError();
+}
+
 extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtype x_dtype,
                                 const struct nvfp4_tuning *tune, struct nvfp4_tuning *out) {
   const int kernel = tune ? tune->kernel : NVFP4_KERNEL_AUTO;

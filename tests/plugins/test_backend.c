@@ -29,12 +29,12 @@
  */
 #include <errno.h>
 #include <pthread.h>
-#include <stdint.h>
-#include <sys/mman.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "async_queue.h"
 /* The include name from before the public headers had a folder: still valid through
@@ -215,7 +215,7 @@ static pthread_mutex_t allocs_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct alloc_range {
   const char *at;
   size_t bytes;
-} *allocs;
+} * allocs;
 static size_t n_allocs, cap_allocs;
 
 /* Whether [dst, dst + n) lies inside one live allocation. */
@@ -238,14 +238,16 @@ static char *arena;
 /* Where a new allocation of `bytes` goes (its index in allocs and its offset), or false when none fits. */
 static bool arena_fit(size_t bytes, size_t *index, size_t *offset) {
   if (!arena) {
-    void *p = mmap(NULL, ARENA_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *p =
+        mmap(NULL, ARENA_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED)
       return false;
     arena = p;
   }
   size_t end = 0; /* of the live allocation before the gap looked at */
   for (size_t i = 0; i <= n_allocs; i++) {
-    size_t at = (end + 255) & ~(size_t)255, limit = i < n_allocs ? (size_t)(allocs[i].at - arena) : ARENA_BYTES;
+    size_t at = (end + 255) & ~(size_t)255,
+           limit = i < n_allocs ? (size_t)(allocs[i].at - arena) : ARENA_BYTES;
     if (at <= limit && bytes <= limit - at) {
       *index = i, *offset = at;
       return true;
@@ -316,6 +318,24 @@ static int async_copy_batch(const struct qkeep_backend *be, const struct qkeep_c
     memmove(ranges[i].dst, ranges[i].src, ranges[i].bytes);
   return 0;
 }
+/* ABI 1.6: the ranges' bytes against their rules, after the queued copies (as a device kernel would). */
+static int async_find_bad_bytes(const struct qkeep_backend *be, const struct qkeep_byte_range *ranges,
+                                size_t n, size_t *first) {
+  async_flush(be);
+  for (size_t i = 0; i < n; i++) {
+    const unsigned char *p = ranges[i].at;
+    if (ranges[i].rule != QKEEP_BYTE_E4M3 && ranges[i].rule != QKEEP_BYTE_E8M0)
+      return async_of(be)->host->set_error(QKEEP_E_INVAL, "test-async: find_bad_bytes: rule %d",
+                                           ranges[i].rule);
+    for (size_t j = 0; j < ranges[i].bytes; j++)
+      if (ranges[i].rule == QKEEP_BYTE_E4M3 ? (p[j] & 0x7f) == 0x7f || p[j] > 0x80 : p[j] == 0xff) {
+        *first = i;
+        return 0;
+      }
+  }
+  *first = n;
+  return 0;
+}
 static int async_fill(const struct qkeep_backend *be, void *dst, int byte, size_t n) {
   async_flush(be);
   memset(dst, byte, n);
@@ -382,6 +402,7 @@ static const struct qkeep_memory_ops async_ops = {
     .copy_fence = async_fence,
     .copy_fence_wait = async_fence_wait,
     .copy_d2d_batch = async_copy_batch,
+    .find_bad_bytes = async_find_bad_bytes,
 };
 #endif
 
