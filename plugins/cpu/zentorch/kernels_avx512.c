@@ -49,6 +49,25 @@ ALWAYS_INLINE __m512i load_zeros(const int32_t *zeros, int64_t col, int64_t n, _
 }
 
 /*
+ * Asks for group grp's scales and zero points of the `width` columns at col0, ZT_AHEAD groups
+ * before a tile reads them: a group's 64 scales are one short piece of a row N scales long, which
+ * no hardware prefetcher follows. At M = 1 the da8w4 tile waited on them for a quarter of its
+ * time (4096 x 4096 on a Zen 5 EPYC, one thread: 400 us without, 300 us with).
+ */
+#define ZT_AHEAD 4
+ALWAYS_INLINE void prefetch_group(const struct zt_gemm *g, int64_t grp, int64_t col0, int64_t width) {
+  if (grp >= g->groups)
+    return;
+  size_t size = g->scale_dtype == QKEEP_DTYPE_F32 ? 4 : 2;
+  const char *first = (const char *)g->scales + (size_t)(grp * g->n + col0) * size;
+  const char *end = first + (size_t)width * size;
+  for (const char *line = first - (uintptr_t)first % 64; line < end; line += 64)
+    _mm_prefetch(line, _MM_HINT_T0);
+  if (g->zeros)
+    _mm_prefetch((const char *)(g->zeros + grp * (g->n / 8) + col0 / 8), _MM_HINT_T0);
+}
+
+/*
  * Loads and stores of a block's vectors: plain for a full block (`full`, a constant at every call
  * site, so each tile is compiled twice), masked only for the narrower last one. On a Zen 5 EPYC
  * the masked 64-byte load of the code stream alone held the M = 1 da8w4 tile to 12.9 GB/s where
@@ -239,6 +258,7 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                     \
         _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) acc[r][v] = _mm512_setzero_ps();             \
     for (int64_t grp = 0; grp < g->groups; grp++) {                                                          \
+      prefetch_group(g, grp + ZT_AHEAD, col0, width);                                                        \
       __m512i part[ZT_MR][ZT_NV];                                                                            \
       _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                   \
           _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) part[r][v] = _mm512_setzero_si512();       \
