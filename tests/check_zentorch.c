@@ -15,11 +15,13 @@
  *   - da8w4: the reference on activations quantised and dequantised here by the recipe of
  *     zentorch.h (an independent copy of it), to 2e-6 of the same bound: one unit of any
  *     int32 group sum would be well past it.
- * Plus: the census is clean (missing, C1, C2, released 0), qweight holds the documented
- * blocked codes (decoded here from the checkpoint), zero points and g_idx are where the
- * header says; reload W0 -> W1 in place equals a cold start on W1 byte for byte with no
- * storage moving, and so does a reload back to W0; bf16 activations; config keys and
- * refusals; and a chain `cpu-zentorch, reference` on checkpoints written by `qkeep quantize`.
+ * At 1 to 130 rows, each row of a product equals bit for bit the product of that row alone
+ * (the kernels group rows into tiles and passes; that must not show). Plus: the census is
+ * clean (missing, C1, C2, released 0), qweight holds the documented blocked codes (decoded
+ * here from the checkpoint), zero points and g_idx are where the header says; reload W0 -> W1
+ * in place equals a cold start on W1 byte for byte with no storage moving, and so does a
+ * reload back to W0; bf16 activations; config keys and refusals; and a chain
+ * `cpu-zentorch, reference` on checkpoints written by `qkeep quantize`.
  */
 #include <check.h>
 #include <math.h>
@@ -28,8 +30,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "private.h"
 #include "checkutil.h"
+#include "private.h"
 #include "testutil.h"
 #include "zentorch.h"
 
@@ -302,43 +304,82 @@ static void quantise_dequantise(const float *x, int64_t m, int64_t k, float *xd)
   }
 }
 
-static const int64_t ms[] = {1, 2, 6,
-                             7}; /* direct tiles of 1-2 rows; decoded tiles of 4 and the 2- and 3-row tails */
+/* The m x k activations of a check from `seed` (malloc'd). */
+static float *activations_of(uint64_t seed, int64_t m, int64_t k) {
+  float *x = malloc((size_t)(m * k) * sizeof *x);
+  uint64_t s = seed + (uint64_t)m;
+  for (int64_t i = 0; i < m * k; i++)
+    x[i] = tu_randf(&s);
+  return x;
+}
+
+/* m rows of the GEMM under the current mode against the oracle, activations from `seed`; y_out, when not
+ * NULL, receives the result (m x n floats). */
+static void check_rows(const struct gemm *g, const float *absw, bool da8w4, uint64_t seed, int64_t m,
+                       const char *what, float *y_out) {
+  float *x = activations_of(seed, m, g->k), *xd = malloc((size_t)(m * g->k) * sizeof *xd);
+  float *y = malloc((size_t)(m * g->n) * sizeof *y), *yr = malloc((size_t)(m * g->n) * sizeof *yr);
+  if (da8w4)
+    quantise_dequantise(x, m, g->k, xd);
+  else
+    memcpy(xd, x, (size_t)(m * g->k) * sizeof *x);
+  ck_assert_msg(apply(g->layer, g, m, x, y) == 0, "%s: %s", what, qkeep_errmsg());
+  ck_assert_int_eq(apply(g->ref_layer, g, m, xd, yr), 0);
+  for (int64_t r = 0; r < m; r++)
+    for (int64_t n = 0; n < g->n; n++) {
+      double bound = 0;
+      for (int64_t k = 0; k < g->k; k++)
+        bound += fabs((double)xd[r * g->k + k]) * absw[k * g->n + n];
+      double diff = fabs((double)y[r * g->n + n] - yr[r * g->n + n]);
+      ck_assert_msg(diff <= 2e-6 * bound + 1e-7, "%s: %s expert %d%s m %lld row %lld col %lld: %.9g vs %.9g",
+                    what, g->layer->name, (int)g->expert, g->w2 ? " w2" : "", (long long)m, (long long)r,
+                    (long long)n, y[r * g->n + n], yr[r * g->n + n]);
+    }
+  if (y_out)
+    memcpy(y_out, y, (size_t)(m * g->n) * sizeof *y);
+  free(x), free(xd), free(y), free(yr);
+}
+
+/* Direct tiles of 1-2 rows; decoded tiles (6 rows with VNNI, 4 without) and their tails. */
+static const int64_t ms[] = {1, 2, 6, 7};
 
 /* The GEMM under the current mode against the oracle, at each of ms, activations from `seed`. */
 static void check_gemm(const struct gemm *g, bool da8w4, uint64_t seed, const char *what) {
   float *absw = abs_weights(g);
-  for (size_t t = 0; t < sizeof ms / sizeof ms[0]; t++) {
-    int64_t m = ms[t];
-    float *x = malloc((size_t)(m * g->k) * sizeof *x), *xd = malloc((size_t)(m * g->k) * sizeof *xd);
-    float *y = malloc((size_t)(m * g->n) * sizeof *y), *yr = malloc((size_t)(m * g->n) * sizeof *yr);
-    uint64_t s = seed + (uint64_t)m;
-    for (int64_t i = 0; i < m * g->k; i++)
-      x[i] = tu_randf(&s);
-    if (da8w4)
-      quantise_dequantise(x, m, g->k, xd);
-    else
-      memcpy(xd, x, (size_t)(m * g->k) * sizeof *x);
-    ck_assert_msg(apply(g->layer, g, m, x, y) == 0, "%s: %s", what, qkeep_errmsg());
-    ck_assert_int_eq(apply(g->ref_layer, g, m, xd, yr), 0);
-    for (int64_t r = 0; r < m; r++)
-      for (int64_t n = 0; n < g->n; n++) {
-        double bound = 0;
-        for (int64_t k = 0; k < g->k; k++)
-          bound += fabs((double)xd[r * g->k + k]) * absw[k * g->n + n];
-        double diff = fabs((double)y[r * g->n + n] - yr[r * g->n + n]);
-        ck_assert_msg(diff <= 2e-6 * bound + 1e-7,
-                      "%s: %s expert %d%s m %lld row %lld col %lld: %.9g vs %.9g", what, g->layer->name,
-                      (int)g->expert, g->w2 ? " w2" : "", (long long)m, (long long)r, (long long)n,
-                      y[r * g->n + n], yr[r * g->n + n]);
-      }
-    free(x), free(xd), free(y), free(yr);
-  }
+  for (size_t t = 0; t < sizeof ms / sizeof ms[0]; t++)
+    check_rows(g, absw, da8w4, seed, ms[t], what, NULL);
   free(absw);
 }
 
-/* Every int4 GEMM of m (run by cpu-zentorch) against r, under the current mode. */
-static int check_model(qkeep_model *m, qkeep_model *r, bool da8w4, const char *what) {
+/*
+ * The row counts a call may be split into: direct tiles (1, 3), decoded tiles with a tail (5, 17),
+ * and passes of 64 rows with a 2-row chunk after them (130), each against the oracle; and every
+ * row of the 130-row product equal bit for bit to the product of that row alone, so that how the
+ * kernels group rows never shows in y.
+ */
+static void check_row_counts(const struct gemm *g, bool da8w4, uint64_t seed, const char *what) {
+  static const int64_t counts[] = {1, 3, 5, 17, 130};
+  const size_t n_counts = sizeof counts / sizeof counts[0];
+  int64_t most = counts[n_counts - 1];
+  float *absw = abs_weights(g), *y = malloc((size_t)(most * g->n) * sizeof *y);
+  for (size_t t = 0; t < n_counts; t++)
+    check_rows(g, absw, da8w4, seed, counts[t], what, y);
+  float *x = activations_of(seed, most, g->k), *row = malloc((size_t)g->n * sizeof *row);
+  for (int64_t r = 0; r < most; r++) {
+    ck_assert_int_eq(apply(g->layer, g, 1, x + r * g->k, row), 0);
+    for (int64_t n = 0; n < g->n; n++)
+      ck_assert_msg(memcmp(&row[n], &y[r * g->n + n], sizeof *row) == 0,
+                    "%s: %s expert %d%s row %lld col %lld: %.9g in %lld rows, %.9g alone", what,
+                    g->layer->name, (int)g->expert, g->w2 ? " w2" : "", (long long)r, (long long)n,
+                    y[r * g->n + n], (long long)most, row[n]);
+  }
+  free(absw), free(y), free(x), free(row);
+}
+
+typedef void (*gemm_check)(const struct gemm *g, bool da8w4, uint64_t seed, const char *what);
+
+/* Every int4 GEMM of m (run by cpu-zentorch) against r through `check`, under the current mode. */
+static int check_model_with(qkeep_model *m, qkeep_model *r, bool da8w4, const char *what, gemm_check check) {
   int checked = 0;
   for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
     qkeep_layer *layer = qkeep_model_layer(m, l);
@@ -349,25 +390,30 @@ static int check_model(qkeep_model *m, qkeep_model *r, bool da8w4, const char *w
     struct gemm g = {
         layer, qkeep_model_find_layer(r, info.name), info.kind == QKEEP_LAYER_MOE, false, 0, info.n, info.k};
     if (!g.moe) {
-      check_gemm(&g, da8w4, 100 + l, what), checked++;
+      check(&g, da8w4, 100 + l, what), checked++;
       continue;
     }
     for (int32_t e = 0; e < info.experts; e++) {
       g.expert = e;
       g.w2 = false, g.n = info.n, g.k = info.k;
-      check_gemm(&g, da8w4, 200 + l, what), checked++;
+      check(&g, da8w4, 200 + l, what), checked++;
       g.w2 = true, g.n = info.k, g.k = info.n / 2;
-      check_gemm(&g, da8w4, 300 + l, what), checked++;
+      check(&g, da8w4, 300 + l, what), checked++;
     }
   }
   return checked;
 }
 
+/* Every int4 GEMM of m against r at the row counts of ms. */
+static int check_model(qkeep_model *m, qkeep_model *r, bool da8w4, const char *what) {
+  return check_model_with(m, r, da8w4, what, check_gemm);
+}
+
 static const char *const isas[] = {"avx2", "avx512", "avx512_vnni"};
 static const char *const modes[] = {"w4a16", "da8w4"};
 
-/* Every mode x ISA this CPU runs; the number of ISAs run. */
-static int check_all_paths(qkeep_model *m, qkeep_model *r, const char *name) {
+/* Every mode x ISA this CPU runs, each GEMM through `check`; the number of ISAs run. */
+static int check_all_paths(qkeep_model *m, qkeep_model *r, const char *name, gemm_check check) {
   int paths = 0;
   for (int i = 0; i < 3; i++) {
     if (set_key("isa", isas[i]) != 0)
@@ -377,7 +423,7 @@ static int check_all_paths(qkeep_model *m, qkeep_model *r, const char *name) {
       ck_assert_int_eq(set_key("mode", modes[md]), 0);
       char what[128];
       snprintf(what, sizeof what, "%s %s %s", name, isas[i], modes[md]);
-      ck_assert_int_gt(check_model(m, r, md == 1, what), 0);
+      ck_assert_int_gt(check_model_with(m, r, md == 1, what, check), 0);
     }
   }
   ck_assert_int_eq(set_key("isa", "auto"), 0);
@@ -472,7 +518,7 @@ static void round_trip(const struct dims *d, const struct variant *v) {
   struct qkeep_census c = tu_assert_census_clean(m);
   ck_assert_int_eq(c.buffers, 0);
   check_layout(m, path, v);
-  ck_assert_int_ge(check_all_paths(m, r, v->name), 1);
+  ck_assert_int_ge(check_all_paths(m, r, v->name, check_gemm), 1);
   qkeep_model_free(m);
   qkeep_model_free(r);
   free(path);
@@ -482,6 +528,20 @@ START_TEST(every_variant_mode_and_isa_odd_dims) { round_trip(&odd, &variants[_i]
 END_TEST
 
 START_TEST(every_variant_mode_and_isa_dims_of_64) { round_trip(&even, &variants[_i]); }
+END_TEST
+
+/* Loop index i: gptq-sym (s4 codes) or gptq-asym (zero points), on the odd dims (narrow last blocks,
+ * groups of one word) or the dims of 64 (groups of four words). */
+START_TEST(every_row_count_gives_each_row_its_product_alone) {
+  const struct dims *d = _i / 2 ? &even : &odd;
+  const struct variant *v = &variants[_i % 2];
+  char *path = checkpoint(d, v, 1);
+  qkeep_model *m = load(true, path), *r = load(false, path);
+  ck_assert_int_ge(check_all_paths(m, r, v->name, check_row_counts), 1);
+  qkeep_model_free(m);
+  qkeep_model_free(r);
+  free(path);
+}
 END_TEST
 
 static int same_output(void *user, const struct qkeep_layer_error *e) {
@@ -695,6 +755,7 @@ static Suite *zentorch_suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_loop_test(tc, every_variant_mode_and_isa_odd_dims, 0, N_VARIANTS);
   tcase_add_loop_test(tc, every_variant_mode_and_isa_dims_of_64, 0, N_VARIANTS);
+  tcase_add_loop_test(tc, every_row_count_gives_each_row_its_product_alone, 0, 4);
   tcase_add_loop_test(tc, reload_in_place_equals_a_cold_start, 0, N_VARIANTS);
   tcase_add_test(tc, bf16_activations);
   tcase_add_test(tc, config_keys_and_refusals);

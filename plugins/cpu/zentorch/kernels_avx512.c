@@ -3,13 +3,16 @@
  * cpu-zentorch on the blocked zentorch layout (zentorch.h). Built for these instruction
  * sets whatever the compiler's default; backend.c calls them only on a CPU that has them.
  *
- * Each call covers column blocks [b0, b1) and rows [m0, m1). A tile is ZT_MR rows by one
- * block (four 16-lane vectors, masked for a narrower last block): per group, the code
- * products accumulate in registers (f32 for w4a16, int32 for da8w4), then the group's
- * zero-point correction is subtracted and the result scaled into the f32 accumulators.
+ * Each call covers column blocks [b0, b1) and rows [m0, m1). With fewer than ZT_MR_DEC rows,
+ * a tile is ZT_MR rows by one block (four 16-lane vectors, masked for a narrower last block):
+ * per group, the code products accumulate in registers (f32 for w4a16, int32 for da8w4), then
+ * the group's zero-point correction is subtracted and the result scaled into the f32
+ * accumulators. With more rows, each group of a block is decoded once and every row multiplies
+ * with the decoded codes (the "many rows" sections below), in the same operations and order.
  */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #include <immintrin.h>
+#include <string.h>
 
 #include "zentorch.h"
 
@@ -46,6 +49,25 @@ ALWAYS_INLINE __m512i load_zeros(const int32_t *zeros, int64_t col, int64_t n, _
       _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(w[0]), _mm512_set1_epi32(col + 8 < n ? w[1] : 0));
   const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
   return _mm512_and_si512(_mm512_srlv_epi32(both, shifts), _mm512_set1_epi32(0xf));
+}
+
+/*
+ * Asks for group grp's scales and zero points of the `width` columns at col0, ZT_AHEAD groups
+ * before a tile reads them: a group's 64 scales are one short piece of a row N scales long, which
+ * no hardware prefetcher follows. At M = 1 the da8w4 tile waited on them for a quarter of its
+ * time (4096 x 4096 on a Zen 5 EPYC, one thread: 400 us without, 300 us with).
+ */
+#define ZT_AHEAD 4
+ALWAYS_INLINE void prefetch_group(const struct zt_gemm *g, int64_t grp, int64_t col0, int64_t width) {
+  if (grp >= g->groups)
+    return;
+  size_t size = g->scale_dtype == QKEEP_DTYPE_F32 ? 4 : 2;
+  const char *first = (const char *)g->scales + (size_t)(grp * g->n + col0) * size;
+  const char *end = first + (size_t)width * size;
+  for (const char *line = first - (uintptr_t)first % 64; line < end; line += 64)
+    _mm_prefetch(line, _MM_HINT_T0);
+  if (g->zeros)
+    _mm_prefetch((const char *)(g->zeros + grp * (g->n / 8) + col0 / 8), _MM_HINT_T0);
 }
 
 /*
@@ -239,6 +261,7 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                     \
         _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) acc[r][v] = _mm512_setzero_ps();             \
     for (int64_t grp = 0; grp < g->groups; grp++) {                                                          \
+      prefetch_group(g, grp + ZT_AHEAD, col0, width);                                                        \
       __m512i part[ZT_MR][ZT_NV];                                                                            \
       _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                   \
           _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) part[r][v] = _mm512_setzero_si512();       \
@@ -270,82 +293,236 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
     }                                                                                                        \
   }
 
-/* Many rows: each group of a block decoded once into u8 code vectors (lo, hi per word and vector). */
-#define DA8W4_DECODED(NAME, ATTR, DOT)                                                                       \
-  ATTR ALWAYS_INLINE void NAME##_tile(const struct zt_gemm *g, const __m512i *dec, int64_t m, int mr,        \
-                                      int64_t b, int64_t grp, const __mmask16 *mask, bool full) {            \
-    int64_t col0 = b * ZT_BLOCK_N, words = g->k / 8 / g->groups;                                             \
-    const __m512i ones = _mm512_set1_epi16(1);                                                               \
-    (void)ones;                                                                                              \
-    __m512i part[ZT_MR_DEC][ZT_NV];                                                                          \
-    _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                     \
-        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) part[r][v] = _mm512_setzero_si512();         \
-    for (int64_t kw = 0; kw < words; kw++) {                                                                 \
-      const int32_t *xq = g->xq + m * (g->k / 4) + 2 * (grp * words + kw);                                   \
-      _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                              \
-        __m512i lo = dec[(kw * ZT_NV + v) * 2], hi = dec[(kw * ZT_NV + v) * 2 + 1];                          \
-        _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++)                                                 \
-            DOT(part[r][v], lo, hi, _mm512_set1_epi32(xq[r * (g->k / 4)]),                                   \
-                _mm512_set1_epi32(xq[r * (g->k / 4) + 1]));                                                  \
-      }                                                                                                      \
-    }                                                                                                        \
-    bool last = grp == g->groups - 1;                                                                        \
-    _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                                \
-      __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);                                        \
-      __m512i z = load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]);   \
-      _Pragma("GCC unroll 4") for (int r = 0; r < mr; r++) {                                                 \
-        float *y = g->y + (m + r) * g->n + col0 + 16 * v;                                                    \
-        __m512i xs = _mm512_set1_epi32(g->xsum[(m + r) * g->groups + grp]);                                  \
-        __m512i t = _mm512_sub_epi32(part[r][v], _mm512_mullo_epi32(z, xs));                                 \
-        __m512 prev = grp ? LOAD_F32(full, mask[v], y) : _mm512_setzero_ps();                                \
-        __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, prev);                                        \
-        if (last)                                                                                            \
-          acc = _mm512_mul_ps(acc, _mm512_set1_ps(g->xscale[m + r]));                                        \
-        STORE_F32(full, mask[v], y, acc);                                                                    \
-      }                                                                                                      \
-    }                                                                                                        \
-  }                                                                                                          \
-  ATTR ALWAYS_INLINE void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, __m512i *dec,     \
-                               bool full) {                                                                  \
-    int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;              \
-    const int32_t *codes = g->codes + col0 * (g->k / 8);                                                     \
-    int64_t words = g->k / 8 / g->groups;                                                                    \
+/*
+ * Many rows (da8w4). A call's rows go in passes of up to ZT_PASS_ROWS. Per pass and group,
+ * the block's codes of the group are decoded once into u8 code vectors (`dec`: per word the
+ * ZT_NV lo vectors, codes of k 0,2,4,6, then the ZT_NV hi ones, k 1,3,5,7; 512 bytes a word,
+ * 8 KiB for groups of 128), then tiles of up to MR rows by the whole block multiply with them:
+ * MR x ZT_NV int32 sums in zmm registers, each activation quad broadcast once per row and
+ * half-word. The f32 sums over the groups so far live in `acc` ([ZT_PASS_ROWS][ZT_BLOCK_N],
+ * 16 KiB) rather than in y, whose rows N floats apart would share a few L1 sets; after the
+ * last group they go to y times the row scale. Per element the operations, and the order of
+ * the float ones, are the direct tile's, so y is the same bit for bit whatever the rows of a call.
+ */
+#define ZT_PASS_ROWS 64
+
+/* What a da8w4 call decodes into and sums in, and the current group's scales and zero points of the block. */
+struct da8w4_scratch {
+  __m512i *dec; /* [words per group][2][ZT_NV] */
+  float *acc;   /* [ZT_PASS_ROWS][ZT_BLOCK_N], zero before a pass's first group */
+  __m512 scale[ZT_NV];
+  __m512i minus_zero[ZT_NV]; /* -z (asymmetric layers read it) */
+};
+
+/* Decodes group grp of block b into s->dec and loads its scales and zero points into s. */
+ALWAYS_INLINE void da8w4_decode_group(const struct zt_gemm *g, struct da8w4_scratch *s, int64_t b,
+                                      int64_t grp, const __mmask16 *mask, bool full) {
+  int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;
+  int64_t words = g->k / 8 / g->groups;
+  const int32_t *codes = g->codes + col0 * (g->k / 8) + grp * words * width;
+  const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808);
+  prefetch_group(g, grp + ZT_AHEAD, col0, width);
+  bool ahead = grp + 1 < g->groups;
+  for (int64_t kw = 0; kw < words; kw++) {
+    __m512i *d = s->dec + kw * 2 * ZT_NV;
+    /* The next group's codes, on their way from memory while the rows multiply with these. */
+    if (ahead)
+      for (int64_t line = 0; line < width * 4; line += 64)
+        _mm_prefetch((const char *)(codes + (words + kw) * width) + line, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++) {
+      __m512i w = LOAD_I32(full, mask[v], codes + kw * width + 16 * v);
+      d[v] = CODE(w, nib, flip);
+      d[ZT_NV + v] = CODE(_mm512_srli_epi32(w, 4), nib, flip);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < ZT_NV; v++) {
+    s->scale[v] = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);
+    s->minus_zero[v] =
+        _mm512_sub_epi32(_mm512_setzero_si512(), load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL,
+                                                            col0 + 16 * v, g->n, mask[v]));
+  }
+}
+
+/*
+ * The int32 sums of rows m..m+mr-1 before group grp's products: minus the group's zero-point
+ * correction z * xsum (int32 arithmetic wraps, so adding it first or last gives the same sum).
+ */
+ALWAYS_INLINE void da8w4_start_group(const struct zt_gemm *g, const struct da8w4_scratch *s,
+                                     __m512i part[][ZT_NV], int64_t m, int mr, int64_t grp) {
+  const int32_t *xsum = g->xsum + m * g->groups + grp;
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++) {
+    __m512i xs = _mm512_set1_epi32(xsum[r * g->groups]);
+    if (!g->zeros) { /* every zero 8 (s4 codes): one shift for the whole row */
+      __m512i minus = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(xs, 3));
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++)
+        part[r][v] = minus;
+    } else {
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++)
+        part[r][v] = _mm512_mullo_epi32(s->minus_zero[v], xs);
+    }
+  }
+}
+
+/*
+ * The end of group grp for rows m..m+mr-1 of the pass starting at row `first`: the int32 sums
+ * scaled into the f32 sums, and after the last group times the row scale into y.
+ */
+ALWAYS_INLINE void da8w4_end_group(const struct zt_gemm *g, const struct da8w4_scratch *s,
+                                   __m512i part[][ZT_NV], int64_t m, int mr, int64_t first, int64_t b,
+                                   int64_t grp, const __mmask16 *mask, bool full) {
+  float *acc = s->acc + (m - first) * ZT_BLOCK_N;
+  if (grp < g->groups - 1) {
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++) {
+        float *sum = acc + r * ZT_BLOCK_N + 16 * v;
+        _mm512_store_ps(sum,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][v]), s->scale[v], _mm512_load_ps(sum)));
+      }
+    return;
+  }
+  float *y = g->y + m * g->n + b * ZT_BLOCK_N;
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++) {
+    __m512 a = _mm512_set1_ps(g->xscale[m + r]);
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++) {
+      __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[r][v]), s->scale[v],
+                                   _mm512_load_ps(acc + r * ZT_BLOCK_N + 16 * v));
+      STORE_F32(full, mask[v], y + r * g->n + 16 * v, _mm512_mul_ps(sum, a));
+    }
+  }
+}
+
+#define VNNI __attribute__((target("avx512vnni")))
+#define ZT_MR_VNNI 6 /* 24 sums, 4 code vectors and a broadcast: 29 of the 32 zmm registers */
+#define ZT_MR_BW 4   /* 16 sums, 8 code vectors, 2 broadcasts and the int16 steps */
+
+/*
+ * *acc += the u8 x s8 quad products of c and a (vpdpbusd), in place. Written in asm because gcc 12
+ * keeps the intrinsic's result apart from its accumulator input: with 24 sums live it copied them
+ * from register to register and spilled them, at half the rate of this form.
+ */
+VNNI ALWAYS_INLINE void dpbusd(__m512i *acc, __m512i c, __m512i a) {
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(c), "v"(a));
+}
+
+/* Group grp for rows m..m+mr-1 (mr <= ZT_MR_VNNI) with vpdpbusd: per half-word, 4 code vectors times each
+ * row's quad. */
+VNNI ALWAYS_INLINE void da8w4_rows_vnni(const struct zt_gemm *g, const struct da8w4_scratch *s, int64_t m,
+                                        int mr, int64_t first, int64_t b, int64_t grp, const __mmask16 *mask,
+                                        bool full) {
+  int64_t words = g->k / 8 / g->groups, stride = g->k / 4;
+  const int32_t *xq = g->xq + m * stride + 2 * grp * words;
+  __m512i part[ZT_MR_VNNI][ZT_NV];
+  da8w4_start_group(g, s, part, m, mr, grp);
+  for (int64_t kw = 0; kw < words; kw++) {
+    const __m512i *d = s->dec + kw * 2 * ZT_NV;
+#pragma GCC unroll 2
+    for (int half = 0; half < 2; half++) {
+      __m512i c[ZT_NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < ZT_NV; v++)
+        c[v] = d[half * ZT_NV + v];
+#pragma GCC unroll 8
+      for (int r = 0; r < mr; r++) {
+        __m512i a = _mm512_set1_epi32(xq[r * stride + 2 * kw + half]);
+#pragma GCC unroll 4
+        for (int v = 0; v < ZT_NV; v++)
+          dpbusd(&part[r][v], c[v], a);
+      }
+    }
+  }
+  da8w4_end_group(g, s, part, m, mr, first, b, grp, mask, full);
+}
+
+/*
+ * The same without VNNI: u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, and 4 of them
+ * per lane pair after adding lo and hi: no saturation), then pairs of int16 into int32.
+ */
+#define DOT_BW(acc, lo, hi, xe, xo)                                                                          \
+  acc = _mm512_add_epi32(                                                                                    \
+      acc,                                                                                                   \
+      _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)), ones))
+ALWAYS_INLINE void da8w4_rows_bw(const struct zt_gemm *g, const struct da8w4_scratch *s, int64_t m, int mr,
+                                 int64_t first, int64_t b, int64_t grp, const __mmask16 *mask, bool full) {
+  int64_t words = g->k / 8 / g->groups, stride = g->k / 4;
+  const int32_t *xq = g->xq + m * stride + 2 * grp * words;
+  const __m512i ones = _mm512_set1_epi16(1);
+  __m512i part[ZT_MR_BW][ZT_NV];
+  da8w4_start_group(g, s, part, m, mr, grp);
+  for (int64_t kw = 0; kw < words; kw++) {
+    const __m512i *d = s->dec + kw * 2 * ZT_NV;
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++)
+#pragma GCC unroll 8
+      for (int r = 0; r < mr; r++)
+        DOT_BW(part[r][v], d[v], d[ZT_NV + v], _mm512_set1_epi32(xq[r * stride + 2 * kw]),
+               _mm512_set1_epi32(xq[r * stride + 2 * kw + 1]));
+  }
+  da8w4_end_group(g, s, part, m, mr, first, b, grp, mask, full);
+}
+
+/*
+ * Rows [m0, m1) of block b through ROWS (tiles of MR rows and one of the rest), pass by pass and
+ * group by group.
+ */
+#define DA8W4_DECODED(NAME, ATTR, ROWS, MR)                                                                  \
+  ATTR ALWAYS_INLINE void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b,                   \
+                               struct da8w4_scratch *s, bool full) {                                         \
+    int64_t width = g->n - b * ZT_BLOCK_N < ZT_BLOCK_N ? g->n - b * ZT_BLOCK_N : ZT_BLOCK_N;                 \
     __mmask16 mask[ZT_NV];                                                                                   \
     _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) mask[v] = lane_mask(width, v);                   \
-    const __m512i nib = _mm512_set1_epi32(0x0f0f0f0f), flip = _mm512_set1_epi32(g->zeros ? 0 : 0x08080808);  \
-    for (int64_t grp = 0; grp < g->groups; grp++) {                                                          \
-      for (int64_t kw = 0; kw < words; kw++)                                                                 \
-        _Pragma("GCC unroll 4") for (int v = 0; v < ZT_NV; v++) {                                            \
-          __m512i w = LOAD_I32(full, mask[v], codes + (grp * words + kw) * width + 16 * v);                  \
-          dec[(kw * ZT_NV + v) * 2] = CODE(w, nib, flip);                                                    \
-          dec[(kw * ZT_NV + v) * 2 + 1] = CODE(_mm512_srli_epi32(w, 4), nib, flip);                          \
-        }                                                                                                    \
-      int64_t m = m0;                                                                                        \
-      for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)                                                            \
-        NAME##_tile(g, dec, m, ZT_MR_DEC, b, grp, mask, full);                                               \
-      switch (m1 - m) {                                                                                      \
-      case 3: NAME##_tile(g, dec, m, 3, b, grp, mask, full); break;                                          \
-      case 2: NAME##_tile(g, dec, m, 2, b, grp, mask, full); break;                                          \
-      case 1: NAME##_tile(g, dec, m, 1, b, grp, mask, full); break;                                          \
+    for (int64_t first = m0; first < m1; first += ZT_PASS_ROWS) {                                            \
+      int64_t end = first + ZT_PASS_ROWS < m1 ? first + ZT_PASS_ROWS : m1;                                   \
+      memset(s->acc, 0, (size_t)(end - first) * ZT_BLOCK_N * sizeof *s->acc);                                \
+      for (int64_t grp = 0; grp < g->groups; grp++) {                                                        \
+        da8w4_decode_group(g, s, b, grp, mask, full);                                                        \
+        int64_t m = first;                                                                                   \
+        for (; m + MR <= end; m += MR)                                                                       \
+          ROWS(g, s, m, MR, first, b, grp, mask, full);                                                      \
+        int64_t left = end - m; /* fewer than MR; MR is at most 6 */                                         \
+        if (MR > 5 && left == 5)                                                                             \
+          ROWS(g, s, m, 5, first, b, grp, mask, full);                                                       \
+        else if (MR > 4 && left == 4)                                                                        \
+          ROWS(g, s, m, 4, first, b, grp, mask, full);                                                       \
+        else if (left == 3)                                                                                  \
+          ROWS(g, s, m, 3, first, b, grp, mask, full);                                                       \
+        else if (left == 2)                                                                                  \
+          ROWS(g, s, m, 2, first, b, grp, mask, full);                                                       \
+        else if (left == 1)                                                                                  \
+          ROWS(g, s, m, 1, first, b, grp, mask, full);                                                       \
       }                                                                                                      \
     }                                                                                                        \
   }
 
-/* The entry point of one DOT: the decoded path for many rows, direct tiles of ZT_MR rows for few. */
+/* The entry point of one way of forming the products: the decoded path for many rows, direct tiles of ZT_MR
+ * rows for few. */
 #define DA8W4_ENTRY(NAME, ATTR, TILE, DECODED)                                                               \
   ATTR void NAME(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {                  \
     if (m1 - m0 >= ZT_MR_DEC) {                                                                              \
-      __m512i *dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * ZT_NV * 2 * sizeof *dec, 64);               \
-      if (dec) {                                                                                             \
+      struct da8w4_scratch s;                                                                                \
+      s.dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * 2 * ZT_NV * sizeof *s.dec, 64);                    \
+      s.acc = _mm_malloc((size_t)ZT_PASS_ROWS * ZT_BLOCK_N * sizeof *s.acc, 64);                             \
+      if (s.dec && s.acc) {                                                                                  \
         for (int64_t b = b0; b < b1; b++) {                                                                  \
           if (FULL_BLOCK(g, b))                                                                              \
-            DECODED(g, m0, m1, b, dec, true);                                                                \
+            DECODED(g, m0, m1, b, &s, true);                                                                 \
           else                                                                                               \
-            DECODED(g, m0, m1, b, dec, false);                                                               \
+            DECODED(g, m0, m1, b, &s, false);                                                                \
         }                                                                                                    \
-        _mm_free(dec);                                                                                       \
+        _mm_free(s.dec);                                                                                     \
+        _mm_free(s.acc);                                                                                     \
         return;                                                                                              \
       }                                                                                                      \
+      _mm_free(s.dec);                                                                                       \
+      _mm_free(s.acc);                                                                                       \
     }                                                                                                        \
     for (int64_t b = b0; b < b1; b++)                                                                        \
       for (int64_t m = m0; m < m1; m += ZT_MR) {                                                             \
@@ -357,18 +534,11 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
       }                                                                                                      \
   }
 
-/* Without VNNI: u8 x s8 pairs into int16 (at most 2 * 15 * 127 each, and 4 of them per lane pair
- * after adding lo and hi: no saturation), then pairs of int16 into int32. */
-#define DOT_BW(acc, lo, hi, xe, xo)                                                                          \
-  acc = _mm512_add_epi32(                                                                                    \
-      acc,                                                                                                   \
-      _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)), ones))
 DA8W4_TILE(da8w4_tile_bw, , DOT_BW)
-DA8W4_DECODED(da8w4_decoded_bw, , DOT_BW)
+DA8W4_DECODED(da8w4_decoded_bw, , da8w4_rows_bw, ZT_MR_BW)
 DA8W4_ENTRY(zt_da8w4_avx512, , da8w4_tile_bw, da8w4_decoded_bw)
 
 #define DOT_VNNI(acc, lo, hi, xe, xo) acc = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo)
-#define VNNI __attribute__((target("avx512vnni")))
 DA8W4_TILE(da8w4_tile_vnni, VNNI, DOT_VNNI)
-DA8W4_DECODED(da8w4_decoded_vnni, VNNI, DOT_VNNI)
+DA8W4_DECODED(da8w4_decoded_vnni, VNNI, da8w4_rows_vnni, ZT_MR_VNNI)
 DA8W4_ENTRY(zt_da8w4_avx512_vnni, VNNI, da8w4_tile_vnni, da8w4_decoded_vnni)
