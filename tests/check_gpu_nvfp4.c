@@ -16,7 +16,7 @@
  *     get no token and one most), agree with the f32 per-expert results;
  *   - the batched memory slots against the host: copy_d2d_batch (ranges of
  *     every alignment, some cut into chunks) gives memmove's bytes, and
- *     find_bad_bytes finds the lowest range holding a bad e4m3 or e8m0 byte
+ *     find_bad_values finds the lowest range holding a bad e4m3 or e8m0 byte
  *     wherever it lies in the range, or none.
  */
 #include <check.h>
@@ -574,7 +574,7 @@ static void random_ranges(uint64_t *seed, size_t *at, size_t *bytes, size_t n, s
 
 START_TEST(batched_copies_and_byte_checks_match_the_host) {
   const struct qkeep_memory_ops *ops = backend()->memory;
-  ck_assert(ops->copy_d2d_batch && ops->find_bad_bytes);
+  ck_assert(ops->copy_d2d_batch && ops->find_bad_values);
   uint64_t seed = 99;
   unsigned char *host = malloc(ARENA), *got = malloc(ARENA), *want = malloc(ARENA);
   void *src, *dst;
@@ -604,14 +604,15 @@ START_TEST(batched_copies_and_byte_checks_match_the_host) {
   /* Valid scale bytes (e4m3: 0 to 0x7e and 0x80; e8m0: 0 to 0xfe), then one bad byte in some ranges. */
   for (int round = 0; round < 24; round++) {
     random_ranges(&seed, at, bytes, RANGES, ARENA);
-    struct qkeep_byte_range r[RANGES];
+    struct qkeep_value_range r[RANGES];
     for (size_t i = 0; i < ARENA; i++)
       host[i] = (unsigned char)(tu_rand(&seed) % 0x7f);
     for (size_t i = 0; i < RANGES; i++) {
-      int rule = tu_rand(&seed) % 2 ? QKEEP_BYTE_E4M3 : QKEEP_BYTE_E8M0;
-      r[i] = (struct qkeep_byte_range){(char *)src + at[i], bytes[i], rule};
+      int rule = tu_rand(&seed) % 2 ? QKEEP_RULE_E4M3_SCALE : QKEEP_RULE_E8M0_SCALE;
+      r[i] = (struct qkeep_value_range){(char *)src + at[i], bytes[i], rule};
       for (size_t j = 0; j < bytes[i]; j += 1 + tu_rand(&seed) % 5) /* -0 and e8m0's large exponents */
-        host[at[i] + j] = rule == QKEEP_BYTE_E4M3 ? 0x80 : (unsigned char)(0x80 + tu_rand(&seed) % 0x7f);
+        host[at[i] + j] =
+            rule == QKEEP_RULE_E4M3_SCALE ? 0x80 : (unsigned char)(0x80 + tu_rand(&seed) % 0x7f);
     }
     size_t expect = RANGES, bad_ranges = round % 4; /* round 0, 4, ...: none */
     for (size_t b = 0; b < bad_ranges; b++) {
@@ -621,18 +622,18 @@ START_TEST(batched_copies_and_byte_checks_match_the_host) {
       /* the first byte, the last, or one inside the 16-byte body */
       size_t where = b == 0 ? 0 : b == 1 ? bytes[i] - 1 : tu_rand(&seed) % bytes[i];
       static const unsigned char e4m3_bad[] = {0x7f, 0xff, 0x81, 0xc0};
-      host[at[i] + where] = r[i].rule == QKEEP_BYTE_E8M0 ? 0xff : e4m3_bad[tu_rand(&seed) % 4];
+      host[at[i] + where] = r[i].rule == QKEEP_RULE_E8M0_SCALE ? 0xff : e4m3_bad[tu_rand(&seed) % 4];
       expect = i < expect ? i : expect;
     }
     ck_assert_int_eq(ops->copy_h2d(backend(), src, host, ARENA), 0);
     size_t first = 12345;
-    ck_assert_int_eq(ops->find_bad_bytes(backend(), r, RANGES, &first), 0);
+    ck_assert_int_eq(ops->find_bad_values(backend(), r, RANGES, &first), 0);
     ck_assert_msg(first == expect, "round %d: the device found range %zu, the host %zu", round, first,
                   expect);
   }
-  struct qkeep_byte_range odd = {src, 16, 3};
+  struct qkeep_value_range odd = {src, 16, 3};
   size_t first;
-  ck_assert_int_eq(ops->find_bad_bytes(backend(), &odd, 1, &first), QKEEP_E_INVAL);
+  ck_assert_int_eq(ops->find_bad_values(backend(), &odd, 1, &first), QKEEP_E_INVAL);
   ops->free(backend(), src);
   ops->free(backend(), dst);
   free(host), free(got), free(want);

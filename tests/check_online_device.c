@@ -41,6 +41,10 @@ static struct {
   int n_buffers;  /* buffers sources were staged in */
   int bad_member; /* the last refusal's */
   int64_t bad_element;
+  int value_checks;  /* find_bad_values calls */
+  size_t checked;    /* bytes they checked */
+  size_t d2h_bytes;  /* bytes copied from the device to the host */
+  bool from_buckets; /* sources may lie in a sync's device buckets: not staged, not tracked */
 } fk;
 
 /* ---- the fake device: host memory, queued copies, allocations tracked ---- */
@@ -84,12 +88,39 @@ static int f_h2d_async(const struct qkeep_backend *be, void *dst, const void *sr
   return 0;
 }
 
-static const struct qkeep_memory_ops fake_ops = {
+static int f_d2h(const struct qkeep_backend *be, void *dst, const void *src, size_t n) {
+  fk.d2h_bytes += n;
+  return f_copy(be, dst, src, n);
+}
+
+/* ABI 1.6: the finite-value rules (all a model quantizing on load asks of this device), after the queue. */
+static int f_find_bad_values(const struct qkeep_backend *be, const struct qkeep_value_range *r, size_t n,
+                             size_t *first) {
+  (void)be, flush();
+  fk.value_checks++;
+  for (size_t i = 0; i < n; i++) {
+    ck_assert_msg(r[i].rule == QKEEP_RULE_BF16_FINITE && r[i].bytes % 2 == 0, "rule %d, %zu bytes", r[i].rule,
+                  r[i].bytes);
+    ck_assert_msg(alloc_of(r[i].at) >= 0, "a range in no device allocation");
+    fk.checked += r[i].bytes;
+    const unsigned char *p = r[i].at;
+    for (size_t j = 0; j < r[i].bytes; j += 2)
+      if ((p[j + 1] & 0x7f) == 0x7f && (p[j] & 0x80)) {
+        *first = i;
+        return 0;
+      }
+  }
+  *first = n;
+  return 0;
+}
+
+/* Not const: a test cuts its size to find_bad_values' offset to be a device of ABI 1.5. */
+static struct qkeep_memory_ops fake_ops = {
     .size = sizeof(struct qkeep_memory_ops),
     .alloc = f_alloc,
     .free = f_free,
     .copy_h2d = f_copy,
-    .copy_d2h = f_copy,
+    .copy_d2h = f_d2h,
     .copy_d2d = f_copy,
     .fill = f_fill,
     .sync = f_sync,
@@ -98,6 +129,7 @@ static const struct qkeep_memory_ops fake_ops = {
     .copy_h2d_async = f_h2d_async,
     .copy_fence = f_fence,
     .copy_fence_wait = f_fence_wait,
+    .find_bad_values = f_find_bad_values,
 };
 
 /* ---- the quantize slot: the host quantizer on the staged bytes ---- */
@@ -121,6 +153,8 @@ static float *values_of(const struct qkeep_quant_member *m) {
 /* Where the member's sources were staged: one live device buffer per unit, the same for every member
  * staged, and no earlier buffer alive beside it. */
 static void note_staging(const struct qkeep_quant_unit *u) {
+  if (fk.from_buckets)
+    return;
   long a = alloc_of(u->members[0].src);
   ck_assert_msg(a >= 0, "%s: its values are in no device allocation", u->members[0].name);
   size_t bytes = 0;
@@ -354,6 +388,64 @@ START_TEST(fp4_syncs_of_bf16_buckets_on_the_device_equal_a_cold_w1) {
 }
 END_TEST
 
+/* Bucket memory on the fake device (sync_from_buckets): the caller's, freed once the device is done. */
+static void *to_fake_device(const void *host, size_t n) {
+  void *d;
+  ck_assert_int_eq(f_alloc(NULL, n, &d), 0);
+  memcpy(d, host, n);
+  return d;
+}
+static void release_fake(void *d) { f_free(NULL, d); }
+static const struct bucket_memory fake_buckets = {to_fake_device, release_fake};
+
+static char *tiny_with(const char *tensor, size_t at, uint16_t bits);
+
+/* A sync of bf16 buckets in device memory checks their values on the device (find_bad_values, ABI 1.6):
+ * none of the bf16 crosses to the host, the model equals a cold W1; a NaN in the bucket is refused naming
+ * the tensor and element, W0 kept; a device without the slot copies the values to the host to check. */
+START_TEST(a_sync_of_device_bf16_buckets_checks_the_values_on_the_device) {
+  char *tiny = example("tiny"), *w1 = example("tiny-w1");
+  const char *v = "model.layers.1.self_attn.v_proj.weight";
+  char *bad = tiny_with(v, 1000, 0x7fc0), *bad_file = tu_path(bad, "model.safetensors");
+  for (size_t s = 0; s < 3; s++) {
+    struct qkeep_quantize_options o = options_for(fp4[s]);
+    for (int slot = 1; slot >= 0; slot--) {
+      fake_reset(TAKE);
+      qkeep_model *m = load(fake(true), tiny, &o);
+      struct qkeep_digest d0;
+      ck_assert_int_eq(qkeep_digest(m, &d0), 0);
+      fake_reset(TAKE);
+      fake_ops.size = slot ? sizeof fake_ops : offsetof(struct qkeep_memory_ops, find_bad_values);
+      fk.from_buckets = true;
+      ck_assert_int_eq(sync_from_buckets(m, bad_file, 300 << 10, &fake_buckets), QKEEP_E_FORMAT);
+      ck_assert_msg(strstr(qkeep_errmsg(), v) && strstr(qkeep_errmsg(), "element 1000"), "%s",
+                    qkeep_errmsg());
+      struct qkeep_digest d;
+      ck_assert_int_eq(qkeep_digest(m, &d), 0);
+      ck_assert_msg(d.hi == d0.hi && d.lo == d0.lo, "%s: the refused sync changed the model", fp4[s]);
+      fake_reset(TAKE);
+      fk.from_buckets = true;
+      ck_assert_msg(sync_from_buckets(m, w1, 300 << 10, &fake_buckets) == 0, "%s: %s", fp4[s],
+                    qkeep_errmsg());
+      if (slot)
+        ck_assert_msg(fk.value_checks > 0 && fk.checked > 0 && fk.d2h_bytes < fk.checked / 8,
+                      "%s: %d device checks of %zu bytes, %zu bytes copied to the host", fp4[s],
+                      fk.value_checks, fk.checked, fk.d2h_bytes);
+      else
+        ck_assert_msg(fk.value_checks == 0 && fk.d2h_bytes > 0, "%s: %d device checks, %zu bytes to the host",
+                      fp4[s], fk.value_checks, fk.d2h_bytes);
+      fake_ops.size = sizeof fake_ops;
+      qkeep_model *cold = offline_twin(fake(true), w1, &o);
+      assert_same(m, cold, fp4[s]);
+      qkeep_model_free(cold);
+      qkeep_model_free(m);
+    }
+  }
+  tu_rmtree(bad);
+  free(tiny), free(w1), free(bad), free(bad_file);
+}
+END_TEST
+
 START_TEST(a_declining_or_older_backend_and_other_schemes_take_the_host_path) {
   char *tiny = example("tiny");
   static const enum mode modes[] = {DECLINE, DECLINE_LATE};
@@ -458,6 +550,7 @@ int main(void) {
   tcase_add_test(tc, fp4_reloads_on_the_device_equal_a_cold_w1_and_move_no_pointer);
   tcase_add_test(tc, fp4_syncs_of_bf16_buckets_on_the_device_equal_a_cold_w1);
   tcase_add_test(tc, a_declining_or_older_backend_and_other_schemes_take_the_host_path);
+  tcase_add_test(tc, a_sync_of_device_bf16_buckets_checks_the_values_on_the_device);
   tcase_add_test(tc, a_nan_is_refused_with_the_host_error_and_a_device_error_fails_the_load);
   suite_add_tcase(su, tc);
   int rc = tu_run_suite(su, CK_NORMAL);

@@ -927,10 +927,10 @@ static int counting_batch(const struct qkeep_backend *be, const struct qkeep_cop
     batches++, batch_ranges += n;
   return counted_ops->copy_d2d_batch(be, r, n);
 }
-static int counting_check(const struct qkeep_backend *be, const struct qkeep_byte_range *r, size_t n,
+static int counting_check(const struct qkeep_backend *be, const struct qkeep_value_range *r, size_t n,
                           size_t *first) {
   checks++, checked_ranges += n;
-  return counted_ops->find_bad_bytes(be, r, n, first);
+  return counted_ops->find_bad_values(be, r, n, first);
 }
 static int counting_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   allocations++;
@@ -944,7 +944,7 @@ static struct device *count_begin(const struct device *d) {
   counting.alloc = counting_alloc;
   counting.copy_d2d = counting_d2d;
   counting.copy_d2d_batch = dev->ops->copy_d2d_batch ? counting_batch : NULL;
-  counting.find_bad_bytes = dev->ops->find_bad_bytes ? counting_check : NULL;
+  counting.find_bad_values = dev->ops->find_bad_values ? counting_check : NULL;
   dev->ops = &counting;
   d2h_copies = allocations = d2d_into_params = batches = batch_ranges = checks = checked_ranges = 0;
   return dev;
@@ -1115,7 +1115,7 @@ static void async_case_close(struct async_case *c) {
 }
 
 /* From a bucket in device memory, a layer's block scales are checked where they lie, by the device's
- * find_bad_bytes (ABI 1.6: one call per layer, no block scale copied to the host); without the slot
+ * find_bad_values (ABI 1.6: one call per layer, no block scale copied to the host); without the slot
  * (_i == 1) its scale tensors (which the plan puts first) are copied to the host for their check in a few
  * runs, not one copy per tensor. Either way a NaN in the middle of such a run still fails the sync naming
  * its tensor and element, and W0 is put back. */
@@ -1152,7 +1152,7 @@ START_TEST(device_bucket_scales_are_checked_from_a_few_copies) {
   ck_assert_ptr_nonnull(bad_name);
   struct device *dev = count_begin(layer_device(qkeep_model_find_layer(m, "model.layers.1.mlp.experts")));
   if (_i == 1)
-    counting.find_bad_bytes = NULL;
+    counting.find_bad_values = NULL;
   ck_assert_msg(sync_from_device(m, dev, sdp, SIZE_MAX, 0) == 0, "%s", qkeep_errmsg());
   size_t copies = d2h_copies, device_checks = checks, device_ranges = checked_ranges;
   ck_assert(same_digest(digest_now(m), digest_now(cold)));

@@ -132,19 +132,24 @@ struct qkeep_copy_range {
   size_t bytes;
 };
 
-/* What makes a one-byte scale value invalid (find_bad_bytes, ABI 1.6): the rules a cold start applies to
- * scales it reads (docs/RELIABILITY.md, "What is validated at load", the bytes). */
-enum qkeep_byte_rule {
-  QKEEP_BYTE_E4M3 =
-      1, /* FP8 e4m3 block scales: NaN (low seven bits all ones) or negative (sign set, not -0) */
-  QKEEP_BYTE_E8M0 = 2, /* e8m0 exponents (MXFP4 scales, also stored as u8): 0xff, the NaN */
+/*
+ * What makes a value invalid (find_bad_values, ABI 1.6): the rules a cold start applies to the scales it
+ * reads (docs/RELIABILITY.md, "What is validated at load", the bytes) and to the unquantized weights it
+ * quantizes on load. A range holds whole values of the rule's size, little-endian, at any address.
+ */
+enum qkeep_value_rule {
+  QKEEP_RULE_E4M3_SCALE = 1,  /* bytes, FP8 e4m3 scales: NaN (low seven bits all ones), negative (not -0) */
+  QKEEP_RULE_E8M0_SCALE = 2,  /* bytes, e8m0 exponents (MXFP4 scales, also stored as u8): 0xff, the NaN */
+  QKEEP_RULE_BF16_FINITE = 3, /* 2-byte bf16: NaN or infinite (exponent all ones) */
+  QKEEP_RULE_F16_FINITE = 4,  /* 2-byte f16: NaN or infinite */
+  QKEEP_RULE_F32_FINITE = 5,  /* 4-byte f32: NaN or infinite */
 };
 
-/* One range of device memory for find_bad_bytes (ABI 1.6). */
-struct qkeep_byte_range {
+/* One range of device memory for find_bad_values (ABI 1.6): `bytes` a multiple of the rule's value size. */
+struct qkeep_value_range {
   const void *at; /* device memory */
   size_t bytes;
-  int rule; /* enum qkeep_byte_rule */
+  int rule; /* enum qkeep_value_rule */
 };
 
 /*
@@ -204,17 +209,19 @@ struct qkeep_memory_ops {
    */
   int (*copy_d2d_batch)(const struct qkeep_backend *be, const struct qkeep_copy_range *ranges, size_t n);
   /*
-   * ABI 1.6, optional (without it the core copies device-resident scales to the host to check them).
-   * Tells whether any byte of n ranges of device memory breaks its range's rule (enum qkeep_byte_rule):
-   * *first is the index of the lowest such range, or n when every byte is valid. A weight sync checks a
-   * bucket's block scales where they lie (cuda-nvfp4: one kernel over a table of the ranges) instead of
-   * bringing them to the host; the core names the bad element itself, from a host copy of the range
-   * found. The check sees every copy and kernel the backend queued before the call, and the answer is
-   * final when the call returns. `ranges` (host memory) is read only during the call; a range may have
-   * 0 bytes; an unknown rule is QKEEP_E_INVAL. 0 or a negative QKEEP_E_* code.
+   * ABI 1.6, optional (without it the core copies device-resident values to the host to check them).
+   * Tells whether any value of n ranges of device memory breaks its range's rule (enum
+   * qkeep_value_rule): *first is the index of the lowest such range, or n when every value is valid. A
+   * weight sync checks a bucket's block scales, and the unquantized weights a model quantizing on load
+   * takes, where they lie (cuda-nvfp4: one kernel over a table of the ranges) instead of bringing them
+   * to the host; the core names the bad element itself, from a host copy of the range found. The check
+   * sees every copy and kernel the backend queued before the call, and the answer is final when the
+   * call returns. `ranges` (host memory) is read only during the call; a range may have 0 bytes; an
+   * unknown rule, or bytes not a multiple of its value size, is QKEEP_E_INVAL. 0 or a negative
+   * QKEEP_E_* code.
    */
-  int (*find_bad_bytes)(const struct qkeep_backend *be, const struct qkeep_byte_range *ranges, size_t n,
-                        size_t *first);
+  int (*find_bad_values)(const struct qkeep_backend *be, const struct qkeep_value_range *ranges, size_t n,
+                         size_t *first);
 };
 
 /* The type of a configuration key a backend declares (ABI 1.1). */

@@ -62,12 +62,12 @@ int dev_fence_wait(const struct device *dev, uint64_t fence, bool block);
 /* Copies n device ranges to device memory (no dst overlapping another range): with the backend's
  * copy_d2d_batch (ABI 1.5) in one call, else one dev_d2d each. */
 int dev_d2d_batch(const struct device *dev, const struct qkeep_copy_range *ranges, size_t n);
-/* Whether ops have ABI 1.6's find_bad_bytes. */
-bool memory_ops_find_bad_bytes(const struct qkeep_memory_ops *ops);
-/* find_bad_bytes (only for a device whose ops pass memory_ops_find_bad_bytes): *first the lowest range
+/* Whether ops have ABI 1.6's find_bad_values. */
+bool memory_ops_find_bad_values(const struct qkeep_memory_ops *ops);
+/* find_bad_values (only for a device whose ops pass memory_ops_find_bad_values): *first the lowest range
  * with a byte its rule refuses, or n. */
-int dev_find_bad_bytes(const struct device *dev, const struct qkeep_byte_range *ranges, size_t n,
-                       size_t *first);
+int dev_find_bad_values(const struct device *dev, const struct qkeep_value_range *ranges, size_t n,
+                        size_t *first);
 /* ABI 1.2 slots; only for a device whose ops pass memory_ops_async. */
 int dev_host_alloc(const struct device *dev, size_t bytes, void **out);
 void dev_host_free(const struct device *dev, void *ptr);

@@ -114,15 +114,15 @@ int dev_d2d_batch(const struct device *dev, const struct qkeep_copy_range *range
   int rc = ops->copy_d2d_batch(dev->be, ranges, n);
   return rc ? set_error(rc, "batched device-to-device copy of %zu ranges failed", n) : 0;
 }
-bool memory_ops_find_bad_bytes(const struct qkeep_memory_ops *ops) {
+bool memory_ops_find_bad_values(const struct qkeep_memory_ops *ops) {
   return ops &&
-         ops->size >= offsetof(struct qkeep_memory_ops, find_bad_bytes) + sizeof(ops->find_bad_bytes) &&
-         ops->find_bad_bytes;
+         ops->size >= offsetof(struct qkeep_memory_ops, find_bad_values) + sizeof(ops->find_bad_values) &&
+         ops->find_bad_values;
 }
-int dev_find_bad_bytes(const struct device *dev, const struct qkeep_byte_range *ranges, size_t n,
-                       size_t *first) {
+int dev_find_bad_values(const struct device *dev, const struct qkeep_value_range *ranges, size_t n,
+                        size_t *first) {
   *first = n;
-  int rc = n ? dev->ops->find_bad_bytes(dev->be, ranges, n, first) : 0;
+  int rc = n ? dev->ops->find_bad_values(dev->be, ranges, n, first) : 0;
   if (rc)
     return set_error(rc, "the device's check of %zu scale ranges failed", n);
   if (*first > n)

@@ -585,6 +585,49 @@ static size_t first_not_finite(const void *bytes, enum qkeep_dtype dtype, size_t
   return n;
 }
 
+/* The ABI 1.6 rule that refuses a non-finite value of dtype, or 0. */
+static int finite_rule(int dtype) {
+  switch (dtype) {
+  case QKEEP_DTYPE_BF16: return QKEEP_RULE_BF16_FINITE;
+  case QKEEP_DTYPE_F16: return QKEEP_RULE_F16_FINITE;
+  case QKEEP_DTYPE_F32: return QKEEP_RULE_F32_FINITE;
+  default: return 0;
+  }
+}
+
+int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv) {
+  const struct device *dev = layer_device(layer);
+  bool on_device = pv->device_bytes && memory_ops_find_bad_values(dev->ops);
+  struct qkeep_value_range *ranges = on_device ? malloc((layer->n_sources + 1) * sizeof *ranges) : NULL;
+  size_t *which = on_device ? malloc((layer->n_sources + 1) * sizeof *which) : NULL, n = 0;
+  int rc = on_device && (!ranges || !which) ? set_error(QKEEP_E_NOMEM, "out of memory") : 0;
+  for (size_t i = 0; i < layer->n_sources && !rc; i++) {
+    struct source *src = &layer->sources[i];
+    if (!src->online)
+      continue;
+    struct provided t;
+    const void *at = NULL;
+    if (on_device && !(rc = online_member_tensor(layer, pv, src, &t)))
+      at = finite_rule(t.dtype) ? pv->device_bytes(pv, &t) : NULL;
+    if (at) {
+      ranges[n] = (struct qkeep_value_range){at, t.nbytes, finite_rule(t.dtype)};
+      which[n++] = i;
+    } else if (!rc) {
+      rc = online_check_values(layer, pv, src);
+    }
+  }
+  size_t bad = n;
+  if (!rc && n && !(rc = dev_find_bad_values(dev, ranges, n, &bad)) && bad < n) {
+    struct source *src = &layer->sources[which[bad]];
+    if (!(rc = online_check_values(layer, pv, src))) /* names the element */
+      rc = set_error(QKEEP_E_DEVICE,
+                     "backend %s found a NaN or an infinity in '%s' (layer %s) where the host finds none",
+                     dev->be ? dev->be->name : "?", src->checkpoint_name, layer->name);
+  }
+  free(ranges), free(which);
+  return rc;
+}
+
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src) {
   struct provided t;
   const void *bytes;

@@ -90,5 +90,9 @@ void online_unit_free(struct online_unit *u);
 /* Checks an unquantized source's values in pv (every one finite) before anything changes: QKEEP_E_FORMAT
  * naming the tensor, element, row, column and layer. */
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src);
+/* online_check_values for every unquantized source of the layer: those pv holds in device memory on a
+ * device with find_bad_values (ABI 1.6) in one call there (a bad one then named from a host copy), the
+ * others read here. */
+int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv);
 
 #endif

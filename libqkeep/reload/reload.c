@@ -428,36 +428,36 @@ static int check_run(const struct scale_item *items, size_t first, size_t last, 
 static int byte_rule(const struct scale_item *it) {
   bool divided = it->param->rule.positive || it->param->rule.inverted;
   switch (it->t.dtype) {
-  case QKEEP_DTYPE_F8_E4M3: return divided ? 0 : QKEEP_BYTE_E4M3;
+  case QKEEP_DTYPE_F8_E4M3: return divided ? 0 : QKEEP_RULE_E4M3_SCALE;
   case QKEEP_DTYPE_F8_E8M0:
-  case QKEEP_DTYPE_U8: return QKEEP_BYTE_E8M0;
+  case QKEEP_DTYPE_U8: return QKEEP_RULE_E8M0_SCALE;
   default: return 0;
   }
 }
 
 /*
- * Checks on their device, with the backend's find_bad_bytes (ABI 1.6), the items whose check is a byte
+ * Checks on their device, with the backend's find_bad_values (ABI 1.6), the items whose check is a byte
  * rule and whose bytes need not come to the host (no `keep`): one call per device for all of them (items
  * sorted by device). Those found valid are removed from items (*n shrinks, the order kept); when a device
  * finds a bad byte, its items all stay, for the host path to name the tensor and element.
  */
 static int check_on_devices(struct scale_item *items, size_t *n) {
-  struct qkeep_byte_range *ranges = malloc((*n ? *n : 1) * sizeof *ranges);
+  struct qkeep_value_range *ranges = malloc((*n ? *n : 1) * sizeof *ranges);
   size_t *which = malloc((*n ? *n : 1) * sizeof *which), kept = 0;
   int rc = ranges && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory for the check of %zu scales", *n);
   for (size_t first = 0, last; first < *n && !rc; first = last) {
     const struct device *dev = items[first].dev;
     for (last = first + 1; last < *n && items[last].dev == dev; last++)
       ;
-    if (!dev || !memory_ops_find_bad_bytes(dev->ops))
+    if (!dev || !memory_ops_find_bad_values(dev->ops))
       continue;
     size_t m = 0, bad;
     for (size_t j = first; j < last; j++)
       if (!items[j].keep && byte_rule(&items[j])) {
-        ranges[m] = (struct qkeep_byte_range){items[j].at, items[j].t.nbytes, byte_rule(&items[j])};
+        ranges[m] = (struct qkeep_value_range){items[j].at, items[j].t.nbytes, byte_rule(&items[j])};
         which[m++] = j;
       }
-    if (m && !(rc = dev_find_bad_bytes(dev, ranges, m, &bad)) && bad == m)
+    if (m && !(rc = dev_find_bad_values(dev, ranges, m, &bad)) && bad == m)
       for (size_t k = 0; k < m; k++)
         items[which[k]].at = NULL; /* valid: dropped below */
   }
@@ -691,9 +691,7 @@ static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache)
   int rc = 0;
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     const qkeep_param *p = layer->sources[i].param;
-    if (!(rc = check_source(layer, pv, &layer->sources[i], &t)) && layer->sources[i].online)
-      rc = online_check_values(layer, pv, &layer->sources[i]); /* a NaN cannot be quantized */
-    if (rc || !p->scale)
+    if ((rc = check_source(layer, pv, &layer->sources[i], &t)) || !p->scale)
       continue;
     rc = grow_array((void **)&cache->checks, &cache->cap_checks, cache->n_checks + 1, sizeof *cache->checks);
     if (!rc) {
@@ -701,7 +699,7 @@ static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache)
       rc = keep_scale(cache, &t);
     }
   }
-  return rc;
+  return rc ? rc : online_check_layer_values(layer, pv); /* a NaN cannot be quantized */
 }
 
 /*

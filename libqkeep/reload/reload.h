@@ -17,7 +17,7 @@ struct scale_item {
   unsigned char *keep;      /* NULL, or host memory that gets a copy of the bytes checked */
 };
 /* Checks the values of n scale tensors with check_scales: those in host memory where they are; those in
- * device memory where they lie when the device has find_bad_bytes (ABI 1.6), their dtype's rule is one of
+ * device memory where they lie when the device has find_bad_values (ABI 1.6), their dtype's rule is one of
  * bytes and no `keep` wants their bytes; the others (and every one on a device that found a bad byte, to
  * name it) from one copy to the host per run of them that lie close together in one block (their one trip
  * to the host: `keep` gets the bytes checked). Sorts items by device, block and address (reload.c). 0, or

@@ -365,24 +365,39 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
   return err == cudaSuccess ? 0 : cuda_error(c, err, what);
 }
 
+/* The bytes of one value under a rule (enum qkeep_value_rule), or 0 for a rule this backend does not know. */
+static int value_rule_size(int rule) {
+  switch (rule) {
+  case QKEEP_RULE_E4M3_SCALE:
+  case QKEEP_RULE_E8M0_SCALE: return 1;
+  case QKEEP_RULE_BF16_FINITE:
+  case QKEEP_RULE_F16_FINITE: return 2;
+  case QKEEP_RULE_F32_FINITE: return 4;
+  default: return 0;
+  }
+}
+
 /*
- * ABI 1.6: the ranges cut into chunks as mem_copy_batch cuts them, one kernel that checks every chunk
+ * ABI 1.6: the ranges cut into chunks as mem_copy_batch cuts them (a multiple of 4 bytes: no value
+ * spans two chunks), one kernel that checks every chunk
  * and keeps the lowest range index with a bad byte (atomicMin), and one read of that index, which waits
  * for the kernel (and for everything queued before it).
  */
-static int mem_find_bad_bytes(const struct qkeep_backend *be, const struct qkeep_byte_range *ranges, size_t n,
-                              size_t *first) {
+static int mem_find_bad_values(const struct qkeep_backend *be, const struct qkeep_value_range *ranges,
+                               size_t n, size_t *first) {
   struct cuda_backend *c = backend_of(be);
   size_t chunks = 0;
   *first = n;
   for (size_t i = 0; i < n; i++) {
-    if (ranges[i].rule != QKEEP_BYTE_E4M3 && ranges[i].rule != QKEEP_BYTE_E8M0)
-      return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: find_bad_bytes: range %zu has rule %d", i,
-                                ranges[i].rule);
+    int size = value_rule_size(ranges[i].rule);
+    if (!size || ranges[i].bytes % (size_t)size)
+      return c->host->set_error(QKEEP_E_INVAL,
+                                "cuda-nvfp4: find_bad_values: range %zu has rule %d and %zu bytes", i,
+                                ranges[i].rule, ranges[i].bytes);
     chunks += (ranges[i].bytes + NVFP4_COPY_CHUNK - 1) / NVFP4_COPY_CHUNK;
   }
   if (n > UINT32_MAX)
-    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: find_bad_bytes: %zu ranges", n);
+    return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: find_bad_values: %zu ranges", n);
   int rc = chunks ? use_device(c) : 0;
   if (rc || !chunks)
     return rc;
@@ -1148,7 +1163,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .copy_fence = mem_copy_fence,
       .copy_fence_wait = mem_copy_fence_wait,
       .copy_d2d_batch = mem_copy_batch,
-      .find_bad_bytes = mem_find_bad_bytes,
+      .find_bad_values = mem_find_bad_values,
   };
   pthread_mutex_init(&c->fence_mu, NULL);
   pthread_mutex_init(&c->copy_mu, NULL);

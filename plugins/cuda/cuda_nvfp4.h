@@ -60,11 +60,11 @@ struct nvfp4_copy_chunk {
  * dst may overlap another chunk. */
 int nvfp4_copy_chunks_gpu(const struct nvfp4_copy_chunk *table, size_t n, void *stream);
 
-/* One piece of a batched byte check (find_bad_bytes): at most NVFP4_COPY_CHUNK bytes of range `range`. */
+/* One piece of a batched byte check (find_bad_values): at most NVFP4_COPY_CHUNK bytes of range `range`. */
 struct nvfp4_check_chunk {
   const unsigned char *at;
   uint32_t range;
-  uint32_t rule; /* enum qkeep_byte_rule */
+  uint32_t rule; /* enum qkeep_value_rule */
   uint64_t bytes;
 };
 /* Checks the n chunks of the table (device memory) on stream, one thread block each: *first_bad (device

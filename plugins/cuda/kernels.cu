@@ -1682,36 +1682,72 @@ extern "C" int nvfp4_copy_chunks_gpu(const nvfp4_copy_chunk *table, size_t n, vo
   return cudaGetLastError();
 }
 
-/* The bytes of w (four) that `rule` refuses, as 0xff bytes: e4m3 NaN (low seven bits all ones) or
- * negative (above 0x80), e8m0 0xff. */
-__device__ __forceinline__ unsigned bad_bytes4(unsigned w, unsigned rule) {
-  if (rule == QKEEP_BYTE_E4M3)
-    return __vcmpeq4(w & 0x7f7f7f7fu, 0x7f7f7f7fu) | __vcmpgtu4(w, 0x80808080u);
-  return __vcmpeq4(w, 0xffffffffu);
+/* The size of one value under `rule` (enum qkeep_value_rule): 1, 2 or 4 bytes. */
+__device__ __forceinline__ unsigned rule_size(unsigned rule) {
+  return rule == QKEEP_RULE_F32_FINITE                                     ? 4
+         : rule == QKEEP_RULE_BF16_FINITE || rule == QKEEP_RULE_F16_FINITE ? 2
+                                                                           : 1;
 }
 
-/* One block per chunk: 16-byte loads of its aligned body (single bytes around it); a block whose range
- * cannot lower the answer any more returns at once. */
+/* Whether one value v (its rule_size low bytes) breaks `rule`. */
+__device__ __forceinline__ bool bad_value(unsigned v, unsigned rule) {
+  switch (rule) {
+  case QKEEP_RULE_E4M3_SCALE: return (v & 0x7fu) == 0x7fu || v > 0x80u;
+  case QKEEP_RULE_E8M0_SCALE: return v == 0xffu;
+  case QKEEP_RULE_BF16_FINITE: return (v & 0x7f80u) == 0x7f80u;
+  case QKEEP_RULE_F16_FINITE: return (v & 0x7c00u) == 0x7c00u;
+  default: return (v & 0x7f800000u) == 0x7f800000u;
+  }
+}
+
+/* Whether any value of the aligned 4-byte word w breaks `rule` (the byte rules four at a time). */
+__device__ __forceinline__ bool bad_word(unsigned w, unsigned rule) {
+  switch (rule) {
+  case QKEEP_RULE_E4M3_SCALE:
+    return (__vcmpeq4(w & 0x7f7f7f7fu, 0x7f7f7f7fu) | __vcmpgtu4(w, 0x80808080u)) != 0;
+  case QKEEP_RULE_E8M0_SCALE: return __vcmpeq4(w, 0xffffffffu) != 0;
+  case QKEEP_RULE_BF16_FINITE:
+  case QKEEP_RULE_F16_FINITE: return bad_value(w & 0xffffu, rule) || bad_value(w >> 16, rule);
+  default: return bad_value(w, rule);
+  }
+}
+
+/* Value i of p (size bytes), assembled from single bytes: p need not be aligned. */
+__device__ __forceinline__ unsigned value_at(const unsigned char *p, size_t i, unsigned size) {
+  unsigned v = 0;
+  for (unsigned b = 0; b < size; b++)
+    v |= (unsigned)p[i * size + b] << (8 * b);
+  return v;
+}
+
+/* One block per chunk: 16-byte loads of its aligned body, single values around it (all values one byte
+ * at a time where the chunk is not aligned to its value size); a block whose range cannot lower the answer
+ * any more returns at once. */
 __global__ void check_chunks_kernel(const nvfp4_check_chunk *table, unsigned long long *first_bad) {
   const nvfp4_check_chunk c = table[blockIdx.x];
   if (c.range >= *reinterpret_cast<volatile unsigned long long *>(first_bad))
     return;
+  const unsigned size = rule_size(c.rule);
   const uintptr_t a = (uintptr_t)c.at;
-  size_t head = (16 - (a & 15)) & 15;
-  head = head < c.bytes ? head : c.bytes;
-  const size_t body = (c.bytes - head) / 16;
-  unsigned bad = 0;
-  for (size_t i = threadIdx.x; i < head; i += blockDim.x)
-    bad |= bad_bytes4(c.at[i], c.rule) & 0xffu;
-  const uint4 *v = reinterpret_cast<const uint4 *>(c.at + head);
-  for (size_t i = threadIdx.x; i < body; i += blockDim.x) {
-    uint4 w = v[i];
-    bad |=
-        bad_bytes4(w.x, c.rule) | bad_bytes4(w.y, c.rule) | bad_bytes4(w.z, c.rule) | bad_bytes4(w.w, c.rule);
+  bool bad = false;
+  if (a % size) {
+    for (size_t i = threadIdx.x; i < c.bytes / size; i += blockDim.x)
+      bad |= bad_value(value_at(c.at, i, size), c.rule);
+  } else {
+    size_t head = (16 - (a & 15)) & 15;
+    head = head < c.bytes ? head : c.bytes;
+    const size_t body = (c.bytes - head) / 16, tail = head + body * 16;
+    for (size_t i = threadIdx.x; i < head / size; i += blockDim.x)
+      bad |= bad_value(value_at(c.at, i, size), c.rule);
+    const uint4 *v = reinterpret_cast<const uint4 *>(c.at + head);
+    for (size_t i = threadIdx.x; i < body; i += blockDim.x) {
+      uint4 w = v[i];
+      bad |= bad_word(w.x, c.rule) || bad_word(w.y, c.rule) || bad_word(w.z, c.rule) || bad_word(w.w, c.rule);
+    }
+    for (size_t i = threadIdx.x; i < (c.bytes - tail) / size; i += blockDim.x)
+      bad |= bad_value(value_at(c.at + tail, i, size), c.rule);
   }
-  for (size_t i = head + body * 16 + threadIdx.x; i < c.bytes; i += blockDim.x)
-    bad |= bad_bytes4(c.at[i], c.rule) & 0xffu;
-  if (__syncthreads_or(bad != 0) && threadIdx.x == 0)
+  if (__syncthreads_or(bad) && threadIdx.x == 0)
     atomicMin(first_bad, (unsigned long long)c.range);
 }
 
