@@ -16,8 +16,9 @@
  *     get no token and one most), agree with the f32 per-expert results;
  *   - the batched memory slots against the host: copy_d2d_batch (ranges of
  *     every alignment, some cut into chunks) gives memmove's bytes, and
- *     find_bad_values finds the lowest range holding a bad e4m3 or e8m0 byte
- *     wherever it lies in the range, or none.
+ *     find_bad_values finds the lowest range holding a bad value (e4m3 and
+ *     e8m0 scales, bf16, f16 and f32 weights; every alignment) wherever it
+ *     lies in the range, or none.
  */
 #include <check.h>
 #include <math.h>
@@ -572,7 +573,45 @@ static void random_ranges(uint64_t *seed, size_t *at, size_t *bytes, size_t n, s
   }
 }
 
-START_TEST(batched_copies_and_byte_checks_match_the_host) {
+/* The bytes of one value under a find_bad_values rule. */
+static size_t rule_size(int rule) {
+  return rule == QKEEP_RULE_F32_FINITE                                     ? 4
+         : rule == QKEEP_RULE_BF16_FINITE || rule == QKEEP_RULE_F16_FINITE ? 2
+                                                                           : 1;
+}
+
+/* Writes v's rule_size low bytes at p, little-endian. */
+static void put_value(unsigned char *p, int rule, uint32_t v) {
+  for (size_t b = 0; b < rule_size(rule); b++)
+    p[b] = (unsigned char)(v >> (8 * b));
+}
+
+/* A random value the rule takes. */
+static uint32_t valid_value(int rule, uint64_t *seed) {
+  uint32_t v = (uint32_t)tu_rand(seed);
+  switch (rule) {
+  case QKEEP_RULE_E4M3_SCALE: return v % 8 ? v % 0x7f : 0x80;
+  case QKEEP_RULE_E8M0_SCALE: return v % 0xff;
+  case QKEEP_RULE_BF16_FINITE: return (v & 0xffff) ^ (((v & 0x7f80) == 0x7f80) << 7);
+  case QKEEP_RULE_F16_FINITE: return (v & 0xffff) ^ (((v & 0x7c00) == 0x7c00) << 10);
+  default: return v ^ (((v & 0x7f800000u) == 0x7f800000u) << 23);
+  }
+}
+
+/* A random value the rule refuses: a NaN, an infinity, a negative scale. */
+static uint32_t bad_value(int rule, uint64_t *seed) {
+  uint32_t v = (uint32_t)tu_rand(seed);
+  static const unsigned char e4m3[] = {0x7f, 0xff, 0x81, 0xc0};
+  switch (rule) {
+  case QKEEP_RULE_E4M3_SCALE: return e4m3[v % 4];
+  case QKEEP_RULE_E8M0_SCALE: return 0xff;
+  case QKEEP_RULE_BF16_FINITE: return (v & 0x807f) | 0x7f80;
+  case QKEEP_RULE_F16_FINITE: return (v & 0x83ff) | 0x7c00;
+  default: return (v & 0x807fffffu) | 0x7f800000u;
+  }
+}
+
+START_TEST(batched_copies_and_value_checks_match_the_host) {
   const struct qkeep_memory_ops *ops = backend()->memory;
   ck_assert(ops->copy_d2d_batch && ops->find_bad_values);
   uint64_t seed = 99;
@@ -601,28 +640,27 @@ START_TEST(batched_copies_and_byte_checks_match_the_host) {
       ck_assert_msg(got[i] == want[i], "round %d: byte %zu is %u after the batch, %u by memmove", round, i,
                     got[i], want[i]);
   }
-  /* Valid scale bytes (e4m3: 0 to 0x7e and 0x80; e8m0: 0 to 0xfe), then one bad byte in some ranges. */
-  for (int round = 0; round < 24; round++) {
+  /* Valid values under each rule (e4m3 scales 0 to 0x7e and -0; e8m0 0 to 0xfe; bf16, f16 and f32 of
+   * every exponent but the all-ones one), at every alignment (2- and 4-byte values at odd addresses
+   * too), then one bad value in some ranges: the first, the last, or one inside. */
+  for (int round = 0; round < 40; round++) {
     random_ranges(&seed, at, bytes, RANGES, ARENA);
     struct qkeep_value_range r[RANGES];
-    for (size_t i = 0; i < ARENA; i++)
-      host[i] = (unsigned char)(tu_rand(&seed) % 0x7f);
     for (size_t i = 0; i < RANGES; i++) {
-      int rule = tu_rand(&seed) % 2 ? QKEEP_RULE_E4M3_SCALE : QKEEP_RULE_E8M0_SCALE;
+      int rule = 1 + (int)(tu_rand(&seed) % 5);
+      size_t size = rule_size(rule);
+      bytes[i] -= bytes[i] % size;
       r[i] = (struct qkeep_value_range){(char *)src + at[i], bytes[i], rule};
-      for (size_t j = 0; j < bytes[i]; j += 1 + tu_rand(&seed) % 5) /* -0 and e8m0's large exponents */
-        host[at[i] + j] =
-            rule == QKEEP_RULE_E4M3_SCALE ? 0x80 : (unsigned char)(0x80 + tu_rand(&seed) % 0x7f);
+      for (size_t j = 0; j < bytes[i]; j += size)
+        put_value(host + at[i] + j, rule, valid_value(rule, &seed));
     }
     size_t expect = RANGES, bad_ranges = round % 4; /* round 0, 4, ...: none */
     for (size_t b = 0; b < bad_ranges; b++) {
-      size_t i = tu_rand(&seed) % RANGES;
-      if (!bytes[i])
+      size_t i = tu_rand(&seed) % RANGES, size = rule_size(r[i].rule), values = bytes[i] / size;
+      if (!values)
         continue;
-      /* the first byte, the last, or one inside the 16-byte body */
-      size_t where = b == 0 ? 0 : b == 1 ? bytes[i] - 1 : tu_rand(&seed) % bytes[i];
-      static const unsigned char e4m3_bad[] = {0x7f, 0xff, 0x81, 0xc0};
-      host[at[i] + where] = r[i].rule == QKEEP_RULE_E8M0_SCALE ? 0xff : e4m3_bad[tu_rand(&seed) % 4];
+      size_t where = b == 0 ? 0 : b == 1 ? values - 1 : tu_rand(&seed) % values;
+      put_value(host + at[i] + where * size, r[i].rule, bad_value(r[i].rule, &seed));
       expect = i < expect ? i : expect;
     }
     ck_assert_int_eq(ops->copy_h2d(backend(), src, host, ARENA), 0);
@@ -631,9 +669,10 @@ START_TEST(batched_copies_and_byte_checks_match_the_host) {
     ck_assert_msg(first == expect, "round %d: the device found range %zu, the host %zu", round, first,
                   expect);
   }
-  struct qkeep_value_range odd = {src, 16, 3};
   size_t first;
-  ck_assert_int_eq(ops->find_bad_values(backend(), &odd, 1, &first), QKEEP_E_INVAL);
+  struct qkeep_value_range odd[] = {{src, 16, 9}, {src, 15, QKEEP_RULE_F32_FINITE}};
+  for (int i = 0; i < 2; i++)
+    ck_assert_int_eq(ops->find_bad_values(backend(), &odd[i], 1, &first), QKEEP_E_INVAL);
   ops->free(backend(), src);
   ops->free(backend(), dst);
   free(host), free(got), free(want);
@@ -662,7 +701,7 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, half_precision_activations);
-  tcase_add_test(tc, batched_copies_and_byte_checks_match_the_host);
+  tcase_add_test(tc, batched_copies_and_value_checks_match_the_host);
   suite_add_tcase(s, tc);
   /* Routed MoE on its own (CK_RUN_CASE=routed runs it alone). */
   tc = tcase_create("routed");
