@@ -411,6 +411,68 @@ START_TEST(nan_or_inf_in_the_source_is_refused_before_anything_changes) {
 }
 END_TEST
 
+/* A one-layer MLP of bf16 weights large enough that a reload's check reads each in several 8 MiB pieces
+ * (2048 x 3072: 12 MiB), with NaNs at the given elements of gate_proj and up_proj (SIZE_MAX: none). */
+static char *big_mlp(const char *dir, const char *name, size_t gate_nan, size_t up_nan) {
+  struct st_writer *w;
+  ck_assert_int_eq(st_writer_new(&w), 0);
+  static const char *const proj[] = {"gate_proj", "up_proj", "down_proj"};
+  const size_t nan_at[] = {gate_nan, up_nan, SIZE_MAX};
+  const int64_t rows = 3072, cols = 2048;
+  uint16_t *v = malloc((size_t)(rows * cols) * 2);
+  uint64_t seed = 5;
+  for (int p = 0; p < 3; p++) {
+    for (size_t i = 0; i < (size_t)(rows * cols); i++)
+      v[i] = qkeep_f32_to_bf16(tu_randf(&seed) * 0.05f);
+    if (nan_at[p] != SIZE_MAX)
+      v[nan_at[p]] = 0x7fc0;
+    char t[96];
+    snprintf(t, sizeof t, "model.layers.0.mlp.%s.weight", proj[p]);
+    struct qkeep_spec spec = {
+        .dtype = QKEEP_DTYPE_BF16, .ndim = 2, .shape = {p < 2 ? rows : cols, p < 2 ? cols : rows}};
+    ck_assert_int_eq(st_writer_add(w, t, &spec, v), 0);
+  }
+  char *path = tu_path(dir, name);
+  ck_assert_int_eq(st_writer_write(w, path), 0);
+  st_writer_free(w);
+  free(v);
+  return path;
+}
+
+/* A reload's check reads large weights in pieces on several threads: a NaN deep in the second piece of
+ * a weight is found and named, and with NaNs in two weights the first of them (in the layer's order) is
+ * the one named, as a check tensor by tensor names it; W0 is kept each time. */
+START_TEST(a_nan_deep_in_a_large_weight_is_found_by_the_threaded_check) {
+  qkeep_plugin **chain;
+  size_t n;
+  open_default(&chain, &n);
+  char *dir = tu_tmpdir("online-big");
+  char *w0 = big_mlp(dir, "w0.safetensors", SIZE_MAX, SIZE_MAX);
+  size_t deep = ((size_t)8 << 20) / 2 + 12345; /* an element in the second 8 MiB piece */
+  char *up_bad = big_mlp(dir, "up.safetensors", SIZE_MAX, deep);
+  char *both_bad = big_mlp(dir, "both.safetensors", 3 * 2048 + 7, 100);
+  struct qkeep_quantize_options o = options_for("w8a8-int8");
+  qkeep_model *m = load_model(chain, n, w0, &o, 1, 0);
+  struct qkeep_digest d0 = digest_of(m);
+  char where[64];
+  snprintf(where, sizeof where, "element %zu ", deep);
+  ck_assert_int_eq(qkeep_model_reload(m, up_bad, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "mlp.up_proj.weight") && strstr(qkeep_errmsg(), where), "%s",
+                qkeep_errmsg());
+  ck_assert(same_digest(d0, digest_of(m)));
+  ck_assert_int_eq(qkeep_model_reload(m, both_bad, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "mlp.gate_proj.weight") && strstr(qkeep_errmsg(), "element 6151 "),
+                "%s", qkeep_errmsg());
+  ck_assert(same_digest(d0, digest_of(m)));
+  ck_assert_int_eq(qkeep_model_reload(m, w0, 0), 0);
+  ck_assert(same_digest(d0, digest_of(m)));
+  qkeep_model_free(m);
+  tu_rmtree(dir);
+  free(dir), free(w0), free(up_bad), free(both_bad);
+  qkeep_plugins_close(chain, n);
+}
+END_TEST
+
 /* Every registered tensor of a model (every layer's names): its address and bytes. */
 struct snapshot {
   size_t n, cap;
@@ -1099,6 +1161,7 @@ static Suite *online_suite(void) {
   tcase_add_test(tc, a_sync_of_bf16_buckets_equals_a_cold_online_w1);
   tcase_add_test(tc, nan_or_inf_in_the_source_is_refused_before_anything_changes);
   tcase_add_test(tc, every_non_finite_value_is_found_and_every_finite_one_taken_in_each_dtype);
+  tcase_add_test(tc, a_nan_deep_in_a_large_weight_is_found_by_the_threaded_check);
   tcase_add_test(tc, a_made_scale_a_cold_start_refuses_is_refused_by_a_reload);
   tcase_add_test(tc, a_nan_in_the_last_quantized_tensor_of_w1_leaves_every_kernel_tensor_of_w0);
   tcase_add_test(tc, a_nan_in_a_unit_read_ahead_fails_the_cold_start_naming_it);
