@@ -220,6 +220,13 @@ static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec
   return 0;
 }
 
+/* The plugins of the chain a config text (written to ini) names. */
+static int open_chain(const char *ini, const char *text, qkeep_config **config, qkeep_plugin ***plugins,
+                      size_t *n) {
+  return tu_write_file(ini, text, strlen(text)) || qkeep_config_load(ini, config) ||
+         qkeep_plugins_open_config(*config, plugins, n);
+}
+
 /* ---- online quantization on the device ---- */
 
 /* Seconds of one call of the quantize slot on a fusion group of two n x k bf16 members (median of
@@ -347,8 +354,7 @@ static int main_online(int layers, int runs, int cores) {
   qkeep_config *config;
   qkeep_plugin **plugins;
   size_t n_plugins;
-  if (tu_write_file(ini, cfg, strlen(cfg)) || qkeep_config_load(ini, &config) ||
-      qkeep_plugins_open_config(config, &plugins, &n_plugins))
+  if (open_chain(ini, cfg, &config, &plugins, &n_plugins))
     return fail("plugins");
   int rc = bench_online(plugins, n_plugins, bf16, offline, file, (double)st.st_size, runs, cores);
   qkeep_plugins_close(plugins, n_plugins);
@@ -390,12 +396,10 @@ int main(int argc, char **argv) {
     return fail("reading the checkpoints");
   double bytes = (double)st.st_size;
   char *ini = tu_path(dir, "qkeep.ini");
-  static const char cfg[] = "[qkeep]\nbackend = cuda-nvfp4, reference\n";
   qkeep_config *config;
   qkeep_plugin **plugins;
   size_t n_plugins;
-  if (tu_write_file(ini, cfg, strlen(cfg)) || qkeep_config_load(ini, &config) ||
-      qkeep_plugins_open_config(config, &plugins, &n_plugins))
+  if (open_chain(ini, "[qkeep]\nbackend = cuda-nvfp4, reference\n", &config, &plugins, &n_plugins))
     return fail("plugins");
   double h2d[MAX_RUNS];
   for (int r = 0; r < runs; r++)
