@@ -701,6 +701,10 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, half_precision_activations);
+  suite_add_tcase(s, tc);
+  /* The batched memory slots on their own (CK_RUN_CASE=memory runs them alone). */
+  tc = tcase_create("memory");
+  tcase_set_timeout(tc, 600);
   tcase_add_test(tc, batched_copies_and_value_checks_match_the_host);
   suite_add_tcase(s, tc);
   /* Routed MoE on its own (CK_RUN_CASE=routed runs it alone). */
