@@ -89,47 +89,67 @@ ALWAYS_INLINE void prefetch_group(const struct zt_gemm *g, int64_t grp, int64_t 
 /* (a & b) ^ c in one instruction: the u4 code of a masked nibble, s4 codes flipped back. */
 #define CODE(a, b, c) _mm512_ternarylogic_epi32((a), (b), (c), 0x6a)
 
-ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_t b, bool full) {
+/*
+ * The f32 codes of the low nibble of each lane of w, from `table` (code_table): vpermps reads only the
+ * low 4 bits of each index, so one permute turns 16 nibbles into 16 floats, where masking, flipping
+ * and converting them took three instructions. The floats are the same (small integers are exact).
+ */
+#define CODE_F32(w, table) _mm512_permutexvar_ps((w), (table))
+
+/* CODE_F32's table: float(nibble) for u4 codes, float(nibble ^ 8) for s4 ones (every zero 8). */
+ALWAYS_INLINE __m512 code_table(const struct zt_gemm *g) {
+  return g->zeros ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                  : _mm512_setr_ps(8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+/*
+ * Rows m..m+mr-1 by blocks b..b+nb-1 (nb 2 only for one row and two full blocks: 8 independent
+ * multiply-add chains, enough to keep both FMA pipes of a Zen 5 busy where one block's 4 chains
+ * wait on the FMA latency). Per column, the products of a group are summed in k order, then the
+ * zero-point correction and the scale are applied group by group, whatever mr and nb.
+ */
+ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_t b, int nb, bool full) {
   int64_t col0 = b * ZT_BLOCK_N, width = g->n - col0 < ZT_BLOCK_N ? g->n - col0 : ZT_BLOCK_N;
   const int32_t *codes = g->codes + col0 * (g->k / 8);
-  int64_t words = g->k / 8 / g->groups;
-  __mmask16 mask[ZT_NV];
-#pragma GCC unroll 4
-  for (int v = 0; v < ZT_NV; v++)
-    mask[v] = lane_mask(width, v);
-  const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
-  __m512 acc[ZT_MR][ZT_NV];
+  int64_t words = g->k / 8 / g->groups, block_words = ZT_BLOCK_N * (g->k / 8);
+  int nv = nb * ZT_NV;
+  __mmask16 mask[2 * ZT_NV];
+#pragma GCC unroll 8
+  for (int v = 0; v < nv; v++)
+    mask[v] = lane_mask(nb * width, v);
+  const __m512 table = code_table(g);
+  __m512 acc[ZT_MR][2 * ZT_NV];
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-    for (int v = 0; v < ZT_NV; v++)
+#pragma GCC unroll 8
+    for (int v = 0; v < nv; v++)
       acc[r][v] = _mm512_setzero_ps();
   for (int64_t grp = 0; grp < g->groups; grp++) {
-    __m512 part[ZT_MR][ZT_NV];
+    prefetch_group(g, grp + ZT_AHEAD, col0, nb * width);
+    __m512 part[ZT_MR][2 * ZT_NV];
 #pragma GCC unroll 4
     for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-      for (int v = 0; v < ZT_NV; v++)
+#pragma GCC unroll 8
+      for (int v = 0; v < nv; v++)
         part[r][v] = _mm512_setzero_ps();
     for (int64_t kw = grp * words; kw < (grp + 1) * words; kw++) {
-      const int32_t *row = codes + kw * width;
-      __m512i w[ZT_NV];
-#pragma GCC unroll 4
-      for (int v = 0; v < ZT_NV; v++)
-        w[v] = LOAD_I32(full, mask[v], row + 16 * v);
+      __m512i w[2 * ZT_NV];
+#pragma GCC unroll 8
+      for (int v = 0; v < nv; v++)
+        w[v] = LOAD_I32(full, mask[v], codes + v / ZT_NV * block_words + kw * width + 16 * (v % ZT_NV));
         /* j outermost: consecutive multiply-adds go to independent accumulators */
 #pragma GCC unroll 8
       for (int j = 0; j < 8; j++)
-#pragma GCC unroll 4
-        for (int v = 0; v < ZT_NV; v++) {
-          __m512 c = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w[v], 4 * j), nib, flip));
+#pragma GCC unroll 8
+        for (int v = 0; v < nv; v++) {
+          __m512 c = CODE_F32(j ? _mm512_srli_epi32(w[v], 4 * j) : w[v], table);
 #pragma GCC unroll 4
           for (int r = 0; r < mr; r++)
             part[r][v] = _mm512_fmadd_ps(c, _mm512_set1_ps(g->x[(m + r) * g->k + kw * 8 + j]), part[r][v]);
         }
     }
-#pragma GCC unroll 4
-    for (int v = 0; v < ZT_NV; v++) {
+#pragma GCC unroll 8
+    for (int v = 0; v < nv; v++) {
       __m512 s = load_scales(g, grp * g->n + col0 + 16 * v, mask[v]);
       __m512 z = _mm512_cvtepi32_ps(
           load_zeros(g->zeros ? g->zeros + grp * (g->n / 8) : NULL, col0 + 16 * v, g->n, mask[v]));
@@ -142,8 +162,8 @@ ALWAYS_INLINE void w4a16_tile(const struct zt_gemm *g, int64_t m, int mr, int64_
   }
 #pragma GCC unroll 4
   for (int r = 0; r < mr; r++)
-#pragma GCC unroll 4
-    for (int v = 0; v < ZT_NV; v++)
+#pragma GCC unroll 8
+    for (int v = 0; v < nv; v++)
       STORE_F32(full, mask[v], g->y + (m + r) * g->n + col0 + 16 * v, acc[r][v]);
 }
 
@@ -199,14 +219,14 @@ ALWAYS_INLINE void w4a16_decoded(const struct zt_gemm *g, int64_t m0, int64_t m1
 #pragma GCC unroll 4
   for (int v = 0; v < ZT_NV; v++)
     mask[v] = lane_mask(width, v);
-  const __m512i nib = _mm512_set1_epi32(0xf), flip = _mm512_set1_epi32(g->zeros ? 0 : 8);
+  const __m512 table = code_table(g);
   for (int64_t grp = 0; grp < g->groups; grp++) {
     for (int64_t kw = 0; kw < words; kw++)
 #pragma GCC unroll 4
       for (int v = 0; v < ZT_NV; v++) {
         __m512i w = LOAD_I32(full, mask[v], codes + (grp * words + kw) * width + 16 * v);
         for (int j = 0; j < 8; j++)
-          dec[(kw * ZT_NV + v) * 8 + j] = _mm512_cvtepi32_ps(CODE(_mm512_srli_epi32(w, 4 * j), nib, flip));
+          dec[(kw * ZT_NV + v) * 8 + j] = CODE_F32(_mm512_srli_epi32(w, 4 * j), table);
       }
     int64_t m = m0;
     for (; m + ZT_MR_DEC <= m1; m += ZT_MR_DEC)
@@ -233,14 +253,27 @@ void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0
       return;
     }
   }
-  for (int64_t b = b0; b < b1; b++)
-    for (int64_t m = m0; m < m1; m += ZT_MR) {
-      bool two = m1 - m >= 2;
-      if (FULL_BLOCK(g, b))
-        two ? w4a16_tile(g, m, 2, b, true) : w4a16_tile(g, m, 1, b, true);
+  /* Few rows: tiles of two rows by one block, and the last row alone by two full blocks at a time. */
+  for (int64_t b = b0; b < b1;) {
+    int nb = b + 1 < b1 && FULL_BLOCK(g, b + 1) ? 2 : 1;
+    int64_t m = m0;
+    for (; m + 2 <= m1; m += 2)
+      for (int64_t bb = b; bb < b + nb; bb++) {
+        if (FULL_BLOCK(g, bb))
+          w4a16_tile(g, m, 2, bb, 1, true);
+        else
+          w4a16_tile(g, m, 2, bb, 1, false);
+      }
+    if (m < m1) {
+      if (nb == 2)
+        w4a16_tile(g, m, 1, b, 2, true);
+      else if (FULL_BLOCK(g, b))
+        w4a16_tile(g, m, 1, b, 1, true);
       else
-        two ? w4a16_tile(g, m, 2, b, false) : w4a16_tile(g, m, 1, b, false);
+        w4a16_tile(g, m, 1, b, 1, false);
     }
+    b += nb;
+  }
 }
 
 /*
