@@ -25,7 +25,7 @@ OUT = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(__fi
 # The runs each plot shows: the latest complete run of each benchmark.
 GPU_RUN = "bench-gpu-h200-2026-12-01-final.jsonl"  # make bench-gpu on one H200
 INT8_RUN = "int8-container-2026-11-29-d.jsonl"  # bench_int8, 2-core AVX2 container, 2 threads
-INT4_RUN = "int4-epyc-2026-12-06-t1-rowtiles.jsonl"  # bench_int4, AVX-512 VNNI EPYC, 1 thread
+INT4_RUN = "int4-epyc-2026-12-07-t1-w4a16-permute.jsonl"  # bench_int4, AVX-512 VNNI EPYC, 1 thread
 RELOAD_CPU_RUN = "reload-container-2026-12-01.jsonl"  # bench_reload, reference backend
 RELOAD_ONEDNN_RUN = "reload-onednn-colsums-2026-12-01.jsonl"  # bench_reload, cpu-onednn
 SCALE_RUN = "scale-container-2026-12-01-b.jsonl"  # bench_scale, reference backend
