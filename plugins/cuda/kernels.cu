@@ -1725,7 +1725,11 @@ __device__ __forceinline__ unsigned value_at(const unsigned char *p, size_t i, u
  * any more returns at once. */
 __global__ void check_chunks_kernel(const nvfp4_check_chunk *table, unsigned long long *first_bad) {
   const nvfp4_check_chunk c = table[blockIdx.x];
-  if (c.range >= *reinterpret_cast<volatile unsigned long long *>(first_bad))
+  __shared__ bool settled; /* read once for the block: every thread must reach __syncthreads_or below */
+  if (threadIdx.x == 0)
+    settled = c.range >= *reinterpret_cast<volatile unsigned long long *>(first_bad);
+  __syncthreads();
+  if (settled)
     return;
   const unsigned size = rule_size(c.rule);
   const uintptr_t a = (uintptr_t)c.at;
