@@ -706,26 +706,30 @@ static int check_on_threads(const qkeep_layer *layer, const struct provider *pv,
 }
 
 int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv) {
+  size_t online = 0;
+  for (size_t i = 0; i < layer->n_sources; i++)
+    online += layer->sources[i].online;
+  if (!online)
+    return 0; /* a layer (or model) that quantizes nothing on load: no allocation on a reload's path */
   const struct device *dev = layer_device(layer);
   bool on_device = pv->device_bytes && memory_ops_find_bad_values(dev->ops);
-  size_t cap = layer->n_sources + 1, n = 0, on_host = 0;
-  struct qkeep_value_range *ranges = malloc(cap * sizeof *ranges);
-  size_t *which = malloc(cap * sizeof *which);
-  struct source **host_src = malloc(cap * sizeof *host_src);
-  struct provided *host_t = malloc(cap * sizeof *host_t);
+  size_t n = 0, on_host = 0;
+  struct qkeep_value_range *ranges = malloc(online * sizeof *ranges);
+  size_t *which = malloc(online * sizeof *which);
+  struct source **host_src = malloc(online * sizeof *host_src);
+  struct provided *host_t = malloc(online * sizeof *host_t);
   int rc = ranges && which && host_src && host_t ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     struct source *src = &layer->sources[i];
     struct provided t;
     if (!src->online || (rc = online_member_tensor(layer, pv, src, &t)))
       continue;
-    const void *at = on_device && finite_rule(t.dtype) ? pv->device_bytes(pv, &t) : NULL;
-    bool in_file = !at && !(pv->device_bytes && pv->device_bytes(pv, &t)) && pv->read_range &&
-                   (t.dtype == QKEEP_DTYPE_BF16 || t.dtype == QKEEP_DTYPE_F16 || t.dtype == QKEEP_DTYPE_F32);
-    if (at) {
-      ranges[n] = (struct qkeep_value_range){at, t.nbytes, finite_rule(t.dtype)};
+    const void *in_device = pv->device_bytes ? pv->device_bytes(pv, &t) : NULL;
+    int rule = finite_rule(t.dtype);
+    if (in_device && on_device && rule) {
+      ranges[n] = (struct qkeep_value_range){in_device, t.nbytes, rule};
       which[n++] = i;
-    } else if (in_file) {
+    } else if (!in_device && pv->read_range && rule) {
       host_src[on_host] = src, host_t[on_host++] = t;
     } else {
       rc = online_check_values(layer, pv, src);
