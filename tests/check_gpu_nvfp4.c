@@ -573,16 +573,9 @@ static void random_ranges(uint64_t *seed, size_t *at, size_t *bytes, size_t n, s
   }
 }
 
-/* The bytes of one value under a find_bad_values rule. */
-static size_t rule_size(int rule) {
-  return rule == QKEEP_RULE_F32_FINITE                                     ? 4
-         : rule == QKEEP_RULE_BF16_FINITE || rule == QKEEP_RULE_F16_FINITE ? 2
-                                                                           : 1;
-}
-
-/* Writes v's rule_size low bytes at p, little-endian. */
+/* Writes v's qkeep_be_value_size(rule) low bytes at p, little-endian. */
 static void put_value(unsigned char *p, int rule, uint32_t v) {
-  for (size_t b = 0; b < rule_size(rule); b++)
+  for (size_t b = 0; b < qkeep_be_value_size(rule); b++)
     p[b] = (unsigned char)(v >> (8 * b));
 }
 
@@ -648,7 +641,7 @@ START_TEST(batched_copies_and_value_checks_match_the_host) {
     struct qkeep_value_range r[RANGES];
     for (size_t i = 0; i < RANGES; i++) {
       int rule = 1 + (int)(tu_rand(&seed) % 5);
-      size_t size = rule_size(rule);
+      size_t size = qkeep_be_value_size(rule);
       bytes[i] -= bytes[i] % size;
       r[i] = (struct qkeep_value_range){(char *)src + at[i], bytes[i], rule};
       for (size_t j = 0; j < bytes[i]; j += size)
@@ -656,7 +649,7 @@ START_TEST(batched_copies_and_value_checks_match_the_host) {
     }
     size_t expect = RANGES, bad_ranges = round % 4; /* round 0, 4, ...: none */
     for (size_t b = 0; b < bad_ranges; b++) {
-      size_t i = tu_rand(&seed) % RANGES, size = rule_size(r[i].rule), values = bytes[i] / size;
+      size_t i = tu_rand(&seed) % RANGES, size = qkeep_be_value_size(r[i].rule), values = bytes[i] / size;
       if (!values)
         continue;
       size_t where = b == 0 ? 0 : b == 1 ? values - 1 : tu_rand(&seed) % values;

@@ -36,6 +36,28 @@ extern "C" {
 #define QKEEP_HAS_SLOT(table, type, slot)                                                                    \
   ((table)->size >= offsetof(type, slot) + sizeof(((type *)0)->slot) && (table)->slot)
 
+/* The bytes of one value under a find_bad_values rule (enum qkeep_value_rule, ABI 1.6): 1, 2 or 4; 0 for
+ * a rule this header does not know (find_bad_values answers QKEEP_E_INVAL). */
+static inline size_t qkeep_be_value_size(int rule) {
+  static const size_t sizes[] = {0, 1, 1, 2, 2, 4};
+  return rule > 0 && rule <= QKEEP_RULE_F32_FINITE ? sizes[rule] : 0;
+}
+
+/* Whether the value at p (qkeep_be_value_size(rule) bytes, little-endian, any alignment) breaks the rule. */
+static inline bool qkeep_be_bad_value(const unsigned char *p, int rule) {
+  uint32_t v = 0;
+  for (size_t b = 0; b < qkeep_be_value_size(rule); b++)
+    v |= (uint32_t)p[b] << (8 * b);
+  switch (rule) {
+  case QKEEP_RULE_E4M3_SCALE: return (v & 0x7f) == 0x7f || v > 0x80; /* NaN, or negative and not -0 */
+  case QKEEP_RULE_E8M0_SCALE: return v == 0xff;
+  case QKEEP_RULE_BF16_FINITE: return (v & 0x7f80) == 0x7f80;
+  case QKEEP_RULE_F16_FINITE: return (v & 0x7c00) == 0x7c00;
+  case QKEEP_RULE_F32_FINITE: return (v & 0x7f800000u) == 0x7f800000u;
+  default: return false;
+  }
+}
+
 /*
  * The value of a whole-number key for a backend's configure: `value` a decimal integer
  * (strtol's syntax, nothing after it) from lo to hi goes into *out and 0 is returned; anything
@@ -303,7 +325,8 @@ static inline size_t qkeep_be_f32_workspace(const struct qkeep_apply_args *a, st
          qkeep_be_align64(((size_t)d.experts + 1 + pairs) * sizeof(int64_t));
 }
 
-static inline void qkeep_be_row_to_f32(const void *src, enum qkeep_dtype dt, size_t first, size_t n, float *dst) {
+static inline void qkeep_be_row_to_f32(const void *src, enum qkeep_dtype dt, size_t first, size_t n,
+                                       float *dst) {
   if (dt == QKEEP_DTYPE_F32) {
     memcpy(dst, (const float *)src + first, n * sizeof *dst);
     return;
@@ -312,7 +335,8 @@ static inline void qkeep_be_row_to_f32(const void *src, enum qkeep_dtype dt, siz
     dst[i] = qkeep_load_float(src, dt, first + i);
 }
 
-static inline void qkeep_be_row_from_f32(const float *src, size_t n, enum qkeep_dtype dt, void *dst, size_t first) {
+static inline void qkeep_be_row_from_f32(const float *src, size_t n, enum qkeep_dtype dt, void *dst,
+                                         size_t first) {
   if (dt == QKEEP_DTYPE_F32) {
     memcpy((float *)dst + first, src, n * sizeof *src);
     return;
@@ -404,15 +428,16 @@ static inline int qkeep_be_f32_apply(const struct qkeep_host *host, const struct
   struct qkeep_apply_args full;
   memset(&full, 0, sizeof full);
   memcpy(&full, args, args->size < sizeof full ? args->size : sizeof full);
-  bool has_ws = args->size >= offsetof(struct qkeep_apply_args, workspace_bytes) + sizeof full.workspace_bytes;
+  bool has_ws =
+      args->size >= offsetof(struct qkeep_apply_args, workspace_bytes) + sizeof full.workspace_bytes;
   full.size = sizeof full;
   const struct qkeep_apply_args *a = &full;
   const char *layer_name = info->name;
   struct qkeep_be_matrix_dims d = qkeep_be_dims(info, a);
   size_t need = qkeep_be_f32_workspace(a, d);
-  bool float_ok = (a->x_dtype == QKEEP_DTYPE_F32 || a->x_dtype == QKEEP_DTYPE_BF16 ||
-                   a->x_dtype == QKEEP_DTYPE_F16) &&
-                  (a->y_dtype == QKEEP_DTYPE_F32 || a->y_dtype == a->x_dtype);
+  bool float_ok =
+      (a->x_dtype == QKEEP_DTYPE_F32 || a->x_dtype == QKEEP_DTYPE_BF16 || a->x_dtype == QKEEP_DTYPE_F16) &&
+      (a->y_dtype == QKEEP_DTYPE_F32 || a->y_dtype == a->x_dtype);
   if (!float_ok)
     return host->set_error(QKEEP_E_UNSUPPORTED, "%s: x and y must be F32, BF16 or F16 (y F32 or x's dtype)",
                            layer_name);
@@ -422,8 +447,8 @@ static inline int qkeep_be_f32_apply(const struct qkeep_host *host, const struct
     return 0;
   if (qkeep_be_topk(a) > 0) {
     if (d.experts < 1 || !a->topk_ids || (a->matrix == QKEEP_MOE_W2 && !a->topk_weights))
-      return host->set_error(QKEEP_E_INVAL, "%s: routed MoE needs an MoE layer, topk_ids and (W2) topk_weights",
-                             layer_name);
+      return host->set_error(QKEEP_E_INVAL,
+                             "%s: routed MoE needs an MoE layer, topk_ids and (W2) topk_weights", layer_name);
     return qkeep_be_f32_routed(a, d, kernel, user);
   }
   if (d.experts && (a->expert < 0 || a->expert >= d.experts))

@@ -365,18 +365,6 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
   return err == cudaSuccess ? 0 : cuda_error(c, err, what);
 }
 
-/* The bytes of one value under a rule (enum qkeep_value_rule), or 0 for a rule this backend does not know. */
-static int value_rule_size(int rule) {
-  switch (rule) {
-  case QKEEP_RULE_E4M3_SCALE:
-  case QKEEP_RULE_E8M0_SCALE: return 1;
-  case QKEEP_RULE_BF16_FINITE:
-  case QKEEP_RULE_F16_FINITE: return 2;
-  case QKEEP_RULE_F32_FINITE: return 4;
-  default: return 0;
-  }
-}
-
 /*
  * ABI 1.6: the ranges cut into chunks as mem_copy_batch cuts them (a multiple of 4 bytes: no value
  * spans two chunks), one kernel that checks every chunk
@@ -389,8 +377,8 @@ static int mem_find_bad_values(const struct qkeep_backend *be, const struct qkee
   size_t chunks = 0;
   *first = n;
   for (size_t i = 0; i < n; i++) {
-    int size = value_rule_size(ranges[i].rule);
-    if (!size || ranges[i].bytes % (size_t)size)
+    size_t size = qkeep_be_value_size(ranges[i].rule);
+    if (!size || ranges[i].bytes % size)
       return c->host->set_error(QKEEP_E_INVAL,
                                 "cuda-nvfp4: find_bad_values: range %zu has rule %d and %zu bytes", i,
                                 ranges[i].rule, ranges[i].bytes);

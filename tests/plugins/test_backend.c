@@ -40,6 +40,7 @@
 /* The include name from before the public headers had a folder: still valid through
  * `pkg-config --cflags qkeep-backend` (CI builds test-legacy out of tree against an install). */
 #include <qkeep_backend.h>
+#include <qkeep_backend_util.h>
 
 #if defined(VARIANT_GOOD)
 #define TEST_NAME "test-good"
@@ -318,39 +319,18 @@ static int async_copy_batch(const struct qkeep_backend *be, const struct qkeep_c
     memmove(ranges[i].dst, ranges[i].src, ranges[i].bytes);
   return 0;
 }
-/* The bytes of one value under an ABI 1.6 rule; 0 for an unknown rule. */
-static size_t async_rule_size(int rule) {
-  static const size_t sizes[] = {0, 1, 1, 2, 2, 4};
-  return rule > 0 && rule <= QKEEP_RULE_F32_FINITE ? sizes[rule] : 0;
-}
-
-/* Whether the value at p (little-endian) breaks the rule. */
-static bool async_bad_value(const unsigned char *p, int rule) {
-  uint32_t v = 0;
-  for (size_t b = 0; b < async_rule_size(rule); b++)
-    v |= (uint32_t)p[b] << (8 * b);
-  switch (rule) {
-  case QKEEP_RULE_E4M3_SCALE: return (v & 0x7f) == 0x7f || v > 0x80;
-  case QKEEP_RULE_E8M0_SCALE: return v == 0xff;
-  case QKEEP_RULE_BF16_FINITE: return (v & 0x7f80) == 0x7f80;
-  case QKEEP_RULE_F16_FINITE: return (v & 0x7c00) == 0x7c00;
-  case QKEEP_RULE_F32_FINITE: return (v & 0x7f800000u) == 0x7f800000u;
-  default: return false;
-  }
-}
-
 /* ABI 1.6: the ranges' values against their rules, after the queued copies (as a device kernel would). */
 static int async_find_bad_values(const struct qkeep_backend *be, const struct qkeep_value_range *ranges,
                                  size_t n, size_t *first) {
   async_flush(be);
   for (size_t i = 0; i < n; i++) {
     const unsigned char *p = ranges[i].at;
-    size_t size = async_rule_size(ranges[i].rule);
+    size_t size = qkeep_be_value_size(ranges[i].rule);
     if (!size || ranges[i].bytes % size)
       return async_of(be)->host->set_error(QKEEP_E_INVAL, "test-async: find_bad_values: rule %d, %zu bytes",
                                            ranges[i].rule, ranges[i].bytes);
     for (size_t j = 0; j < ranges[i].bytes; j += size)
-      if (async_bad_value(p + j, ranges[i].rule)) {
+      if (qkeep_be_bad_value(p + j, ranges[i].rule)) {
         *first = i;
         return 0;
       }
