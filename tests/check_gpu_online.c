@@ -29,14 +29,6 @@ static qkeep_plugin *gpu, *ref;
 
 static const char *const fp4[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4"};
 
-static struct qkeep_quantize_options options_for(const char *scheme) {
-  return (struct qkeep_quantize_options){.size = sizeof(struct qkeep_quantize_options),
-                                         .scheme = scheme,
-                                         .kv_cache_scales = true,
-                                         .activation_amax = 4.0f,
-                                         .threads = 2};
-}
-
 /* ---- device memory through the plugin's own memory ops ---- */
 
 static const struct qkeep_backend *be(void) { return gpu->be; }
@@ -356,12 +348,6 @@ END_TEST
 
 /* ---- through the core ---- */
 
-static char *example(const char *name) {
-  char *dir = tu_path(tu_builddir(), "examples"), *p = tu_path(dir, name);
-  free(dir);
-  return p;
-}
-
 static qkeep_model *load_gpu(const char *path, const struct qkeep_quantize_options *online) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new(gpu, &m), 0);
@@ -371,55 +357,19 @@ static qkeep_model *load_gpu(const char *path, const struct qkeep_quantize_optio
   return m;
 }
 
+static qkeep_model *load_gpu_cold(void *user, const char *path) {
+  (void)user;
+  return load_gpu(path, NULL);
+}
+
 /* qkeep quantize's output of `in`, loaded cold on the GPU. */
 static qkeep_model *offline_twin(const char *in, const struct qkeep_quantize_options *o) {
-  char *tmp = tu_tmpdir("gpu-online"), *out = tu_path(tmp, o->scheme);
-  ck_assert_msg(qkeep_quantize(in, out, o) == 0, "%s", qkeep_errmsg());
-  qkeep_model *m = load_gpu(out, NULL);
-  tu_rmtree(tmp);
-  free(tmp), free(out);
-  return m;
+  return offline_twin_by(in, o, load_gpu_cold, NULL);
 }
 
-struct compare_ctx {
-  const qkeep_layer *other;
-  const char *layer, *what;
-};
-
-/* A registered tensor (GPU memory) equal to the twin's, or the first differing byte named. */
-static int compare_name(void *user, const char *name, bool is_buffer, const struct qkeep_view *v) {
-  (void)is_buffer;
-  struct compare_ctx *c = user;
-  struct qkeep_view w = {.size = sizeof w};
-  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s: %s.%s missing in the twin", c->what, c->layer,
-                name);
-  ck_assert_msg(v->nbytes == w.nbytes && v->spec.dtype == w.spec.dtype,
-                "%s: %s.%s: %zu bytes of %s, the twin %zu of %s", c->what, c->layer, name, v->nbytes,
-                qkeep_dtype_name(v->spec.dtype), w.nbytes, qkeep_dtype_name(w.spec.dtype));
-  if (!v->nbytes)
-    return 0;
-  unsigned char *a = malloc(v->nbytes), *b = malloc(v->nbytes);
-  to_host(a, v->data, v->nbytes);
-  to_host(b, w.data, v->nbytes);
-  size_t i = first_difference(a, b, v->nbytes);
-  ck_assert_msg(i == v->nbytes, "%s: %s.%s (after PWAL): byte %zu of %zu is 0x%02x, the twin's 0x%02x",
-                c->what, c->layer, name, i, v->nbytes, i < v->nbytes ? a[i] : 0, i < v->nbytes ? b[i] : 0);
-  free(a), free(b);
-  return 0;
-}
-
+/* Every registered tensor (GPU memory) equal to the twin's (after PWAL), and the digests. */
 static void assert_same(qkeep_model *a, qkeep_model *b, const char *what) {
-  size_t n = qkeep_model_layer_count(a);
-  ck_assert_uint_eq(n, qkeep_model_layer_count(b));
-  for (size_t l = 0; l < n; l++) {
-    qkeep_layer *x = qkeep_model_layer(a, l), *y = qkeep_model_layer(b, l);
-    struct qkeep_layer_info info = {.size = sizeof info};
-    qkeep_layer_get_info(x, &info);
-    struct compare_ctx c = {y, info.name, what};
-    ck_assert_int_eq(qkeep_foreach_name(x, compare_name, &c), 0);
-  }
-  struct qkeep_digest da = gtu_digest(a), db = gtu_digest(b);
-  ck_assert_msg(da.hi == db.hi && da.lo == db.lo, "%s: digests differ", what);
+  assert_twins(a, b, what, to_host);
 }
 
 /* Every unit of the plan went to the GPU since `before`. */

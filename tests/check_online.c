@@ -30,22 +30,6 @@ static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4",  "mxfp4",
                                       "w8a8-int8",      "gptq-int4", "awq-int4"};
 #define N_SCHEMES (sizeof schemes / sizeof schemes[0])
 
-static char *example(const char *name) {
-  char *dir = tu_path(tu_builddir(), "examples");
-  char *p = tu_path(dir, name);
-  free(dir);
-  return p;
-}
-
-/* The options examples/tiny-SCHEME were written with (Makefile.am). */
-static struct qkeep_quantize_options options_for(const char *scheme) {
-  return (struct qkeep_quantize_options){.size = sizeof(struct qkeep_quantize_options),
-                                         .scheme = scheme,
-                                         .kv_cache_scales = true,
-                                         .activation_amax = 4.0f,
-                                         .threads = 2};
-}
-
 /* A chain of backends by name; *n gets how many opened (a backend not built is left out). */
 static void open_chain(const char *const *names, size_t count, qkeep_plugin **out, size_t *n) {
   *n = 0;
@@ -340,32 +324,9 @@ START_TEST(a_sync_of_bf16_buckets_equals_a_cold_online_w1) {
 }
 END_TEST
 
-/* tiny-w1 rewritten with `bits` at element 5 of `tensor`, into a new file (the caller frees it). */
+/* tiny-w1 with `bits` at element 5 of `tensor`, as one file (its path; the caller removes its directory). */
 static char *w1_with(const char *tensor, uint16_t bits) {
-  char *w1 = example("tiny-w1");
-  struct ckpt *ck;
-  ck_assert_int_eq(ckpt_open(w1, &ck), 0);
-  struct st_writer *w;
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  ck_assert_msg(ckpt_find(ck, tensor) != NULL, "tiny-w1 has no '%s'", tensor); /* nothing planted */
-  for (size_t i = 0; i < ck->n_tensors; i++) {
-    const struct st_tensor *t = ck->tensors[i].t;
-    uint16_t *data = malloc(t->nbytes);
-    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], data), 0);
-    if (strcmp(t->name, tensor) == 0)
-      data[5] = bits;
-    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
-    memcpy(spec.shape, t->shape, sizeof spec.shape);
-    ck_assert_int_eq(st_writer_add(w, t->name, &spec, data), 0);
-    free(data);
-  }
-  char *dir = tu_tmpdir("online-bad");
-  char *path = tu_path(dir, "model.safetensors");
-  ck_assert_int_eq(st_writer_write(w, path), 0);
-  st_writer_free(w);
-  ckpt_close(ck);
-  free(dir), free(w1);
-  return path;
+  return example_as("tiny-w1", QKEEP_DTYPE_BF16, tensor, 5, bits, true);
 }
 
 START_TEST(nan_or_inf_in_the_source_is_refused_before_anything_changes) {
@@ -1005,61 +966,6 @@ START_TEST(config_quantize_keys_a_scheme_does_not_take_are_refused) {
   free(tiny);
 }
 END_TEST
-
-/* examples/NAME with every tensor in dtype (BF16, F16 or F32) and, when planted, element `at` of `tensor`
- * holding the raw bits `bits` of that dtype, as one file (its path; the caller removes its directory). */
-static char *example_as(const char *name, enum qkeep_dtype dtype, const char *tensor, size_t at,
-                        uint32_t bits, bool planted) {
-  char *src = example(name);
-  struct ckpt *ck;
-  ck_assert_int_eq(ckpt_open(src, &ck), 0);
-  struct st_writer *w;
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  bool found = !planted;
-  for (size_t i = 0; i < ck->n_tensors; i++) {
-    const struct st_tensor *t = ck->tensors[i].t;
-    size_t n = t->nbytes / 2;
-    uint16_t *bf16 = malloc(t->nbytes);
-    unsigned char *out = malloc(n * 4);
-    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], bf16), 0);
-    size_t size = qkeep_dtype_size(dtype);
-    for (size_t e = 0; e < n; e++) {
-      float f = qkeep_bf16_to_f32(bf16[e]);
-      uint32_t f32;
-      memcpy(&f32, &f, 4);
-      uint16_t half = dtype == QKEEP_DTYPE_F16 ? qkeep_f32_to_f16(f) : bf16[e];
-      if (size == 4)
-        memcpy(out + 4 * e, &f32, 4);
-      else
-        memcpy(out + 2 * e, &half, 2);
-    }
-    if (planted && strcmp(t->name, tensor) == 0) {
-      ck_assert_uint_lt(at, n);
-      uint16_t half = (uint16_t)bits;
-      memcpy(out + size * at, size == 4 ? (const void *)&bits : (const void *)&half, size);
-      found = true;
-    }
-    struct qkeep_spec spec = {.dtype = dtype, .ndim = t->ndim};
-    memcpy(spec.shape, t->shape, sizeof spec.shape);
-    ck_assert_int_eq(st_writer_add(w, t->name, &spec, out), 0);
-    free(bf16), free(out);
-  }
-  ck_assert_msg(found, "%s has no '%s'", name, tensor);
-  char *dir = tu_tmpdir("online-as");
-  char *path = tu_path(dir, "model.safetensors");
-  ck_assert_int_eq(st_writer_write(w, path), 0);
-  st_writer_free(w);
-  ckpt_close(ck);
-  free(dir), free(src);
-  return path;
-}
-
-static void remove_file_dir(char *path) {
-  char *slash = strrchr(path, '/');
-  *slash = '\0';
-  tu_rmtree(path);
-  free(path);
-}
 
 /* A reload's check of W1's values finds a NaN or an Inf wherever it is in the tensor (the first element, one
  * past whole runs of 64, the last) in each source dtype, naming its element; finite values of the largest

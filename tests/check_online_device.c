@@ -245,21 +245,6 @@ static qkeep_plugin *fake(bool slot) {
 
 static const char *const fp4[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4"};
 
-static char *example(const char *name) {
-  char *dir = tu_path(tu_builddir(), "examples");
-  char *p = tu_path(dir, name);
-  free(dir);
-  return p;
-}
-
-static struct qkeep_quantize_options options_for(const char *scheme) {
-  return (struct qkeep_quantize_options){.size = sizeof(struct qkeep_quantize_options),
-                                         .scheme = scheme,
-                                         .kv_cache_scales = true,
-                                         .activation_amax = 4.0f,
-                                         .threads = 2};
-}
-
 static qkeep_model *load(qkeep_plugin *p, const char *path, const struct qkeep_quantize_options *online) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new_chain(&p, 1, &m), 0);
@@ -269,54 +254,15 @@ static qkeep_model *load(qkeep_plugin *p, const char *path, const struct qkeep_q
   return m;
 }
 
-/* qkeep quantize's output of `in` with o, loaded cold on p (the directory is removed). */
+static qkeep_model *load_cold(void *plugin, const char *path) { return load(plugin, path, NULL); }
+
+/* qkeep quantize's output of `in` with o, loaded cold on p. */
 static qkeep_model *offline_twin(qkeep_plugin *p, const char *in, const struct qkeep_quantize_options *o) {
-  char *tmp = tu_tmpdir("online-device"), *out = tu_path(tmp, o->scheme);
-  ck_assert_msg(qkeep_quantize(in, out, o) == 0, "%s", qkeep_errmsg());
-  qkeep_model *m = load(p, out, NULL);
-  tu_rmtree(tmp);
-  free(tmp), free(out);
-  return m;
+  return offline_twin_by(in, o, load_cold, p);
 }
 
-struct compare_ctx {
-  const qkeep_layer *other;
-  const char *layer, *what;
-};
-
-/* A registered tensor of one model byte for byte in the other: the first differing byte named. */
-static int compare_name(void *user, const char *name, bool is_buffer, const struct qkeep_view *v) {
-  (void)is_buffer;
-  struct compare_ctx *c = user;
-  struct qkeep_view w = {.size = sizeof w};
-  ck_assert_msg(qkeep_view_of(c->other, name, &w) == 0, "%s: %s.%s missing in the twin", c->what, c->layer,
-                name);
-  ck_assert_msg(v->nbytes == w.nbytes, "%s: %s.%s: %zu bytes, the twin %zu", c->what, c->layer, name,
-                v->nbytes, w.nbytes);
-  const unsigned char *x = v->data, *y = w.data;
-  size_t i = 0;
-  while (i < v->nbytes && x[i] == y[i]) /* one assertion below: in a forked test each one is written out */
-    i++;
-  ck_assert_msg(i == v->nbytes, "%s: %s.%s: byte %zu is 0x%02x, the twin's 0x%02x", c->what, c->layer, name,
-                i, i < v->nbytes ? x[i] : 0, i < v->nbytes ? y[i] : 0);
-  return 0;
-}
-
-static void assert_same(qkeep_model *a, qkeep_model *b, const char *what) {
-  size_t n = qkeep_model_layer_count(a);
-  ck_assert_uint_eq(n, qkeep_model_layer_count(b));
-  for (size_t l = 0; l < n; l++) {
-    qkeep_layer *x = qkeep_model_layer(a, l), *y = qkeep_model_layer(b, l);
-    struct qkeep_layer_info info = {.size = sizeof info};
-    qkeep_layer_get_info(x, &info);
-    struct compare_ctx c = {y, info.name, what};
-    ck_assert_int_eq(qkeep_foreach_name(x, compare_name, &c), 0);
-  }
-  struct qkeep_digest da, db;
-  ck_assert_int_eq(qkeep_digest(a, &da), 0);
-  ck_assert_int_eq(qkeep_digest(b, &db), 0);
-  ck_assert_msg(da.hi == db.hi && da.lo == db.lo, "%s: digests differ", what);
-}
+/* Every registered tensor of one model byte for byte in the other, and the digests. */
+static void assert_same(qkeep_model *a, qkeep_model *b, const char *what) { assert_twins(a, b, what, NULL); }
 
 /* Every unit went to the slot, each staged alone, and no staging buffer outlives the load. */
 static void assert_staging_bounded(const char *what) {
@@ -398,15 +344,13 @@ static void *to_fake_device(const void *host, size_t n) {
 static void release_fake(void *d) { f_free(NULL, d); }
 static const struct bucket_memory fake_buckets = {to_fake_device, release_fake};
 
-static char *tiny_with(const char *tensor, size_t at, uint16_t bits);
-
 /* A sync of bf16 buckets in device memory checks their values on the device (find_bad_values, ABI 1.6):
  * none of the bf16 crosses to the host, the model equals a cold W1; a NaN in the bucket is refused naming
  * the tensor and element, W0 kept; a device without the slot copies the values to the host to check. */
 START_TEST(a_sync_of_device_bf16_buckets_checks_the_values_on_the_device) {
   char *tiny = example("tiny"), *w1 = example("tiny-w1");
   const char *v = "model.layers.1.self_attn.v_proj.weight";
-  char *bad = tiny_with(v, 1000, 0x7fc0), *bad_file = tu_path(bad, "model.safetensors");
+  char *bad_file = example_as("tiny", QKEEP_DTYPE_BF16, v, 1000, 0x7fc0, true);
   for (size_t s = 0; s < 3; s++) {
     struct qkeep_quantize_options o = options_for(fp4[s]);
     for (int slot = 1; slot >= 0; slot--) {
@@ -441,8 +385,8 @@ START_TEST(a_sync_of_device_bf16_buckets_checks_the_values_on_the_device) {
       qkeep_model_free(m);
     }
   }
-  tu_rmtree(bad);
-  free(tiny), free(w1), free(bad), free(bad_file);
+  remove_file_dir(bad_file);
+  free(tiny), free(w1);
 }
 END_TEST
 
@@ -475,36 +419,9 @@ START_TEST(a_declining_or_older_backend_and_other_schemes_take_the_host_path) {
 }
 END_TEST
 
-/* examples/tiny with `bits` at element `at` of `tensor`, in a new directory (the caller removes it). */
-static char *tiny_with(const char *tensor, size_t at, uint16_t bits) {
-  char *tiny = example("tiny");
-  struct ckpt *ck;
-  ck_assert_int_eq(ckpt_open(tiny, &ck), 0);
-  struct st_writer *w;
-  ck_assert_int_eq(st_writer_new(&w), 0);
-  for (size_t i = 0; i < ck->n_tensors; i++) {
-    const struct st_tensor *t = ck->tensors[i].t;
-    uint16_t *data = malloc(t->nbytes);
-    ck_assert_int_eq(ckpt_read(ck, &ck->tensors[i], data), 0);
-    if (strcmp(t->name, tensor) == 0)
-      data[at] = bits;
-    struct qkeep_spec spec = {.dtype = (enum qkeep_dtype)t->dtype, .ndim = t->ndim};
-    memcpy(spec.shape, t->shape, sizeof spec.shape);
-    ck_assert_int_eq(st_writer_add(w, t->name, &spec, data), 0);
-    free(data);
-  }
-  char *dir = tu_tmpdir("online-device-bad");
-  char *path = tu_path(dir, "model.safetensors");
-  ck_assert_int_eq(st_writer_write(w, path), 0);
-  st_writer_free(w);
-  ckpt_close(ck);
-  free(path), free(tiny);
-  return dir;
-}
-
 START_TEST(a_nan_is_refused_with_the_host_error_and_a_device_error_fails_the_load) {
   const char *v = "model.layers.1.self_attn.v_proj.weight";
-  char *bad = tiny_with(v, 1000, 0x7fc0), *tiny = example("tiny");
+  char *bad = example_as("tiny", QKEEP_DTYPE_BF16, v, 1000, 0x7fc0, true), *tiny = example("tiny");
   for (size_t s = 0; s < 3; s++) {
     struct qkeep_quantize_options o = options_for(fp4[s]);
     char host_msg[1024];
@@ -537,8 +454,8 @@ START_TEST(a_nan_is_refused_with_the_host_error_and_a_device_error_fails_the_loa
     qkeep_model_free(m);
     ck_assert_uint_eq(n_allocs, 0); /* nothing left on the device, the staging buffer included */
   }
-  tu_rmtree(bad);
-  free(bad), free(tiny);
+  remove_file_dir(bad);
+  free(tiny);
 }
 END_TEST
 
