@@ -90,13 +90,25 @@ static int add_linear(struct st_writer *w, const char *module, int64_t n, int64_
   return bf16 ? add_bf16_linear(w, module, n, k, seed) : add_nvfp4(w, module, n, k, seed);
 }
 
+/* Bytes of the checkpoint's largest tensor, bf16 or NVFP4 (the scratch every tensor is made in): the
+ * embeddings, or a linear's bf16 weight when a bench lowers `vocab` (bench_forward: 1024 rows). */
+static size_t largest_tensor(const struct shape *s) {
+  const int64_t dims[][2] = {{s->vocab, s->hidden},     {s->q, s->hidden},        {s->hidden, s->q},
+                             {s->inter, s->hidden},     {s->hidden, s->inter},    {s->experts, s->hidden},
+                             {s->moe_inter, s->hidden}, {s->hidden, s->moe_inter}};
+  size_t most = 0;
+  for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+    if ((size_t)(dims[i][0] * dims[i][1]) * 2 > most)
+      most = (size_t)(dims[i][0] * dims[i][1]) * 2;
+  return most;
+}
+
 /* Writes dir/model.safetensors and its configs: ModelOpt NVFP4, or with bf16 every linear unquantized. */
 static int write_checkpoint(const struct shape *s, const char *dir, uint64_t seed, bool bf16) {
   struct st_writer *w;
   char name[256];
   int rc = st_writer_new(&w);
-  size_t biggest = (size_t)s->vocab * (size_t)s->hidden * 2;
-  if (!rc && !(scratch = malloc(biggest)))
+  if (!rc && !(scratch = malloc(largest_tensor(s))))
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   rc = rc ? rc : add_bf16(w, "model.embed_tokens.weight", 2, s->vocab, s->hidden, &seed);
   rc = rc ? rc : add_bf16(w, "lm_head.weight", 2, s->vocab, s->hidden, &seed);

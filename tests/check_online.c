@@ -20,7 +20,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
+#include "../bench/synth_nvfp4.h"
 #include "checkutil.h"
 #include "online_testutil.h"
 #include "private.h"
@@ -202,6 +204,44 @@ START_TEST(every_scheme_online_equals_quantize_then_load_on_reference_and_cpu_ch
     ck_assert_int_eq(compared, (int)N_SCHEMES); /* reference runs every scheme at the end of each chain */
     close_chain(chain, n);
   }
+}
+END_TEST
+
+/* The GPU benches' synthetic models (bench/synth_nvfp4.h), cut small, with the vocabulary below the
+ * largest linear as bench_forward lowers it (the writer's scratch was once sized by the embeddings
+ * alone, and bench_forward overran it): the bf16 model loads online as quantize-then-load, and the
+ * NVFP4 model loads cold with every linear the writer wrote. */
+START_TEST(the_benches_synthetic_models_load_and_their_bf16_form_loads_online_as_its_twin) {
+  const struct shape small[] = {
+      {"llama-small", 128, 128, 32, 384, 0, 0, 8, 2, false},
+      {"qwen-moe-small", 64, 128, 32, 0, 4, 96, 8, 2, true},
+  };
+  qkeep_plugin *ref;
+  ck_assert_msg(qkeep_plugin_open("reference", NULL, &ref) == 0, "%s", qkeep_errmsg());
+  struct qkeep_quantize_options o = options_for("modelopt-nvfp4");
+  for (size_t i = 0; i < sizeof small / sizeof small[0]; i++) {
+    char *tmp = tu_tmpdir("online-synth"), *bf16 = tu_path(tmp, "bf16"), *fp4 = tu_path(tmp, "nvfp4");
+    ck_assert_int_eq(mkdir(bf16, 0755), 0);
+    ck_assert_int_eq(mkdir(fp4, 0755), 0);
+    ck_assert_msg(write_checkpoint(&small[i], bf16, 5, true) == 0, "%s", qkeep_errmsg());
+    ck_assert_msg(write_model(&small[i], fp4, 5) == 0, "%s", qkeep_errmsg());
+    qkeep_model *online = load_model(&ref, 1, bf16, &o, 1, 0);
+    char *twin_dir = quantize_to_dir(bf16, &o);
+    qkeep_model *twin = load_model(&ref, 1, twin_dir, NULL, 1, 0);
+    assert_same_model(online, twin, small[i].name);
+    qkeep_model *cold = load_model(&ref, 1, fp4, NULL, 1, 0);
+    struct qkeep_census c = {.size = sizeof c};
+    ck_assert_int_eq(qkeep_census(cold, &c), 0);
+    ck_assert_msg(c.missing == 0, "%s: %lld tensors missing", small[i].name, (long long)c.missing);
+    ck_assert_uint_eq(qkeep_model_layer_count(cold), qkeep_model_layer_count(twin));
+    qkeep_model_free(cold);
+    qkeep_model_free(twin);
+    qkeep_model_free(online);
+    remove_dir(twin_dir);
+    tu_rmtree(tmp);
+    free(tmp), free(bf16), free(fp4);
+  }
+  qkeep_plugin_close(ref);
 }
 END_TEST
 
@@ -1060,6 +1100,7 @@ static Suite *online_suite(void) {
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, every_scheme_online_equals_quantize_then_load_on_the_default_chain);
   tcase_add_test(tc, every_scheme_online_equals_quantize_then_load_on_reference_and_cpu_chains);
+  tcase_add_test(tc, the_benches_synthetic_models_load_and_their_bf16_form_loads_online_as_its_twin);
   tcase_add_test(tc, f32_f16_and_sharded_sources_load_online_as_quantize_then_load);
   tcase_add_test(tc, every_unquantized_name_resolves_and_keeps_no_bytes);
   tcase_add_test(tc, reload_w0_to_w1_equals_a_cold_online_w1_and_moves_no_pointer);
