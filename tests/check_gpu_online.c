@@ -15,7 +15,8 @@
  *     (qkeep quantize, then a cold load on cuda-nvfp4): every registered tensor byte for byte and
  *     the digest, storage pointers unchanged, and every unit quantized by the GPU.
  *
- * cuda-nvfp4's slot is off by default (key quantize_on_device): every test turns it on first.
+ * cuda-nvfp4's slot is on by default (key quantize_on_device); with the key false it declines every
+ * unit and the host quantizes them, to the same bytes.
  *
  * A failure names the scheme, the tensor (or unit member and output), and the first differing byte.
  */
@@ -439,10 +440,12 @@ START_TEST(a_one_rank_sync_of_bf16_buckets_equals_w1_quantized_then_loaded) {
 }
 END_TEST
 
-/* Turns cuda-nvfp4's quantize slot on (key quantize_on_device, false by default: it declines every unit). */
-static void quantize_on_device(void) {
+/* Sets cuda-nvfp4's key quantize_on_device (true by default). */
+static void set_quantize_on_device(const char *value) {
   char *dir = tu_tmpdir("gpu-online"), *ini = tu_path(dir, "gpu.ini");
-  const char *text = "[qkeep]\nbackend = cuda-nvfp4\n[backend.cuda-nvfp4]\nquantize_on_device = true\n";
+  char text[160];
+  snprintf(text, sizeof text,
+           "[qkeep]\nbackend = cuda-nvfp4\n[backend.cuda-nvfp4]\nquantize_on_device = %s\n", value);
   ck_assert_int_eq(tu_write_file(ini, text, strlen(text)), 0);
   qkeep_config *cfg;
   ck_assert_msg(qkeep_config_load(ini, &cfg) == 0, "%s", qkeep_errmsg());
@@ -453,15 +456,33 @@ static void quantize_on_device(void) {
   free(dir);
 }
 
+/* With quantize_on_device = false the slot declines every unit: the host quantizes, to the same bytes. */
+START_TEST(with_quantize_on_device_false_the_host_quantizes_to_the_same_bytes) {
+  char *tiny = example("tiny");
+  set_quantize_on_device("false");
+  for (size_t s = 0; s < 3; s++) {
+    struct qkeep_quantize_options o = options_for(fp4[s]);
+    qkeep_model *online = load_gpu(tiny, &o), *offline = offline_twin(tiny, &o);
+    ck_assert_msg(online->online.device_units == 0, "%s: %lld units quantized on the GPU with the key false",
+                  fp4[s], (long long)online->online.device_units);
+    assert_same(online, offline, fp4[s]);
+    qkeep_model_free(online);
+    qkeep_model_free(offline);
+  }
+  set_quantize_on_device("true");
+  free(tiny);
+}
+END_TEST
+
 static Suite *online_suite(void) {
   Suite *s = suite_create("gpu-online");
   TCase *tc = tcase_create("gpu-online");
   tcase_set_timeout(tc, 600);
-  tcase_add_checked_fixture(tc, quantize_on_device, NULL);
   tcase_add_test(tc, random_weights_quantize_on_the_gpu_as_on_the_host_bit_for_bit);
   tcase_add_test(tc, an_online_load_on_the_gpu_equals_quantize_then_load);
   tcase_add_test(tc, an_online_reload_of_w1_into_w0_equals_w1_quantized_then_loaded);
   tcase_add_test(tc, a_one_rank_sync_of_bf16_buckets_equals_w1_quantized_then_loaded);
+  tcase_add_test(tc, with_quantize_on_device_false_the_host_quantizes_to_the_same_bytes);
   suite_add_tcase(s, tc);
   return s;
 }

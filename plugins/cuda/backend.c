@@ -513,9 +513,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
      "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
     {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
     {"pwal", QKEEP_KEY_ENUM, "gpu|host", "gpu", "where the layout transforms run (host: their CPU twins)"},
-    {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "false",
-     "online quantization (NVFP4, MXFP4) on the GPU; off by default until the kernels have been verified "
-     "on hardware (false: every unit is quantized on the host)"},
+    {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
+     "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
+     "unit is quantized on the host and its bytes copied over)"},
 };
 
 static int cuda_configure(const struct qkeep_backend *be, const char *key, const char *value) {
@@ -1056,7 +1056,7 @@ static int cuda_quantize(const struct qkeep_backend *be, qkeep_layer *layer, str
       u->member_size < offsetof(struct qkeep_quant_member, block_scales) + sizeof(void *))
     return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: quantize: a unit of an unknown layout");
   if (!c->quantize_on_device || !quant_scheme(u->scheme, &scheme) || u->n_members < 1 || u->n_members > 3)
-    return 1; /* off (key quantize_on_device, false by default): every unit declined, the host's */
+    return 1; /* off (key quantize_on_device = false): every unit declined, the host's */
   int64_t block = scheme == FP4_QUANT_MXFP4 ? 32 : 16;
   struct fp4_quant_member m[3];
   int staged = 0;
@@ -1136,6 +1136,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
   if (!c)
     return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of memory");
   c->host = host;
+  c->quantize_on_device = true;
   c->memory = (struct qkeep_memory_ops){
       .size = sizeof(struct qkeep_memory_ops),
       .alloc = mem_alloc,
