@@ -27,6 +27,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "device/stream.h"
@@ -41,6 +42,8 @@
 #define MAX_READERS 64
 #define MIN_PIECE ((size_t)4096)
 #define MAX_PIECE ((size_t)64 << 20)
+/* How long the calling thread waits for a read before it frees the slots whose copies are done. */
+#define RECLAIM_US 50
 /* Where a packed piece starts in its slot: its device copy then starts on an aligned host address. */
 #define PACK_ALIGN ((size_t)256)
 
@@ -77,7 +80,9 @@ enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 struct stream_trace {
   bool on;
   size_t pieces, copies, bytes, fence_waits, syncs;
+  size_t early_groups; /* groups handed to the readers while the calling thread waited for a read */
   double read_wait, slot_wait, reading; /* seconds: for a read, for a slot; the readers' own time */
+  double drain_wait;                    /* seconds in stream_drain_reading */
 };
 
 struct stream {
@@ -170,9 +175,11 @@ static void trace_log(struct stream *s) {
     log_msg(QKEEP_LOG_DEBUG,
             "qkeep stream: %zu pieces in %zu copies, %.1f MB; waited %.2f ms for reads, %.2f ms for slots "
             "(%zu fence waits, "
-            "%zu syncs); readers busy %.2f ms (%d readers, %d slots of %zu bytes, fences %s)",
+            "%zu syncs, %zu groups read while waiting), %.2f ms draining; readers busy %.2f ms (%d readers, "
+            "%d slots of %zu bytes, fences %s)",
             t->pieces, t->copies, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits,
-            t->syncs, t->reading * 1e3, s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
+            t->syncs, t->early_groups, t->drain_wait * 1e3, t->reading * 1e3, s->n_readers, s->slots,
+            s->piece, s->fences ? "on" : "off");
   *t = (struct stream_trace){0};
 }
 
@@ -233,7 +240,11 @@ int stream_new(const struct device *dev, const struct qkeep_load_options *option
   }
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->work, NULL);
-  pthread_cond_init(&s->done, NULL);
+  pthread_condattr_t monotonic; /* wait_for_read's timeouts */
+  pthread_condattr_init(&monotonic);
+  pthread_condattr_setclock(&monotonic, CLOCK_MONOTONIC);
+  pthread_cond_init(&s->done, &monotonic);
+  pthread_condattr_destroy(&monotonic);
   *out = s;
   return 0;
 }
@@ -495,6 +506,57 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
   return 0;
 }
 
+/*
+ * Waits (s->mu held) until a reader finishes a group, or, while copies are in flight, at most
+ * RECLAIM_US: each slot whose copies are done goes back to the readers meanwhile, so that they do
+ * not idle while the calling thread waits for one piece (it alone frees slots: fences are the
+ * backend's, asked on this thread).
+ */
+static void wait_for_read(struct stream *s) {
+  bool copying = false;
+  for (int i = 0; i < s->slots && s->fences && !copying; i++)
+    copying = s->slot[i] == SLOT_COPYING;
+  if (!copying) {
+    pthread_cond_wait(&s->done, &s->mu);
+    return;
+  }
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  until.tv_nsec += RECLAIM_US * 1000;
+  if (until.tv_nsec >= 1000000000)
+    until.tv_sec++, until.tv_nsec -= 1000000000;
+  (void)pthread_cond_timedwait(&s->done, &s->mu, &until);
+  pthread_mutex_unlock(&s->mu);
+  int rc = reclaim(s, false); /* an error here is found again by the next reclaim */
+  pthread_mutex_lock(&s->mu);
+  size_t before = s->submitted;
+  if (rc == 0)
+    batch_submit(s);
+  s->trace.early_groups += s->submitted - before;
+}
+
+int stream_drain_reading(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                         size_t n_items) {
+  if (!s->fences || !n_items)
+    return 0;
+  (void)stream_prefetch(s, pv, items, n_items);
+  for (;;) {
+    bool copying = false;
+    for (int i = 0; i < s->slots && !copying; i++)
+      copying = s->slot[i] == SLOT_COPYING;
+    if (!copying)
+      return 0;
+    double t = s->trace.on ? now_seconds() : 0;
+    int rc = reclaim(s, true); /* the oldest copy, and every later one done by then */
+    s->trace.drain_wait += s->trace.on ? now_seconds() - t : 0;
+    if (rc < 0)
+      return rc;
+    pthread_mutex_lock(&s->mu);
+    batch_submit(s);
+    pthread_mutex_unlock(&s->mu);
+  }
+}
+
 /* Whether piece q's bytes follow piece p's in the slot and on the device, in one allocation: one copy
  * takes both. */
 static bool follows(const struct piece *p, const struct piece *q) {
@@ -538,7 +600,7 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
     }
     double t = s->trace.on && !p->done ? now_seconds() : 0;
     while (!p->done)
-      pthread_cond_wait(&s->done, &s->mu);
+      wait_for_read(s);
     pthread_mutex_unlock(&s->mu);
     s->trace.read_wait += t ? now_seconds() - t : 0;
     if (p->rc) {

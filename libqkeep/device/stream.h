@@ -22,7 +22,7 @@ struct stream_item {
    * items only when both name the same allocation (a copy may not span two: CUDA refuses it even when
    * they happen to lie side by side). Like dst, not needed to read ahead. */
   const void *alloc;
-  unsigned char *mirror;        /* NULL, or host memory that gets a copy of the bytes too */
+  unsigned char *mirror; /* NULL, or host memory that gets a copy of the bytes too */
   /* (optional) Checks a piece of the tensor in host memory before it is copied: its n bytes from byte `at`
    * (whole elements of t's dtype), with check_ctx. Called by a reader thread; 0, or an error (its message
    * set) that fails stream_items with that piece not copied. */
@@ -62,6 +62,15 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
                     size_t n_items);
 /* Waits until every copy the stream started has finished (dev_sync), freeing their slots. */
 int stream_wait(struct stream *s);
+/*
+ * Waits until every copy the stream started has finished, as stream_wait does, while the readers
+ * read `items` ahead (as stream_prefetch) into each slot as soon as its copy is done: the device
+ * then finds the next bytes in pinned memory after a wait that drains the stream (a quantize slot
+ * reading back what it found). Without copy fences it does nothing and returns 0: the next wait
+ * drains the stream as before. Returns 0, or the fence's error.
+ */
+int stream_drain_reading(struct stream *s, const struct provider *pv, const struct stream_item *items,
+                         size_t n_items);
 /* Whether a load is streaming through s now (its readers run): puts are then waited for by its end. */
 bool stream_active(const struct stream *s);
 /* Copies n bytes of host memory to device memory at dst, after the copies started before it:

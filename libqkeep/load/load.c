@@ -449,9 +449,16 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     if (model->progress)
       model->progress(model->progress_user, i + 1, model->n_layers, model->layers[i]->name);
   }
+  double t2 = now_seconds();
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st); /* before any storage is freed: no copy may still write to it */
+  if (!rc)
+    log_msg(QKEEP_LOG_DEBUG,
+            "qkeep load: %.2f ms: plan and allocate %.2f, layers' bytes %.2f, normalise + PWAL %.2f, last "
+            "copies %.2f",
+            (now_seconds() - t0) * 1e3, (t1 - t0) * 1e3, t_read * 1e3, t_pwal * 1e3,
+            (now_seconds() - t2) * 1e3);
   model_spares(model, false);
   if (!rc)
     rc = staged;

@@ -32,6 +32,9 @@ struct staging {
   void *unit_src;
   size_t unit_src_cap;
   const struct device *unit_src_dev;
+  /* Where those units' time went (seconds), measured while the debug log listens; staging_free logs it. */
+  size_t device_units;
+  double device_stage_s, device_quantize_s;
 };
 /* Ends the stream (its copies waited for) and the online units in flight, then frees the rest; returns the
  * wait's error. */

@@ -141,6 +141,45 @@ static int stage_sources(qkeep_layer *layer, const struct provider *pv, struct d
   return rc;
 }
 
+static struct device_unit *slot_unit(qkeep_layer *layer, size_t first, size_t end,
+                                     const struct qkeep_backend **be, int *rc);
+
+/*
+ * While the unit's copies finish (the quantize slot waits for them before it reads back what it
+ * found), the readers read the layer's next unit's unquantized bytes into the ring, as
+ * stage_sources will stream them: its copies then start as soon as this unit's kernels are queued.
+ * Only a head start: anything that keeps the next unit from being described is found again when
+ * its turn comes.
+ */
+static int read_next_unit_ahead(qkeep_layer *layer, const struct provider *pv, size_t first,
+                                struct staging *st) {
+  if (!st->stream || first >= layer->n_derived || !memory_ops_async(layer_device(layer)->ops))
+    return 0;
+  size_t end = online_unit_end(layer, first);
+  const struct qkeep_backend *be;
+  int rc;
+  struct device_unit *du = slot_unit(layer, first, end, &be, &rc);
+  if (!du)
+    return 0;
+  struct stream_item items[3];
+  size_t n = 0;
+  const struct derived *d0 = &layer->derived[first];
+  for (int m = 0; m < du->q.n_members; m++) {
+    struct provided t;
+    if (online_member_tensor(layer, pv, &layer->sources[d0->members[m]], &t)) {
+      n = 0;
+      break;
+    }
+    if (pv->device_bytes && pv->device_bytes(pv, &t))
+      continue;
+    const unsigned char *on_host = pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
+    if (on_host || pv->read_range)
+      items[n++] = (struct stream_item){.t = t, .on_host = on_host};
+  }
+  free(du);
+  return stream_drain_reading(st->stream, pv, items, n);
+}
+
 /* The layer's owner's quantize slot, when the plan's scheme is one a device may quantize; else NULL. */
 static const struct qkeep_backend *quantizing_backend(qkeep_layer *layer, size_t first, const char **scheme) {
   const struct qkeep_backend *be = layer_backend(layer);
@@ -197,9 +236,16 @@ int online_unit_device(qkeep_layer *layer, const struct provider *pv, size_t fir
   const struct derived *d0 = &layer->derived[first];
   for (int m = 0; m < du->q.n_members && !rc; m++)
     rc = online_member_tensor(layer, pv, &layer->sources[d0->members[m]], &du->t[m]);
+  bool trace = log_enabled(QKEEP_LOG_DEBUG);
+  double t0 = trace ? now_seconds() : 0;
   if (!rc)
     rc = stage_sources(layer, pv, du, st);
+  if (!rc)
+    rc = read_next_unit_ahead(layer, pv, end, st);
+  double t1 = trace ? now_seconds() : 0;
   int done = rc ? rc : be->quantize(be, layer, &du->q);
+  if (trace)
+    st->device_units++, st->device_stage_s += t1 - t0, st->device_quantize_s += now_seconds() - t1;
   if (!rc && done == QKEEP_E_INVAL) {
     /* A NaN, an Inf or a tiny amax: nothing was written. The host path on the same bytes reports it as
      * quant_plan_run does (tensor, element, row, column); that it accepts them is the backend's fault. */

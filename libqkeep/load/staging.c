@@ -9,6 +9,12 @@
 #include "load/load.h"
 
 int staging_free(struct staging *s) {
+  if (s->device_units)
+    log_msg(QKEEP_LOG_DEBUG,
+            "qkeep online: %zu units quantized on the device: %.2f ms staging them, %.2f ms in "
+            "the quantize slot",
+            s->device_units, s->device_stage_s * 1e3, s->device_quantize_s * 1e3);
+  s->device_units = 0, s->device_stage_s = s->device_quantize_s = 0;
   int rc = stream_end(s->stream);
   online_pipe_free(s->online);
   s->online = NULL;

@@ -945,6 +945,8 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     model_source_discard(&new_source);
     return rc;
   }
+  log_msg(QKEEP_LOG_DEBUG, "qkeep reload: %.2f ms: validate %.2f, layers' bytes %.2f, normalise + PWAL %.2f",
+          (now_seconds() - t0 + t_validate) * 1e3, t_validate * 1e3, t_read * 1e3, t_pwal * 1e3);
   bool full = !(flags & QKEEP_RELOAD_PARTIAL);
   for (size_t l = 0; l < model->n_layers && full; l++)
     full = selected[l];
