@@ -17,12 +17,16 @@
  *
  *   bench_load [LAYERS] [RUNS]
  *   bench_load online [LAYERS] [RUNS]
+ *   bench_load online-kernel [LAYERS] [RUNS]   (the online_kernel line alone, for a profiler)
  *
  * With `online`, quantizing on load on the device: the same model unquantized (every linear bf16:
  * about 9.1 GB at 16 layers), loaded with `quantize = modelopt-nvfp4` on the chain `cuda-nvfp4,
  * reference` with cuda-nvfp4's quantize_on_device on (each unit's bf16 staged in device memory and
  * quantized there), against in the same rounds:
  *   - raw_read of the bf16 file by every core (the target: an online cold start within 1.5x of it);
+ *   - pinned_h2d of as many bytes (the link every bf16 byte crosses: online_of_h2d is the share of
+ *     it the online cold start reaches; where the host reads faster than the link, 1.5x the raw
+ *     read can be below this floor);
  *   - the cold start of the same model quantized offline (qkeep_quantize, then a cold load), whose
  *     digest the online model must equal ("identical");
  *   - an online reload of the bf16 file in place;
@@ -279,6 +283,8 @@ static void quantize_slot_timing(const struct qkeep_backend *be, int64_t n, int6
   free(host);
 }
 
+static void online_kernel(const struct qkeep_backend *be, int runs);
+
 static int bench_online(qkeep_plugin **plugins, size_t n_plugins, const char *bf16, const char *offline,
                         const char *file, double bytes, int runs, int cores) {
   struct qkeep_quantize_options q = {.size = sizeof q, .scheme = "modelopt-nvfp4"};
@@ -315,18 +321,28 @@ static int bench_online(qkeep_plugin **plugins, size_t n_plugins, const char *bf
       over[r] = online[r] / t_raw;
   }
   double s_raw = tu_median(raw, runs), s_on = tu_median(online, runs), s_cold = tu_median(cold, runs);
-  double s_reload = tu_median(reload, runs);
+  double s_reload = tu_median(reload, runs), h2d[MAX_RUNS];
+  for (int r = 0; r < runs; r++) /* the link's floor: the bf16 bytes must cross it */
+    h2d[r] = pinned_h2d((size_t)bytes);
+  double s_h2d = tu_median(h2d, runs);
   printf("{\"bench\":\"online_load\",\"model\":\"llama3-8b-bf16\",\"scheme\":\"modelopt-nvfp4\","
          "\"bytes\":%.0f,\"online_s\":%.4f,\"online_gbps\":%.2f,\"online_reload_s\":%.4f,"
          "\"online_reload_gbps\":%.2f,\"raw_read_s\":%.4f,\"raw_read_gbps\":%.2f,\"raw_read_threads\":%d,"
          "\"online_over_raw_read\":%.3f,\"online_over_raw_read_paired\":%.3f,\"offline_cold_s\":%.4f,"
-         "\"online_over_offline_cold\":%.3f,\"quantize_s\":%.3f,\"identical\":%s,\"runs\":%d}\n",
+         "\"online_over_offline_cold\":%.3f,\"pinned_h2d_s\":%.4f,\"pinned_h2d_gbps\":%.2f,"
+         "\"online_of_h2d\":%.3f,\"quantize_s\":%.3f,\"identical\":%s,\"runs\":%d}\n",
          bytes, s_on, bytes / s_on / 1e9, s_reload, bytes / s_reload / 1e9, s_raw, bytes / s_raw / 1e9, cores,
-         s_on / s_raw, tu_median(over, runs), s_cold, s_on / s_cold, quantize_s, identical ? "true" : "false",
-         runs);
+         s_on / s_raw, tu_median(over, runs), s_cold, s_on / s_cold, s_h2d, bytes / s_h2d / 1e9, s_h2d / s_on,
+         quantize_s, identical ? "true" : "false", runs);
   fflush(stdout);
+  online_kernel(plugins[0]->be, runs);
+  return identical ? 0 : 1;
+}
+
+/* The online_kernel line: the quantize slot on a gate/up unit against a device copy. */
+static void online_kernel(const struct qkeep_backend *be, int runs) {
   double slot_s, copy_s, moved;
-  quantize_slot_timing(plugins[0]->be, 14336, 4096, 2 * runs + 1, &slot_s, &copy_s, &moved);
+  quantize_slot_timing(be, 14336, 4096, 2 * runs + 1, &slot_s, &copy_s, &moved);
   double copy_bytes = 2.0 * 2.0 * 14336.0 * 4096.0 * 2.0; /* read + write of both members' bf16 */
   printf("{\"bench\":\"online_kernel\",\"scheme\":\"modelopt-nvfp4\",\"unit\":\"gate_up 2x14336x4096 "
          "bf16\",\"slot_us\":%.1f,\"slot_gbps\":%.1f,\"d2d_copy_us\":%.1f,\"d2d_copy_gbps\":%.1f,"
@@ -334,10 +350,23 @@ static int bench_online(qkeep_plugin **plugins, size_t n_plugins, const char *bf
          slot_s * 1e6, moved / slot_s / 1e9, copy_s * 1e6, copy_bytes / copy_s / 1e9,
          (moved / slot_s) / (copy_bytes / copy_s));
   fflush(stdout);
-  return identical ? 0 : 1;
 }
 
-static int main_online(int layers, int runs, int cores) {
+static int main_online(int layers, int runs, int cores, bool kernel_only) {
+  if (kernel_only) { /* the online_kernel line alone (a profiler's run) */
+    char *dir = tu_tmpdir("bench-online-kernel"), *ini = dir ? tu_path(dir, "qkeep.ini") : NULL;
+    qkeep_config *config;
+    qkeep_plugin **plugins;
+    size_t n_plugins;
+    if (!ini || open_chain(ini, "[qkeep]\nbackend = cuda-nvfp4\n", &config, &plugins, &n_plugins))
+      return fail("plugins");
+    online_kernel(plugins[0]->be, runs);
+    qkeep_plugins_close(plugins, n_plugins);
+    qkeep_config_free(config);
+    tu_rmtree(dir);
+    free(dir), free(ini);
+    return 0;
+  }
   char *dir = tu_tmpdir("bench-online-gpu");
   char *bf16 = dir ? tu_path(dir, "bf16") : NULL, *offline = dir ? tu_path(dir, "nvfp4") : NULL;
   char *file = bf16 ? tu_path(bf16, "model.safetensors") : NULL,
@@ -365,7 +394,8 @@ static int main_online(int layers, int runs, int cores) {
 }
 
 int main(int argc, char **argv) {
-  bool online = argc > 1 && strcmp(argv[1], "online") == 0;
+  bool kernel_only = argc > 1 && strcmp(argv[1], "online-kernel") == 0;
+  bool online = kernel_only || (argc > 1 && strcmp(argv[1], "online") == 0);
   argv += online, argc -= online;
   int layers = argc > 1 ? atoi(argv[1]) : 16, runs = argc > 2 ? atoi(argv[2]) : 3;
   runs = runs < 1 ? 1 : runs > MAX_RUNS ? MAX_RUNS : runs;
@@ -381,7 +411,7 @@ int main(int argc, char **argv) {
   int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
   cores = cores < 1 ? 1 : cores;
   if (online)
-    return main_online(layers, runs, cores);
+    return main_online(layers, runs, cores, kernel_only);
   char *dir = tu_tmpdir("bench-load");
   char *w0 = dir ? tu_path(dir, "w0") : NULL, *w1 = dir ? tu_path(dir, "w1") : NULL;
   char *file1 = w1 ? tu_path(w1, "model.safetensors") : NULL,

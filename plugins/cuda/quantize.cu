@@ -90,26 +90,63 @@ __device__ __forceinline__ void scan_one(uint32_t e, int64_t i, uint32_t &top, u
   top = a > top ? a : top;
 }
 
+/* Folds one 16-byte vector of elements (the first's index `first`) into top and bad. BF16 takes two
+ * values per 32-bit word: their magnitudes' maximum by a SIMD maximum, and a carry into bit 15 of a
+ * half that flags an exponent of all ones; a vector with such a value goes element by element, for
+ * the index of the first. */
+template <int DT>
+__device__ __forceinline__ void scan_vector(const uint4 &raw, int64_t first, uint32_t &top,
+                                            unsigned long long &bad) {
+  using E = typename elem<DT>::type;
+  constexpr int kPer = 16 / static_cast<int>(sizeof(E));
+  if (DT == QKEEP_DTYPE_BF16) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t flags = 0, pair = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      uint32_t m = w[i] & 0x7fff7fffu;
+      flags |= (m + 0x00800080u) & 0x80008000u;
+      pair = __vmaxu2(pair, m);
+    }
+    if (!flags) {
+      uint32_t most = (pair >> 16) > (pair & 0xffffu) ? (pair >> 16) : (pair & 0xffffu);
+      top = (most << 16) > top ? most << 16 : top;
+      return;
+    }
+  }
+  const E *e = reinterpret_cast<const E *>(&raw);
+#pragma unroll
+  for (int j = 0; j < kPer; j++)
+    scan_one<DT>(e[j], first + j, top, bad);
+}
+
 /* out[0]: max magnitude bits (atomicMax); out64[0]: the first non-finite element (atomicMin; ~0: none).
- * vec: src is 16-byte aligned, so whole 16-byte vectors are read (the tail past the last one singly). */
+ * vec: src is 16-byte aligned, so whole 16-byte vectors are read, four per thread at a time (the tail
+ * past the last vector singly). */
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
     scan_kernel(const void *src, int64_t count, bool vec, uint32_t *max_bits, unsigned long long *first_bad) {
   using E = typename elem<DT>::type;
   constexpr int kPer = 16 / static_cast<int>(sizeof(E));
   const E *p = static_cast<const E *>(src);
+  const uint4 *p4 = reinterpret_cast<const uint4 *>(src);
   uint32_t top = 0;
   unsigned long long bad = ~0ull;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t vectors = vec ? count / kPer : 0;
-  for (int64_t v = first; v < vectors; v += stride) {
-    uint4 raw = __ldcs(reinterpret_cast<const uint4 *>(p) + v);
-    const E *e = reinterpret_cast<const E *>(&raw);
+  int64_t v = first;
+  for (; v + 3 * stride < vectors; v += 4 * stride) { /* four loads in flight before any is used */
+    uint4 raw[4];
 #pragma unroll
-    for (int j = 0; j < kPer; j++)
-      scan_one<DT>(e[j], v * kPer + j, top, bad);
+    for (int u = 0; u < 4; u++)
+      raw[u] = __ldcs(p4 + v + u * stride);
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      scan_vector<DT>(raw[u], (v + u * stride) * kPer, top, bad);
   }
+  for (; v < vectors; v += stride)
+    scan_vector<DT>(__ldcs(p4 + v), v * kPer, top, bad);
   for (int64_t i = vectors * kPer + first; i < count; i += stride)
     scan_one<DT>(p[i], i, top, bad);
   top = __reduce_max_sync(0xffffffffu, top);
