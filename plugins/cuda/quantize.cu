@@ -241,8 +241,14 @@ extern "C" int fp4_quant_scan_gpu(const struct fp4_quant_member *m, void *scratc
   uint32_t *max_bits = &out->max_bits;
   unsigned long long *first_bad = &out->first_bad;
   int64_t count = m->n * m->k;
-  int64_t grid = grid_for(count);
-  int blocks = static_cast<int>(grid < 4096 ? grid : 4096); /* grid-stride beyond */
+  /* One wave of resident blocks (8 of 256 threads per SM), each striding over the member with four
+   * 16-byte loads in flight per thread: no tail of partly filled waves. */
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+    sms = 132;
+  int64_t grid = grid_for((count + 31) / 32), wave = 8 * static_cast<int64_t>(sms);
+  int blocks = static_cast<int>(grid < wave ? grid : wave);
   bool vec = aligned16(m->src);
   switch (m->dtype) {
   case QKEEP_DTYPE_F32:
