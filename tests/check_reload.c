@@ -14,10 +14,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "rewrite.h"
 #include "ckptutil.h"
 #include "fixture.h"
 #include "private.h"
+#include "rewrite.h"
 #include "testutil.h"
 
 #define H 64
@@ -742,24 +742,41 @@ START_TEST(scales_read_in_shares_by_threads_validate_the_same) {
   ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
   struct ckpt *ck;
   ck_assert_int_eq(ckpt_open(w1, &ck), 0);
-  const struct ckpt_tensor *last = NULL;
+  const struct ckpt_tensor *last = NULL, *first = NULL;
   for (size_t i = 0; i < ck->n_tensors; i++) {
     const struct st_tensor *t = ck->tensors[i].t;
-    if (strstr(t->name, ".weight_scale") && !strstr(t->name, "_2") && (!last || t->offset > last->t->offset))
+    if (!strstr(t->name, ".weight_scale") || strstr(t->name, "_2"))
+      continue;
+    if (!last || t->offset > last->t->offset)
       last = &ck->tensors[i];
+    if (!first || t->offset < first->t->offset)
+      first = &ck->tensors[i];
   }
   ck_assert_ptr_nonnull(last);
+  ck_assert_ptr_ne(first, last);
   char *bad_name = xstrdup(last->t->name);
   int fd = open(last->file->path, O_WRONLY);
   ck_assert_int_ge(fd, 0);
   unsigned char nan8 = 0x7f; /* e4m3 NaN */
   ck_assert_int_eq(pwrite(fd, &nan8, 1, (off_t)last->t->offset), 1);
   close(fd);
-  ckpt_close(ck);
   ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
   ck_assert_msg(strstr(qkeep_errmsg(), bad_name), "%s", qkeep_errmsg());
   ck_assert(same(digest(m), d0));
+  /* a second bad scale, in the first share: the threads name the scale one thread names (the first in
+   * the order validation lists them), whichever share finishes first */
+  fd = open(first->file->path, O_WRONLY);
+  ck_assert_int_ge(fd, 0);
+  ck_assert_int_eq(pwrite(fd, &nan8, 1, (off_t)first->t->offset), 1);
+  close(fd);
+  ckpt_close(ck);
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+  char *threaded = xstrdup(qkeep_errmsg());
   ck_assert_int_eq(qkeep__test_control(QKEEP_TESTCTRL_THREADED_SCALE_BYTES, (size_t)0), 0); /* the default */
+  ck_assert_int_eq(qkeep_model_reload(m, w1, 0), QKEEP_E_FORMAT);
+  ck_assert_str_eq(threaded, qkeep_errmsg());
+  ck_assert(same(digest(m), d0));
+  free(threaded);
   free(bad_name);
   qkeep_model_free(m), qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1);
