@@ -608,7 +608,6 @@ static int finite_rule(int dtype) {
 #define CHECK_READERS 16
 
 struct value_check {
-  const qkeep_layer *layer;
   const struct provider *pv;
   const struct provided *t; /* the tensors */
   size_t n;
@@ -669,15 +668,15 @@ static void *check_pieces_thread(void *arg) {
 }
 
 /* online_check_values for n host sources of the layer (srcs), their tensors t, on threads. */
-static int check_on_threads(const qkeep_layer *layer, const struct provider *pv, struct source *const *srcs,
-                            const struct provided *t, size_t n) {
+static int check_on_threads(const qkeep_layer *const *layers, const struct provider *pv,
+                            struct source *const *srcs, const struct provided *t, size_t n) {
   size_t *first_piece = malloc((n + 1) * sizeof *first_piece);
   if (!first_piece)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   first_piece[0] = 0;
   for (size_t k = 0; k < n; k++)
     first_piece[k + 1] = first_piece[k] + (t[k].nbytes + CHECK_PIECE - 1) / CHECK_PIECE;
-  struct value_check c = {.layer = layer, .pv = pv, .t = t, .n = n, .first_piece = first_piece};
+  struct value_check c = {.pv = pv, .t = t, .n = n, .first_piece = first_piece};
   atomic_init(&c.next, 0);
   atomic_init(&c.bad, n);
   pthread_mutex_init(&c.mu, NULL);
@@ -697,15 +696,46 @@ static int check_on_threads(const qkeep_layer *layer, const struct provider *pv,
       c.rc ? (c.msg ? set_error(c.rc, "%s", c.msg) : set_error(c.rc, "out of memory checking values")) : 0;
   free(c.msg);
   size_t bad = atomic_load(&c.bad);
-  if (!rc && bad < n && !(rc = online_check_values(layer, pv, srcs[bad]))) /* names the element */
+  if (!rc && bad < n && !(rc = online_check_values(layers[bad], pv, srcs[bad]))) /* names the element */
     rc = set_error(QKEEP_E_IO,
                    "%s: tensor '%s' (layer %s) changed while it was read: a non-finite value in one "
                    "read was gone in the next",
-                   t[bad].where, t[bad].name, layer->name);
+                   t[bad].where, t[bad].name, layers[bad]->name);
   return rc;
 }
 
-int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv) {
+void online_value_checks_free(struct online_value_checks *c) {
+  free(c->layer), free(c->src), free(c->t);
+  *c = (struct online_value_checks){0};
+}
+
+int online_value_checks_run(struct online_value_checks *c, const struct provider *pv) {
+  int rc = c->n ? check_on_threads(c->layer, pv, c->src, c->t, c->n) : 0;
+  online_value_checks_free(c);
+  return rc;
+}
+
+static int list_value_check(struct online_value_checks *c, const qkeep_layer *layer, struct source *src,
+                            const struct provided *t) {
+  if (c->n == c->cap) {
+    size_t want = c->cap ? 2 * c->cap : 64;
+    const qkeep_layer **l = realloc(c->layer, want * sizeof *l);
+    if (l)
+      c->layer = l;
+    struct source **s = l ? realloc(c->src, want * sizeof *s) : NULL;
+    if (s)
+      c->src = s;
+    struct provided *p = s ? realloc(c->t, want * sizeof *p) : NULL;
+    if (!p)
+      return set_error(QKEEP_E_NOMEM, "out of memory");
+    c->t = p, c->cap = want;
+  }
+  c->layer[c->n] = layer, c->src[c->n] = src, c->t[c->n++] = *t;
+  return 0;
+}
+
+int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv,
+                              struct online_value_checks *later) {
   size_t online = 0;
   for (size_t i = 0; i < layer->n_sources; i++)
     online += layer->sources[i].online;
@@ -718,7 +748,9 @@ int online_check_layer_values(const qkeep_layer *layer, const struct provider *p
   size_t *which = malloc(online * sizeof *which);
   struct source **host_src = malloc(online * sizeof *host_src);
   struct provided *host_t = malloc(online * sizeof *host_t);
-  int rc = ranges && which && host_src && host_t ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  const qkeep_layer **host_layer = malloc(online * sizeof *host_layer);
+  int rc =
+      ranges && which && host_src && host_t && host_layer ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     struct source *src = &layer->sources[i];
     struct provided t;
@@ -729,14 +761,16 @@ int online_check_layer_values(const qkeep_layer *layer, const struct provider *p
     if (in_device && on_device && rule) {
       ranges[n] = (struct qkeep_value_range){in_device, t.nbytes, rule};
       which[n++] = i;
+    } else if (!in_device && pv->read_range && rule && later) {
+      rc = list_value_check(later, layer, src, &t);
     } else if (!in_device && pv->read_range && rule) {
-      host_src[on_host] = src, host_t[on_host++] = t;
+      host_src[on_host] = src, host_t[on_host] = t, host_layer[on_host++] = layer;
     } else {
       rc = online_check_values(layer, pv, src);
     }
   }
   if (!rc && on_host)
-    rc = check_on_threads(layer, pv, host_src, host_t, on_host);
+    rc = check_on_threads(host_layer, pv, host_src, host_t, on_host);
   size_t bad = n;
   if (!rc && n && !(rc = dev_find_bad_values(dev, ranges, n, &bad)) && bad < n) {
     struct source *src = &layer->sources[which[bad]];
@@ -745,7 +779,7 @@ int online_check_layer_values(const qkeep_layer *layer, const struct provider *p
                      "backend %s found a NaN or an infinity in '%s' (layer %s) where the host finds none",
                      dev->be ? dev->be->name : "?", src->checkpoint_name, layer->name);
   }
-  free(ranges), free(which), free(host_src), free(host_t);
+  free(ranges), free(which), free(host_src), free(host_t), free(host_layer);
   return rc;
 }
 

@@ -90,9 +90,23 @@ void online_unit_free(struct online_unit *u);
 /* Checks an unquantized source's values in pv (every one finite) before anything changes: QKEEP_E_FORMAT
  * naming the tensor, element, row, column and layer. */
 int online_check_values(const qkeep_layer *layer, const struct provider *pv, struct source *src);
+/* Unquantized sources in files, of many layers, whose values one threaded pass checks: each one's layer,
+ * source and tensor, in the order listed. Zero-initialised; online_value_checks_run empties it. */
+struct online_value_checks {
+  const qkeep_layer **layer;
+  struct source **src;
+  struct provided *t;
+  size_t n, cap;
+};
 /* online_check_values for every unquantized source of the layer: those pv holds in device memory on a
- * device with find_bad_values (ABI 1.6) in one call there (a bad one then named from a host copy), the
- * others read here. */
-int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv);
+ * device with find_bad_values (ABI 1.6) in one call there (a bad one then named from a host copy); those
+ * in files listed in `later` (NULL: checked here, on threads), the rest read here. */
+int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv,
+                              struct online_value_checks *later);
+/* Checks every source listed in c by pieces on up to 16 threads (a model's bf16 weights in one pass, not
+ * a few pieces per layer): the first bad one in list order named as online_check_values names it. Frees
+ * the list, also on an error. */
+int online_value_checks_run(struct online_value_checks *c, const struct provider *pv);
+void online_value_checks_free(struct online_value_checks *c);
 
 #endif

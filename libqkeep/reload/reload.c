@@ -118,6 +118,7 @@ struct scale_cache {
     struct provided t;
   } * checks;
   size_t n_checks, cap_checks;
+  struct online_value_checks values; /* unquantized sources in files: their values, checked at the end */
 };
 
 static bool cached_find(const struct provider *p, const char *name, struct provided *out) {
@@ -184,6 +185,7 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
 }
 
 static void scale_cache_free(struct scale_cache *c) {
+  online_value_checks_free(&c->values);
   free(c->bytes);
   free(c->offset);
   free(c->pending);
@@ -770,7 +772,8 @@ static int validate_sources(const qkeep_layer *layer, struct scale_cache *cache)
       rc = keep_scale(cache, &t);
     }
   }
-  return rc ? rc : online_check_layer_values(layer, pv); /* a NaN cannot be quantized */
+  /* a NaN cannot be quantized: values in files are checked for the whole model at the end, in one pass */
+  return rc ? rc : online_check_layer_values(layer, pv, &cache->values);
 }
 
 /*
@@ -816,8 +819,10 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
   }
   if (!chosen)
     return set_error(QKEEP_E_NOTFOUND, "%s: holds no tensor of this model", pv->what);
-  /* Every name and shape holds: now the values of the scales left, read all at once. */
-  return check_listed_scales(cache);
+  /* Every name and shape holds: now the values of the scales left, read all at once, and of the
+   * unquantized weights quantized on load. */
+  int rc = check_listed_scales(cache);
+  return rc ? rc : online_value_checks_run(&cache->values, pv);
 }
 
 /* ---- applying -------------------------------------------------------------------------------- */
