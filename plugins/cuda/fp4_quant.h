@@ -121,41 +121,6 @@ FP4Q_FN uint32_t fp4q_e2m1(float x, float divisor) {
 }
 
 /*
- * The e2m1 codes of n values x[j] / divisor (fp4q_e2m1's) with one product each instead of a division:
- * v = |x| * r, where r is the correctly rounded 1 / divisor (fp4q_recip; 0 when the divisor is
- * outside [2^-126, 2^126), where r would not be a normal float). v is within 2^-22.9 of the quotient
- * q = |x| / divisor, relatively, and every rounding bound of e2m1 (0.25 .. 5, > or >=) is within half
- * an ulp of a float of at most two fraction bits (1, 1.25, 1.5 or 1.75 times a power of two). Where v
- * is more than 8 ulps (2^-21) from every such float, q and v lie on the same side of every bound, so
- * the code is the number of bounds below v, found in three comparisons, and q is far from 0, so the
- * sign is x's. The codes go into word[j / 8] (zero before), 4 bits each, without a branch; the return
- * is nonzero when some nonzero x lies where only the division decides (v within 8 ulps of such a
- * float, below 2^-100 or infinite; or r is 0): the caller then divides (fp4q_e2m1) for the block.
- */
-FP4Q_FN float fp4q_recip(float divisor) {
-  uint32_t e = (fp4q_bits(divisor) >> 23) & 0xffu;
-  return e >= 1 && e <= 252 ? fp4q_div(1.0f, divisor) : 0.0f;
-}
-FP4Q_FN uint32_t fp4q_e2m1_by_recip(const float *x, int n, float r, uint32_t *word) {
-  uint32_t need = r == 0.0f;
-  for (int j = 0; j < n; j++) {
-    uint32_t xb = fp4q_bits(x[j]), ab = xb & 0x7fffffffu;
-    float v = fp4q_mul(fp4q_float(ab), r);
-    uint32_t b = fp4q_bits(v), nonzero = ab != 0;
-    need |= nonzero & ((((b + 8u) & 0x1fffffu) <= 16u) | (b < 0x0d800000u /* 2^-100 */));
-    uint32_t hi = v > 1.75f, mid = v > (hi ? 3.5f : 0.75f);
-    uint32_t low = v > (hi ? (mid ? 5.0f : 2.5f) : (mid ? 1.25f : 0.25f));
-    uint32_t code = hi * 4u + mid * 2u + low + (nonzero ? (xb >> 28) & 8u : 0u);
-    word[j / 8] |= code << (4 * (j % 8));
-  }
-  return need;
-}
-/* One value's code by fp4q_e2m1_by_recip, the division where it must decide: fp4q_e2m1's code. */
-FP4Q_FN uint32_t fp4q_e2m1_fast(float x, float divisor, float r) {
-  uint32_t word = 0;
-  return fp4q_e2m1_by_recip(&x, 1, r, &word) ? fp4q_e2m1(x, divisor) : word;
-}
-/*
  * One NVFP4 block of 16 finite values (quantize.c's nvfp4_block): its scale byte, and its codes as two
  * little-endian words (element 2i low in byte i). ModelOpt (ct false) with ws2 = weight_scale_2 =
  * amax / 2688; compressed-tensors with global = 2688 / amax; amax (the unit's) nonzero.
@@ -178,11 +143,8 @@ FP4Q_FN uint8_t fp4q_nvfp4_block(const float x[16], bool ct, float ws2, float gl
   if (zero_scale) /* codes 0; ct stores 0.125 */
     return ct ? (uint8_t)FP4Q_E4M3_EIGHTH : sc;
   float divisor = ct ? fp4q_div(fp4q_e4m3_value(sc), global) : fp4q_mul(fp4q_e4m3_value(sc), ws2);
-  if (fp4q_e2m1_by_recip(x, 16, fp4q_recip(divisor), word)) { /* rare: the division decides */
-    word[0] = word[1] = 0;
-    for (int j = 0; j < 16; j++)
-      word[j / 8] |= fp4q_e2m1(x[j], divisor) << (4 * (j % 8));
-  }
+  for (int j = 0; j < 16; j++)
+    word[j / 8] |= fp4q_e2m1(x[j], divisor) << (4 * (j % 8));
   return sc;
 }
 
@@ -195,12 +157,8 @@ FP4Q_FN uint8_t fp4q_mxfp4_block(const float x[32], uint32_t word[4]) {
   float shared = fp4q_pow2((int)byte - 127); /* a power of two: x / shared is exact */
   for (int w = 0; w < 4; w++)
     word[w] = 0;
-  if (fp4q_e2m1_by_recip(x, 32, fp4q_recip(shared), word)) { /* rare: the division decides */
-    for (int w = 0; w < 4; w++)
-      word[w] = 0;
-    for (int j = 0; j < 32; j++)
-      word[j / 8] |= fp4q_e2m1(x[j], shared) << (4 * (j % 8));
-  }
+  for (int j = 0; j < 32; j++)
+    word[j / 8] |= fp4q_e2m1(x[j], shared) << (4 * (j % 8));
   return byte;
 }
 
