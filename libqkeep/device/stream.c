@@ -14,8 +14,11 @@
  * (a scale: its values) has each piece checked by its reader in the slot, so bad bytes never
  * reach the device and nothing is read back to check them.
  * A slot is free again once its copies are done: with ABI 1.3's copy fences the calling thread
- * frees each slot whose fence has passed, and when none is free waits for the oldest copy
- * alone; without fences it waits for the whole device (sync), which frees every slot. The ring
+ * frees each slot whose fence has passed (between pieces, and every RECLAIM_US while it waits for
+ * a read, so the readers do not idle behind copies already done), and when none is free waits for
+ * the oldest copy alone; without fences it waits for the whole device (sync), which frees every
+ * slot. Before a wait that drains the stream (a device-quantized unit's amax read back),
+ * stream_drain_reading lets the readers read the next bytes into each slot as it frees. The ring
  * and its reader threads live as long as the model's owner: every reload reuses them.
  *
  * The ring's shape is the model's (struct qkeep_load_options, read when the ring is made; the
@@ -506,6 +509,14 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
   return 0;
 }
 
+/* Whether a slot's copies may still run. */
+static bool any_copying(const struct stream *s) {
+  for (int i = 0; i < s->slots; i++)
+    if (s->slot[i] == SLOT_COPYING)
+      return true;
+  return false;
+}
+
 /*
  * Waits (s->mu held) until a reader finishes a group, or, while copies are in flight, at most
  * RECLAIM_US: each slot whose copies are done goes back to the readers meanwhile, so that they do
@@ -513,10 +524,7 @@ int stream_prefetch(struct stream *s, const struct provider *pv, const struct st
  * backend's, asked on this thread).
  */
 static void wait_for_read(struct stream *s) {
-  bool copying = false;
-  for (int i = 0; i < s->slots && s->fences && !copying; i++)
-    copying = s->slot[i] == SLOT_COPYING;
-  if (!copying) {
+  if (!s->fences || !any_copying(s)) {
     pthread_cond_wait(&s->done, &s->mu);
     return;
   }
@@ -540,12 +548,7 @@ int stream_drain_reading(struct stream *s, const struct provider *pv, const stru
   if (!s->fences || !n_items)
     return 0;
   (void)stream_prefetch(s, pv, items, n_items);
-  for (;;) {
-    bool copying = false;
-    for (int i = 0; i < s->slots && !copying; i++)
-      copying = s->slot[i] == SLOT_COPYING;
-    if (!copying)
-      return 0;
+  while (any_copying(s)) {
     double t = s->trace.on ? now_seconds() : 0;
     int rc = reclaim(s, true); /* the oldest copy, and every later one done by then */
     s->trace.drain_wait += s->trace.on ? now_seconds() - t : 0;
@@ -555,6 +558,7 @@ int stream_drain_reading(struct stream *s, const struct provider *pv, const stru
     batch_submit(s);
     pthread_mutex_unlock(&s->mu);
   }
+  return 0;
 }
 
 /* Whether piece q's bytes follow piece p's in the slot and on the device, in one allocation: one copy
