@@ -291,6 +291,40 @@ START_TEST(fp4_online_loads_on_the_device_equal_quantize_then_load) {
 }
 END_TEST
 
+/* The stream's trace line of the last load (qkeep_set_logger at QKEEP_LOG_DEBUG). */
+static char stream_line[2048];
+static void keep_stream_line(void *user, enum qkeep_log_level level, const char *msg) {
+  (void)user, (void)level;
+  if (strncmp(msg, "qkeep stream: ", 14) == 0)
+    snprintf(stream_line, sizeof stream_line, "%s", msg);
+}
+
+/* While a unit's copies drain before the slot reads back what it found, the next unit in the load's
+ * order (the next layer's: each linear is a layer of its own) is read into the ring, and that read is
+ * the one its copies take: the readers read exactly the bytes copied (a read ahead given up on, as when
+ * the next layer's own read ahead replaced it, reads more). */
+START_TEST(the_next_unit_is_read_while_this_ones_copies_drain_and_that_read_is_used) {
+  char *tiny = example("tiny");
+  struct qkeep_quantize_options o = options_for("modelopt-nvfp4");
+  fake_reset(TAKE);
+  stream_line[0] = '\0';
+  qkeep_set_logger(keep_stream_line, NULL);
+  qkeep_set_log_level(QKEEP_LOG_DEBUG);
+  qkeep_model *m = load(fake(true), tiny, &o);
+  qkeep_set_log_level(QKEEP_LOG_INFO);
+  qkeep_set_logger(NULL, NULL);
+  ck_assert_int_gt(fk.units, 2);
+  size_t copied = 0, read = 0, drains = 0;
+  const char *bytes = strstr(stream_line, " MB ("), *drain = strstr(stream_line, "draining (");
+  ck_assert_msg(bytes && drain && sscanf(bytes + 5, "%zu bytes copied, %zu read", &copied, &read) == 2 &&
+                    sscanf(drain + 10, "%zu drains", &drains) == 1,
+                "%s", stream_line);
+  ck_assert_msg(drains > 0 && copied > 0 && read == copied, "%s", stream_line);
+  qkeep_model_free(m);
+  free(tiny);
+}
+END_TEST
+
 START_TEST(fp4_reloads_on_the_device_equal_a_cold_w1_and_move_no_pointer) {
   char *tiny = example("tiny"), *w1 = example("tiny-w1");
   for (size_t s = 0; s < 3; s++) {
@@ -464,6 +498,7 @@ int main(void) {
   TCase *tc = tcase_create("online_device");
   tcase_set_timeout(tc, 600);
   tcase_add_test(tc, fp4_online_loads_on_the_device_equal_quantize_then_load);
+  tcase_add_test(tc, the_next_unit_is_read_while_this_ones_copies_drain_and_that_read_is_used);
   tcase_add_test(tc, fp4_reloads_on_the_device_equal_a_cold_w1_and_move_no_pointer);
   tcase_add_test(tc, fp4_syncs_of_bf16_buckets_on_the_device_equal_a_cold_w1);
   tcase_add_test(tc, a_declining_or_older_backend_and_other_schemes_take_the_host_path);

@@ -84,6 +84,8 @@ struct stream_trace {
   bool on;
   size_t pieces, copies, bytes, fence_waits, syncs;
   size_t early_groups; /* groups handed to the readers while the calling thread waited for a read */
+  size_t read_bytes;   /* bytes the readers read (more than `bytes` copied: a read ahead given up on) */
+  size_t drains;       /* stream_drain_reading calls that read something ahead */
   double read_wait, slot_wait, reading; /* seconds: for a read, for a slot; the readers' own time */
   double drain_wait;                    /* seconds in stream_drain_reading */
 };
@@ -150,7 +152,7 @@ static void *reader(void *arg) {
     if (s->trace.on)
       s->trace.reading += now_seconds() - t;
     for (size_t i = g->first; i < g->end; i++)
-      s->pieces[i].done = true;
+      s->pieces[i].done = true, s->trace.read_bytes += s->trace.on ? s->pieces[i].n : 0;
     pthread_cond_broadcast(&s->done);
   }
   pthread_mutex_unlock(&s->mu);
@@ -175,14 +177,15 @@ static void batch_drop(struct stream *s);
 static void trace_log(struct stream *s) {
   struct stream_trace *t = &s->trace;
   if (t->on && t->pieces)
-    log_msg(QKEEP_LOG_DEBUG,
-            "qkeep stream: %zu pieces in %zu copies, %.1f MB; waited %.2f ms for reads, %.2f ms for slots "
-            "(%zu fence waits, "
-            "%zu syncs, %zu groups read while waiting), %.2f ms draining; readers busy %.2f ms (%d readers, "
-            "%d slots of %zu bytes, fences %s)",
-            t->pieces, t->copies, t->bytes / 1e6, t->read_wait * 1e3, t->slot_wait * 1e3, t->fence_waits,
-            t->syncs, t->early_groups, t->drain_wait * 1e3, t->reading * 1e3, s->n_readers, s->slots,
-            s->piece, s->fences ? "on" : "off");
+    log_msg(
+        QKEEP_LOG_DEBUG,
+        "qkeep stream: %zu pieces in %zu copies, %.1f MB (%zu bytes copied, %zu read); waited %.2f ms for "
+        "reads, %.2f ms for slots (%zu fence waits, %zu syncs, %zu groups read while waiting), %.2f ms "
+        "draining (%zu drains reading ahead); readers busy %.2f ms (%d readers, %d slots of %zu bytes, "
+        "fences %s)",
+        t->pieces, t->copies, t->bytes / 1e6, t->bytes, t->read_bytes, t->read_wait * 1e3, t->slot_wait * 1e3,
+        t->fence_waits, t->syncs, t->early_groups, t->drain_wait * 1e3, t->drains, t->reading * 1e3,
+        s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
   *t = (struct stream_trace){0};
 }
 
@@ -548,6 +551,7 @@ int stream_drain_reading(struct stream *s, const struct provider *pv, const stru
   if (!s->fences || !n_items)
     return 0;
   (void)stream_prefetch(s, pv, items, n_items);
+  s->trace.drains++;
   while (any_copying(s)) {
     double t = s->trace.on ? now_seconds() : 0;
     int rc = reclaim(s, true); /* the oldest copy, and every later one done by then */

@@ -295,7 +295,8 @@ void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct stagin
   size_t n = 0, count = next->n_sources ? next->n_sources : 1;
   struct stream_item *items = malloc(count * sizeof *items);
   size_t *which = malloc(count * sizeof *which);
-  if (items && which && streamed_sources(next, pv, st, false, items, which, &n) == 0)
+  /* none: what is read ahead stays (the next layer's first unit quantized on the device) */
+  if (items && which && streamed_sources(next, pv, st, false, items, which, &n) == 0 && n)
     (void)stream_prefetch(st->stream, pv, items, n);
   free(items);
   free(which);

@@ -444,10 +444,9 @@ static void flight_launch(struct online_pipe *pipe, struct flight *f, qkeep_laye
     f->msg = xstrdup(qkeep_errmsg());
 }
 
-/* The unit after [first, end) of layer in the load's order: the layer's next, or the first of the next
- * layer in order that makes tensors on load. False: none. */
-static bool next_unit(struct online_pipe *pipe, qkeep_layer *layer, size_t end, qkeep_layer *const *order,
-                      size_t n_order, qkeep_layer **next, size_t *first) {
+bool online_pipe_next(struct online_pipe *pipe, qkeep_layer *layer, size_t end, qkeep_layer *const *order,
+                      size_t n_order, qkeep_layer **next, size_t *first, size_t *between) {
+  *between = 0;
   if (end < layer->n_derived) {
     *next = layer, *first = end;
     return true;
@@ -459,7 +458,7 @@ static bool next_unit(struct online_pipe *pipe, qkeep_layer *layer, size_t end, 
   pipe->at = at;
   for (size_t i = at + 1; i < n_order; i++)
     if (order[i]->n_derived) {
-      *next = order[i], *first = 0;
+      *next = order[i], *first = 0, *between = i - at - 1;
       return true;
     }
   return false;
@@ -493,8 +492,8 @@ int online_pipe_take(struct online_pipe **pipep, qkeep_layer *layer, size_t firs
   struct flight *f = &pipe->f[pipe->head];
   /* The next unit is read now, while f quantizes on the pool. */
   qkeep_layer *next;
-  size_t next_first;
-  if (pipe->n == 1 && next_unit(pipe, layer, f->end, order, n_order, &next, &next_first))
+  size_t next_first, between;
+  if (pipe->n == 1 && online_pipe_next(pipe, layer, f->end, order, n_order, &next, &next_first, &between))
     flight_launch(pipe, &pipe->f[(pipe->head + pipe->n++) % 2], next, next_first, pv);
   int rc = f->rc ? set_error(f->rc, "%s", f->msg ? f->msg : qkeep_strerror(f->rc))
                  : quant_pool_wait(pipe->pool, f->job);

@@ -53,6 +53,11 @@ typedef int (*online_query_fn)(qkeep_layer *layer, size_t first, size_t end);
  * at the first take).
  */
 struct online_pipe;
+/* The unit after [first, end) of layer in the load's order: the layer's next, or the first of the next
+ * layer in order that makes tensors on load (the pipe keeps where in the order it last looked);
+ * *between: the layers in order between the two (0 within one layer). False: none. */
+bool online_pipe_next(struct online_pipe *pipe, qkeep_layer *layer, size_t end, qkeep_layer *const *order,
+                      size_t n_order, qkeep_layer **next, size_t *first, size_t *between);
 /*
  * The layer's unit that starts at derived source `first`, made: read from pv (its members' dtype and
  * shape checked) and quantized (load/online.c). The next unit is read and started first: the layer's

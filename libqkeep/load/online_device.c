@@ -146,14 +146,22 @@ static struct device_unit *slot_unit(qkeep_layer *layer, size_t first, size_t en
 
 /*
  * While the unit's copies finish (the quantize slot waits for them before it reads back what it
- * found), the readers read the layer's next unit's unquantized bytes into the ring, as
+ * found), the readers read the next unit's unquantized bytes in the load's order (this layer's
+ * next, or the next layer's first: each linear is a layer of its own, and q/k/v's is followed by
+ * o_proj's, gate/up's by down_proj's) into the ring, as
  * stage_sources will stream them: its copies then start as soon as this unit's kernels are queued.
  * Only a head start: anything that keeps the next unit from being described is found again when
  * its turn comes.
  */
-static int read_next_unit_ahead(qkeep_layer *layer, const struct provider *pv, size_t first,
+static int read_next_unit_ahead(qkeep_layer *this_layer, const struct provider *pv, size_t this_end,
                                 struct staging *st) {
-  if (!st->stream || first >= layer->n_derived || !memory_ops_async(layer_device(layer)->ops))
+  qkeep_layer *layer;
+  size_t first, between;
+  /* Not past a layer in between (a norm): its own bytes would take the stream's one read ahead. */
+  if (!st->stream || !st->online ||
+      !online_pipe_next(st->online, this_layer, this_end, st->order, st->n_order, &layer, &first, &between) ||
+      between || layer_device(layer) != stream_device(st->stream) ||
+      !memory_ops_async(layer_device(layer)->ops))
     return 0;
   size_t end = online_unit_end(layer, first);
   const struct qkeep_backend *be;
