@@ -598,9 +598,9 @@ static int finite_rule(int dtype) {
 }
 
 /*
- * The host check of a layer's unquantized sources in a file: pieces of CHECK_PIECE bytes read and scanned
- * by up to CHECK_READERS threads (a 14336 x 4096 bf16 weight is 117 MB; one thread reads page cache at
- * about 8 GB/s). Each finds whether its piece holds a non-finite value; the lowest such tensor is then
+ * The host check of unquantized sources in files (a model's, listed): pieces of CHECK_PIECE bytes read and
+ * scanned by up to CHECK_READERS threads (a 14336 x 4096 bf16 weight is 117 MB; one thread reads page cache
+ * at about 8 GB/s). Each finds whether its piece holds a non-finite value; the lowest such tensor is then
  * checked again by online_check_values, which names the element.
  */
 #define CHECK_PIECE ((size_t)8 << 20)
@@ -666,7 +666,7 @@ static void *check_pieces_thread(void *arg) {
   return NULL;
 }
 
-/* online_check_values for n host sources of the layer (srcs), their tensors t, on threads. */
+/* online_check_values for n sources in files (srcs, of layers[i]), their tensors t, on threads. */
 static int check_on_threads(const qkeep_layer *const *layers, const struct provider *pv,
                             struct source *const *srcs, const struct provided *t, size_t n) {
   size_t *first_piece = malloc((n + 1) * sizeof *first_piece);
@@ -742,14 +742,10 @@ int online_check_layer_values(const qkeep_layer *layer, const struct provider *p
     return 0; /* a layer (or model) that quantizes nothing on load: no allocation on a reload's path */
   const struct device *dev = layer_device(layer);
   bool on_device = pv->device_bytes && memory_ops_find_bad_values(dev->ops);
-  size_t n = 0, on_host = 0;
+  size_t n = 0;
   struct qkeep_value_range *ranges = malloc(online * sizeof *ranges);
   size_t *which = malloc(online * sizeof *which);
-  struct source **host_src = malloc(online * sizeof *host_src);
-  struct provided *host_t = malloc(online * sizeof *host_t);
-  const qkeep_layer **host_layer = malloc(online * sizeof *host_layer);
-  int rc =
-      ranges && which && host_src && host_t && host_layer ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = ranges && which ? 0 : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < layer->n_sources && !rc; i++) {
     struct source *src = &layer->sources[i];
     struct provided t;
@@ -760,16 +756,12 @@ int online_check_layer_values(const qkeep_layer *layer, const struct provider *p
     if (in_device && on_device && rule) {
       ranges[n] = (struct qkeep_value_range){in_device, t.nbytes, rule};
       which[n++] = i;
-    } else if (!in_device && pv->read_range && rule && later) {
-      rc = list_value_check(later, layer, src, &t);
     } else if (!in_device && pv->read_range && rule) {
-      host_src[on_host] = src, host_t[on_host] = t, host_layer[on_host++] = layer;
+      rc = list_value_check(later, layer, src, &t);
     } else {
       rc = online_check_values(layer, pv, src);
     }
   }
-  if (!rc && on_host)
-    rc = check_on_threads(host_layer, pv, host_src, host_t, on_host);
   size_t bad = n;
   if (!rc && n && !(rc = dev_find_bad_values(dev, ranges, n, &bad)) && bad < n) {
     struct source *src = &layer->sources[which[bad]];
@@ -778,7 +770,7 @@ int online_check_layer_values(const qkeep_layer *layer, const struct provider *p
                      "backend %s found a NaN or an infinity in '%s' (layer %s) where the host finds none",
                      dev->be ? dev->be->name : "?", src->checkpoint_name, layer->name);
   }
-  free(ranges), free(which), free(host_src), free(host_t), free(host_layer);
+  free(ranges), free(which);
   return rc;
 }
 

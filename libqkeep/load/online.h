@@ -105,7 +105,7 @@ struct online_value_checks {
 };
 /* online_check_values for every unquantized source of the layer: those pv holds in device memory on a
  * device with find_bad_values (ABI 1.6) in one call there (a bad one then named from a host copy); those
- * in files listed in `later` (NULL: checked here, on threads), the rest read here. */
+ * in files listed in `later`, for online_value_checks_run; the rest read here. */
 int online_check_layer_values(const qkeep_layer *layer, const struct provider *pv,
                               struct online_value_checks *later);
 /* Checks every source listed in c by pieces on up to 16 threads (a model's bf16 weights in one pass, not

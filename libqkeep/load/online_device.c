@@ -99,6 +99,13 @@ static int reserve_unit_source(struct staging *st, const struct device *dev, siz
   return rc;
 }
 
+/* Whether a member's tensor t, not in device memory, can go through the pinned ring: the provider holds
+ * its bytes in host memory or reads ranges of it. *item: its stream item (dst not set). */
+static bool ring_item(const struct provider *pv, const struct provided *t, struct stream_item *item) {
+  *item = (struct stream_item){.t = *t, .on_host = pv->host_bytes ? pv->host_bytes(pv, t) : NULL};
+  return item->on_host || pv->read_range;
+}
+
 /* Puts every member's unquantized bytes on the device: src of each member set. */
 static int stage_sources(qkeep_layer *layer, const struct provider *pv, struct device_unit *du,
                          struct staging *st) {
@@ -123,12 +130,13 @@ static int stage_sources(qkeep_layer *layer, const struct provider *pv, struct d
     }
     char *dst = (char *)st->unit_src + at[m];
     du->m[m].src = dst;
-    const unsigned char *on_host = pv->host_bytes ? pv->host_bytes(pv, &du->t[m]) : NULL;
-    if (async && (on_host || pv->read_range)) { /* through the pinned ring */
-      items[n_items++] = (struct stream_item){.t = du->t[m], .on_host = on_host, .dst = dst};
+    struct stream_item it;
+    if (ring_item(pv, &du->t[m], &it) && async) { /* through the pinned ring */
+      it.dst = dst;
+      items[n_items++] = it;
       continue;
     }
-    const void *from = on_host;
+    const void *from = it.on_host;
     if (!from && !(rc = staging_reserve(st, du->t[m].nbytes)) && !(rc = pv->read(pv, &du->t[m], st->data)))
       from = st->data;
     if (!rc)
@@ -178,11 +186,8 @@ static int read_next_unit_ahead(qkeep_layer *this_layer, const struct provider *
       n = 0;
       break;
     }
-    if (pv->device_bytes && pv->device_bytes(pv, &t))
-      continue;
-    const unsigned char *on_host = pv->host_bytes ? pv->host_bytes(pv, &t) : NULL;
-    if (on_host || pv->read_range)
-      items[n++] = (struct stream_item){.t = t, .on_host = on_host};
+    if (!(pv->device_bytes && pv->device_bytes(pv, &t)) && ring_item(pv, &t, &items[n]))
+      n++; /* as stage_sources streams it */
   }
   free(du);
   return stream_drain_reading(st->stream, pv, items, n);

@@ -274,6 +274,42 @@ static size_t threaded_scales_from(void) {
   return atomic_load_explicit(&threaded_scale_bytes, memory_order_relaxed);
 }
 
+/* How many threads take `total` bytes of scales: one below threaded_scale_bytes, else one per core, at
+ * most SCALE_READERS. */
+static int scale_shares(size_t total) {
+  long cores = total < threaded_scales_from() ? 1 : sysconf(_SC_NPROCESSORS_ONLN); /* sysconf reads /sys */
+  return cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
+}
+
+/* Cuts items [0, n), bytes(ctx, i) each and `total` in all, into `shares` runs of about equal bytes, in
+ * order: run k is [from[k], from[k + 1]). */
+static void cut_shares(size_t n, size_t total, int shares, size_t (*bytes)(const void *ctx, size_t i),
+                       const void *ctx, size_t from[SCALE_READERS + 1]) {
+  size_t to = 0, done = 0;
+  from[0] = 0;
+  for (int k = 0; k < shares; k++) {
+    size_t goal = total * (size_t)(k + 1) / (size_t)shares;
+    while (to < n && (k == shares - 1 || done < goal))
+      done += bytes(ctx, to++);
+    from[k + 1] = to;
+  }
+}
+
+/* Runs fn on each share's argument (args, `size` bytes apart) on threads, this thread taking the first
+ * and any a thread could not take; returns when every share has run. */
+static void run_shares(int shares, void *(*fn)(void *), void *args, size_t size) {
+  pthread_t tid[SCALE_READERS];
+  bool started[SCALE_READERS] = {false};
+  for (int k = 1; k < shares; k++)
+    started[k] = pthread_create(&tid[k], NULL, fn, (char *)args + (size_t)k * size) == 0;
+  for (int k = 0; k < shares; k++)
+    if (!started[k])
+      fn((char *)args + (size_t)k * size);
+  for (int k = 1; k < shares; k++)
+    if (started[k])
+      pthread_join(tid[k], NULL);
+}
+
 struct kept_share {
   const struct provider *pv;
   const struct provided *ts;
@@ -301,6 +337,10 @@ static void *read_share_thread(void *arg) {
 }
 
 /* Reads every kept tensor not read yet, in up to SCALE_READERS shares at once (one per core). */
+static size_t pending_bytes(const void *ctx, size_t i) {
+  return ((const struct scale_cache *)ctx)->pending[i].nbytes;
+}
+
 static int read_kept(struct scale_cache *c) {
   size_t n = c->n_pending, total = 0;
   c->n_pending = 0;
@@ -314,28 +354,16 @@ static int read_kept(struct scale_cache *c) {
     dsts[i] = c->bytes + c->offset[c->n - n + i];
     total += c->pending[i].nbytes;
   }
-  long cores = total < threaded_scales_from() ? 1 : sysconf(_SC_NPROCESSORS_ONLN); /* sysconf reads /sys */
-  int shares = cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
+  int shares = scale_shares(total);
+  size_t from[SCALE_READERS + 1];
+  cut_shares(n, total, shares, pending_bytes, c, from);
   struct kept_share sh[SCALE_READERS];
-  pthread_t tid[SCALE_READERS];
-  bool started[SCALE_READERS] = {false};
-  size_t from = 0, done = 0;
-  for (int k = 0; k < shares; k++) { /* shares of about total / shares bytes, in order */
-    size_t to = from, goal = total * (size_t)(k + 1) / (size_t)shares;
-    while (to < n && (k == shares - 1 || done < goal))
-      done += c->pending[to++].nbytes;
-    sh[k] = (struct kept_share){c->inner, c->pending + from, dsts + from, to - from, 0, NULL};
-    from = to;
-  }
-  for (int k = 1; k < shares; k++)
-    started[k] = pthread_create(&tid[k], NULL, read_share_thread, &sh[k]) == 0;
   for (int k = 0; k < shares; k++)
-    if (!started[k])
-      read_share(&sh[k]); /* this thread's share, and any a thread could not take */
+    sh[k] =
+        (struct kept_share){c->inner, c->pending + from[k], dsts + from[k], from[k + 1] - from[k], 0, NULL};
+  run_shares(shares, read_share_thread, sh, sizeof sh[0]);
   int rc = 0;
   for (int k = 0; k < shares; k++) {
-    if (started[k])
-      pthread_join(tid[k], NULL);
     if (sh[k].rc && !rc)
       rc = set_error(sh[k].rc, "%s", sh[k].msg ? sh[k].msg : "read failed");
     free(sh[k].msg);
@@ -674,32 +702,28 @@ static void *check_share_thread(void *arg) {
  * thread checks a 4 GB NVFP4 model's 250 MB of block scales in about 40 ms), else here. The error is the
  * first failing scale's in list order, whatever thread found it.
  */
+struct listed {
+  const struct scale_cache *cache;
+  const size_t *which;
+};
+static size_t listed_bytes(const void *ctx, size_t i) {
+  const struct listed *l = ctx;
+  return l->cache->checks[l->which[i]].t.nbytes;
+}
+
 static int check_on_host(const struct scale_cache *cache, const size_t *which, size_t n) {
   size_t total = 0;
   for (size_t i = 0; i < n; i++)
     total += cache->checks[which[i]].t.nbytes;
-  long cores = total < threaded_scales_from() ? 1 : sysconf(_SC_NPROCESSORS_ONLN);
-  int shares = cores < 2 ? 1 : cores > SCALE_READERS ? SCALE_READERS : (int)cores;
+  int shares = scale_shares(total);
+  size_t from[SCALE_READERS + 1];
+  cut_shares(n, total, shares, listed_bytes, &(struct listed){cache, which}, from);
   struct check_share sh[SCALE_READERS];
-  pthread_t tid[SCALE_READERS];
-  bool started[SCALE_READERS] = {false};
-  size_t from = 0, done = 0;
-  for (int k = 0; k < shares; k++) {
-    size_t to = from, goal = total * (size_t)(k + 1) / (size_t)shares;
-    while (to < n && (k == shares - 1 || done < goal))
-      done += cache->checks[which[to++]].t.nbytes;
-    sh[k] = (struct check_share){cache, which + from, to - from, 0, 0, NULL};
-    from = to;
-  }
-  for (int k = 1; k < shares; k++)
-    started[k] = pthread_create(&tid[k], NULL, check_share_thread, &sh[k]) == 0;
   for (int k = 0; k < shares; k++)
-    if (!started[k])
-      check_share_thread(&sh[k]);
+    sh[k] = (struct check_share){cache, which + from[k], from[k + 1] - from[k], 0, 0, NULL};
+  run_shares(shares, check_share_thread, sh, sizeof sh[0]);
   int rc = 0;
   for (int k = 0; k < shares; k++) {
-    if (started[k])
-      pthread_join(tid[k], NULL);
     if (sh[k].rc && !rc) /* shares are in list order: the first share that failed has the first failure */
       rc = set_error(sh[k].rc, "%s", sh[k].msg ? sh[k].msg : "out of memory");
     free(sh[k].msg);
