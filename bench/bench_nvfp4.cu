@@ -9,12 +9,13 @@
  *    "peer_us":.., "ratio":.., "ceiling_us":.., "of_ceiling":.., ...}
  *   {"bench":"nvfp4_moe","matrix":"w13"|"w2","tokens":.., ...}   Qwen3-30B-A3B's routed experts
  *   {"bench":"fp8_scaled_mm", ...}, {"bench":"nvfp4_vs_fp8", ...}  torch's fp8 GEMM (bench/peer_fp8.py)
+ *   {"bench":"nvfp4_transform", ...}                  PWAL's layout transforms against a device copy
  *   {"bench":"nvfp4_pwal", ...}
  *   {"bench":"nvfp4_sweep", ...}                        with QKEEP_BENCH_SWEEP=1: every kernel shape
  *                                                       (=stream: only the streaming kernel's, m <= 16;
  *                                                       =wgmma: the streaming and wgmma kernels')
  *
- * QKEEP_BENCH_PARTS (default all): a list of dense, moe, fp8 and load, the parts to run.
+ * QKEEP_BENCH_PARTS (default all): a list of dense, moe, transform, fp8 and load, the parts to run.
  *
  * Timing: a CUDA graph of back-to-back launches that cycle through enough
  * copies of the weights (>= 512 MiB) to keep them out of the 50 MB L2, between
@@ -451,7 +452,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       auto qkeep_with = [&](const nvfp4_tuning *tune) {
         return [&, tune](int c) {
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[(size_t)c], T, topk, d_ids, d_weights, w2, d_x,
-                                                QKEEP_DTYPE_BF16, d_y, QKEEP_DTYPE_BF16, tune, nullptr, stream));
+                                                QKEEP_DTYPE_BF16, d_y, QKEEP_DTYPE_BF16, tune, nullptr,
+                                                stream));
         };
       };
       auto peer = [&](int c) {
@@ -472,7 +474,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       auto rows_error = [&](const nvfp4_tuning *tune) {
         if (w2)
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], pairs, 1, d_flat, nullptr, false, d_x,
-                                                QKEEP_DTYPE_BF16, d_rows, QKEEP_DTYPE_BF16, tune, nullptr, stream));
+                                                QKEEP_DTYPE_BF16, d_rows, QKEEP_DTYPE_BF16, tune, nullptr,
+                                                stream));
         else
           CHECK_CUDA((cudaError_t)nvfp4_moe_run(&q[0], T, topk, d_ids, nullptr, false, d_x, QKEEP_DTYPE_BF16,
                                                 d_rows, QKEEP_DTYPE_BF16, tune, nullptr, stream));
@@ -596,6 +599,52 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
  * lines through and adds one line per shape and M with qkeep's time of this run beside it;
  * a missing torch is a {"skipped": ...} line, never a failure.
  */
+/* The PWAL transforms (weights tiled, block scales swizzled) of a MoE's stacked experts and of
+ * Llama-3-8B's largest linears, against a device copy of the same bytes in the same run. */
+void bench_transform(cudaStream_t stream) {
+  struct Case {
+    const char *matrix;
+    int64_t experts, rows, k;
+  };
+  static const Case cases[] = {{"qwen3_w13", 128, 1536, 2048},
+                               {"qwen3_w2", 128, 2048, 768},
+                               {"llama3_gate_up", 1, 28672, 4096},
+                               {"llama3_down", 1, 4096, 14336}};
+  for (const Case &c : cases) {
+    const size_t codes = (size_t)(c.experts * c.rows * c.k / 2),
+                 scales = (size_t)(c.experts * c.rows * c.k / 16);
+    const size_t tiled = (size_t)(c.experts * nvfp4_w_bytes(c.rows, c.k)),
+                 swizzled = (size_t)(c.experts * nvfp4_sf_bytes(c.rows, c.k / 16));
+    uint8_t *w, *w_out, *sf, *sf_out;
+    CHECK_CUDA(cudaMalloc(&w, codes));
+    CHECK_CUDA(cudaMalloc(&w_out, tiled));
+    CHECK_CUDA(cudaMalloc(&sf, scales));
+    CHECK_CUDA(cudaMalloc(&sf_out, swizzled));
+    CHECK_CUDA(cudaMemsetAsync(w, 0x5a, codes, stream));
+    CHECK_CUDA(cudaMemsetAsync(sf, 0x38, scales, stream));
+    double tile_us = time_us(stream, 1, [&](int) {
+      CHECK_CUDA((cudaError_t)nvfp4_tile_weights_gpu(w, w_out, c.experts, c.rows, c.k, stream));
+    });
+    double swizzle_us = time_us(stream, 1, [&](int) {
+      CHECK_CUDA((cudaError_t)nvfp4_swizzle_scales_gpu(sf, sf_out, c.experts, c.rows, c.k / 16, stream));
+    });
+    double copy_us = time_us(stream, 1, [&](int) {
+      CHECK_CUDA(cudaMemcpyAsync(w_out, w, codes, cudaMemcpyDeviceToDevice, stream));
+      CHECK_CUDA(cudaMemcpyAsync(sf_out, sf, scales, cudaMemcpyDeviceToDevice, stream));
+    });
+    printf("{\"bench\":\"nvfp4_transform\",\"matrix\":\"%s\",\"experts\":%lld,\"rows\":%lld,\"k\":%lld,"
+           "\"bytes\":%zu,\"tile_us\":%.1f,\"swizzle_us\":%.1f,\"peer\":\"d2d_copy\",\"peer_us\":%.1f,"
+           "\"of_copy\":%.3f}\n",
+           c.matrix, (long long)c.experts, (long long)c.rows, (long long)c.k, codes + scales, tile_us,
+           swizzle_us, copy_us, copy_us / (tile_us + swizzle_us));
+    fflush(stdout);
+    CHECK_CUDA(cudaFree(w));
+    CHECK_CUDA(cudaFree(w_out));
+    CHECK_CUDA(cudaFree(sf));
+    CHECK_CUDA(cudaFree(sf_out));
+  }
+}
+
 void bench_fp8_peer(void) {
   const char *python = getenv("QKEEP_BENCH_PYTHON"), *srcdir = getenv("QKEEP_TEST_SRCDIR");
   std::string cmd =
@@ -771,6 +820,8 @@ int main(void) {
   auto part = [parts](const char *name) { return !parts || !*parts || strstr(parts, name) != nullptr; };
   if (part("moe"))
     bench_moe(blas, stream, bw, prop.multiProcessorCount, prop.major == 9 && prop.minor == 0);
+  if (part("transform"))
+    bench_transform(stream);
   if (part("dense"))
     bench_gemm(blas, stream, bw, sweep && *sweep && strcmp(sweep, "0") != 0 ? sweep : nullptr);
   CHECK_CUBLAS(cublasDestroy(blas));

@@ -1548,35 +1548,78 @@ __global__ void moe_combine_kernel(const float *rows, const int32_t *ids, const 
 /* ---- PWAL transforms --------------------------------------------------------------------------- */
 
 /* One thread per 32-bit word of the tiled output; each slot's code gathered from the checkpoint bytes. */
-__global__ void tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows,
-                                    long long k) {
-  const long long chunks = nvfp4_w_chunks(k), per = nvfp4_w_bytes(rows, k) / 4, words = experts * per;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < words;
-       i += (long long)gridDim.x * blockDim.x) {
-    const long long e = i / per;
-    const uint8_t *s = src + e * rows * (k / 2);
-    uint32_t word = 0;
-    for (int slot = 0; slot < 8; ++slot) {
-      int64_t r, kk;
-      nvfp4_w_source(i % per, slot, rows, chunks, &r, &kk);
-      if (r < rows && kk < k) {
-        const unsigned byte = s[r * (k / 2) + kk / 2];
-        word = nvfp4_w_put(word, slot, (kk & 1) ? byte >> 4 : byte & 0xf);
+/*
+ * The PWAL transforms run at the speed of a device copy: a block of 128 threads writes one 512-byte
+ * unit of the kernel layout (a weight tile x chunk, or a scale atom), a thread one 32-bit word, from
+ * reads that fill the sectors they touch; the unit's place is worked out once a thread in 32-bit
+ * arithmetic (the index math of layout.h per code or per byte, in 64 bits, ran at a few percent of a
+ * copy). Experts along grid y.
+ */
+constexpr int kTransformThreads = 256; /* two units a block */
+
+/* Tile word (lane 4g + t, word j) of a chunk from the two 16-bit reads it needs: codes k = 16t + 4j + e
+ * (e = 0..3) of rows g (lo) and g + 8 (hi), element 2i in the low nibble of byte i. */
+__device__ __forceinline__ uint32_t tile_word(unsigned lo, unsigned hi) {
+  uint32_t w = 0;
+  w = nvfp4_w_put(w, nvfp4_w_slot(0, 0), lo & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(1, 0), (lo >> 4) & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(2, 0), (lo >> 8) & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(3, 0), (lo >> 12) & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(0, 1), hi & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(1, 1), (hi >> 4) & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(2, 1), (hi >> 8) & 15u);
+  w = nvfp4_w_put(w, nvfp4_w_slot(3, 1), (hi >> 12) & 15u);
+  return w;
+}
+
+__global__ void __launch_bounds__(kTransformThreads)
+    tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows, long long k) {
+  const unsigned chunks = (unsigned)nvfp4_w_chunks(k), tiles = (unsigned)(nvfp4_w_rows(rows) / 16);
+  const unsigned units = tiles * chunks, row_bytes = (unsigned)(k / 2), word = threadIdx.x % 128;
+  const unsigned g = word / 16, t = (word / 4) % 4, j = word % 4;
+  for (long long e = blockIdx.y; e < experts; e += gridDim.y) {
+    const uint8_t *s = src + e * rows * (long long)row_bytes;
+    uint32_t *d = reinterpret_cast<uint32_t *>(dst) + e * (long long)units * 128;
+    for (unsigned u = blockIdx.x * (kTransformThreads / 128) + threadIdx.x / 128; u < units;
+         u += gridDim.x * (kTransformThreads / 128)) {
+      const unsigned group = u / (8 * chunks), in_group = u - group * 8 * chunks;
+      const unsigned group_tiles = min(8u, tiles - group * 8);
+      const unsigned tile = group * 8 + in_group % group_tiles, chunk = in_group / group_tiles;
+      const unsigned r = tile * 16 + g, byte = chunk * 32 + 8 * t + 2 * j; /* k/2 is a multiple of 8 */
+      unsigned lo = 0, hi = 0;
+      if (byte < row_bytes) {
+        if (r < rows)
+          lo = *reinterpret_cast<const uint16_t *>(s + (size_t)r * row_bytes + byte);
+        if (r + 8 < rows)
+          hi = *reinterpret_cast<const uint16_t *>(s + (size_t)(r + 8) * row_bytes + byte);
       }
+      d[(size_t)u * 128 + word] = tile_word(lo, hi);
     }
-    reinterpret_cast<uint32_t *>(dst)[i] = word;
   }
 }
 
-__global__ void swizzle_scales_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows,
-                                      long long cols) {
-  const long long cols_padded = nvfp4_sf_cols(cols), per = nvfp4_sf_bytes(rows, cols), total = experts * per;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
-    const long long e = i / per;
-    int64_t r, c;
-    nvfp4_sf_source(i % per, cols_padded, &r, &c);
-    dst[i] = r < rows && c < cols ? src[(e * rows + r) * cols + c] : 0;
+__global__ void __launch_bounds__(kTransformThreads)
+    swizzle_scales_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows,
+                          long long cols) {
+  const unsigned per_row = (unsigned)(nvfp4_sf_cols(cols) / 4),
+                 units = (unsigned)(nvfp4_sf_rows(rows) / 128) * per_row;
+  const unsigned word = threadIdx.x % 128, aligned = cols % 4 == 0;
+  for (long long e = blockIdx.y; e < experts; e += gridDim.y) {
+    const uint8_t *s = src + e * rows * cols;
+    uint32_t *d = reinterpret_cast<uint32_t *>(dst) + e * (long long)units * 128;
+    for (unsigned u = blockIdx.x * (kTransformThreads / 128) + threadIdx.x / 128; u < units;
+         u += gridDim.x * (kTransformThreads / 128)) {
+      /* Word w of an atom holds row 32 (w % 4) + w / 4 of its 128, columns 4 (u % per_row) + 0..3. */
+      const unsigned r = (u / per_row) * 128 + (word % 4) * 32 + word / 4, c = (u % per_row) * 4;
+      uint32_t v = 0;
+      if (r < rows && aligned) {
+        v = *reinterpret_cast<const uint32_t *>(s + (size_t)r * cols + c); /* c < cols: cols % 4 == 0 */
+      } else if (r < rows) {
+        for (unsigned i = 0; i < 4 && c + i < cols; i++)
+          v |= (uint32_t)s[(size_t)r * cols + c + i] << (8 * i);
+      }
+      d[(size_t)u * 128 + word] = v;
+    }
   }
 }
 
@@ -1616,6 +1659,15 @@ __global__ void dense_kernel(const TW *w, const void *bias, int bias_dtype, int 
   }
 }
 
+/* The grid of a transform: units along x (grid-stride past 65535 * 8 blocks' worth), experts along y. */
+static dim3 transform_grid(long long units, long long experts) {
+  const long long per_block = kTransformThreads / 128, x = (units + per_block - 1) / per_block;
+  return dim3((unsigned)(x < 1           ? 1
+                         : x > 65535 * 8 ? 65535 * 8
+                                         : x),
+              (unsigned)(experts > 65535 ? 65535 : experts));
+}
+
 int grid_for(long long items, int threads) {
   long long blocks = (items + threads - 1) / threads;
   return (int)(blocks < 1 ? 1 : blocks > 65535 * 8 ? 65535 * 8 : blocks);
@@ -1629,8 +1681,10 @@ extern "C" int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t expert
                                       void *stream) {
   if (k % NVFP4_BLOCK || experts < 1 || rows < 1)
     return cudaErrorInvalidValue;
-  long long words = experts * nvfp4_w_bytes(rows, k) / 4;
-  tile_weights_kernel<<<grid_for(words, 256), 256, 0, (cudaStream_t)stream>>>(
+  const long long units = nvfp4_w_bytes(rows, k) / NVFP4_TILE_BYTES;
+  if (units > INT32_MAX || rows > INT32_MAX || k > INT32_MAX)
+    return cudaErrorInvalidValue;
+  tile_weights_kernel<<<transform_grid(units, experts), kTransformThreads, 0, (cudaStream_t)stream>>>(
       static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, k);
   return cudaGetLastError();
 }
@@ -1639,8 +1693,10 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
                                         int64_t cols, void *stream) {
   if (experts < 1 || rows < 1 || cols < 1)
     return cudaErrorInvalidValue;
-  long long bytes = experts * nvfp4_sf_bytes(rows, cols);
-  swizzle_scales_kernel<<<grid_for(bytes, 256), 256, 0, (cudaStream_t)stream>>>(
+  const long long units = nvfp4_sf_bytes(rows, cols) / NVFP4_SF_ATOM;
+  if (units > INT32_MAX || rows > INT32_MAX || cols > INT32_MAX)
+    return cudaErrorInvalidValue;
+  swizzle_scales_kernel<<<transform_grid(units, experts), kTransformThreads, 0, (cudaStream_t)stream>>>(
       static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, cols);
   return cudaGetLastError();
 }
