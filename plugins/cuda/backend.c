@@ -47,6 +47,19 @@
 
 /* Events behind the copy fences, reused round robin (a reused one stands for a later fence). */
 #define FENCE_EVENTS 64
+/* Chunk tables of batched copies and checks, used round robin: a batch waits only for the upload of the
+ * table used COPY_TABLES batches before, not for the device work queued behind the last one (a layer's
+ * load would wait for the previous layer's PWAL). */
+#define COPY_TABLES 4
+
+/* One chunk table in pinned host memory and on the device, grown as needed, and the event behind its
+ * last upload. */
+struct copy_table {
+  void *host, *dev;
+  size_t cap; /* bytes each holds */
+  cudaEvent_t uploaded;
+  bool pending; /* uploaded set: an upload was recorded */
+};
 
 struct cuda_backend {
   struct qkeep_backend be; /* first, so the core's pointer is ours */
@@ -60,14 +73,11 @@ struct cuda_backend {
   pthread_mutex_t fence_mu;
   uint64_t fences; /* tokens handed out */
   cudaEvent_t fence_event[FENCE_EVENTS];
-  /* Batched copies and byte checks (ABI 1.5, 1.6): their chunk table in pinned host memory and on the
-   * device, grown as needed, the event behind its last upload, and the check's answer in device memory
-   * (all under copy_mu). */
+  /* Batched copies and byte checks (ABI 1.5, 1.6): their chunk tables, the one to use next, and the
+   * check's answer in device memory (all under copy_mu). */
   pthread_mutex_t copy_mu;
-  void *copy_host, *copy_dev;
-  size_t copy_cap; /* bytes each holds */
-  cudaEvent_t copy_event;
-  bool copy_event_set;
+  struct copy_table tables[COPY_TABLES];
+  unsigned next_table;
   unsigned long long *check_first; /* device memory: the lowest range with a bad byte (all ones: none) */
   /* The quantize slot's scan results (device memory, one struct fp4_quant_scan per member), made at its
    * first use; one unit at a time. */
@@ -284,52 +294,53 @@ static int mem_sync(const struct qkeep_backend *be) {
 }
 
 /*
- * The chunk table of a batched copy or check: `bytes` of it in pinned host memory to fill, once the
- * event recorded behind its last upload has passed (*host; under copy_mu). cudaSuccess or the error,
- * with *what saying which step failed.
+ * The next chunk table of a batched copy or check, with room for `bytes` in pinned host memory to fill
+ * once the event recorded behind its last upload has passed (*t; under copy_mu). cudaSuccess or the
+ * error, with *what saying which step failed.
  */
-static cudaError_t table_reserve(struct cuda_backend *c, size_t bytes, void **host, const char **what) {
+static cudaError_t table_reserve(struct cuda_backend *c, size_t bytes, struct copy_table **t,
+                                 const char **what) {
+  struct copy_table *tb = &c->tables[c->next_table];
   cudaError_t err = cudaSuccess;
-  *what = "waiting for the last chunk table";
-  if (!c->copy_event &&
-      (err = cudaEventCreateWithFlags(&c->copy_event, cudaEventDisableTiming)) != cudaSuccess)
-    *what = "cudaEventCreate (chunk table)", c->copy_event = NULL;
-  else if (c->copy_event_set)
-    err = cudaEventSynchronize(c->copy_event);
-  if (err == cudaSuccess && bytes > c->copy_cap) {
-    size_t want = bytes > 2 * c->copy_cap ? bytes : 2 * c->copy_cap;
+  c->next_table = (c->next_table + 1) % COPY_TABLES;
+  *t = tb;
+  *what = "waiting for an earlier chunk table";
+  if (!tb->uploaded && (err = cudaEventCreateWithFlags(&tb->uploaded, cudaEventDisableTiming)) != cudaSuccess)
+    *what = "cudaEventCreate (chunk table)", tb->uploaded = NULL;
+  else if (tb->pending)
+    err = cudaEventSynchronize(tb->uploaded);
+  if (err == cudaSuccess && bytes > tb->cap) {
+    size_t want = bytes > 2 * tb->cap ? bytes : 2 * tb->cap;
     void *h = NULL, *d = NULL;
     *what = "allocating the chunk table";
     if ((err = cudaHostAlloc(&h, want, cudaHostAllocDefault)) == cudaSuccess &&
         (err = cudaMalloc(&d, want)) == cudaSuccess) {
-      (void)cudaFreeHost(c->copy_host);
-      (void)cudaFree(c->copy_dev); /* after the kernels that read it: cudaFree waits for the device */
-      c->copy_host = h, c->copy_dev = d, c->copy_cap = want;
+      (void)cudaFreeHost(tb->host);
+      (void)cudaFree(tb->dev); /* after the kernels that read it: cudaFree waits for the device */
+      tb->host = h, tb->dev = d, tb->cap = want;
     } else {
       (void)cudaFreeHost(h);
     }
   }
-  *host = c->copy_host;
   return err;
 }
 
-/* Uploads the table's first `bytes` behind what the legacy stream runs, and records the event behind it
- * (under copy_mu). */
-static cudaError_t table_upload(struct cuda_backend *c, size_t bytes, const char **what) {
+/* Uploads the table's first `bytes` behind what the legacy stream runs, and records its event behind it
+ * (under copy_mu). The kernel that reads it goes behind it on the same stream, and so before the table's
+ * next upload. */
+static cudaError_t table_upload(struct copy_table *t, size_t bytes, const char **what) {
   *what = "cudaMemcpyAsync (chunk table)";
-  cudaError_t err = cudaMemcpyAsync(c->copy_dev, c->copy_host, bytes, cudaMemcpyHostToDevice, 0);
-  if (err == cudaSuccess && (err = cudaEventRecord(c->copy_event, 0)) != cudaSuccess)
+  cudaError_t err = cudaMemcpyAsync(t->dev, t->host, bytes, cudaMemcpyHostToDevice, 0);
+  if (err == cudaSuccess && (err = cudaEventRecord(t->uploaded, 0)) != cudaSuccess)
     *what = "cudaEventRecord (chunk table)";
-  c->copy_event_set |= err == cudaSuccess;
+  t->pending |= err == cudaSuccess;
   return err;
 }
 
 /*
  * ABI 1.5: the ranges cut into chunks of at most NVFP4_COPY_CHUNK bytes, their table written into
  * pinned host memory and copied to the device, and one kernel that copies every chunk, all on the
- * legacy stream behind what came before. The host table is rewritten only after the event recorded
- * behind its last upload has passed; the device table's next upload runs after the kernel that
- * reads it (one stream).
+ * legacy stream behind what came before (table_reserve, table_upload).
  */
 static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_copy_range *ranges, size_t n) {
   struct cuda_backend *c = backend_of(be);
@@ -343,11 +354,11 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
     return 0;
   const size_t bytes = chunks * sizeof(struct nvfp4_copy_chunk);
   const char *what;
-  void *host;
+  struct copy_table *t;
   pthread_mutex_lock(&c->copy_mu);
-  cudaError_t err = table_reserve(c, bytes, &host, &what);
+  cudaError_t err = table_reserve(c, bytes, &t, &what);
   if (err == cudaSuccess) {
-    struct nvfp4_copy_chunk *table = host;
+    struct nvfp4_copy_chunk *table = t->host;
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
       for (size_t at = 0; at < ranges[i].bytes; at += NVFP4_COPY_CHUNK) {
@@ -355,11 +366,11 @@ static int mem_copy_batch(const struct qkeep_backend *be, const struct qkeep_cop
         table[k++] = (struct nvfp4_copy_chunk){(char *)ranges[i].dst + at, (const char *)ranges[i].src + at,
                                                left < NVFP4_COPY_CHUNK ? left : NVFP4_COPY_CHUNK};
       }
-    err = table_upload(c, bytes, &what);
+    err = table_upload(t, bytes, &what);
   }
   if (err == cudaSuccess) {
     what = "copying chunks";
-    err = (cudaError_t)nvfp4_copy_chunks_gpu(c->copy_dev, chunks, NULL);
+    err = (cudaError_t)nvfp4_copy_chunks_gpu(t->dev, chunks, NULL);
   }
   pthread_mutex_unlock(&c->copy_mu);
   return err == cudaSuccess ? 0 : cuda_error(c, err, what);
@@ -391,14 +402,14 @@ static int mem_find_bad_values(const struct qkeep_backend *be, const struct qkee
     return rc;
   const size_t bytes = chunks * sizeof(struct nvfp4_check_chunk);
   const char *what = "allocating the check's answer";
-  void *host;
+  struct copy_table *t = NULL;
   unsigned long long found = ~0ull;
   pthread_mutex_lock(&c->copy_mu);
   cudaError_t err = c->check_first ? cudaSuccess : cudaMalloc((void **)&c->check_first, sizeof found);
   if (err == cudaSuccess)
-    err = table_reserve(c, bytes, &host, &what);
+    err = table_reserve(c, bytes, &t, &what);
   if (err == cudaSuccess) {
-    struct nvfp4_check_chunk *table = host;
+    struct nvfp4_check_chunk *table = t->host;
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
       for (size_t at = 0; at < ranges[i].bytes; at += NVFP4_COPY_CHUNK) {
@@ -410,11 +421,11 @@ static int mem_find_bad_values(const struct qkeep_backend *be, const struct qkee
     if ((err = cudaMemsetAsync(c->check_first, 0xff, sizeof found, 0)) != cudaSuccess)
       what = "cudaMemsetAsync (the check's answer)";
     else
-      err = table_upload(c, bytes, &what);
+      err = table_upload(t, bytes, &what);
   }
   if (err == cudaSuccess) {
     what = "checking bytes";
-    err = (cudaError_t)nvfp4_check_chunks_gpu(c->copy_dev, chunks, c->check_first, NULL);
+    err = (cudaError_t)nvfp4_check_chunks_gpu(t->dev, chunks, c->check_first, NULL);
   }
   if (err == cudaSuccess &&
       (err = cudaMemcpy(&found, c->check_first, sizeof found, cudaMemcpyDeviceToHost)) != cudaSuccess)
@@ -1113,13 +1124,19 @@ static void cuda_fini(const struct qkeep_backend *be) {
     if (c->fence_event[i])
       (void)cudaEventDestroy(c->fence_event[i]);
   pthread_mutex_destroy(&c->fence_mu);
-  if (c->copy_event_set || c->copy_cap) {
+  bool tables = false;
+  for (int i = 0; i < COPY_TABLES; i++)
+    tables |= c->tables[i].pending || c->tables[i].cap;
+  if (tables)
     (void)cudaDeviceSynchronize(); /* a batched copy may still read its table */
-    (void)cudaFreeHost(c->copy_host);
-    (void)cudaFree(c->copy_dev);
+  for (int i = 0; i < COPY_TABLES; i++) {
+    if (c->tables[i].cap) {
+      (void)cudaFreeHost(c->tables[i].host);
+      (void)cudaFree(c->tables[i].dev);
+    }
+    if (c->tables[i].uploaded)
+      (void)cudaEventDestroy(c->tables[i].uploaded);
   }
-  if (c->copy_event)
-    (void)cudaEventDestroy(c->copy_event);
   if (c->check_first)
     (void)cudaFree(c->check_first);
   pthread_mutex_destroy(&c->copy_mu);
