@@ -478,7 +478,7 @@ END_TEST
 enum { R_EXPERTS = 16, R_TOPK = 8 };
 
 struct routed_case {
-  const char *kernel, *tile_m, *split_k;
+  const char *kernel, *tile_m, *split_k, *route;
 };
 
 START_TEST(routed_moe_every_kernel) {
@@ -491,8 +491,9 @@ START_TEST(routed_moe_every_kernel) {
   ck_assert_ptr_nonnull(moe);
   static const int64_t tokens[] = {1, 6, 13, 64, 256};
   static const struct routed_case cases[] = {
-      {"auto", "auto", "auto"}, {"stream", "auto", "auto"}, {"stream", "16", "2"},  {"wgmma", "auto", "auto"},
-      {"wgmma", "auto", "2"},   {"wgmma", "64", "auto"},    {"stream", "8", "auto"}};
+      {"auto", "auto", "auto", "auto"},  {"stream", "auto", "auto", "auto"},  {"stream", "16", "2", "auto"},
+      {"wgmma", "auto", "auto", "auto"}, {"wgmma", "auto", "2", "auto"},      {"wgmma", "64", "auto", "auto"},
+      {"stream", "8", "auto", "auto"},   {"stream", "auto", "auto", "align"}, {"stream", "16", "2", "align"}};
   float one[2 * E_I > H ? 2 * E_I : H];
   for (size_t ti = 0; ti < sizeof tokens / sizeof tokens[0]; ti++) {
     const int64_t T = tokens[ti], P = T * R_TOPK;
@@ -528,6 +529,7 @@ START_TEST(routed_moe_every_kernel) {
       configure("kernel", cases[c].kernel);
       configure("tile_m", cases[c].tile_m);
       configure("split_k", cases[c].split_k);
+      configure("route", cases[c].route);
       memset(y13, 0, (size_t)(P * 2 * E_I) * sizeof(float));
       routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), y13,
                    (size_t)(P * 2 * E_I));
@@ -535,17 +537,37 @@ START_TEST(routed_moe_every_kernel) {
         if (ids[p] < 0)
           continue;
         double err = rel_error(y13 + p * 2 * E_I, want13 + p * 2 * E_I, 2 * E_I);
-        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w13 pair %lld (expert %d): %g",
-                      scheme, cases[c].kernel, cases[c].tile_m, cases[c].split_k, (long long)T, (long long)p,
-                      ids[p], err);
+        ck_assert_msg(err <= 1e-4,
+                      "%s %s tile_m %s split_k %s route %s, %lld tokens: w13 pair %lld (expert %d): %g",
+                      scheme, cases[c].kernel, cases[c].tile_m, cases[c].split_k, cases[c].route,
+                      (long long)T, (long long)p, ids[p], err);
       }
       routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), y2, (size_t)(T * H));
       for (int64_t t = 0; t < T; t++) {
         double err = rel_error(y2 + t * H, want2 + t * H, H);
-        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s, %lld tokens: w2 token %lld: %g", scheme,
-                      cases[c].kernel, cases[c].tile_m, cases[c].split_k, (long long)T, (long long)t, err);
+        ck_assert_msg(err <= 1e-4, "%s %s tile_m %s split_k %s route %s, %lld tokens: w2 token %lld: %g",
+                      scheme, cases[c].kernel, cases[c].tile_m, cases[c].split_k, cases[c].route,
+                      (long long)T, (long long)t, err);
       }
     }
+    /* A streaming block that finds its own token tile computes what it computes after the sorting kernel,
+     * bit for bit (the same tiles; an MMA's token columns never mix). */
+    float *a13 = calloc((size_t)(P * 2 * E_I), sizeof(float)), *a2 = calloc((size_t)(T * H), sizeof(float));
+    configure("kernel", "stream");
+    configure("tile_m", "auto");
+    configure("split_k", "auto");
+    configure("route", "align");
+    routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), a13, (size_t)(P * 2 * E_I));
+    routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), a2, (size_t)(T * H));
+    configure("route", "auto");
+    memset(y13, 0, (size_t)(P * 2 * E_I) * sizeof(float));
+    routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), y13, (size_t)(P * 2 * E_I));
+    routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), y2, (size_t)(T * H));
+    ck_assert_msg(memcmp(a13, y13, (size_t)(P * 2 * E_I) * sizeof(float)) == 0 &&
+                      memcmp(a2, y2, (size_t)(T * H) * sizeof(float)) == 0,
+                  "%s, %lld tokens: the self-routed streaming kernel differs from the sorted one", scheme,
+                  (long long)T);
+    free(a13), free(a2);
     configure("kernel", "auto");
     configure("tile_m", "auto");
     configure("split_k", "auto");

@@ -523,6 +523,10 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"rows", QKEEP_KEY_ENUM, "auto|1|2|4", "auto",
      "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
     {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
+    {"route", QKEEP_KEY_ENUM, "auto|align", "auto",
+     "routed MoE on the stream kernel: auto (each block finds its token tile, up to 256 token-expert pairs) "
+     "or "
+     "align (a sorting kernel first)"},
     {"pwal", QKEEP_KEY_ENUM, "gpu|host", "gpu", "where the layout transforms run (host: their CPU twins)"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
      "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
@@ -569,6 +573,10 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     if (!parse_int(value, 4, 8, true, &v) || (v && v != 4 && v != 8))
       return c->host->set_error(QKEEP_E_CONFIG, "unroll = '%s': expected auto, 4 or 8", value);
     c->tuning.unroll = v;
+  } else if (strcmp(key, "route") == 0) {
+    if (strcmp(value, "auto") != 0 && strcmp(value, "align") != 0)
+      return c->host->set_error(QKEEP_E_CONFIG, "route = '%s': expected auto or align", value);
+    c->tuning.route = value[0] == 'a' && value[1] == 'l' ? NVFP4_ROUTE_ALIGN : NVFP4_ROUTE_AUTO;
   } else if (strcmp(key, "pwal") == 0) {
     if (strcmp(value, "gpu") != 0 && strcmp(value, "host") != 0)
       return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);
@@ -582,11 +590,11 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
       return c->host->set_error(QKEEP_E_CONFIG, "quantize_on_device = '%s': expected true or false", value);
     c->quantize_on_device = found == 1;
   } else {
-    return c->host->set_error(
-        QKEEP_E_CONFIG,
-        "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, rows, unroll, pwal, "
-        "quantize_on_device)",
-        key);
+    return c->host->set_error(QKEEP_E_CONFIG,
+                              "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, "
+                              "rows, unroll, route, pwal, "
+                              "quantize_on_device)",
+                              key);
   }
   return 0;
 }

@@ -109,6 +109,10 @@ enum nvfp4_kernel {
  * tokens per block, rows 1 or 2 64-row MMA tiles per consumer warpgroup (128 or 256 weight
  * rows per block; 2 needs tile_m <= 128), split_k as above; depth and unroll unused.
  */
+/* How a routed streaming launch finds its token tiles: automatic (each block routes itself up to 256
+ * (token, slot) pairs, else a sorting kernel first), or always the sorting kernel (moe_align_kernel). */
+enum nvfp4_route { NVFP4_ROUTE_AUTO = 0, NVFP4_ROUTE_ALIGN = 1 };
+
 struct nvfp4_tuning {
   int tile_m;
   int split_k;
@@ -116,6 +120,7 @@ struct nvfp4_tuning {
   int kernel; /* enum nvfp4_kernel */
   int rows;
   int unroll;
+  int route; /* enum nvfp4_route */
 };
 
 #define NVFP4_STREAM_WARPS 8 /* warps of a streaming-kernel block */

@@ -85,6 +85,10 @@ struct GemmArgs {
   const int *pairs; /* routed: token * topk + slot, sorted by expert */
   int x_div;        /* routed: x row = pair / x_div */
   int splits;
+  /* Routed in the streaming kernel without moe_align_kernel (tiles NULL): the expert of each pair, and
+   * the pairs (at most kStreamWarps * 32) and experts; every block finds its own tile (route_tile). */
+  const int32_t *route_ids;
+  int route_pairs, route_experts;
 };
 
 /* ---- small device helpers ------------------------------------------------------------------- */
@@ -431,6 +435,56 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
  * token cost one empty block each at most and the host never waits for the count.
  */
 constexpr int kStreamWarps = NVFP4_STREAM_WARPS;
+constexpr int kRouteMaxPairs = kStreamWarps * 32; /* pairs a streaming block routes itself: a thread each */
+
+/*
+ * Token tile `tile` of a routed launch, found by the block itself (a thread per pair): tiles in
+ * moe_align_kernel's order (experts ascending, each expert's pairs cut into tiles of MT), an expert's
+ * pairs in pair order. Sets pair_of[0, MT) (past the count: the tile's first pair), *expert and *count
+ * (0: no such tile). Two passes over the pairs in shared memory; ids outside [0, experts) are skipped.
+ */
+template <int MT>
+__device__ __forceinline__ void route_tile(const GemmArgs &a, int tile, int *key, int *rank, int *pair_of,
+                                           int *expert, int *count) {
+  const int p = (int)threadIdx.x, pairs = a.route_pairs;
+  __shared__ int tile_expert, tile_count;
+  int e = -1;
+  if (p < pairs) {
+    e = a.route_ids[p];
+    e = e >= 0 && e < a.route_experts ? e : -1;
+    key[p] = e;
+  }
+  if (p == 0)
+    tile_count = 0;
+  __syncthreads();
+  int r = 0, n = 0;
+  if (e >= 0)
+    for (int q = 0; q < pairs; ++q) {
+      const int kq = key[q];
+      r += kq == e && q < p;
+      n += kq == e;
+    }
+  if (p < pairs)
+    rank[p] = r;
+  __syncthreads();
+  if (e >= 0) {
+    int before = 0; /* tiles of the experts below e: the pairs that start one */
+    for (int q = 0; q < pairs; ++q) {
+      const int kq = key[q];
+      before += kq >= 0 && kq < e && rank[q] % MT == 0;
+    }
+    if (before + r / MT == tile) {
+      pair_of[r % MT] = p;
+      if (r % MT == 0)
+        tile_expert = e, tile_count = min(MT, n - r);
+    }
+  }
+  __syncthreads();
+  *expert = tile_expert, *count = tile_count;
+  if (p < MT && p >= *count && *count)
+    pair_of[p] = pair_of[0];
+  __syncthreads();
+}
 
 template <typename TI, int MT, int R, int U, int BPS>
 __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(const GemmArgs a) {
@@ -441,9 +495,14 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
 
   cg::cluster_group cluster = cg::this_cluster();
   const int split = (int)cluster.block_rank();
-  const bool routed = a.tiles != nullptr;
+  const bool routed = a.tiles != nullptr || a.route_ids != nullptr;
   int expert = a.expert, count = a.m;
-  if (routed) {
+  if (a.route_ids) {
+    __shared__ int key[kRouteMaxPairs], rank[kRouteMaxPairs];
+    route_tile<MT>(a, (int)blockIdx.x, key, rank, pair_of, &expert, &count);
+    if (!count)
+      return; /* the whole cluster leaves: its blocks share blockIdx.x */
+  } else if (routed) {
     if ((int)blockIdx.x >= *a.num_tiles)
       return; /* the whole cluster leaves: its blocks share blockIdx.x */
     const int4 tl = a.tiles[blockIdx.x];
@@ -1912,13 +1971,19 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   int *sorted = reinterpret_cast<int *>(scratch + tiles_bytes), *num_tiles = sorted + pairs;
   float *rows = combine ? reinterpret_cast<float *>(scratch + tiles_bytes + sorted_bytes) : nullptr;
 
-  moe_align_kernel<<<1, 1024, 4 * sizeof(int) * (size_t)experts, st>>>(topk_ids, pairs, experts, tile_m,
-                                                                       sorted, tiles, num_tiles);
+  /* Few pairs on the streaming kernel: each block routes itself (no kernel before it to wait for). */
+  const bool self_routed = plan.kernel == NVFP4_KERNEL_STREAM && pairs <= kRouteMaxPairs &&
+                           (!tune || tune->route != NVFP4_ROUTE_ALIGN);
+  if (!self_routed)
+    moe_align_kernel<<<1, 1024, 4 * sizeof(int) * (size_t)experts, st>>>(topk_ids, pairs, experts, tile_m,
+                                                                         sorted, tiles, num_tiles);
   err = cudaGetLastError();
   if (err == cudaSuccess) {
     GemmArgs a = gemm_args(wt);
     a.x = x, a.y = y, a.y_dtype = y_dtype, a.y_pairs = rows;
     a.tiles = tiles, a.num_tiles = num_tiles, a.pairs = sorted, a.x_div = combine ? 1 : topk;
+    if (self_routed)
+      a.tiles = nullptr, a.route_ids = topk_ids, a.route_pairs = pairs, a.route_experts = experts;
     if (plan.kernel == NVFP4_KERNEL_STREAM) {
       a.splits = plan.split_k;
       err = dispatch_stream(plan, x_dtype, a, dim3((unsigned)max_tiles, (unsigned)stream_blocks), st);
