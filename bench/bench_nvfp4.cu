@@ -217,7 +217,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int un : unrolls) /* 43: unroll 4, registers for 3 blocks per SM (depth 3) */
             for (int sk : ssplits) {
               const int dp = un == 43 ? 3 : 0, u = un == 43 ? 4 : un;
-              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u}, &e);
+              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u, 0}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"stream\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"rows\":%d,\"unroll\":%d,\"depth\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -236,7 +236,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
               if ((rw == 2 && tm > 128) || (few && tm > 16) ||
                   (!few && (tm < 32 || tm > 4 * m || (tm < 64 && m >= 128) || sk == 8)))
                 continue;
-              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0}, &e);
+              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0, 0}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"wgmma\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"max_rel_err\":%.2e}\n",
@@ -252,7 +252,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int dp : depths) {
             if ((m >= 64 && tm < 32) || (m <= 16 && tm > 32))
               continue;
-            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0}, &e);
+            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0, 0}, &e);
             printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_"
                    "m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -485,8 +485,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         CHECK_CUDA(cudaMemcpy(want.data(), d_yg, want.size() * 2, cudaMemcpyDeviceToHost));
         return compare_rows(got, want, row, n);
       };
-      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0},
-                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0};
+      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0},
+                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0};
       double err = rows_error(nullptr), err_s = rows_error(&as_stream), err_w = rows_error(&as_wgmma);
       /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
       const int groups = (int)hit.size();
@@ -536,7 +536,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       const nvfp4_tuning as_aligned = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, NVFP4_ROUTE_ALIGN};
       const double a_us = time_us(stream, copies_q, qkeep_with(&as_aligned));
       const double w_us = time_us(stream, copies_q, qkeep_with(&as_wgmma));
-      const nvfp4_tuning as_wgmma32 = {32, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0}; /* a token tile above the mean */
+      const nvfp4_tuning as_wgmma32 = {32, 0, 0, NVFP4_KERNEL_WGMMA,
+                                       0,  0, 0}; /* a token tile above the mean */
       const double w32_us = T >= 64 ? time_us(stream, copies_q, qkeep_with(&as_wgmma32)) : -1;
       const double r_us = time_us(stream, copies_q, [&](int c) {
         stream_kernel<<<4 * 132, 256, 0, stream>>>(static_cast<const uint4 *>(q[(size_t)c].w),
