@@ -535,6 +535,16 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
       /* The streaming kernel after the sorting kernel (route = align), where it routes itself by default. */
       const nvfp4_tuning as_aligned = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, NVFP4_ROUTE_ALIGN};
       const double a_us = time_us(stream, copies_q, qkeep_with(&as_aligned));
+      /* Decode: the streaming kernel's shapes, rows per block x K split ("rows/split:us ..."). */
+      std::string sweep_s;
+      for (int rw = 1; rw <= 4 && T <= 16; rw *= 2)
+        for (int sk = 1; sk <= 4; sk *= 2) {
+          const nvfp4_tuning shape = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, 0, 0};
+          char one[48];
+          snprintf(one, sizeof one, "%s%d/%d:%.2f", sweep_s.empty() ? "" : " ", rw, sk,
+                   time_us(stream, copies_q, qkeep_with(&shape)));
+          sweep_s += one;
+        }
       const double w_us = time_us(stream, copies_q, qkeep_with(&as_wgmma));
       const nvfp4_tuning as_wgmma32 = {32, 0, 0, NVFP4_KERNEL_WGMMA,
                                        0,  0, 0}; /* a token tile above the mean */
@@ -565,7 +575,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
           "\"tokens\":%lld,\"experts_hit\":%zu,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,\"kernel\":\"%s\","
           "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"peer\":\"cublas_bf16_per_expert\",\"peer_us\":%.2f,"
           "\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,\"hit_bytes\":%zu,\"stream_us\":%.2f,"
-          "\"stream_shape\":\"%d/%d/%d\",\"stream_aligned_us\":%.2f,\"wgmma_us\":%.2f,\"wgmma_shape\":\"%d/"
+          "\"stream_shape\":\"%d/%d/"
+          "%d\",\"stream_aligned_us\":%.2f,\"stream_sweep\":\"%s\",\"wgmma_us\":%.2f,\"wgmma_shape\":\"%d/"
           "%d/%d\",\"max_rel_err\":%.2e,"
           "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"grouped_us\":%.2f,\"grouped_status\":%d,\"grouped_err\":%"
           ".2e,"
@@ -573,9 +584,9 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
           "\"method\":\"graph\"}\n",
           W.name, (long long)experts, topk, (long long)T, hit.size(), (long long)n, (long long)k, q_us,
           kernel_name(plan.kernel), plan.tile_m, plan.rows, plan.split_k, p_us, p_us / q_us, ceiling,
-          ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, a_us, w_us, plan_w.tile_m,
-          plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err, w32_us, r_us, d_us,
-          3 * kRuns, launches, copies_q);
+          ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, a_us, sweep_s.c_str(),
+          w_us, plan_w.tile_m, plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err,
+          w32_us, r_us, d_us, 3 * kRuns, launches, copies_q);
       fflush(stdout);
       for (void *p : allocations)
         CHECK_CUDA(cudaFree(p));
