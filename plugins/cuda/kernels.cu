@@ -497,6 +497,13 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
   const int split = (int)cluster.block_rank();
   const bool routed = a.tiles != nullptr || a.route_ids != nullptr;
   int expert = a.expert, count = a.m;
+  /* Launched early (programmatic dependent launch): the kernel after this one may start once every
+   * block here has; griddepcontrol.wait stands before anything the kernel before may still write (the
+   * routing, the activations) is read, or anything is written. Plain: the first batch of weights and
+   * scales (written only by PWAL, which a load or reload waits for) is loaded before it. */
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if (routed)
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
   if (a.route_ids) {
     __shared__ int key[kRouteMaxPairs], rank[kRouteMaxPairs];
     route_tile<MT>(a, (int)blockIdx.x, key, rank, pair_of, &expert, &count);
@@ -552,10 +559,12 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
 
   /* Chunk c's loads: the lane's codes, its two block scales, its tokens' 16 activations
    * (zero past K, where the codes are zero padding: no 0 x inf). */
-  auto load = [&](int c, uint4 &q, uint32_t &lo, uint32_t &hi, uint4(&xv)[NT][XU]) {
+  auto load_w = [&](int c, uint4 &q, uint32_t &lo, uint32_t &hi) {
     q = __ldcs(reinterpret_cast<const uint4 *>(wp + c * w_stride));
     lo = __ldg(sp + (long long)c * NVFP4_SF_ATOM);
     hi = __ldg(sp + (long long)c * NVFP4_SF_ATOM + 128);
+  };
+  auto load_x = [&](int c, uint4(&xv)[NT][XU]) {
     const bool in_k = c * NVFP4_CHUNK_K + 16 * t < a.k;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -584,22 +593,34 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
     }
   };
 
-  /* Whole batches: every load of the batch before any decode; then the rest one by one. */
+  /* Whole batches: every load of the batch before any decode; then the rest one by one. The first
+   * batch's weights are on their way before the wait for the kernel before. */
   int c0 = c_begin;
+  bool waited = routed;
   for (; c0 + U <= c_end; c0 += U) {
     uint4 q[U], xv[U][NT][XU];
     uint32_t lo[U], hi[U];
 #pragma unroll
     for (int u = 0; u < U; ++u)
-      load(c0 + u, q[u], lo[u], hi[u], xv[u]);
+      load_w(c0 + u, q[u], lo[u], hi[u]);
+    if (!waited) {
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      waited = true;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      load_x(c0 + u, xv[u]);
 #pragma unroll
     for (int u = 0; u < U; ++u)
       compute(q[u], lo[u], hi[u], xv[u]);
   }
+  if (!waited)
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (; c0 < c_end; ++c0) {
     uint4 q, xv[NT][XU];
     uint32_t lo, hi;
-    load(c0, q, lo, hi, xv);
+    load_w(c0, q, lo, hi);
+    load_x(c0, xv);
     compute(q, lo, hi, xv);
   }
 
@@ -1335,7 +1356,7 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
 template <typename TI, int MT, int R, int U, int BPS>
 cudaError_t launch_stream(const GemmArgs &a, dim3 grid, cudaStream_t stream) {
   return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U, BPS>, a, a.splits, grid, kStreamWarps * 32, 0,
-                        stream);
+                        stream, true);
 }
 
 template <typename TI, int MT, int R>
