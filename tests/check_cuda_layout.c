@@ -318,13 +318,13 @@ START_TEST(test_stream_plan) {
         ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
         ck_assert_int_eq(p.tile_m, 16);
       }
-  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8, 0};
+  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8, 0, 0};
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 8 && p.split_k == 3);
-  forced = (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5, 0}; /* invalid: automatic, clamped */
+  forced = (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5, 0, 0}; /* invalid: automatic, clamped */
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 4 && p.split_k == NVFP4_MAX_SPLIT && p.depth == 0);
-  forced = (struct nvfp4_tuning){0, 0, 3, NVFP4_KERNEL_STREAM, 0, 0, 0}; /* 3 blocks per SM */
+  forced = (struct nvfp4_tuning){0, 0, 3, NVFP4_KERNEL_STREAM, 0, 0, 0, 0}; /* 3 blocks per SM */
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 4 && p.depth == 3);
 }
@@ -484,13 +484,13 @@ START_TEST(test_wgmma_plan) {
         ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_WGMMA_SPLIT_AUTO);
         ck_assert(p.split_k == 1 || nvfp4_w_chunks(k) / p.split_k >= NVFP4_WGMMA_SPLIT_CHUNKS);
       }
-  struct nvfp4_tuning forced = {256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0, 0};
+  struct nvfp4_tuning forced = {256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0, 0, 0};
   nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
   ck_assert(p.tile_m == 256 && p.rows == 1 && p.split_k == 5);
-  forced = (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0, 0}; /* 2 x 256 does not fit: 128 */
+  forced = (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0, 0, 0}; /* 2 x 256 does not fit: 128 */
   nvfp4_wgmma_plan(64, 8192, 64, 132, &forced, &p);
-  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1);           /* one chunk: no split */
-  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0, 0}; /* invalid: automatic */
+  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1);              /* one chunk: no split */
+  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0, 0, 0}; /* invalid: automatic */
   nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
   ck_assert(p.tile_m == 64 && p.rows == 1 && p.split_k == 2);
 }
@@ -523,7 +523,7 @@ START_TEST(test_moe_plan) {
     ck_assert_int_eq(p.split_k, want[i].split);
   }
   /* Forced: the streaming kernel at prefill sizes keeps 16-token tiles; a forced tile of 8. */
-  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0};
+  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0};
   nvfp4_moe_plan(16384, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 16);
   forced.tile_m = 8;
@@ -533,7 +533,7 @@ START_TEST(test_moe_plan) {
   nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 8);
   /* The wgmma kernel at decode sizes: 16-token tiles, or the forced one; without it, the ring kernel. */
-  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0};
+  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0};
   nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_WGMMA && p.tile_m == 16 && p.split_k == 2 && p.rows == 1);
   forced.tile_m = 256;

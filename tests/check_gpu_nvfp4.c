@@ -422,6 +422,47 @@ static void routed_apply(qkeep_layer *moe, int matrix, int64_t tokens, int32_t t
   backend()->memory->free(backend(), dy);
 }
 
+/* A decode chain on one stream: each apply reads what the apply before it wrote, with no wait between
+ * them; the streaming kernel starts before the kernel before it ends (programmatic dependent launch) and
+ * must wait for it before it reads its activations. The same chain with a device sync after every apply
+ * gives the same bits at every step. */
+START_TEST(chained_applies_read_the_outputs_before_them) {
+  const char *scheme = schemes[_i];
+  char *source = write_source("source.safetensors", 4), *path = quantize(source, scheme, "q");
+  qkeep_model *m = gtu_load(gpu, path, NULL);
+  qkeep_layer *o = qkeep_model_find_layer(m, "model.layers.0.self_attn.o_proj");
+  ck_assert_ptr_nonnull(o);
+  enum { STEPS = 12, M = 4 };
+  float x[M * H], chained[M * H], synced[M * H];
+  random_x(x, M * H, 21);
+  void *buf[STEPS + 1];
+  for (int i = 0; i <= STEPS; i++)
+    buf[i] = to_device(x, sizeof x);
+  for (int pass = 0; pass < 2; pass++) {
+    for (int i = 0; i < STEPS; i++) {
+      struct qkeep_apply_args a = {.size = sizeof a,
+                                   .m = M,
+                                   .x = buf[i],
+                                   .x_dtype = QKEEP_DTYPE_F32,
+                                   .y = buf[i + 1],
+                                   .y_dtype = QKEEP_DTYPE_F32};
+      ck_assert_msg(backend()->apply(backend(), o, &a) == 0, "%s", qkeep_errmsg());
+      if (pass == 1)
+        ck_assert_int_eq(backend()->memory->sync(backend()), 0);
+    }
+    from_device(pass ? synced : chained, buf[STEPS], sizeof x);
+    for (int i = 1; i <= STEPS; i++) /* the next pass starts from fresh buffers */
+      ck_assert_int_eq(backend()->memory->copy_h2d(backend(), buf[i], x, sizeof x), 0);
+  }
+  ck_assert_msg(memcmp(chained, synced, sizeof x) == 0, "%s: a chain of applies without waits differs",
+                scheme);
+  for (int i = 0; i <= STEPS; i++)
+    backend()->memory->free(backend(), buf[i]);
+  qkeep_model_free(m);
+  free(source), free(path);
+}
+END_TEST
+
 START_TEST(routed_moe) {
   const char *scheme = schemes[_i];
   char *source = write_source("source.safetensors", 7), *path = quantize(source, scheme, "q");
@@ -716,6 +757,7 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, half_precision_activations);
+  tcase_add_loop_test(tc, chained_applies_read_the_outputs_before_them, 0, 2);
   suite_add_tcase(s, tc);
   /* The batched memory slots on their own (CK_RUN_CASE=memory runs them alone). */
   tc = tcase_create("memory");

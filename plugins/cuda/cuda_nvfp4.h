@@ -121,6 +121,8 @@ struct nvfp4_tuning {
   int rows;
   int unroll;
   int route; /* enum nvfp4_route */
+  int late;  /* 1: the streaming kernel starts after the kernel before it ends (benches: without programmatic
+              * dependent launch) */
 };
 
 #define NVFP4_STREAM_WARPS 8 /* warps of a streaming-kernel block */
