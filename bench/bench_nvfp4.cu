@@ -839,10 +839,10 @@ int main(void) {
   double bw = copy_bandwidth(stream);
   const char *sweep = getenv("QKEEP_BENCH_SWEEP"), *parts = getenv("QKEEP_BENCH_PARTS");
   auto part = [parts](const char *name) { return !parts || !*parts || strstr(parts, name) != nullptr; };
-  if (part("moe"))
-    bench_moe(blas, stream, bw, prop.multiProcessorCount, prop.major == 9 && prop.minor == 0);
   if (part("transform"))
     bench_transform(stream);
+  if (part("moe"))
+    bench_moe(blas, stream, bw, prop.multiProcessorCount, prop.major == 9 && prop.minor == 0);
   if (part("dense"))
     bench_gemm(blas, stream, bw, sweep && *sweep && strcmp(sweep, "0") != 0 ? sweep : nullptr);
   CHECK_CUBLAS(cublasDestroy(blas));

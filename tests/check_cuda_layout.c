@@ -507,7 +507,7 @@ START_TEST(test_moe_plan) {
     bool wgmma;
     int kernel, tile_m, rows, split;
   } want[] = {
-      {8, 1536, 2048, true, NVFP4_KERNEL_STREAM, 8, 2, 1},     /* 1 token, top-8: 8 experts of 96 tiles */
+      {8, 1536, 2048, true, NVFP4_KERNEL_STREAM, 8, 4, 1},     /* 1 token, top-8: 8 experts of 96 tiles */
       {8, 2048, 768, true, NVFP4_KERNEL_STREAM, 8, 4, 1},      /* 8 x 128 tiles */
       {128, 1536, 2048, true, NVFP4_KERNEL_STREAM, 8, 4, 1},   /* 16 tokens: 1 per expert */
       {2048, 1536, 2048, true, NVFP4_KERNEL_STREAM, 16, 4, 1}, /* 256 tokens: 16 per expert */

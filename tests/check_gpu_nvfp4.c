@@ -600,7 +600,7 @@ START_TEST(routed_moe_every_kernel) {
     configure("route", "align");
     routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), a13, (size_t)(P * 2 * E_I));
     routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), a2, (size_t)(T * H));
-    configure("route", "auto");
+    configure("route", "self");
     memset(y13, 0, (size_t)(P * 2 * E_I) * sizeof(float));
     routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)(T * H), y13, (size_t)(P * 2 * E_I));
     routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)(P * E_I), y2, (size_t)(T * H));
@@ -609,6 +609,7 @@ START_TEST(routed_moe_every_kernel) {
                   "%s, %lld tokens: the self-routed streaming kernel differs from the sorted one", scheme,
                   (long long)T);
     free(a13), free(a2);
+    configure("route", "auto");
     configure("kernel", "auto");
     configure("tile_m", "auto");
     configure("split_k", "auto");

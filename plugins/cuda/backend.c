@@ -523,10 +523,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"rows", QKEEP_KEY_ENUM, "auto|1|2|4", "auto",
      "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
     {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
-    {"route", QKEEP_KEY_ENUM, "auto|align", "auto",
-     "routed MoE on the stream kernel: auto (each block finds its token tile, up to 256 token-expert pairs) "
-     "or "
-     "align (a sorting kernel first)"},
+    {"route", QKEEP_KEY_ENUM, "auto|align|self", "auto",
+     "routed MoE on the stream kernel: auto (each block finds its token tile up to 32 token-expert pairs, "
+     "else a sorting kernel first), align (always the sorting kernel) or self (each block, up to 256 pairs)"},
     {"pwal", QKEEP_KEY_ENUM, "gpu|host", "gpu", "where the layout transforms run (host: their CPU twins)"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
      "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
@@ -574,9 +573,14 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
       return c->host->set_error(QKEEP_E_CONFIG, "unroll = '%s': expected auto, 4 or 8", value);
     c->tuning.unroll = v;
   } else if (strcmp(key, "route") == 0) {
-    if (strcmp(value, "auto") != 0 && strcmp(value, "align") != 0)
-      return c->host->set_error(QKEEP_E_CONFIG, "route = '%s': expected auto or align", value);
-    c->tuning.route = value[0] == 'a' && value[1] == 'l' ? NVFP4_ROUTE_ALIGN : NVFP4_ROUTE_AUTO;
+    if (strcmp(value, "auto") == 0)
+      c->tuning.route = NVFP4_ROUTE_AUTO;
+    else if (strcmp(value, "align") == 0)
+      c->tuning.route = NVFP4_ROUTE_ALIGN;
+    else if (strcmp(value, "self") == 0)
+      c->tuning.route = NVFP4_ROUTE_SELF;
+    else
+      return c->host->set_error(QKEEP_E_CONFIG, "route = '%s': expected auto, align or self", value);
   } else if (strcmp(key, "pwal") == 0) {
     if (strcmp(value, "gpu") != 0 && strcmp(value, "host") != 0)
       return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);

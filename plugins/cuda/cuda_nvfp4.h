@@ -109,9 +109,10 @@ enum nvfp4_kernel {
  * tokens per block, rows 1 or 2 64-row MMA tiles per consumer warpgroup (128 or 256 weight
  * rows per block; 2 needs tile_m <= 128), split_k as above; depth and unroll unused.
  */
-/* How a routed streaming launch finds its token tiles: automatic (each block routes itself up to 256
- * (token, slot) pairs, else a sorting kernel first), or always the sorting kernel (moe_align_kernel). */
-enum nvfp4_route { NVFP4_ROUTE_AUTO = 0, NVFP4_ROUTE_ALIGN = 1 };
+/* How a routed streaming launch finds its token tiles: automatic (each block routes itself up to 32
+ * (token, slot) pairs, else a sorting kernel first), always the sorting kernel (moe_align_kernel), or each
+ * block itself up to 256 pairs. */
+enum nvfp4_route { NVFP4_ROUTE_AUTO = 0, NVFP4_ROUTE_ALIGN = 1, NVFP4_ROUTE_SELF = 2 };
 
 struct nvfp4_tuning {
   int tile_m;
@@ -133,9 +134,11 @@ struct nvfp4_tuning {
  * multiprocessors, honouring the valid fields of `tune` (NULL: all automatic); plain
  * arithmetic, so CI tests it (layout.c). Two blocks fit on an SM; on the H200 the best of
  * every swept shape was one wave of about two blocks per SM, unroll 4 and no K split
- * (docs/PERFORMANCE.md). So: the most tiles per block (4, 2, 1) that still gives 1.5 blocks
- * per SM; unroll 4; a K split only where one tile per block leaves the GPU short of that,
- * as many as bring it to two blocks per SM while each warp keeps two batches of chunks.
+ * (docs/PERFORMANCE.md); on an H100 a routed 1-token MoE step (8 experts of 96 tiles) ran
+ * fastest with 4 tiles a block and no split, one block per SM. So: 4 tiles per block where
+ * that still gives a block per SM, else the most (2, 1) that give 1.5 blocks per SM; unroll 4;
+ * a K split only where fewer blocks than SMs are left, as many as bring it to two blocks per
+ * SM while each warp keeps two batches of chunks.
  */
 void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                        struct nvfp4_tuning *out);

@@ -22,13 +22,13 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
   if (rows == 1 || rows == 2 || rows == 4)
     out->rows = rows;
   else
-    out->rows = (tiles + 3) / 4 >= want ? 4 : (tiles + 1) / 2 >= want ? 2 : 1;
+    out->rows = (tiles + 3) / 4 >= sms ? 4 : (tiles + 1) / 2 >= want ? 2 : 1;
   out->unroll = unroll == 4 || unroll == 8 ? unroll : 4;
   const int64_t blocks = (tiles + out->rows - 1) / out->rows;
   const int64_t runs = NVFP4_STREAM_WARPS / out->rows;
   if (split > 0)
     out->split_k = nvfp4_clamp(split, 1, NVFP4_MAX_SPLIT);
-  else if (blocks >= want)
+  else if (blocks >= sms)
     out->split_k = 1;
   else
     out->split_k = nvfp4_clamp((2 * (int64_t)sms + blocks - 1) / blocks, 1,
