@@ -24,6 +24,7 @@ OUT = sys.argv[2] if len(sys.argv) > 2 else os.path.dirname(os.path.abspath(__fi
 
 # The runs each plot shows: the latest complete run of each benchmark.
 GPU_RUN = "bench-gpu-h200-2026-12-01-final.jsonl"  # make bench-gpu on one H200
+NVFP4_H100_RUN = "nvfp4-h100-2026-12-07-dense.jsonl"  # bench_nvfp4 (dense part) on one H100, the latest kernels
 INT8_RUN = "int8-container-2026-11-29-d.jsonl"  # bench_int8, 2-core AVX2 container, 2 threads
 INT4_RUN = "int4-epyc-2026-12-07-t1-w4a16-permute.jsonl"  # bench_int4, AVX-512 VNNI EPYC, 1 thread
 RELOAD_CPU_RUN = "reload-container-2026-12-01.jsonl"  # bench_reload, reference backend
@@ -74,6 +75,9 @@ def gemm_speedup():
               "NVFP4, wgmma kernel (cuda-nvfp4)", "s", "tab:purple")
     plot_band(gpu, series(mx, lambda r: True, lambda r: r["ratio"]), "MXFP4 (plugins/gpu, CUDA build)", "^",
               "tab:orange")
+    h100 = lines(NVFP4_H100_RUN, "nvfp4_w4a16")
+    plot_band(gpu, series(h100, lambda r: True, lambda r: r["ratio"]),
+              "NVFP4 on an H100, later kernels (against its own cuBLAS)", "D", "tab:cyan")
     # torch's fp8 GEMM against the same run's cuBLAS bf16: the peer's own speed-up, for scale.
     cublas = {(r["M"], r["N"], r["K"]): r["peer_us"] for r in nv}
     plot_band(gpu, series(fp8, lambda r: (r["M"], r["N"], r["K"]) in cublas and "fp8_us" in r,
@@ -83,7 +87,7 @@ def gemm_speedup():
     gpu.set_xscale("log", base=2)
     gpu.set_xlabel("M (tokens)")
     gpu.set_ylabel("cuBLAS bf16 time / kernel time")
-    gpu.set_title("H200, W4A16 GEMM vs cuBLAS bf16\n(median of 3 shapes, band: min-max)")
+    gpu.set_title("H200 and H100, W4A16 GEMM vs cuBLAS bf16\n(median of 3 shapes, band: min-max)")
     gpu.legend(fontsize=8)
 
     int8 = lines(INT8_RUN, "int8_linear")
