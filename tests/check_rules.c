@@ -450,9 +450,14 @@ static int mock_sync(const struct qkeep_backend *be) {
 }
 
 START_TEST(params_live_in_the_backends_memory) {
-  struct qkeep_memory_ops ops = {.size = sizeof ops, .alloc = mock_alloc, .free = mock_free,
-                                 .copy_h2d = mock_copy, .copy_d2h = mock_copy, .copy_d2d = mock_copy,
-                                 .fill = mock_fill,     .sync = mock_sync};
+  struct qkeep_memory_ops ops = {.size = sizeof ops,
+                                 .alloc = mock_alloc,
+                                 .free = mock_free,
+                                 .copy_h2d = mock_copy,
+                                 .copy_d2h = mock_copy,
+                                 .copy_d2d = mock_copy,
+                                 .fill = mock_fill,
+                                 .sync = mock_sync};
   struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
   struct qkeep_plugin plugin = {.path = "mock", .be = &be};
   qkeep_model *m;
@@ -487,9 +492,14 @@ END_TEST
 /* During a load, a freed result's memory serves the next result (zero-filled again) instead of a
  * free and an alloc; a param never keeps a spare larger than itself; ending the load frees it. */
 START_TEST(results_reuse_a_spare_during_a_load) {
-  struct qkeep_memory_ops ops = {.size = sizeof ops, .alloc = mock_alloc, .free = mock_free,
-                                 .copy_h2d = mock_copy, .copy_d2h = mock_copy, .copy_d2d = mock_copy,
-                                 .fill = mock_fill,     .sync = mock_sync};
+  struct qkeep_memory_ops ops = {.size = sizeof ops,
+                                 .alloc = mock_alloc,
+                                 .free = mock_free,
+                                 .copy_h2d = mock_copy,
+                                 .copy_d2h = mock_copy,
+                                 .copy_d2d = mock_copy,
+                                 .fill = mock_fill,
+                                 .sync = mock_sync};
   struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
   struct qkeep_plugin plugin = {.path = "mock", .be = &be};
   qkeep_model *m;
@@ -538,6 +548,61 @@ START_TEST(results_reuse_a_spare_during_a_load) {
 }
 END_TEST
 
+/* The host's unfilled result (ABI 1.7) skips the zero-fill: from the spare it keeps the bytes the spare
+ * had, and written whole it lands in the param as a filled one does; outside a load it is fresh memory. */
+START_TEST(an_unfilled_result_is_not_filled_and_replaces_as_any) {
+  struct qkeep_memory_ops ops = {.size = sizeof ops,
+                                 .alloc = mock_alloc,
+                                 .free = mock_free,
+                                 .copy_h2d = mock_copy,
+                                 .copy_d2h = mock_copy,
+                                 .copy_d2d = mock_copy,
+                                 .fill = mock_fill,
+                                 .sync = mock_sync};
+  struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
+  struct qkeep_plugin plugin = {.path = "mock", .be = &be};
+  const struct qkeep_host *host = host_table();
+  ck_assert(QKEEP_HAS_SLOT(host, struct qkeep_host, tensor_new_unfilled));
+  qkeep_model *m;
+  qkeep_layer *l;
+  allocs = frees = 0;
+  ck_assert_int_eq(qkeep_model_new(&plugin, &m), 0);
+  ck_assert_int_eq(qkeep_layer_add(m, "x", QKEEP_LAYER_LINEAR, NULL, &l), 0);
+  struct qkeep_spec w = spec1(QKEEP_DTYPE_U8, 600), big = spec1(QKEEP_DTYPE_U8, 1000),
+                    mid = spec1(QKEEP_DTYPE_U8, 500);
+  ck_assert_int_eq(qkeep_param_create(l, "weight", &w, NULL), 0);
+  model_spares(m, true);
+  qkeep_tensor *t;
+  ck_assert_int_eq(qkeep_tensor_new(l, &big, &t), 0);
+  void *first = qkeep_tensor_data(t);
+  memset(first, 0xab, 1000);
+  qkeep_tensor_free(t);
+  ck_assert_int_eq(host->tensor_new_unfilled(l, &mid, &t), 0);
+  unsigned char *bytes = qkeep_tensor_data(t);
+  ck_assert_ptr_eq(bytes, first);
+  for (size_t i = 0; i < 500; i++)
+    ck_assert_uint_eq(bytes[i], 0xab); /* not filled */
+  for (size_t i = 0; i < 500; i++)
+    bytes[i] = (unsigned char)(i * 7);
+  struct qkeep_view before = {.size = sizeof before}, after = {.size = sizeof after};
+  ck_assert_int_eq(qkeep_view_of(l, "weight", &before), 0);
+  ck_assert_int_eq(qkeep_replace(l, "weight", t), 0); /* 500 bytes fit the 600-byte weight: copied in */
+  ck_assert_int_eq(qkeep_view_of(l, "weight", &after), 0);
+  ck_assert_ptr_eq(after.data, before.data);
+  ck_assert_uint_eq(after.nbytes, 500);
+  for (size_t i = 0; i < 500; i++)
+    ck_assert_uint_eq(((const unsigned char *)after.data)[i], (unsigned char)(i * 7));
+  model_spares(m, false);
+  ck_assert_int_eq(host->tensor_new_unfilled(l, &mid, &t), 0); /* outside a load: fresh memory */
+  qkeep_tensor_free(t);
+  struct qkeep_spec bad = {.dtype = QKEEP_DTYPE_U8, .ndim = 1, .shape = {-1}};
+  ck_assert_int_eq(host->tensor_new_unfilled(l, &bad, &t), QKEEP_E_INVAL);
+  ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "tensor_new_unfilled"));
+  qkeep_model_free(m);
+  ck_assert_int_eq(allocs, frees);
+}
+END_TEST
+
 START_TEST(errors_name_layer_and_param) {
   ck_assert_int_eq(qkeep_retire(layer, "weight_scale"), QKEEP_E_NOTFOUND);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "model.layers.0.mlp.down_proj"));
@@ -558,6 +623,7 @@ static Suite *rules_suite(void) {
   tcase_add_test(tc, shrink_into_prefix_keeps_data_pointer);
   tcase_add_test(tc, growth_rebinds_keeps_c1_and_rerun_is_in_place);
   tcase_add_test(tc, replace_in_place_changes_only_the_view);
+  tcase_add_test(tc, an_unfilled_result_is_not_filled_and_replaces_as_any);
   tcase_add_test(tc, retire_hides_from_kernels_but_keeps_bytes);
   tcase_add_test(tc, release_shows_in_census_with_reason);
   tcase_add_test(tc, add_buffer_reuses_same_name_and_size);

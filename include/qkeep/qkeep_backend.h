@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define QKEEP_BACKEND_ABI_MAJOR 1
-#define QKEEP_BACKEND_ABI_MINOR 6
+#define QKEEP_BACKEND_ABI_MINOR 7
 #define QKEEP_BACKEND_INIT_SYMBOL "qkeep_backend_init"
 
 typedef struct qkeep_layer qkeep_layer;   /* opaque: owned by the core */
@@ -354,6 +354,13 @@ struct qkeep_host {
    * reload reuses it in place. QKEEP_E_EXISTS when the name is a param's. */
   int (*add_buffer)(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                     struct qkeep_view *out);
+
+  /* ---- ABI 1.7 ---- */
+
+  /* As tensor_new, but the bytes are left as they are (not zero-filled): for a result the
+   * backend writes whole before replace consumes it (a layout transform), which saves a pass
+   * over the result's memory. Absent in older cores (QKEEP_HAS_SLOT): use tensor_new. */
+  int (*tensor_new_unfilled)(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out);
 };
 
 /*

@@ -85,8 +85,9 @@ struct storage {
 
 /* A new zero-filled storage with one reference. */
 int storage_new(const struct device *dev, size_t bytes, struct storage **out);
-/* The same for a result tensor: it may reuse (and, freed, refill) the device's spare. */
-int storage_new_result(const struct device *dev, size_t bytes, struct storage **out);
+/* The same for a result tensor: it may reuse (and, freed, refill) the device's spare. fill false
+ * leaves its bytes as they are (its maker writes them all). */
+int storage_new_result(const struct device *dev, size_t bytes, bool fill, struct storage **out);
 /* Starts or ends keeping a spare on dev; ending frees the one kept. */
 void spare_begin(const struct device *dev);
 void spare_end(const struct device *dev);

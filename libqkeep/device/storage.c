@@ -169,7 +169,8 @@ static void count_held(const struct device *dev, int64_t bytes) {
     dev->stats->storage_peak = dev->stats->storage_bytes;
 }
 
-static int storage_make(const struct device *dev, size_t bytes, bool result, struct storage **out) {
+static int storage_make(const struct device *dev, size_t bytes, bool result, bool fill,
+                        struct storage **out) {
   struct storage *s = calloc(1, sizeof *s);
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory for a storage");
@@ -188,7 +189,7 @@ static int storage_make(const struct device *dev, size_t bytes, bool result, str
     if (!rc)
       count_held(dev, (int64_t)bytes);
   }
-  if (!rc)
+  if (!rc && fill)
     rc = dev_fill(dev, s->data, 0, bytes);
   if (rc) {
     storage_unref(s);
@@ -199,11 +200,11 @@ static int storage_make(const struct device *dev, size_t bytes, bool result, str
 }
 
 int storage_new(const struct device *dev, size_t bytes, struct storage **out) {
-  return storage_make(dev, bytes, false, out);
+  return storage_make(dev, bytes, false, true, out);
 }
 
-int storage_new_result(const struct device *dev, size_t bytes, struct storage **out) {
-  return storage_make(dev, bytes, true, out);
+int storage_new_result(const struct device *dev, size_t bytes, bool fill, struct storage **out) {
+  return storage_make(dev, bytes, true, fill, out);
 }
 
 void storage_ref(struct storage *s) { s->refs++; }

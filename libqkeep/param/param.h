@@ -17,6 +17,9 @@ struct qkeep_tensor {
   struct tensor t;
 };
 
+/* The host's tensor_new_unfilled (ABI 1.7): qkeep_tensor_new without the zero-fill (rules.c). */
+int tensor_new_unfilled(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out);
+
 /* ---- params, buffers and layers (layer.c); the model's struct (model.c) --------------- */
 
 /*

@@ -26,25 +26,34 @@ static int find_param(qkeep_layer *layer, const char *name, const char *op, qkee
   return 0;
 }
 
-int qkeep_tensor_new(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out) {
+/* A result tensor of spec on the layer's device, zero-filled or (fill false) not. */
+static int tensor_make(qkeep_layer *layer, const struct qkeep_spec *spec, bool fill, qkeep_tensor **out) {
   size_t bytes;
   if (!layer || !spec || !out || !spec_bytes_checked(spec, &bytes))
     return set_error(QKEEP_E_INVAL,
-                     "qkeep_tensor_new: %s: invalid spec (a bad dtype or rank, a negative "
+                     "%s: %s: invalid spec (a bad dtype or rank, a negative "
                      "dimension, or more bytes than memory has)",
-                     layer ? layer->name : "(null)");
+                     fill ? "qkeep_tensor_new" : "tensor_new_unfilled", layer ? layer->name : "(null)");
   qkeep_tensor *t = calloc(1, sizeof *t);
   if (!t)
     return set_error(QKEEP_E_NOMEM, "out of memory for a result tensor");
   t->layer = layer;
   t->t.spec = *spec;
-  int rc = storage_new_result(layer_device(layer), bytes, &t->t.storage);
+  int rc = storage_new_result(layer_device(layer), bytes, fill, &t->t.storage);
   if (rc) {
     free(t);
     return add_error_context(rc, "%s: result tensor", layer->name);
   }
   *out = t;
   return 0;
+}
+
+int qkeep_tensor_new(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out) {
+  return tensor_make(layer, spec, true, out);
+}
+
+int tensor_new_unfilled(qkeep_layer *layer, const struct qkeep_spec *spec, qkeep_tensor **out) {
+  return tensor_make(layer, spec, false, out);
 }
 
 void *qkeep_tensor_data(qkeep_tensor *tensor) { return tensor ? tensor_ptr(&tensor->t) : NULL; }

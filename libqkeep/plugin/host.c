@@ -62,6 +62,7 @@ static const struct qkeep_host host = {
     .retire = qkeep_retire,
     .release = qkeep_release,
     .add_buffer = qkeep_add_buffer,
+    .tensor_new_unfilled = tensor_new_unfilled,
 };
 
 const struct qkeep_host *host_table(void) { return &host; }

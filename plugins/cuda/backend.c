@@ -710,8 +710,10 @@ static int transform(const struct matrix *m, const char *local, enum transform t
         "cuda-nvfp4: %s.%s is not in its checkpoint layout (%s); PWAL transforms checkpoint "
         "bytes only, and reload restores them before it runs again",
         m->layer_name, name, qkeep_be_spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
+  /* The GPU transforms write every byte of the result, padding included: no zero-fill first (ABI 1.7). */
   qkeep_tensor *result;
-  if ((rc = host->tensor_new(m->layer, &kernel, &result)))
+  const bool unfilled = !m->c->pwal_on_host && QKEEP_HAS_SLOT(host, struct qkeep_host, tensor_new_unfilled);
+  if ((rc = (unfilled ? host->tensor_new_unfilled : host->tensor_new)(m->layer, &kernel, &result)))
     return rc;
   void *dst = host->tensor_data(result);
   int64_t experts = m->experts ? m->experts : 1;
