@@ -535,6 +535,14 @@ START_TEST(results_reuse_a_spare_during_a_load) {
   ck_assert_uint_eq(((const unsigned char *)v.data)[7], 7);
   ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
   ck_assert_int_eq(now.storage_bytes, 500 + 1000); /* the weight, and the spare the device still holds */
+  /* Spares nest (a weight sync keeps one across the reloads of its buckets): an inner end keeps it. */
+  model_spares(m, true);
+  model_spares(m, false);
+  ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
+  ck_assert_int_eq(now.storage_bytes, 500 + 1000);
+  ck_assert_int_eq(qkeep_tensor_new(l, &mid, &t), 0);
+  ck_assert_ptr_eq(qkeep_tensor_data(t), first); /* still the spare */
+  qkeep_tensor_free(t);
   model_spares(m, false);
   ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
   ck_assert_int_eq(now.storage_bytes, 500);

@@ -22,6 +22,7 @@ struct mem_stats {
  */
 struct spare {
   bool on;
+  int users;    /* spare_begin calls not yet ended: a weight sync keeps it across its reloads */
   void *data;   /* NULL: none kept */
   size_t bytes; /* its allocation */
 };
@@ -88,7 +89,7 @@ int storage_new(const struct device *dev, size_t bytes, struct storage **out);
 /* The same for a result tensor: it may reuse (and, freed, refill) the device's spare. fill false
  * leaves its bytes as they are (its maker writes them all). */
 int storage_new_result(const struct device *dev, size_t bytes, bool fill, struct storage **out);
-/* Starts or ends keeping a spare on dev; ending frees the one kept. */
+/* Starts or ends keeping a spare on dev; they nest, and the last end frees the one kept. */
 void spare_begin(const struct device *dev);
 void spare_end(const struct device *dev);
 void storage_ref(struct storage *s);

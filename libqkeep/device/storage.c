@@ -231,12 +231,12 @@ void storage_unref(struct storage *s) {
 
 void spare_begin(const struct device *dev) {
   if (dev->spare)
-    dev->spare->on = true;
+    dev->spare->on = true, dev->spare->users++;
 }
 
 void spare_end(const struct device *dev) {
   struct spare *sp = dev->spare;
-  if (!sp)
+  if (!sp || --sp->users > 0)
     return;
   if (sp->data)
     free_held(dev, sp->data, sp->bytes);

@@ -96,6 +96,7 @@ static void pending_free(qkeep_sync *s, struct pending *p) {
 }
 
 static void sync_free(qkeep_sync *s) {
+  model_spares(s->model, false);
   for (size_t i = 0; i < s->n_blocks; i++)
     block_free(&s->blocks[i]);
   block_free(&s->spare);
@@ -162,6 +163,9 @@ int qkeep_sync_begin(qkeep_model *model, qkeep_sync **out) {
   if (!s)
     return set_error(QKEEP_E_NOMEM, "out of memory");
   s->model = model;
+  /* The memory of a transformed result stays from one bucket's reload to the next (each reload would
+   * free it at its end and allocate it again: on a GPU an allocator call and a free that waits). */
+  model_spares(model, true);
   s->trace = log_enabled(QKEEP_LOG_DEBUG);
   int rc = model_source_copy(model, &s->w0);
   if (!rc)
