@@ -436,8 +436,8 @@ __global__ void __launch_bounds__(S::THREADS) nvfp4_gemm_kernel(const GemmArgs a
  * token cost one empty block each at most and the host never waits for the count.
  */
 constexpr int kStreamWarps = NVFP4_STREAM_WARPS;
-constexpr int kRouteMaxPairs =
-    kStreamWarps * 32; /* pairs a streaming block can route itself: a thread each */
+/* Pairs a streaming block can route itself: a thread each. */
+constexpr int kRouteMaxPairs = kStreamWarps * 32;
 /* Most pairs a routed launch routes in each block by default: every block pays two passes over the pairs, so
  * past a few tokens the sorting kernel is cheaper (H100, Qwen3-30B-A3B experts: 1 token 12.0 against 13.3 us
  * for w13, 16 tokens 127 against 66 us). */
@@ -1633,7 +1633,6 @@ __global__ void moe_combine_kernel(const float *rows, const int32_t *ids, const 
 
 /* ---- PWAL transforms --------------------------------------------------------------------------- */
 
-/* One thread per 32-bit word of the tiled output; each slot's code gathered from the checkpoint bytes. */
 /*
  * The PWAL transforms run at the speed of a device copy: a block of 128 threads writes one 512-byte
  * unit of the kernel layout (a weight tile x chunk, or a scale atom), a thread one 32-bit word, from
