@@ -449,21 +449,32 @@ static int mock_sync(const struct qkeep_backend *be) {
   return 0;
 }
 
+/* A backend whose memory ops are the mocks above: params, results and spares live in its memory. */
+struct mock_device {
+  struct qkeep_memory_ops ops;
+  struct qkeep_backend be;
+  struct qkeep_plugin plugin;
+};
+static void mock_device_init(struct mock_device *d) {
+  d->ops = (struct qkeep_memory_ops){.size = sizeof d->ops,
+                                     .alloc = mock_alloc,
+                                     .free = mock_free,
+                                     .copy_h2d = mock_copy,
+                                     .copy_d2h = mock_copy,
+                                     .copy_d2d = mock_copy,
+                                     .fill = mock_fill,
+                                     .sync = mock_sync};
+  d->be = (struct qkeep_backend){.size = sizeof d->be, .name = "mock", .memory = &d->ops};
+  d->plugin = (struct qkeep_plugin){.path = "mock", .be = &d->be};
+}
+
 START_TEST(params_live_in_the_backends_memory) {
-  struct qkeep_memory_ops ops = {.size = sizeof ops,
-                                 .alloc = mock_alloc,
-                                 .free = mock_free,
-                                 .copy_h2d = mock_copy,
-                                 .copy_d2h = mock_copy,
-                                 .copy_d2d = mock_copy,
-                                 .fill = mock_fill,
-                                 .sync = mock_sync};
-  struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
-  struct qkeep_plugin plugin = {.path = "mock", .be = &be};
+  struct mock_device dev;
+  mock_device_init(&dev);
   qkeep_model *m;
   qkeep_layer *l;
   allocs = frees = copies = 0;
-  ck_assert_int_eq(qkeep_model_new(&plugin, &m), 0);
+  ck_assert_int_eq(qkeep_model_new(&dev.plugin, &m), 0);
   ck_assert_int_eq(qkeep_layer_add(m, "x", QKEEP_LAYER_LINEAR, NULL, &l), 0);
   struct qkeep_spec s = spec1(QKEEP_DTYPE_U8, 32);
   ck_assert_int_eq(qkeep_param_create(l, "weight", &s, NULL), 0);
@@ -478,8 +489,8 @@ START_TEST(params_live_in_the_backends_memory) {
   ck_assert_int_eq(allocs, frees);
 
   /* A device error surfaces with context, and nothing leaks. */
-  ops.fill = mock_failing_fill;
-  ck_assert_int_eq(qkeep_model_new(&plugin, &m), 0);
+  dev.ops.fill = mock_failing_fill;
+  ck_assert_int_eq(qkeep_model_new(&dev.plugin, &m), 0);
   ck_assert_int_eq(qkeep_layer_add(m, "y", QKEEP_LAYER_LINEAR, NULL, &l), 0);
   ck_assert_int_eq(qkeep_param_create(l, "weight", &s, NULL), QKEEP_E_DEVICE);
   ck_assert_ptr_nonnull(strstr(qkeep_errmsg(), "y.weight"));
@@ -492,20 +503,12 @@ END_TEST
 /* During a load, a freed result's memory serves the next result (zero-filled again) instead of a
  * free and an alloc; a param never keeps a spare larger than itself; ending the load frees it. */
 START_TEST(results_reuse_a_spare_during_a_load) {
-  struct qkeep_memory_ops ops = {.size = sizeof ops,
-                                 .alloc = mock_alloc,
-                                 .free = mock_free,
-                                 .copy_h2d = mock_copy,
-                                 .copy_d2h = mock_copy,
-                                 .copy_d2d = mock_copy,
-                                 .fill = mock_fill,
-                                 .sync = mock_sync};
-  struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
-  struct qkeep_plugin plugin = {.path = "mock", .be = &be};
+  struct mock_device dev;
+  mock_device_init(&dev);
   qkeep_model *m;
   qkeep_layer *l;
   allocs = frees = copies = 0;
-  ck_assert_int_eq(qkeep_model_new(&plugin, &m), 0);
+  ck_assert_int_eq(qkeep_model_new(&dev.plugin, &m), 0);
   ck_assert_int_eq(qkeep_layer_add(m, "x", QKEEP_LAYER_LINEAR, NULL, &l), 0);
   struct qkeep_spec small = spec1(QKEEP_DTYPE_U8, 16), big = spec1(QKEEP_DTYPE_U8, 1000),
                     mid = spec1(QKEEP_DTYPE_U8, 500);
@@ -559,22 +562,14 @@ END_TEST
 /* The host's unfilled result (ABI 1.7) skips the zero-fill: from the spare it keeps the bytes the spare
  * had, and written whole it lands in the param as a filled one does; outside a load it is fresh memory. */
 START_TEST(an_unfilled_result_is_not_filled_and_replaces_as_any) {
-  struct qkeep_memory_ops ops = {.size = sizeof ops,
-                                 .alloc = mock_alloc,
-                                 .free = mock_free,
-                                 .copy_h2d = mock_copy,
-                                 .copy_d2h = mock_copy,
-                                 .copy_d2d = mock_copy,
-                                 .fill = mock_fill,
-                                 .sync = mock_sync};
-  struct qkeep_backend be = {.size = sizeof be, .name = "mock", .memory = &ops};
-  struct qkeep_plugin plugin = {.path = "mock", .be = &be};
+  struct mock_device dev;
+  mock_device_init(&dev);
   const struct qkeep_host *host = host_table();
   ck_assert(QKEEP_HAS_SLOT(host, struct qkeep_host, tensor_new_unfilled));
   qkeep_model *m;
   qkeep_layer *l;
   allocs = frees = 0;
-  ck_assert_int_eq(qkeep_model_new(&plugin, &m), 0);
+  ck_assert_int_eq(qkeep_model_new(&dev.plugin, &m), 0);
   ck_assert_int_eq(qkeep_layer_add(m, "x", QKEEP_LAYER_LINEAR, NULL, &l), 0);
   struct qkeep_spec w = spec1(QKEEP_DTYPE_U8, 600), big = spec1(QKEEP_DTYPE_U8, 1000),
                     mid = spec1(QKEEP_DTYPE_U8, 500);
