@@ -468,6 +468,16 @@ static void mock_device_init(struct mock_device *d) {
   d->plugin = (struct qkeep_plugin){.path = "mock", .be = &d->be};
 }
 
+/* A result of spec filled with 0xab and freed, which during a load leaves its memory as the spare. */
+static void *spare_of(qkeep_layer *l, const struct qkeep_spec *spec) {
+  qkeep_tensor *t;
+  ck_assert_int_eq(qkeep_tensor_new(l, spec, &t), 0);
+  void *data = qkeep_tensor_data(t);
+  memset(data, 0xab, qkeep_spec_bytes(spec));
+  qkeep_tensor_free(t);
+  return data;
+}
+
 START_TEST(params_live_in_the_backends_memory) {
   struct mock_device dev;
   mock_device_init(&dev);
@@ -517,11 +527,8 @@ START_TEST(results_reuse_a_spare_during_a_load) {
   ck_assert_int_eq(qkeep_model_memory(m, &now, false), 0);
   ck_assert_int_eq(now.storage_bytes, 16);
   model_spares(m, true);
+  void *first = spare_of(l, &big);
   qkeep_tensor *t;
-  ck_assert_int_eq(qkeep_tensor_new(l, &big, &t), 0);
-  void *first = qkeep_tensor_data(t);
-  memset(first, 0xab, 1000);
-  qkeep_tensor_free(t);
   int allocated = allocs;
   ck_assert_int_eq(qkeep_tensor_new(l, &mid, &t), 0);
   ck_assert_ptr_eq(qkeep_tensor_data(t), first); /* the spare, not a new allocation */
@@ -575,11 +582,8 @@ START_TEST(an_unfilled_result_is_not_filled_and_replaces_as_any) {
                     mid = spec1(QKEEP_DTYPE_U8, 500);
   ck_assert_int_eq(qkeep_param_create(l, "weight", &w, NULL), 0);
   model_spares(m, true);
+  void *first = spare_of(l, &big);
   qkeep_tensor *t;
-  ck_assert_int_eq(qkeep_tensor_new(l, &big, &t), 0);
-  void *first = qkeep_tensor_data(t);
-  memset(first, 0xab, 1000);
-  qkeep_tensor_free(t);
   ck_assert_int_eq(host->tensor_new_unfilled(l, &mid, &t), 0);
   unsigned char *bytes = qkeep_tensor_data(t);
   ck_assert_ptr_eq(bytes, first);
