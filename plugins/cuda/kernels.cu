@@ -89,7 +89,6 @@ struct GemmArgs {
    * the pairs (at most kStreamWarps * 32) and experts; every block finds its own tile (route_tile). */
   const int32_t *route_ids;
   int route_pairs, route_experts;
-  bool late; /* the streaming kernel launched without programmatic dependent launch (nvfp4_tuning.late) */
 };
 
 /* ---- small device helpers ------------------------------------------------------------------- */
@@ -1359,18 +1358,19 @@ cudaError_t dispatch(const struct nvfp4_tuning &plan, enum qkeep_dtype x_dtype, 
   });
 }
 
+/* early: with programmatic dependent launch (all but the benches' plan.late). */
 template <typename TI, int MT, int R, int U, int BPS>
-cudaError_t launch_stream(const GemmArgs &a, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_stream(const GemmArgs &a, dim3 grid, cudaStream_t stream, bool early) {
   return launch_cluster(nvfp4_stream_kernel<TI, MT, R, U, BPS>, a, a.splits, grid, kStreamWarps * 32, 0,
-                        stream, !a.late);
+                        stream, early);
 }
 
 template <typename TI, int MT, int R>
 cudaError_t stream_unroll(const struct nvfp4_tuning &plan, const GemmArgs &a, dim3 grid, cudaStream_t st) {
   if (plan.unroll == 8)
-    return launch_stream<TI, MT, R, 8, 1>(a, grid, st);
-  return plan.depth == 3 ? launch_stream<TI, MT, R, 4, 3>(a, grid, st)
-                         : launch_stream<TI, MT, R, 4, 2>(a, grid, st);
+    return launch_stream<TI, MT, R, 8, 1>(a, grid, st, !plan.late);
+  return plan.depth == 3 ? launch_stream<TI, MT, R, 4, 3>(a, grid, st, !plan.late)
+                         : launch_stream<TI, MT, R, 4, 2>(a, grid, st, !plan.late);
 }
 
 template <typename TI, int MT>
@@ -1937,8 +1937,8 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
     return cudaSuccess;
   struct nvfp4_tuning plan;
   nvfp4_gemm_plan(m, wt->n, wt->k, x_dtype, tune, &plan);
+  plan.late = tune && tune->late; /* the plan leaves it: a launch property, not a shape */
   GemmArgs a = gemm_args(wt);
-  a.late = tune && tune->late;
   a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
   cudaError_t err;
   if (plan.kernel == NVFP4_KERNEL_WGMMA) {
@@ -2008,7 +2008,7 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
   err = cudaGetLastError();
   if (err == cudaSuccess) {
     GemmArgs a = gemm_args(wt);
-    a.late = tune && tune->late;
+    plan.late = tune && tune->late; /* the plan leaves it: a launch property, not a shape */
     a.x = x, a.y = y, a.y_dtype = y_dtype, a.y_pairs = rows;
     a.tiles = tiles, a.num_tiles = num_tiles, a.pairs = sorted, a.x_div = combine ? 1 : topk;
     if (self_routed)
