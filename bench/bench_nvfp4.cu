@@ -649,15 +649,24 @@ void bench_transform(cudaStream_t stream) {
     double swizzle_us = time_us(stream, 1, [&](int) {
       CHECK_CUDA((cudaError_t)nvfp4_swizzle_scales_gpu(sf, sf_out, c.experts, c.rows, c.k / 16, stream));
     });
+    /* In place (the default PWAL for these shapes): the same permutation over the checkpoint bytes. */
+    double tile_in_place_us = time_us(stream, 1, [&](int) {
+      CHECK_CUDA((cudaError_t)nvfp4_tile_weights_in_place_gpu(w, c.experts, c.rows, c.k, stream));
+    });
+    double swizzle_in_place_us = time_us(stream, 1, [&](int) {
+      CHECK_CUDA((cudaError_t)nvfp4_swizzle_scales_in_place_gpu(sf, c.experts, c.rows, c.k / 16, stream));
+    });
     double copy_us = time_us(stream, 1, [&](int) {
       CHECK_CUDA(cudaMemcpyAsync(w_out, w, codes, cudaMemcpyDeviceToDevice, stream));
       CHECK_CUDA(cudaMemcpyAsync(sf_out, sf, scales, cudaMemcpyDeviceToDevice, stream));
     });
     printf("{\"bench\":\"nvfp4_transform\",\"matrix\":\"%s\",\"experts\":%lld,\"rows\":%lld,\"k\":%lld,"
-           "\"bytes\":%zu,\"tile_us\":%.1f,\"swizzle_us\":%.1f,\"peer\":\"d2d_copy\",\"peer_us\":%.1f,"
-           "\"of_copy\":%.3f}\n",
+           "\"bytes\":%zu,\"tile_us\":%.1f,\"swizzle_us\":%.1f,\"tile_in_place_us\":%.1f,"
+           "\"swizzle_in_place_us\":%.1f,\"peer\":\"d2d_copy\",\"peer_us\":%.1f,\"of_copy\":%.3f,"
+           "\"in_place_of_copy\":%.3f}\n",
            c.matrix, (long long)c.experts, (long long)c.rows, (long long)c.k, codes + scales, tile_us,
-           swizzle_us, copy_us, copy_us / (tile_us + swizzle_us));
+           swizzle_us, tile_in_place_us, swizzle_in_place_us, copy_us, copy_us / (tile_us + swizzle_us),
+           copy_us / (tile_in_place_us + swizzle_in_place_us));
     fflush(stdout);
     CHECK_CUDA(cudaFree(w));
     CHECK_CUDA(cudaFree(w_out));

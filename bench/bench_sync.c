@@ -30,7 +30,9 @@
  * The CPU path needs about 3 x the model's bytes of memory (W0, the staged buckets and the cold
  * W1 load for the digest): about 8 GB for the Qwen3-shaped model. One JSON object per line
  * ("peer": "nccl_broadcast" with two ranks, "device_copy" with one, "inprocess_broadcast" on the
- * CPU). QKEEP_BENCH_TRACE=1 logs where each bucket's time goes (a line per bucket on stderr).
+ * CPU). QKEEP_BENCH_TRACE=1 logs where each bucket's time goes (a line per bucket on stderr);
+ * QKEEP_BENCH_PWAL sets cuda-nvfp4's key pwal (gpu, the default: layout transforms in place where the
+ * shape allows; gpu-copy: always into a new tensor, copied back).
  *
  * NVLink multicast stays off: the bench sets NCCL_NVLS_ENABLE=0 in its own environment before any
  * NCCL call (qkeep leaves NCCL's configuration to its caller), as a host whose GPUs are shared
@@ -82,6 +84,7 @@ struct rank_ctx {
   int id_pipe[2];
   const char *model_name;
   const char *backend; /* NULL: cuda-nvfp4 on GPU `rank`, NCCL; else a CPU backend, in-process transport */
+  const char *pwal;    /* cuda-nvfp4's key pwal (QKEEP_BENCH_PWAL; gpu by default) */
 };
 
 /* Bucket memory where the receiver's layers are: the device's (cuda-nvfp4, test-async) or the host's. */
@@ -127,15 +130,16 @@ static int remember(void *user, const char *layer, const char *name, const void 
 static double median(double *v, int n) { return tu_median(v, n); }
 
 static int run_rank(struct rank_ctx *c) {
-  char cfg_path[512], cfg[256];
+  char cfg_path[512], cfg[320];
   if (!c->backend)
     (void)cuda_devices(); /* this process's CUDA driver: cuMemGetInfo for the peak */
   snprintf(cfg_path, sizeof cfg_path, "%s/rank%d.ini", c->dir, c->rank);
   if (c->backend)
     snprintf(cfg, sizeof cfg, "[qkeep]\nbackend = %s\n", c->backend);
   else
-    snprintf(cfg, sizeof cfg, "[qkeep]\nbackend = cuda-nvfp4, reference\n[backend.cuda-nvfp4]\ndevice = %d\n",
-             c->rank);
+    snprintf(cfg, sizeof cfg,
+             "[qkeep]\nbackend = cuda-nvfp4, reference\n[backend.cuda-nvfp4]\ndevice = %d\npwal = %s\n",
+             c->rank, c->pwal);
   if (tu_write_file(cfg_path, cfg, strlen(cfg)))
     return fail_json(c, "config");
   qkeep_config *config;
@@ -280,14 +284,15 @@ static int run_rank(struct rank_ctx *c) {
            "\"bytes\":%lld,\"buckets\":%zu,\"bucket_bytes\":%zu,\"runs\":%d,\"peer_ms\":%.2f,"
            "\"peer_gbs\":%.2f,\"sync_ms\":%.2f,\"sync_gbs\":%.2f,\"sync_over_peer_bandwidth\":%.3f,"
            "\"peak_extra_device_bytes\":%lld,\"peak_extra_storage_bytes\":%lld,\"largest_bucket\":%zu,"
-           "\"digest_equals_cold_w1\":%s,\"pointers_moved\":%zu}\n",
+           "\"digest_equals_cold_w1\":%s,\"pointers_moved\":%zu,\"pwal\":\"%s\"}\n",
            c->model_name, c->ranks,
            c->backend      ? "inprocess_broadcast"
            : c->ranks == 1 ? "device_copy"
                            : "nccl_broadcast",
            n, (long long)total, n_buckets, c->bucket_bytes, c->runs, rt * 1e3, (double)total / rt / 1e9,
            st * 1e3, (double)total / st / 1e9, rt / st, free0 >= 0 ? (long long)(free0 - lowest) : -1LL,
-           (long long)extra_storage, biggest, a.hi == b.hi && a.lo == b.lo ? "true" : "false", moved);
+           (long long)extra_storage, biggest, a.hi == b.hi && a.lo == b.lo ? "true" : "false", moved,
+           c->backend ? "-" : c->pwal);
     fflush(stdout);
   }
   if (c->backend)
@@ -336,7 +341,7 @@ int main(int argc, char **argv) {
   const char *which = argc > 1 ? argv[1] : "all";
   int runs = argc > 2 ? atoi(argv[2]) : 5;
   size_t bucket_mb = argc > 3 ? (size_t)atoll(argv[3]) : 1024;
-  const char *backend = argc > 4 ? argv[4] : NULL;
+  const char *backend = argc > 4 ? argv[4] : NULL, *pwal = getenv("QKEEP_BENCH_PWAL");
   if (backend && strcmp(backend, "reference") != 0 && strcmp(backend, "test-async") != 0) {
     fprintf(stderr, "bench_sync: BACKEND is reference or test-async (the CPU path), not %s\n", backend);
     return 2;
@@ -375,7 +380,8 @@ int main(int argc, char **argv) {
                          .w1 = w1,
                          .dir = dir,
                          .model_name = shapes[s].name,
-                         .backend = backend};
+                         .backend = backend,
+                         .pwal = pwal && *pwal ? pwal : "gpu"};
     if (pipe(c.id_pipe))
       return 1;
     /* Every rank in a fresh child: the parent never initialises CUDA (a child forked after that could

@@ -328,6 +328,55 @@ START_TEST(reload_equals_cold_start_in_place) {
 }
 END_TEST
 
+/* The extra device memory a model's load needed: its peak over what it holds. */
+static int64_t load_extra(qkeep_model *m) {
+  struct qkeep_memory_stats mem = {.size = sizeof mem};
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  return mem.storage_peak - mem.storage_bytes;
+}
+
+static bool same_digest(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
+
+/*
+ * Shapes whose kernel layout is as large as the checkpoint's are transformed in place: K up to 8192 (a
+ * 128-row group of down_proj spread over a cluster of 8 blocks' shared memory), fused q/k/v of 1,152
+ * rows, stacked experts. The bytes equal the transforms into a new tensor and their CPU twins (digests),
+ * the load needs no result memory (less extra memory than into new tensors), and a reload in place equals
+ * a cold start with no pointer moved.
+ */
+START_TEST(in_place_transforms_equal_the_copies) {
+  static const struct gtu_model big = {1024, 64, 8192, 256, 3, 64};
+  char *s0 = gtu_write_source(dir, "in-place-0.safetensors", 11, &big);
+  char *s1 = gtu_write_source(dir, "in-place-1.safetensors", 12, &big);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "in-place-q0"),
+       *w1 = quantize(s1, "modelopt-nvfp4", "in-place-q1");
+  qkeep_model *m = gtu_load(gpu, w0, NULL);
+  configure("pwal", "gpu-copy");
+  qkeep_model *copied = gtu_load(gpu, w0, NULL);
+  configure("pwal", "host");
+  qkeep_model *host = gtu_load(gpu, w0, NULL);
+  configure("pwal", "gpu");
+  struct qkeep_digest d0 = gtu_digest(m);
+  ck_assert(same_digest(d0, gtu_digest(copied)));
+  ck_assert(same_digest(d0, gtu_digest(host)));
+  ck_assert_int_lt(load_extra(m), load_extra(copied));
+  assert_census_clean(m);
+  qkeep_model *cold = gtu_load(gpu, w1, NULL);
+  struct tu_storages before = {.to_host = gpu_to_host}, after = before, cold_bytes = before;
+  tu_snapshot(m, &before);
+  tu_snapshot(cold, &cold_bytes);
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same_digest(gtu_digest(m), gtu_digest(cold)));
+  tu_snapshot(m, &after);
+  tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same_digest(gtu_digest(m), d0));
+  tu_release_snapshot(&before), tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
+  qkeep_model_free(cold), qkeep_model_free(host), qkeep_model_free(copied), qkeep_model_free(m);
+  free(s0), free(s1), free(w0), free(w1);
+}
+END_TEST
+
 /* ---- activations in bf16 / f16, and the routed MoE apply ---------------------------------------- */
 
 static void *to_device(const void *host, size_t bytes) {
@@ -757,6 +806,7 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, agrees_with_reference, 0, 2);
   tcase_add_loop_test(tc, layouts_match_cpu_transforms, 0, 2);
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
+  tcase_add_test(tc, in_place_transforms_equal_the_copies);
   tcase_add_test(tc, half_precision_activations);
   tcase_add_loop_test(tc, chained_applies_read_the_outputs_before_them, 0, 2);
   suite_add_tcase(s, tc);

@@ -68,6 +68,7 @@ struct cuda_backend {
   int device;
   struct nvfp4_tuning tuning; /* 0: automatic */
   bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
+  bool pwal_copy;             /* on the GPU, always into a new tensor (key pwal = gpu-copy), never in place */
   bool quantize_on_device;    /* the quantize slot takes units (key quantize_on_device; else declines) */
   /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
   pthread_mutex_t fence_mu;
@@ -526,7 +527,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"route", QKEEP_KEY_ENUM, "auto|align|self", "auto",
      "routed MoE on the stream kernel: auto (each block finds its token tile up to 32 token-expert pairs, "
      "else a sorting kernel first), align (always the sorting kernel) or self (each block, up to 256 pairs)"},
-    {"pwal", QKEEP_KEY_ENUM, "gpu|host", "gpu", "where the layout transforms run (host: their CPU twins)"},
+    {"pwal", QKEEP_KEY_ENUM, "gpu|gpu-copy|host", "gpu",
+     "where the layout transforms run: gpu (in place where the shape allows), gpu-copy (always into a new "
+     "tensor), host (their CPU twins)"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
      "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
      "unit is quantized on the host and its bytes copied over)"},
@@ -582,9 +585,10 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     else
       return c->host->set_error(QKEEP_E_CONFIG, "route = '%s': expected auto, align or self", value);
   } else if (strcmp(key, "pwal") == 0) {
-    if (strcmp(value, "gpu") != 0 && strcmp(value, "host") != 0)
-      return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu or host", value);
+    if (strcmp(value, "gpu") != 0 && strcmp(value, "gpu-copy") != 0 && strcmp(value, "host") != 0)
+      return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu, gpu-copy or host", value);
     c->pwal_on_host = value[0] == 'h';
+    c->pwal_copy = strcmp(value, "gpu-copy") == 0;
   } else if (strcmp(key, "quantize_on_device") == 0) {
     static const char *const yes[] = {"true", "yes", "on", "1"}, *const no[] = {"false", "no", "off", "0"};
     int found = -1;
@@ -681,9 +685,31 @@ static int transform_on_host(const struct matrix *m, enum transform tr, const vo
 }
 
 /*
- * Rewrites param `local` (weight or weight_scale) from its checkpoint layout into the
- * kernel's, through a result tensor and replace: in place when the layout is no larger,
- * rebound when padding makes it larger. *data is the param's data pointer afterwards.
+ * The transform in the param's own storage (a cluster of blocks holds each 128-row group in shared memory
+ * while it writes it back), where its kernel layout is exactly as large as the checkpoint's: one pass over
+ * the bytes and no result tensor, nor the copy back into the param that replace makes. 0 when done (the
+ * view declared with replace_in_place), 1 when the shape does not allow it (nothing changed), else the
+ * error.
+ */
+static int in_place(const struct matrix *m, const char *name, enum transform tr, const struct qkeep_view *v,
+                    int64_t experts, int64_t cols, const struct qkeep_spec *kernel) {
+  if (m->c->pwal_on_host || m->c->pwal_copy || qkeep_be_spec_bytes(kernel) != v->nbytes)
+    return 1;
+  int err = tr == TILE_WEIGHTS ? nvfp4_tile_weights_in_place_gpu(v->data, experts, m->rows, m->k, NULL)
+                               : nvfp4_swizzle_scales_in_place_gpu(v->data, experts, m->rows, cols, NULL);
+  if (err == cudaErrorNotSupported)
+    return 1;
+  if (err)
+    return cuda_error(m->c, (cudaError_t)err,
+                      tr == TILE_WEIGHTS ? "tiling weights in place" : "swizzling scales in place");
+  return m->c->host->replace_in_place(m->layer, name, kernel);
+}
+
+/*
+ * Rewrites param `local` (weight or weight_scale) from its checkpoint layout into the kernel's:
+ * in its own storage where the layout is exactly as large (in_place), else through a result
+ * tensor and replace (copied back into the param's storage when it fits, rebound when padding
+ * makes it larger). *data is the param's data pointer afterwards.
  */
 static int transform(const struct matrix *m, const char *local, enum transform tr, const void **data) {
   const struct qkeep_host *host = m->c->host;
@@ -710,13 +736,18 @@ static int transform(const struct matrix *m, const char *local, enum transform t
         "cuda-nvfp4: %s.%s is not in its checkpoint layout (%s); PWAL transforms checkpoint "
         "bytes only, and reload restores them before it runs again",
         m->layer_name, name, qkeep_be_spec_equal(&v.spec, &kernel) ? "already transformed" : "other shape");
+  int64_t experts = m->experts ? m->experts : 1;
+  int rc_in_place = in_place(m, name, tr, &v, experts, cols, &kernel);
+  if (rc_in_place <= 0) {
+    *data = v.data;
+    return rc_in_place;
+  }
   /* The GPU transforms write every byte of the result, padding included: no zero-fill first (ABI 1.7). */
   qkeep_tensor *result;
   const bool unfilled = !m->c->pwal_on_host && QKEEP_HAS_SLOT(host, struct qkeep_host, tensor_new_unfilled);
   if ((rc = (unfilled ? host->tensor_new_unfilled : host->tensor_new)(m->layer, &kernel, &result)))
     return rc;
   void *dst = host->tensor_data(result);
-  int64_t experts = m->experts ? m->experts : 1;
   if (m->c->pwal_on_host) {
     rc = transform_on_host(m, tr, v.data, dst);
   } else {

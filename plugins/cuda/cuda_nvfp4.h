@@ -45,6 +45,13 @@ int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t experts, int64_t 
                            void *stream);
 int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t cols,
                              void *stream);
+/* The same transforms in place, over data [experts, rows, k/2] or [experts, rows, cols] (device
+ * memory), for matrices whose kernel layout is exactly as large as the checkpoint's: weights with rows
+ * % 16 == 0 and k % 64 == 0, scales with rows % 128 == 0 and cols % 4 == 0. cudaErrorNotSupported
+ * (nothing launched) for other shapes, and where a 128-row group is larger than a cluster's shared
+ * memory takes (weights with k above about 25,000): then the caller transforms into a new tensor. */
+int nvfp4_tile_weights_in_place_gpu(void *data, int64_t experts, int64_t rows, int64_t k, void *stream);
+int nvfp4_swizzle_scales_in_place_gpu(void *data, int64_t experts, int64_t rows, int64_t cols, void *stream);
 /* alpha[e] = scale[e] for experts merged global scales (f32, device memory); invert: the
  * compressed-tensors encode factor, alpha = 1 / scale (0 when scale is 0). Queued on stream. */
 int nvfp4_alpha_gpu(const float *scale, float *alpha, int64_t experts, int invert, void *stream);

@@ -1708,6 +1708,55 @@ __global__ void __launch_bounds__(kTransformThreads)
   }
 }
 
+/*
+ * The same transforms in place. Both permute bytes only within a 128-row group when nothing is padded
+ * (weights: rows % 16 == 0 and K % 64 == 0; scales: rows % 128 == 0 and cols % 4 == 0), so a group read
+ * whole into shared memory can be written back over itself: one pass over the bytes, and no second
+ * tensor to hold the result. A group larger than one block's share (K above about 2,000 for weights)
+ * is spread over a thread-block cluster of up to 8 blocks, each reading `slice` bytes of it and writing
+ * its share of the group's units from the cluster's shared memory (distributed shared memory).
+ */
+template <bool kScales>
+__global__ void __launch_bounds__(kTransformThreads)
+    transform_in_place_kernel(uint8_t *data, long long experts, unsigned rows, unsigned k, unsigned slice) {
+  extern __shared__ uint4 group_bytes[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned parts = cluster.num_blocks(), part = cluster.block_rank(), group = blockIdx.x / parts;
+  /* k is the scales' columns for kScales: a row of them is k bytes, and an atom group 128 rows. */
+  const unsigned row_bytes = kScales ? k : k / 2;
+  const unsigned group_tiles = kScales ? 8u : min(8u, rows / 16 - group * 8);
+  const unsigned group_rows = group_tiles * 16, units = kScales ? k / 4 : group_tiles * (k / 64);
+  const unsigned bytes = group_rows * row_bytes, from = min(bytes, part * slice),
+                 to = min(bytes, from + slice);
+  const unsigned word = threadIdx.x % 128, first = units * part / parts, last = units * (part + 1) / parts;
+  const uint8_t *mine = reinterpret_cast<const uint8_t *>(group_bytes);
+  for (long long e = blockIdx.y; e < experts; e += gridDim.y) {
+    uint8_t *base = data + ((size_t)e * rows + (size_t)group * 128) * row_bytes;
+    for (unsigned i = from / 16 + threadIdx.x; i < to / 16; i += blockDim.x)
+      group_bytes[i - from / 16] = reinterpret_cast<const uint4 *>(base)[i];
+    cluster.sync(); /* the whole group is in the cluster's shared memory before any of it is overwritten */
+    for (unsigned u = first + threadIdx.x / 128; u < last; u += kTransformThreads / 128) {
+      uint32_t v;
+      if (kScales) { /* word w of atom u: row 32 (w % 4) + w / 4 of the group, columns 4u .. 4u + 3 */
+        const unsigned at = ((word % 4) * 32 + word / 4) * row_bytes + u * 4, owner = at / slice;
+        const uint8_t *p = owner == part ? mine : cluster.map_shared_rank(mine, owner);
+        v = *reinterpret_cast<const uint32_t *>(p + (at - owner * slice));
+      } else { /* as tile_weights_kernel: unit u is tile u % group_tiles of chunk u / group_tiles */
+        const unsigned g = word / 16, t = (word / 4) % 4, j = word % 4;
+        const unsigned r = (u % group_tiles) * 16 + g, byte = (u / group_tiles) * 32 + 8 * t + 2 * j;
+        const unsigned lo_at = r * row_bytes + byte, hi_at = lo_at + 8 * row_bytes;
+        const unsigned lo_owner = lo_at / slice, hi_owner = hi_at / slice;
+        const uint8_t *lo = lo_owner == part ? mine : cluster.map_shared_rank(mine, lo_owner);
+        const uint8_t *hi = hi_owner == part ? mine : cluster.map_shared_rank(mine, hi_owner);
+        v = tile_word(*reinterpret_cast<const uint16_t *>(lo + (lo_at - lo_owner * slice)),
+                      *reinterpret_cast<const uint16_t *>(hi + (hi_at - hi_owner * slice)));
+      }
+      reinterpret_cast<uint32_t *>(base)[(size_t)u * 128 + word] = v;
+    }
+    cluster.sync(); /* no block leaves, or reads its next group, while another still reads its bytes */
+  }
+}
+
 /* alpha[e] = the merged global scale, or for compressed-tensors the inverse of its encode factor (0 stays 0).
  */
 __global__ void alpha_kernel(const float *scale, float *alpha, long long experts, int invert) {
@@ -1784,6 +1833,57 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   swizzle_scales_kernel<<<transform_grid(units, experts), kTransformThreads, 0, (cudaStream_t)stream>>>(
       static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, cols);
   return cudaGetLastError();
+}
+
+/* Shared memory a block of an in-place transform aims at (three blocks an SM), and the most it takes. */
+constexpr unsigned kInPlaceSlice = 64u << 10, kInPlaceMaxSlice = 200u << 10, kInPlaceMaxParts = 8;
+
+/* One launch of transform_in_place_kernel over groups x experts, bytes_per_group the largest group. */
+template <bool kScales>
+static int launch_in_place(void *data, int64_t experts, int64_t rows, int64_t k, long long groups,
+                           long long bytes_per_group, void *stream) {
+  const long long wanted = (bytes_per_group + kInPlaceSlice - 1) / kInPlaceSlice;
+  const long long parts = wanted < kInPlaceMaxParts ? wanted : kInPlaceMaxParts;
+  const long long slice = ((bytes_per_group + parts - 1) / parts + 15) / 16 * 16;
+  if (slice > kInPlaceMaxSlice || groups * parts > INT32_MAX)
+    return cudaErrorNotSupported;
+  void (*kernel)(uint8_t *, long long, unsigned, unsigned, unsigned) = transform_in_place_kernel<kScales>;
+  static DeviceSlots configured; /* opted into the largest slice once per device */
+  cudaError_t err = opt_in_smem(configured, kernel, (int)kInPlaceMaxSlice);
+  if (err != cudaSuccess)
+    return err;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(groups * parts), (unsigned)(experts > 65535 ? 65535 : experts));
+  cfg.blockDim = dim3(kTransformThreads);
+  cfg.dynamicSmemBytes = (size_t)slice;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = (unsigned)parts;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<uint8_t *>(data), (long long)experts, (unsigned)rows,
+                            (unsigned)k, (unsigned)slice);
+}
+
+extern "C" int nvfp4_tile_weights_in_place_gpu(void *data, int64_t experts, int64_t rows, int64_t k,
+                                               void *stream) {
+  if (experts < 1 || rows < 1 || k < 1)
+    return cudaErrorInvalidValue;
+  if (rows % NVFP4_TILE_ROWS || k % NVFP4_CHUNK_K || rows > INT32_MAX || k > INT32_MAX)
+    return cudaErrorNotSupported;
+  const long long tiles = rows / NVFP4_TILE_ROWS, group_rows = tiles < 8 ? rows : 8 * NVFP4_TILE_ROWS;
+  return launch_in_place<false>(data, experts, rows, k, (tiles + 7) / 8, group_rows * (k / 2), stream);
+}
+
+extern "C" int nvfp4_swizzle_scales_in_place_gpu(void *data, int64_t experts, int64_t rows, int64_t cols,
+                                                 void *stream) {
+  if (experts < 1 || rows < 1 || cols < 1)
+    return cudaErrorInvalidValue;
+  if (rows % NVFP4_SF_ROWS || cols % NVFP4_SF_COLS || rows > INT32_MAX || cols > INT32_MAX)
+    return cudaErrorNotSupported;
+  return launch_in_place<true>(data, experts, rows, cols, rows / NVFP4_SF_ROWS, NVFP4_SF_ROWS * cols, stream);
 }
 
 extern "C" int nvfp4_alpha_gpu(const float *scale, float *alpha, int64_t experts, int invert, void *stream) {
