@@ -1842,6 +1842,10 @@ constexpr unsigned kInPlaceSlice = 64u << 10, kInPlaceMaxSlice = 200u << 10, kIn
 template <bool kScales>
 static int launch_in_place(void *data, int64_t experts, int64_t rows, int64_t k, long long groups,
                            long long bytes_per_group, void *stream) {
+  if (experts < 1 || rows < 1 || k < 1)
+    return cudaErrorInvalidValue;
+  if (rows > INT32_MAX || k > INT32_MAX)
+    return cudaErrorNotSupported;
   const long long wanted = (bytes_per_group + kInPlaceSlice - 1) / kInPlaceSlice;
   const long long parts = wanted < kInPlaceMaxParts ? wanted : kInPlaceMaxParts;
   const long long slice = ((bytes_per_group + parts - 1) / parts + 15) / 16 * 16;
@@ -1869,20 +1873,16 @@ static int launch_in_place(void *data, int64_t experts, int64_t rows, int64_t k,
 
 extern "C" int nvfp4_tile_weights_in_place_gpu(void *data, int64_t experts, int64_t rows, int64_t k,
                                                void *stream) {
-  if (experts < 1 || rows < 1 || k < 1)
-    return cudaErrorInvalidValue;
-  if (rows % NVFP4_TILE_ROWS || k % NVFP4_CHUNK_K || rows > INT32_MAX || k > INT32_MAX)
-    return cudaErrorNotSupported;
+  if (rows % NVFP4_TILE_ROWS || k % NVFP4_CHUNK_K)
+    return experts < 1 || rows < 1 || k < 1 ? cudaErrorInvalidValue : cudaErrorNotSupported;
   const long long tiles = rows / NVFP4_TILE_ROWS, group_rows = tiles < 8 ? rows : 8 * NVFP4_TILE_ROWS;
   return launch_in_place<false>(data, experts, rows, k, (tiles + 7) / 8, group_rows * (k / 2), stream);
 }
 
 extern "C" int nvfp4_swizzle_scales_in_place_gpu(void *data, int64_t experts, int64_t rows, int64_t cols,
                                                  void *stream) {
-  if (experts < 1 || rows < 1 || cols < 1)
-    return cudaErrorInvalidValue;
-  if (rows % NVFP4_SF_ROWS || cols % NVFP4_SF_COLS || rows > INT32_MAX || cols > INT32_MAX)
-    return cudaErrorNotSupported;
+  if (rows % NVFP4_SF_ROWS || cols % NVFP4_SF_COLS)
+    return experts < 1 || rows < 1 || cols < 1 ? cudaErrorInvalidValue : cudaErrorNotSupported;
   return launch_in_place<true>(data, experts, rows, cols, rows / NVFP4_SF_ROWS, NVFP4_SF_ROWS * cols, stream);
 }
 
