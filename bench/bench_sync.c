@@ -31,8 +31,8 @@
  * W1 load for the digest): about 8 GB for the Qwen3-shaped model. One JSON object per line
  * ("peer": "nccl_broadcast" with two ranks, "device_copy" with one, "inprocess_broadcast" on the
  * CPU). QKEEP_BENCH_TRACE=1 logs where each bucket's time goes (a line per bucket on stderr);
- * QKEEP_BENCH_PWAL sets cuda-nvfp4's key pwal (gpu, the default: layout transforms in place where the
- * shape allows; gpu-copy: always into a new tensor, copied back).
+ * QKEEP_BENCH_PWAL sets cuda-nvfp4's key pwal (gpu, the default: layout transforms into a new tensor,
+ * copied back; in-place: in the param's own memory where the shape allows).
  *
  * NVLink multicast stays off: the bench sets NCCL_NVLS_ENABLE=0 in its own environment before any
  * NCCL call (qkeep leaves NCCL's configuration to its caller), as a host whose GPUs are shared

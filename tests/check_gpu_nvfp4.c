@@ -338,7 +338,8 @@ static int64_t load_extra(qkeep_model *m) {
 static bool same_digest(struct qkeep_digest a, struct qkeep_digest b) { return a.hi == b.hi && a.lo == b.lo; }
 
 /*
- * Shapes whose kernel layout is as large as the checkpoint's are transformed in place: K up to 8192 (a
+ * With pwal = in-place, shapes whose kernel layout is as large as the checkpoint's are transformed in
+ * their own memory: K up to 8192 (a
  * 128-row group of down_proj spread over a cluster of 8 blocks' shared memory), fused q/k/v of 1,152
  * rows, stacked experts. The bytes equal the transforms into a new tensor and their CPU twins (digests),
  * the load needs no result memory (less extra memory than into new tensors), and a reload in place equals
@@ -350,12 +351,13 @@ START_TEST(in_place_transforms_equal_the_copies) {
   char *s1 = gtu_write_source(dir, "in-place-1.safetensors", 12, &big);
   char *w0 = quantize(s0, "modelopt-nvfp4", "in-place-q0"),
        *w1 = quantize(s1, "modelopt-nvfp4", "in-place-q1");
+  configure("pwal", "in-place");
   qkeep_model *m = gtu_load(gpu, w0, NULL);
-  configure("pwal", "gpu-copy");
+  configure("pwal", "gpu");
   qkeep_model *copied = gtu_load(gpu, w0, NULL);
   configure("pwal", "host");
   qkeep_model *host = gtu_load(gpu, w0, NULL);
-  configure("pwal", "gpu");
+  configure("pwal", "in-place"); /* for the reloads below (and the cold start they equal) */
   struct qkeep_digest d0 = gtu_digest(m);
   ck_assert(same_digest(d0, gtu_digest(copied)));
   ck_assert(same_digest(d0, gtu_digest(host)));
@@ -371,6 +373,7 @@ START_TEST(in_place_transforms_equal_the_copies) {
   tu_assert_in_place_and_equal(&before, &after, &cold_bytes);
   ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
   ck_assert(same_digest(gtu_digest(m), d0));
+  configure("pwal", "gpu");
   tu_release_snapshot(&before), tu_release_snapshot(&after), tu_release_snapshot(&cold_bytes);
   qkeep_model_free(cold), qkeep_model_free(host), qkeep_model_free(copied), qkeep_model_free(m);
   free(s0), free(s1), free(w0), free(w1);

@@ -68,8 +68,8 @@ struct cuda_backend {
   int device;
   struct nvfp4_tuning tuning; /* 0: automatic */
   bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
-  bool pwal_copy;             /* on the GPU, always into a new tensor (key pwal = gpu-copy), never in place */
-  bool quantize_on_device;    /* the quantize slot takes units (key quantize_on_device; else declines) */
+  bool pwal_in_place;      /* on the GPU in the param's own memory where the shape allows (pwal = in-place) */
+  bool quantize_on_device; /* the quantize slot takes units (key quantize_on_device; else declines) */
   /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
   pthread_mutex_t fence_mu;
   uint64_t fences; /* tokens handed out */
@@ -527,9 +527,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"route", QKEEP_KEY_ENUM, "auto|align|self", "auto",
      "routed MoE on the stream kernel: auto (each block finds its token tile up to 32 token-expert pairs, "
      "else a sorting kernel first), align (always the sorting kernel) or self (each block, up to 256 pairs)"},
-    {"pwal", QKEEP_KEY_ENUM, "gpu|gpu-copy|host", "gpu",
-     "where the layout transforms run: gpu (in place where the shape allows), gpu-copy (always into a new "
-     "tensor), host (their CPU twins)"},
+    {"pwal", QKEEP_KEY_ENUM, "gpu|in-place|host", "gpu",
+     "where the layout transforms run: gpu (into a new tensor, copied back), in-place (on the GPU in the "
+     "param's own memory where the shape allows, else as gpu), host (their CPU twins)"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
      "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
      "unit is quantized on the host and its bytes copied over)"},
@@ -585,10 +585,10 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     else
       return c->host->set_error(QKEEP_E_CONFIG, "route = '%s': expected auto, align or self", value);
   } else if (strcmp(key, "pwal") == 0) {
-    if (strcmp(value, "gpu") != 0 && strcmp(value, "gpu-copy") != 0 && strcmp(value, "host") != 0)
-      return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu, gpu-copy or host", value);
+    if (strcmp(value, "gpu") != 0 && strcmp(value, "in-place") != 0 && strcmp(value, "host") != 0)
+      return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu, in-place or host", value);
     c->pwal_on_host = value[0] == 'h';
-    c->pwal_copy = strcmp(value, "gpu-copy") == 0;
+    c->pwal_in_place = value[0] == 'i';
   } else if (strcmp(key, "quantize_on_device") == 0) {
     static const char *const yes[] = {"true", "yes", "on", "1"}, *const no[] = {"false", "no", "off", "0"};
     int found = -1;
@@ -685,15 +685,15 @@ static int transform_on_host(const struct matrix *m, enum transform tr, const vo
 }
 
 /*
- * The transform in the param's own storage (a cluster of blocks holds each 128-row group in shared memory
- * while it writes it back), where its kernel layout is exactly as large as the checkpoint's: one pass over
- * the bytes and no result tensor, nor the copy back into the param that replace makes. 0 when done (the
- * view declared with replace_in_place), 1 when the shape does not allow it (nothing changed), else the
- * error.
+ * With pwal = in-place, the transform in the param's own storage (a cluster of blocks holds each 128-row
+ * group in shared memory while it writes it back), where its kernel layout is exactly as large as the
+ * checkpoint's: one pass over the bytes and no result tensor, nor the copy back into the param that
+ * replace makes. 0 when done (the view declared with replace_in_place), 1 when not asked for or the shape
+ * does not allow it (nothing changed), else the error.
  */
 static int in_place(const struct matrix *m, const char *name, enum transform tr, const struct qkeep_view *v,
                     int64_t experts, int64_t cols, const struct qkeep_spec *kernel) {
-  if (m->c->pwal_on_host || m->c->pwal_copy || qkeep_be_spec_bytes(kernel) != v->nbytes)
+  if (!m->c->pwal_in_place || qkeep_be_spec_bytes(kernel) != v->nbytes)
     return 1;
   int err = tr == TILE_WEIGHTS ? nvfp4_tile_weights_in_place_gpu(v->data, experts, m->rows, m->k, NULL)
                                : nvfp4_swizzle_scales_in_place_gpu(v->data, experts, m->rows, cols, NULL);
@@ -707,9 +707,9 @@ static int in_place(const struct matrix *m, const char *name, enum transform tr,
 
 /*
  * Rewrites param `local` (weight or weight_scale) from its checkpoint layout into the kernel's:
- * in its own storage where the layout is exactly as large (in_place), else through a result
- * tensor and replace (copied back into the param's storage when it fits, rebound when padding
- * makes it larger). *data is the param's data pointer afterwards.
+ * in its own storage (in_place, when asked for and the layout is exactly as large), else through a
+ * result tensor and replace (copied back into the param's storage when it fits, rebound when
+ * padding makes it larger). *data is the param's data pointer afterwards.
  */
 static int transform(const struct matrix *m, const char *local, enum transform tr, const void **data) {
   const struct qkeep_host *host = m->c->host;
