@@ -6,7 +6,9 @@
  * zero padding; and the weight tiles read back the way the GEMM reads them:
  * an emulation of mma.m16n8k16's fragments, fed by the same bit tricks the
  * kernel uses, must reproduce x W^T exactly; the same tiles as the wgmma kernel's
- * register-sourced A with the activations staged for its shared-memory B operand, likewise.
+ * register-sourced A with the activations staged for its shared-memory B operand, likewise; and
+ * the in-place transforms, emulated group by group through a cluster's slices as the kernel runs
+ * them, give the transforms' bytes.
  */
 #include <check.h>
 #include <math.h>
@@ -188,6 +190,104 @@ START_TEST(test_w_round_trip) {
     ck_assert(memcmp(src, back, n) == 0);
     free(src), free(tiled), free(back);
   }
+}
+END_TEST
+
+/* ---- the transforms in place ------------------------------------------------------------ */
+
+/* The bytes at `at` of a group spread over parts of `slice` bytes (a cluster's shared memory). */
+static const uint8_t *in_slices(uint8_t *const *part, int64_t slice, unsigned at) {
+  return part[at / slice] + at % slice;
+}
+
+/*
+ * What the GPU's in-place transform does, block by block: per expert and 128-row group, each of the
+ * cluster's parts takes its slice of the group, then writes its share of the group's units from the
+ * slices (layout.h's nvfp4_w_group_reads / nvfp4_sf_group_read, as the kernel). k is the scales'
+ * columns for scales. -1 when the group is too large for a cluster.
+ */
+static int emulate_in_place(bool scales, uint8_t *data, int64_t experts, int64_t rows, int64_t k) {
+  const unsigned row_bytes = (unsigned)(scales ? k : k / 2);
+  const int64_t tiles = rows / 16, groups = scales ? rows / 128 : (tiles + 7) / 8;
+  int64_t parts, slice;
+  if (nvfp4_in_place_split((scales || tiles >= 8 ? 128 : rows) * (int64_t)row_bytes, &parts, &slice))
+    return -1;
+  uint8_t *part[NVFP4_IN_PLACE_MAX_PARTS];
+  for (int64_t p = 0; p < parts; p++)
+    part[p] = tu_xmalloc((size_t)slice);
+  for (int64_t e = 0; e < experts; e++)
+    for (int64_t g = 0; g < groups; g++) {
+      const unsigned group_tiles = scales ? 8u : (unsigned)(tiles - g * 8 < 8 ? tiles - g * 8 : 8);
+      const unsigned bytes = group_tiles * 16 * row_bytes,
+                     units = scales ? row_bytes / 4 : group_tiles * (row_bytes / 32);
+      uint8_t *base = data + ((size_t)e * (size_t)rows + (size_t)g * 128) * row_bytes;
+      for (int64_t p = 0; p < parts; p++) {
+        memset(part[p], 0xcd, (size_t)slice);
+        int64_t from = p * slice < bytes ? p * slice : bytes,
+                to = from + slice < bytes ? from + slice : bytes;
+        memcpy(part[p], base + from, (size_t)(to - from));
+      }
+      for (int64_t p = 0; p < parts; p++)
+        for (unsigned u = (unsigned)(units * p / parts); u < units * (p + 1) / parts; u++)
+          for (unsigned word = 0; word < 128; word++) {
+            uint32_t v;
+            if (scales) {
+              memcpy(&v, in_slices(part, slice, nvfp4_sf_group_read(u, word, row_bytes)), 4);
+            } else {
+              unsigned lo_at, hi_at;
+              uint16_t lo, hi;
+              nvfp4_w_group_reads(u, word, group_tiles, row_bytes, &lo_at, &hi_at);
+              memcpy(&lo, in_slices(part, slice, lo_at), 2);
+              memcpy(&hi, in_slices(part, slice, hi_at), 2);
+              v = nvfp4_w_word(lo, hi);
+            }
+            memcpy(base + (size_t)u * NVFP4_TILE_BYTES + word * 4, &v, 4);
+          }
+    }
+  for (int64_t p = 0; p < parts; p++)
+    free(part[p]);
+  return 0;
+}
+
+/* In place over the checkpoint bytes, group by group through a cluster's slices, the bytes of the
+ * transforms into a new buffer: one to eight parts, a last group of fewer tiles, stacked experts,
+ * and the largest group a cluster holds; one larger is refused. */
+START_TEST(test_in_place_equals_the_transforms) {
+  static const int64_t weights[][3] = {{1, 16, 64},    {3, 48, 128},    {2, 272, 2048},
+                                       {1, 256, 4096}, {1, 144, 14336}, {1, 128, 25600}};
+  static const int64_t scales[][3] = {{1, 128, 4}, {3, 384, 16}, {2, 256, 896}, {1, 128, 1600}};
+  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++) {
+    const int64_t experts = weights[i][0], rows = weights[i][1], k = weights[i][2];
+    const size_t one = (size_t)(rows * k / 2);
+    ck_assert_int_eq(nvfp4_w_bytes(rows, k), (int64_t)one); /* no padding: the same bytes */
+    uint8_t *data = tu_xmalloc(one * (size_t)experts), *want = tu_xmalloc(one * (size_t)experts);
+    tu_fill_bytes(data, one * (size_t)experts, 71 + i);
+    for (int64_t e = 0; e < experts; e++)
+      nvfp4_tile_weights(data + (size_t)e * one, rows, k, want + (size_t)e * one);
+    ck_assert_int_eq(emulate_in_place(false, data, experts, rows, k), 0);
+    ck_assert_msg(memcmp(data, want, one * (size_t)experts) == 0, "weights %lld x %lld", (long long)rows,
+                  (long long)k);
+    free(data), free(want);
+  }
+  for (size_t i = 0; i < sizeof scales / sizeof scales[0]; i++) {
+    const int64_t experts = scales[i][0], rows = scales[i][1], cols = scales[i][2];
+    const size_t one = (size_t)(rows * cols);
+    ck_assert_int_eq(nvfp4_sf_bytes(rows, cols), (int64_t)one);
+    uint8_t *data = tu_xmalloc(one * (size_t)experts), *want = tu_xmalloc(one * (size_t)experts);
+    tu_fill_bytes(data, one * (size_t)experts, 91 + i);
+    for (int64_t e = 0; e < experts; e++)
+      nvfp4_swizzle_scales(data + (size_t)e * one, rows, cols, want + (size_t)e * one);
+    ck_assert_int_eq(emulate_in_place(true, data, experts, rows, cols), 0);
+    ck_assert_msg(memcmp(data, want, one * (size_t)experts) == 0, "scales %lld x %lld", (long long)rows,
+                  (long long)cols);
+    free(data), free(want);
+  }
+  int64_t parts, slice;
+  ck_assert_int_eq(nvfp4_in_place_split(128 * 25600 / 2, &parts, &slice), 0);
+  ck_assert_int_eq(parts, NVFP4_IN_PLACE_MAX_PARTS);
+  ck_assert_int_eq(nvfp4_in_place_split(128 * 25664 / 2, &parts, &slice), -1);
+  ck_assert_int_eq(nvfp4_in_place_split(64 << 10, &parts, &slice), 0);
+  ck_assert_int_eq(parts, 1);
 }
 END_TEST
 
@@ -567,6 +667,7 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_w_bijection);
   tcase_add_test(tc, test_w_layout_by_hand);
   tcase_add_test(tc, test_w_round_trip);
+  tcase_add_test(tc, test_in_place_equals_the_transforms);
   tcase_add_test(tc, test_pair_decode_every_code);
   tcase_add_test(tc, test_fragments_reproduce_gemm);
   tcase_add_test(tc, test_stream_plan);

@@ -1642,21 +1642,6 @@ __global__ void moe_combine_kernel(const float *rows, const int32_t *ids, const 
  */
 constexpr int kTransformThreads = 256; /* two units a block */
 
-/* Tile word (lane 4g + t, word j) of a chunk from the two 16-bit reads it needs: codes k = 16t + 4j + e
- * (e = 0..3) of rows g (lo) and g + 8 (hi), element 2i in the low nibble of byte i. */
-__device__ __forceinline__ uint32_t tile_word(unsigned lo, unsigned hi) {
-  uint32_t w = 0;
-  w = nvfp4_w_put(w, nvfp4_w_slot(0, 0), lo & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(1, 0), (lo >> 4) & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(2, 0), (lo >> 8) & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(3, 0), (lo >> 12) & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(0, 1), hi & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(1, 1), (hi >> 4) & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(2, 1), (hi >> 8) & 15u);
-  w = nvfp4_w_put(w, nvfp4_w_slot(3, 1), (hi >> 12) & 15u);
-  return w;
-}
-
 __global__ void __launch_bounds__(kTransformThreads)
     tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows, long long k) {
   const unsigned chunks = (unsigned)nvfp4_w_chunks(k), tiles = (unsigned)(nvfp4_w_rows(rows) / 16);
@@ -1678,7 +1663,7 @@ __global__ void __launch_bounds__(kTransformThreads)
         if (r + 8 < rows)
           hi = *reinterpret_cast<const uint16_t *>(s + (size_t)(r + 8) * row_bytes + byte);
       }
-      d[(size_t)u * 128 + word] = tile_word(lo, hi);
+      d[(size_t)u * 128 + word] = nvfp4_w_word(lo, hi);
     }
   }
 }
@@ -1737,19 +1722,18 @@ __global__ void __launch_bounds__(kTransformThreads)
     cluster.sync(); /* the whole group is in the cluster's shared memory before any of it is overwritten */
     for (unsigned u = first + threadIdx.x / 128; u < last; u += kTransformThreads / 128) {
       uint32_t v;
-      if (kScales) { /* word w of atom u: row 32 (w % 4) + w / 4 of the group, columns 4u .. 4u + 3 */
-        const unsigned at = ((word % 4) * 32 + word / 4) * row_bytes + u * 4, owner = at / slice;
+      if (kScales) {
+        const unsigned at = nvfp4_sf_group_read(u, word, row_bytes), owner = at / slice;
         const uint8_t *p = owner == part ? mine : cluster.map_shared_rank(mine, owner);
         v = *reinterpret_cast<const uint32_t *>(p + (at - owner * slice));
-      } else { /* as tile_weights_kernel: unit u is tile u % group_tiles of chunk u / group_tiles */
-        const unsigned g = word / 16, t = (word / 4) % 4, j = word % 4;
-        const unsigned r = (u % group_tiles) * 16 + g, byte = (u / group_tiles) * 32 + 8 * t + 2 * j;
-        const unsigned lo_at = r * row_bytes + byte, hi_at = lo_at + 8 * row_bytes;
+      } else {
+        unsigned lo_at, hi_at;
+        nvfp4_w_group_reads(u, word, group_tiles, row_bytes, &lo_at, &hi_at);
         const unsigned lo_owner = lo_at / slice, hi_owner = hi_at / slice;
         const uint8_t *lo = lo_owner == part ? mine : cluster.map_shared_rank(mine, lo_owner);
         const uint8_t *hi = hi_owner == part ? mine : cluster.map_shared_rank(mine, hi_owner);
-        v = tile_word(*reinterpret_cast<const uint16_t *>(lo + (lo_at - lo_owner * slice)),
-                      *reinterpret_cast<const uint16_t *>(hi + (hi_at - hi_owner * slice)));
+        v = nvfp4_w_word(*reinterpret_cast<const uint16_t *>(lo + (lo_at - lo_owner * slice)),
+                         *reinterpret_cast<const uint16_t *>(hi + (hi_at - hi_owner * slice)));
       }
       reinterpret_cast<uint32_t *>(base)[(size_t)u * 128 + word] = v;
     }
@@ -1835,9 +1819,6 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   return cudaGetLastError();
 }
 
-/* Shared memory a block of an in-place transform aims at (three blocks an SM), and the most it takes. */
-constexpr unsigned kInPlaceSlice = 64u << 10, kInPlaceMaxSlice = 200u << 10, kInPlaceMaxParts = 8;
-
 /* One launch of transform_in_place_kernel over groups x experts, bytes_per_group the largest group. */
 template <bool kScales>
 static int launch_in_place(void *data, int64_t experts, int64_t rows, int64_t k, long long groups,
@@ -1846,14 +1827,12 @@ static int launch_in_place(void *data, int64_t experts, int64_t rows, int64_t k,
     return cudaErrorInvalidValue;
   if (rows > INT32_MAX || k > INT32_MAX)
     return cudaErrorNotSupported;
-  const long long wanted = (bytes_per_group + kInPlaceSlice - 1) / kInPlaceSlice;
-  const long long parts = wanted < kInPlaceMaxParts ? wanted : kInPlaceMaxParts;
-  const long long slice = ((bytes_per_group + parts - 1) / parts + 15) / 16 * 16;
-  if (slice > kInPlaceMaxSlice || groups * parts > INT32_MAX)
+  int64_t parts, slice;
+  if (nvfp4_in_place_split(bytes_per_group, &parts, &slice) || groups * parts > INT32_MAX)
     return cudaErrorNotSupported;
   void (*kernel)(uint8_t *, long long, unsigned, unsigned, unsigned) = transform_in_place_kernel<kScales>;
   static DeviceSlots configured; /* opted into the largest slice once per device */
-  cudaError_t err = opt_in_smem(configured, kernel, (int)kInPlaceMaxSlice);
+  cudaError_t err = opt_in_smem(configured, kernel, (int)NVFP4_IN_PLACE_MAX_SLICE);
   if (err != cudaSuccess)
     return err;
   cudaLaunchConfig_t cfg = {};

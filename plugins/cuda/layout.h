@@ -162,6 +162,55 @@ NVFP4_INLINE unsigned nvfp4_w_get(uint32_t word, int slot) {
   return code;
 }
 
+/* Tile word (lane 4g + t, word j) of a chunk from the two 16-bit reads it needs: codes k = 16t + 4j + e
+ * (e = 0..3) of rows g (lo) and g + 8 (hi), element 2i in the low nibble of byte i. */
+NVFP4_INLINE uint32_t nvfp4_w_word(unsigned lo, unsigned hi) {
+  uint32_t w = 0;
+  for (int e = 0; e < 4; e++) {
+    w = nvfp4_w_put(w, nvfp4_w_slot(e, 0), (lo >> (4 * e)) & 15u);
+    w = nvfp4_w_put(w, nvfp4_w_slot(e, 1), (hi >> (4 * e)) & 15u);
+  }
+  return w;
+}
+
+/* ---- the transforms in place ----------------------------------------------------------- */
+
+/*
+ * Without padding (weights: rows % 16 == 0 and K % 64 == 0; scales: rows % 128 == 0 and
+ * cols % 4 == 0) both layouts permute bytes only within a 128-row group, the group's bytes
+ * staying where they were, so a group read whole can be written back over itself. The GPU
+ * spreads a group of `bytes` over `parts` blocks of `slice` bytes each (the shared memory of a
+ * thread-block cluster): part p holds bytes [p * slice, (p + 1) * slice) and writes units
+ * [units * p / parts, units * (p + 1) / parts) of the group's 512-byte units.
+ */
+#define NVFP4_IN_PLACE_SLICE ((int64_t)64 << 10)      /* a block's aim: three blocks an SM */
+#define NVFP4_IN_PLACE_MAX_SLICE ((int64_t)200 << 10) /* the most a block takes */
+#define NVFP4_IN_PLACE_MAX_PARTS 8                    /* a portable cluster */
+
+/* The parts and slice of a group of `bytes`; 0, or -1 when even 8 blocks cannot hold it. */
+NVFP4_INLINE int nvfp4_in_place_split(int64_t bytes, int64_t *parts, int64_t *slice) {
+  int64_t want = (bytes + NVFP4_IN_PLACE_SLICE - 1) / NVFP4_IN_PLACE_SLICE;
+  *parts = want < 1 ? 1 : want < NVFP4_IN_PLACE_MAX_PARTS ? want : NVFP4_IN_PLACE_MAX_PARTS;
+  *slice = ((bytes + *parts - 1) / *parts + 15) / 16 * 16;
+  return *slice > NVFP4_IN_PLACE_MAX_SLICE ? -1 : 0;
+}
+
+/* Where word `word` of unit u of a weight group (group_tiles tiles, rows of row_bytes) reads its two
+ * 16-bit halves: byte offsets in the group (unit u is tile u % group_tiles of chunk u / group_tiles). */
+NVFP4_INLINE void nvfp4_w_group_reads(unsigned u, unsigned word, unsigned group_tiles, unsigned row_bytes,
+                                      unsigned *lo, unsigned *hi) {
+  const unsigned g = word / 16, t = (word / 4) % 4, j = word % 4;
+  const unsigned r = (u % group_tiles) * 16 + g, byte = (u / group_tiles) * 32 + 8 * t + 2 * j;
+  *lo = r * row_bytes + byte;
+  *hi = *lo + 8 * row_bytes;
+}
+
+/* Where word `word` of atom u of a scale group (rows of `cols` bytes) reads its 32 bits: row
+ * 32 (word % 4) + word / 4 of the group, columns 4u .. 4u + 3. */
+NVFP4_INLINE unsigned nvfp4_sf_group_read(unsigned u, unsigned word, unsigned cols) {
+  return ((word % 4) * 32 + word / 4) * cols + u * 4;
+}
+
 /*
  * Register pair `pair` (0..3) of a tile word as the bit patterns of two bf16 values,
  * code * 2^-126 each, exactly (the code 0.5 lands on the smallest bf16 subnormal, the
