@@ -9,7 +9,8 @@
  *    "peer_us":.., "ratio":.., "ceiling_us":.., "of_ceiling":.., ...}
  *   {"bench":"nvfp4_moe","matrix":"w13"|"w2","tokens":.., ...}   Qwen3-30B-A3B's routed experts
  *   {"bench":"fp8_scaled_mm", ...}, {"bench":"nvfp4_vs_fp8", ...}  torch's fp8 GEMM (bench/peer_fp8.py)
- *   {"bench":"nvfp4_transform", ...}                  PWAL's layout transforms against a device copy
+ *   {"bench":"nvfp4_transform", ...}                  PWAL's layout transforms (into a new buffer and in
+ *                                                     place) against a device copy
  *   {"bench":"nvfp4_pwal", ...}
  *   {"bench":"nvfp4_sweep", ...}                        with QKEEP_BENCH_SWEEP=1: every kernel shape
  *                                                       (=stream: only the streaming kernel's, m <= 16;
@@ -621,7 +622,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
  * a missing torch is a {"skipped": ...} line, never a failure.
  */
 /* The PWAL transforms (weights tiled, block scales swizzled) of a MoE's stacked experts and of
- * Llama-3-8B's largest linears, against a device copy of the same bytes in the same run. */
+ * Llama-3-8B's largest linears, into a new buffer and in place (pwal = in-place), against a device
+ * copy of the same bytes in the same run. */
 void bench_transform(cudaStream_t stream) {
   struct Case {
     const char *matrix;
