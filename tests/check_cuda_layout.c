@@ -249,6 +249,22 @@ static int emulate_in_place(bool scales, uint8_t *data, int64_t experts, int64_t
   return 0;
 }
 
+/* `experts` matrices [rows, k] (k: the scales' columns for scales) of random bytes, transformed in place
+ * by the emulation, equal layout.c's transforms of them into a new buffer (as large: no padding). */
+static void assert_in_place(bool scales, int64_t experts, int64_t rows, int64_t k, uint64_t seed) {
+  const size_t one = (size_t)(scales ? rows * k : rows * k / 2);
+  ck_assert_int_eq(scales ? nvfp4_sf_bytes(rows, k) : nvfp4_w_bytes(rows, k), (int64_t)one);
+  uint8_t *data = tu_xmalloc(one * (size_t)experts), *want = tu_xmalloc(one * (size_t)experts);
+  tu_fill_bytes(data, one * (size_t)experts, seed);
+  for (int64_t e = 0; e < experts; e++)
+    (scales ? nvfp4_swizzle_scales : nvfp4_tile_weights)(data + (size_t)e * one, rows, k,
+                                                         want + (size_t)e * one);
+  ck_assert_int_eq(emulate_in_place(scales, data, experts, rows, k), 0);
+  ck_assert_msg(memcmp(data, want, one * (size_t)experts) == 0, "%s %lld x %lld",
+                scales ? "scales" : "weights", (long long)rows, (long long)k);
+  free(data), free(want);
+}
+
 /* In place over the checkpoint bytes, group by group through a cluster's slices, the bytes of the
  * transforms into a new buffer: one to eight parts, a last group of fewer tiles, stacked experts,
  * and the largest group a cluster holds; one larger is refused. */
@@ -256,32 +272,10 @@ START_TEST(test_in_place_equals_the_transforms) {
   static const int64_t weights[][3] = {{1, 16, 64},    {3, 48, 128},    {2, 272, 2048},
                                        {1, 256, 4096}, {1, 144, 14336}, {1, 128, 25600}};
   static const int64_t scales[][3] = {{1, 128, 4}, {3, 384, 16}, {2, 256, 896}, {1, 128, 1600}};
-  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++) {
-    const int64_t experts = weights[i][0], rows = weights[i][1], k = weights[i][2];
-    const size_t one = (size_t)(rows * k / 2);
-    ck_assert_int_eq(nvfp4_w_bytes(rows, k), (int64_t)one); /* no padding: the same bytes */
-    uint8_t *data = tu_xmalloc(one * (size_t)experts), *want = tu_xmalloc(one * (size_t)experts);
-    tu_fill_bytes(data, one * (size_t)experts, 71 + i);
-    for (int64_t e = 0; e < experts; e++)
-      nvfp4_tile_weights(data + (size_t)e * one, rows, k, want + (size_t)e * one);
-    ck_assert_int_eq(emulate_in_place(false, data, experts, rows, k), 0);
-    ck_assert_msg(memcmp(data, want, one * (size_t)experts) == 0, "weights %lld x %lld", (long long)rows,
-                  (long long)k);
-    free(data), free(want);
-  }
-  for (size_t i = 0; i < sizeof scales / sizeof scales[0]; i++) {
-    const int64_t experts = scales[i][0], rows = scales[i][1], cols = scales[i][2];
-    const size_t one = (size_t)(rows * cols);
-    ck_assert_int_eq(nvfp4_sf_bytes(rows, cols), (int64_t)one);
-    uint8_t *data = tu_xmalloc(one * (size_t)experts), *want = tu_xmalloc(one * (size_t)experts);
-    tu_fill_bytes(data, one * (size_t)experts, 91 + i);
-    for (int64_t e = 0; e < experts; e++)
-      nvfp4_swizzle_scales(data + (size_t)e * one, rows, cols, want + (size_t)e * one);
-    ck_assert_int_eq(emulate_in_place(true, data, experts, rows, cols), 0);
-    ck_assert_msg(memcmp(data, want, one * (size_t)experts) == 0, "scales %lld x %lld", (long long)rows,
-                  (long long)cols);
-    free(data), free(want);
-  }
+  for (size_t i = 0; i < sizeof weights / sizeof weights[0]; i++)
+    assert_in_place(false, weights[i][0], weights[i][1], weights[i][2], 71 + i);
+  for (size_t i = 0; i < sizeof scales / sizeof scales[0]; i++)
+    assert_in_place(true, scales[i][0], scales[i][1], scales[i][2], 91 + i);
   int64_t parts, slice;
   ck_assert_int_eq(nvfp4_in_place_split(128 * 25600 / 2, &parts, &slice), 0);
   ck_assert_int_eq(parts, NVFP4_IN_PLACE_MAX_PARTS);
