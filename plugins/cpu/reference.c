@@ -129,6 +129,18 @@ static int global_scale(const struct matrix *m, const char *name, float *out) {
   return rc;
 }
 
+/* out[k] = the e2m1 code k of row times scale, for k0 <= k < end (k0 even): two codes a byte. */
+static void decode_fp4(const unsigned char *row, int64_t k0, int64_t end, float scale, float *out) {
+  int64_t k = k0;
+  for (; k + 1 < end; k += 2) {
+    unsigned char b = row[k >> 1];
+    out[k] = qkeep_e2m1_to_f32(b & 0xf) * scale;
+    out[k + 1] = qkeep_e2m1_to_f32(b >> 4) * scale;
+  }
+  if (k < end)
+    out[k] = qkeep_e2m1_to_f32(qkeep_fp4_code(row, k)) * scale;
+}
+
 static int dequant_nvfp4(const struct matrix *m, float *w, bool ct) {
   struct qkeep_view wv, sv;
   const unsigned char *packed, *scales;
@@ -143,9 +155,10 @@ static int dequant_nvfp4(const struct matrix *m, float *w, bool ct) {
   /* compressed-tensors stores the encode factor; an all-zero tensor stores 0 and decodes to 0. */
   float decode = ct ? (global == 0.0f ? 0.0f : 1.0f / global) : global;
   for (int64_t r = 0; r < m->rows; r++)
-    for (int64_t k = 0; k < m->cols; k++)
-      w[r * m->cols + k] = qkeep_e2m1_to_f32(qkeep_fp4_code(packed + r * m->cols / 2, k)) *
-                           (qkeep_e4m3_to_f32(scales[r * m->cols / 16 + k / 16]) * decode);
+    for (int64_t k0 = 0; k0 < m->cols; k0 += 16) {
+      float scale = qkeep_e4m3_to_f32(scales[r * m->cols / 16 + k0 / 16]) * decode;
+      decode_fp4(packed + r * m->cols / 2, k0, k0 + 16 < m->cols ? k0 + 16 : m->cols, scale, w + r * m->cols);
+    }
   return 0;
 }
 
@@ -158,9 +171,10 @@ static int dequant_mxfp4(const struct matrix *m, float *w) {
   if (rc)
     return rc;
   for (int64_t r = 0; r < m->rows; r++)
-    for (int64_t k = 0; k < m->cols; k++)
-      w[r * m->cols + k] = qkeep_e2m1_to_f32(qkeep_fp4_code(packed + r * m->cols / 2, k)) *
-                           qkeep_e8m0_to_f32(scales[r * m->cols / 32 + k / 32]);
+    for (int64_t k0 = 0; k0 < m->cols; k0 += 32) {
+      float scale = qkeep_e8m0_to_f32(scales[r * m->cols / 32 + k0 / 32]);
+      decode_fp4(packed + r * m->cols / 2, k0, k0 + 32 < m->cols ? k0 + 32 : m->cols, scale, w + r * m->cols);
+    }
   return 0;
 }
 
@@ -214,19 +228,26 @@ static int dequant_int4(const struct matrix *m, float *w, bool awq) {
     return rc;
   const int32_t *zeros = (const int32_t *)zp, *g_idx = (const int32_t *)gp;
   const int32_t *words = (const int32_t *)qw;
-  for (int64_t n = 0; n < n_cols; n++)
+  for (int64_t n = 0; n < n_cols; n++) {
+    int64_t last = -1; /* the group whose zero and scale are at hand */
+    int zero = 0;
+    float scale = 0;
     for (int64_t k = 0; k < k_rows; k++) {
       int64_t group = g_idx ? g_idx[k] : k / g;
-      int q, zero;
-      if (awq) {
-        q = qkeep_int4_nibble(words[k * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
-        zero = sym ? 8 : qkeep_int4_nibble(zeros[group * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
-      } else {
-        q = qkeep_int4_nibble(words[(k / 8) * n_cols + n], (int)(k % 8));
-        zero = sym ? 8 : qkeep_gptq_zero(zeros, n_cols, group, n, v2);
+      if (group != last) {
+        if (awq)
+          zero = sym ? 8
+                     : qkeep_int4_nibble(zeros[group * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)));
+        else
+          zero = sym ? 8 : qkeep_gptq_zero(zeros, n_cols, group, n, v2);
+        scale = qkeep_load_float(sc, sv.spec.dtype, (size_t)(group * n_cols + n));
+        last = group;
       }
-      w[n * k_rows + k] = (float)(q - zero) * qkeep_load_float(sc, sv.spec.dtype, (size_t)(group * n_cols + n));
+      int q = awq ? qkeep_int4_nibble(words[k * (n_cols / 8) + n / 8], qkeep_awq_nibble((int)(n % 8)))
+                  : qkeep_int4_nibble(words[(k / 8) * n_cols + n], (int)(k % 8));
+      w[n * k_rows + k] = (float)(q - zero) * scale;
     }
+  }
   return 0;
 }
 
@@ -255,17 +276,25 @@ static int dequant_ct_int4(const struct matrix *m, float *w) {
   if (rc)
     return rc;
   const int32_t *words = (const int32_t *)packed, *zeros = (const int32_t *)zp, *g_idx = (const int32_t *)gp;
-  for (int64_t n = 0; n < n_rows; n++)
+  for (int64_t n = 0; n < n_rows; n++) {
+    int64_t last = -1; /* the group whose zero and scale are at hand */
+    int zero = 0;
+    float scale = 0;
     for (int64_t k = 0; k < k_cols; k++) {
       int64_t group = g_idx ? g_idx[k] : k / g;
-      if (group < 0 || group >= groups)
-        return m->host->set_error(QKEEP_E_FORMAT, "%s.%sweight_g_idx[%lld] = %lld: not a group (%lld groups)",
-                                  m->info->name, m->prefix, (long long)k, (long long)group,
-                                  (long long)groups);
+      if (group != last) {
+        if (group < 0 || group >= groups)
+          return m->host->set_error(
+              QKEEP_E_FORMAT, "%s.%sweight_g_idx[%lld] = %lld: not a group (%lld groups)", m->info->name,
+              m->prefix, (long long)k, (long long)group, (long long)groups);
+        zero = sym ? 8 : qkeep_int4_nibble(zeros[(n / 8) * groups + group], (int)(n % 8));
+        scale = qkeep_load_float(sc, sv.spec.dtype, (size_t)(n * groups + group));
+        last = group;
+      }
       int q = qkeep_int4_nibble(words[n * (k_cols / 8) + k / 8], (int)(k % 8));
-      int zero = sym ? 8 : qkeep_int4_nibble(zeros[(n / 8) * groups + group], (int)(n % 8));
-      w[n * k_cols + k] = (float)(q - zero) * qkeep_load_float(sc, sv.spec.dtype, (size_t)(n * groups + group));
+      w[n * k_cols + k] = (float)(q - zero) * scale;
     }
+  }
   return 0;
 }
 
@@ -399,6 +428,58 @@ struct ref_call {
   const struct qkeep_layer_info *info;
 };
 
+/* Rows of w summed side by side: a panel [cols][PANEL] of them, transposed. */
+#define PANEL 8
+
+/* y[r, n0 + j] for j < lanes from the panel: the sums of x's row r with each panel row, from first[j]. */
+static void multiply_panel(const float *restrict x, int64_t cols, const float *restrict panel,
+                           const double *first, int lanes, float *y) {
+  double a0 = first[0], a1 = first[1], a2 = first[2], a3 = first[3], a4 = first[4], a5 = first[5],
+         a6 = first[6], a7 = first[7];
+  for (int64_t k = 0; k < cols; k++, panel += PANEL) {
+    double xk = x[k];
+    a0 += xk * (double)panel[0], a1 += xk * (double)panel[1], a2 += xk * (double)panel[2];
+    a3 += xk * (double)panel[3], a4 += xk * (double)panel[4], a5 += xk * (double)panel[5];
+    a6 += xk * (double)panel[6], a7 += xk * (double)panel[7];
+  }
+  const double sums[PANEL] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  for (int j = 0; j < lanes; j++)
+    y[j] = (float)sums[j];
+}
+
+/*
+ * y[r, n] = bias[n] + sum over k of x[r, k] * w[n, k] (w: [rows, cols]; bias NULL for none), each
+ * sum in double in the order of k: a product of two floats is exact in double, so the sums are
+ * the only roundings, and the result is that of one accumulator per output, FMA or not. Eight
+ * rows of w are summed at once from a transposed panel, independent sums the compiler keeps in
+ * vector registers: the oracle then costs a few instructions a product, under valgrind and the
+ * sanitizers too.
+ */
+static int multiply(const struct matrix *m, const float *x, int64_t rows_m, const float *w,
+                    const unsigned char *bias, enum qkeep_dtype bias_dtype, float *y) {
+  float *panel = malloc((size_t)m->cols * PANEL * sizeof *panel + 1);
+  if (!panel)
+    return m->host->set_error(QKEEP_E_NOMEM, "%s: out of memory multiplying", m->info->name);
+  for (int64_t n0 = 0; n0 < m->rows; n0 += PANEL) {
+    int lanes = m->rows - n0 < PANEL ? (int)(m->rows - n0) : PANEL;
+    double first[PANEL] = {0};
+    for (int j = 0; j < lanes; j++) {
+      const float *row = w + (n0 + j) * m->cols;
+      for (int64_t k = 0; k < m->cols; k++)
+        panel[k * PANEL + j] = row[k];
+      if (bias)
+        first[j] = qkeep_load_float(bias, bias_dtype, (size_t)(n0 + j));
+    }
+    for (int j = lanes; j < PANEL; j++)
+      for (int64_t k = 0; k < m->cols; k++)
+        panel[k * PANEL + j] = 0.0f;
+    for (int64_t r = 0; r < rows_m; r++)
+      multiply_panel(x + r * m->cols, m->cols, panel, first, lanes, y + r * m->rows + n0);
+  }
+  free(panel);
+  return 0;
+}
+
 /* y[m, rows] = x[m, cols] W^T in f32 for the linear matrix or one expert's (qkeep_be_f32_kernel). */
 static int reference_kernel(void *user, int32_t expert, enum qkeep_moe_matrix matrix, int64_t rows_m,
                             const float *x_in, float *y) {
@@ -434,14 +515,8 @@ static int reference_kernel(void *user, int32_t expert, enum qkeep_moe_matrix ma
   if (!rc && host->view(layer, bias_name, &bias) == 0 && bias.state == QKEEP_PARAM_LIVE)
     bias_data = (const unsigned char *)bias.data +
                 (size_t)m.expert * (size_t)m.rows * qkeep_be_dtype_size(bias.spec.dtype);
-  const float *x = quantize ? xq : x_in;
-  for (int64_t r = 0; !rc && r < rows_m; r++)
-    for (int64_t n = 0; n < m.rows; n++) {
-      double acc = bias_data ? qkeep_load_float(bias_data, bias.spec.dtype, (size_t)n) : 0.0;
-      for (int64_t k = 0; k < m.cols; k++)
-        acc += (double)x[r * m.cols + k] * w[n * m.cols + k];
-      y[r * m.rows + n] = (float)acc;
-    }
+  if (!rc)
+    rc = multiply(&m, quantize ? xq : x_in, rows_m, w, bias_data, bias.spec.dtype, y);
   free(w);
   free(xq);
   return rc;
