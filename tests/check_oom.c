@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "checkutil.h"
@@ -191,7 +192,7 @@ static void quantize_body(struct body *b, struct outcome *o, bool armed, long n)
   struct qkeep_quantize_options q = {.size = sizeof q,
                                      .scheme = "w8a8-int8",
                                      .kv_cache_scales = true,
-                                     .max_shard_bytes = 200000,
+                                     .max_shard_bytes = 20000, /* several shards */
                                      .threads = 2};
   if (armed)
     fm_arm(n);
@@ -265,6 +266,26 @@ static long stride_from_env(long fallback) {
   return s && *s ? strtol(s, NULL, 10) : fallback;
 }
 
+/*
+ * The tiny bf16 model with its widths divided by 4 (make_tiny's DIVISOR) in dir/w<seed>: the same
+ * tensors and units as examples/tiny, at a sixteenth of the quantisation work, for the bodies that
+ * quantize (the online loads and reloads, qkeep_quantize), which run thousands of times.
+ */
+static char *make_micro(const char *dir, int seed) {
+  char name[16];
+  snprintf(name, sizeof name, "w%d", seed);
+  char *model = tu_path(dir, name), *file = tu_path(model, "model.safetensors"),
+       *make_tiny = tu_path(tu_builddir(), "tests/make_tiny");
+  ck_assert_int_eq(mkdir(model, 0755), 0);
+  size_t n = strlen(make_tiny) + strlen(file) + 32;
+  char *cmd = malloc(n);
+  ck_assert_ptr_nonnull(cmd);
+  snprintf(cmd, n, "'%s' '%s' %d bf16 4", make_tiny, file, seed);
+  ck_assert_msg(system(cmd) == 0, "%s failed", cmd);
+  free(cmd), free(file), free(make_tiny);
+  return model;
+}
+
 /* The three bodies on the chain `backend` (then the reference when chained). */
 static void run_all(const char *backend, bool chained, long stride) {
   const char *only = getenv("QKEEP_OOM_BACKEND"); /* one chain alone (named by its first link) */
@@ -309,8 +330,8 @@ static void run_all(const char *backend, bool chained, long stride) {
     /* Online quantization: the load's pool of threads and its two units in flight (the next one read
      * and quantizing while one lands), on a load and a reload; NVFP4 for a unit of several members and
      * two stages. Two threads, so that a pool thread runs whatever the machine has. */
-    char *tiny = tu_path(tu_builddir(), "examples/tiny"),
-         *tiny_w1 = tu_path(tu_builddir(), "examples/tiny-w1");
+    char *micro_dir = tu_tmpdir("oom-micro"), *tiny = make_micro(micro_dir, 1),
+         *tiny_w1 = make_micro(micro_dir, 2);
     static const char *const online[][3] = {{"w8a8-int8", "census-online-w8a8", "reload-online-w8a8"},
                                             {"modelopt-nvfp4", "census-online-nvfp4", "reload-online-nvfp4"}};
     for (int s = 0; s < 2; s++) {
@@ -328,7 +349,8 @@ static void run_all(const char *backend, bool chained, long stride) {
     b.online = NULL;
     b.name = "quantize", b.fn = quantize_body;
     fail_each(&b, stride);
-    free(tiny), free(tiny_w1);
+    tu_rmtree(micro_dir);
+    free(tiny), free(tiny_w1), free(micro_dir);
   }
   qkeep_plugin_close(plugin);
   qkeep_plugin_close(reference);

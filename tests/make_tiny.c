@@ -2,9 +2,11 @@
  * make_tiny.c: writes the small unquantized example model, deterministically:
  * an embedding, DECODER_LAYERS decoder layers (q/k/v/o projections, two
  * norms, and a gate/up/down MLP, or in the last layer an MoE block of EXPERTS
- * experts with a router), a final norm and an lm_head. About 5 MB in bf16.
+ * experts with a router), a final norm and an lm_head. About 5 MB in bf16; with DIVISOR, every
+ * width but the experts' count divided by it (the same tensors, 1/DIVISOR^2 of the bytes: a test
+ * that runs a load thousands of times, check_oom, takes 4).
  *
- *   make_tiny OUT.safetensors [SEED] [bf16|f16|f32]
+ *   make_tiny OUT.safetensors [SEED] [bf16|f16|f32] [DIVISOR]
  */
 #include <stdbool.h>
 #include <stdio.h>
@@ -14,13 +16,11 @@
 #include "private.h"
 #include "testutil.h"
 
-#define HIDDEN 256
-#define KV 128
-#define INTER 512
-#define MOE_INTER 256
 #define EXPERTS 4
-#define VOCAB 1024
 #define DECODER_LAYERS 3
+
+/* The widths (make_tiny's DIVISOR divides them). */
+static int64_t hidden = 256, kv = 128, inter = 512, moe_inter = 256, vocab = 1024;
 
 static enum qkeep_dtype out_dtype = QKEEP_DTYPE_BF16;
 
@@ -56,20 +56,26 @@ int main(int argc, char **argv) {
     out_dtype = strcmp(argv[3], "f32") == 0   ? QKEEP_DTYPE_F32
                 : strcmp(argv[3], "f16") == 0 ? QKEEP_DTYPE_F16
                                               : QKEEP_DTYPE_BF16;
+  int64_t divisor = argc > 4 ? strtoll(argv[4], NULL, 10) : 1;
+  if (divisor < 1 || divisor > 16 || 256 % divisor) {
+    fprintf(stderr, "make_tiny: DIVISOR %s: 1, 2, 4, 8 or 16\n", argv[4]);
+    return 2;
+  }
+  hidden /= divisor, kv /= divisor, inter /= divisor, moe_inter /= divisor, vocab /= divisor;
   struct st_writer *w;
   int rc = st_writer_new(&w);
   char name[128];
   if (!rc)
-    rc = add(w, &rng, "model.embed_tokens.weight", VOCAB, HIDDEN, 1.0f, 0);
+    rc = add(w, &rng, "model.embed_tokens.weight", vocab, hidden, 1.0f, 0);
   for (int l = 0; l < DECODER_LAYERS && !rc; l++) {
-    static const struct {
+    const struct {
       const char *name;
       int64_t rows, cols;
     } linears[] = {
-        {"self_attn.q_proj", HIDDEN, HIDDEN}, {"self_attn.k_proj", KV, HIDDEN},
-        {"self_attn.v_proj", KV, HIDDEN},     {"self_attn.o_proj", HIDDEN, HIDDEN},
-        {"mlp.gate_proj", INTER, HIDDEN},     {"mlp.up_proj", INTER, HIDDEN},
-        {"mlp.down_proj", HIDDEN, INTER},
+        {"self_attn.q_proj", hidden, hidden}, {"self_attn.k_proj", kv, hidden},
+        {"self_attn.v_proj", kv, hidden},     {"self_attn.o_proj", hidden, hidden},
+        {"mlp.gate_proj", inter, hidden},     {"mlp.up_proj", inter, hidden},
+        {"mlp.down_proj", hidden, inter},
     };
     bool moe = l == DECODER_LAYERS - 1;
     for (size_t i = 0; i < (moe ? 4 : sizeof linears / sizeof linears[0]) && !rc; i++) {
@@ -80,23 +86,23 @@ int main(int argc, char **argv) {
     for (int e = 0; moe && e < EXPERTS && !rc; e++)
       for (int p = 0; p < 3 && !rc; p++) {
         snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, projections[p]);
-        rc = p < 2 ? add(w, &rng, name, MOE_INTER, HIDDEN, 0.125f, 0)
-                   : add(w, &rng, name, HIDDEN, MOE_INTER, 0.125f, 0);
+        rc = p < 2 ? add(w, &rng, name, moe_inter, hidden, 0.125f, 0)
+                   : add(w, &rng, name, hidden, moe_inter, 0.125f, 0);
       }
     snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
     if (moe && !rc)
-      rc = add(w, &rng, name, EXPERTS, HIDDEN, 0.125f, 0);
+      rc = add(w, &rng, name, EXPERTS, hidden, 0.125f, 0);
     snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
     if (!rc)
-      rc = add(w, &rng, name, HIDDEN, 0, 0, 1.0f);
+      rc = add(w, &rng, name, hidden, 0, 0, 1.0f);
     snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
     if (!rc)
-      rc = add(w, &rng, name, HIDDEN, 0, 0, 1.0f);
+      rc = add(w, &rng, name, hidden, 0, 0, 1.0f);
   }
   if (!rc)
-    rc = add(w, &rng, "model.norm.weight", HIDDEN, 0, 0, 1.0f);
+    rc = add(w, &rng, "model.norm.weight", hidden, 0, 0, 1.0f);
   if (!rc)
-    rc = add(w, &rng, "lm_head.weight", VOCAB, HIDDEN, 0.125f, 0);
+    rc = add(w, &rng, "lm_head.weight", vocab, hidden, 0.125f, 0);
   if (!rc)
     rc = st_writer_set_metadata(w, "format", "pt");
   if (!rc)
