@@ -316,17 +316,12 @@ static const bool under_asan = false;
 static const bool under_asan = false;
 #endif
 
-static bool under_valgrind(void) {
-  const char *p = getenv("LD_PRELOAD");
-  return p && strstr(p, "vgpreload");
-}
-
 START_TEST(memory_stays_under_the_stated_bound) {
   char *dir = tu_tmpdir("memory");
   struct st_writer *w;
   ck_assert_int_eq(st_writer_new(&w), 0);
   uint64_t seed = 3;
-  int tensors = under_valgrind() ? 16 : 64; /* 1 MiB each */
+  int tensors = tu_under_valgrind() ? 16 : 64; /* 1 MiB each */
   for (int i = 0; i < tensors; i++) {
     char name[96];
     snprintf(name, sizeof name, "model.layers.%d.mlp.down_proj.weight", i);
@@ -350,9 +345,9 @@ START_TEST(memory_stays_under_the_stated_bound) {
   ck_assert_int_gt(sum.peak_buffer_bytes, 0);
   ck_assert_int_le(sum.peak_buffer_bytes, 2 * unit);
   ck_assert_int_le(sum.buffer_bound, 2 * unit + 2 * (1 << 20) + (8 << 20));
-  if (!under_valgrind())
+  if (!tu_under_valgrind())
     ck_assert_int_le(sum.buffer_bound * 4, model_bytes); /* a small part of the model */
-  if (!under_asan && peak_reset && rss_before > 0 && hwm > 0 && !under_valgrind())
+  if (!under_asan && peak_reset && rss_before > 0 && hwm > 0 && !tu_under_valgrind())
     ck_assert_msg(hwm - rss_before <= sum.buffer_bound + (4 << 20),
                   "peak RSS grew by %lld bytes, over the bound %lld (+4 MiB); the model is %lld bytes",
                   hwm - rss_before, (long long)sum.buffer_bound, (long long)model_bytes);

@@ -49,6 +49,17 @@ static inline void tu_mark_point(const char *file, int line) {
   ((expr) ? tu_mark_point(__FILE__, __LINE__)                                                                \
           : _ck_assert_failed(__FILE__, __LINE__, "Assertion '" #expr "' failed", ##__VA_ARGS__))
 
+/*
+ * Whether the suite runs under valgrind (its preload library is in LD_PRELOAD), where a test whose
+ * loops repeat the same code on more data (every layer of a model, not one of each shape) may
+ * run fewer of them: valgrind looks for memory errors, which the same code on the same shapes
+ * shows once, at 30-50 times a plain run's CPU time. Plain make check runs them all.
+ */
+static inline bool tu_under_valgrind(void) {
+  const char *p = getenv("LD_PRELOAD");
+  return p && strstr(p, "vgpreload");
+}
+
 /* malloc(n) (at least one byte), asserted. */
 static inline void *tu_xmalloc(size_t n) {
   void *p = malloc(n ? n : 1);
