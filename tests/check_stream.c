@@ -116,7 +116,7 @@ static struct stream_item *small_items(size_t n, size_t bytes, char *dst, size_t
                                        char (*names)[16]) {
   struct stream_item *it = calloc(n, sizeof *it);
   for (size_t k = 0; k < n; k++) {
-    snprintf(names[k], sizeof names[k], "%c%zu", prefix, k);
+    snprintf(names[k], sizeof names[k], "%c%u", prefix, (unsigned)k); /* at most 11 bytes */
     it[k] = item(bytes, dst + k * stride);
     it[k].alloc = dst; /* one allocation */
     it[k].t.name = names[k];
