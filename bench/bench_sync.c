@@ -31,8 +31,8 @@
  * W1 load for the digest): about 8 GB for the Qwen3-shaped model. One JSON object per line
  * ("peer": "nccl_broadcast" with two ranks, "device_copy" with one, "inprocess_broadcast" on the
  * CPU). QKEEP_BENCH_TRACE=1 logs where each bucket's time goes (a line per bucket on stderr);
- * QKEEP_BENCH_PWAL sets cuda-nvfp4's key pwal (gpu, the default: layout transforms into a new tensor,
- * copied back; in-place: in the param's own memory where the shape allows).
+ * QKEEP_BENCH_PWAL sets cuda-nvfp4's key pwal (in-place, the default: the layout transforms in the
+ * param's own memory where the shape allows; gpu: into a new tensor, copied back).
  *
  * NVLink multicast stays off: the bench sets NCCL_NVLS_ENABLE=0 in its own environment before any
  * NCCL call (qkeep leaves NCCL's configuration to its caller), as a host whose GPUs are shared
@@ -84,7 +84,7 @@ struct rank_ctx {
   int id_pipe[2];
   const char *model_name;
   const char *backend; /* NULL: cuda-nvfp4 on GPU `rank`, NCCL; else a CPU backend, in-process transport */
-  const char *pwal;    /* cuda-nvfp4's key pwal (QKEEP_BENCH_PWAL; gpu by default) */
+  const char *pwal;    /* cuda-nvfp4's key pwal (QKEEP_BENCH_PWAL; in-place by default) */
 };
 
 /* Bucket memory where the receiver's layers are: the device's (cuda-nvfp4, test-async) or the host's. */
@@ -381,7 +381,7 @@ int main(int argc, char **argv) {
                          .dir = dir,
                          .model_name = shapes[s].name,
                          .backend = backend,
-                         .pwal = pwal && *pwal ? pwal : "gpu"};
+                         .pwal = pwal && *pwal ? pwal : "in-place"};
     if (pipe(c.id_pipe))
       return 1;
     /* Every rank in a fresh child: the parent never initialises CUDA (a child forked after that could

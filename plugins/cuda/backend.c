@@ -68,7 +68,8 @@ struct cuda_backend {
   int device;
   struct nvfp4_tuning tuning; /* 0: automatic */
   bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
-  bool pwal_in_place;      /* on the GPU in the param's own memory where the shape allows (pwal = in-place) */
+  bool pwal_in_place;      /* on the GPU in the param's own memory where the shape allows (pwal = in-place,
+                            * the default) */
   bool quantize_on_device; /* the quantize slot takes units (key quantize_on_device; else declines) */
   /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
   pthread_mutex_t fence_mu;
@@ -527,9 +528,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"route", QKEEP_KEY_ENUM, "auto|align|self", "auto",
      "routed MoE on the stream kernel: auto (each block finds its token tile up to 32 token-expert pairs, "
      "else a sorting kernel first), align (always the sorting kernel) or self (each block, up to 256 pairs)"},
-    {"pwal", QKEEP_KEY_ENUM, "gpu|in-place|host", "gpu",
-     "where the layout transforms run: gpu (into a new tensor, copied back), in-place (on the GPU in the "
-     "param's own memory where the shape allows, else as gpu), host (their CPU twins)"},
+    {"pwal", QKEEP_KEY_ENUM, "in-place|gpu|host", "in-place",
+     "where the layout transforms run: in-place (on the GPU in the param's own memory where the shape "
+     "allows, else as gpu), gpu (into a new tensor, copied back), host (their CPU twins)"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
      "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
      "unit is quantized on the host and its bytes copied over)"},
@@ -1199,6 +1200,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
     return host->set_error(QKEEP_E_NOMEM, "cuda-nvfp4: out of memory");
   c->host = host;
   c->quantize_on_device = true;
+  c->pwal_in_place = true;
   c->memory = (struct qkeep_memory_ops){
       .size = sizeof(struct qkeep_memory_ops),
       .alloc = mem_alloc,
