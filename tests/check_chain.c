@@ -531,7 +531,7 @@ END_TEST
 struct log_seen {
   int stream_lines, other_debug;
   enum qkeep_log_level stream_level;
-  char stream_line[1024];
+  char stream_line[2048];
 };
 
 static void keep_log(void *user, enum qkeep_log_level level, const char *msg) {
@@ -561,7 +561,8 @@ START_TEST(a_streaming_load_logs_its_trace_at_debug_level) {
   ck_assert_int_eq(seen.stream_lines, 1);
   ck_assert_int_eq(seen.stream_level, QKEEP_LOG_DEBUG);
   ck_assert_msg(strstr(seen.stream_line, "pieces") && strstr(seen.stream_line, "3 slots of 4096 bytes") &&
-                    strstr(seen.stream_line, "fences on") && !strchr(seen.stream_line, '\n'),
+                    strstr(seen.stream_line, "fences on") && strstr(seen.stream_line, "groups read in") &&
+                    !strchr(seen.stream_line, '\n'),
                 "%s", seen.stream_line);
   /* Without the backend's fences the ring waits for the whole device instead (and still loads W0). */
   struct qkeep_load_options no_fences = ring_shape;

@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checkutil.h"
 #include "fake_async_device.h"
@@ -71,10 +72,14 @@ static unsigned char pattern(size_t at) { return (unsigned char)(at * 131u + (at
  * its own bytes, so one landing in another's place shows). */
 static size_t seed_of(const char *name) { return name[0] == 't' ? 0 : 1000 * strtoul(name + 1, NULL, 10); }
 
+/* Bytes read of the tensors whose names start with each letter. */
+static _Atomic size_t read_of[128];
+
 static int p_read_range(const struct provider *p, const struct provided *t, size_t offset, size_t n,
                         void *dst) {
   (void)p;
   size_t seed = seed_of(t->name);
+  read_of[(unsigned char)t->name[0] & 127] += n;
   pthread_mutex_lock(&gate_mu);
   while (!gate_open)
     pthread_cond_wait(&gate_cv, &gate_mu);
@@ -155,7 +160,7 @@ START_TEST(a_tensor_larger_than_the_ring_lands_whole) {
   size_t n = ((size_t)1 << 20) + 123;
   char *dst = calloc(1, n);
   struct stream_item it = item(n, dst);
-  ck_assert_msg(stream_items(s, &prov, &it, 1) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, &it, 1, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_wait(s), 0);
   for (size_t i = 0; i < n; i++)
     ck_assert_msg((unsigned char)dst[i] == pattern(i), "byte %zu", i);
@@ -191,7 +196,7 @@ START_TEST(a_put_never_takes_a_slot_being_read_ahead) {
   }
   /* the read ahead still serves the load that asks for the same items */
   it.dst = ahead;
-  ck_assert_msg(stream_items(s, &prov, &it, 1) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, &it, 1, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_end(s), 0);
   for (size_t i = 0; i < 65536; i++)
     ck_assert_msg((unsigned char)ahead[i] == pattern(i), "byte %zu", i);
@@ -226,7 +231,7 @@ START_TEST(a_piece_its_check_refuses_is_never_copied) {
   struct stream_item it = item(n, dst);
   it.t.dtype = QKEEP_DTYPE_F32, it.check = refuse_one, it.check_ctx = &refused_at;
   refused_at = 5 * 4096 + 100, unexpected = checked = 0;
-  ck_assert_int_eq(stream_items(s, &prov, &it, 1), QKEEP_E_FORMAT);
+  ck_assert_int_eq(stream_items(s, &prov, &it, 1, NULL, 0), QKEEP_E_FORMAT);
   ck_assert_msg(strstr(qkeep_errmsg(), "t: the piece at 20480 is refused"), "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_end(s), 0);
   ck_assert_uint_ge(checked, 6);
@@ -235,7 +240,7 @@ START_TEST(a_piece_its_check_refuses_is_never_copied) {
     ck_assert_msg((unsigned char)dst[i] == (i < 5 * 4096 ? pattern(i) : 0), "byte %zu", i);
   /* with nothing refused, every piece lands */
   refused_at = SIZE_MAX;
-  ck_assert_msg(stream_items(s, &prov, &it, 1) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, &it, 1, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_wait(s), 0);
   for (size_t i = 0; i < n; i++)
     ck_assert_msg((unsigned char)dst[i] == pattern(i), "byte %zu", i);
@@ -256,7 +261,7 @@ START_TEST(small_tensors_share_a_slot_and_adjacent_ones_one_copy) {
   size_t n = 200, bytes = 100, stride = 300;
   char *dst = calloc(n, stride);
   struct stream_item *it = small_items(n, bytes, dst, stride, 's', names);
-  ck_assert_msg(stream_items(s, &prov, it, n) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, it, n, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_wait(s), 0);
   for (size_t k = 0; k < n; k++)
     assert_small(dst, k, bytes, stride, true);
@@ -269,7 +274,7 @@ START_TEST(small_tensors_share_a_slot_and_adjacent_ones_one_copy) {
   size_t experts = 64, expert = 256;
   char *stacked = calloc(experts, expert);
   it = small_items(experts, expert, stacked, expert, 's', names);
-  ck_assert_msg(stream_items(s, &prov, it, experts) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, it, experts, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_wait(s), 0);
   for (size_t k = 0; k < experts; k++)
     assert_small(stacked, k, expert, expert, true);
@@ -279,7 +284,7 @@ START_TEST(small_tensors_share_a_slot_and_adjacent_ones_one_copy) {
   for (size_t k = 0; k < experts; k++)
     it[k].alloc = k % 2 ? NULL : stacked;
   h2d_calls = 0;
-  ck_assert_msg(stream_items(s, &prov, it, experts) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, it, experts, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_wait(s), 0);
   ck_assert_uint_eq(h2d_calls, experts);
   stream_free(s);
@@ -308,7 +313,7 @@ START_TEST(a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done) {
   struct stream_item *it = small_items(n, bytes, dst, stride, 's', names);
   for (size_t k = 0; k < n; k++)
     it[k].t.dtype = QKEEP_DTYPE_U8, it[k].check = refuse_s5;
-  ck_assert_int_eq(stream_items(s, &prov, it, n), QKEEP_E_FORMAT);
+  ck_assert_int_eq(stream_items(s, &prov, it, n, NULL, 0), QKEEP_E_FORMAT);
   ck_assert_msg(strstr(qkeep_errmsg(), "s5: refused"), "%s", qkeep_errmsg());
   ck_assert_uint_eq(h2d_calls, 5);
   /* the next load at once, into other memory, its tensors other bytes ("u<k>" start where "s<k>" do: the
@@ -316,7 +321,7 @@ START_TEST(a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done) {
   struct stream_item *it2 = small_items(n, bytes, dst2, stride, 'u', others);
   for (size_t k = 0; k < n; k++)
     snprintf(others[k], sizeof others[k], "u%zu", k + 10);
-  ck_assert_msg(stream_items(s, &prov, it2, n) == 0, "%s", qkeep_errmsg());
+  ck_assert_msg(stream_items(s, &prov, it2, n, NULL, 0) == 0, "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_wait(s), 0);
   for (size_t k = 0; k < n; k++)
     assert_small(dst, k, bytes, stride, k < 5);
@@ -324,6 +329,85 @@ START_TEST(a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done) {
     assert_small_from(dst2, 10, k, bytes, stride, true);
   stream_free(s);
   free(it), free(it2), free(dst), free(dst2);
+}
+END_TEST
+
+/* Waits up to two seconds for `bytes` of the tensors named `letter...` to have been read. */
+static bool read_reaches(char letter, size_t bytes) {
+  for (int i = 0; i < 2000 && read_of[(unsigned char)letter] < bytes; i++)
+    usleep(1000);
+  return read_of[(unsigned char)letter] >= bytes;
+}
+
+/* The next layer's items (stream_items' `then`) are read while this layer's are copied, before the next
+ * call asks for them, as far as the slots allow (all of them through 15 slots, the first through the one
+ * slot 7 leave), and that call copies what was read: each byte read once, each landing (with and
+ * without fences). */
+START_TEST(the_next_items_are_read_before_they_are_asked_for_and_once) {
+  struct qkeep_backend be;
+  struct device dev;
+  struct stream *s = open_stream(&dev, &be, _i < 2 ? 16 : 8, 4096, _i % 2 == 0);
+  static char names[6][16], next_names[6][16];
+  size_t n = 6, bytes = 3000, stride = 3000;
+  char *dst = calloc(n, stride), *dst2 = calloc(n, stride);
+  struct stream_item *it = small_items(n, bytes, dst, stride, 's', names);
+  struct stream_item *then = small_items(n, bytes, NULL, stride, 'u', next_names);
+  read_of['s'] = read_of['u'] = 0;
+  ck_assert_msg(stream_items(s, &prov, it, n, then, n) == 0, "%s", qkeep_errmsg());
+  size_t ahead = _i < 2 ? n * bytes : bytes; /* a slot each */
+  ck_assert_msg(read_reaches('u', ahead), "%zu bytes of the next items read", (size_t)read_of['u']);
+  struct stream_item *it2 = small_items(n, bytes, dst2, stride, 'u', next_names);
+  ck_assert_msg(stream_items(s, &prov, it2, n, NULL, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_end(s), 0);
+  for (size_t k = 0; k < n; k++)
+    assert_small(dst, k, bytes, stride, true), assert_small(dst2, k, bytes, stride, true);
+  ck_assert_uint_eq(read_of['s'], n * bytes);
+  ck_assert_uint_eq(read_of['u'], n * bytes);
+  stream_free(s);
+  free(it), free(then), free(it2), free(dst), free(dst2);
+}
+END_TEST
+
+/* A failure of this layer's items drops the next layer's read ahead (the next call reads them again and
+ * lands them); a piece of the next layer's that its check refuses fails that layer's call, not this one's. */
+START_TEST(a_failure_on_either_side_of_a_read_ahead_is_its_own_layers) {
+  struct qkeep_backend be;
+  struct device dev;
+  struct stream *s = open_stream(&dev, &be, 8, 4096, _i == 0);
+  static char names[10][16], next_names[10][16];
+  size_t n = 10, bytes = 100, stride = 300;
+  char *dst = calloc(n, stride), *dst2 = calloc(n, stride);
+  struct stream_item *it = small_items(n, bytes, dst, stride, 's', names);
+  struct stream_item *then = small_items(n, bytes, NULL, stride, 'u', next_names);
+  for (size_t k = 0; k < n; k++)
+    it[k].t.dtype = QKEEP_DTYPE_U8, it[k].check = refuse_s5;
+  ck_assert_int_eq(stream_items(s, &prov, it, n, then, n), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "s5: refused"), "%s", qkeep_errmsg());
+  struct stream_item *it2 = small_items(n, bytes, dst2, stride, 'u', next_names);
+  ck_assert_msg(stream_items(s, &prov, it2, n, NULL, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_wait(s), 0);
+  for (size_t k = 0; k < n; k++)
+    assert_small(dst2, k, bytes, stride, true);
+  /* now the next layer's tensor s5 is refused: this layer's call succeeds, the next one fails */
+  memset(dst2, 0, n * stride);
+  for (size_t k = 0; k < n; k++)
+    it2[k].check = NULL, it[k].dst = NULL, it[k].t.name = next_names[k];
+  struct stream_item *it3 = small_items(n, bytes, dst, stride, 's', names);
+  for (size_t k = 0; k < n; k++)
+    it3[k].t.dtype = QKEEP_DTYPE_U8, it3[k].check = refuse_s5, it3[k].alloc = dst2;
+  struct stream_item *then3 = small_items(n, bytes, NULL, stride, 's', names);
+  for (size_t k = 0; k < n; k++)
+    then3[k] = it3[k], then3[k].dst = NULL;
+  ck_assert_msg(stream_items(s, &prov, it2, n, then3, n) == 0, "%s", qkeep_errmsg());
+  for (size_t k = 0; k < n; k++)
+    it3[k].dst = dst2 + k * stride;
+  ck_assert_int_eq(stream_items(s, &prov, it3, n, NULL, 0), QKEEP_E_FORMAT);
+  ck_assert_msg(strstr(qkeep_errmsg(), "s5: refused"), "%s", qkeep_errmsg());
+  ck_assert_int_eq(stream_end(s), 0);
+  for (size_t k = 0; k < 5; k++)
+    assert_small(dst2, k, bytes, stride, true);
+  stream_free(s);
+  free(it), free(then), free(it2), free(it3), free(then3), free(dst), free(dst2);
 }
 END_TEST
 
@@ -336,6 +420,8 @@ int main(void) {
   tcase_add_loop_test(tc, a_piece_its_check_refuses_is_never_copied, 0, 2);
   tcase_add_loop_test(tc, small_tensors_share_a_slot_and_adjacent_ones_one_copy, 0, 2);
   tcase_add_loop_test(tc, a_refusal_in_a_shared_slot_keeps_it_until_its_copies_are_done, 0, 2);
+  tcase_add_loop_test(tc, the_next_items_are_read_before_they_are_asked_for_and_once, 0, 4);
+  tcase_add_loop_test(tc, a_failure_on_either_side_of_a_read_ahead_is_its_own_layers, 0, 2);
   suite_add_tcase(su, tc);
   SRunner *sr = srunner_create(su);
   srunner_run_all(sr, CK_NORMAL);

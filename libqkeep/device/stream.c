@@ -14,10 +14,12 @@
  * (a scale: its values) has each piece checked by its reader in the slot, so bad bytes never
  * reach the device and nothing is read back to check them.
  * A slot is free again once its copies are done: with ABI 1.3's copy fences the calling thread
- * frees each slot whose fence has passed (between pieces, and every RECLAIM_US while it waits for
- * a read, so the readers do not idle behind copies already done), and when none is free waits for
- * the oldest copy alone; without fences it waits for the whole device (sync), which frees every
- * slot. Before a wait that drains the stream (a device-quantized unit's amax read back),
+ * frees each slot whose fence has passed (between pieces; and while it waits for a read with the
+ * readers out of work, it waits for the oldest copy's fence, so they do not idle behind copies
+ * done), and when none is free waits for the oldest copy alone; without fences it waits for the
+ * whole device (sync), which frees every slot. The next layer's pieces (stream_items' `then`) take
+ * the slots that free once each of this layer's has one, so a layer's last reads and copies overlap
+ * the next layer's first: the readers do not wait for the layer's end. Before a wait that drains the stream (a device-quantized unit's amax read back),
  * stream_drain_reading lets the readers read the next bytes into each slot as it frees. The ring
  * and its reader threads live as long as the model's owner: every reload reuses them.
  *
@@ -45,8 +47,6 @@
 #define MAX_READERS 64
 #define MIN_PIECE ((size_t)4096)
 #define MAX_PIECE ((size_t)64 << 20)
-/* How long the calling thread waits for a read before it frees the slots whose copies are done. */
-#define RECLAIM_US 50
 /* Where a packed piece starts in its slot: its device copy then starts on an aligned host address. */
 #define PACK_ALIGN ((size_t)256)
 
@@ -76,6 +76,18 @@ struct group {
 
 enum slot_state { SLOT_FREE, SLOT_READING, SLOT_COPYING };
 
+/* Items being streamed or read ahead, cut into pieces packed into groups: the readers take groups
+ * [taken, submitted); a group is submitted once it has a slot. */
+struct batch {
+  const struct provider *pv;
+  struct piece *pieces;
+  size_t n_pieces;
+  struct group *groups;
+  size_t n_groups, submitted, taken;
+  struct stream_item *items; /* the batch's items (their dst unknown while reading ahead) */
+  size_t n_items;
+};
+
 /* Small puts (stream_put) of at most this many bytes share the last slot, the arena. */
 #define SMALL_PUT ((size_t)4 << 10)
 
@@ -88,6 +100,14 @@ struct stream_trace {
   size_t drains;       /* stream_drain_reading calls that read something ahead */
   double read_wait, slot_wait, reading; /* seconds: for a read, for a slot; the readers' own time */
   double drain_wait;                    /* seconds in stream_drain_reading */
+  /* While the calling thread waits for a read: the ring's state, summed over its looks (groups being
+   * read, read and waiting for the piece before them, handed over and not yet taken; slots copying, free). */
+  size_t looks;
+  double in_read, ready, queued, copying, idle_slots;
+  size_t read_ms[6];         /* groups read in < 0.25, 0.5, 1, 2, 4 ms, and longer */
+  double read_max, copy_time; /* seconds: the longest read; copy started to slot freed, summed */
+  size_t copy_freed;          /* slots freed after a copy (copy_time's count) */
+  double copy_max;
 };
 
 struct stream {
@@ -99,21 +119,18 @@ struct stream {
   unsigned char *ring; /* slots * piece pinned bytes */
   enum slot_state slot[MAX_SLOTS];
   uint64_t fence[MAX_SLOTS]; /* a COPYING slot's copies are done once this fence has passed */
+  double copy_at[MAX_SLOTS]; /* when a COPYING slot's last copy started (trace only) */
   pthread_t readers[MAX_READERS];
   int n_readers; /* started at the first load, stopped by stream_free: every reload reuses them */
+  double made_s; /* seconds stream_new took to make the ring, until the first load's trace reports it */
   bool active;   /* a load streams through it now (from its first stream_items or read ahead to stream_end) */
   pthread_mutex_t mu;
   pthread_cond_t work, done;
   bool quit;
   size_t arena_used; /* bytes of the arena slot holding small puts (it is SLOT_COPYING when > 0) */
-  /* the batch being streamed or read ahead (readers take groups [taken, submitted)) */
-  const struct provider *pv;
-  struct piece *pieces;
-  size_t n_pieces;
-  struct group *groups;
-  size_t n_groups, submitted, taken;
-  struct stream_item *items; /* the batch's items (their dst unknown while reading ahead) */
-  size_t n_items;
+  /* The batch being streamed or read ahead, and the one read once each of its groups has a slot (the
+   * next layer's, given to stream_items): readers take the first's groups before the second's. */
+  struct batch cur, ahead;
   struct stream_trace trace;
 };
 
@@ -123,36 +140,52 @@ static unsigned char *slot_room(const struct stream *s, int slot) {
 
 /* Reads the piece into its slot and runs its item's check there, before any copy of it: here, in a
  * reader thread, so the checks run beside the reads and copies. */
-static void read_piece(const struct stream *s, struct piece *p) {
+static void read_piece(const struct stream *s, const struct provider *pv, struct piece *p) {
   unsigned char *room = slot_room(s, p->slot) + p->off;
   if (p->on_host)
     memcpy(room, p->on_host + p->at, p->n);
   else
-    p->rc = s->pv->read_range(s->pv, &p->t, p->at, p->n, room);
+    p->rc = pv->read_range(pv, &p->t, p->at, p->n, room);
   if (!p->rc && p->check)
     p->rc = p->check(p->check_ctx, &p->t, p->at, room, p->n);
   if (p->rc && !(p->msg = xstrdup(qkeep_errmsg())))
     p->rc = QKEEP_E_NOMEM;
 }
 
+/* The batch whose next group a reader takes, or NULL when none waits. Called with s->mu held. */
+static struct batch *to_read(struct stream *s) {
+  return s->cur.taken < s->cur.submitted ? &s->cur : s->ahead.taken < s->ahead.submitted ? &s->ahead : NULL;
+}
+
 static void *reader(void *arg) {
   struct stream *s = arg;
+  struct batch *b;
   pthread_mutex_lock(&s->mu);
   for (;;) {
-    while (!s->quit && s->taken == s->submitted)
+    while (!s->quit && !(b = to_read(s)))
       pthread_cond_wait(&s->work, &s->mu);
     if (s->quit)
       break;
-    const struct group *g = &s->groups[s->taken++];
+    /* the batch may become the current one meanwhile (stream_items): its arrays stay where they are */
+    const struct group g = b->groups[b->taken++];
+    struct piece *pieces = b->pieces;
+    const struct provider *pv = b->pv;
     pthread_mutex_unlock(&s->mu);
     double t = s->trace.on ? now_seconds() : 0;
-    for (size_t i = g->first; i < g->end; i++)
-      read_piece(s, &s->pieces[i]);
+    for (size_t i = g.first; i < g.end; i++)
+      read_piece(s, pv, &pieces[i]);
     pthread_mutex_lock(&s->mu);
-    if (s->trace.on)
-      s->trace.reading += now_seconds() - t;
-    for (size_t i = g->first; i < g->end; i++)
-      s->pieces[i].done = true, s->trace.read_bytes += s->trace.on ? s->pieces[i].n : 0;
+    if (s->trace.on) {
+      double d = now_seconds() - t;
+      s->trace.reading += d;
+      s->trace.read_max = d > s->trace.read_max ? d : s->trace.read_max;
+      int bin = 0;
+      for (double lim = 0.25e-3; bin < 5 && d >= lim; lim *= 2)
+        bin++;
+      s->trace.read_ms[bin]++;
+    }
+    for (size_t i = g.first; i < g.end; i++)
+      pieces[i].done = true, s->trace.read_bytes += s->trace.on ? pieces[i].n : 0;
     pthread_cond_broadcast(&s->done);
   }
   pthread_mutex_unlock(&s->mu);
@@ -176,17 +209,25 @@ static void batch_drop(struct stream *s);
 
 static void trace_log(struct stream *s) {
   struct stream_trace *t = &s->trace;
+  double k = t->looks ? (double)t->looks : 1;
   if (t->on && t->pieces)
     log_msg(
         QKEEP_LOG_DEBUG,
         "qkeep stream: %zu pieces in %zu copies, %.1f MB (%zu bytes copied, %zu read); waited %.2f ms for "
         "reads, %.2f ms for slots (%zu fence waits, %zu syncs, %zu groups read while waiting), %.2f ms "
         "draining (%zu drains reading ahead); readers busy %.2f ms (%d readers, %d slots of %zu bytes, "
-        "fences %s)",
+        "fences %s; the ring made in %.2f ms for this load); while waiting for a read (%zu looks) on average %.1f groups being read, %.1f read and "
+        "waiting, %.1f not yet taken, %.1f slots copying, %.1f free; groups read in <0.25/0.5/1/2/4/more ms: "
+        "%zu/%zu/%zu/%zu/%zu/%zu, longest %.2f ms; a slot freed %.3f ms after its copy started (mean of %zu, "
+        "longest %.2f ms)",
         t->pieces, t->copies, t->bytes / 1e6, t->bytes, t->read_bytes, t->read_wait * 1e3, t->slot_wait * 1e3,
         t->fence_waits, t->syncs, t->early_groups, t->drain_wait * 1e3, t->drains, t->reading * 1e3,
-        s->n_readers, s->slots, s->piece, s->fences ? "on" : "off");
+        s->n_readers, s->slots, s->piece, s->fences ? "on" : "off", s->made_s * 1e3, t->looks, t->in_read / k, t->ready / k,
+        t->queued / k, t->copying / k, t->idle_slots / k, t->read_ms[0], t->read_ms[1], t->read_ms[2],
+        t->read_ms[3], t->read_ms[4], t->read_ms[5], t->read_max * 1e3,
+        t->copy_freed ? t->copy_time / (double)t->copy_freed * 1e3 : 0.0, t->copy_freed, t->copy_max * 1e3);
   *t = (struct stream_trace){0};
+  s->made_s = 0;
 }
 
 int stream_end(struct stream *s) {
@@ -239,7 +280,9 @@ int stream_new(const struct device *dev, const struct qkeep_load_options *option
                     : cores < 1               ? 1
                     : cores > DEFAULT_READERS ? DEFAULT_READERS
                                               : (int)cores;
+  double t = now_seconds();
   int rc = dev_host_alloc(dev, (size_t)s->slots * s->piece, (void **)&s->ring);
+  s->made_s = now_seconds() - t;
   if (rc) {
     free(s);
     return rc;
@@ -286,6 +329,12 @@ int stream_wait(struct stream *s) {
 bool stream_active(const struct stream *s) { return s && s->active; }
 
 static void slot_freed(struct stream *s, int i) {
+  if (s->trace.on && s->slot[i] == SLOT_COPYING && s->copy_at[i] > 0) {
+    double d = now_seconds() - s->copy_at[i];
+    s->trace.copy_time += d, s->trace.copy_freed++;
+    s->trace.copy_max = d > s->trace.copy_max ? d : s->trace.copy_max;
+    s->copy_at[i] = 0;
+  }
   s->slot[i] = SLOT_FREE;
   if (i == s->arena)
     s->arena_used = 0;
@@ -324,6 +373,7 @@ static int reclaim(struct stream *s, bool block) {
 /* Marks slot i as copying, its copy (just started) covered by a new fence. */
 static int slot_copying(struct stream *s, int i) {
   s->slot[i] = SLOT_COPYING;
+  s->copy_at[i] = s->trace.on ? now_seconds() : 0;
   return s->fences ? dev_fence(s->dev, &s->fence[i]) : 0;
 }
 
@@ -426,9 +476,9 @@ static struct group *pack(struct piece *p, size_t n, size_t piece, size_t *n_gro
   return g;
 }
 
-/* Makes the items the stream's batch (nothing submitted yet). */
-static int batch_begin(struct stream *s, const struct provider *pv, const struct stream_item *items,
-                       size_t n_items) {
+/* Makes the items batch b (empty before; nothing submitted yet). */
+static int batch_begin(struct stream *s, struct batch *b, const struct provider *pv,
+                       const struct stream_item *items, size_t n_items) {
   size_t n = 0, n_groups = 0;
   struct piece *pieces = cut(items, n_items, s->piece, &n);
   struct group *groups = pieces ? pack(pieces, n, s->piece, &n_groups) : NULL;
@@ -441,69 +491,89 @@ static int batch_begin(struct stream *s, const struct provider *pv, const struct
   }
   memcpy(copy, items, n_items * sizeof *copy);
   pthread_mutex_lock(&s->mu);
-  s->pv = pv, s->pieces = pieces, s->n_pieces = n, s->groups = groups, s->n_groups = n_groups;
-  s->submitted = s->taken = 0;
+  *b = (struct batch){pv, pieces, n, groups, n_groups, 0, 0, copy, n_items};
   pthread_mutex_unlock(&s->mu);
-  s->items = copy, s->n_items = n_items;
   return 0;
 }
 
-/* Hands groups to the readers while slots are free. Called with s->mu held. */
+/* Hands groups to the readers while slots are free: the current batch's, then the one read ahead.
+ * Called with s->mu held. */
 static void batch_submit(struct stream *s) {
   int slot;
-  while (s->submitted < s->n_groups && (slot = free_slot(s)) >= 0) {
-    const struct group *g = &s->groups[s->submitted];
-    for (size_t i = g->first; i < g->end; i++)
-      s->pieces[i].slot = slot;
-    s->slot[slot] = SLOT_READING;
-    s->submitted++;
-    pthread_cond_signal(&s->work);
-  }
+  for (struct batch *b = &s->cur; b; b = b == &s->cur ? &s->ahead : NULL)
+    while (b->submitted < b->n_groups && (slot = free_slot(s)) >= 0) {
+      const struct group *g = &b->groups[b->submitted];
+      for (size_t i = g->first; i < g->end; i++)
+        b->pieces[i].slot = slot;
+      s->slot[slot] = SLOT_READING;
+      b->submitted++;
+      pthread_cond_signal(&s->work);
+    }
 }
 
-/* Ends the batch: the readers finish what they took, nothing else is read, its slots not copied from
- * are free again. */
+/* Frees batch b's arrays (no reader holds a group of it). */
+static void batch_clear(struct batch *b) {
+  for (size_t i = 0; i < b->n_pieces; i++)
+    free(b->pieces[i].msg);
+  free(b->pieces);
+  free(b->groups);
+  free(b->items);
+  *b = (struct batch){0};
+}
+
+/* Ends both batches: the readers finish what they took, nothing else is read, the slots read and not
+ * copied from are free again. */
 static void batch_drop(struct stream *s) {
-  if (!s->pieces)
+  if (!s->cur.pieces && !s->ahead.pieces)
     return;
   pthread_mutex_lock(&s->mu);
-  s->submitted = s->taken;
-  for (size_t i = 0; i < s->taken; i++)
-    for (size_t k = s->groups[i].first; k < s->groups[i].end; k++)
-      while (!s->pieces[k].done)
-        pthread_cond_wait(&s->done, &s->mu);
-  struct piece *pieces = s->pieces;
-  size_t n = s->n_pieces;
-  free(s->groups);
-  s->pieces = NULL, s->groups = NULL, s->n_pieces = s->n_groups = s->submitted = s->taken = 0;
+  for (struct batch *b = &s->cur; b; b = b == &s->cur ? &s->ahead : NULL) {
+    b->submitted = b->taken;
+    for (size_t i = 0; i < b->taken; i++)
+      for (size_t k = b->groups[i].first; k < b->groups[i].end; k++)
+        while (!b->pieces[k].done)
+          pthread_cond_wait(&s->done, &s->mu);
+  }
+  struct batch cur = s->cur, ahead = s->ahead;
+  s->cur = (struct batch){0}, s->ahead = (struct batch){0};
   pthread_mutex_unlock(&s->mu);
-  for (size_t i = 0; i < n; i++)
-    free(pieces[i].msg);
+  batch_clear(&cur);
+  batch_clear(&ahead);
   for (int i = 0; i < s->slots; i++) /* read and never copied */
     if (s->slot[i] == SLOT_READING)
       s->slot[i] = SLOT_FREE;
-  free(pieces);
-  free(s->items);
-  s->items = NULL, s->n_items = 0;
 }
 
-/* Whether the batch read ahead is these items (the same tensors and sources, in order). */
-static bool batch_is(const struct stream *s, const struct stream_item *items, size_t n_items) {
-  if (!s->pieces || s->n_items != n_items)
+/* The current batch is copied whole: the one read ahead becomes the current one, its reads going on. */
+static void batch_next(struct stream *s) {
+  pthread_mutex_lock(&s->mu);
+  struct batch done = s->cur; /* every group read: no reader holds one */
+  s->cur = s->ahead, s->ahead = (struct batch){0};
+  pthread_mutex_unlock(&s->mu);
+  batch_clear(&done);
+}
+
+/* Whether batch b is these items (the same tensors and sources, in order). */
+static bool batch_is(const struct batch *b, const struct stream_item *items, size_t n_items) {
+  if (!b->pieces || b->n_items != n_items)
     return false;
   for (size_t i = 0; i < n_items; i++)
-    if (s->items[i].t.handle != items[i].t.handle || s->items[i].t.nbytes != items[i].t.nbytes ||
-        s->items[i].t.name != items[i].t.name || s->items[i].on_host != items[i].on_host ||
-        s->items[i].check != items[i].check || s->items[i].check_ctx != items[i].check_ctx)
+    if (b->items[i].t.handle != items[i].t.handle || b->items[i].t.nbytes != items[i].t.nbytes ||
+        b->items[i].t.name != items[i].t.name || b->items[i].on_host != items[i].on_host ||
+        b->items[i].check != items[i].check || b->items[i].check_ctx != items[i].check_ctx)
       return false;
   return true;
 }
 
 int stream_prefetch(struct stream *s, const struct provider *pv, const struct stream_item *items,
                     size_t n_items) {
-  batch_drop(s);
-  if (!n_items || begin_load(s) || batch_begin(s, pv, items, n_items))
+  if (!n_items || begin_load(s))
     return 0; /* reading ahead is only a head start: without it the load reads later */
+  if (!batch_is(&s->cur, items, n_items) || s->ahead.pieces) {
+    batch_drop(s);
+    if (batch_begin(s, &s->cur, pv, items, n_items))
+      return 0;
+  }
   if (reclaim(s, false) < 0)
     return 0;
   pthread_mutex_lock(&s->mu);
@@ -521,29 +591,39 @@ static bool any_copying(const struct stream *s) {
 }
 
 /*
- * Waits (s->mu held) until a reader finishes a group, or, while copies are in flight, at most
- * RECLAIM_US: each slot whose copies are done goes back to the readers meanwhile, so that they do
- * not idle while the calling thread waits for one piece (it alone frees slots: fences are the
- * backend's, asked on this thread).
+ * Waits (s->mu held) until a reader finishes a group of the current batch (head: the group of the
+ * piece awaited), or, while the readers have nothing to take and copies are in flight, until the
+ * oldest copy is done: its slot and every later one done goes back to the readers (the calling
+ * thread alone frees slots: fences are the backend's, asked on this thread).
  */
-static void wait_for_read(struct stream *s) {
-  if (!s->fences || !any_copying(s)) {
-    pthread_cond_wait(&s->done, &s->mu);
+static void wait_for_read(struct stream *s, size_t head) {
+  if (s->trace.on) { /* the ring's state now (trace_log) */
+    struct stream_trace *t = &s->trace;
+    const struct batch *b = &s->cur;
+    t->looks++, t->queued += (double)(b->submitted - b->taken + s->ahead.submitted - s->ahead.taken);
+    for (size_t g = head; g < b->taken; g++)
+      *(b->pieces[b->groups[g].end - 1].done ? &t->ready : &t->in_read) += 1;
+    for (int i = 0; i < s->slots; i++)
+      if (s->slot[i] == SLOT_COPYING)
+        t->copying += 1;
+      else if (s->slot[i] == SLOT_FREE)
+        t->idle_slots += 1;
+  }
+  /* The readers have taken every group handed over, so they idle unless a slot frees: wait for the
+   * oldest copy (the device's own wait, not a poll), free every slot done by then, hand them more. */
+  const struct batch *c = &s->cur, *a = &s->ahead;
+  if (s->fences && !to_read(s) && (c->submitted < c->n_groups || a->submitted < a->n_groups) &&
+      any_copying(s)) {
+    pthread_mutex_unlock(&s->mu);
+    int rc = reclaim(s, true); /* an error here is found again by the next reclaim */
+    pthread_mutex_lock(&s->mu);
+    size_t before = c->submitted + a->submitted;
+    if (rc == 0)
+      batch_submit(s);
+    s->trace.early_groups += c->submitted + a->submitted - before;
     return;
   }
-  struct timespec until;
-  clock_gettime(CLOCK_MONOTONIC, &until);
-  until.tv_nsec += RECLAIM_US * 1000;
-  if (until.tv_nsec >= 1000000000)
-    until.tv_sec++, until.tv_nsec -= 1000000000;
-  (void)pthread_cond_timedwait(&s->done, &s->mu, &until);
-  pthread_mutex_unlock(&s->mu);
-  int rc = reclaim(s, false); /* an error here is found again by the next reclaim */
-  pthread_mutex_lock(&s->mu);
-  size_t before = s->submitted;
-  if (rc == 0)
-    batch_submit(s);
-  s->trace.early_groups += s->submitted - before;
+  pthread_cond_wait(&s->done, &s->mu);
 }
 
 int stream_drain_reading(struct stream *s, const struct provider *pv, const struct stream_item *items,
@@ -573,33 +653,37 @@ static bool follows(const struct piece *p, const struct piece *q) {
 }
 
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
-                 size_t n_items) {
+                 size_t n_items, const struct stream_item *then, size_t n_then) {
   int rc = begin_load(s);
   if (rc)
     return rc;
-  if (!batch_is(s, items, n_items)) {
+  if (!batch_is(&s->cur, items, n_items) || s->ahead.pieces) {
     batch_drop(s);
-    if ((rc = batch_begin(s, pv, items, n_items)))
+    if ((rc = batch_begin(s, &s->cur, pv, items, n_items)))
       return rc;
   }
+  /* the next items are read once each group of these has a slot (best effort: none when out of memory) */
+  if (then && n_then)
+    (void)batch_begin(s, &s->ahead, pv, then, n_then);
+  struct batch *b = &s->cur;
   /* Where each piece goes is known now (a read ahead did not know it). */
-  for (size_t k = 0; k < s->n_pieces; k++) {
-    struct piece *p = &s->pieces[k];
+  for (size_t k = 0; k < b->n_pieces; k++) {
+    struct piece *p = &b->pieces[k];
     p->dst = items[p->item].dst + p->at;
     p->alloc = items[p->item].alloc;
     p->mirror = items[p->item].mirror ? items[p->item].mirror + p->at : NULL;
   }
   /* Pieces [run, copied) are read and wait for one copy, started when the next one does not follow;
    * `started`: a copy from the slot of piece `copied`'s group has been started. */
-  size_t copied = 0, run = 0, n = s->n_pieces;
+  size_t copied = 0, run = 0, n = b->n_pieces;
   bool started = false;
   while (copied < n && !rc) {
     if ((rc = reclaim(s, false)) < 0)
       break;
     pthread_mutex_lock(&s->mu);
     batch_submit(s);
-    struct piece *p = &s->pieces[copied];
-    if (p->group >= s->submitted) { /* every slot waits on a copy: let the device finish the oldest */
+    struct piece *p = &b->pieces[copied];
+    if (p->group >= b->submitted) { /* every slot waits on a copy: let the device finish the oldest */
       pthread_mutex_unlock(&s->mu);
       double t = s->trace.on ? now_seconds() : 0;
       rc = reclaim(s, true);
@@ -608,7 +692,7 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
     }
     double t = s->trace.on && !p->done ? now_seconds() : 0;
     while (!p->done)
-      wait_for_read(s);
+      wait_for_read(s, p->group);
     pthread_mutex_unlock(&s->mu);
     s->trace.read_wait += t ? now_seconds() - t : 0;
     if (p->rc) {
@@ -619,16 +703,16 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
       memcpy(p->mirror, slot_room(s, p->slot) + p->off, p->n);
     s->trace.pieces++, s->trace.bytes += p->n;
     copied++;
-    const struct piece *last = &s->pieces[copied - 1];
-    if (copied < n && follows(last, &s->pieces[copied]))
+    const struct piece *last = &b->pieces[copied - 1];
+    if (copied < n && follows(last, &b->pieces[copied]))
       continue;
-    const struct piece *head = &s->pieces[run];
+    const struct piece *head = &b->pieces[run];
     if ((rc = dev_h2d_async(s->dev, head->dst, slot_room(s, head->slot) + head->off,
                             (size_t)(last->dst + last->n - head->dst))))
       break;
     s->trace.copies++;
     run = copied, started = true;
-    if (copied == n || s->pieces[copied].group != last->group) { /* the group's last copy is started */
+    if (copied == n || b->pieces[copied].group != last->group) { /* the group's last copy is started */
       rc = slot_copying(s, last->slot);
       started = false;
     }
@@ -636,7 +720,10 @@ int stream_items(struct stream *s, const struct provider *pv, const struct strea
   /* A failure in a group whose earlier pieces are being copied: its slot is free once they are
    * (batch_drop frees the slots read and never copied from). */
   if (rc && started)
-    (void)slot_copying(s, s->pieces[run].slot);
-  batch_drop(s); /* after a failure, the readers finish what they took first */
+    (void)slot_copying(s, b->pieces[run].slot);
+  if (rc)
+    batch_drop(s); /* the readers finish what they took first */
+  else
+    batch_next(s); /* the items read ahead go on being read, for the next call */
   return rc;
 }

@@ -49,10 +49,12 @@ size_t stream_bytes(const struct stream *s);
  * later work on the device's stream sees the bytes; stream_wait waits for them). On a read or
  * copy error, or a piece its item's check refuses (checked by the reader that read it, so its
  * bytes are never copied), nothing further is started and the first error is returned, with its
- * message.
+ * message. `then` (NULL, or n_then items: the next layer's, their dst not needed) are read into
+ * the slots that free once every piece of `items` has one, so the readers never idle between two
+ * calls; they go on being read after a successful return, as if stream_prefetch had been called.
  */
 int stream_items(struct stream *s, const struct provider *pv, const struct stream_item *items,
-                 size_t n_items);
+                 size_t n_items, const struct stream_item *then, size_t n_then);
 /*
  * Starts reading the items ahead (their dst and mirror are not needed yet, nor looked at) into
  * free slots, and returns at once; a stream_items call with the same items (tensors and order)

@@ -232,8 +232,20 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
     rc = streamed_sources(layer, pv, st, true, items, which, &n);
   if (!rc && n)
     rc = staging_stream(st, dev, &layer->model->load_options);
+  /* The next layer's bytes are read as this one's last pieces are (one it streams from the same
+   * provider to the same device, and not quantized on load: its units read their own ahead). */
+  qkeep_layer *next = st->ahead;
+  size_t n_next = 0, next_count = next ? (next->n_sources ? next->n_sources : 1) : 0;
+  struct stream_item *then = next && !layer->n_derived && !next->n_derived && layer_device(next) == dev
+                                 ? malloc(next_count * sizeof *then)
+                                 : NULL;
+  size_t *then_which = then ? malloc(next_count * sizeof *then_which) : NULL;
+  if (!rc && n && then_which && streamed_sources(next, pv, st, false, then, then_which, &n_next))
+    n_next = 0; /* only a head start: the next layer finds the error itself */
   if (!rc && n)
-    rc = stream_items(st->stream, pv, items, n);
+    rc = stream_items(st->stream, pv, items, n, then_which ? then : NULL, n_next);
+  free(then);
+  free(then_which);
   for (size_t k = 0; k < n && !rc; k++)
     layer->sources[which[k]].loaded = true, layer->sources[which[k]].mirrored = items[k].mirror != NULL;
   struct mem_stats *mem = &layer->model->mem;
@@ -432,6 +444,12 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     rc = check_all_taken(model, ck);
   if (!rc)
     rc = chain_assign(model, ck->path);
+  /* The first layer's bytes are read into its device's ring while every param's memory is allocated
+   * (a head start only: a failure here is met again, and reported, when the layer loads). */
+  const struct device *first = !rc && model->n_layers ? layer_device(model->layers[0]) : NULL;
+  if (first && memory_ops_async(first->ops) && !model->layers[0]->n_derived &&
+      staging_stream(&st, first, &model->load_options) == 0)
+    load_read_ahead(model->layers[0], &pv, &st);
   if (!rc)
     rc = model_materialise(model);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;
@@ -439,6 +457,7 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   st.order = model->layers, st.n_order = model->n_layers; /* every layer, from this checkpoint */
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     double a = now_seconds();
+    st.ahead = i + 1 < model->n_layers ? model->layers[i + 1] : NULL;
     rc = load_layer_sources(model->layers[i], &pv, &st);
     double b = now_seconds();
     if (!rc && i + 1 < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */

@@ -17,6 +17,9 @@ struct staging {
   unsigned char *data, *compare;
   size_t cap;
   struct stream *stream; /* NULL until a layer of a device with asynchronous copies loads */
+  /* The layer loaded after this one from the same provider, or NULL: its bytes are read into the ring
+   * while this layer's last ones are (its dst not touched before its own turn). */
+  qkeep_layer *ahead;
   bool own_stream;       /* made for this load (a device with no owner to keep it), freed with it */
   /* The provider's scale values were checked already (a reload's validation of W1): the load does not
    * check them again. False: it checks each scale in host memory on its way (check_scales). */

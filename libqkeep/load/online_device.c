@@ -145,7 +145,7 @@ static int stage_sources(qkeep_layer *layer, const struct provider *pv, struct d
   if (!rc && n_items)
     rc = staging_stream(st, dev, &layer->model->load_options);
   if (!rc && n_items)
-    rc = stream_items(st->stream, pv, items, n_items);
+    rc = stream_items(st->stream, pv, items, n_items, NULL, 0);
   return rc;
 }
 

@@ -922,12 +922,13 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
       rc = set_error(fault.code, "injected fault at layer %s", layer->name);
     if (!rc)
       rc = restore_layer(layer);
-    if (!rc)
-      rc = load_layer_sources(layer, pv, &st);
-    double b = now_seconds();
     size_t next = l + 1;
     while (next < model->n_layers && !selected[next])
       next++;
+    st.ahead = next < model->n_layers ? model->layers[next] : NULL;
+    if (!rc)
+      rc = load_layer_sources(layer, pv, &st);
+    double b = now_seconds();
     if (!rc && next < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
       load_read_ahead(model->layers[next], pv, &st);
     if (!rc)
