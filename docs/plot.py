@@ -27,6 +27,7 @@ GPU_RUN = "bench-gpu-h200-2026-12-01-final.jsonl"  # make bench-gpu on one H200
 NVFP4_H100_RUN = "nvfp4-h100-2026-12-07-dense.jsonl"  # bench_nvfp4 (dense part) on one H100, the latest kernels
 INT8_RUN = "int8-container-2026-11-29-d.jsonl"  # bench_int8, 2-core AVX2 container, 2 threads
 INT4_RUN = "int4-epyc-2026-12-07-t1-w4a16-permute.jsonl"  # bench_int4, AVX-512 VNNI EPYC, 1 thread
+LOAD_H100_RUN = "load-h100-2026-12-07-c.jsonl"  # bench_load on one H100: 4 GB from page cache
 RELOAD_CPU_RUN = "reload-container-2026-12-01.jsonl"  # bench_reload, reference backend
 RELOAD_ONEDNN_RUN = "reload-onednn-colsums-2026-12-01.jsonl"  # bench_reload, cpu-onednn
 SCALE_RUN = "scale-container-2026-12-01-b.jsonl"  # bench_scale, reference backend
@@ -114,6 +115,9 @@ def reload_plot():
     gpu = lines(GPU_RUN, "reload")[-1]
     groups.append(("cuda-nvfp4, H200\nNVFP4, %d layers, %.0f MB" % (gpu["layers"], gpu["checkpoint_bytes"] / 1e6),
                    gpu["cold_ms"], gpu["reload_ms"], gpu["raw_read_ms"]))
+    h100 = lines(LOAD_H100_RUN, "load")[-1]
+    groups.append(("cuda-nvfp4, H100\nNVFP4, %.1f GB" % (h100["bytes"] / 1e9), h100["cold_s"] * 1e3,
+                   h100["reload_s"] * 1e3, h100["raw_read_s"] * 1e3))
     for r in lines(RELOAD_CPU_RUN, "reload"):
         if r["backend"] == "reference":
             groups.append(("reference, CPU\n%s, %.0f MB" % (r["scheme"], r["checkpoint_bytes"] / 1e6), r["cold_ms"],
@@ -124,7 +128,7 @@ def reload_plot():
     for r in lines(SCALE_RUN, "scale"):
         groups.append(("reference, CPU\n%s tensors (MoE)" % format(r["tensors"], ","), r["cold_s"] * 1e3,
                        r["reload_s"] * 1e3, r["raw_read_s"] * 1e3))
-    fig, ax = plt.subplots(figsize=(12, 4.6))
+    fig, ax = plt.subplots(figsize=(13.5, 4.6))
     width = 0.27
     for i, (label, cold, reload, raw) in enumerate(groups):
         for j, (value, name, color) in enumerate([(raw, "raw read of W1 (peer)", "tab:gray"),
