@@ -37,6 +37,9 @@
  *
  * QKEEP_BENCH_RINGS="SLOTS:PIECE:READERS:FENCES,..." measures each ring shape (ring_options.h);
  * without it, the model's defaults. QKEEP_BENCH_TRACE=1 logs the stream's trace of every load.
+ * Each line also splits the cold start and the reload (qkeep_model_load_stats, medians): planning and
+ * allocating (the pinned ring made there too), the layers' bytes, PWAL, and a reload's validation of
+ * W1; reload_layers_of_h2d is the pinned copy's time over the reload's streaming of the layers.
  * One JSON object per line; GB/s are 1e9 bytes per second of checkpoint bytes. The checkpoints go
  * under $TMPDIR (or /tmp), about 2 x 4.1 GB, removed at the end.
  */
@@ -184,6 +187,11 @@ static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec
   char label[64];
   struct qkeep_load_options o = ring_options(spec, label, sizeof label);
   double raw[MAX_RUNS], cold[MAX_RUNS], reload[MAX_RUNS], paired[MAX_RUNS];
+  /* where each went (qkeep_model_load_stats): the cold start's planning and allocation, layers' bytes and
+   * PWAL; the second reload's validation, layers' bytes and PWAL */
+  double c_plan[MAX_RUNS], c_layers[MAX_RUNS], c_pwal[MAX_RUNS], r_check[MAX_RUNS], r_layers[MAX_RUNS],
+      r_pwal[MAX_RUNS];
+  struct qkeep_load_stats cs = {.size = sizeof cs}, rs = {.size = sizeof rs};
   qkeep_model *held;
   if (model_new(plugins, n_plugins, &o, &held) || qkeep_model_load(held, w0))
     return fail("loading W0");
@@ -195,6 +203,7 @@ static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec
     if (model_new(plugins, n_plugins, &o, &m) || qkeep_model_load(m, w1))
       return fail("cold start");
     double t_cold = now_seconds() - t0;
+    (void)qkeep_model_load_stats(m, &cs);
     qkeep_model_free(m);
     double t_reload = 0;
     for (int k = 0; k < 2; k++) {
@@ -203,10 +212,14 @@ static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec
         return fail("reload");
       t_reload += (now_seconds() - t0) / 2;
     }
+    (void)qkeep_model_load_stats(held, &rs);
     if (t_raw < 0)
       return fail("raw read");
-    if (r >= 0)
+    if (r >= 0) {
       raw[r] = t_raw, cold[r] = t_cold, reload[r] = t_reload, paired[r] = t_reload / t_cold;
+      c_plan[r] = cs.open_seconds, c_layers[r] = cs.read_seconds, c_pwal[r] = cs.pwal_seconds;
+      r_check[r] = rs.validate_seconds, r_layers[r] = rs.read_seconds, r_pwal[r] = rs.pwal_seconds;
+    }
   }
   struct qkeep_memory_stats mem = {.size = sizeof mem};
   (void)qkeep_model_memory(held, &mem, false);
@@ -216,10 +229,14 @@ static int bench_ring(qkeep_plugin **plugins, size_t n_plugins, const char *spec
          "\"cold_s\":%.4f,\"cold_gbps\":%.2f,\"reload_s\":%.4f,\"reload_gbps\":%.2f,"
          "\"reload_over_cold\":%.3f,\"reload_over_cold_paired\":%.3f,"
          "\"raw_read_s\":%.4f,\"raw_read_gbps\":%.2f,\"raw_read_threads\":%d,\"pinned_h2d_gbps\":%.2f,"
-         "\"cold_of_h2d\":%.3f,\"reload_of_h2d\":%.3f,\"pinned_bytes\":%lld,\"runs\":%d}\n",
+         "\"cold_of_h2d\":%.3f,\"reload_of_h2d\":%.3f,\"pinned_bytes\":%lld,\"runs\":%d,"
+         "\"cold_plan_s\":%.4f,\"cold_layers_s\":%.4f,\"cold_pwal_s\":%.4f,\"reload_validate_s\":%.4f,"
+         "\"reload_layers_s\":%.4f,\"reload_pwal_s\":%.4f,\"reload_layers_of_h2d\":%.3f}\n",
          bytes, label, s_cold, bytes / s_cold / 1e9, s_reload, bytes / s_reload / 1e9, s_reload / s_cold,
          tu_median(paired, runs), s_raw, bytes / s_raw / 1e9, cores, bytes / h2d_s / 1e9, h2d_s / s_cold,
-         h2d_s / s_reload, (long long)mem.pinned_bytes, runs);
+         h2d_s / s_reload, (long long)mem.pinned_bytes, runs, tu_median(c_plan, runs), tu_median(c_layers, runs),
+         tu_median(c_pwal, runs), tu_median(r_check, runs), tu_median(r_layers, runs), tu_median(r_pwal, runs),
+         h2d_s / tu_median(r_layers, runs));
   fflush(stdout);
   return 0;
 }
