@@ -116,13 +116,14 @@ static void reset_device(void) {
   h2d_calls = 0;
 }
 
-/* n small tensors "<prefix><k>" of `bytes` each, tensor k at dst + k * stride (names from `names`). */
+/* n small tensors "<prefix><k>" of `bytes` each, tensor k at dst + k * stride, or nowhere yet when dst is
+ * NULL (names from `names`). */
 static struct stream_item *small_items(size_t n, size_t bytes, char *dst, size_t stride, char prefix,
                                        char (*names)[16]) {
   struct stream_item *it = calloc(n, sizeof *it);
   for (size_t k = 0; k < n; k++) {
     snprintf(names[k], sizeof names[k], "%c%u", prefix, (unsigned)k); /* at most 11 bytes */
-    it[k] = item(bytes, dst + k * stride);
+    it[k] = item(bytes, dst ? dst + k * stride : NULL); /* NULL: read ahead, no place yet */
     it[k].alloc = dst; /* one allocation */
     it[k].t.name = names[k];
   }
@@ -390,17 +391,13 @@ START_TEST(a_failure_on_either_side_of_a_read_ahead_is_its_own_layers) {
     assert_small(dst2, k, bytes, stride, true);
   /* now the next layer's tensor s5 is refused: this layer's call succeeds, the next one fails */
   memset(dst2, 0, n * stride);
-  for (size_t k = 0; k < n; k++)
-    it2[k].check = NULL, it[k].dst = NULL, it[k].t.name = next_names[k];
-  struct stream_item *it3 = small_items(n, bytes, dst, stride, 's', names);
-  for (size_t k = 0; k < n; k++)
-    it3[k].t.dtype = QKEEP_DTYPE_U8, it3[k].check = refuse_s5, it3[k].alloc = dst2;
   struct stream_item *then3 = small_items(n, bytes, NULL, stride, 's', names);
-  for (size_t k = 0; k < n; k++)
-    then3[k] = it3[k], then3[k].dst = NULL;
+  struct stream_item *it3 = small_items(n, bytes, dst2, stride, 's', names);
+  for (size_t k = 0; k < n; k++) {
+    then3[k].t.dtype = it3[k].t.dtype = QKEEP_DTYPE_U8;
+    then3[k].check = it3[k].check = refuse_s5;
+  }
   ck_assert_msg(stream_items(s, &prov, it2, n, then3, n) == 0, "%s", qkeep_errmsg());
-  for (size_t k = 0; k < n; k++)
-    it3[k].dst = dst2 + k * stride;
   ck_assert_int_eq(stream_items(s, &prov, it3, n, NULL, 0), QKEEP_E_FORMAT);
   ck_assert_msg(strstr(qkeep_errmsg(), "s5: refused"), "%s", qkeep_errmsg());
   ck_assert_int_eq(stream_end(s), 0);

@@ -499,8 +499,10 @@ static int batch_begin(struct stream *s, struct batch *b, const struct provider 
 /* Hands groups to the readers while slots are free: the current batch's, then the one read ahead.
  * Called with s->mu held. */
 static void batch_submit(struct stream *s) {
+  struct batch *both[] = {&s->cur, &s->ahead};
   int slot;
-  for (struct batch *b = &s->cur; b; b = b == &s->cur ? &s->ahead : NULL)
+  for (int k = 0; k < 2; k++) {
+    struct batch *b = both[k];
     while (b->submitted < b->n_groups && (slot = free_slot(s)) >= 0) {
       const struct group *g = &b->groups[b->submitted];
       for (size_t i = g->first; i < g->end; i++)
@@ -509,6 +511,7 @@ static void batch_submit(struct stream *s) {
       b->submitted++;
       pthread_cond_signal(&s->work);
     }
+  }
 }
 
 /* Frees batch b's arrays (no reader holds a group of it). */
@@ -527,7 +530,9 @@ static void batch_drop(struct stream *s) {
   if (!s->cur.pieces && !s->ahead.pieces)
     return;
   pthread_mutex_lock(&s->mu);
-  for (struct batch *b = &s->cur; b; b = b == &s->cur ? &s->ahead : NULL) {
+  struct batch *both[] = {&s->cur, &s->ahead};
+  for (int n = 0; n < 2; n++) {
+    struct batch *b = both[n];
     b->submitted = b->taken;
     for (size_t i = 0; i < b->taken; i++)
       for (size_t k = b->groups[i].first; k < b->groups[i].end; k++)

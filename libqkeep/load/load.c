@@ -244,6 +244,7 @@ static int load_streamed(qkeep_layer *layer, const struct provider *pv, struct s
     n_next = 0; /* only a head start: the next layer finds the error itself */
   if (!rc && n)
     rc = stream_items(st->stream, pv, items, n, then_which ? then : NULL, n_next);
+  st->read_ahead = !rc && n && n_next ? next : NULL;
   free(then);
   free(then_which);
   for (size_t k = 0; k < n && !rc; k++)
@@ -302,7 +303,7 @@ static int load_device_batch(qkeep_layer *layer, const struct provider *pv) {
 }
 
 void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st) {
-  if (!next || !st->stream || stream_device(st->stream) != layer_device(next))
+  if (!next || next == st->read_ahead || !st->stream || stream_device(st->stream) != layer_device(next))
     return;
   size_t n = 0, count = next->n_sources ? next->n_sources : 1;
   struct stream_item *items = malloc(count * sizeof *items);

@@ -20,6 +20,9 @@ struct staging {
   /* The layer loaded after this one from the same provider, or NULL: its bytes are read into the ring
    * while this layer's last ones are (its dst not touched before its own turn). */
   qkeep_layer *ahead;
+  /* The layer whose bytes the stream reads ahead now, given by the last streamed layer (NULL: none):
+   * load_read_ahead has nothing to add for it. */
+  const qkeep_layer *read_ahead;
   bool own_stream;       /* made for this load (a device with no owner to keep it), freed with it */
   /* The provider's scale values were checked already (a reload's validation of W1): the load does not
    * check them again. False: it checks each scale in host memory on its way (check_scales). */
@@ -57,7 +60,8 @@ int load_source(qkeep_layer *layer, const struct provider *pv, struct source *sr
  * an earlier shard's), when the staging's provider was not checked already (scales_checked); else NULL. */
 const qkeep_param *scale_to_check(const struct staging *st, const struct source *src);
 /* Starts reading the next layer's device-bound bytes into the stream's free slots (when it goes to
- * the device being streamed to), so they arrive while the current layer's PWAL runs. Best effort. */
+ * the device being streamed to, and the current layer did not hand them to the stream already:
+ * staging's read_ahead), so they arrive while the current layer's PWAL runs. Best effort. */
 void load_read_ahead(qkeep_layer *next, const struct provider *pv, struct staging *st);
 /* Loads every source of a layer from the provider (strided and compare-only ones too). */
 int load_layer_sources(qkeep_layer *layer, const struct provider *pv, struct staging *st);
