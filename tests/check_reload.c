@@ -783,6 +783,39 @@ START_TEST(scales_read_in_shares_by_threads_validate_the_same) {
 }
 END_TEST
 
+/* The scales a reload from files checks go to host memory the model keeps for the next reload (a
+ * fresh buffer each reload cost its page faults); what one reload left there never reaches another:
+ * each equals a cold start, after a reload that failed on a scale half-way through too. */
+START_TEST(checked_scales_stay_in_memory_the_model_keeps) {
+  char *s0 = write_source("w0.safetensors", 1), *s1 = write_source("w1.safetensors", 2);
+  char *w0 = quantize(s0, "modelopt-nvfp4", "q0", 0, false),
+       *w1 = quantize(s1, "modelopt-nvfp4", "q1", 0, false);
+  char *nan = rewrite(w1, "nan", nan_scale);
+  qkeep_model *m = load(w0), *cold0 = load(w0), *cold1 = load(w1);
+  struct qkeep_memory_stats mem = {.size = sizeof mem};
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  ck_assert_int_eq(mem.kept_scale_bytes, 0); /* a load keeps none */
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), digest(cold1)));
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  int64_t kept = mem.kept_scale_bytes;
+  ck_assert_int_gt(kept, 0);
+  ck_assert_int_lt(kept, mem.storage_bytes); /* the scales, not the model */
+  ck_assert_int_eq(qkeep_model_reload(m, nan, 0), QKEEP_E_FORMAT);
+  ck_assert(same(digest(m), digest(cold1)));
+  ck_assert_msg(qkeep_model_reload(m, w0, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), digest(cold0)));
+  ck_assert_msg(qkeep_model_reload(m, w1, 0) == 0, "%s", qkeep_errmsg());
+  ck_assert(same(digest(m), digest(cold1)));
+  ck_assert_int_eq(qkeep_model_memory(m, &mem, false), 0);
+  ck_assert_int_eq(mem.kept_scale_bytes, kept); /* the same memory, reused */
+  qkeep_model_free(m);
+  qkeep_model_free(cold0);
+  qkeep_model_free(cold1);
+  free(s0), free(s1), free(w0), free(w1), free(nan);
+}
+END_TEST
+
 START_TEST(reload_needs_a_loaded_model) {
   qkeep_model *m;
   ck_assert_int_eq(qkeep_model_new(plugin, &m), 0);
@@ -811,6 +844,7 @@ static Suite *reload_suite(const char *backend) {
   tcase_add_test(tc, direct_load_into_live_params);
   tcase_add_test(tc, scales_read_in_shares_by_threads_validate_the_same);
   tcase_add_test(tc, reload_needs_a_loaded_model);
+  tcase_add_test(tc, checked_scales_stay_in_memory_the_model_keeps);
   tcase_add_test(tc, cold_start_and_reload_take_the_same_tensors);
   tcase_add_test(tc, direct_load_of_a_kv_scale_updates_what_derives_from_it);
   suite_add_tcase(s, tc);

@@ -226,6 +226,9 @@ struct qkeep_memory_stats {
                             piece of qkeep_load_options, 64 MiB by default, per device backend with
                             asynchronous copies, from its first load to the model's free or a new
                             shape); counted in staging_peak too */
+  int64_t kept_scale_bytes; /* host memory kept from the first reload from files to the model's free for
+                               the scales a reload checks before it changes anything (at most 256 MiB; the
+                               scales beyond are read twice) */
 };
 /* Fills *out; with reset_peaks, the peaks restart from the current bytes. */
 QKEEP_API int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool reset_peaks);

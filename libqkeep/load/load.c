@@ -447,10 +447,12 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     rc = chain_assign(model, ck->path);
   /* The first layer's bytes are read into its device's ring while every param's memory is allocated
    * (a head start only: a failure here is met again, and reported, when the layer loads). */
+  double t_planned = now_seconds();
   const struct device *first = !rc && model->n_layers ? layer_device(model->layers[0]) : NULL;
   if (first && memory_ops_async(first->ops) && !model->layers[0]->n_derived &&
       staging_stream(&st, first, &model->load_options) == 0)
     load_read_ahead(model->layers[0], &pv, &st);
+  double t_ring = now_seconds();
   if (!rc)
     rc = model_materialise(model);
   double t1 = now_seconds(), t_read = 0, t_pwal = 0;
@@ -476,10 +478,10 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
   int staged = staging_free(&st); /* before any storage is freed: no copy may still write to it */
   if (!rc)
     log_msg(QKEEP_LOG_DEBUG,
-            "qkeep load: %.2f ms: plan and allocate %.2f, layers' bytes %.2f, normalise + PWAL %.2f, last "
-            "copies %.2f",
-            (now_seconds() - t0) * 1e3, (t1 - t0) * 1e3, t_read * 1e3, t_pwal * 1e3,
-            (now_seconds() - t2) * 1e3);
+            "qkeep load: %.2f ms: plan and allocate %.2f (plan %.2f, ring and first read ahead %.2f, "
+            "allocate %.2f), layers' bytes %.2f, normalise + PWAL %.2f, last copies %.2f",
+            (now_seconds() - t0) * 1e3, (t1 - t0) * 1e3, (t_planned - t0) * 1e3, (t_ring - t_planned) * 1e3,
+            (t1 - t_ring) * 1e3, t_read * 1e3, t_pwal * 1e3, (now_seconds() - t2) * 1e3);
   model_spares(model, false);
   if (!rc)
     rc = staged;

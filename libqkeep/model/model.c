@@ -127,6 +127,7 @@ void qkeep_model_free(qkeep_model *model) {
     free(model->chain.owners[i].probe_msg);
   }
   free(model->chain.owners);
+  free(model->reload_scales.bytes);
   free(model);
 }
 
@@ -232,7 +233,7 @@ int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool 
   for (size_t i = 0; i < model->chain.n_owners; i++)
     pinned += (int64_t)stream_bytes(model->chain.owners[i].stream);
   struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak,
-                                 model->mem.staging_peak, pinned};
+                                 model->mem.staging_peak, pinned, (int64_t)model->reload_scales.cap};
   copy_sized(out, &m, sizeof m);
   if (reset_peaks) {
     model->mem.storage_peak = model->mem.storage_bytes;

@@ -239,6 +239,13 @@ struct qkeep_model {
   /* The stream's shape (qkeep_model_set_load_options; zero fields: the defaults). */
   struct qkeep_load_options load_options;
   struct online_quantize online;
+  /* Host memory for the scales a reload from files checks (reload/reload.c), kept from the first
+   * reload that keeps any to the model's free: a fresh buffer's first touch, a page fault per
+   * 4 KiB page, cost more than reading the scales into it. */
+  struct kept_scales {
+    unsigned char *bytes;
+    size_t cap;
+  } reload_scales;
   /* Set only through qkeep__test_control (reload/test_control.c): its reloads fail with `code` when
    * they reach layer index `layer` (-1: none). */
   struct reload_fault {

@@ -23,6 +23,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -184,17 +185,22 @@ static void cached_provider(struct provider *p, struct scale_cache *c) {
                          c->inner->n_blocks};
 }
 
+/* The cache's own arrays; its bytes are the model's (reload_scales), kept for the next reload. */
 static void scale_cache_free(struct scale_cache *c) {
   online_value_checks_free(&c->values);
-  free(c->bytes);
   free(c->offset);
   free(c->pending);
   free(c->checks);
   name_index_clear(&c->index);
 }
 
-/* Room for the scale tensors of the model, up to SCALE_CACHE_MAX bytes. */
-static int scale_cache_reserve(struct scale_cache *c, const qkeep_model *model) {
+/*
+ * Room for the scale tensors of the model, up to SCALE_CACHE_MAX bytes: the model's kept buffer,
+ * made larger when it is too small. From 2 MiB on it is aligned to 2 MiB and advised to be in huge
+ * pages before its first touch (one fault per 2 MiB where the kernel has them).
+ */
+#define HUGE_PAGE ((size_t)2 << 20)
+static int scale_cache_reserve(struct scale_cache *c, qkeep_model *model) {
   size_t total = 0;
   for (size_t l = 0; l < model->n_layers; l++)
     for (size_t i = 0; i < model->layers[l]->n_sources; i++)
@@ -202,8 +208,21 @@ static int scale_cache_reserve(struct scale_cache *c, const qkeep_model *model) 
         total += qkeep_spec_bytes(&model->layers[l]->sources[i].spec);
   c->cap = total < SCALE_CACHE_MAX ? total : SCALE_CACHE_MAX;
   c->complete = true;
-  if (c->cap && !(c->bytes = malloc(c->cap)))
-    return set_error(QKEEP_E_NOMEM, "out of memory for %zu bytes of scales", c->cap);
+  struct kept_scales *kept = &model->reload_scales;
+  if (c->cap > kept->cap) {
+    free(kept->bytes);
+    kept->cap = 0;
+    size_t huge = (c->cap + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+    kept->bytes = c->cap >= HUGE_PAGE ? aligned_alloc(HUGE_PAGE, huge) : malloc(c->cap);
+    if (!kept->bytes)
+      return set_error(QKEEP_E_NOMEM, "out of memory for %zu bytes of scales", c->cap);
+    kept->cap = c->cap >= HUGE_PAGE ? huge : c->cap;
+#ifdef MADV_HUGEPAGE
+    if (c->cap >= HUGE_PAGE)
+      (void)madvise(kept->bytes, huge, MADV_HUGEPAGE); /* advice only: 4 KiB pages where refused */
+#endif
+  }
+  c->bytes = kept->bytes;
   return 0;
 }
 
