@@ -219,13 +219,13 @@ QKEEP_API int qkeep_model_load_stats(const qkeep_model *model, struct qkeep_load
  * the extra memory a load or reload needs is storage_peak - storage_bytes + staging_peak. */
 struct qkeep_memory_stats {
   size_t size;
-  int64_t storage_bytes; /* params, buffers and live result tensors, now */
-  int64_t storage_peak;  /* the most at any time */
-  int64_t staging_peak;  /* host staging for tensors that cannot land directly */
-  int64_t pinned_bytes;  /* page-locked host memory kept for streaming to the model's devices (slots x
-                            piece of qkeep_load_options, 64 MiB by default, per device backend with
-                            asynchronous copies, from its first load to the model's free or a new
-                            shape); counted in staging_peak too */
+  int64_t storage_bytes;    /* params, buffers and live result tensors, now */
+  int64_t storage_peak;     /* the most at any time */
+  int64_t staging_peak;     /* host staging for tensors that cannot land directly */
+  int64_t pinned_bytes;     /* page-locked host memory kept for streaming to the model's devices (slots x
+                               piece of qkeep_load_options, 64 MiB by default, per device backend with
+                               asynchronous copies, from its first load to the model's free or a new
+                               shape); counted in staging_peak too */
   int64_t kept_scale_bytes; /* host memory kept from the first reload from files to the model's free for
                                the scales a reload checks before it changes anything (at most 256 MiB; the
                                scales beyond are read twice) */

@@ -232,8 +232,12 @@ int qkeep_model_memory(qkeep_model *model, struct qkeep_memory_stats *out, bool 
   int64_t pinned = 0;
   for (size_t i = 0; i < model->chain.n_owners; i++)
     pinned += (int64_t)stream_bytes(model->chain.owners[i].stream);
-  struct qkeep_memory_stats m = {sizeof m, model->mem.storage_bytes, model->mem.storage_peak,
-                                 model->mem.staging_peak, pinned, (int64_t)model->reload_scales.cap};
+  struct qkeep_memory_stats m = {.size = sizeof m,
+                                 .storage_bytes = model->mem.storage_bytes,
+                                 .storage_peak = model->mem.storage_peak,
+                                 .staging_peak = model->mem.staging_peak,
+                                 .pinned_bytes = pinned,
+                                 .kept_scale_bytes = (int64_t)model->reload_scales.cap};
   copy_sized(out, &m, sizeof m);
   if (reset_peaks) {
     model->mem.storage_peak = model->mem.storage_bytes;
