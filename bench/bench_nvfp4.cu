@@ -192,20 +192,36 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
       }
       double s_us = time_us(stream, L.copies_q, stream_read, nullptr);
       /* The streaming kernel without programmatic dependent launch: each launch after the last ends. */
-      const nvfp4_tuning late = {0, 0, 0, 0, 0, 0, 0, 1};
+      const nvfp4_tuning late = {0, 0, 0, 0, 0, 0, 0, 1, 0};
       const double late_us =
           plan.kernel == NVFP4_KERNEL_STREAM ? time_us(stream, L.copies_q, qkeep_with(&late)) : -1;
+      /* The wgmma plan's token tile without a K split and with 1, 2 and 4 row blocks sharing the
+       * activations ("multicast:us ..."), each checked against cuBLAS's output first. */
+      std::string mc_s;
+      double mc_err = 0;
+      for (int mc = 1; mc <= 4 && plan.kernel == NVFP4_KERNEL_WGMMA; mc *= 2) {
+        const nvfp4_tuning t = {plan.tile_m, 1, 0, NVFP4_KERNEL_WGMMA, plan.rows, 0, 0, 0, mc};
+        qkeep_with (&t)(0);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        const double e = compare(y, y_ref, (size_t)(m * n));
+        mc_err = e > mc_err ? e : mc_err;
+        char one[48];
+        snprintf(one, sizeof one, "%s%d:%.2f", mc_s.empty() ? "" : " ", mc,
+                 time_us(stream, L.copies_q, qkeep_with(&t), nullptr));
+        mc_s += one;
+      }
       double q_us = median(q_runs), p_us = median(p_runs), ceiling = 1e6 * read_bytes / bandwidth;
       printf(
           "{\"bench\":\"nvfp4_w4a16\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
           "\"peer\":\"cublas_bf16\",\"peer_us\":%.2f,\"ratio\":%.2f,\"ceiling_us\":%.2f,\"of_ceiling\":%.2f,"
           "\"weight_tbps\":%.2f,\"stream_us\":%.2f,\"kernel\":\"%s\",\"tile_m\":%d,\"split_k\":%d,"
-          "\"rows\":%d,\"unroll\":%d,\"late_us\":%.2f,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,"
+          "\"rows\":%d,\"unroll\":%d,\"multicast\":%d,\"late_us\":%.2f,\"unsplit_multicast_us\":\"%s\","
+          "\"multicast_max_rel_err\":%.2e,\"max_rel_err\":%.2e,\"runs\":%d,\"launches\":%d,"
           "\"method\":\"graph\"}"
           "\n",
           (long long)m, (long long)n, (long long)k, q_us, p_us, p_us / q_us, ceiling, ceiling / q_us,
           read_bytes / q_us / 1e6, s_us, kernel_name(plan.kernel), plan.tile_m, plan.split_k, plan.rows,
-          plan.unroll, late_us, err, 3 * kRuns, launches);
+          plan.unroll, plan.multicast, late_us, mc_s.c_str(), mc_err, err, 3 * kRuns, launches);
       fflush(stdout);
       dense_times.push_back({m, n, k, q_us});
       if (!sweep)
@@ -223,7 +239,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int un : unrolls) /* 43: unroll 4, registers for 3 blocks per SM (depth 3) */
             for (int sk : ssplits) {
               const int dp = un == 43 ? 3 : 0, u = un == 43 ? 4 : un;
-              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u, 0, 0}, &e);
+              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u, 0, 0, 0}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"stream\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"rows\":%d,\"unroll\":%d,\"depth\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -242,7 +258,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
               if ((rw == 2 && tm > 128) || (few && tm > 16) ||
                   (!few && (tm < 32 || tm > 4 * m || (tm < 64 && m >= 128) || sk == 8)))
                 continue;
-              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0, 0, 0}, &e);
+              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0, 0, 0, 1}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"wgmma\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"max_rel_err\":%.2e}\n",
@@ -258,7 +274,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int dp : depths) {
             if ((m >= 64 && tm < 32) || (m <= 16 && tm > 32))
               continue;
-            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0, 0, 0}, &e);
+            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0, 0, 0, 0}, &e);
             printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_"
                    "m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -491,8 +507,8 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         CHECK_CUDA(cudaMemcpy(want.data(), d_yg, want.size() * 2, cudaMemcpyDeviceToHost));
         return compare_rows(got, want, row, n);
       };
-      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0},
-                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0};
+      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0},
+                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0};
       double err = rows_error(nullptr), err_s = rows_error(&as_stream), err_w = rows_error(&as_wgmma);
       /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
       const int groups = (int)hit.size();
@@ -539,13 +555,13 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         g_us = median(g_runs);
       const double s_us = time_us(stream, copies_q, qkeep_with(&as_stream));
       /* The streaming kernel after the sorting kernel (route = align), where it routes itself by default. */
-      const nvfp4_tuning as_aligned = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, NVFP4_ROUTE_ALIGN, 0};
+      const nvfp4_tuning as_aligned = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, NVFP4_ROUTE_ALIGN, 0, 0};
       const double a_us = time_us(stream, copies_q, qkeep_with(&as_aligned));
       /* Decode: the streaming kernel's shapes, rows per block x K split ("rows/split:us ..."). */
       std::string sweep_s;
       for (int rw = 1; rw <= 4 && T <= 16; rw *= 2)
         for (int sk = 1; sk <= 4; sk *= 2) {
-          const nvfp4_tuning shape = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, 0, 0, 0};
+          const nvfp4_tuning shape = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, 0, 0, 0, 0};
           char one[48];
           snprintf(one, sizeof one, "%s%d/%d:%.2f", sweep_s.empty() ? "" : " ", rw, sk,
                    time_us(stream, copies_q, qkeep_with(&shape)));

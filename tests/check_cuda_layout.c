@@ -412,13 +412,14 @@ START_TEST(test_stream_plan) {
         ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
         ck_assert_int_eq(p.tile_m, 16);
       }
-  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8, 0, 0};
+  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8, 0, 0, 0};
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 8 && p.split_k == 3);
-  forced = (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5, 0, 0}; /* invalid: automatic, clamped */
+  forced =
+      (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5, 0, 0, 0}; /* invalid: automatic, clamped */
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 4 && p.split_k == NVFP4_MAX_SPLIT && p.depth == 0);
-  forced = (struct nvfp4_tuning){0, 0, 3, NVFP4_KERNEL_STREAM, 0, 0, 0, 0}; /* 3 blocks per SM */
+  forced = (struct nvfp4_tuning){0, 0, 3, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0}; /* 3 blocks per SM */
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 4 && p.depth == 3);
 }
@@ -557,17 +558,19 @@ START_TEST(test_wgmma_plan) {
   struct nvfp4_tuning p;
   static const struct {
     int64_t m, n, k;
-    int tile_m, rows, split;
-  } want[] = {{32, 8192, 8192, 32, 1, 2},    {64, 8192, 8192, 64, 1, 2},     {128, 8192, 8192, 128, 1, 2},
-              {256, 8192, 8192, 128, 1, 1},  {1024, 8192, 8192, 128, 1, 1},  {17, 4096, 14336, 32, 1, 2},
-              {100, 4096, 14336, 64, 1, 2},  {1024, 4096, 14336, 128, 1, 1}, {64, 14336, 4096, 64, 1, 1},
-              {1024, 14336, 4096, 128, 1, 1}};
+    int tile_m, rows, split, multicast;
+  } want[] = {
+      {32, 8192, 8192, 32, 1, 2, 1},     {64, 8192, 8192, 64, 1, 2, 1},     {128, 8192, 8192, 128, 1, 2, 1},
+      {256, 8192, 8192, 128, 1, 1, 2},   {1024, 8192, 8192, 128, 1, 1, 2},  {17, 4096, 14336, 32, 1, 2, 1},
+      {100, 4096, 14336, 64, 1, 2, 1},   {1024, 4096, 14336, 128, 1, 1, 2}, {64, 14336, 4096, 64, 1, 1, 1},
+      {1024, 14336, 4096, 128, 1, 1, 2}, {1024, 14208, 4096, 128, 1, 1, 1} /* 111 row blocks: no pairs */};
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
     nvfp4_wgmma_plan(want[i].m, want[i].n, want[i].k, 132, NULL, &p);
     ck_assert_int_eq(p.kernel, NVFP4_KERNEL_WGMMA);
     ck_assert_int_eq(p.tile_m, want[i].tile_m);
     ck_assert_int_eq(p.rows, want[i].rows);
     ck_assert_int_eq(p.split_k, want[i].split);
+    ck_assert_int_eq(p.multicast, want[i].multicast);
   }
   for (int64_t m = 17; m <= 5000; m = m * 3 + 1)
     for (int64_t n = 16; n <= 65536; n = n * 3 + 16)
@@ -577,14 +580,26 @@ START_TEST(test_wgmma_plan) {
         ck_assert_int_eq(p.rows, 1);
         ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_WGMMA_SPLIT_AUTO);
         ck_assert(p.split_k == 1 || nvfp4_w_chunks(k) / p.split_k >= NVFP4_WGMMA_SPLIT_CHUNKS);
+        ck_assert(p.multicast == 1 ||
+                  (p.multicast == 2 && p.split_k == 1 && p.tile_m >= 128 && (n + 127) / 128 % 2 == 0));
       }
-  struct nvfp4_tuning forced = {256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0, 0, 0};
+  struct nvfp4_tuning forced = {.tile_m = 128, .kernel = NVFP4_KERNEL_WGMMA, .split_k = 1, .multicast = 4};
+  nvfp4_wgmma_plan(1024, 4224, 8192, 132, &forced, &p); /* 33 row blocks: the grid rounds them up */
+  ck_assert(p.multicast == 4 && p.split_k == 1);
+  forced.split_k = 2; /* a cluster is one or the other */
+  nvfp4_wgmma_plan(1024, 4224, 8192, 132, &forced, &p);
+  ck_assert(p.multicast == 1 && p.split_k == 2);
+  forced = (struct nvfp4_tuning){.tile_m = 128, .kernel = NVFP4_KERNEL_WGMMA, .multicast = 1};
+  nvfp4_wgmma_plan(1024, 8192, 8192, 132, &forced, &p);
+  ck_assert(p.multicast == 1 && p.split_k == 1);
+  forced = (struct nvfp4_tuning){256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0, 0, 0, 0};
   nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
   ck_assert(p.tile_m == 256 && p.rows == 1 && p.split_k == 5);
-  forced = (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0, 0, 0}; /* 2 x 256 does not fit: 128 */
+  forced =
+      (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0, 0, 0, 0}; /* 2 x 256 does not fit: 128 */
   nvfp4_wgmma_plan(64, 8192, 64, 132, &forced, &p);
-  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1);              /* one chunk: no split */
-  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0, 0, 0}; /* invalid: automatic */
+  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1);                 /* one chunk: no split */
+  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0, 0, 0, 0}; /* invalid: automatic */
   nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
   ck_assert(p.tile_m == 64 && p.rows == 1 && p.split_k == 2);
 }
@@ -617,7 +632,7 @@ START_TEST(test_moe_plan) {
     ck_assert_int_eq(p.split_k, want[i].split);
   }
   /* Forced: the streaming kernel at prefill sizes keeps 16-token tiles; a forced tile of 8. */
-  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0};
+  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0};
   nvfp4_moe_plan(16384, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 16);
   forced.tile_m = 8;
@@ -627,7 +642,7 @@ START_TEST(test_moe_plan) {
   nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 8);
   /* The wgmma kernel at decode sizes: 16-token tiles, or the forced one; without it, the ring kernel. */
-  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0};
+  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0};
   nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_WGMMA && p.tile_m == 16 && p.split_k == 2 && p.rows == 1);
   forced.tile_m = 256;

@@ -61,6 +61,7 @@ static void setup(void) {
   configure("kernel", "auto");
   configure("rows", "auto");
   configure("unroll", "auto");
+  configure("multicast", "auto");
   configure("pwal", "gpu");
 }
 
@@ -144,6 +145,39 @@ START_TEST(agrees_with_reference) {
         assert_agrees(m, r, 70, what);
         assert_agrees(m, r, 257, what);
       }
+  /* Clusters of row blocks sharing the activations (multicast), the grid rounded up to whole
+   * clusters where the row blocks do not fill them (this model's 2, 3 and 6 row blocks). */
+  configure("split_k", "1");
+  static const char *const wg_mc[] = {"2", "4"};
+  enum { MC_TOKENS = 257, MC_N = 2 * I };
+  float *mc_x = malloc(sizeof(float) * MC_TOKENS * H), *mc_y1 = malloc(sizeof(float) * MC_TOKENS * MC_N),
+        *mc_y = malloc(sizeof(float) * MC_TOKENS * MC_N);
+  ck_assert(mc_x && mc_y1 && mc_y);
+  for (int i = 0; i < MC_TOKENS * H; i++)
+    mc_x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
+  qkeep_layer *gate_up = qkeep_model_find_layer(m, "model.layers.0.mlp.gate_up_proj");
+  ck_assert_ptr_nonnull(gate_up);
+  for (int a = 2; a < 6; a++)
+    for (int rw = 0; rw < 2; rw++)
+      for (int c = 0; c < 2; c++) {
+        char what[96];
+        configure("tile_m", wg_tile[a]);
+        configure("rows", wg_rows[rw]);
+        configure("multicast", wg_mc[c]);
+        snprintf(what, sizeof what, "%s wgmma tile_m %s rows %s multicast %s", scheme, wg_tile[a],
+                 wg_rows[rw], wg_mc[c]);
+        assert_agrees(m, r, 13, what);
+        assert_agrees(m, r, 257, what);
+        assert_agrees(m, r, 1024, what);
+        /* The same bits as without a cluster: each block's tiles and order of sums are the same. */
+        ck_assert_int_eq(qkeep_layer_apply_f32(gate_up, MC_TOKENS, mc_x, mc_y), 0);
+        configure("multicast", "1");
+        ck_assert_int_eq(qkeep_layer_apply_f32(gate_up, MC_TOKENS, mc_x, mc_y1), 0);
+        ck_assert_msg(memcmp(mc_y, mc_y1, sizeof(float) * MC_TOKENS * MC_N) == 0,
+                      "%s: not the bits of multicast 1", what);
+      }
+  free(mc_x), free(mc_y1), free(mc_y);
+  configure("multicast", "auto");
   configure("tile_m", "auto");
   configure("rows", "auto");
   /* Every streaming kernel shape and K split, forced, at token counts of both widths. */

@@ -920,7 +920,8 @@ struct layer_before {
  * layer's digest is taken there first. fault: the fault a test injects at a layer (layer -1: none).
  */
 static int apply(qkeep_model *model, const struct provider *pv, const bool *selected, bool scales_checked,
-                 struct layer_before *before, struct reload_fault fault, double *t_read, double *t_pwal) {
+                 struct layer_before *before, struct reload_fault fault, double *t_read, double *t_pwal,
+                 double *t_tail) {
   struct staging st = {.scales_checked = scales_checked};
   /* The selected layers, in order: a layer quantized on load reads the next one's first unit ahead. */
   qkeep_layer **order = malloc((model->n_layers ? model->n_layers : 1) * sizeof *order);
@@ -957,11 +958,13 @@ static int apply(qkeep_model *model, const struct provider *pv, const bool *sele
     if (model->progress)
       model->progress(model->progress_user, l + 1, model->n_layers, layer->name);
   }
+  double tail = now_seconds();
   if (!rc)
     rc = model_sync(model);
   int staged = staging_free(&st);
   free(order);
   model_spares(model, false);
+  *t_tail = now_seconds() - tail;
   return rc ? rc : staged;
 }
 
@@ -983,14 +986,14 @@ static int roll_back(qkeep_model *model, const struct layer_before *before) {
     rc = set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t l = 0; !rc && l < model->n_layers; l++)
     redo[l] = before[l].known;
-  double ignore_read = 0, ignore_pwal = 0;
+  double ignore_read = 0, ignore_pwal = 0, ignore_tail = 0;
   const struct reload_fault none = {.layer = -1}; /* an injected fault is for the reload, not its rollback */
   /* W0's files must be the very files the model read (a trainer may have saved into the same
    * directory since), before the re-read and after it: else the re-read would give a mix. */
   if (!rc && (rc = model_source_unchanged(model, ck)))
     add_error_context(rc, "%s no longer holds the model's previous weights", model->source.path);
   if (!rc)
-    rc = apply(model, &pv, redo, false, NULL, none, &ignore_read, &ignore_pwal);
+    rc = apply(model, &pv, redo, false, NULL, none, &ignore_read, &ignore_pwal, &ignore_tail);
   if (!rc && (rc = model_source_unchanged(model, ck)))
     add_error_context(rc, "%s changed while the rollback read it", model->source.path);
   free(redo);
@@ -1029,12 +1032,13 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     model_source_discard(&new_source);
     return rc; /* nothing was touched */
   }
-  double t0 = now_seconds(), t_read = 0, t_pwal = 0;
+  double t0 = now_seconds(), t_read = 0, t_pwal = 0, t_tail = 0;
   t_validate = t0 - t_validate;
   struct provider validated;
   cached_provider(&validated, &cache);
-  rc = apply(model, &validated, selected, cache.complete, before, model->fault, &t_read, &t_pwal);
+  rc = apply(model, &validated, selected, cache.complete, before, model->fault, &t_read, &t_pwal, &t_tail);
   scale_cache_free(&cache);
+  double t_check = now_seconds();
   /* W1's files must still be the ones opened before the reads: one written in place meanwhile gave
    * a mix of its old and new bytes, which is rolled back as a failed read would be. */
   if (!rc && ck)
@@ -1065,8 +1069,12 @@ static int reload(qkeep_model *model, const struct provider *pv, const struct qu
     model_source_discard(&new_source);
     return rc;
   }
-  log_msg(QKEEP_LOG_DEBUG, "qkeep reload: %.2f ms: validate %.2f, layers' bytes %.2f, normalise + PWAL %.2f",
-          (now_seconds() - t0 + t_validate) * 1e3, t_validate * 1e3, t_read * 1e3, t_pwal * 1e3);
+  log_msg(
+      QKEEP_LOG_DEBUG,
+      "qkeep reload: %.2f ms: validate %.2f, layers' bytes %.2f, normalise + PWAL %.2f, last copies %.2f, "
+      "files checked unchanged %.2f",
+      (now_seconds() - t0 + t_validate) * 1e3, t_validate * 1e3, t_read * 1e3, t_pwal * 1e3, t_tail * 1e3,
+      (now_seconds() - t_check) * 1e3);
   bool full = !(flags & QKEEP_RELOAD_PARTIAL);
   for (size_t l = 0; l < model->n_layers && full; l++)
     full = selected[l];

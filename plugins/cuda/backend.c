@@ -69,9 +69,9 @@ struct cuda_backend {
   int device;
   struct nvfp4_tuning tuning; /* 0: automatic */
   bool pwal_on_host;          /* run the layout transforms with layout.c instead of on the GPU */
-  bool pwal_in_place;      /* on the GPU in the param's own memory where the shape allows (pwal = in-place,
-                            * the default) */
-  bool quantize_on_device; /* the quantize slot takes units (key quantize_on_device; else declines) */
+  bool pwal_in_place;         /* on the GPU in the param's own memory where the shape allows (pwal = in-place,
+                               * the default) */
+  bool quantize_on_device;    /* the quantize slot takes units (key quantize_on_device; else declines) */
   /* Copy fences (ABI 1.3): fence f is an event recorded in fence_event[f % FENCE_EVENTS]. */
   pthread_mutex_t fence_mu;
   uint64_t fences; /* tokens handed out */
@@ -216,7 +216,8 @@ static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **o
   bool registered = posix_memalign(&base, huge ? HOST_HUGE : HOST_HEADER, total) == 0;
 #ifdef MADV_HUGEPAGE
   if (registered && huge)
-    (void)madvise(base, total, MADV_HUGEPAGE); /* advice only: 4 KiB pages where the kernel has no huge ones */
+    (void)madvise(base, total,
+                  MADV_HUGEPAGE); /* advice only: 4 KiB pages where the kernel has no huge ones */
 #endif
   if (registered && cudaHostRegister(base, total, cudaHostRegisterDefault) != cudaSuccess) {
     (void)cudaGetLastError(); /* not sticky: the fallback below */
@@ -536,6 +537,10 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"rows", QKEEP_KEY_ENUM, "auto|1|2|4", "auto",
      "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
     {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
+    {"multicast", QKEEP_KEY_ENUM, "auto|1|2|4", "auto",
+     "wgmma kernel without a K split: row blocks of a cluster that share each activation tile, read once "
+     "from "
+     "L2 and multicast to all of them"},
     {"route", QKEEP_KEY_ENUM, "auto|align|self", "auto",
      "routed MoE on the stream kernel: auto (each block finds its token tile up to 32 token-expert pairs, "
      "else a sorting kernel first), align (always the sorting kernel) or self (each block, up to 256 pairs)"},
@@ -583,6 +588,10 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
     if (!parse_int(value, 1, 4, true, &v) || v == 3)
       return c->host->set_error(QKEEP_E_CONFIG, "rows = '%s': expected auto, 1, 2 or 4", value);
     c->tuning.rows = v;
+  } else if (strcmp(key, "multicast") == 0) {
+    if (!parse_int(value, 1, 4, true, &v) || v == 3)
+      return c->host->set_error(QKEEP_E_CONFIG, "multicast = '%s': expected auto, 1, 2 or 4", value);
+    c->tuning.multicast = v;
   } else if (strcmp(key, "unroll") == 0) {
     if (!parse_int(value, 4, 8, true, &v) || (v && v != 4 && v != 8))
       return c->host->set_error(QKEEP_E_CONFIG, "unroll = '%s': expected auto, 4 or 8", value);
@@ -612,8 +621,7 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
   } else {
     return c->host->set_error(QKEEP_E_CONFIG,
                               "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, "
-                              "rows, unroll, route, pwal, "
-                              "quantize_on_device)",
+                              "rows, unroll, multicast, route, pwal, quantize_on_device)",
                               key);
   }
   return 0;

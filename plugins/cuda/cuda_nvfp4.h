@@ -131,6 +131,8 @@ struct nvfp4_tuning {
   int route; /* enum nvfp4_route */
   int late;  /* 1: the streaming kernel starts after the kernel before it ends (benches: without programmatic
               * dependent launch) */
+  int multicast; /* the wgmma kernel: row blocks of a cluster (1, 2 or 4) that share each activation tile,
+                  * read once from L2 and multicast into every block's ring (0: automatic) */
 };
 
 #define NVFP4_STREAM_WARPS 8 /* warps of a streaming-kernel block */
@@ -150,8 +152,9 @@ struct nvfp4_tuning {
 void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                        struct nvfp4_tuning *out);
 
-#define NVFP4_WGMMA_SPLIT_CHUNKS 8 /* fewest 64-K chunks per split the wgmma plan makes */
-#define NVFP4_WGMMA_SPLIT_AUTO 2   /* largest K split the wgmma plan picks by itself */
+#define NVFP4_WGMMA_SPLIT_CHUNKS 8  /* fewest 64-K chunks per split the wgmma plan makes */
+#define NVFP4_WGMMA_SPLIT_AUTO 2    /* largest K split the wgmma plan picks by itself */
+#define NVFP4_WGMMA_MULTICAST_MAX 4 /* most row blocks sharing an activation tile */
 
 /*
  * The wgmma kernel's shape for m tokens of an [n, k] matrix on `sms` multiprocessors,
@@ -160,7 +163,12 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
  * (docs/PERFORMANCE.md): tile_m the smallest of 32, 64, 128 that holds m (128 above),
  * halved where even a split in two would leave fewer than half the SMs a block; rows 1
  * (256-row blocks never won); a K split of sms / blocks, at most 2 (4 and 8 lost to 2 in
- * every shape measured) and at least NVFP4_WGMMA_SPLIT_CHUNKS chunks a split.
+ * every shape measured) and at least NVFP4_WGMMA_SPLIT_CHUNKS chunks a split. Without a K
+ * split, from tile_m 128 on, pairs of row blocks share each activation tile (multicast 2,
+ * where the row blocks pair up): a block of 128 rows by 128 tokens otherwise reads twice as
+ * many activation bytes from L2 as weight bytes, and L2 is what holds it at large m. A forced
+ * multicast is honoured where there is no K split (else 1); the grid then rounds the row
+ * blocks up to whole clusters.
  */
 void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                       struct nvfp4_tuning *out);

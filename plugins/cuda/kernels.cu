@@ -882,6 +882,7 @@ constexpr int kWgThreads = 384; /* producer warpgroup + two consumer warpgroups 
 struct WgArgs {
   GemmArgs g;       /* weights, scales, alpha, bias, y, n, k, chunks, splits, expert */
   const uint8_t *x; /* staged activations (layout.h), tiles of MT tokens */
+  int multicast;    /* row blocks of a cluster sharing each activation tile (1: none; splits 1 then) */
 };
 
 /*
@@ -941,6 +942,23 @@ __device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t b
       : "memory");
 }
 
+/* The same bytes into every block of the cluster whose rank's bit is set in `mask`, at dst's offset in
+ * each, completing on the barrier at bar's offset in each. */
+__device__ __forceinline__ void bulk_copy_multicast(void *dst, const void *src, uint32_t bytes, uint64_t *bar,
+                                                    uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], "
+      "%2, [%3], %4;\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "h"(mask)
+      : "memory");
+}
+/* Arrives on the barrier at bar's offset in the shared memory of the cluster's block `rank`. */
+__device__ __forceinline__ void mbar_arrive_at(uint64_t *bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+
 /* The B descriptor of k-step j of a staged chunk at smem x: no swizzle, leading (K) byte
  * offset 16 * MT between the step's two core matrices, stride 128 bytes between 8-token
  * groups (layout.h). */
@@ -974,7 +992,10 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   __shared__ __align__(8) uint64_t full[L::NS], empty[L::NS];
 
   cg::cluster_group cluster = cg::this_cluster();
-  const int split = (int)cluster.block_rank();
+  /* A cluster is either a K split (its blocks share the row block) or `mc` row blocks sharing the
+   * activations, each block copying 1 / mc of every stage's into all of them. */
+  const int mc = wa.multicast, split = a.splits > 1 ? (int)cluster.block_rank() : 0;
+  const unsigned mc_rank = mc > 1 ? cluster.block_rank() : 0;
   const int per_split = (a.chunks + a.splits - 1) / a.splits;
   const int c_begin = min(a.chunks, split * per_split), c_end = min(a.chunks, c_begin + per_split);
   const int chunks = c_end - c_begin, stages = (chunks + L::G - 1) / L::G;
@@ -993,16 +1014,32 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::NS; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+      mbar_init(&empty[s], 8 * mc); /* one arrival per consumer warp of every block it shares with */
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (mc > 1)
+    cluster.sync(); /* the others' barriers are ready before anything lands in or arrives on them */
+  else
+    __syncthreads();
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); /* 128 x 40 + 256 x 232 <= 64 K */
     if (threadIdx.x == 0) {
       const uint8_t *x_tile = wa.x + (long long)token_tile * a.chunks * L::X_CHUNK;
+      /* Chunks c0 .. c0 + n - 1 of the tile into a stage (multicast: this block's part of them into
+       * every block of the cluster; each block's barrier expects all of them). */
+      auto copy_x = [&](unsigned char *dst, int c0, int n, uint64_t *bar) {
+        const uint8_t *src = x_tile + (long long)c0 * L::X_CHUNK;
+        const uint32_t bytes = (uint32_t)(n * L::X_CHUNK);
+        if (mc == 1) {
+          bulk_copy(dst, src, bytes, bar);
+        } else {
+          const uint32_t part = bytes / (uint32_t)mc; /* X_CHUNK is a multiple of 16 x 4 */
+          bulk_copy_multicast(dst + mc_rank * part, src + mc_rank * part, part, bar,
+                              (uint16_t)((1u << mc) - 1));
+        }
+      };
       /* The weights of the first NS stages go first: they do not depend on stage_x_kernel,
        * which may still be running (programmatic dependent launch); then the activations. */
       const int early = min(stages, L::NS);
@@ -1011,8 +1048,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
           asm volatile("griddepcontrol.wait;\n" ::: "memory");
           for (int e = 0; e < early; ++e) {
             const int c0 = c_begin + e * L::G, n = min(L::G, c_end - c0);
-            bulk_copy(smem + e * L::STAGE + L::X_OFF, x_tile + (long long)c0 * L::X_CHUNK,
-                      (uint32_t)(n * L::X_CHUNK), &full[e]);
+            copy_x(smem + e * L::STAGE + L::X_OFF, c0, n, &full[e]);
           }
         }
         const int slot = s % L::NS, c0 = c_begin + s * L::G, n = min(L::G, c_end - c0);
@@ -1045,20 +1081,20 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
                     (uint32_t)(n * NVFP4_SF_ATOM), &full[slot]);
         }
         if (s >= early)
-          bulk_copy(st + L::X_OFF, x_tile + (long long)c0 * L::X_CHUNK, (uint32_t)(n * L::X_CHUNK),
-                    &full[slot]);
+          copy_x(st + L::X_OFF, c0, n, &full[slot]);
       }
       if (stages == early) { /* all stages were early */
         asm volatile("griddepcontrol.wait;\n" ::: "memory");
         for (int e = 0; e < early; ++e) {
           const int c0 = c_begin + e * L::G, n = min(L::G, c_end - c0);
-          bulk_copy(smem + e * L::STAGE + L::X_OFF, x_tile + (long long)c0 * L::X_CHUNK,
-                    (uint32_t)(n * L::X_CHUNK), &full[e]);
+          copy_x(smem + e * L::STAGE + L::X_OFF, c0, n, &full[e]);
         }
       }
     }
     if (a.splits > 1) { /* the consumers' two cluster barriers */
       cluster.sync();
+      cluster.sync();
+    } else if (mc > 1) { /* their last */
       cluster.sync();
     }
     return;
@@ -1111,8 +1147,13 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     }
     wgmma_commit();
     wgmma_wait<1>();
-    if (ci == 0 && stage > 0 && lane == 0)
-      mbar_arrive(&empty[(stage - 1) % L::NS]);
+    if (ci == 0 && stage > 0 && lane == 0) {
+      if (mc == 1)
+        mbar_arrive(&empty[(stage - 1) % L::NS]);
+      else /* every block's producer writes into this block's stage: each waits for it */
+        for (int q = 0; q < mc; ++q)
+          mbar_arrive_at(&empty[(stage - 1) % L::NS], (uint32_t)q);
+    }
   };
   int i = 0;
   for (; i + 1 < chunks; i += 2) {
@@ -1166,8 +1207,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     else
       store_f(a.y, a.y_dtype, yi, v);
   }
-  if (a.splits > 1)
-    cluster.sync(); /* the others may still read our partial tile */
+  if (a.splits > 1 || mc > 1)
+    cluster.sync(); /* the others may still read our partial tile, or arrive on our barriers */
 #else
   __trap(); /* built without sm_90a: the plan never picks this kernel there */
 #endif
@@ -1297,7 +1338,7 @@ template <class S, typename TI> int resident_blocks() {
  * thread-block cluster along z. */
 template <typename Args>
 cudaError_t launch_cluster(void (*kernel)(const Args), const Args &args, int splits, dim3 grid, int threads,
-                           size_t smem, cudaStream_t stream, bool early = false) {
+                           size_t smem, cudaStream_t stream, bool early = false, int cluster_y = 1) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid.x, grid.y, (unsigned)splits);
   cfg.blockDim = dim3((unsigned)threads);
@@ -1306,7 +1347,7 @@ cudaError_t launch_cluster(void (*kernel)(const Args), const Args &args, int spl
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = 1;
-  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.y = (unsigned)cluster_y;
   attr[0].val.clusterDim.z = (unsigned)splits;
   /* early: may start before the previous kernel on the stream ends (it waits for it with
    * griddepcontrol.wait before reading what that kernel writes). */
@@ -1405,7 +1446,7 @@ cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t 
     return err;
   return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16>, wa, wa.g.splits,
                         dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, WgSmem<MT, RWG>::BYTES, st,
-                        true);
+                        true, wa.multicast);
 }
 
 template <bool BF16>
@@ -1457,8 +1498,13 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
                       long long routed_tiles = 0) {
   const int mt = plan.tile_m;
   const long long grid_x = a.tiles ? routed_tiles : (a.m + mt - 1) / mt,
-                  grid_y = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
-  if (grid_y > 65535 || grid_x > INT32_MAX || grid_x < 1)
+                  rows_of_n = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
+  /* A cluster of mc row blocks: the grid rounded up to whole clusters (a block past the last row
+   * copies its share of the activations and writes nothing). */
+  const int mc = plan.multicast > 1 ? plan.multicast : 1;
+  const long long grid_y = (rows_of_n + mc - 1) / mc * mc;
+  if (grid_y > 65535 || grid_x > INT32_MAX || grid_x < 1 || (mc > 1 && a.splits > 1) ||
+      mc > NVFP4_WGMMA_MULTICAST_MAX)
     return cudaErrorInvalidValue;
   const long long rows = grid_x * mt, items = rows * (long long)a.chunks;
   const StageRoute route = {a.tiles, a.num_tiles, a.pairs, a.x_div};
@@ -1487,7 +1533,7 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   }
   err = cudaGetLastError();
   if (err == cudaSuccess) {
-    WgArgs wa = {a, static_cast<const uint8_t *>(xs)};
+    WgArgs wa = {a, static_cast<const uint8_t *>(xs), mc};
     err = x_dtype == QKEEP_DTYPE_F16 ? wgmma_shape<false>(plan, wa, (int)grid_x, (int)grid_y, st)
                                      : wgmma_shape<true>(plan, wa, (int)grid_x, (int)grid_y, st);
   }
@@ -1999,6 +2045,7 @@ extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtyp
   }
   out->kernel = NVFP4_KERNEL_RING;
   out->rows = out->unroll = 0;
+  out->multicast = 1;
   out->tile_m = pick_tile_m(m, tune ? tune->tile_m : 0);
   out->depth = tune ? tune->depth : 0;
   int64_t blocks = (m + out->tile_m - 1) / out->tile_m * ((n + kRowsPerBlock - 1) / kRowsPerBlock);

@@ -17,6 +17,7 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
   const int64_t tiles = nvfp4_w_rows(n) / NVFP4_TILE_ROWS, chunks = nvfp4_w_chunks(k);
   const int64_t want = 3 * (int64_t)sms / 2;
   out->kernel = NVFP4_KERNEL_STREAM;
+  out->multicast = 1;
   out->tile_m = m <= 8 ? 8 : 16;
   out->depth = tune && tune->depth == 3 ? 3 : 0;
   if (rows == 1 || rows == 2 || rows == 4)
@@ -61,6 +62,13 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   else
     out->split_k = nvfp4_clamp(sms / (blocks > 0 ? blocks : 1), 1,
                                nvfp4_clamp(chunks / NVFP4_WGMMA_SPLIT_CHUNKS, 1, NVFP4_WGMMA_SPLIT_AUTO));
+  const int mc = tune ? tune->multicast : 0;
+  if (out->split_k > 1)
+    out->multicast = 1;
+  else if (mc == 1 || mc == 2 || mc == 4)
+    out->multicast = mc;
+  else
+    out->multicast = out->tile_m >= 128 && row_blocks % 2 == 0 ? 2 : 1;
 }
 
 void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sms, bool wgmma,
@@ -100,9 +108,12 @@ void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sm
   if (kernel == NVFP4_KERNEL_STREAM) {
     nvfp4_stream_plan(tm, tiles * nvfp4_w_rows(n), k, sms, &t, out);
   } else if (kernel == NVFP4_KERNEL_WGMMA) {
+    if (!t.multicast)
+      t.multicast = 1; /* routed: not measured yet */
     nvfp4_wgmma_plan(tiles * tm, n, k, sms, &t, out);
   } else {
     out->kernel = NVFP4_KERNEL_RING;
+    out->multicast = 1;
     out->tile_m = tm;
     out->split_k = 0;
     out->depth = tune ? tune->depth : 0;
