@@ -1761,10 +1761,34 @@ __global__ void __launch_bounds__(kTransformThreads)
                  to = min(bytes, from + slice);
   const unsigned word = threadIdx.x % 128, first = units * part / parts, last = units * (part + 1) / parts;
   const uint8_t *mine = reinterpret_cast<const uint8_t *>(group_bytes);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  /* The slice comes in by one bulk copy (the copy engine keeps all of it in flight, where the threads'
+   * own 16-byte loads kept a few per thread). */
+  __shared__ __align__(8) uint64_t loaded;
+  uint32_t phase = 0;
+  if (threadIdx.x == 0) {
+    mbar_init(&loaded, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+#endif
   for (long long e = blockIdx.y; e < experts; e += gridDim.y) {
     uint8_t *base = data + ((size_t)e * rows + (size_t)group * 128) * row_bytes;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (to > from) {
+      if (threadIdx.x == 0) {
+        /* the last group's reads of this shared memory (generic) before the copy's writes (async) */
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_expect_tx(&loaded, to - from);
+        bulk_copy(group_bytes, base + from, to - from, &loaded);
+      }
+      mbar_wait(&loaded, phase);
+      phase ^= 1;
+    }
+#else
     for (unsigned i = from / 16 + threadIdx.x; i < to / 16; i += blockDim.x)
       group_bytes[i - from / 16] = reinterpret_cast<const uint4 *>(base)[i];
+#endif
     cluster.sync(); /* the whole group is in the cluster's shared memory before any of it is overwritten */
     for (unsigned u = first + threadIdx.x / 128; u < last; u += kTransformThreads / 128) {
       uint32_t v;
