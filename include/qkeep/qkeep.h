@@ -207,10 +207,8 @@ QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);
 /* Where a cold start spent its time, and how many checkpoint bytes it read. */
 struct qkeep_load_stats {
   size_t size;
-  double open_seconds; /* opening the checkpoint, planning every layer and param and giving the first layer's
-                          params their memory (a reload: opening W1) */
-  double read_seconds; /* streaming tensors into params (a load gives each next layer's params their memory
-                          meanwhile) */
+  double open_seconds; /* opening the checkpoint and creating every layer and param (a reload: opening W1) */
+  double read_seconds; /* streaming tensors into params */
   double pwal_seconds; /* scheme normalisation and the backend's PWAL */
   int64_t checkpoint_bytes;
   double validate_seconds; /* a reload: checking all of W1 before anything changes (0 for a load) */

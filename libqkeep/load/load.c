@@ -438,16 +438,14 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     return rc;
   ckpt_provider(&pv, ck);
   /* Plan (every layer and param from the checkpoint, nothing allocated), choose each layer's owner
-   * (the chain), then materialise each layer (its params' storage in its owner's memory) as the one
-   * before it streams: the allocations take the calling thread's time while readers read and copies
-   * run, where all of them up front kept the link idle. */
+   * (the chain), then materialise (every param's storage in its owner's memory). */
   /* A model that quantizes on load plans the checkpoint qkeep quantize would write from this one. */
   rc = model->online.set ? online_assemble(model, ck) : assemble_model(model, ck);
   if (!rc)
     rc = check_all_taken(model, ck);
   if (!rc)
     rc = chain_assign(model, ck->path);
-  /* The first layer's bytes are read into its device's ring while its params' memory is allocated
+  /* The first layer's bytes are read into its device's ring while every param's memory is allocated
    * (a head start only: a failure here is met again, and reported, when the layer loads). */
   double t_planned = now_seconds();
   const struct device *first = !rc && model->n_layers ? layer_device(model->layers[0]) : NULL;
@@ -455,20 +453,15 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
       staging_stream(&st, first, &model->load_options) == 0)
     load_read_ahead(model->layers[0], &pv, &st);
   double t_ring = now_seconds();
-  if (!rc && model->n_layers)
-    rc = model_materialise_layer(model, 0);
-  double t1 = now_seconds(), t_read = 0, t_pwal = 0, t_alloc = 0;
+  if (!rc)
+    rc = model_materialise(model);
+  double t1 = now_seconds(), t_read = 0, t_pwal = 0;
   model_spares(model, true);
   st.order = model->layers, st.n_order = model->n_layers; /* every layer, from this checkpoint */
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     double a = now_seconds();
-    /* the next layer's memory before this one streams: its bytes are read ahead meanwhile */
-    if (i + 1 < model->n_layers)
-      rc = model_materialise_layer(model, i + 1);
-    t_alloc += now_seconds() - a;
     st.ahead = i + 1 < model->n_layers ? model->layers[i + 1] : NULL;
-    if (!rc)
-      rc = load_layer_sources(model->layers[i], &pv, &st);
+    rc = load_layer_sources(model->layers[i], &pv, &st);
     double b = now_seconds();
     if (!rc && i + 1 < model->n_layers) /* the next layer's bytes come in while this one's PWAL runs */
       load_read_ahead(model->layers[i + 1], &pv, &st);
@@ -484,13 +477,11 @@ int qkeep_model_load(qkeep_model *model, const char *checkpoint) {
     rc = model_sync(model);
   int staged = staging_free(&st); /* before any storage is freed: no copy may still write to it */
   if (!rc)
-    log_msg(
-        QKEEP_LOG_DEBUG,
-        "qkeep load: %.2f ms: plan and allocate %.2f (plan %.2f, ring and first read ahead %.2f, "
-        "first layer's memory %.2f), layers' bytes %.2f (the next layer's memory %.2f of it), normalise + "
-        "PWAL %.2f, last copies %.2f",
-        (now_seconds() - t0) * 1e3, (t1 - t0) * 1e3, (t_planned - t0) * 1e3, (t_ring - t_planned) * 1e3,
-        (t1 - t_ring) * 1e3, t_read * 1e3, t_alloc * 1e3, t_pwal * 1e3, (now_seconds() - t2) * 1e3);
+    log_msg(QKEEP_LOG_DEBUG,
+            "qkeep load: %.2f ms: plan and allocate %.2f (plan %.2f, ring and first read ahead %.2f, "
+            "allocate %.2f), layers' bytes %.2f, normalise + PWAL %.2f, last copies %.2f",
+            (now_seconds() - t0) * 1e3, (t1 - t0) * 1e3, (t_planned - t0) * 1e3, (t_ring - t_planned) * 1e3,
+            (t1 - t_ring) * 1e3, t_read * 1e3, t_pwal * 1e3, (now_seconds() - t2) * 1e3);
   model_spares(model, false);
   if (!rc)
     rc = staged;

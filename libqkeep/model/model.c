@@ -434,17 +434,19 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
   return rc ? rc : layer_param_create(layer, name, spec, out);
 }
 
-int model_materialise_layer(qkeep_model *model, size_t i) {
-  /* Every owner is known: only now does any param get memory. */
-  qkeep_layer *layer = model->layers[i];
+int model_materialise(qkeep_model *model) {
   int rc = 0;
-  for (size_t p = 0; p < layer->n_params && !rc; p++) {
-    qkeep_param *param = layer->params[p];
-    if (!param->view.storage) /* planned without storage: zero-filled, in the owner's memory */
-      rc = storage_new(layer_device(layer), param->create_bytes, &param->view.storage);
+  /* Every owner is known: only now does any param get memory. */
+  for (size_t i = 0; i < model->n_layers && !rc; i++) {
+    qkeep_layer *layer = model->layers[i];
+    for (size_t p = 0; p < layer->n_params && !rc; p++) {
+      qkeep_param *param = layer->params[p];
+      if (!param->view.storage) /* planned without storage: zero-filled, in the owner's memory */
+        rc = storage_new(layer_device(layer), param->create_bytes, &param->view.storage);
+    }
+    if (rc)
+      rc = add_error_context(rc, "layer %s (backend %s)", layer->name,
+                             layer_backend(layer) ? layer_backend(layer)->name : "host");
   }
-  if (rc)
-    rc = add_error_context(rc, "layer %s (backend %s)", layer->name,
-                           layer_backend(layer) ? layer_backend(layer)->name : "host");
   return rc;
 }

@@ -42,7 +42,7 @@ void model_spares(qkeep_model *model, bool on);
 /*
  * Gives every layer of a freshly assembled model its owner: the first usable link
  * whose backend accepts the layer (a tied lm_head goes with the embedding it shares,
- * and that link must accept both). Nothing is allocated (model_materialise_layer does that
+ * and that link must accept both). Nothing is allocated (model_materialise does that
  * next), so a layer no link accepts fails the whole model, with each backend's reason,
  * before any allocation. `where` (the checkpoint path) prefixes errors.
  */
@@ -54,10 +54,8 @@ int chain_assign_layer(qkeep_layer *layer, enum qkeep_dtype first_dtype);
 /* Builds the model's layers from a checkpoint (model/assemble.c): modules, MoE stacking,
  * fusion, kv-scales layers, tied embeddings; every layer's loader params and sources. */
 int assemble_model(qkeep_model *model, const struct ckpt *ck);
-/* Gives every planned param (one with no storage yet) of layer i zero-filled storage in its layer's
- * owner's memory: the third step of a load, after assemble_model (plan) and chain_assign (owners),
- * layer by layer, each before the layer before it streams (a param shared with an earlier layer has
- * its storage already). */
-int model_materialise_layer(qkeep_model *model, size_t i);
+/* Gives every planned param (one with no storage yet) zero-filled storage in its layer's owner's
+ * memory: the third step of a load, after assemble_model (plan) and chain_assign (owners). */
+int model_materialise(qkeep_model *model);
 
 #endif

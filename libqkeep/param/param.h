@@ -263,7 +263,7 @@ int layer_param_check(const qkeep_layer *layer, const char *name, const struct q
 /*
  * Creates loader param `name` of the layer (the body of qkeep_param_create without choosing an
  * owner): zero-filled storage in the owner's memory when the layer has an owner, none while it is
- * planned (model_materialise_layer gives it storage once the chain has chosen owners).
+ * planned (model_materialise gives it storage once the chain has chosen owners).
  */
 int layer_param_create(qkeep_layer *layer, const char *name, const struct qkeep_spec *spec,
                        qkeep_param **out);
