@@ -559,11 +559,11 @@ START_TEST(test_wgmma_plan) {
   static const struct {
     int64_t m, n, k;
     int tile_m, rows, split, multicast;
-  } want[] = {
-      {32, 8192, 8192, 32, 1, 2, 1},     {64, 8192, 8192, 64, 1, 2, 1},     {128, 8192, 8192, 128, 1, 2, 1},
-      {256, 8192, 8192, 128, 1, 1, 2},   {1024, 8192, 8192, 128, 1, 1, 2},  {17, 4096, 14336, 32, 1, 2, 1},
-      {100, 4096, 14336, 64, 1, 2, 1},   {1024, 4096, 14336, 128, 1, 1, 2}, {64, 14336, 4096, 64, 1, 1, 1},
-      {1024, 14336, 4096, 128, 1, 1, 2}, {1024, 14208, 4096, 128, 1, 1, 1} /* 111 row blocks: no pairs */};
+  } want[] = {{32, 8192, 8192, 32, 1, 2, 1},    {64, 8192, 8192, 64, 1, 2, 1},
+              {128, 8192, 8192, 128, 1, 2, 1},  {256, 8192, 8192, 128, 1, 1, 1},
+              {1024, 8192, 8192, 128, 1, 1, 1}, {17, 4096, 14336, 32, 1, 2, 1},
+              {100, 4096, 14336, 64, 1, 2, 1},  {1024, 4096, 14336, 128, 1, 1, 1},
+              {64, 14336, 4096, 64, 1, 1, 1},   {1024, 14336, 4096, 128, 1, 1, 1}};
   for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
     nvfp4_wgmma_plan(want[i].m, want[i].n, want[i].k, 132, NULL, &p);
     ck_assert_int_eq(p.kernel, NVFP4_KERNEL_WGMMA);
@@ -580,8 +580,7 @@ START_TEST(test_wgmma_plan) {
         ck_assert_int_eq(p.rows, 1);
         ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_WGMMA_SPLIT_AUTO);
         ck_assert(p.split_k == 1 || nvfp4_w_chunks(k) / p.split_k >= NVFP4_WGMMA_SPLIT_CHUNKS);
-        ck_assert(p.multicast == 1 ||
-                  (p.multicast == 2 && p.split_k == 1 && p.tile_m >= 128 && (n + 127) / 128 % 2 == 0));
+        ck_assert_int_eq(p.multicast, 1); /* measured slower: forced only */
       }
   struct nvfp4_tuning forced = {.tile_m = 128, .kernel = NVFP4_KERNEL_WGMMA, .split_k = 1, .multicast = 4};
   nvfp4_wgmma_plan(1024, 4224, 8192, 132, &forced, &p); /* 33 row blocks: the grid rounds them up */

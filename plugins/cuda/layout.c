@@ -68,7 +68,7 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   else if (mc == 1 || mc == 2 || mc == 4)
     out->multicast = mc;
   else
-    out->multicast = out->tile_m >= 128 && row_blocks % 2 == 0 ? 2 : 1;
+    out->multicast = 1;
 }
 
 void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sms, bool wgmma,
