@@ -538,9 +538,8 @@ static const struct qkeep_backend_key cuda_keys[] = {
      "stream kernel: 16-row weight tiles per block; wgmma: 64-row MMA tiles per consumer warpgroup (1 or 2)"},
     {"unroll", QKEEP_KEY_ENUM, "auto|4|8", "auto", "stream kernel: 64-K chunks loaded per batch"},
     {"multicast", QKEEP_KEY_ENUM, "auto|1|2|4", "auto",
-     "wgmma kernel without a K split: row blocks of a cluster that share each activation tile, read once "
-     "from "
-     "L2 and multicast to all of them (auto: 1; 2 and 4 ran slower on the H200)"},
+     "wgmma kernel without a K split: row blocks of a cluster that share each activation tile "
+     "(auto: 1; 2 and 4 ran slower on the H200)"},
     {"route", QKEEP_KEY_ENUM, "auto|align|self", "auto",
      "routed MoE on the stream kernel: auto (each block finds its token tile up to 32 token-expert pairs, "
      "else a sorting kernel first), align (always the sorting kernel) or self (each block, up to 256 pairs)"},
