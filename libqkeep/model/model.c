@@ -105,6 +105,8 @@ void model_clear(qkeep_model *model) {
   quant_plan_free(model->online.plan); /* the options stay for the next load */
   model->online.plan = NULL;
   name_index_clear(&model->online.outputs);
+  free(model->reload_scales.bytes); /* sized for the layers that went */
+  model->reload_scales = (struct kept_scales){NULL, 0};
 }
 
 static void free_fusion(qkeep_model *model) {
@@ -127,7 +129,6 @@ void qkeep_model_free(qkeep_model *model) {
     free(model->chain.owners[i].probe_msg);
   }
   free(model->chain.owners);
-  free(model->reload_scales.bytes);
   free(model);
 }
 
