@@ -155,10 +155,28 @@ static void remove_dir(char *out) {
   free(out);
 }
 
-/* Online against offline for every scheme on one chain; schemes no backend of it takes are skipped. */
-static int compare_on_chain(qkeep_plugin *const *chain, size_t n, const char *label) {
+/* Whether a layer of `scheme` in m runs on the backend `name`. */
+static bool runs_scheme_on(const qkeep_model *m, const char *name, const char *scheme) {
+  for (size_t l = 0; l < qkeep_model_layer_count(m); l++) {
+    qkeep_layer *layer = qkeep_model_layer(m, l);
+    struct qkeep_layer_info info = {.size = sizeof info};
+    ck_assert_int_eq(qkeep_layer_get_info(layer, &info), 0);
+    const char *backend = qkeep_layer_backend(layer);
+    if (backend && strcmp(backend, name) == 0 && strcmp(info.scheme, scheme) == 0)
+      return true;
+  }
+  return false;
+}
+
+/*
+ * Online against offline for every scheme on one chain; schemes no backend of it takes are skipped. Returns
+ * how many schemes the chain loads. With `front_only`, under a memory checker (valgrind, ASan) a scheme whose
+ * layers the chain's first backend leaves to the next is loaded but not compared: the online load would run
+ * the reference's code, which the chain of the reference alone compares (plain make check compares it here).
+ */
+static int compare_on_chain(qkeep_plugin *const *chain, size_t n, const char *label, bool front_only) {
   char *tiny = example("tiny");
-  int compared = 0;
+  int loaded = 0;
   for (size_t s = 0; s < N_SCHEMES; s++) {
     struct qkeep_quantize_options o = options_for(schemes[s]);
     char *offline_dir = quantize_to_dir(tiny, &o);
@@ -169,24 +187,30 @@ static int compare_on_chain(qkeep_plugin *const *chain, size_t n, const char *la
       remove_dir(offline_dir);
       continue;
     }
+    loaded++;
+    if (front_only && tu_under_memcheck() &&
+        !runs_scheme_on(offline, qkeep_plugin_name(chain[0]), schemes[s])) {
+      qkeep_model_free(offline);
+      remove_dir(offline_dir);
+      continue;
+    }
     qkeep_model *online = load_model(chain, n, tiny, &o, 1, 0);
     char what[160];
     snprintf(what, sizeof what, "%s on %s", schemes[s], label);
     assert_same_model(online, offline, what);
-    compared++;
     qkeep_model_free(online);
     qkeep_model_free(offline);
     remove_dir(offline_dir);
   }
   free(tiny);
-  return compared;
+  return loaded;
 }
 
 START_TEST(every_scheme_online_equals_quantize_then_load_on_the_default_chain) {
   qkeep_plugin **chain;
   size_t n;
   open_default(&chain, &n);
-  ck_assert_int_eq(compare_on_chain(chain, n, "the default chain"), (int)N_SCHEMES);
+  ck_assert_int_eq(compare_on_chain(chain, n, "the default chain", false), (int)N_SCHEMES);
   qkeep_plugins_close(chain, n);
 }
 END_TEST
@@ -200,8 +224,8 @@ START_TEST(every_scheme_online_equals_quantize_then_load_on_reference_and_cpu_ch
     open_chain(chains[c], chains[c][1] ? 2 : 1, chain, &n);
     if (n == 0)
       continue; /* not built */
-    int compared = compare_on_chain(chain, n, chains[c][0]);
-    ck_assert_int_eq(compared, (int)N_SCHEMES); /* reference runs every scheme at the end of each chain */
+    int loaded = compare_on_chain(chain, n, chains[c][0], c > 0);
+    ck_assert_int_eq(loaded, (int)N_SCHEMES); /* reference runs every scheme at the end of each chain */
     close_chain(chain, n);
   }
 }
@@ -300,12 +324,15 @@ START_TEST(reload_w0_to_w1_equals_a_cold_online_w1_and_moves_no_pointer) {
     ck_assert_msg(memcmp(before->at, after->at, before->n * sizeof *before->at) == 0, "%s: a pointer moved",
                   schemes[s]);
     assert_same(m, cold, false, schemes[s]);
-    /* and back: W0 again equals the cold W0 */
-    ck_assert_msg(qkeep_model_reload(m, tiny, 0) == 0, "%s", qkeep_errmsg());
-    qkeep_model *cold0 = load_model(chain, n, tiny, &o, 1, 0);
-    ck_assert(same_digest(digest_of(m), digest_of(cold0)));
+    /* and back: W0 again equals the cold W0 (not under a memory checker: the same reload again, with the
+     * other weights; plain make check runs it) */
+    if (!tu_under_memcheck()) {
+      ck_assert_msg(qkeep_model_reload(m, tiny, 0) == 0, "%s", qkeep_errmsg());
+      qkeep_model *cold0 = load_model(chain, n, tiny, &o, 1, 0);
+      ck_assert(same_digest(digest_of(m), digest_of(cold0)));
+      qkeep_model_free(cold0);
+    }
     free(before), free(after);
-    qkeep_model_free(cold0);
     qkeep_model_free(cold);
     qkeep_model_free(m);
   }
@@ -803,6 +830,10 @@ START_TEST(f32_f16_and_sharded_sources_load_online_as_quantize_then_load) {
   for (size_t k = 0; k < 2; k++) {
     char *src = tiny_as(sources[k].dtype, sources[k].shards);
     for (size_t s = 0; s < N_SCHEMES; s++) {
+      /* Under a memory checker each scheme from one of the two sources, alternately: a source's dtype
+       * and shards are read by the same code whatever the scheme (plain make check runs every pair). */
+      if (tu_under_memcheck() && s % 2 != k)
+        continue;
       struct qkeep_quantize_options o = options_for(schemes[s]);
       char *offline_dir = quantize_to_dir(src, &o);
       qkeep_model *offline = load_model(chain, n, offline_dir, NULL, 1, 0),

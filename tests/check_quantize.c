@@ -134,6 +134,10 @@ START_TEST(every_thread_count_writes_the_same_bytes) {
     char *one = NULL;
     static const int threads[] = {1, 2, 5};
     for (size_t t = 0; t < 3; t++) {
+      /* Under a memory checker 1 and 5 threads: 2 runs the code of 5 with fewer workers (plain make check
+       * runs all three). */
+      if (tu_under_memcheck() && threads[t] == 2)
+        continue;
       char name[64];
       snprintf(name, sizeof name, "out-%zu-%d", s, threads[t]);
       char *out = tu_path(dir, name);

@@ -323,6 +323,13 @@ static int check_rank(qkeep_model *full, qkeep_model *m, int tp, int ep, int tp_
   return cut;
 }
 
+/*
+ * Whether rank r of t is checked: every rank, or under a memory checker (valgrind, ASan) the first and
+ * the last, whose slices start and end each cut; the ranks between run the same code at other offsets.
+ * Plain make check checks every rank.
+ */
+static bool rank_checked(int r, int t) { return !tu_under_memcheck() || r == 0 || r == t - 1; }
+
 START_TEST(every_rank_holds_its_rows_and_columns_of_a_one_rank_load) {
   const char *scheme = schemes[_i];
   char *w0 = checkpoint(scheme, 0);
@@ -332,6 +339,8 @@ START_TEST(every_rank_holds_its_rows_and_columns_of_a_one_rank_load) {
     for (int ep_mode = 0; ep_mode < 2; ep_mode++) { /* MoE cut by TP, then by EP */
       int t = sizes[si], ep = ep_mode ? t : 1;
       for (int r = 0; r < t; r++) {
+        if (!rank_checked(r, t))
+          continue;
         qkeep_model *m = load_rank(w0, NULL, t, ep, r, ep_mode ? r : 0);
         ck_assert_msg(check_rank(full, m, t, ep, r, ep_mode ? r : 0) > 0, "%s: nothing was cut", scheme);
         qkeep_model_free(m);
@@ -451,6 +460,8 @@ START_TEST(each_rank_reloads_in_place_equal_to_a_cold_sharded_load_of_w1) {
   static const int sizes[] = {2, 8};
   for (int si = 0; si < 2; si++)
     for (int r = 0; r < sizes[si]; r++) {
+      if (!rank_checked(r, sizes[si]))
+        continue;
       int t = sizes[si], ep = si ? t : 1; /* T = 8 with the MoE expert-parallel */
       qkeep_model *m = load_rank(w0, plugin, t, ep, r, ep > 1 ? r : 0);
       qkeep_model *cold = load_rank(w1, plugin, t, ep, r, ep > 1 ? r : 0);

@@ -366,6 +366,10 @@ static void check_row_counts(const struct gemm *g, bool da8w4, uint64_t seed, co
     check_rows(g, absw, da8w4, seed, counts[t], what, y);
   float *x = activations_of(seed, most, g->k), *row = malloc((size_t)g->n * sizeof *row);
   for (int64_t r = 0; r < most; r++) {
+    /* Under a memory checker, the rows at each end of a 64-row pass and of the product: the one-row
+     * call is the same code for every row (plain make check compares all 130). */
+    if (tu_under_memcheck() && r % 64 > 1 && r % 64 < 63 && r < most - 2)
+      continue;
     ck_assert_int_eq(apply(g->layer, g, 1, x + r * g->k, row), 0);
     for (int64_t n = 0; n < g->n; n++)
       ck_assert_msg(memcmp(&row[n], &y[r * g->n + n], sizeof *row) == 0,

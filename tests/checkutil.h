@@ -60,6 +60,30 @@ static inline bool tu_under_valgrind(void) {
   return p && strstr(p, "vgpreload");
 }
 
+/*
+ * Whether the suite is built with AddressSanitizer (--enable-sanitizers, the make distcheck pass), where
+ * each test costs several times a plain run's CPU time for the same reason as under valgrind.
+ */
+static inline bool tu_under_sanitizer(void) {
+#if defined(__SANITIZE_ADDRESS__)
+  return true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  return true;
+#else
+  return false;
+#endif
+#else
+  return false;
+#endif
+}
+
+/*
+ * Whether a memory checker watches the suite (valgrind, or ASan and UBSan): a test may then run the
+ * same code on the same shapes once, not again for each repetition; plain make check runs them all.
+ */
+static inline bool tu_under_memcheck(void) { return tu_under_valgrind() || tu_under_sanitizer(); }
+
 /* malloc(n) (at least one byte), asserted. */
 static inline void *tu_xmalloc(size_t n) {
   void *p = malloc(n ? n : 1);

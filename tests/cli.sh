@@ -4,6 +4,13 @@
 set -u
 build=${QKEEP_TEST_BUILDDIR:-.}
 qkeep="$build/cli/qkeep"
+# Where cli/qkeep is libtool's wrapper script, the program it runs, with the library path it sets: the
+# wrapper is a shell and a sed for each of the 230 calls here, half this test's CPU time.
+if [ -x "$build/cli/.libs/qkeep" ] && grep -q 'libtool' "$qkeep" 2>/dev/null; then
+  qkeep="$build/cli/.libs/qkeep"
+  LD_LIBRARY_PATH="$build/libqkeep/.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export LD_LIBRARY_PATH
+fi
 tmp="$build/tests/tmp/cli-$$"
 rm -rf "$tmp" && mkdir -p "$tmp"
 fails=0
