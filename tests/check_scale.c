@@ -169,6 +169,40 @@ START_TEST(names_aimed_at_an_unseeded_hash_do_not_pile_up) {
 }
 END_TEST
 
+/* The limit itself: names that share one home slot under the index's own seed fill slots 0 .. 64 from
+ * it; the next one found slot 65 empty and was put there, past the limit (a name 65 slots from its home
+ * failed the test above about once in 60 runs). It now rebuilds the table instead. */
+START_TEST(the_name_after_a_full_run_of_the_probe_limit_rebuilds_the_table) {
+  enum { LIMIT = 64, NAMES = LIMIT + 2 };
+  struct name_index ix = {0};
+  ck_assert_int_eq(name_index_reserve(&ix, 4096), 0); /* room: no growth while the names go in */
+  const uint64_t seed = name_index_seed(&ix);
+  const size_t cap = ix.cap;
+  char *names[NAMES], buf[32];
+  unsigned counter = 0;
+  for (int i = 0; i < NAMES; i++) {
+    do
+      snprintf(buf, sizeof buf, "model.h%u.weight", counter++);
+    while (((uint32_t)XXH3_64bits_withSeed(buf, strlen(buf), seed) & (cap - 1)) != 0);
+    ck_assert_ptr_nonnull(names[i] = strdup(buf));
+  }
+  for (int i = 0; i < NAMES - 1; i++)
+    ck_assert_int_eq(name_index_put(&ix, names[i], (size_t)i, NULL), 0);
+  ck_assert_uint_eq(name_index_seed(&ix), seed); /* 0 .. 64 from home: within the limit, no rebuild */
+  ck_assert_uint_eq(name_index_longest_probe(&ix), LIMIT);
+  ck_assert_int_eq(name_index_put(&ix, names[NAMES - 1], NAMES - 1, NULL), 0);
+  ck_assert_msg(name_index_longest_probe(&ix) <= LIMIT, "a name sits %zu slots from its home",
+                name_index_longest_probe(&ix));
+  ck_assert(name_index_seed(&ix) != seed);
+  size_t v;
+  for (int i = 0; i < NAMES; i++)
+    ck_assert(name_index_get(&ix, names[i], &v) && v == (size_t)i);
+  name_index_clear(&ix);
+  for (int i = 0; i < NAMES; i++)
+    free(names[i]);
+}
+END_TEST
+
 START_TEST(lookups_at_tens_of_thousands_of_tensors_match_a_scan) {
   char *path = write_ckpt("w0", LAYERS, 1, 1);
   struct ckpt *ck;
@@ -330,6 +364,7 @@ static Suite *scale_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_test(tc, name_index_finds_what_was_put_and_nothing_else);
   tcase_add_test(tc, names_aimed_at_an_unseeded_hash_do_not_pile_up);
+  tcase_add_test(tc, the_name_after_a_full_run_of_the_probe_limit_rebuilds_the_table);
   tcase_add_test(tc, lookups_at_tens_of_thousands_of_tensors_match_a_scan);
   tcase_add_test(tc, a_name_in_two_layers_resolves_to_the_first_layer);
   tcase_add_test(tc, a_reload_at_thousands_of_tensors_equals_a_cold_start);

@@ -151,7 +151,7 @@ int name_index_put(struct name_index *ix, const char *name, size_t value, size_t
           *existing = ix->slots[at].value;
         return QKEEP_E_EXISTS; /* no detail: the caller knows what the name is and says so */
       }
-    if (ix->slots[at].name) { /* a run past the limit: another seed, twice the slots */
+    if (ix->slots[at].name || d > limit) { /* a run past the limit: another seed, twice the slots */
       if ((rc = rehash(ix, ix->cap * 2)) != 0)
         return rc;
       continue;
