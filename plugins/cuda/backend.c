@@ -216,8 +216,7 @@ static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **o
   bool registered = posix_memalign(&base, huge ? HOST_HUGE : HOST_HEADER, total) == 0;
 #ifdef MADV_HUGEPAGE
   if (registered && huge)
-    (void)madvise(base, total,
-                  MADV_HUGEPAGE); /* advice only: 4 KiB pages where the kernel has no huge ones */
+    (void)madvise(base, total, MADV_HUGEPAGE); /* advice: 4 KiB pages where the kernel has none */
 #endif
   if (registered && cudaHostRegister(base, total, cudaHostRegisterDefault) != cudaSuccess) {
     (void)cudaGetLastError(); /* not sticky: the fallback below */

@@ -164,10 +164,10 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
  * halved where even a split in two would leave fewer than half the SMs a block; rows 1
  * (256-row blocks never won); a K split of sms / blocks, at most 2 (4 and 8 lost to 2 in
  * every shape measured) and at least NVFP4_WGMMA_SPLIT_CHUNKS chunks a split. No cluster of row
- * blocks sharing the activations (multicast 1): on the H200 pairs of them took 1.4-1.9x as long
- * as one block alone at every m from 32 to 1024 (docs/PERFORMANCE.md). A forced multicast is
- * honoured where there is no K split (else 1); the grid then rounds the row blocks up to whole
- * clusters.
+ * blocks sharing the activations (multicast 1): on the H200 pairs of them took 1.25-2.0x as long
+ * as one block alone, fours 1.6-3.7x, at every m from 32 to 1024 (docs/PERFORMANCE.md). A forced
+ * multicast is honoured where there is no K split (else 1); the grid then rounds the row blocks
+ * up to whole clusters.
  */
 void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvfp4_tuning *tune,
                       struct nvfp4_tuning *out);
