@@ -17,6 +17,9 @@
  *                                                       =wgmma: the streaming and wgmma kernels')
  *
  * QKEEP_BENCH_PARTS (default all): a list of dense, moe, transform, fp8 and load, the parts to run.
+ * QKEEP_BENCH_M (default all): the dense part's token counts to run, e.g. "256" or "64,256";
+ * QKEEP_BENCH_SHAPES (default all): its shapes by index (0: 8192 x 8192, 1: 4096 x 14336, 2: 14336 x 4096),
+ * e.g. "0" (for a profiler: one launch per kernel of interest).
  *
  * Timing: a CUDA graph of back-to-back launches that cycle through enough
  * copies of the weights (>= 512 MiB) to keep them out of the 50 MB L2, between
@@ -150,7 +153,26 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
   static const int64_t shapes[][2] = {{8192, 8192}, {4096, 14336}, {14336, 4096}};
   static const int64_t ms[] = {1, 4, 16, 32, 64, 128, 256, 1024};
   const int64_t max_m = 1024;
-  for (auto &shape : shapes) {
+  /* "a,b,c" holds v: an unset or empty list holds every value. */
+  auto listed = [](const char *list, long long v) {
+    if (!list || !*list)
+      return true;
+    for (const char *p = list; *p;) {
+      char *end;
+      const long long x = strtoll(p, &end, 10);
+      if (end == p)
+        return false;
+      if (x == v)
+        return true;
+      p = *end == ',' ? end + 1 : end;
+    }
+    return false;
+  };
+  const char *only_m = getenv("QKEEP_BENCH_M"), *only_shapes = getenv("QKEEP_BENCH_SHAPES");
+  for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+    if (!listed(only_shapes, (long long)si))
+      continue;
+    const auto &shape = shapes[si];
     Layer L = make_layer(shape[0], shape[1], stream);
     const int64_t n = L.n, k = L.k;
     __nv_bfloat16 *x, *y, *y_ref;
@@ -161,6 +183,8 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
     CHECK_CUDA(cudaGetLastError());
     const double read_bytes = (double)(nvfp4_w_bytes(n, k) + nvfp4_sf_bytes(n, k / 16));
     for (int64_t m : ms) {
+      if (!listed(only_m, (long long)m))
+        continue;
       nvfp4_tuning plan;
       nvfp4_gemm_plan(m, n, k, QKEEP_DTYPE_BF16, nullptr, &plan);
       auto qkeep_with = [&](const nvfp4_tuning *tune) {
