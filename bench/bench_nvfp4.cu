@@ -140,6 +140,55 @@ void free_layer(Layer &L) {
   CHECK_CUDA(cudaFree(L.alpha));
 }
 
+/*
+ * The opt-in FP8 activations at m tokens: the plan's shape and token tiles 128 and 256, each
+ * checked first; its error against cuBLAS's bf16 output (y_ref, the exact W4A16 product rounded
+ * to bf16) beside W4A16's own, as the largest and the root mean square.
+ */
+template <class With>
+void bench_fp8_activations(int64_t m, int64_t n, int64_t k, const __nv_bfloat16 *y,
+                           const __nv_bfloat16 *y_ref, __nv_bfloat16 *y_w4a16, double w4a16_us,
+                           double peer_us, double w4a16_err, const With &qkeep_with, int copies,
+                           cudaStream_t stream) {
+  const size_t values = (size_t)(m * n);
+  qkeep_with(nullptr)(0); /* the default W4A16 output, kept */
+  CHECK_CUDA(cudaMemcpyAsync(y_w4a16, y, values * 2, cudaMemcpyDeviceToDevice, stream));
+  nvfp4_tuning want = {};
+  want.fp8 = 1;
+  nvfp4_tuning plan;
+  nvfp4_gemm_plan(m, n, k, QKEEP_DTYPE_BF16, &want, &plan);
+  qkeep_with (&want)(0);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const double err = compare(y, y_ref, values), rms = compare_rms(y, y_ref, values);
+  const double w4a16_rms = compare_rms(y_w4a16, y_ref, values), vs_w4a16 = compare_rms(y, y_w4a16, values);
+  std::vector<double> runs;
+  for (int r = 0; r < 3; r++)
+    runs.push_back(time_us(stream, copies, qkeep_with(&want), nullptr));
+  const double us = median(runs);
+  std::string tiles_s;
+  double tiles_err = 0;
+  for (int tm = 128; tm <= 256; tm *= 2) {
+    nvfp4_tuning t = want;
+    t.tile_m = tm;
+    qkeep_with (&t)(0);
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    tiles_err = std::max(tiles_err, compare_rms(y, y_ref, values));
+    char one[48];
+    snprintf(one, sizeof one, "%s%d:%.2f", tiles_s.empty() ? "" : " ", tm,
+             time_us(stream, copies, qkeep_with(&t), nullptr));
+    tiles_s += one;
+  }
+  printf("{\"bench\":\"nvfp4_fp8_activations\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"qkeep_us\":%.2f,"
+         "\"peer\":\"cublas_bf16\",\"peer_us\":%.2f,\"ratio\":%.2f,\"w4a16_us\":%.2f,\"vs_w4a16\":%.2f,"
+         "\"tile_m\":%d,\"split_k\":%d,\"fp8\":%d,\"tiles_us\":\"%s\",\"max_rel_err\":%.2e,"
+         "\"rms_rel_err\":%.2e,\"w4a16_max_rel_err\":%.2e,\"w4a16_rms_rel_err\":%.2e,"
+         "\"rms_vs_w4a16\":%.2e,\"tiles_max_rms_rel_err\":%.2e,\"method\":\"graph\"}\n",
+         (long long)m, (long long)n, (long long)k, us, peer_us, peer_us / us, w4a16_us, w4a16_us / us,
+         plan.tile_m, plan.split_k, plan.fp8, tiles_s.c_str(), err, rms, w4a16_err, w4a16_rms, vs_w4a16,
+         tiles_err);
+  fflush(stdout);
+}
+
 /* qkeep's default time per (M, N, K) of bench_gemm, for the fp8 peer's ratio. */
 struct DenseTime {
   int64_t m, n, k;
@@ -175,10 +224,11 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
     const auto &shape = shapes[si];
     Layer L = make_layer(shape[0], shape[1], stream);
     const int64_t n = L.n, k = L.k;
-    __nv_bfloat16 *x, *y, *y_ref;
+    __nv_bfloat16 *x, *y, *y_ref, *y_w4a16;
     CHECK_CUDA(cudaMalloc(&x, (size_t)(max_m * k) * 2));
     CHECK_CUDA(cudaMalloc(&y, (size_t)(max_m * n) * 2));
     CHECK_CUDA(cudaMalloc(&y_ref, (size_t)(max_m * n) * 2));
+    CHECK_CUDA(cudaMalloc(&y_w4a16, (size_t)(max_m * n) * 2));
     random_bf16_kernel<<<256, 256, 0, stream>>>(x, (size_t)(max_m * k), 11);
     CHECK_CUDA(cudaGetLastError());
     const double read_bytes = (double)(nvfp4_w_bytes(n, k) + nvfp4_sf_bytes(n, k / 16));
@@ -216,7 +266,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
       }
       double s_us = time_us(stream, L.copies_q, stream_read, nullptr);
       /* The streaming kernel without programmatic dependent launch: each launch after the last ends. */
-      const nvfp4_tuning late = {0, 0, 0, 0, 0, 0, 0, 1, 0};
+      const nvfp4_tuning late = {0, 0, 0, 0, 0, 0, 0, 1, 0, 0};
       const double late_us =
           plan.kernel == NVFP4_KERNEL_STREAM ? time_us(stream, L.copies_q, qkeep_with(&late)) : -1;
       /* The wgmma plan's token tile without a K split and with 1, 2 and 4 row blocks sharing the
@@ -224,7 +274,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
       std::string mc_s;
       double mc_err = 0;
       for (int mc = 1; mc <= 4 && plan.kernel == NVFP4_KERNEL_WGMMA; mc *= 2) {
-        const nvfp4_tuning t = {plan.tile_m, 1, 0, NVFP4_KERNEL_WGMMA, plan.rows, 0, 0, 0, mc};
+        const nvfp4_tuning t = {plan.tile_m, 1, 0, NVFP4_KERNEL_WGMMA, plan.rows, 0, 0, 0, mc, 0};
         qkeep_with (&t)(0);
         CHECK_CUDA(cudaStreamSynchronize(stream));
         const double e = compare(y, y_ref, (size_t)(m * n));
@@ -248,6 +298,8 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           plan.unroll, plan.multicast, late_us, mc_s.c_str(), mc_err, err, 3 * kRuns, launches);
       fflush(stdout);
       dense_times.push_back({m, n, k, q_us});
+      if (plan.kernel == NVFP4_KERNEL_WGMMA && m >= NVFP4_FP8_MIN_M)
+        bench_fp8_activations(m, n, k, y, y_ref, y_w4a16, q_us, p_us, err, qkeep_with, L.copies_q, stream);
       if (!sweep)
         continue;
       /* One forced shape: its error against cuBLAS's output, then its time. */
@@ -263,7 +315,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int un : unrolls) /* 43: unroll 4, registers for 3 blocks per SM (depth 3) */
             for (int sk : ssplits) {
               const int dp = un == 43 ? 3 : 0, u = un == 43 ? 4 : un;
-              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u, 0, 0, 0}, &e);
+              double e, us = measure({0, sk, dp, NVFP4_KERNEL_STREAM, rw, u, 0, 0, 0, 0}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"stream\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"rows\":%d,\"unroll\":%d,\"depth\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -282,7 +334,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
               if ((rw == 2 && tm > 128) || (few && tm > 16) ||
                   (!few && (tm < 32 || tm > 4 * m || (tm < 64 && m >= 128) || sk == 8)))
                 continue;
-              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0, 0, 0, 1}, &e);
+              double e, us = measure({tm, sk, 0, NVFP4_KERNEL_WGMMA, rw, 0, 0, 0, 1, 0}, &e);
               printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"wgmma\",\"M\":%lld,\"N\":%lld,\"K\":%lld,"
                      "\"tile_m\":%d,\"rows\":%d,\"split_k\":%d,\"us\":%.2f,\"vs_cublas\":%.2f,"
                      "\"max_rel_err\":%.2e}\n",
@@ -298,7 +350,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
           for (int dp : depths) {
             if ((m >= 64 && tm < 32) || (m <= 16 && tm > 32))
               continue;
-            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0, 0, 0, 0}, &e);
+            double e, us = measure({tm, sk, dp, NVFP4_KERNEL_RING, 0, 0, 0, 0, 0, 0}, &e);
             printf("{\"bench\":\"nvfp4_sweep\",\"kernel\":\"ring\",\"M\":%lld,\"N\":%lld,\"K\":%lld,\"tile_"
                    "m\":%d,\"split_k\":%d,"
                    "\"depth\":\"%s\",\"us\":%.2f,\"of_ceiling\":%.2f,\"max_rel_err\":%.2e}\n",
@@ -310,6 +362,7 @@ void bench_gemm(cublasHandle_t blas, cudaStream_t stream, double bandwidth, cons
     CHECK_CUDA(cudaFree(x));
     CHECK_CUDA(cudaFree(y));
     CHECK_CUDA(cudaFree(y_ref));
+    CHECK_CUDA(cudaFree(y_w4a16));
     free_layer(L);
   }
   CHECK_CUDA(cudaFree(sink));
@@ -531,7 +584,7 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         CHECK_CUDA(cudaMemcpy(want.data(), d_yg, want.size() * 2, cudaMemcpyDeviceToHost));
         return compare_rows(got, want, row, n);
       };
-      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0},
+      const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0, 0},
                          as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0};
       double err = rows_error(nullptr), err_s = rows_error(&as_stream), err_w = rows_error(&as_wgmma);
       /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
@@ -579,13 +632,13 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         g_us = median(g_runs);
       const double s_us = time_us(stream, copies_q, qkeep_with(&as_stream));
       /* The streaming kernel after the sorting kernel (route = align), where it routes itself by default. */
-      const nvfp4_tuning as_aligned = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, NVFP4_ROUTE_ALIGN, 0, 0};
+      const nvfp4_tuning as_aligned = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, NVFP4_ROUTE_ALIGN, 0, 0, 0};
       const double a_us = time_us(stream, copies_q, qkeep_with(&as_aligned));
       /* Decode: the streaming kernel's shapes, rows per block x K split ("rows/split:us ..."). */
       std::string sweep_s;
       for (int rw = 1; rw <= 4 && T <= 16; rw *= 2)
         for (int sk = 1; sk <= 4; sk *= 2) {
-          const nvfp4_tuning shape = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, 0, 0, 0, 0};
+          const nvfp4_tuning shape = {0, sk, 0, NVFP4_KERNEL_STREAM, rw, 0, 0, 0, 0, 0};
           char one[48];
           snprintf(one, sizeof one, "%s%d/%d:%.2f", sweep_s.empty() ? "" : " ", rw, sk,
                    time_us(stream, copies_q, qkeep_with(&shape)));

@@ -139,6 +139,20 @@ double compare(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
   return ref > 0 ? err / ref : err;
 }
 
+/* The root mean square of a - b over that of b (two bf16 device arrays of n values). */
+double compare_rms(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
+  std::vector<__nv_bfloat16> ha(n), hb(n);
+  CHECK_CUDA(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+  double err = 0, ref = 0;
+  for (size_t i = 0; i < n; i++) {
+    const double x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
+    err += (x - y) * (x - y);
+    ref += y * y;
+  }
+  return ref > 0 ? std::sqrt(err / ref) : std::sqrt(err);
+}
+
 } // namespace
 
 /* Random code bytes, and scale bytes uniform in [scale_base, scale_base + scale_span), deterministic from

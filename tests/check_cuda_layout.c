@@ -412,14 +412,14 @@ START_TEST(test_stream_plan) {
         ck_assert(p.split_k >= 1 && p.split_k <= NVFP4_MAX_SPLIT);
         ck_assert_int_eq(p.tile_m, 16);
       }
-  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8, 0, 0, 0};
+  struct nvfp4_tuning forced = {0, 3, 0, NVFP4_KERNEL_STREAM, 2, 8, 0, 0, 0, 0};
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 8 && p.split_k == 3);
-  forced =
-      (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5, 0, 0, 0}; /* invalid: automatic, clamped */
+  forced = (struct nvfp4_tuning){0, 20, 0, NVFP4_KERNEL_STREAM, 3, 5, 0,
+                                 0, 0,  0}; /* invalid: automatic, clamped */
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 4 && p.split_k == NVFP4_MAX_SPLIT && p.depth == 0);
-  forced = (struct nvfp4_tuning){0, 0, 3, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0}; /* 3 blocks per SM */
+  forced = (struct nvfp4_tuning){0, 0, 3, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0, 0}; /* 3 blocks per SM */
   nvfp4_stream_plan(1, 8192, 8192, 132, &forced, &p);
   ck_assert(p.rows == 2 && p.unroll == 4 && p.depth == 3);
 }
@@ -552,6 +552,141 @@ START_TEST(test_wgmma_operands_reproduce_gemm) {
 }
 END_TEST
 
+/* The FP8 staging is a bijection onto [0, round_up(m, mt)) x [0, K rounded to 64), as the
+ * 16-bit one; by hand, one byte. */
+START_TEST(test_x8_bijection) {
+  static const int64_t xs[][3] = {{1, 16, 32}, {31, 208, 32}, {64, 64, 64}, {100, 1024, 128}, {257, 80, 256}};
+  for (size_t s = 0; s < sizeof xs / sizeof xs[0]; s++) {
+    int64_t m = xs[s][0], k = xs[s][1], chunks = nvfp4_w_chunks(k);
+    int mt = (int)xs[s][2];
+    int64_t bytes = nvfp4_x_elems(m, k, mt);
+    uint8_t *seen = calloc((size_t)bytes, 1);
+    for (int64_t off = 0; off < bytes; off++) {
+      int64_t token, kk;
+      nvfp4_x8_source(off, chunks, mt, &token, &kk);
+      ck_assert(token >= 0 && token < nvfp4_round_up(m, mt) && kk >= 0 && kk < chunks * 64);
+      ck_assert_int_eq(nvfp4_x8_offset(token, kk, chunks, mt), off);
+      ck_assert(!seen[off]);
+      seen[off] = 1;
+    }
+    free(seen);
+  }
+  /* Token 9 of a 32-token tile, k = 64 + 16 * 3 + 8 * 1 + 4 * 0 + 2 = 122: chunk 1, run (s 1,
+   * q 0) = 2, token group 1, row 1, byte 4 * 3 + 2. */
+  ck_assert_int_eq(nvfp4_x8_offset(9, 122, 4, 32), 1 * 64 * 32 + (2 * 4 + 1) * 128 + 1 * 16 + 14);
+  /* Every logical column of both steps names a different k of the chunk. */
+  uint8_t hit[64] = {0};
+  for (int st = 0; st < 2; st++)
+    for (int col = 0; col < 32; col++)
+      hit[nvfp4_x8_k(st, col)]++;
+  for (int kk = 0; kk < 64; kk++)
+    ck_assert_int_eq(hit[kk], 1);
+}
+END_TEST
+
+/*
+ * Emulates a consumer warpgroup of the wgmma kernel with FP8 activations, with values instead of
+ * e4m3 bytes: k-step s (0..1) of a chunk, thread 4g + t of warp w builds a0 / a1 (rows g / g + 8,
+ * logical columns 4t .. 4t + 3) from tile word 2s and a2 / a3 (columns 16 + 4t ..) from word 2s + 1,
+ * element e of the word's row being byte e (e4m3_fragment); B is read through the descriptor
+ * (start 32 * mt bytes per step, 16 * mt between the step's two core matrices, 128 between 8-token
+ * groups, 16 bytes a token, a byte an element) from activations staged by nvfp4_x8_source; then
+ * m64nNk32's definition. Must reproduce x W^T exactly (small integers, unit scales).
+ */
+static void emulate_wgmma_fp8(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m,
+                              int mt, double *y) {
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, bytes = nvfp4_x_elems(m, k, mt);
+  float *staged = tu_xmalloc((size_t)bytes * sizeof *staged);
+  for (int64_t off = 0; off < bytes; off++) {
+    int64_t token, kk;
+    nvfp4_x8_source(off, chunks, mt, &token, &kk);
+    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
+  }
+  const int64_t lbo = 16 * mt, sbo = 128;
+  memset(y, 0, (size_t)(m * rows) * sizeof *y);
+  for (int64_t tile = 0; tile < tiles; tile++)
+    for (int64_t tt = 0; tt * mt < m; tt++)
+      for (int64_t c = 0; c < chunks; c++)
+        for (int st = 0; st < 2; st++) {
+          const float *stage = staged + (tt * chunks + c) * 64 * mt;
+          float a[16][32] = {{0}};
+          for (int lane = 0; lane < 32; lane++) {
+            int g = lane / 4, t = lane % 4;
+            for (int reg = 0; reg < 4; reg++) {
+              uint32_t q;
+              int j = 2 * st + reg / 2, h = reg % 2; /* word, row half */
+              memcpy(&q, tiled + nvfp4_w_tile_offset(tile, c, tiles, chunks) + lane * 16 + 4 * j, 4);
+              for (int e = 0; e < 4; e++)
+                a[g + 8 * h][4 * t + 16 * (reg / 2) + e] = qk_e2m1_decode(nvfp4_w_get(q, nvfp4_w_slot(e, h)));
+            }
+          }
+          for (int n = 0; n < mt; n++) {
+            int64_t token = tt * mt + n;
+            for (int row = 0; row < 16; row++) {
+              double acc = 0;
+              for (int col = 0; col < 32; col++) {
+                int64_t byte = st * 32 * mt + (col / 16) * lbo + (n / 8) * sbo + (n % 8) * 16 + col % 16;
+                acc += (double)a[row][col] * stage[byte];
+              }
+              int64_t r = tile * 16 + row;
+              if (r < rows && token < m)
+                y[token * rows + r] += acc;
+            }
+          }
+        }
+  free(staged);
+}
+
+START_TEST(test_wgmma_fp8_operands_reproduce_gemm) {
+  static const int64_t gemm_shapes[][4] = {
+      {16, 64, 8, 32}, {37, 208, 33, 32}, {130, 112, 9, 64}, {80, 1024, 3, 128}, {48, 128, 70, 256}};
+  for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
+    int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
+    int mt = (int)gemm_shapes[s][3];
+    size_t n = (size_t)(rows * k / 2);
+    uint8_t *packed = tu_xmalloc(n), *tiled = tu_xmalloc((size_t)nvfp4_w_bytes(rows, k));
+    float *x = tu_xmalloc((size_t)(m * k) * sizeof *x);
+    double *y = tu_xmalloc((size_t)(m * rows) * sizeof *y);
+    tu_fill_bytes(packed, n, 25 + s);
+    uint64_t rng = 277 + s;
+    for (int64_t i = 0; i < m * k; i++)
+      x[i] = (float)(tu_rand(&rng) % 17) - 8.0f;
+    nvfp4_tile_weights(packed, rows, k, tiled);
+    emulate_wgmma_fp8(tiled, rows, k, x, m, mt, y);
+    assert_fp4_gemm(packed, rows, k, x, m, y);
+    free(packed), free(tiled), free(x), free(y);
+  }
+}
+END_TEST
+
+/* FP8 activations in the plans: kept from NVFP4_FP8_MIN_M tokens on the wgmma kernel with one MMA
+ * tile per consumer and token tiles of 32 or more; never below that, never on the streaming
+ * kernel, never routed. */
+START_TEST(test_fp8_plan) {
+  struct nvfp4_tuning p, want = {.fp8 = 1};
+  for (int64_t m = 17; m <= 5000; m = m * 3 + 1)
+    for (int64_t n = 16; n <= 65536; n = n * 5 + 16) {
+      nvfp4_wgmma_plan(m, n, 8192, 132, &want, &p);
+      ck_assert_int_eq(p.fp8, m >= NVFP4_FP8_MIN_M);
+      if (p.fp8)
+        ck_assert(p.rows == 1 && p.tile_m >= 32);
+      nvfp4_wgmma_plan(m, n, 8192, 132, NULL, &p);
+      ck_assert_int_eq(p.fp8, 0);
+    }
+  struct nvfp4_tuning forced = {.fp8 = 1, .rows = 2, .tile_m = 16};
+  nvfp4_wgmma_plan(256, 8192, 8192, 132, &forced, &p);
+  ck_assert(p.fp8 == 1 && p.rows == 1 && p.tile_m == 32);
+  nvfp4_stream_plan(8, 8192, 8192, 132, &want, &p);
+  ck_assert_int_eq(p.fp8, 0);
+  for (int64_t pairs = 1; pairs <= 4096; pairs *= 4) {
+    nvfp4_moe_plan(pairs, 128, 1536, 2048, 132, true, &want, &p);
+    ck_assert_int_eq(p.fp8, 0);
+    nvfp4_moe_plan(pairs, 128, 1536, 2048, 132, false, &want, &p);
+    ck_assert_int_eq(p.fp8, 0);
+  }
+}
+END_TEST
+
 /* The wgmma plan: on the H200's 132 SMs the shapes its sweep measured fastest (or within
  * its noise) for the benchmarked matrices, and forced fields honoured within range. */
 START_TEST(test_wgmma_plan) {
@@ -591,14 +726,14 @@ START_TEST(test_wgmma_plan) {
   forced = (struct nvfp4_tuning){.tile_m = 128, .kernel = NVFP4_KERNEL_WGMMA, .multicast = 1};
   nvfp4_wgmma_plan(1024, 8192, 8192, 132, &forced, &p);
   ck_assert(p.multicast == 1 && p.split_k == 1);
-  forced = (struct nvfp4_tuning){256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0, 0, 0, 0};
+  forced = (struct nvfp4_tuning){256, 5, 0, NVFP4_KERNEL_WGMMA, 1, 0, 0, 0, 0, 0};
   nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
   ck_assert(p.tile_m == 256 && p.rows == 1 && p.split_k == 5);
   forced =
-      (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0, 0, 0, 0}; /* 2 x 256 does not fit: 128 */
+      (struct nvfp4_tuning){256, 8, 0, NVFP4_KERNEL_WGMMA, 2, 0, 0, 0, 0, 0}; /* 2 x 256 does not fit: 128 */
   nvfp4_wgmma_plan(64, 8192, 64, 132, &forced, &p);
-  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1);                 /* one chunk: no split */
-  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0, 0, 0, 0}; /* invalid: automatic */
+  ck_assert(p.tile_m == 128 && p.rows == 2 && p.split_k == 1);                    /* one chunk: no split */
+  forced = (struct nvfp4_tuning){12, 0, 0, NVFP4_KERNEL_WGMMA, 4, 0, 0, 0, 0, 0}; /* invalid: automatic */
   nvfp4_wgmma_plan(64, 8192, 8192, 132, &forced, &p);
   ck_assert(p.tile_m == 64 && p.rows == 1 && p.split_k == 2);
 }
@@ -631,7 +766,7 @@ START_TEST(test_moe_plan) {
     ck_assert_int_eq(p.split_k, want[i].split);
   }
   /* Forced: the streaming kernel at prefill sizes keeps 16-token tiles; a forced tile of 8. */
-  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0};
+  struct nvfp4_tuning forced = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0, 0};
   nvfp4_moe_plan(16384, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 16);
   forced.tile_m = 8;
@@ -641,7 +776,7 @@ START_TEST(test_moe_plan) {
   nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_STREAM && p.tile_m == 8);
   /* The wgmma kernel at decode sizes: 16-token tiles, or the forced one; without it, the ring kernel. */
-  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0};
+  forced = (struct nvfp4_tuning){0, 2, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0, 0};
   nvfp4_moe_plan(8, 128, 1536, 2048, 132, true, &forced, &p);
   ck_assert(p.kernel == NVFP4_KERNEL_WGMMA && p.tile_m == 16 && p.split_k == 2 && p.rows == 1);
   forced.tile_m = 256;
@@ -684,7 +819,10 @@ static Suite *layout_suite(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_test(tc, test_x_bijection);
   tcase_add_test(tc, test_wgmma_operands_reproduce_gemm);
+  tcase_add_test(tc, test_x8_bijection);
+  tcase_add_test(tc, test_wgmma_fp8_operands_reproduce_gemm);
   tcase_add_test(tc, test_wgmma_plan);
+  tcase_add_test(tc, test_fp8_plan);
   tcase_add_test(tc, test_moe_plan);
   suite_add_tcase(s, tc);
   return s;

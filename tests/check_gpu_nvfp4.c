@@ -62,6 +62,7 @@ static void setup(void) {
   configure("rows", "auto");
   configure("unroll", "auto");
   configure("multicast", "auto");
+  configure("fp8_activations", "false");
   configure("pwal", "gpu");
 }
 
@@ -487,6 +488,132 @@ START_TEST(half_precision_activations) {
 }
 END_TEST
 
+/* ---- FP8 activations (opt-in) ---------------------------------------------------------------- */
+
+/* v rounded to e4m3 (nearest even, subnormals from 2^-9, saturating at 448), as cvt.rn.satfinite. */
+static double e4m3_round(double v) {
+  double a = fabs(v);
+  if (a == 0)
+    return v;
+  int e = (int)floor(log2(a));
+  if (e < -6)
+    e = -6;
+  double step = ldexp(1.0, e - 3), r = nearbyint(a / step) * step;
+  return copysign(r > 448 ? 448 : r, v);
+}
+
+/*
+ * A linear layer's output with fp8_activations on, against its emulation on the host from the bytes
+ * PWAL left on the device (codes, block scales, alpha, bias): per token, amax = max |x| (as the
+ * device reads x), x rounded to e4m3 after x * (448 / amax); each weight code x block scale x 2^-7
+ * rounded to e4m3; their products summed, times 2^7 x alpha x amax / 448, plus the bias. Only the
+ * order of the f32 sums differs: within 1e-3 of the sum of |products|. And against W4A16 (the
+ * option off): near it (the error of e4m3 itself), and below 64 tokens the same bits.
+ */
+static void assert_fp8_layer(qkeep_model *m, const char *name, int64_t tokens, enum qkeep_dtype x_dtype) {
+  qkeep_layer *layer = qkeep_model_find_layer(m, name);
+  ck_assert_ptr_nonnull(layer);
+  struct qkeep_layer_info info = {.size = sizeof info};
+  ck_assert_int_eq(qkeep_layer_get_info(layer, &info), 0);
+  const int64_t n = info.n, k = info.k, cols = k / 16;
+  struct qkeep_view vw, vs, va, vb;
+  view(layer, "weight", &vw);
+  view(layer, "weight_scale", &vs);
+  view(layer, "alpha", &va);
+  vb.size = sizeof vb;
+  bool has_bias = qkeep_view_of(layer, "bias", &vb) == 0;
+  uint8_t *tiled = device_to_host(&vw, vw.nbytes), *swizzled = device_to_host(&vs, vs.nbytes);
+  uint8_t *codes = tu_xmalloc((size_t)(n * k / 2)), *scales = tu_xmalloc((size_t)(n * cols));
+  nvfp4_untile_weights(tiled, n, k, codes);
+  nvfp4_unswizzle_scales(swizzled, n, cols, scales);
+  float alpha, *bias = NULL;
+  ck_assert_int_eq(backend()->memory->copy_d2h(backend(), &alpha, va.data, sizeof alpha), 0);
+  if (has_bias) {
+    bias = tu_xmalloc((size_t)n * sizeof *bias);
+    if (vb.spec.dtype == QKEEP_DTYPE_F32) {
+      ck_assert_int_eq(backend()->memory->copy_d2h(backend(), bias, vb.data, (size_t)n * 4), 0);
+    } else {
+      uint16_t *h = device_to_host(&vb, (size_t)n * 2);
+      for (int64_t i = 0; i < n; i++)
+        bias[i] = widen(h, vb.spec.dtype, (size_t)i);
+      free(h);
+    }
+  }
+  /* x: random, one row of zeros, one with an outlier 40 times the rest. */
+  float *x = tu_xmalloc((size_t)(tokens * k) * sizeof *x);
+  random_x(x, (size_t)(tokens * k), 31 + (uint64_t)tokens);
+  memset(x + 3 * k, 0, (size_t)k * sizeof *x);
+  x[5 * k + 7] = 40.0f;
+  const size_t xb = x_dtype == QKEEP_DTYPE_F32 ? 4 : 2;
+  void *xh = x_dtype == QKEEP_DTYPE_F32 ? x : narrow(x, (size_t)(tokens * k), x_dtype);
+  void *dx = to_device(xh, (size_t)(tokens * k) * xb), *dy;
+  float *got = tu_xmalloc((size_t)(tokens * n) * sizeof *got), *exact = tu_xmalloc((size_t)(tokens * n) * 4);
+  ck_assert_int_eq(backend()->memory->alloc(backend(), (size_t)(tokens * n) * 4, &dy), 0);
+  for (int fp8 = 1; fp8 >= 0; fp8--) {
+    configure("fp8_activations", fp8 ? "true" : "false");
+    struct qkeep_apply_args a = {
+        .size = sizeof a, .m = tokens, .x = dx, .x_dtype = x_dtype, .y = dy, .y_dtype = QKEEP_DTYPE_F32};
+    ck_assert_msg(backend()->apply(backend(), layer, &a) == 0, "%s: %s", name, qkeep_errmsg());
+    from_device(fp8 ? got : exact, dy, (size_t)(tokens * n) * 4);
+  }
+  double diff = 0, norm = 0;
+  for (int64_t t = 0; t < tokens; t++) {
+    float amax = 0;
+    for (int64_t i = 0; i < k; i++) {
+      float v = x_dtype == QKEEP_DTYPE_F32 ? x[t * k + i] : widen(xh, x_dtype, (size_t)(t * k + i));
+      amax = fmaxf(amax, fabsf(v));
+    }
+    const float inv = amax > 0 ? 448.0f / amax : 0.0f;
+    for (int64_t r = 0; r < n; r++) {
+      double sum = 0, mag = 0;
+      for (int64_t i = 0; i < k; i++) {
+        float v = x_dtype == QKEEP_DTYPE_F32 ? x[t * k + i] : widen(xh, x_dtype, (size_t)(t * k + i));
+        double xq = e4m3_round((double)(v * inv));
+        double wq = e4m3_round(qk_e2m1_decode(qk_fp4_code(codes + r * (k / 2), i)) *
+                               (double)qk_e4m3_decode(scales[r * cols + i / 16]) / 128.0);
+        sum += wq * xq, mag += fabs(wq * xq);
+      }
+      const double scale = 128.0 * alpha * (amax / 448.0f);
+      const double want = sum * scale + (bias ? bias[r] : 0), have = got[t * n + r];
+      ck_assert_msg(fabs(have - want) <= 1e-3 * mag * scale + 1e-6 * fabs(want),
+                    "%s, %lld tokens, x %d: token %lld row %lld: %g, emulated %g", name, (long long)tokens,
+                    (int)x_dtype, (long long)t, (long long)r, have, want);
+      diff += (have - exact[t * n + r]) * (have - exact[t * n + r]);
+      norm += (double)exact[t * n + r] * exact[t * n + r];
+    }
+  }
+  /* e4m3 keeps 4 significant bits: a few percent of the output's size. */
+  const double rms = sqrt(diff / (norm > 0 ? norm : 1));
+  ck_assert_msg(tokens < NVFP4_FP8_MIN_M ? rms == 0 : rms < 0.08, "%s: FP8 vs W4A16 %g", name, rms);
+  backend()->memory->free(backend(), dx);
+  backend()->memory->free(backend(), dy);
+  if (xh != x)
+    free(xh);
+  free(x), free(got), free(exact), free(tiled), free(swizzled), free(codes), free(scales), free(bias);
+}
+
+START_TEST(fp8_activations_match_their_emulation) {
+  char *source = write_source("source.safetensors", 7), *path = quantize(source, "modelopt-nvfp4", "q");
+  qkeep_model *m = gtu_load(gpu, path, NULL);
+  static const enum qkeep_dtype types[] = {QKEEP_DTYPE_BF16, QKEEP_DTYPE_F16, QKEEP_DTYPE_F32};
+  static const int64_t tokens[] = {64, 100, 256};
+  const char *tiles[] = {"auto", "32", "256"};
+  for (int t = 0; t < 3; t++) {
+    configure("tile_m", tiles[t]);
+    for (size_t i = 0; i < sizeof tokens / sizeof tokens[0]; i++) {
+      assert_fp8_layer(m, "model.layers.0.mlp.down_proj", tokens[i], types[(i + t) % 3]);
+      assert_fp8_layer(m, "model.layers.0.mlp.gate_up_proj", tokens[i], types[(i + t + 1) % 3]);
+      assert_fp8_layer(m, "model.layers.0.self_attn.qkv_proj", tokens[i], types[(i + t + 2) % 3]);
+    }
+  }
+  configure("tile_m", "auto");
+  assert_fp8_layer(m, "model.layers.0.mlp.down_proj", 40, QKEEP_DTYPE_BF16); /* below 64: W4A16 */
+  configure("fp8_activations", "false");
+  qkeep_model_free(m);
+  free(source), free(path);
+}
+END_TEST
+
 /* The routed apply of `matrix` to host x (x_floats) into host y (y_floats) through the current
  * configuration; ids and router weights on the device. */
 static void routed_apply(qkeep_layer *moe, int matrix, int64_t tokens, int32_t topk, void *d_ids, void *d_w,
@@ -845,6 +972,7 @@ static Suite *gpu_suite(void) {
   tcase_add_loop_test(tc, reload_equals_cold_start_in_place, 0, 2);
   tcase_add_test(tc, in_place_transforms_equal_the_copies);
   tcase_add_test(tc, half_precision_activations);
+  tcase_add_test(tc, fp8_activations_match_their_emulation);
   tcase_add_loop_test(tc, chained_applies_read_the_outputs_before_them, 0, 2);
   suite_add_tcase(s, tc);
   /* The batched memory slots on their own (CK_RUN_CASE=memory runs them alone). */

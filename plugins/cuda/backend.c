@@ -545,6 +545,10 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"pwal", QKEEP_KEY_ENUM, "in-place|gpu|host", "in-place",
      "where the layout transforms run: in-place (on the GPU in the param's own memory where the shape "
      "allows, else as gpu), gpu (into a new tensor, copied back), host (their CPU twins)"},
+    {"fp8_activations", QKEEP_KEY_BOOL, NULL, "false",
+     "NVFP4 GEMMs of 64 tokens or more (not routed MoE) on compute capability 9.0: activations quantized to "
+     "FP8 e4m3 per token (scale max |x| / 448) and the decoded weights rounded to e4m3, on the FP8 tensor "
+     "cores: approximate (docs/PERFORMANCE.md has its error); false: W4A16, exact"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",
      "online quantization (NVFP4, MXFP4) on the GPU, bit for bit the host quantizer's bytes (false: every "
      "unit is quantized on the host and its bytes copied over)"},
@@ -608,18 +612,21 @@ static int cuda_configure(const struct qkeep_backend *be, const char *key, const
       return c->host->set_error(QKEEP_E_CONFIG, "pwal = '%s': expected gpu, in-place or host", value);
     c->pwal_on_host = value[0] == 'h';
     c->pwal_in_place = value[0] == 'i';
-  } else if (strcmp(key, "quantize_on_device") == 0) {
+  } else if (strcmp(key, "quantize_on_device") == 0 || strcmp(key, "fp8_activations") == 0) {
     static const char *const yes[] = {"true", "yes", "on", "1"}, *const no[] = {"false", "no", "off", "0"};
     int found = -1;
     for (int i = 0; i < 4 && found < 0; i++)
       found = strcmp(value, yes[i]) == 0 ? 1 : strcmp(value, no[i]) == 0 ? 0 : -1;
     if (found < 0)
-      return c->host->set_error(QKEEP_E_CONFIG, "quantize_on_device = '%s': expected true or false", value);
-    c->quantize_on_device = found == 1;
+      return c->host->set_error(QKEEP_E_CONFIG, "%s = '%s': expected true or false", key, value);
+    if (key[0] == 'q')
+      c->quantize_on_device = found == 1;
+    else
+      c->tuning.fp8 = found == 1;
   } else {
     return c->host->set_error(QKEEP_E_CONFIG,
                               "unknown key '%s' (cuda-nvfp4 takes device, kernel, tile_m, split_k, depth, "
-                              "rows, unroll, multicast, route, pwal, quantize_on_device)",
+                              "rows, unroll, multicast, route, pwal, fp8_activations, quantize_on_device)",
                               key);
   }
   return 0;

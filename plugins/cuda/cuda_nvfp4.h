@@ -133,7 +133,13 @@ struct nvfp4_tuning {
               * dependent launch) */
   int multicast; /* the wgmma kernel: row blocks of a cluster (1, 2 or 4) that share each activation tile,
                   * read once from L2 and multicast into every block's ring (0: automatic) */
+  int fp8;       /* 1: FP8 activations (opt-in, approximate): from NVFP4_FP8_MIN_M tokens on the wgmma kernel,
+                  * x quantized to e4m3 per token (scale max |x| / 448) and the weights' decoded values
+                  * (code x block scale x 2^-7) rounded to e4m3, on the FP8 tensor cores; a plan keeps it only
+                  * where it applies (plain, not routed, wgmma) */
 };
+
+#define NVFP4_FP8_MIN_M 64 /* tokens from which FP8 activations apply (below: the W4A16 kernels) */
 
 #define NVFP4_STREAM_WARPS 8 /* warps of a streaming-kernel block */
 #define NVFP4_MAX_SPLIT 8    /* blocks of a K-split cluster (the portable cluster size) */

@@ -774,9 +774,10 @@ WGMMA_WIDTH(
 constexpr int kWgThreads = 384; /* producer warpgroup + two consumer warpgroups */
 
 struct WgArgs {
-  GemmArgs g;       /* weights, scales, alpha, bias, y, n, k, chunks, splits, expert */
-  const uint8_t *x; /* staged activations (layout.h), tiles of MT tokens */
-  int multicast;    /* row blocks of a cluster sharing each activation tile (1: none; splits 1 then) */
+  GemmArgs g;          /* weights, scales, alpha, bias, y, n, k, chunks, splits, expert */
+  const uint8_t *x;    /* staged activations (layout.h), tiles of MT tokens */
+  int multicast;       /* row blocks of a cluster sharing each activation tile (1: none; splits 1 then) */
+  const float *x_amax; /* FP8 activations: max |x| of each staged token row (its scale: / 448) */
 };
 
 /*
@@ -787,13 +788,13 @@ struct WgArgs {
  * time (on the H200 a ring of 512-byte copies ran at ~75 ns per copy). G: the most chunks
  * (1, 2 or 4) that keep a stage within 48 KB. The reduction tile reuses the ring.
  */
-template <int MT, int RWG> struct WgSmem {
-  static constexpr int ROWS = 128 * RWG; /* weight rows per block */
-  static constexpr int CHUNK_BYTES = RWG * (8 * NVFP4_TILE_BYTES + NVFP4_SF_ATOM) + MT * NVFP4_CHUNK_K * 2;
+template <int MT, int RWG, int XB = 2> struct WgSmem { /* XB: bytes per staged activation */
+  static constexpr int ROWS = 128 * RWG;               /* weight rows per block */
+  static constexpr int CHUNK_BYTES = RWG * (8 * NVFP4_TILE_BYTES + NVFP4_SF_ATOM) + MT * NVFP4_CHUNK_K * XB;
   static constexpr int G = 4 * CHUNK_BYTES <= 48 * 1024 ? 4 : 2 * CHUNK_BYTES <= 48 * 1024 ? 2 : 1;
   static constexpr int W_GROUP = G * 8 * NVFP4_TILE_BYTES; /* one group's weights in a stage */
   static constexpr int SF_GROUP = G * NVFP4_SF_ATOM;
-  static constexpr int X_CHUNK = MT * NVFP4_CHUNK_K * 2;
+  static constexpr int X_CHUNK = MT * NVFP4_CHUNK_K * XB;
   static constexpr int SF_OFF = RWG * W_GROUP, X_OFF = SF_OFF + RWG * SF_GROUP; /* weights at 0 */
   static constexpr int STAGE = X_OFF + G * X_CHUNK;
   static constexpr int NS = (200 * 1024 / STAGE) < 8 ? (200 * 1024 / STAGE) : 8;
@@ -875,12 +876,35 @@ template <int N> __device__ __forceinline__ void acc_fence(float (&d)[N]) {
     asm volatile("" : "+f"(d[i])::"memory");
 }
 
+/* Two f16x2 pairs (elements e 0/1 and e 2/3 of a row) as four e4m3 bytes, the first lowest
+ * (round to nearest even, saturating; the values are at most 6 x 448 x 2^-7 = 21). */
+__device__ __forceinline__ uint32_t e4m3_quad(uint32_t lo, uint32_t hi) {
+  __half2_raw l, h;
+  l.x = (unsigned short)(lo & 0xffffu), l.y = (unsigned short)(lo >> 16);
+  h.x = (unsigned short)(hi & 0xffffu), h.y = (unsigned short)(hi >> 16);
+  return (uint32_t)__nv_cvt_halfraw2_to_fp8x2(l, __NV_SATFINITE, __NV_E4M3) |
+         (uint32_t)__nv_cvt_halfraw2_to_fp8x2(h, __NV_SATFINITE, __NV_E4M3) << 16;
+}
+
+/* The e4m3 A fragment of one k32 step from tile words w0 and w1 (layout.h: a0 / a1 rows g / g + 8
+ * from w0, a2 / a3 from w1), with the f16 block scales of rows g (s_lo) and g + 8 (s_hi). */
+__device__ __forceinline__ void e4m3_fragment(uint32_t w0, uint32_t w1, uint32_t s_lo, uint32_t s_hi,
+                                              uint32_t (&a)[4]) {
+  uint32_t h[4];
+  dequant<false>(w0, s_lo, s_hi, h); /* pairs: row g e 0/1, row g + 8 e 0/1, row g e 2/3, row g + 8 e 2/3 */
+  a[0] = e4m3_quad(h[0], h[2]);
+  a[1] = e4m3_quad(h[1], h[3]);
+  dequant<false>(w1, s_lo, s_hi, h);
+  a[2] = e4m3_quad(h[0], h[2]);
+  a[3] = e4m3_quad(h[1], h[3]);
+}
+
 #endif
 
-template <int MT, int RWG, bool BF16>
+template <int MT, int RWG, bool BF16, bool FP8 = false>
 __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs wa) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = WgSmem<MT, RWG>;
+  using L = WgSmem<MT, RWG, FP8 ? 1 : 2>;
   const GemmArgs &a = wa.g;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[L::NS], empty[L::NS];
@@ -1007,7 +1031,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
 #pragma unroll
     for (int i = 0; i < MT / 2; ++i)
       acc[r][i] = 0.0f;
-  uint32_t frag[2][RWG][4][4];
+  constexpr int KS = FP8 ? 2 : 4; /* k-steps of a chunk: k16 on 16-bit operands, k32 on e4m3 */
+  uint32_t frag[2][RWG][KS][4];
 
   /* Chunk i of the split (stage i / G, its chunk i % G): decode into fragment buffer B,
    * issue 4 x RWG wgmmas, then wait for chunk i - 1's; at a stage's first chunk the
@@ -1024,20 +1049,28 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
                                                        (ci * 8 + tib) * NVFP4_TILE_BYTES + lane * 16);
       const unsigned char *sf = st + L::SF_OFF + r * L::SF_GROUP + ci * NVFP4_SF_ATOM + sf_lane;
       uint32_t s_lo, s_hi;
-      block_scales<BF16>(sf[0], sf[128], s_lo, s_hi);
-      dequant<BF16>(q.x, s_lo, s_hi, frag[B][r][0]);
-      dequant<BF16>(q.y, s_lo, s_hi, frag[B][r][1]);
-      dequant<BF16>(q.z, s_lo, s_hi, frag[B][r][2]);
-      dequant<BF16>(q.w, s_lo, s_hi, frag[B][r][3]);
+      if constexpr (FP8) {
+        /* The f16 decode (code x scale x 2^-7, exact), rounded to e4m3: words 2s and 2s + 1
+         * give k-step s (layout.h, nvfp4_x8_k). */
+        block_scales<false>(sf[0], sf[128], s_lo, s_hi);
+        e4m3_fragment(q.x, q.y, s_lo, s_hi, frag[B][r][0]);
+        e4m3_fragment(q.z, q.w, s_lo, s_hi, frag[B][r][1]);
+      } else {
+        block_scales<BF16>(sf[0], sf[128], s_lo, s_hi);
+        dequant<BF16>(q.x, s_lo, s_hi, frag[B][r][0]);
+        dequant<BF16>(q.y, s_lo, s_hi, frag[B][r][1]);
+        dequant<BF16>(q.z, s_lo, s_hi, frag[B][r][2]);
+        dequant<BF16>(q.w, s_lo, s_hi, frag[B][r][3]);
+      }
     }
     const unsigned char *xs = st + L::X_OFF + ci * L::X_CHUNK;
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < KS; ++j) {
       const uint64_t desc = x_desc<MT>(xs, j);
 #pragma unroll
       for (int r = 0; r < RWG; ++r)
-        Wgmma<MT, BF16 ? kWgBf16 : kWgF16>::run(acc[r], frag[B][r][j], desc);
+        Wgmma<MT, FP8 ? kWgE4m3 : BF16 ? kWgBf16 : kWgF16>::run(acc[r], frag[B][r][j], desc);
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -1080,7 +1113,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     cluster.sync();
   else
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
-  const float out_scale = a.alpha[expert] * (BF16 ? 0x1p63f : 128.0f);
+  /* 2^63 (bf16) or 2^7 (f16, e4m3) undoes the decode's bias; FP8: times the token's scale. */
+  const float out_scale = a.alpha[expert] * (BF16 && !FP8 ? 0x1p63f : 128.0f);
   constexpr int total = MT * L::ROWS;
   const int per = (total + a.splits - 1) / a.splits;
   const int e_end = min(total, (split + 1) * per);
@@ -1092,6 +1126,8 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     for (int q = 0; q < a.splits; ++q)
       v += (a.splits > 1 ? cluster.map_shared_rank(red, q) : red)[tok * L::RED_STRIDE + row];
     v *= out_scale;
+    if constexpr (FP8)
+      v *= wa.x_amax[token_tile * MT + tok] / 448.0f;
     if (a.bias)
       v += load_f(a.bias, a.bias_dtype, (long long)expert * a.n + n);
     const long long yi =
@@ -1187,6 +1223,72 @@ typedef std::atomic<int> DeviceSlots[kCachedDevices];
 
 /* slots' value for the current device, from look_up(ordinal) the first time: a value > 0, or 0
  * when the lookup failed (nothing is kept then; the next call asks again). */
+/*
+ * FP8 activations (layout.h, "FP8 activations"): token_amax_kernel writes max |x| of each of
+ * `rows` staged token rows (0 past m), one warp a row; stage_x8_kernel then writes every
+ * (row, 64-K chunk) as e4m3 bytes of x * (448 / amax) (0 where amax is 0), rounded to nearest
+ * even and saturating, in the staged FP8 order. The wgmma kernel multiplies each token's sums
+ * by amax / 448.
+ */
+template <typename TI> __device__ __forceinline__ float to_f32(TI v) {
+  if constexpr (std::is_same<TI, float>::value)
+    return v;
+  else if constexpr (std::is_same<TI, __half>::value)
+    return __half2float(v);
+  else
+    return __bfloat162float(v);
+}
+
+template <typename TI>
+__global__ void token_amax_kernel(const TI *x, int m, int k, long long rows, float *amax) {
+  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows)
+    return;
+  float a = 0.0f;
+  if (row < m)
+    for (int i = lane; i < k; i += 32)
+      a = fmaxf(a, fabsf(to_f32(x[row * k + i])));
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2)
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+  if (lane == 0)
+    amax[row] = a;
+}
+
+template <typename TI>
+__global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows,
+                                long long items, const float *amax, uint8_t *xs) {
+  /* The wgmma kernel after this one may start now: it waits for this grid before it reads xs. */
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long token = i % rows;
+    const int c = (int)(i / rows);
+    const float inv = token < m && amax[token] > 0.0f ? 448.0f / amax[token] : 0.0f;
+    float v[NVFP4_CHUNK_K];
+#pragma unroll
+    for (int e = 0; e < NVFP4_CHUNK_K; ++e) {
+      const int kk = c * NVFP4_CHUNK_K + e;
+      v[e] = token < m && kk < k ? to_f32(x[token * k + kk]) * inv : 0.0f;
+    }
+    uint8_t *base = xs + nvfp4_x8_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt);
+#pragma unroll
+    for (int sq = 0; sq < 4; ++sq) { /* run (s, q): logical columns 16q .. 16q + 15 of step s */
+      uint32_t w[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int k0 = nvfp4_x8_k(sq / 2, 16 * (sq % 2) + 4 * t); /* then k0 + 1 .. k0 + 3 */
+        w[t] =
+            (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0], v[k0 + 1]), __NV_SATFINITE, __NV_E4M3) |
+            (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0 + 2], v[k0 + 3]), __NV_SATFINITE, __NV_E4M3)
+                << 16;
+      }
+      *reinterpret_cast<uint4 *>(base + sq * 16 * mt) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
 template <typename LookUp> int per_device(DeviceSlots &slots, LookUp look_up) {
   int dev = -1;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kCachedDevices)
@@ -1332,15 +1434,27 @@ cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_
   }
 }
 
-template <int MT, int RWG, bool BF16>
+template <int MT, int RWG, bool BF16, bool FP8 = false>
 cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t st) {
   static DeviceSlots configured;
-  cudaError_t err = opt_in_smem(configured, nvfp4_wgmma_kernel<MT, RWG, BF16>, WgSmem<MT, RWG>::BYTES);
+  constexpr int bytes = WgSmem < MT, RWG, FP8 ? 1 : 2 > ::BYTES;
+  cudaError_t err = opt_in_smem(configured, nvfp4_wgmma_kernel<MT, RWG, BF16, FP8>, bytes);
   if (err != cudaSuccess)
     return err;
-  return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16>, wa, wa.g.splits,
-                        dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, WgSmem<MT, RWG>::BYTES, st,
-                        true, wa.multicast);
+  return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16, FP8>, wa, wa.g.splits,
+                        dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, bytes, st, true, wa.multicast);
+}
+
+/* FP8 activations: one 64-row MMA tile per consumer warpgroup, token tiles of 32 to 256. */
+cudaError_t wgmma_fp8_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
+                            cudaStream_t st) {
+  switch (plan.tile_m) {
+  case 32: return launch_wgmma<32, 1, true, true>(wa, grid_x, grid_y, st);
+  case 64: return launch_wgmma<64, 1, true, true>(wa, grid_x, grid_y, st);
+  case 128: return launch_wgmma<128, 1, true, true>(wa, grid_x, grid_y, st);
+  case 256: return launch_wgmma<256, 1, true, true>(wa, grid_x, grid_y, st);
+  default: return cudaErrorInvalidValue; /* the plan never gives another */
+  }
 }
 
 template <bool BF16>
@@ -1380,9 +1494,32 @@ cudaError_t give_scratch(void *p, bool owned, cudaStream_t st) {
   return p && owned ? cudaFreeAsync(p, st) : cudaSuccess;
 }
 
-/* The staged activations of the wgmma kernel: grid_x token tiles of the plan's tile_m rows. */
+/* The staged activations of the wgmma kernel: grid_x token tiles of the plan's tile_m rows (FP8: a
+ * byte each, then each row's max |x|). */
 size_t wgmma_x_bytes(const struct nvfp4_tuning &plan, long long grid_x, int64_t k) {
-  return (size_t)nvfp4_x_elems(grid_x * plan.tile_m, k, plan.tile_m) * 2;
+  const size_t elems = (size_t)nvfp4_x_elems(grid_x * plan.tile_m, k, plan.tile_m);
+  return plan.fp8 ? elems + sizeof(float) * (size_t)(grid_x * plan.tile_m) : elems * 2;
+}
+
+/* FP8 activations: each row's max |x| into amax, then x's e4m3 bytes into x8 (plain rows only). */
+template <typename TI>
+cudaError_t stage_fp8_as(const TI *x, const GemmArgs &a, int mt, long long rows, long long items, float *amax,
+                         uint8_t *x8, cudaStream_t st) {
+  token_amax_kernel<TI><<<grid_for(rows * 32, 256), 256, 0, st>>>(x, a.m, a.k, rows, amax);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    return err;
+  stage_x8_kernel<TI><<<grid_for(items, 256), 256, 0, st>>>(x, a.m, a.k, a.chunks, mt, rows, items, amax, x8);
+  return cudaGetLastError();
+}
+
+cudaError_t stage_fp8(const void *x, enum qkeep_dtype x_dtype, const GemmArgs &a, int mt, long long rows,
+                      long long items, float *amax, uint8_t *x8, cudaStream_t st) {
+  switch (x_dtype) {
+  case QKEEP_DTYPE_F16: return stage_fp8_as(static_cast<const __half *>(x), a, mt, rows, items, amax, x8, st);
+  case QKEEP_DTYPE_F32: return stage_fp8_as(static_cast<const float *>(x), a, mt, rows, items, amax, x8, st);
+  default: return stage_fp8_as(static_cast<const __nv_bfloat16 *>(x), a, mt, rows, items, amax, x8, st);
+  }
 }
 
 /* Stages x into scratch, runs the wgmma kernel, gives the scratch back. Plain:
@@ -1409,6 +1546,21 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   if (err != cudaSuccess)
     return err;
   const int blocks = grid_for(items, 256);
+  if (plan.fp8) {
+    if (a.tiles) { /* routed tiles are not staged in FP8: the plan never asks */
+      (void)give_scratch(xs, owned, st);
+      return cudaErrorInvalidValue;
+    }
+    uint8_t *x8 = static_cast<uint8_t *>(xs);
+    float *amax = reinterpret_cast<float *>(x8 + (size_t)nvfp4_x_elems(rows, a.k, mt));
+    err = stage_fp8(x, x_dtype, a, mt, rows, items, amax, x8, st);
+    if (err == cudaSuccess) {
+      WgArgs wa = {a, x8, 1, amax};
+      err = wgmma_fp8_shape(plan, wa, (int)grid_x, (int)grid_y, st);
+    }
+    cudaError_t free_err = give_scratch(xs, owned, st);
+    return err != cudaSuccess ? err : free_err;
+  }
   switch (x_dtype) {
   case QKEEP_DTYPE_F16:
     stage_x_kernel<__half, __half><<<blocks, 256, 0, st>>>(static_cast<const __half *>(x), m, a.k, a.chunks,
@@ -1427,7 +1579,7 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   }
   err = cudaGetLastError();
   if (err == cudaSuccess) {
-    WgArgs wa = {a, static_cast<const uint8_t *>(xs), mc};
+    WgArgs wa = {a, static_cast<const uint8_t *>(xs), mc, nullptr};
     err = x_dtype == QKEEP_DTYPE_F16 ? wgmma_shape<false>(plan, wa, (int)grid_x, (int)grid_y, st)
                                      : wgmma_shape<true>(plan, wa, (int)grid_x, (int)grid_y, st);
   }
@@ -1964,6 +2116,7 @@ extern "C" void nvfp4_gemm_plan(int64_t m, int64_t n, int64_t k, enum qkeep_dtyp
   out->kernel = NVFP4_KERNEL_RING;
   out->rows = out->unroll = 0;
   out->multicast = 1;
+  out->fp8 = 0;
   out->tile_m = pick_tile_m(m, tune ? tune->tile_m : 0);
   out->depth = tune ? tune->depth : 0;
   int64_t blocks = (m + out->tile_m - 1) / out->tile_m * ((n + kRowsPerBlock - 1) / kRowsPerBlock);

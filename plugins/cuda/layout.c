@@ -18,6 +18,7 @@ void nvfp4_stream_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nv
   const int64_t want = 3 * (int64_t)sms / 2;
   out->kernel = NVFP4_KERNEL_STREAM;
   out->multicast = 1;
+  out->fp8 = 0;
   out->tile_m = m <= 8 ? 8 : 16;
   out->depth = tune && tune->depth == 3 ? 3 : 0;
   if (rows == 1 || rows == 2 || rows == 4)
@@ -42,7 +43,9 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   const int64_t chunks = nvfp4_w_chunks(k);
   out->kernel = NVFP4_KERNEL_WGMMA;
   out->depth = out->unroll = 0;
-  out->rows = rows == 1 || rows == 2 ? rows : 1;
+  /* FP8 activations: one 64-row MMA tile per consumer warpgroup, token tiles of 32 to 256. */
+  out->fp8 = tune && tune->fp8 && m >= NVFP4_FP8_MIN_M;
+  out->rows = rows == 2 && !out->fp8 ? 2 : 1;
   const int64_t row_blocks = (n + 128 * out->rows - 1) / (128 * out->rows);
   if (tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256) {
     out->tile_m = tile_m;
@@ -56,6 +59,8 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   }
   if (out->rows == 2 && out->tile_m > 128)
     out->tile_m = 128; /* 2 x 64 x 256 accumulators do not fit a thread's registers */
+  if (out->fp8 && out->tile_m < 32)
+    out->tile_m = 32;
   const int64_t blocks = (m + out->tile_m - 1) / out->tile_m * row_blocks;
   if (split > 0)
     out->split_k = nvfp4_clamp(split, 1, nvfp4_clamp(chunks, 1, NVFP4_MAX_SPLIT));
@@ -110,10 +115,12 @@ void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sm
   } else if (kernel == NVFP4_KERNEL_WGMMA) {
     if (!t.multicast)
       t.multicast = 1; /* routed: not measured yet */
+    t.fp8 = 0;         /* routed tiles are staged in 16 bits only */
     nvfp4_wgmma_plan(tiles * tm, n, k, sms, &t, out);
   } else {
     out->kernel = NVFP4_KERNEL_RING;
     out->multicast = 1;
+    out->fp8 = 0;
     out->tile_m = tm;
     out->split_k = 0;
     out->depth = tune ? tune->depth : 0;

@@ -274,4 +274,47 @@ NVFP4_INLINE void nvfp4_x_source(int64_t offset, int64_t chunks, int mt, int64_t
   *k = (block % chunks) * 64 + 16 * (q / 2) + 4 * (jh / 2) + 2 * (jh % 2) + q % 2;
 }
 
+/* ---- FP8 activations for the wgmma kernel (opt-in) ------------------------------------- */
+
+/*
+ * With FP8 activations the wgmma kernel runs m64nNk32 on e4m3 operands: per warp, thread
+ * 4g + t holds A registers a0 (row g, logical K 4t .. 4t + 3 of the step), a1 (row g + 8, the
+ * same), a2 (row g, 16 + 4t ..) and a3 (row g + 8, 16 + 4t ..), four e4m3 bytes each, the
+ * lowest first. The kernel builds them from the tile words as they are: k-step s (0..1) of a
+ * 64-K chunk takes words 2s (a0, a1) and 2s + 1 (a2, a3), whose elements e = 0..3 are k = 16t
+ * + 4j + e (word j). So logical column 16q + 4t + e of step s holds
+ *
+ *   k = 16t + 8s + 4q + e                                      (nvfp4_x8_k)
+ *
+ * and the activations are staged in that order, one byte each: per tile of mt tokens and
+ * 64-K chunk one block of mt x 64 bytes, [s 2][q 2][token / 8][token % 8][4t + e], which is
+ * the 16-bit layout's geometry in bytes: step s starts at byte 32 * s * mt, its two core
+ * matrices along K (8 tokens x 16 bytes) are 16 * mt bytes apart and 8-token groups 128.
+ * Each staged token row has a scale (its max |x| / 448).
+ */
+
+/* The k (in the chunk) of logical column `col` (0..31) of k-step s. */
+NVFP4_INLINE int nvfp4_x8_k(int s, int col) {
+  int q = col / 16, t = (col % 16) / 4, e = col % 4;
+  return 16 * t + 8 * s + 4 * q + e;
+}
+
+/* Byte index of x[token][k] in the staged FP8 activations (tiles of mt tokens). */
+NVFP4_INLINE int64_t nvfp4_x8_offset(int64_t token, int64_t k, int64_t chunks, int mt) {
+  int64_t tile = token / mt, n = token % mt, chunk = k / 64;
+  int kk = (int)(k % 64), t = kk / 16, s = (kk % 16) / 8, q = (kk % 8) / 4, e = kk % 4;
+  return (tile * chunks + chunk) * 64 * mt + ((2 * s + q) * (mt / 8) + n / 8) * 128 + (n % 8) * 16 + 4 * t +
+         e;
+}
+
+/* The inverse: the (token, k) that byte `offset` holds (padding included). */
+NVFP4_INLINE void nvfp4_x8_source(int64_t offset, int64_t chunks, int mt, int64_t *token, int64_t *k) {
+  int64_t block = offset / (64 * mt), inner = offset % (64 * mt);
+  int sq = (int)(inner / (16 * mt)), n8 = (int)((inner / 128) % (mt / 8)),
+      n = n8 * 8 + (int)((inner / 16) % 8);
+  int col = 16 * (sq % 2) + (int)(inner % 16);
+  *token = (block / chunks) * mt + n;
+  *k = (block % chunks) * 64 + nvfp4_x8_k(sq / 2, col);
+}
+
 #endif
