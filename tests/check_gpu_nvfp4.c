@@ -507,7 +507,7 @@ static double e4m3_round(double v) {
  * PWAL left on the device (codes, block scales, alpha, bias): per token, amax = max |x| (as the
  * device reads x), x rounded to e4m3 after x * (448 / amax); each weight code x block scale x 2^-7
  * rounded to e4m3; their products summed, times 2^7 x alpha x amax / 448, plus the bias. Only the
- * order of the f32 sums differs: within 1e-3 of the sum of |products|. And against W4A16 (the
+ * order and precision of the f32 sums differ: within 2e-3 of the sum of |products|. And against W4A16 (the
  * option off): near it (the error of e4m3 itself), and below 64 tokens the same bits.
  */
 static void assert_fp8_layer(qkeep_model *m, const char *name, int64_t tokens, enum qkeep_dtype x_dtype) {
@@ -575,7 +575,7 @@ static void assert_fp8_layer(qkeep_model *m, const char *name, int64_t tokens, e
       }
       const double scale = 128.0 * alpha * (amax / 448.0f);
       const double want = sum * scale + (bias ? bias[r] : 0), have = got[t * n + r];
-      ck_assert_msg(fabs(have - want) <= 1e-3 * mag * scale + 1e-6 * fabs(want),
+      ck_assert_msg(fabs(have - want) <= 2e-3 * mag * scale + 1e-6 * fabs(want),
                     "%s, %lld tokens, x %d: token %lld row %lld: %g, emulated %g", name, (long long)tokens,
                     (int)x_dtype, (long long)t, (long long)r, have, want);
       diff += (have - exact[t * n + r]) * (have - exact[t * n + r]);

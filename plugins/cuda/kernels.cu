@@ -1555,7 +1555,7 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
     float *amax = reinterpret_cast<float *>(x8 + (size_t)nvfp4_x_elems(rows, a.k, mt));
     err = stage_fp8(x, x_dtype, a, mt, rows, items, amax, x8, st);
     if (err == cudaSuccess) {
-      WgArgs wa = {a, x8, 1, amax};
+      WgArgs wa = {a, x8, mc, amax};
       err = wgmma_fp8_shape(plan, wa, (int)grid_x, (int)grid_y, st);
     }
     cudaError_t free_err = give_scratch(xs, owned, st);
