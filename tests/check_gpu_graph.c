@@ -8,7 +8,8 @@
  *     holds kernel and memset nodes only: nothing allocated, freed, copied or waited for;
  *   - the graph replayed after qkeep_model_reload(W1) gives outputs bit for bit equal to a
  *     graph captured on a cold W1 model, and different from W0's;
- *   - the same after a reload back to W0 and a weight sync (one rank, host buckets) to W1.
+ *   - the same after a reload back to W0 and a weight sync (one rank, host buckets) to W1;
+ *   - all of it again with cuda-nvfp4's FP8 activations on (ModelOpt NVFP4).
  */
 #include <check.h>
 #include <cuda_runtime_api.h>
@@ -280,10 +281,18 @@ static char *quantize(const char *source, const char *scheme, const char *out) {
   return path;
 }
 
-static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4"};
+/* The last: ModelOpt NVFP4 again with cuda-nvfp4's FP8 activations (its m 64 calls stage x per token
+ * in e4m3 inside the graph). */
+static const char *const schemes[] = {"modelopt-nvfp4", "ct-nvfp4", "mxfp4", "modelopt-nvfp4"};
+
+static void configure_fp8(bool on) {
+  const struct qkeep_backend *be = qkeep_plugin_backend(gpu);
+  ck_assert_msg(be->configure(be, "fp8_activations", on ? "true" : "false") == 0, "%s", qkeep_errmsg());
+}
 
 START_TEST(a_captured_graph_computes_with_the_reloaded_weights) {
   const char *scheme = schemes[_i];
+  configure_fp8(_i == 3);
   static const struct gtu_model shape = {H, KV, I, E_I, EXPERTS, VOCAB};
   char *s0 = gtu_write_source(dir, "w0.safetensors", 1, &shape),
        *s1 = gtu_write_source(dir, "w1.safetensors", 2, &shape);
@@ -321,6 +330,7 @@ START_TEST(a_captured_graph_computes_with_the_reloaded_weights) {
   qkeep_model_free(m);
   qkeep_model_free(cold);
   free(s0), free(s1), free(w0), free(w1);
+  configure_fp8(false);
 }
 END_TEST
 
@@ -329,7 +339,7 @@ static Suite *graph_suite(void) {
   TCase *tc = tcase_create("engine loop");
   tcase_set_timeout(tc, 600);
   tcase_add_checked_fixture(tc, setup, teardown);
-  tcase_add_loop_test(tc, a_captured_graph_computes_with_the_reloaded_weights, 0, 3);
+  tcase_add_loop_test(tc, a_captured_graph_computes_with_the_reloaded_weights, 0, 4);
   suite_add_tcase(s, tc);
   return s;
 }
