@@ -203,7 +203,7 @@ static const uint8_t *in_slices(uint8_t *const *part, int64_t slice, unsigned at
 /*
  * What the GPU's in-place transform does, block by block: per expert and 128-row group, each of the
  * cluster's parts takes its slice of the group, then writes its share of the group's units from the
- * slices (layout.h's nvfp4_w_group_reads / nvfp4_sf_group_read, as the kernel). k is the scales'
+ * slices (layout.h's nvfp4_w_lane_reads / nvfp4_sf_group_read, as the kernel). k is the scales'
  * columns for scales. -1 when the group is too large for a cluster.
  */
 static int emulate_in_place(bool scales, uint8_t *data, int64_t experts, int64_t rows, int64_t k) {
@@ -229,25 +229,48 @@ static int emulate_in_place(bool scales, uint8_t *data, int64_t experts, int64_t
       }
       for (int64_t p = 0; p < parts; p++)
         for (unsigned u = (unsigned)(units * p / parts); u < units * (p + 1) / parts; u++)
-          for (unsigned word = 0; word < 128; word++) {
-            uint32_t v;
-            if (scales) {
-              memcpy(&v, in_slices(part, slice, nvfp4_sf_group_read(u, word, row_bytes)), 4);
-            } else {
+          if (scales) { /* a word per thread */
+            for (unsigned word = 0; word < 128; word++)
+              memcpy(base + (size_t)u * NVFP4_TILE_BYTES + word * 4,
+                     in_slices(part, slice, nvfp4_sf_group_read(u, word, row_bytes)), 4);
+          } else { /* a lane per thread: two 8-byte reads (within one slice), four words */
+            for (unsigned lane = 0; lane < 32; lane++) {
               unsigned lo_at, hi_at;
-              uint16_t lo, hi;
-              nvfp4_w_group_reads(u, word, group_tiles, row_bytes, &lo_at, &hi_at);
-              memcpy(&lo, in_slices(part, slice, lo_at), 2);
-              memcpy(&hi, in_slices(part, slice, hi_at), 2);
-              v = nvfp4_w_word(lo, hi);
+              nvfp4_w_lane_reads(u, lane, group_tiles, row_bytes, &lo_at, &hi_at);
+              ck_assert(lo_at % 8 == 0 && lo_at / slice == (lo_at + 7) / slice &&
+                        hi_at / slice == (hi_at + 7) / slice);
+              uint16_t lo[4], hi[4];
+              memcpy(lo, in_slices(part, slice, lo_at), 8);
+              memcpy(hi, in_slices(part, slice, hi_at), 8);
+              for (unsigned j = 0; j < 4; j++) {
+                uint32_t v = nvfp4_w_word(lo[j], hi[j]);
+                memcpy(base + (size_t)u * NVFP4_TILE_BYTES + (lane * 4 + j) * 4, &v, 4);
+              }
             }
-            memcpy(base + (size_t)u * NVFP4_TILE_BYTES + word * 4, &v, 4);
           }
     }
   for (int64_t p = 0; p < parts; p++)
     free(part[p]);
   return 0;
 }
+
+/* nvfp4_w_word's shifts and masks put every bit where nvfp4_w_put puts it for the slot: every value of
+ * each 16-bit half (the other half random; the halves' bits are disjoint). */
+START_TEST(test_w_word_matches_the_slots) {
+  uint64_t rng = 5;
+  for (unsigned v = 0; v < 65536; v++)
+    for (int side = 0; side < 2; side++) {
+      unsigned lo = side ? (unsigned)(tu_rand(&rng) & 0xffff) : v,
+               hi = side ? v : (unsigned)(tu_rand(&rng) & 0xffff);
+      uint32_t want = 0;
+      for (int e = 0; e < 4; e++) {
+        want = nvfp4_w_put(want, nvfp4_w_slot(e, 0), (lo >> (4 * e)) & 15u);
+        want = nvfp4_w_put(want, nvfp4_w_slot(e, 1), (hi >> (4 * e)) & 15u);
+      }
+      ck_assert_uint_eq(nvfp4_w_word(lo, hi), want);
+    }
+}
+END_TEST
 
 /* `experts` matrices [rows, k] (k: the scales' columns for scales) of random bytes, transformed in place
  * by the emulation, equal layout.c's transforms of them into a new buffer (as large: no padding). */
@@ -810,6 +833,7 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_w_bijection);
   tcase_add_test(tc, test_w_layout_by_hand);
   tcase_add_test(tc, test_w_round_trip);
+  tcase_add_test(tc, test_w_word_matches_the_slots);
   tcase_add_test(tc, test_in_place_equals_the_transforms);
   tcase_add_test(tc, test_pair_decode_every_code);
   tcase_add_test(tc, test_fragments_reproduce_gemm);

@@ -1836,22 +1836,27 @@ __global__ void __launch_bounds__(kTransformThreads)
       group_bytes[i - from / 16] = reinterpret_cast<const uint4 *>(base)[i];
 #endif
     cluster.sync(); /* the whole group is in the cluster's shared memory before any of it is overwritten */
-    for (unsigned u = first + threadIdx.x / 128; u < last; u += kTransformThreads / 128) {
-      uint32_t v;
-      if (kScales) {
+    if constexpr (kScales) { /* a thread per 32-bit word: four scales of one row */
+      for (unsigned u = first + threadIdx.x / 128; u < last; u += kTransformThreads / 128) {
         const unsigned at = nvfp4_sf_group_read(u, word, row_bytes), owner = at / slice;
         const uint8_t *p = owner == part ? mine : cluster.map_shared_rank(mine, owner);
-        v = *reinterpret_cast<const uint32_t *>(p + (at - owner * slice));
-      } else {
-        unsigned lo_at, hi_at;
-        nvfp4_w_group_reads(u, word, group_tiles, row_bytes, &lo_at, &hi_at);
-        const unsigned lo_owner = lo_at / slice, hi_owner = hi_at / slice;
-        const uint8_t *lo = lo_owner == part ? mine : cluster.map_shared_rank(mine, lo_owner);
-        const uint8_t *hi = hi_owner == part ? mine : cluster.map_shared_rank(mine, hi_owner);
-        v = nvfp4_w_word(*reinterpret_cast<const uint16_t *>(lo + (lo_at - lo_owner * slice)),
-                         *reinterpret_cast<const uint16_t *>(hi + (hi_at - hi_owner * slice)));
+        reinterpret_cast<uint32_t *>(base)[(size_t)u * 128 + word] =
+            *reinterpret_cast<const uint32_t *>(p + (at - owner * slice));
       }
-      reinterpret_cast<uint32_t *>(base)[(size_t)u * 128 + word] = v;
+    } else { /* a thread per lane of a unit: its four words from two 8-byte reads, one 16-byte store */
+      const unsigned lane = threadIdx.x % 32;
+      for (unsigned u = first + threadIdx.x / 32; u < last; u += kTransformThreads / 32) {
+        unsigned lo_at, hi_at; /* multiples of 8, and a slice of 16: neither read crosses a slice */
+        nvfp4_w_lane_reads(u, lane, group_tiles, row_bytes, &lo_at, &hi_at);
+        const unsigned lo_owner = lo_at / slice, hi_owner = hi_at / slice;
+        const uint8_t *lo_p = lo_owner == part ? mine : cluster.map_shared_rank(mine, lo_owner);
+        const uint8_t *hi_p = hi_owner == part ? mine : cluster.map_shared_rank(mine, hi_owner);
+        const uint2 lo = *reinterpret_cast<const uint2 *>(lo_p + (lo_at - lo_owner * slice));
+        const uint2 hi = *reinterpret_cast<const uint2 *>(hi_p + (hi_at - hi_owner * slice));
+        reinterpret_cast<uint4 *>(base)[(size_t)u * 32 + lane] =
+            make_uint4(nvfp4_w_word(lo.x & 0xffffu, hi.x & 0xffffu), nvfp4_w_word(lo.x >> 16, hi.x >> 16),
+                       nvfp4_w_word(lo.y & 0xffffu, hi.y & 0xffffu), nvfp4_w_word(lo.y >> 16, hi.y >> 16));
+      }
     }
     cluster.sync(); /* no block leaves, or reads its next group, while another still reads its bytes */
   }

@@ -162,15 +162,22 @@ NVFP4_INLINE unsigned nvfp4_w_get(uint32_t word, int slot) {
   return code;
 }
 
-/* Tile word (lane 4g + t, word j) of a chunk from the two 16-bit reads it needs: codes k = 16t + 4j + e
- * (e = 0..3) of rows g (lo) and g + 8 (hi), element 2i in the low nibble of byte i. */
+/*
+ * Tile word (lane 4g + t, word j) of a chunk from the two 16-bit reads it needs: codes k = 16t + 4j + e
+ * (e = 0..3) of rows g (lo) and g + 8 (hi), element 2i in the low nibble of byte i. Each code's four
+ * bits go where nvfp4_w_bits puts them for its slot (nvfp4_w_slot(e, 0 / 1): slots 0, 1, 4, 5 for
+ * row g, 2, 3, 6, 7 for row g + 8), written out as shifts and masks: the transforms run this once
+ * per word, and a loop over the 32 bits cost the GPU about a hundred instructions a word.
+ */
 NVFP4_INLINE uint32_t nvfp4_w_word(unsigned lo, unsigned hi) {
-  uint32_t w = 0;
-  for (int e = 0; e < 4; e++) {
-    w = nvfp4_w_put(w, nvfp4_w_slot(e, 0), (lo >> (4 * e)) & 15u);
-    w = nvfp4_w_put(w, nvfp4_w_slot(e, 1), (hi >> (4 * e)) & 15u);
-  }
-  return w;
+  return ((lo & 0x7u) << 6) | ((lo & 0x8u) << 12) |       /* row g, e 0: slot 0, bits 6..8, 15 */
+         ((lo & 0x70u) << 18) | ((lo & 0x80u) << 24) |    /* e 1: slot 1, 22..24, 31 */
+         ((lo >> 8) & 0x7u) | ((lo >> 2) & 0x200u) |      /* e 2: slot 4, 0..2, 9 */
+         ((lo & 0x7000u) << 4) | ((lo & 0x8000u) << 10) | /* e 3: slot 5, 16..18, 25 */
+         ((hi & 0x7u) << 3) | ((hi & 0x8u) << 9) |        /* row g + 8, e 0: slot 2, 3..5, 12 */
+         ((hi & 0x70u) << 15) | ((hi & 0x80u) << 21) |    /* e 1: slot 3, 19..21, 28 */
+         ((hi & 0x300u) << 2) | ((hi & 0xc00u) << 3) |    /* e 2: slot 6, 10, 11, 13, 14 */
+         ((hi & 0x3000u) << 14) | ((hi & 0xc000u) << 15); /* e 3: slot 7, 26, 27, 29, 30 */
 }
 
 /* ---- the transforms in place ----------------------------------------------------------- */
@@ -195,12 +202,14 @@ NVFP4_INLINE int nvfp4_in_place_split(int64_t bytes, int64_t *parts, int64_t *sl
   return *slice > NVFP4_IN_PLACE_MAX_SLICE ? -1 : 0;
 }
 
-/* Where word `word` of unit u of a weight group (group_tiles tiles, rows of row_bytes) reads its two
- * 16-bit halves: byte offsets in the group (unit u is tile u % group_tiles of chunk u / group_tiles). */
-NVFP4_INLINE void nvfp4_w_group_reads(unsigned u, unsigned word, unsigned group_tiles, unsigned row_bytes,
-                                      unsigned *lo, unsigned *hi) {
-  const unsigned g = word / 16, t = (word / 4) % 4, j = word % 4;
-  const unsigned r = (u % group_tiles) * 16 + g, byte = (u / group_tiles) * 32 + 8 * t + 2 * j;
+/* Where lane `lane` (4g + t) of unit u of a weight group (group_tiles tiles, rows of row_bytes) reads
+ * the codes of its four words: 8 bytes of row g (lo) and 8 of row g + 8 (hi), codes k = 16t .. 16t + 15
+ * of the unit's chunk, word j's in bytes 2j and 2j + 1 of each; byte offsets in the group, multiples
+ * of 8 (unit u is tile u % group_tiles of chunk u / group_tiles). */
+NVFP4_INLINE void nvfp4_w_lane_reads(unsigned u, unsigned lane, unsigned group_tiles, unsigned row_bytes,
+                                     unsigned *lo, unsigned *hi) {
+  const unsigned g = lane / 4, t = lane % 4;
+  const unsigned r = (u % group_tiles) * 16 + g, byte = (u / group_tiles) * 32 + 8 * t;
   *lo = r * row_bytes + byte;
   *hi = *lo + 8 * row_bytes;
 }
