@@ -40,7 +40,8 @@ void nvfp4_untile_weights(const uint8_t *src, int64_t rows, int64_t k, uint8_t *
 
 /* The GPU twins of nvfp4_tile_weights / nvfp4_swizzle_scales for `experts` stacked
  * matrices ([experts, rows, k/2] -> experts x nvfp4_w_bytes; [experts, rows, cols] ->
- * experts x nvfp4_sf_bytes). src and dst are device memory and must not overlap. */
+ * experts x nvfp4_sf_bytes). src and dst are device memory and must not overlap; the weights'
+ * src is 8-byte aligned (else cudaErrorMisalignedAddress), dst 16-byte aligned. */
 int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t k,
                            void *stream);
 int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t experts, int64_t rows, int64_t cols,

@@ -1736,26 +1736,30 @@ constexpr int kTransformThreads = 256; /* two units a block */
 
 __global__ void __launch_bounds__(kTransformThreads)
     tile_weights_kernel(const uint8_t *src, uint8_t *dst, long long experts, long long rows, long long k) {
+  /* A thread per lane of a unit (layout.h: lane 4g + t, codes k = 16t .. 16t + 15 of rows g and g + 8 of
+   * the tile): two 8-byte reads, four words, one 16-byte store. */
   const unsigned chunks = (unsigned)nvfp4_w_chunks(k), tiles = (unsigned)(nvfp4_w_rows(rows) / 16);
-  const unsigned units = tiles * chunks, row_bytes = (unsigned)(k / 2), word = threadIdx.x % 128;
-  const unsigned g = word / 16, t = (word / 4) % 4, j = word % 4;
+  const unsigned units = tiles * chunks, row_bytes = (unsigned)(k / 2), lane = threadIdx.x % 32;
+  const unsigned g = lane / 4, t = lane % 4;
   for (long long e = blockIdx.y; e < experts; e += gridDim.y) {
     const uint8_t *s = src + e * rows * (long long)row_bytes;
-    uint32_t *d = reinterpret_cast<uint32_t *>(dst) + e * (long long)units * 128;
-    for (unsigned u = blockIdx.x * (kTransformThreads / 128) + threadIdx.x / 128; u < units;
-         u += gridDim.x * (kTransformThreads / 128)) {
+    uint4 *d = reinterpret_cast<uint4 *>(dst) + e * (long long)units * 32;
+    for (unsigned u = blockIdx.x * (kTransformThreads / 32) + threadIdx.x / 32; u < units;
+         u += gridDim.x * (kTransformThreads / 32)) {
       const unsigned group = u / (8 * chunks), in_group = u - group * 8 * chunks;
       const unsigned group_tiles = min(8u, tiles - group * 8);
       const unsigned tile = group * 8 + in_group % group_tiles, chunk = in_group / group_tiles;
-      const unsigned r = tile * 16 + g, byte = chunk * 32 + 8 * t + 2 * j; /* k/2 is a multiple of 8 */
-      unsigned lo = 0, hi = 0;
+      const unsigned r = tile * 16 + g, byte = chunk * 32 + 8 * t; /* k/2 is a multiple of 8: all in or out */
+      uint2 lo = make_uint2(0, 0), hi = lo;
       if (byte < row_bytes) {
         if (r < rows)
-          lo = *reinterpret_cast<const uint16_t *>(s + (size_t)r * row_bytes + byte);
+          lo = *reinterpret_cast<const uint2 *>(s + (size_t)r * row_bytes + byte);
         if (r + 8 < rows)
-          hi = *reinterpret_cast<const uint16_t *>(s + (size_t)(r + 8) * row_bytes + byte);
+          hi = *reinterpret_cast<const uint2 *>(s + (size_t)(r + 8) * row_bytes + byte);
       }
-      d[(size_t)u * 128 + word] = nvfp4_w_word(lo, hi);
+      d[(size_t)u * 32 + lane] =
+          make_uint4(nvfp4_w_word(lo.x & 0xffffu, hi.x & 0xffffu), nvfp4_w_word(lo.x >> 16, hi.x >> 16),
+                     nvfp4_w_word(lo.y & 0xffffu, hi.y & 0xffffu), nvfp4_w_word(lo.y >> 16, hi.y >> 16));
     }
   }
 }
@@ -1898,9 +1902,10 @@ __global__ void dense_kernel(const TW *w, const void *bias, int bias_dtype, int 
   }
 }
 
-/* The grid of a transform: units along x (grid-stride past 65535 * 8 blocks' worth), experts along y. */
-static dim3 transform_grid(long long units, long long experts) {
-  const long long per_block = kTransformThreads / 128, x = (units + per_block - 1) / per_block;
+/* The grid of a transform whose blocks take `per_block` units at a time: units along x (grid-stride past
+ * 65535 * 8 blocks' worth), experts along y. */
+static dim3 transform_grid(long long units, long long experts, long long per_block) {
+  const long long x = (units + per_block - 1) / per_block;
   return dim3((unsigned)(x < 1           ? 1
                          : x > 65535 * 8 ? 65535 * 8
                                          : x),
@@ -1923,8 +1928,12 @@ extern "C" int nvfp4_tile_weights_gpu(const void *src, void *dst, int64_t expert
   const long long units = nvfp4_w_bytes(rows, k) / NVFP4_TILE_BYTES;
   if (units > INT32_MAX || rows > INT32_MAX || k > INT32_MAX)
     return cudaErrorInvalidValue;
-  tile_weights_kernel<<<transform_grid(units, experts), kTransformThreads, 0, (cudaStream_t)stream>>>(
-      static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, k);
+  /* 8-byte reads: a param's storage starts an allocation and each of its rows is a multiple of 8 bytes */
+  if ((uintptr_t)src % 8)
+    return cudaErrorMisalignedAddress;
+  tile_weights_kernel<<<transform_grid(units, experts, kTransformThreads / 32), kTransformThreads, 0,
+                        (cudaStream_t)stream>>>(static_cast<const uint8_t *>(src),
+                                                static_cast<uint8_t *>(dst), experts, rows, k);
   return cudaGetLastError();
 }
 
@@ -1935,8 +1944,9 @@ extern "C" int nvfp4_swizzle_scales_gpu(const void *src, void *dst, int64_t expe
   const long long units = nvfp4_sf_bytes(rows, cols) / NVFP4_SF_ATOM;
   if (units > INT32_MAX || rows > INT32_MAX || cols > INT32_MAX)
     return cudaErrorInvalidValue;
-  swizzle_scales_kernel<<<transform_grid(units, experts), kTransformThreads, 0, (cudaStream_t)stream>>>(
-      static_cast<const uint8_t *>(src), static_cast<uint8_t *>(dst), experts, rows, cols);
+  swizzle_scales_kernel<<<transform_grid(units, experts, kTransformThreads / 128), kTransformThreads, 0,
+                          (cudaStream_t)stream>>>(static_cast<const uint8_t *>(src),
+                                                  static_cast<uint8_t *>(dst), experts, rows, cols);
   return cudaGetLastError();
 }
 
