@@ -124,31 +124,39 @@ double copy_bandwidth(cudaStream_t stream) {
   return bw;
 }
 
+/* n bf16 values of two device arrays, as doubles on the host. */
+void to_host(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n, std::vector<double> &ha,
+             std::vector<double> &hb) {
+  std::vector<__nv_bfloat16> ta(n), tb(n);
+  CHECK_CUDA(cudaMemcpy(ta.data(), a, n * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(tb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+  ha.resize(n), hb.resize(n);
+  for (size_t i = 0; i < n; i++)
+    ha[i] = __bfloat162float(ta[i]), hb[i] = __bfloat162float(tb[i]);
+}
+
 /* max |a - b| / max |b| over n bf16 values on the device (NaN counts as the worst). */
 double compare(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
-  std::vector<__nv_bfloat16> ha(n), hb(n);
-  CHECK_CUDA(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> ha, hb;
+  to_host(a, b, n, ha, hb);
   double err = 0, ref = 0;
   for (size_t i = 0; i < n; i++) {
-    double d = std::fabs((double)__bfloat162float(ha[i]) - __bfloat162float(hb[i]));
+    double d = std::fabs(ha[i] - hb[i]);
     if (!(d <= err))
       err = d;
-    ref = std::max(ref, std::fabs((double)__bfloat162float(hb[i])));
+    ref = std::max(ref, std::fabs(hb[i]));
   }
   return ref > 0 ? err / ref : err;
 }
 
 /* The root mean square of a - b over that of b (two bf16 device arrays of n values). */
 double compare_rms(const __nv_bfloat16 *a, const __nv_bfloat16 *b, size_t n) {
-  std::vector<__nv_bfloat16> ha(n), hb(n);
-  CHECK_CUDA(cudaMemcpy(ha.data(), a, n * 2, cudaMemcpyDeviceToHost));
-  CHECK_CUDA(cudaMemcpy(hb.data(), b, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> ha, hb;
+  to_host(a, b, n, ha, hb);
   double err = 0, ref = 0;
   for (size_t i = 0; i < n; i++) {
-    const double x = __bfloat162float(ha[i]), y = __bfloat162float(hb[i]);
-    err += (x - y) * (x - y);
-    ref += y * y;
+    err += (ha[i] - hb[i]) * (ha[i] - hb[i]);
+    ref += hb[i] * hb[i];
   }
   return ref > 0 ? std::sqrt(err / ref) : std::sqrt(err);
 }

@@ -472,7 +472,8 @@ END_TEST
 
 /* ---- activations staged for the wgmma kernel --------------------------------------------- */
 
-START_TEST(test_x_bijection) {
+/* The staging (16-bit, or FP8's bytes) is a bijection onto [0, round_up(m, mt)) x [0, K rounded to 64). */
+static void assert_staging_bijection(bool fp8) {
   static const int64_t xs[][3] = {{1, 16, 32}, {31, 208, 32}, {64, 64, 64}, {100, 1024, 128}, {257, 80, 256}};
   for (size_t s = 0; s < sizeof xs / sizeof xs[0]; s++) {
     int64_t m = xs[s][0], k = xs[s][1], chunks = nvfp4_w_chunks(k);
@@ -482,14 +483,18 @@ START_TEST(test_x_bijection) {
     uint8_t *seen = calloc((size_t)elems, 1);
     for (int64_t off = 0; off < elems; off++) {
       int64_t token, kk;
-      nvfp4_x_source(off, chunks, mt, &token, &kk);
+      (fp8 ? nvfp4_x8_source : nvfp4_x_source)(off, chunks, mt, &token, &kk);
       ck_assert(token >= 0 && token < nvfp4_round_up(m, mt) && kk >= 0 && kk < chunks * 64);
-      ck_assert_int_eq(nvfp4_x_offset(token, kk, chunks, mt), off);
+      ck_assert_int_eq((fp8 ? nvfp4_x8_offset : nvfp4_x_offset)(token, kk, chunks, mt), off);
       ck_assert(!seen[off]);
       seen[off] = 1;
     }
     free(seen);
   }
+}
+
+START_TEST(test_x_bijection) {
+  assert_staging_bijection(false);
   /* By hand: token 9 of a 32-token tile, k = 64 + 16 * 3 + 4 * 2 + 2 * 1 + 1 = 123: chunk 1,
    * run (j 2, h 1) = 5, token group 1, row 1, element 2 * 3 + 1. */
   ck_assert_int_eq(nvfp4_x_offset(9, 123, 4, 32), 1 * 64 * 32 + (5 * 4 + 1) * 64 + 1 * 8 + 7);
@@ -553,47 +558,40 @@ static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const f
   free(staged);
 }
 
-START_TEST(test_wgmma_operands_reproduce_gemm) {
-  static const int64_t gemm_shapes[][4] = {
-      {16, 64, 8, 32}, {37, 208, 33, 32}, {130, 112, 9, 64}, {80, 1024, 3, 128}};
-  for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
-    int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
-    int mt = (int)gemm_shapes[s][3];
+/* Each emulation (a consumer's MMAs from the tiles and the staged activations) reproduces x W^T exactly:
+ * small integers, unit scales; shapes {rows, k, m, mt}. */
+typedef void emulate_fn(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int mt,
+                        double *y);
+static void assert_operands_reproduce_gemm(emulate_fn *emulate, const int64_t (*gemms)[4], size_t count,
+                                           uint64_t seed) {
+  for (size_t s = 0; s < count; s++) {
+    int64_t rows = gemms[s][0], k = gemms[s][1], m = gemms[s][2];
+    int mt = (int)gemms[s][3];
     size_t n = (size_t)(rows * k / 2);
     uint8_t *packed = tu_xmalloc(n), *tiled = tu_xmalloc((size_t)nvfp4_w_bytes(rows, k));
     float *x = tu_xmalloc((size_t)(m * k) * sizeof *x);
     double *y = tu_xmalloc((size_t)(m * rows) * sizeof *y);
-    tu_fill_bytes(packed, n, 15 + s);
-    uint64_t rng = 177 + s;
+    tu_fill_bytes(packed, n, seed + s);
+    uint64_t rng = 172 + seed + s;
     for (int64_t i = 0; i < m * k; i++)
       x[i] = (float)(tu_rand(&rng) % 17) - 8.0f; /* small integers: every product and sum is exact */
     nvfp4_tile_weights(packed, rows, k, tiled);
-    emulate_wgmma(tiled, rows, k, x, m, mt, y);
+    emulate(tiled, rows, k, x, m, mt, y);
     assert_fp4_gemm(packed, rows, k, x, m, y);
     free(packed), free(tiled), free(x), free(y);
   }
 }
+
+START_TEST(test_wgmma_operands_reproduce_gemm) {
+  static const int64_t gemms[][4] = {
+      {16, 64, 8, 32}, {37, 208, 33, 32}, {130, 112, 9, 64}, {80, 1024, 3, 128}};
+  assert_operands_reproduce_gemm(emulate_wgmma, gemms, sizeof gemms / sizeof gemms[0], 15);
+}
 END_TEST
 
-/* The FP8 staging is a bijection onto [0, round_up(m, mt)) x [0, K rounded to 64), as the
- * 16-bit one; by hand, one byte. */
+/* The FP8 staging: a bijection as the 16-bit one; by hand, one byte; each k of a chunk once. */
 START_TEST(test_x8_bijection) {
-  static const int64_t xs[][3] = {{1, 16, 32}, {31, 208, 32}, {64, 64, 64}, {100, 1024, 128}, {257, 80, 256}};
-  for (size_t s = 0; s < sizeof xs / sizeof xs[0]; s++) {
-    int64_t m = xs[s][0], k = xs[s][1], chunks = nvfp4_w_chunks(k);
-    int mt = (int)xs[s][2];
-    int64_t bytes = nvfp4_x_elems(m, k, mt);
-    uint8_t *seen = calloc((size_t)bytes, 1);
-    for (int64_t off = 0; off < bytes; off++) {
-      int64_t token, kk;
-      nvfp4_x8_source(off, chunks, mt, &token, &kk);
-      ck_assert(token >= 0 && token < nvfp4_round_up(m, mt) && kk >= 0 && kk < chunks * 64);
-      ck_assert_int_eq(nvfp4_x8_offset(token, kk, chunks, mt), off);
-      ck_assert(!seen[off]);
-      seen[off] = 1;
-    }
-    free(seen);
-  }
+  assert_staging_bijection(true);
   /* Token 9 of a 32-token tile, k = 64 + 16 * 3 + 8 * 1 + 4 * 0 + 2 = 122: chunk 1, run (s 1,
    * q 0) = 2, token group 1, row 1, byte 4 * 3 + 2. */
   ck_assert_int_eq(nvfp4_x8_offset(9, 122, 4, 32), 1 * 64 * 32 + (2 * 4 + 1) * 128 + 1 * 16 + 14);
@@ -661,24 +659,9 @@ static void emulate_wgmma_fp8(const uint8_t *tiled, int64_t rows, int64_t k, con
 }
 
 START_TEST(test_wgmma_fp8_operands_reproduce_gemm) {
-  static const int64_t gemm_shapes[][4] = {
+  static const int64_t gemms[][4] = {
       {16, 64, 8, 32}, {37, 208, 33, 32}, {130, 112, 9, 64}, {80, 1024, 3, 128}, {48, 128, 70, 256}};
-  for (size_t s = 0; s < sizeof gemm_shapes / sizeof gemm_shapes[0]; s++) {
-    int64_t rows = gemm_shapes[s][0], k = gemm_shapes[s][1], m = gemm_shapes[s][2];
-    int mt = (int)gemm_shapes[s][3];
-    size_t n = (size_t)(rows * k / 2);
-    uint8_t *packed = tu_xmalloc(n), *tiled = tu_xmalloc((size_t)nvfp4_w_bytes(rows, k));
-    float *x = tu_xmalloc((size_t)(m * k) * sizeof *x);
-    double *y = tu_xmalloc((size_t)(m * rows) * sizeof *y);
-    tu_fill_bytes(packed, n, 25 + s);
-    uint64_t rng = 277 + s;
-    for (int64_t i = 0; i < m * k; i++)
-      x[i] = (float)(tu_rand(&rng) % 17) - 8.0f;
-    nvfp4_tile_weights(packed, rows, k, tiled);
-    emulate_wgmma_fp8(tiled, rows, k, x, m, mt, y);
-    assert_fp4_gemm(packed, rows, k, x, m, y);
-    free(packed), free(tiled), free(x), free(y);
-  }
+  assert_operands_reproduce_gemm(emulate_wgmma_fp8, gemms, sizeof gemms / sizeof gemms[0], 25);
 }
 END_TEST
 
