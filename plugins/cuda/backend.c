@@ -200,6 +200,52 @@ struct host_header {
   bool registered; /* malloc'd and registered (else from cudaHostAlloc) */
 };
 
+/*
+ * Faults in pages [p, p + bytes) before they are registered, by several threads: a page's first touch
+ * is the kernel zeroing it, one page after another in a single thread otherwise (cudaHostRegister's),
+ * and on a 2-vCPU VM 112 MiB of huge pages took 12 ms to fault in from one thread against 6.3 ms from
+ * two. Each thread takes a whole number of huge pages; where a thread cannot start, the caller
+ * touches its share. The bytes are unspecified afterwards, as malloc's.
+ */
+#define PREFAULT_MIN ((size_t)16 << 20) /* below this, one thread */
+#define PREFAULT_THREADS 8
+struct prefault {
+  char *p;
+  size_t bytes;
+};
+
+static void *prefault_run(void *arg) {
+  const struct prefault *f = arg;
+  for (size_t i = 0; i < f->bytes; i += 4096)
+    ((volatile char *)f->p)[i] = 0;
+  return NULL;
+}
+
+static void prefault(char *p, size_t bytes) {
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  size_t threads = cpus > 1 ? (size_t)cpus : 1;
+  if (threads > PREFAULT_THREADS)
+    threads = PREFAULT_THREADS;
+  if (bytes < PREFAULT_MIN || threads < 2)
+    return; /* cudaHostRegister faults them in */
+  const size_t share = (bytes / threads + HOST_HUGE - 1) / HOST_HUGE * HOST_HUGE;
+  struct prefault part[PREFAULT_THREADS];
+  pthread_t tid[PREFAULT_THREADS];
+  bool started[PREFAULT_THREADS] = {false};
+  for (size_t t = 0; t < threads; t++) {
+    size_t from = t * share < bytes ? t * share : bytes;
+    part[t] = (struct prefault){p + from, from + share < bytes ? share : bytes - from};
+    started[t] = t > 0 && pthread_create(&tid[t], NULL, prefault_run, &part[t]) == 0;
+  }
+  prefault_run(&part[0]);
+  for (size_t t = 1; t < threads; t++) {
+    if (started[t])
+      (void)pthread_join(tid[t], NULL);
+    else
+      prefault_run(&part[t]);
+  }
+}
+
 static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   const struct cuda_backend *c = backend_of(be);
   int rc = use_device(c);
@@ -218,6 +264,8 @@ static int mem_host_alloc(const struct qkeep_backend *be, size_t bytes, void **o
   if (registered && huge)
     (void)madvise(base, total, MADV_HUGEPAGE); /* advice: 4 KiB pages where the kernel has none */
 #endif
+  if (registered && huge)
+    prefault(base, total);
   if (registered && cudaHostRegister(base, total, cudaHostRegisterDefault) != cudaSuccess) {
     (void)cudaGetLastError(); /* not sticky: the fallback below */
     free(base);
