@@ -507,8 +507,9 @@ static double e4m3_round(double v) {
  * PWAL left on the device (codes, block scales, alpha, bias): per token, amax = max |x| (as the
  * device reads x), x rounded to e4m3 after x * (448 / amax); each weight code x block scale x 2^-7
  * rounded to e4m3; their products summed, times 2^7 x alpha x amax / 448, plus the bias. Only the
- * order and precision of the f32 sums differ: within 2e-3 of the sum of |products|. And against W4A16 (the
- * option off): near it (the error of e4m3 itself), and below 64 tokens the same bits.
+ * order and precision of the sums differ: every value within 2e-3 of the sum of |products|, and the
+ * output's distance to the emulation under 5 % of the emulation's distance to W4A16 (root mean
+ * squares). W4A16 (the option off): within 8 % (e4m3's own error), and below 64 tokens the same bits.
  */
 static void assert_fp8_layer(qkeep_model *m, const char *name, int64_t tokens, enum qkeep_dtype x_dtype) {
   qkeep_layer *layer = qkeep_model_find_layer(m, name);
@@ -556,35 +557,47 @@ static void assert_fp8_layer(qkeep_model *m, const char *name, int64_t tokens, e
     ck_assert_msg(backend()->apply(backend(), layer, &a) == 0, "%s: %s", name, qkeep_errmsg());
     from_device(fp8 ? got : exact, dy, (size_t)(tokens * n) * 4);
   }
-  double diff = 0, norm = 0;
-  for (int64_t t = 0; t < tokens; t++) {
-    float amax = 0;
-    for (int64_t i = 0; i < k; i++) {
-      float v = x_dtype == QKEEP_DTYPE_F32 ? x[t * k + i] : widen(xh, x_dtype, (size_t)(t * k + i));
-      amax = fmaxf(amax, fabsf(v));
-    }
-    const float inv = amax > 0 ? 448.0f / amax : 0.0f;
-    for (int64_t r = 0; r < n; r++) {
-      double sum = 0, mag = 0;
+  if (tokens < NVFP4_FP8_MIN_M) { /* W4A16 either way: the same bits */
+    ck_assert_msg(memcmp(got, exact, (size_t)(tokens * n) * sizeof *got) == 0, "%s: %lld tokens", name,
+                  (long long)tokens);
+  } else {
+    double off_emulation = 0, off_w4a16 = 0, norm = 0;
+    for (int64_t t = 0; t < tokens; t++) {
+      float amax = 0;
       for (int64_t i = 0; i < k; i++) {
         float v = x_dtype == QKEEP_DTYPE_F32 ? x[t * k + i] : widen(xh, x_dtype, (size_t)(t * k + i));
-        double xq = e4m3_round((double)(v * inv));
-        double wq = e4m3_round(qk_e2m1_decode(qk_fp4_code(codes + r * (k / 2), i)) *
-                               (double)qk_e4m3_decode(scales[r * cols + i / 16]) / 128.0);
-        sum += wq * xq, mag += fabs(wq * xq);
+        amax = fmaxf(amax, fabsf(v));
       }
-      const double scale = 128.0 * alpha * (amax / 448.0f);
-      const double want = sum * scale + (bias ? bias[r] : 0), have = got[t * n + r];
-      ck_assert_msg(fabs(have - want) <= 2e-3 * mag * scale + 1e-6 * fabs(want),
-                    "%s, %lld tokens, x %d: token %lld row %lld: %g, emulated %g", name, (long long)tokens,
-                    (int)x_dtype, (long long)t, (long long)r, have, want);
-      diff += (have - exact[t * n + r]) * (have - exact[t * n + r]);
-      norm += (double)exact[t * n + r] * exact[t * n + r];
+      const float inv = amax > 0 ? 448.0f / amax : 0.0f;
+      for (int64_t r = 0; r < n; r++) {
+        double sum = 0, mag = 0;
+        for (int64_t i = 0; i < k; i++) {
+          float v = x_dtype == QKEEP_DTYPE_F32 ? x[t * k + i] : widen(xh, x_dtype, (size_t)(t * k + i));
+          double xq = e4m3_round((double)(v * inv));
+          double wq = e4m3_round(qk_e2m1_decode(qk_fp4_code(codes + r * (k / 2), i)) *
+                                 (double)qk_e4m3_decode(scales[r * cols + i / 16]) / 128.0);
+          sum += wq * xq, mag += fabs(wq * xq);
+        }
+        const double scale = 128.0 * alpha * (amax / 448.0f);
+        const double want = sum * scale + (bias ? bias[r] : 0), have = got[t * n + r],
+                     w4a16 = exact[t * n + r];
+        /* No element far off (a wrong k, row or token is off by about the whole sum) ... */
+        ck_assert_msg(fabs(have - want) <= 2e-3 * mag * scale + 1e-6 * fabs(want),
+                      "%s, %lld tokens, x %d: token %lld row %lld: %g, emulated %g", name, (long long)tokens,
+                      (int)x_dtype, (long long)t, (long long)r, have, want);
+        off_emulation += (have - want) * (have - want);
+        off_w4a16 += (want - w4a16) * (want - w4a16);
+        norm += w4a16 * w4a16;
+      }
     }
+    /* ... and the whole output far nearer the emulation than the emulation is to W4A16 (a rounding
+     * that differs from the emulation's moves it by about that much); W4A16 within a few percent. */
+    ck_assert_msg(off_w4a16 > 0 && off_emulation <= 0.0025 * off_w4a16,
+                  "%s, %lld tokens, x %d: off the emulation %g (rms), the emulation off W4A16 %g", name,
+                  (long long)tokens, (int)x_dtype, sqrt(off_emulation), sqrt(off_w4a16));
+    ck_assert_msg(off_w4a16 < 0.0064 * norm, "%s: FP8 vs W4A16 %g (relative rms)", name,
+                  sqrt(off_w4a16 / (norm > 0 ? norm : 1)));
   }
-  /* e4m3 keeps 4 significant bits: a few percent of the output's size. */
-  const double rms = sqrt(diff / (norm > 0 ? norm : 1));
-  ck_assert_msg(tokens < NVFP4_FP8_MIN_M ? rms == 0 : rms < 0.08, "%s: FP8 vs W4A16 %g", name, rms);
   backend()->memory->free(backend(), dx);
   backend()->memory->free(backend(), dy);
   if (xh != x)

@@ -1241,19 +1241,19 @@ template <typename TI> __device__ __forceinline__ float to_f32(TI v) {
 
 template <typename TI>
 __global__ void token_amax_kernel(const TI *x, int m, int k, long long rows, float *amax) {
-  const long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= rows)
-    return;
-  float a = 0.0f;
-  if (row < m)
-    for (int i = lane; i < k; i += 32)
-      a = fmaxf(a, fabsf(to_f32(x[row * k + i])));
+  const long long warps = (long long)gridDim.x * blockDim.x / 32;
+  for (long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
+    float a = 0.0f;
+    if (row < m)
+      for (int i = lane; i < k; i += 32)
+        a = fmaxf(a, fabsf(to_f32(x[row * k + i])));
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2)
-    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-  if (lane == 0)
-    amax[row] = a;
+    for (int o = 16; o > 0; o /= 2)
+      a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if (lane == 0)
+      amax[row] = a;
+  }
 }
 
 template <typename TI>
