@@ -18,6 +18,7 @@
 #include "checkutil.h"
 #include "cuda_nvfp4.h"
 #include "layout.h"
+#include "mxfp4.h"
 #include "private.h"
 #include "testutil.h"
 
@@ -665,6 +666,148 @@ START_TEST(test_wgmma_fp8_operands_reproduce_gemm) {
 }
 END_TEST
 
+/* ---- MXFP4 on the wgmma kernel ---------------------------------------------------------- */
+
+/* Whether v is a bf16 value (normal or subnormal, not past the largest). */
+static bool is_bf16(double v) {
+  double a = fabs(v);
+  if (a == 0)
+    return true;
+  if (a > 0x1.fep127 || a < 0x1p-133)
+    return false;
+  int e = (int)floor(log2(a));
+  double quantum = ldexp(1.0, (e < -126 ? -126 : e) - 7);
+  return a / quantum == floor(a / quantum);
+}
+
+/* The bf16 value of bits. */
+static double bf16_value(uint16_t bits) { return (double)qk_bf16_to_f32(bits); }
+
+/* A decoded pair's element (code x 2^-126) times an e8m0 scale's two factors, as the kernel's two bf16
+ * multiplies: each product a bf16 value (so the multiply is exact), the result code x 2^(e - 130). */
+static double mx_scaled(uint16_t decoded, unsigned e) {
+  uint32_t first, second;
+  mxfp4_wg_scale(e, &first, &second);
+  double f1 = bf16_value((uint16_t)first), f2 = bf16_value((uint16_t)second);
+  ck_assert(f1 == bf16_value((uint16_t)(first >> 16)) && f2 == bf16_value((uint16_t)(second >> 16)));
+  double once = bf16_value(decoded) * f1, twice = once * f2;
+  ck_assert_msg(is_bf16(once) && is_bf16(twice), "e %u, code bits 0x%04x", e, decoded);
+  return twice;
+}
+
+START_TEST(test_mx_scale_factors_are_exact) {
+  for (unsigned e = 0; e <= 254; e++)
+    for (unsigned code = 0; code < 16; code++) {
+      uint32_t q = nvfp4_w_put(0, 0, code); /* pair 0, element 0 */
+      double v = mx_scaled((uint16_t)(nvfp4_pair_bf16(q, 0) & 0xffff), e);
+      ck_assert_double_eq(v, qk_e2m1_decode(code) * ldexp(1.0, (int)e - 130));
+    }
+}
+END_TEST
+
+/*
+ * A consumer warpgroup of the wgmma kernel on MXFP4 units (wave 32), as emulate_wgmma: warp w takes
+ * tile 4i + w; per k-step j its A fragment is the lane's word j (unit tile * chunks + chunk), each
+ * pair times the e8m0 scale of its row and block j / 2 (the lane's four scale bytes g * 4 + 2b + i)
+ * by mx_scaled; B from activations staged by mxfp4_wg_x_source through the descriptor; the sums
+ * times 2^3. Must reproduce sum_k code x 2^(e - 127) x x exactly.
+ */
+static void emulate_wgmma_mx(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t k,
+                             const float *x, int64_t m, int mt, double *y) {
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, elems = nvfp4_x_elems(m, k, mt);
+  float *staged = tu_xmalloc((size_t)elems * sizeof *staged);
+  for (int64_t off = 0; off < elems; off++) {
+    int64_t token, kk;
+    mxfp4_wg_x_source(off, chunks, mt, &token, &kk);
+    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
+  }
+  const int64_t lbo = 16 * mt, sbo = 128;
+  memset(y, 0, (size_t)(m * rows) * sizeof *y);
+  for (int64_t tile = 0; tile < tiles; tile++)
+    for (int64_t tt = 0; tt * mt < m; tt++)
+      for (int64_t c = 0; c < chunks; c++)
+        for (int j = 0; j < 4; j++) {
+          const float *stage = staged + (tt * chunks + c) * 64 * mt;
+          const int64_t unit = tile * chunks + c;
+          double a[16][16] = {{0}};
+          for (int lane = 0; lane < 32; lane++) {
+            int g = lane / 4, t = lane % 4;
+            uint32_t q;
+            memcpy(&q, codes + unit * MXFP4_UNIT_BYTES + lane * 16 + 4 * j, 4);
+            for (int i = 0; i < 4; i++) {
+              uint32_t reg = nvfp4_pair_bf16(q, i);
+              unsigned e = scales[unit * MXFP4_UNIT_SCALES + g * 4 + (j / 2) * 2 + (i & 1)];
+              int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
+              a[row][col] = mx_scaled((uint16_t)(reg & 0xffff), e) * 8;
+              a[row][col + 1] = mx_scaled((uint16_t)(reg >> 16), e) * 8;
+            }
+          }
+          for (int n = 0; n < mt; n++) {
+            int64_t token = tt * mt + n;
+            for (int row = 0; row < 16; row++) {
+              double acc = 0;
+              for (int col = 0; col < 16; col++)
+                acc +=
+                    a[row][col] *
+                    stage[(j * 32 * mt + (col / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (col % 8) * 2) / 2];
+              int64_t r = tile * 16 + row;
+              if (r < rows && token < m)
+                y[token * rows + r] += acc;
+            }
+          }
+        }
+  free(staged);
+}
+
+/* The staging for MXFP4 is a bijection; the emulated MMAs on tiled MXFP4 codes and scales (scales of 2^-7
+ * to 2^7) reproduce x W^T exactly. */
+START_TEST(test_wgmma_mx_operands_reproduce_gemm) {
+  static const int64_t xs[][3] = {{1, 32, 32}, {31, 224, 32}, {100, 1024, 128}, {257, 96, 256}};
+  for (size_t s = 0; s < sizeof xs / sizeof xs[0]; s++) {
+    int64_t m = xs[s][0], k = xs[s][1], chunks = nvfp4_w_chunks(k),
+            elems = nvfp4_x_elems(m, k, (int)xs[s][2]);
+    uint8_t *seen = calloc((size_t)elems, 1);
+    for (int64_t off = 0; off < elems; off++) {
+      int64_t token, kk;
+      mxfp4_wg_x_source(off, chunks, (int)xs[s][2], &token, &kk);
+      ck_assert_int_eq(mxfp4_wg_x_offset(token, kk, chunks, (int)xs[s][2]), off);
+      ck_assert(!seen[off]);
+      seen[off] = 1;
+    }
+    free(seen);
+  }
+  static const int64_t gemms[][4] = {
+      {16, 64, 8, 32}, {37, 224, 33, 32}, {130, 128, 9, 64}, {48, 1024, 70, 128}};
+  for (size_t s = 0; s < sizeof gemms / sizeof gemms[0]; s++) {
+    int64_t rows = gemms[s][0], k = gemms[s][1], m = gemms[s][2], blocks = k / 32;
+    int mt = (int)gemms[s][3];
+    uint8_t *packed = tu_xmalloc((size_t)(rows * k / 2)), *scale = tu_xmalloc((size_t)(rows * blocks));
+    uint8_t *codes = tu_xmalloc((size_t)mxfp4_code_bytes(rows, k)),
+            *tiled = tu_xmalloc((size_t)mxfp4_scale_bytes(rows, k));
+    float *x = tu_xmalloc((size_t)(m * k) * sizeof *x);
+    double *y = tu_xmalloc((size_t)(m * rows) * sizeof *y);
+    tu_fill_bytes(packed, (size_t)(rows * k / 2), 41 + s);
+    uint64_t rng = 411 + s;
+    for (int64_t i = 0; i < rows * blocks; i++)
+      scale[i] = (uint8_t)(120 + tu_rand(&rng) % 15);
+    for (int64_t i = 0; i < m * k; i++)
+      x[i] = (float)(tu_rand(&rng) % 17) - 8.0f;
+    mxfp4_tile_codes(packed, rows, k, 32, codes);
+    mxfp4_tile_scales(scale, rows, k, 32, tiled);
+    emulate_wgmma_mx(codes, tiled, rows, k, x, m, mt, y);
+    for (int64_t t = 0; t < m; t++)
+      for (int64_t r = 0; r < rows; r++) {
+        double want = 0;
+        for (int64_t kk = 0; kk < k; kk++)
+          want += (double)qk_e2m1_decode(qk_fp4_code(packed + r * (k / 2), kk)) *
+                  ldexp(1.0, scale[r * blocks + kk / 32] - 127) * x[t * k + kk];
+        ck_assert_double_eq(y[t * rows + r], want);
+      }
+    free(packed), free(scale), free(codes), free(tiled), free(x), free(y);
+  }
+}
+END_TEST
+
 /* FP8 activations in the plans: kept from NVFP4_FP8_MIN_M tokens on the wgmma kernel with one MMA
  * tile per consumer and token tiles of 32 or more; never below that, never on the streaming
  * kernel, never routed. */
@@ -830,6 +973,8 @@ static Suite *layout_suite(void) {
   tcase_add_test(tc, test_wgmma_fp8_operands_reproduce_gemm);
   tcase_add_test(tc, test_wgmma_plan);
   tcase_add_test(tc, test_fp8_plan);
+  tcase_add_test(tc, test_mx_scale_factors_are_exact);
+  tcase_add_test(tc, test_wgmma_mx_operands_reproduce_gemm);
   tcase_add_test(tc, test_moe_plan);
   suite_add_tcase(s, tc);
   return s;

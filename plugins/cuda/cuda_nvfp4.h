@@ -236,6 +236,22 @@ int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const
 size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t topk, bool combine,
                            enum qkeep_dtype x_dtype, const struct nvfp4_tuning *tune);
 
+/*
+ * MXFP4 on the wgmma kernel (kernels.cu): the tiled MXFP4 codes (wave 32) and e8m0 scales
+ * (plugins/gpu/mxfp4_layout.h) read as they are, each k-step's A fragment a lane's code word with the
+ * scale of its rows folded in exactly (layout.h, mxfp4_wg_scale), bf16 MMAs. mxfp4_wgmma_applies:
+ * whether mxfp4_gemm_run takes it (compute capability 9.0, MXFP4_WGMMA_MIN_M tokens or more, bf16 or
+ * f32 activations, no forced K split); mxfp4_wgmma_workspace its scratch bytes; mxfp4_wgmma_run the
+ * plain (not routed) GEMM of expert `expert`, arguments as mxfp4_gemm_run's.
+ */
+#define MXFP4_WGMMA_MIN_M 32
+struct mxfp4_weights;
+bool mxfp4_wgmma_applies(int64_t m, enum qkeep_dtype x_dtype, int split_k);
+size_t mxfp4_wgmma_workspace(const struct mxfp4_weights *wt, int64_t m);
+int mxfp4_wgmma_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, const void *x,
+                    enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, struct gpu_scratch *ws,
+                    void *stream);
+
 /* y [m, n] = x [m, k] W^T + bias for an unquantized weight W [n, k] (F32, F16 or BF16);
  * a plain CUDA-core kernel, correct for any shape, not tuned. */
 int dense_gemm_run(const void *w, enum qkeep_dtype w_dtype, const void *bias, enum qkeep_dtype bias_dtype,

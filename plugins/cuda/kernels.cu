@@ -36,6 +36,7 @@
 
 #include "cuda_nvfp4.h"
 #include "layout.h"
+#include "mxfp4.h"
 
 namespace cg = cooperative_groups;
 
@@ -688,6 +689,10 @@ __global__ void __launch_bounds__(kStreamWarps * 32, BPS) nvfp4_stream_kernel(co
  * order, the same bits every time. Routed MoE (a.tiles set): blockIdx.x is a token tile of
  * moe_align_kernel's list, whose activations stage_x_kernel gathered into the staged tile of
  * the same index; the block reads that tile's expert and writes the rows of its pairs.
+ * Two variants of the same pipeline: FP8 (opt-in FP8 activations: e4m3 staged activations, the
+ * decoded weights rounded to e4m3, k32 MMAs; layout.h, "FP8 activations") and MX (MXFP4 weights:
+ * tile-major code units and their e8m0 scale bytes copied tile by tile, each scale folded into the
+ * bf16 fragment by two exact multiplies; layout.h, "MXFP4 weights on the wgmma kernel").
  */
 /*
  * wgmma with the A fragment in registers (4 registers a thread) and B through a shared-memory
@@ -899,9 +904,22 @@ __device__ __forceinline__ void e4m3_fragment(uint32_t w0, uint32_t w1, uint32_t
   a[3] = e4m3_quad(h[1], h[3]);
 }
 
+/* The bf16 A fragment of one k-step from an MXFP4 tile word q, with the e8m0 scales of rows g (e_lo) and
+ * g + 8 (e_hi) of the step's block: each decoded pair times the scale's two factors (layout.h,
+ * mxfp4_wg_scale), code x 2^(e - 130) exactly. */
+__device__ __forceinline__ void dequant_mx(uint32_t q, uint32_t e_lo, uint32_t e_hi, uint32_t (&a)[4]) {
+  uint32_t lo1, lo2, hi1, hi2;
+  mxfp4_wg_scale(e_lo, &lo1, &lo2);
+  mxfp4_wg_scale(e_hi, &hi1, &hi2);
+  a[0] = hmul2<true>(hmul2<true>(nvfp4_pair_bf16(q, 0), lo1), lo2); /* row g,     k 2t, 2t+1 */
+  a[1] = hmul2<true>(hmul2<true>(nvfp4_pair_bf16(q, 1), hi1), hi2); /* row g + 8 */
+  a[2] = hmul2<true>(hmul2<true>(nvfp4_pair_bf16(q, 2), lo1), lo2); /* row g,     k 2t+8, 2t+9 */
+  a[3] = hmul2<true>(hmul2<true>(nvfp4_pair_bf16(q, 3), hi1), hi2); /* row g + 8 */
+}
+
 #endif
 
-template <int MT, int RWG, bool BF16, bool FP8 = false>
+template <int MT, int RWG, bool BF16, bool FP8 = false, bool MX = false>
 __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs wa) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgSmem<MT, RWG, FP8 ? 1 : 2>;
@@ -977,13 +995,26 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
         for (int gi = 0; gi < RWG; ++gi) {
           const int group = rb * RWG + gi, tiles = min(8, a.w_tiles - group * 8);
           if (tiles > 0)
-            bytes += (uint32_t)(n * (tiles * NVFP4_TILE_BYTES + NVFP4_SF_ATOM));
+            bytes += (uint32_t)(n * (MX ? tiles * (MXFP4_UNIT_BYTES + MXFP4_UNIT_SCALES)
+                                        : tiles * NVFP4_TILE_BYTES + NVFP4_SF_ATOM));
         }
         mbar_expect_tx(&full[slot], bytes);
         for (int gi = 0; gi < RWG; ++gi) {
           const int group = rb * RWG + gi, tiles = min(8, a.w_tiles - group * 8);
           if (tiles <= 0)
             continue;
+          if constexpr (MX) { /* unit (tile, chunk) at tile * chunks + chunk: each tile's n chunks in a row */
+            for (int tt = 0; tt < tiles; ++tt) {
+              const long long unit = (long long)(group * 8 + tt) * a.chunks + c0;
+              bulk_copy(st + gi * L::W_GROUP + tt * L::G * MXFP4_UNIT_BYTES,
+                        a.w + expert * a.w_expert_bytes + unit * MXFP4_UNIT_BYTES,
+                        (uint32_t)(n * MXFP4_UNIT_BYTES), &full[slot]);
+              bulk_copy(st + L::SF_OFF + gi * L::SF_GROUP + tt * L::G * MXFP4_UNIT_SCALES,
+                        a.sf + expert * a.sf_expert_bytes + unit * MXFP4_UNIT_SCALES,
+                        (uint32_t)(n * MXFP4_UNIT_SCALES), &full[slot]);
+            }
+            continue;
+          }
           /* A full group's chunks are contiguous at 8 x 512 bytes a chunk, as in the stage. */
           const uint8_t *w = a.w + expert * a.w_expert_bytes +
                              nvfp4_w_tile_offset((long long)group * 8, c0, a.w_tiles, a.chunks);
@@ -1045,6 +1076,19 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
     const unsigned char *st = smem + slot * L::STAGE;
 #pragma unroll
     for (int r = 0; r < RWG; ++r) {
+      if constexpr (MX) {
+        /* The lane's 16 code bytes and four scale bytes (rows g, g + 8 of blocks 0, 1) of unit (tib, ci). */
+        const int unit = tib * L::G + ci;
+        const uint4 q =
+            *reinterpret_cast<const uint4 *>(st + r * L::W_GROUP + unit * MXFP4_UNIT_BYTES + lane * 16);
+        const uint32_t e = *reinterpret_cast<const uint32_t *>(st + L::SF_OFF + r * L::SF_GROUP +
+                                                               unit * MXFP4_UNIT_SCALES + g * 4);
+        dequant_mx(q.x, e & 0xffu, (e >> 8) & 0xffu, frag[B][r][0]);
+        dequant_mx(q.y, e & 0xffu, (e >> 8) & 0xffu, frag[B][r][1]);
+        dequant_mx(q.z, (e >> 16) & 0xffu, e >> 24, frag[B][r][2]);
+        dequant_mx(q.w, (e >> 16) & 0xffu, e >> 24, frag[B][r][3]);
+        continue;
+      }
       const uint4 q = *reinterpret_cast<const uint4 *>(st + r * L::W_GROUP +
                                                        (ci * 8 + tib) * NVFP4_TILE_BYTES + lane * 16);
       const unsigned char *sf = st + L::SF_OFF + r * L::SF_GROUP + ci * NVFP4_SF_ATOM + sf_lane;
@@ -1114,7 +1158,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) nvfp4_wgmma_kernel(const WgArgs
   else
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
   /* 2^63 (bf16) or 2^7 (f16, e4m3) undoes the decode's bias; FP8: times the token's scale. */
-  const float out_scale = a.alpha[expert] * (BF16 && !FP8 ? 0x1p63f : 128.0f);
+  const float out_scale = MX ? 8.0f : a.alpha[expert] * (BF16 && !FP8 ? 0x1p63f : 128.0f);
   constexpr int total = MT * L::ROWS;
   const int per = (total + a.splits - 1) / a.splits;
   const int e_end = min(total, (split + 1) * per);
@@ -1159,7 +1203,7 @@ struct StageRoute {
   int x_div;
 };
 
-template <typename TI, typename TO>
+template <typename TI, typename TO, bool MX = false>
 __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows, long long items,
                                StageRoute route, TO *xs) {
   /* The wgmma kernel after this one may start now: it waits for this grid before it reads xs. */
@@ -1197,13 +1241,18 @@ __global__ void stage_x_kernel(const TI *x, int m, int k, int chunks, int mt, lo
         w[4 * v + 3] = bits_of(__floats2bfloat162_rn(f1.z, f1.w));
       }
     }
-    /* Element (token, 64c + 16p + 4j + 2h) heads run (j, h) at nvfp4_x_offset. */
-    TO *base = xs + nvfp4_x_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt);
+    /* Element (token, 64c + 16p + 4j + 2h) heads run (j, h) at nvfp4_x_offset; for MXFP4 pair p of run
+     * (j, h) is k = 32 (j / 2) + 8p + 4 (j % 2) + 2h (layout.h, mxfp4_wg_x_offset). */
+    TO *base = xs + (MX ? mxfp4_wg_x_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt)
+                        : nvfp4_x_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt));
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 run = make_uint4(w[2 * j + h], w[8 + 2 * j + h], w[16 + 2 * j + h], w[24 + 2 * j + h]);
+        const uint4 run =
+            MX ? make_uint4(w[16 * (j / 2) + 2 * (j % 2) + h], w[16 * (j / 2) + 4 + 2 * (j % 2) + h],
+                            w[16 * (j / 2) + 8 + 2 * (j % 2) + h], w[16 * (j / 2) + 12 + 2 * (j % 2) + h])
+               : make_uint4(w[2 * j + h], w[8 + 2 * j + h], w[16 + 2 * j + h], w[24 + 2 * j + h]);
         *reinterpret_cast<uint4 *>(base + (2 * j + h) * 8 * mt) = run;
       }
   }
@@ -1434,15 +1483,28 @@ cudaError_t dispatch_stream(const struct nvfp4_tuning &plan, enum qkeep_dtype x_
   }
 }
 
-template <int MT, int RWG, bool BF16, bool FP8 = false>
+template <int MT, int RWG, bool BF16, bool FP8 = false, bool MX = false>
 cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t st) {
   static DeviceSlots configured;
-  constexpr int bytes = WgSmem < MT, RWG, FP8 ? 1 : 2 > ::BYTES;
-  cudaError_t err = opt_in_smem(configured, nvfp4_wgmma_kernel<MT, RWG, BF16, FP8>, bytes);
+  constexpr int xb = FP8 ? 1 : 2; /* bytes per staged activation */
+  constexpr int bytes = WgSmem<MT, RWG, xb>::BYTES;
+  cudaError_t err = opt_in_smem(configured, nvfp4_wgmma_kernel<MT, RWG, BF16, FP8, MX>, bytes);
   if (err != cudaSuccess)
     return err;
-  return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16, FP8>, wa, wa.g.splits,
+  return launch_cluster(nvfp4_wgmma_kernel<MT, RWG, BF16, FP8, MX>, wa, wa.g.splits,
                         dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, bytes, st, true, wa.multicast);
+}
+
+/* MXFP4 weights (bf16 activations): one 64-row MMA tile per consumer warpgroup, token tiles of 32 to 256. */
+cudaError_t wgmma_mx_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
+                           cudaStream_t st) {
+  switch (plan.tile_m) {
+  case 32: return launch_wgmma<32, 1, true, false, true>(wa, grid_x, grid_y, st);
+  case 64: return launch_wgmma<64, 1, true, false, true>(wa, grid_x, grid_y, st);
+  case 128: return launch_wgmma<128, 1, true, false, true>(wa, grid_x, grid_y, st);
+  case 256: return launch_wgmma<256, 1, true, false, true>(wa, grid_x, grid_y, st);
+  default: return cudaErrorInvalidValue; /* mxfp4_wgmma_plan never gives another */
+  }
 }
 
 /* FP8 activations: one 64-row MMA tile per consumer warpgroup, token tiles of 32 to 256. */
@@ -1526,7 +1588,7 @@ cudaError_t stage_fp8(const void *x, enum qkeep_dtype x_dtype, const GemmArgs &a
  * a.m tokens; routed (a.tiles set): `routed_tiles` token tiles at most (the grid). */
 cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const void *x,
                       enum qkeep_dtype x_dtype, struct gpu_scratch *ws, cudaStream_t st,
-                      long long routed_tiles = 0) {
+                      long long routed_tiles = 0, bool mx = false) {
   const int mt = plan.tile_m;
   const long long grid_x = a.tiles ? routed_tiles : (a.m + mt - 1) / mt,
                   rows_of_n = (a.n + 128 * plan.rows - 1) / (128 * plan.rows);
@@ -1557,6 +1619,27 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
     if (err == cudaSuccess) {
       WgArgs wa = {a, x8, mc, amax};
       err = wgmma_fp8_shape(plan, wa, (int)grid_x, (int)grid_y, st);
+    }
+    cudaError_t free_err = give_scratch(xs, owned, st);
+    return err != cudaSuccess ? err : free_err;
+  }
+  if (mx) { /* MXFP4 codes and scales (plain, bf16 or f32 activations) */
+    if (a.tiles || x_dtype == QKEEP_DTYPE_F16) {
+      (void)give_scratch(xs, owned, st);
+      return cudaErrorInvalidValue;
+    }
+    if (x_dtype == QKEEP_DTYPE_F32)
+      stage_x_kernel<float, __nv_bfloat16, true>
+          <<<blocks, 256, 0, st>>>(static_cast<const float *>(x), m, a.k, a.chunks, mt, rows, items, route,
+                                   static_cast<__nv_bfloat16 *>(xs));
+    else
+      stage_x_kernel<__nv_bfloat16, __nv_bfloat16, true>
+          <<<blocks, 256, 0, st>>>(static_cast<const __nv_bfloat16 *>(x), m, a.k, a.chunks, mt, rows, items,
+                                   route, static_cast<__nv_bfloat16 *>(xs));
+    err = cudaGetLastError();
+    if (err == cudaSuccess) {
+      WgArgs wa = {a, static_cast<const uint8_t *>(xs), mc, nullptr};
+      err = wgmma_mx_shape(plan, wa, (int)grid_x, (int)grid_y, st);
     }
     cudaError_t free_err = give_scratch(xs, owned, st);
     return err != cudaSuccess ? err : free_err;
@@ -2268,6 +2351,56 @@ extern "C" size_t nvfp4_gemm_workspace(const struct nvfp4_weights *wt, int64_t m
   if (plan.kernel != NVFP4_KERNEL_WGMMA)
     return 0;
   return gpu_scratch_round(wgmma_x_bytes(plan, (m + plan.tile_m - 1) / plan.tile_m, wt->k));
+}
+
+/* ---- MXFP4 on the wgmma kernel ---------------------------------------------------------------- */
+
+namespace {
+
+/* The tiled MXFP4 codes and scales of wt (plugins/gpu/mxfp4_layout.h) as the wgmma kernel's arguments. */
+GemmArgs mx_args(const struct mxfp4_weights *wt) {
+  GemmArgs a = {};
+  a.w = static_cast<const uint8_t *>(wt->codes);
+  a.sf = static_cast<const uint8_t *>(wt->scales);
+  a.bias = wt->bias;
+  a.bias_dtype = wt->bias_dtype;
+  a.n = (int)wt->n;
+  a.k = (int)wt->k;
+  a.chunks = (int)mxfp4_chunks(wt->k);
+  a.w_tiles = (int)mxfp4_tiles(wt->n);
+  a.w_expert_bytes = mxfp4_code_bytes(wt->n, wt->k);
+  a.sf_expert_bytes = mxfp4_scale_bytes(wt->n, wt->k);
+  a.x_div = 1;
+  return a;
+}
+
+} // namespace
+
+extern "C" bool mxfp4_wgmma_applies(int64_t m, enum qkeep_dtype x_dtype, int split_k) {
+  return m >= MXFP4_WGMMA_MIN_M && m <= INT32_MAX && x_dtype != QKEEP_DTYPE_F16 && split_k <= 0 && wgmma_ok();
+}
+
+extern "C" size_t mxfp4_wgmma_workspace(const struct mxfp4_weights *wt, int64_t m) {
+  struct nvfp4_tuning plan;
+  nvfp4_wgmma_plan(m, wt->n, wt->k, sm_count(), nullptr, &plan);
+  return gpu_scratch_round(wgmma_x_bytes(plan, (m + plan.tile_m - 1) / plan.tile_m, wt->k));
+}
+
+extern "C" int mxfp4_wgmma_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, const void *x,
+                               enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
+                               struct gpu_scratch *ws, void *stream) {
+  if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || x_dtype == QKEEP_DTYPE_F16 || expert < 0 ||
+      expert >= wt->experts || wt->k % MXFP4_BLOCK || ((uintptr_t)x & 15) || m > INT32_MAX ||
+      wt->n > INT32_MAX || wt->k > INT32_MAX)
+    return cudaErrorInvalidValue;
+  if (m <= 0)
+    return m < 0 ? cudaErrorInvalidValue : cudaSuccess;
+  struct nvfp4_tuning plan;
+  nvfp4_wgmma_plan(m, wt->n, wt->k, sm_count(), nullptr, &plan);
+  GemmArgs a = mx_args(wt);
+  a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
+  cudaError_t err = run_wgmma(plan, a, x, x_dtype, ws, (cudaStream_t)stream, 0, true);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 extern "C" size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t topk, bool combine,

@@ -326,4 +326,45 @@ NVFP4_INLINE void nvfp4_x8_source(int64_t offset, int64_t chunks, int mt, int64_
   *k = (block % chunks) * 64 + nvfp4_x8_k(sq / 2, col);
 }
 
+/* ---- MXFP4 weights on the wgmma kernel ------------------------------------------------- */
+
+/*
+ * MXFP4's wave-32 code units (plugins/gpu/mxfp4_layout.h) are fragment tiles too: lane 4g + t's
+ * word j is k-step j's A fragment, its pairs in the bits nvfp4_pair_bf16 decodes, but with K in
+ * another order inside the chunk: logical column 8h + 2t + e' of k-step j holds k = 32 (j / 2) + 8t
+ * + 4 (j % 2) + 2h + e' (every k-step inside one 32-K scale block). The activations are staged
+ * for it in the same geometry as for NVFP4 ([j 4][h 2][token / 8][token % 8][2t + e'], 16-bit),
+ * only that order changes.
+ */
+
+/* Element index of x[token][k] in the activations staged for MXFP4 (tiles of mt tokens). */
+NVFP4_INLINE int64_t mxfp4_wg_x_offset(int64_t token, int64_t k, int64_t chunks, int mt) {
+  int64_t tile = token / mt, n = token % mt, chunk = k / 64;
+  int kk = (int)(k % 64), j = 2 * (kk / 32) + (kk % 8) / 4, t = (kk % 32) / 8, h = (kk % 4) / 2, e = kk % 2;
+  return (tile * chunks + chunk) * 64 * mt + ((2 * j + h) * (mt / 8) + n / 8) * 64 + (n % 8) * 8 + 2 * t + e;
+}
+
+/* The inverse: the (token, k) that element `offset` holds (padding included). */
+NVFP4_INLINE void mxfp4_wg_x_source(int64_t offset, int64_t chunks, int mt, int64_t *token, int64_t *k) {
+  int64_t block = offset / (64 * mt), inner = offset % (64 * mt);
+  int q = (int)(inner % 8), n8 = (int)((inner / 64) % (mt / 8)), jh = (int)(inner / (8 * mt));
+  int n = n8 * 8 + (int)((inner / 8) % 8), j = jh / 2, h = jh % 2;
+  *token = (block / chunks) * mt + n;
+  *k = (block % chunks) * 64 + 32 * (j / 2) + 8 * (q / 2) + 4 * (j % 2) + 2 * h + q % 2;
+}
+
+/*
+ * An e8m0 scale byte e (0..254) as two bf16 factors (each duplicated into a bf16x2): a decoded pair
+ * (code x 2^-126, nvfp4_pair_bf16) times the first, then the second, is code x 2^(e - 130) exactly,
+ * from 2^-131 (the smallest code at e 0, a bf16 subnormal) to 6 x 2^124 (the largest at 254): each
+ * factor 2^-2 .. 2^125 and each product a bf16 value. The GEMM multiplies its sums by 2^3.
+ */
+NVFP4_INLINE void mxfp4_wg_scale(unsigned e, uint32_t *first, uint32_t *second) {
+  const int total = (int)e - 4, half = total >= 0 ? total / 2 : -((-total + 1) / 2); /* floor */
+  const uint32_t a = (uint32_t)(half + 127) << 7, b = (uint32_t)(total - half + 127) << 7;
+  *first = a | a << 16;
+  *second = b | b << 16;
+}
+
+
 #endif
