@@ -10,7 +10,8 @@
  *     by this suite, with scales spread over a wide e8m0 range;
  * and checked:
  *   - every linear layer and expert matrix agrees with the reference within bf16
- *     error, for token counts of every token block and K split, forced and automatic;
+ *     error, for token counts of every token block and K split, forced and automatic,
+ *     and on the wgmma kernel (`kernel = wgmma`, from 32 tokens on compute capability 9.0);
  *   - the census is clean and nothing is retired or released;
  *   - the repacked bytes equal mxfp4_layout.c's CPU transforms of the checkpoint
  *     bytes (wave 32), and PWAL on the host gives the same digest;
@@ -53,6 +54,7 @@ static void setup(void) {
   dir = tu_tmpdir("gpu-mxfp4");
   ck_assert_ptr_nonnull(dir);
   configure("split_k", "auto");
+  configure("kernel", "auto");
   configure("pwal", "gpu");
 }
 
@@ -93,15 +95,21 @@ static void assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tokens, const 
 static const int64_t tokens[] = {1, 3, 8, 9, 16, 17, 31, 32, 33, 64, 65, 130, 256};
 static const char *const splits[] = {"auto", "1", "2", "3", "8"};
 
+/* Every K split on the mma.sync kernel, then `kernel = wgmma` (the wgmma kernel from 32 tokens on
+ * compute capability 9.0, the mma.sync kernel below). */
 static void assert_agrees_everywhere(qkeep_model *m, qkeep_model *r, const char *what) {
-  for (size_t s = 0; s < sizeof splits / sizeof splits[0]; s++) {
-    configure("split_k", splits[s]);
+  for (size_t s = 0; s <= sizeof splits / sizeof splits[0]; s++) {
+    bool wgmma = s == sizeof splits / sizeof splits[0];
+    configure("split_k", wgmma ? "auto" : splits[s]);
+    configure("kernel", wgmma ? "wgmma" : "auto");
     char label[96];
-    snprintf(label, sizeof label, "%s split_k %s", what, splits[s]);
+    snprintf(label, sizeof label, "%s %s %s", what, wgmma ? "kernel" : "split_k",
+             wgmma ? "wgmma" : splits[s]);
     for (size_t t = 0; t < sizeof tokens / sizeof tokens[0]; t++)
       assert_agrees(m, r, tokens[t], label);
   }
   configure("split_k", "auto");
+  configure("kernel", "auto");
 }
 
 START_TEST(compressed_tensors_agrees_with_reference) {

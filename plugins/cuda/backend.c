@@ -575,7 +575,7 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"device", QKEEP_KEY_INT, "0..1023", "0", "CUDA device index"},
     {"kernel", QKEEP_KEY_ENUM, "auto|ring|stream|wgmma", "auto",
      "auto: stream for M <= 16 (routed MoE: 16 tokens per expert), wgmma above on compute capability 9.0, "
-     "ring elsewhere"},
+     "ring elsewhere; MXFP4 runs its mma.sync kernel but where wgmma is asked for (from 32 tokens on 9.0)"},
     {"tile_m", QKEEP_KEY_ENUM, "auto|8|16|32|64|128|256", "auto",
      "tokens per block: ring 8, 16, 32 or 64; wgmma 8 to 256"},
     {"split_k", QKEEP_KEY_ENUM, "auto|1|2|3|4|5|6|7|8", "auto", "K split across a thread-block cluster"},
@@ -995,6 +995,26 @@ static int moe_matrix(const struct cuda_backend *c, const struct qkeep_apply_arg
   return (int)a->matrix;
 }
 
+/* MXFP4 on the wgmma kernel: where `kernel = wgmma` asks for it (opt-in until measured on a GPU) and it
+ * applies (compute capability 9.0, 32 tokens or more, bf16 or f32 activations, no forced K split). */
+static bool mx_on_wgmma(const struct cuda_backend *c, const struct qkeep_apply_args *a) {
+  return c->tuning.kernel == NVFP4_KERNEL_WGMMA && mxfp4_wgmma_applies(a->m, a->x_dtype, c->tuning.split_k);
+}
+
+static size_t mx_workspace(const struct cuda_backend *c, const struct mxfp4_weights *wt,
+                           const struct qkeep_apply_args *a) {
+  return mx_on_wgmma(c, a) ? mxfp4_wgmma_workspace(wt, a->m)
+                           : mxfp4_gemm_workspace(wt, a->m, a->x_dtype, c->tuning.split_k, 0);
+}
+
+/* The plain GEMM of expert `expert` of an MXFP4 matrix (0 for a linear layer). */
+static int mx_gemm(const struct cuda_backend *c, const struct mxfp4_weights *wt, int32_t expert,
+                   const struct qkeep_apply_args *a, struct gpu_scratch *ws, void *stream) {
+  if (mx_on_wgmma(c, a))
+    return mxfp4_wgmma_run(wt, expert, a->m, a->x, a->x_dtype, a->y, a->y_dtype, ws, stream);
+  return mxfp4_gemm_run(wt, expert, a->m, a->x, a->x_dtype, a->y, a->y_dtype, c->tuning.split_k, ws, stream);
+}
+
 /* The workspace one apply takes (the same arithmetic as the launchers' plans). */
 static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
                           const struct qkeep_apply_args *a, size_t *bytes) {
@@ -1009,7 +1029,7 @@ static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
   bool routed = has_routing(a) && a->topk > 0;
   if (st->mxfp4) {
     if (!st->mx.moe) {
-      *bytes = mxfp4_gemm_workspace(&st->mx.w[0], a->m, a->x_dtype, c->tuning.split_k, 0);
+      *bytes = mx_workspace(c, &st->mx.w[0], a);
       return 0;
     }
     int mat = moe_matrix(c, a);
@@ -1017,7 +1037,7 @@ static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
       return mat;
     const struct mxfp4_weights *wt = &st->mx.w[mat];
     *bytes = routed ? mxfp4_moe_workspace(wt, a->m, a->topk, mat == QKEEP_MOE_W2, a->x_dtype)
-                    : mxfp4_gemm_workspace(wt, a->m, a->x_dtype, c->tuning.split_k, 0);
+                    : mx_workspace(c, wt, a);
     return 0;
   }
   if (!st->moe) {
@@ -1038,8 +1058,7 @@ static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *s
                        const struct qkeep_apply_args *args, bool routed, struct gpu_scratch *ws,
                        void *stream) {
   if (!st->mx.moe)
-    return mxfp4_gemm_run(&st->mx.w[0], 0, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                          c->tuning.split_k, ws, stream);
+    return mx_gemm(c, &st->mx.w[0], 0, args, ws, stream);
   int mat = moe_matrix(c, args);
   if (mat < 0)
     return mat;
@@ -1050,8 +1069,7 @@ static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *s
   if (args->expert < 0 || args->expert >= wt->experts)
     return c->host->set_error(QKEEP_E_INVAL, "cuda-nvfp4: expert %d of %lld", (int)args->expert,
                               (long long)wt->experts);
-  return mxfp4_gemm_run(wt, args->expert, args->m, args->x, args->x_dtype, args->y, args->y_dtype,
-                        c->tuning.split_k, ws, stream);
+  return mx_gemm(c, wt, args->expert, args, ws, stream);
 }
 
 /* An NVFP4 layer's apply: the linear matrix, one expert, or routed MoE. */

@@ -6,7 +6,6 @@
  */
 #include <cuda_runtime.h>
 
-#include "cuda_nvfp4.h"
 #include "mxfp4.h"
 #include "mxfp4_kernel.h"
 
@@ -111,8 +110,6 @@ extern "C" int mxfp4_gemm_run(const struct mxfp4_weights *wt, int32_t expert, in
     return cudaErrorInvalidValue;
   if (m == 0)
     return cudaSuccess;
-  if (mxfp4_wgmma_applies(m, x_dtype, split_k)) /* from 32 tokens on compute capability 9.0 */
-    return mxfp4_wgmma_run(wt, expert, m, x, x_dtype, y, y_dtype, ws, stream);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   mxfp4_plan plan;
   mxfp4_plan_gemm(m, wt->n, wt->k, 32, sm_count(), split_k, &plan);
@@ -201,8 +198,6 @@ extern "C" size_t mxfp4_gemm_workspace(const struct mxfp4_weights *wt, int64_t m
                                        int split_k, int sms) {
   if (m <= 0)
     return 0;
-  if (mxfp4_wgmma_applies(m, x_dtype, split_k))
-    return mxfp4_wgmma_workspace(wt, m);
   mxfp4_plan plan;
   mxfp4_plan_gemm(m, wt->n, wt->k, 32, sms > 0 ? sms : sm_count(), split_k, &plan);
   size_t partial = plan.split > 1 ? gpu_scratch_round(sizeof(float) * (size_t)(plan.split * m * wt->n)) : 0;
