@@ -502,6 +502,20 @@ START_TEST(test_x_bijection) {
 }
 END_TEST
 
+/* x [m, k] staged as `source` lays it out for tiles of mt tokens (zero past m and k), one float an element.
+ */
+typedef void staging_source_fn(int64_t offset, int64_t chunks, int mt, int64_t *token, int64_t *k);
+static float *staged_for(staging_source_fn *source, const float *x, int64_t m, int64_t k, int mt) {
+  int64_t chunks = nvfp4_w_chunks(k), elems = nvfp4_x_elems(m, k, mt);
+  float *staged = tu_xmalloc((size_t)elems * sizeof *staged);
+  for (int64_t off = 0; off < elems; off++) {
+    int64_t token, kk;
+    source(off, chunks, mt, &token, &kk);
+    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
+  }
+  return staged;
+}
+
 /*
  * Emulates a consumer warpgroup of the wgmma kernel: warp w of the group takes tile 4i + w's
  * words as its A fragments (as emulate_gemm), the B operand of k-step j is read through the
@@ -512,13 +526,8 @@ END_TEST
  */
 static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int mt,
                           double *y) {
-  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, elems = nvfp4_x_elems(m, k, mt);
-  float *staged = tu_xmalloc((size_t)elems * sizeof *staged);
-  for (int64_t off = 0; off < elems; off++) {
-    int64_t token, kk;
-    nvfp4_x_source(off, chunks, mt, &token, &kk);
-    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
-  }
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
+  float *staged = staged_for(nvfp4_x_source, x, m, k, mt);
   const int64_t lbo = 16 * mt, sbo = 128; /* bytes; 2 per element */
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t group = 0; group * 4 < tiles; group++)
@@ -617,13 +626,8 @@ END_TEST
  */
 static void emulate_wgmma_fp8(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m,
                               int mt, double *y) {
-  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, bytes = nvfp4_x_elems(m, k, mt);
-  float *staged = tu_xmalloc((size_t)bytes * sizeof *staged);
-  for (int64_t off = 0; off < bytes; off++) {
-    int64_t token, kk;
-    nvfp4_x8_source(off, chunks, mt, &token, &kk);
-    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
-  }
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
+  float *staged = staged_for(nvfp4_x8_source, x, m, k, mt);
   const int64_t lbo = 16 * mt, sbo = 128;
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t tile = 0; tile < tiles; tile++)
@@ -714,13 +718,8 @@ END_TEST
  */
 static void emulate_wgmma_mx(const uint8_t *codes, const uint8_t *scales, int64_t rows, int64_t k,
                              const float *x, int64_t m, int mt, double *y) {
-  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16, elems = nvfp4_x_elems(m, k, mt);
-  float *staged = tu_xmalloc((size_t)elems * sizeof *staged);
-  for (int64_t off = 0; off < elems; off++) {
-    int64_t token, kk;
-    mxfp4_wg_x_source(off, chunks, mt, &token, &kk);
-    staged[off] = token < m && kk < k ? x[token * k + kk] : 0.0f;
-  }
+  int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
+  float *staged = staged_for(mxfp4_wg_x_source, x, m, k, mt);
   const int64_t lbo = 16 * mt, sbo = 128;
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t tile = 0; tile < tiles; tile++)
