@@ -808,8 +808,8 @@ START_TEST(test_wgmma_mx_operands_reproduce_gemm) {
 END_TEST
 
 /* FP8 activations in the plans: kept from NVFP4_FP8_MIN_M tokens on the wgmma kernel with one MMA
- * tile per consumer and token tiles of 32 or more; never below that, never on the streaming
- * kernel, never routed. */
+ * tile per consumer and token tiles of 32 or more, plain or routed; never below that, never on the
+ * streaming or ring kernels. */
 START_TEST(test_fp8_plan) {
   struct nvfp4_tuning p, want = {.fp8 = 1};
   for (int64_t m = 17; m <= 5000; m = m * 3 + 1)
@@ -826,12 +826,19 @@ START_TEST(test_fp8_plan) {
   ck_assert(p.fp8 == 1 && p.rows == 1 && p.tile_m == 32);
   nvfp4_stream_plan(8, 8192, 8192, 132, &want, &p);
   ck_assert_int_eq(p.fp8, 0);
-  for (int64_t pairs = 1; pairs <= 4096; pairs *= 4) {
+  /* Routed: on the wgmma kernel (many tokens per expert), never on the streaming or ring kernels. */
+  for (int64_t pairs = 1; pairs <= 16384; pairs *= 4) {
     nvfp4_moe_plan(pairs, 128, 1536, 2048, 132, true, &want, &p);
+    ck_assert_int_eq(p.fp8, p.kernel == NVFP4_KERNEL_WGMMA);
+    if (p.fp8)
+      ck_assert(p.rows == 1 && p.tile_m >= 32);
+    nvfp4_moe_plan(pairs, 128, 1536, 2048, 132, true, NULL, &p);
     ck_assert_int_eq(p.fp8, 0);
     nvfp4_moe_plan(pairs, 128, 1536, 2048, 132, false, &want, &p);
     ck_assert_int_eq(p.fp8, 0);
   }
+  nvfp4_moe_plan(16384, 128, 1536, 2048, 132, true, &want, &p);
+  ck_assert(p.kernel == NVFP4_KERNEL_WGMMA && p.fp8 == 1);
 }
 END_TEST
 

@@ -848,6 +848,92 @@ START_TEST(routed_moe_every_kernel) {
 }
 END_TEST
 
+/* Rows `rows` (count) of x [*, k] through expert e's `matrix` as one plain batch of at least
+ * NVFP4_FP8_MIN_M rows (the first row repeated to fill it: with FP8 activations each row is scaled on
+ * its own), into out [count, n]. */
+static void expert_rows(qkeep_layer *moe, int32_t e, enum qkeep_moe_matrix matrix, const float *x, int64_t k,
+                        const int64_t *rows, int64_t count, int64_t n, float *out) {
+  const int64_t batch = count < NVFP4_FP8_MIN_M ? NVFP4_FP8_MIN_M : count;
+  float *xb = tu_xmalloc((size_t)(batch * k) * sizeof *xb),
+        *yb = tu_xmalloc((size_t)(batch * n) * sizeof *yb);
+  for (int64_t i = 0; i < batch; i++)
+    memcpy(xb + i * k, x + rows[i < count ? i : 0] * k, (size_t)k * sizeof *xb);
+  ck_assert_msg(qkeep_layer_apply_expert_f32(moe, e, matrix, batch, xb, yb) == 0, "%s", qkeep_errmsg());
+  memcpy(out, yb, (size_t)(count * n) * sizeof *out);
+  free(xb), free(yb);
+}
+
+/* Routed MoE with FP8 activations on the wgmma kernel: each pair's w13 row equals its expert's plain FP8
+ * GEMM of that token, and each token's w2 row the router-weighted sum (in slot order) of its pairs'
+ * plain FP8 GEMMs, within the order of the f32 sums (the same e4m3 operands either way). */
+START_TEST(routed_fp8_equals_each_experts_fp8) {
+  static const struct gtu_model moe_model = {H, KV, I, E_I, R_EXPERTS, VOCAB};
+  char *source = gtu_write_source(dir, "moe.safetensors", 12, &moe_model),
+       *path = quantize(source, "modelopt-nvfp4", "q");
+  qkeep_model *m = gtu_load(gpu, path, NULL);
+  qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
+  ck_assert_ptr_nonnull(moe);
+  configure("fp8_activations", "true");
+  configure("kernel", "wgmma");
+  enum { T = 96, P = T * R_TOPK };
+  int32_t *ids = tu_xmalloc(P * sizeof *ids);
+  float *weights = tu_xmalloc(P * sizeof *weights), *x13 = tu_xmalloc((size_t)T * H * sizeof(float));
+  float *x2 = tu_xmalloc((size_t)P * E_I * sizeof(float)),
+        *y13 = tu_xmalloc((size_t)P * 2 * E_I * sizeof(float));
+  float *want13 = tu_xmalloc((size_t)P * 2 * E_I * sizeof(float)),
+        *y2 = tu_xmalloc((size_t)T * H * sizeof(float));
+  float *one2 = tu_xmalloc((size_t)P * H * sizeof(float)), *want2 = calloc((size_t)T * H, sizeof(float));
+  uint64_t rng = 61;
+  for (int64_t p = 0; p < P; p++) {
+    ids[p] = p % 37 == 5 ? -1 : (int32_t)(tu_rand(&rng) % R_EXPERTS);
+    weights[p] = 0.25f + 0.5f * (float)(tu_rand(&rng) % 100) / 100.0f;
+  }
+  random_x(x13, (size_t)T * H, 62);
+  random_x(x2, (size_t)P * E_I, 63);
+  /* The reference: per expert, its pairs' rows as one plain batch. */
+  int64_t *rows13 = tu_xmalloc(P * sizeof *rows13), *rows2 = tu_xmalloc(P * sizeof *rows2),
+          *pair = tu_xmalloc(P * sizeof *pair);
+  float *out = tu_xmalloc((size_t)P * (2 * E_I > H ? 2 * E_I : H) * sizeof *out);
+  for (int32_t e = 0; e < R_EXPERTS; e++) {
+    int64_t count = 0;
+    for (int64_t p = 0; p < P; p++)
+      if (ids[p] == e)
+        rows13[count] = p / R_TOPK, rows2[count] = p, pair[count++] = p;
+    if (!count)
+      continue;
+    expert_rows(moe, e, QKEEP_MOE_W13, x13, H, rows13, count, 2 * E_I, out);
+    for (int64_t i = 0; i < count; i++)
+      memcpy(want13 + pair[i] * 2 * E_I, out + i * 2 * E_I, 2 * E_I * sizeof(float));
+    expert_rows(moe, e, QKEEP_MOE_W2, x2, E_I, rows2, count, H, out);
+    for (int64_t i = 0; i < count; i++)
+      memcpy(one2 + pair[i] * H, out + i * H, H * sizeof(float));
+  }
+  for (int64_t p = 0; p < P; p++)
+    for (int j = 0; j < H && ids[p] >= 0; j++)
+      want2[(p / R_TOPK) * H + j] += weights[p] * one2[p * H + j];
+  void *d_ids = to_device(ids, P * sizeof *ids), *d_w = to_device(weights, P * sizeof *weights);
+  routed_apply(moe, QKEEP_MOE_W13, T, R_TOPK, d_ids, d_w, x13, (size_t)T * H, y13, (size_t)P * 2 * E_I);
+  for (int64_t p = 0; p < P; p++)
+    if (ids[p] >= 0) {
+      double err = rel_error(y13 + p * 2 * E_I, want13 + p * 2 * E_I, 2 * E_I);
+      ck_assert_msg(err <= 1e-4, "w13 pair %lld (expert %d): %g", (long long)p, ids[p], err);
+    }
+  routed_apply(moe, QKEEP_MOE_W2, T, R_TOPK, d_ids, d_w, x2, (size_t)P * E_I, y2, (size_t)T * H);
+  for (int64_t t = 0; t < T; t++) {
+    double err = rel_error(y2 + t * H, want2 + t * H, H);
+    ck_assert_msg(err <= 1e-4, "w2 token %lld: %g", (long long)t, err);
+  }
+  configure("fp8_activations", "false");
+  configure("kernel", "auto");
+  backend()->memory->free(backend(), d_ids);
+  backend()->memory->free(backend(), d_w);
+  free(ids), free(weights), free(x13), free(x2), free(y13), free(want13), free(y2), free(one2), free(want2);
+  free(rows13), free(rows2), free(pair), free(out);
+  qkeep_model_free(m);
+  free(source), free(path);
+}
+END_TEST
+
 /* ---- the batched memory slots (ABI 1.5, 1.6) ------------------------------------------------------ */
 
 enum { ARENA = 4 << 20, RANGES = 40 };
@@ -999,6 +1085,7 @@ static Suite *gpu_suite(void) {
   tcase_add_checked_fixture(tc, setup, teardown);
   tcase_add_loop_test(tc, routed_moe, 0, 2);
   tcase_add_loop_test(tc, routed_moe_every_kernel, 0, 2);
+  tcase_add_test(tc, routed_fp8_equals_each_experts_fp8);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -594,7 +594,8 @@ static const struct qkeep_backend_key cuda_keys[] = {
      "where the layout transforms run: in-place (on the GPU in the param's own memory where the shape "
      "allows, else as gpu), gpu (into a new tensor, copied back), host (their CPU twins)"},
     {"fp8_activations", QKEEP_KEY_BOOL, NULL, "false",
-     "NVFP4 GEMMs of 64 tokens or more (not routed MoE) on compute capability 9.0: activations quantized to "
+     "NVFP4 GEMMs of 64 tokens or more (and routed MoE on the wgmma kernel) on compute capability 9.0: "
+     "activations quantized to "
      "FP8 e4m3 per token (scale max |x| / 448) and the decoded weights rounded to e4m3, on the FP8 tensor "
      "cores: approximate (docs/PERFORMANCE.md has its error); false: W4A16, exact"},
     {"quantize_on_device", QKEEP_KEY_BOOL, NULL, "true",

@@ -137,7 +137,7 @@ struct nvfp4_tuning {
   int fp8;       /* 1: FP8 activations (opt-in, approximate): from NVFP4_FP8_MIN_M tokens on the wgmma kernel,
                   * x quantized to e4m3 per token (scale max |x| / 448) and the weights' decoded values
                   * (code x block scale x 2^-7) rounded to e4m3, on the FP8 tensor cores; a plan keeps it only
-                  * where it applies (plain, not routed, wgmma) */
+                  * where it applies (the wgmma kernel, plain or routed MoE: NVFP4_FP8_MIN_M staged rows) */
 };
 
 #define NVFP4_FP8_MIN_M 64 /* tokens from which FP8 activations apply (below: the W4A16 kernels) */

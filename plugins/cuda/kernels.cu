@@ -1274,7 +1274,8 @@ typedef std::atomic<int> DeviceSlots[kCachedDevices];
  * when the lookup failed (nothing is kept then; the next call asks again). */
 /*
  * FP8 activations (layout.h, "FP8 activations"): token_amax_kernel writes max |x| of each of
- * `rows` staged token rows (0 past m), one warp a row; stage_x8_kernel then writes every
+ * `rows` staged token rows (0 past m; routed, of the row staged_source names), one warp a row;
+ * stage_x8_kernel then writes every
  * (row, 64-K chunk) as e4m3 bytes of x * (448 / amax) (0 where amax is 0), rounded to nearest
  * even and saturating, in the staged FP8 order. The wgmma kernel multiplies each token's sums
  * by amax / 448.
@@ -1288,15 +1289,33 @@ template <typename TI> __device__ __forceinline__ float to_f32(TI v) {
     return __bfloat162float(v);
 }
 
+/* The x row staged row `row` takes (tiles of mt rows): plain, the row itself below m; routed, the tile's
+ * pair's token (moe_align_kernel's list; -1 past its count). -2: a routed tile past the device-side
+ * count, which the wgmma kernel never reads (nothing is written for it). */
+__device__ __forceinline__ long long staged_source(long long row, int m, int mt, const StageRoute &route,
+                                                   int tiles_now) {
+  if (!route.tiles)
+    return row < m ? row : -1;
+  const int tile = (int)(row / mt), r = (int)(row % mt);
+  if (tile >= tiles_now)
+    return -2;
+  const int4 tl = route.tiles[tile];
+  return r < tl.z ? route.pairs[tl.y + r] / route.x_div : -1;
+}
+
 template <typename TI>
-__global__ void token_amax_kernel(const TI *x, int m, int k, long long rows, float *amax) {
-  const int lane = threadIdx.x % 32;
+__global__ void token_amax_kernel(const TI *x, int m, int k, int mt, long long rows, StageRoute route,
+                                  float *amax) {
+  const int lane = threadIdx.x % 32, tiles_now = route.tiles ? *route.num_tiles : 0;
   const long long warps = (long long)gridDim.x * blockDim.x / 32;
   for (long long row = (blockIdx.x * (long long)blockDim.x + threadIdx.x) / 32; row < rows; row += warps) {
+    const long long src = staged_source(row, m, mt, route, tiles_now);
+    if (src == -2)
+      continue;
     float a = 0.0f;
-    if (row < m)
+    if (src >= 0)
       for (int i = lane; i < k; i += 32)
-        a = fmaxf(a, fabsf(to_f32(x[row * k + i])));
+        a = fmaxf(a, fabsf(to_f32(x[src * k + i])));
 #pragma unroll
     for (int o = 16; o > 0; o /= 2)
       a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
@@ -1306,20 +1325,23 @@ __global__ void token_amax_kernel(const TI *x, int m, int k, long long rows, flo
 }
 
 template <typename TI>
-__global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows,
-                                long long items, const float *amax, uint8_t *xs) {
+__global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows, long long items,
+                                StageRoute route, const float *amax, uint8_t *xs) {
   /* The wgmma kernel after this one may start now: it waits for this grid before it reads xs. */
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int tiles_now = route.tiles ? *route.num_tiles : 0;
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items;
        i += (long long)gridDim.x * blockDim.x) {
-    const long long token = i % rows;
+    const long long token = i % rows, src = staged_source(token, m, mt, route, tiles_now);
     const int c = (int)(i / rows);
-    const float inv = token < m && amax[token] > 0.0f ? 448.0f / amax[token] : 0.0f;
+    if (src == -2)
+      continue;
+    const float inv = src >= 0 && amax[token] > 0.0f ? 448.0f / amax[token] : 0.0f;
     float v[NVFP4_CHUNK_K];
 #pragma unroll
     for (int e = 0; e < NVFP4_CHUNK_K; ++e) {
       const int kk = c * NVFP4_CHUNK_K + e;
-      v[e] = token < m && kk < k ? to_f32(x[token * k + kk]) * inv : 0.0f;
+      v[e] = src >= 0 && kk < k ? to_f32(x[src * k + kk]) * inv : 0.0f;
     }
     uint8_t *base = xs + nvfp4_x8_offset(token, (long long)c * NVFP4_CHUNK_K, chunks, mt);
 #pragma unroll
@@ -1328,10 +1350,9 @@ __global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, l
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const int k0 = nvfp4_x8_k(sq / 2, 16 * (sq % 2) + 4 * t); /* then k0 + 1 .. k0 + 3 */
-        w[t] =
-            (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0], v[k0 + 1]), __NV_SATFINITE, __NV_E4M3) |
-            (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0 + 2], v[k0 + 3]), __NV_SATFINITE, __NV_E4M3)
-                << 16;
+        w[t] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0], v[k0 + 1]), __NV_SATFINITE, __NV_E4M3) |
+               (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0 + 2], v[k0 + 3]), __NV_SATFINITE, __NV_E4M3)
+                   << 16;
       }
       *reinterpret_cast<uint4 *>(base + sq * 16 * mt) = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -1565,22 +1586,25 @@ size_t wgmma_x_bytes(const struct nvfp4_tuning &plan, long long grid_x, int64_t 
 
 /* FP8 activations: each row's max |x| into amax, then x's e4m3 bytes into x8 (plain rows only). */
 template <typename TI>
-cudaError_t stage_fp8_as(const TI *x, const GemmArgs &a, int mt, long long rows, long long items, float *amax,
-                         uint8_t *x8, cudaStream_t st) {
-  token_amax_kernel<TI><<<grid_for(rows * 32, 256), 256, 0, st>>>(x, a.m, a.k, rows, amax);
+cudaError_t stage_fp8_as(const TI *x, int m, const GemmArgs &a, int mt, long long rows, long long items,
+                         const StageRoute &route, float *amax, uint8_t *x8, cudaStream_t st) {
+  token_amax_kernel<TI><<<grid_for(rows * 32, 256), 256, 0, st>>>(x, m, a.k, mt, rows, route, amax);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return err;
-  stage_x8_kernel<TI><<<grid_for(items, 256), 256, 0, st>>>(x, a.m, a.k, a.chunks, mt, rows, items, amax, x8);
+  stage_x8_kernel<TI>
+      <<<grid_for(items, 256), 256, 0, st>>>(x, m, a.k, a.chunks, mt, rows, items, route, amax, x8);
   return cudaGetLastError();
 }
 
-cudaError_t stage_fp8(const void *x, enum qkeep_dtype x_dtype, const GemmArgs &a, int mt, long long rows,
-                      long long items, float *amax, uint8_t *x8, cudaStream_t st) {
+cudaError_t stage_fp8(const void *x, enum qkeep_dtype x_dtype, int m, const GemmArgs &a, int mt, long long rows,
+                      long long items, const StageRoute &route, float *amax, uint8_t *x8, cudaStream_t st) {
   switch (x_dtype) {
-  case QKEEP_DTYPE_F16: return stage_fp8_as(static_cast<const __half *>(x), a, mt, rows, items, amax, x8, st);
-  case QKEEP_DTYPE_F32: return stage_fp8_as(static_cast<const float *>(x), a, mt, rows, items, amax, x8, st);
-  default: return stage_fp8_as(static_cast<const __nv_bfloat16 *>(x), a, mt, rows, items, amax, x8, st);
+  case QKEEP_DTYPE_F16:
+    return stage_fp8_as(static_cast<const __half *>(x), m, a, mt, rows, items, route, amax, x8, st);
+  case QKEEP_DTYPE_F32:
+    return stage_fp8_as(static_cast<const float *>(x), m, a, mt, rows, items, route, amax, x8, st);
+  default: return stage_fp8_as(static_cast<const __nv_bfloat16 *>(x), m, a, mt, rows, items, route, amax, x8, st);
   }
 }
 
@@ -1608,14 +1632,10 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
   if (err != cudaSuccess)
     return err;
   const int blocks = grid_for(items, 256);
-  if (plan.fp8) {
-    if (a.tiles) { /* routed tiles are not staged in FP8: the plan never asks */
-      (void)give_scratch(xs, owned, st);
-      return cudaErrorInvalidValue;
-    }
+  if (plan.fp8) { /* e4m3 activations, each staged row's max |x| after them */
     uint8_t *x8 = static_cast<uint8_t *>(xs);
     float *amax = reinterpret_cast<float *>(x8 + (size_t)nvfp4_x_elems(rows, a.k, mt));
-    err = stage_fp8(x, x_dtype, a, mt, rows, items, amax, x8, st);
+    err = stage_fp8(x, x_dtype, m, a, mt, rows, items, route, amax, x8, st);
     if (err == cudaSuccess) {
       WgArgs wa = {a, x8, mc, amax};
       err = wgmma_fp8_shape(plan, wa, (int)grid_x, (int)grid_y, st);

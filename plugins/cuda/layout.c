@@ -115,7 +115,7 @@ void nvfp4_moe_plan(int64_t pairs, int64_t experts, int64_t n, int64_t k, int sm
   } else if (kernel == NVFP4_KERNEL_WGMMA) {
     if (!t.multicast)
       t.multicast = 1; /* routed: not measured yet */
-    t.fp8 = 0;         /* routed tiles are staged in 16 bits only */
+
     nvfp4_wgmma_plan(tiles * tm, n, k, sms, &t, out);
   } else {
     out->kernel = NVFP4_KERNEL_RING;
