@@ -585,8 +585,11 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
         return compare_rows(got, want, row, n);
       };
       const nvfp4_tuning as_stream = {0, 0, 0, NVFP4_KERNEL_STREAM, 0, 0, 0, 0, 0, 0},
-                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0};
+                         as_wgmma = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0, 0},
+                         as_fp8 = {0, 0, 0, NVFP4_KERNEL_WGMMA, 0, 0, 0, 0, 0, 1}; /* FP8 activations */
       double err = rows_error(nullptr), err_s = rows_error(&as_stream), err_w = rows_error(&as_wgmma);
+      const bool fp8 = wgmma && T >= 64;
+      const double err_f = fp8 ? rows_error(&as_fp8) : -1;
       /* cuBLAS's grouped GEMM: one group per expert hit (pointer arrays per copy, on the device). */
       const int groups = (int)hit.size();
       std::vector<cublasOperation_t> op_a((size_t)groups, CUBLAS_OP_T), op_b((size_t)groups, CUBLAS_OP_N);
@@ -645,6 +648,7 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
           sweep_s += one;
         }
       const double w_us = time_us(stream, copies_q, qkeep_with(&as_wgmma));
+      const double f_us = fp8 ? time_us(stream, copies_q, qkeep_with(&as_fp8)) : -1;
       const nvfp4_tuning as_wgmma32 = {32, 0, 0, NVFP4_KERNEL_WGMMA,
                                        0,  0, 0}; /* a token tile above the mean */
       const double w32_us = T >= 64 ? time_us(stream, copies_q, qkeep_with(&as_wgmma32)) : -1;
@@ -679,13 +683,14 @@ void bench_moe(cublasHandle_t blas, cudaStream_t stream, double bandwidth, int s
           "%d/%d\",\"max_rel_err\":%.2e,"
           "\"stream_err\":%.2e,\"wgmma_err\":%.2e,\"grouped_us\":%.2f,\"grouped_status\":%d,\"grouped_err\":%"
           ".2e,"
-          "\"wgmma32_us\":%.2f,\"read_us\":%.2f,\"dense_us\":%.2f,\"runs\":%d,\"launches\":%d,\"copies\":%d,"
-          "\"method\":\"graph\"}\n",
+          "\"wgmma32_us\":%.2f,\"wgmma_fp8_us\":%.2f,\"wgmma_fp8_err\":%.2e,\"read_us\":%.2f,\"dense_us\":%."
+          "2f,"
+          "\"runs\":%d,\"launches\":%d,\"copies\":%d,\"method\":\"graph\"}\n",
           W.name, (long long)experts, topk, (long long)T, hit.size(), (long long)n, (long long)k, q_us,
           kernel_name(plan.kernel), plan.tile_m, plan.rows, plan.split_k, p_us, p_us / q_us, ceiling,
           ceiling / q_us, hit_q, s_us, plan_s.tile_m, plan_s.rows, plan_s.split_k, a_us, sweep_s.c_str(),
           w_us, plan_w.tile_m, plan_w.rows, plan_w.split_k, err, err_s, err_w, g_us, (int)g_status, g_err,
-          w32_us, r_us, d_us, 3 * kRuns, launches, copies_q);
+          w32_us, f_us, err_f, r_us, d_us, 3 * kRuns, launches, copies_q);
       fflush(stdout);
       for (void *p : allocations)
         CHECK_CUDA(cudaFree(p));
