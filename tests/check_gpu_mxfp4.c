@@ -17,8 +17,8 @@
  *     bytes (wave 32), and PWAL on the host gives the same digest;
  *   - reload W0 -> W1 equals a cold start on W1 byte for byte with every device
  *     pointer unchanged, and the kernels give the cold start's bits;
- *   - bf16 and f16 activations, and the routed MoE apply (both namings), agree with
- *     the f32 per-expert results.
+ *   - bf16 and f16 activations, and the routed MoE apply (both namings; on the mma.sync kernel
+ *     and with `kernel = wgmma`), agree with the f32 per-expert results.
  */
 #include <check.h>
 #include <math.h>
@@ -445,12 +445,19 @@ START_TEST(routed_moe) {
   qkeep_model *m = gtu_load(gpu, path, NULL);
   qkeep_layer *moe = qkeep_model_find_layer(m, "model.layers.1.mlp.experts");
   ck_assert_ptr_nonnull(moe);
-  assert_routed(moe, 2 * E_I, H, E_I, EXPERTS);
+  for (int wgmma = 0; wgmma < 2; wgmma++) { /* the mma.sync kernel, then `kernel = wgmma` */
+    configure("kernel", wgmma ? "wgmma" : "auto");
+    assert_routed(moe, 2 * E_I, H, E_I, EXPERTS);
+  }
   qkeep_model_free(m);
   m = gtu_load(gpu, oss, NULL);
   moe = qkeep_model_find_layer(m, "model.layers.0.mlp.experts");
   ck_assert_ptr_nonnull(moe);
-  assert_routed(moe, 192, 160, 96, 3);
+  for (int wgmma = 0; wgmma < 2; wgmma++) {
+    configure("kernel", wgmma ? "wgmma" : "auto");
+    assert_routed(moe, 192, 160, 96, 3);
+  }
+  configure("kernel", "auto");
   qkeep_model_free(m);
   free(source), free(path), free(oss);
 }

@@ -575,7 +575,9 @@ static const struct qkeep_backend_key cuda_keys[] = {
     {"device", QKEEP_KEY_INT, "0..1023", "0", "CUDA device index"},
     {"kernel", QKEEP_KEY_ENUM, "auto|ring|stream|wgmma", "auto",
      "auto: stream for M <= 16 (routed MoE: 16 tokens per expert), wgmma above on compute capability 9.0, "
-     "ring elsewhere; MXFP4 runs its mma.sync kernel but where wgmma is asked for (from 32 tokens on 9.0)"},
+     "ring elsewhere; MXFP4 runs its mma.sync kernel but where wgmma is asked for (from 32 tokens, and "
+     "routed "
+     "MoE, on 9.0)"},
     {"tile_m", QKEEP_KEY_ENUM, "auto|8|16|32|64|128|256", "auto",
      "tokens per block: ring 8, 16, 32 or 64; wgmma 8 to 256"},
     {"split_k", QKEEP_KEY_ENUM, "auto|1|2|3|4|5|6|7|8", "auto", "K split across a thread-block cluster"},
@@ -1002,6 +1004,11 @@ static bool mx_on_wgmma(const struct cuda_backend *c, const struct qkeep_apply_a
   return c->tuning.kernel == NVFP4_KERNEL_WGMMA && mxfp4_wgmma_applies(a->m, a->x_dtype, c->tuning.split_k);
 }
 
+/* Routed MXFP4 on the wgmma kernel: the same opt-in (bf16 or f32 activations, compute capability 9.0). */
+static bool mx_routed_on_wgmma(const struct cuda_backend *c, const struct qkeep_apply_args *a) {
+  return c->tuning.kernel == NVFP4_KERNEL_WGMMA && mxfp4_wgmma_moe_applies(a->m, a->topk, a->x_dtype);
+}
+
 static size_t mx_workspace(const struct cuda_backend *c, const struct mxfp4_weights *wt,
                            const struct qkeep_apply_args *a) {
   return mx_on_wgmma(c, a) ? mxfp4_wgmma_workspace(wt, a->m)
@@ -1037,8 +1044,10 @@ static int cuda_workspace(const struct qkeep_backend *be, qkeep_layer *layer,
     if (mat < 0)
       return mat;
     const struct mxfp4_weights *wt = &st->mx.w[mat];
-    *bytes = routed ? mxfp4_moe_workspace(wt, a->m, a->topk, mat == QKEEP_MOE_W2, a->x_dtype)
-                    : mx_workspace(c, wt, a);
+    *bytes = !routed ? mx_workspace(c, wt, a)
+             : mx_routed_on_wgmma(c, a)
+                 ? mxfp4_wgmma_moe_workspace(wt, a->m, a->topk, mat == QKEEP_MOE_W2)
+                 : mxfp4_moe_workspace(wt, a->m, a->topk, mat == QKEEP_MOE_W2, a->x_dtype);
     return 0;
   }
   if (!st->moe) {
@@ -1064,6 +1073,10 @@ static int apply_mxfp4(const struct cuda_backend *c, const struct layer_state *s
   if (mat < 0)
     return mat;
   const struct mxfp4_weights *wt = &st->mx.w[mat];
+  if (routed && mx_routed_on_wgmma(c, args))
+    return mxfp4_wgmma_moe_run(wt, args->m, args->topk, args->topk_ids, args->topk_weights,
+                               mat == QKEEP_MOE_W2, args->x, args->x_dtype, args->y, args->y_dtype, ws,
+                               stream);
   if (routed)
     return mxfp4_moe_run(wt, args->m, args->topk, args->topk_ids, args->topk_weights, mat == QKEEP_MOE_W2,
                          args->x, args->x_dtype, args->y, args->y_dtype, ws, stream);

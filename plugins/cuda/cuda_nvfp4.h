@@ -251,6 +251,13 @@ size_t mxfp4_wgmma_workspace(const struct mxfp4_weights *wt, int64_t m);
 int mxfp4_wgmma_run(const struct mxfp4_weights *wt, int32_t expert, int64_t m, const void *x,
                     enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype, struct gpu_scratch *ws,
                     void *stream);
+/* Routed MoE on the same kernel (arguments as mxfp4_moe_run's; bf16 or f32 activations, compute capability
+ * 9.0: mxfp4_wgmma_moe_applies), the tiles and the combine as nvfp4_moe_run has them. */
+bool mxfp4_wgmma_moe_applies(int64_t m, int32_t topk, enum qkeep_dtype x_dtype);
+size_t mxfp4_wgmma_moe_workspace(const struct mxfp4_weights *wt, int64_t m, int32_t topk, bool combine);
+int mxfp4_wgmma_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
+                        const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype,
+                        void *y, enum qkeep_dtype y_dtype, struct gpu_scratch *ws, void *stream);
 
 /* y [m, n] = x [m, k] W^T + bias for an unquantized weight W [n, k] (F32, F16 or BF16);
  * a plain CUDA-core kernel, correct for any shape, not tuned. */

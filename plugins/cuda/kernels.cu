@@ -1325,8 +1325,8 @@ __global__ void token_amax_kernel(const TI *x, int m, int k, int mt, long long r
 }
 
 template <typename TI>
-__global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows, long long items,
-                                StageRoute route, const float *amax, uint8_t *xs) {
+__global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, long long rows,
+                                long long items, StageRoute route, const float *amax, uint8_t *xs) {
   /* The wgmma kernel after this one may start now: it waits for this grid before it reads xs. */
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int tiles_now = route.tiles ? *route.num_tiles : 0;
@@ -1350,9 +1350,10 @@ __global__ void stage_x8_kernel(const TI *x, int m, int k, int chunks, int mt, l
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const int k0 = nvfp4_x8_k(sq / 2, 16 * (sq % 2) + 4 * t); /* then k0 + 1 .. k0 + 3 */
-        w[t] = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0], v[k0 + 1]), __NV_SATFINITE, __NV_E4M3) |
-               (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0 + 2], v[k0 + 3]), __NV_SATFINITE, __NV_E4M3)
-                   << 16;
+        w[t] =
+            (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0], v[k0 + 1]), __NV_SATFINITE, __NV_E4M3) |
+            (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(v[k0 + 2], v[k0 + 3]), __NV_SATFINITE, __NV_E4M3)
+                << 16;
       }
       *reinterpret_cast<uint4 *>(base + sq * 16 * mt) = make_uint4(w[0], w[1], w[2], w[3]);
     }
@@ -1597,14 +1598,16 @@ cudaError_t stage_fp8_as(const TI *x, int m, const GemmArgs &a, int mt, long lon
   return cudaGetLastError();
 }
 
-cudaError_t stage_fp8(const void *x, enum qkeep_dtype x_dtype, int m, const GemmArgs &a, int mt, long long rows,
-                      long long items, const StageRoute &route, float *amax, uint8_t *x8, cudaStream_t st) {
+cudaError_t stage_fp8(const void *x, enum qkeep_dtype x_dtype, int m, const GemmArgs &a, int mt,
+                      long long rows, long long items, const StageRoute &route, float *amax, uint8_t *x8,
+                      cudaStream_t st) {
   switch (x_dtype) {
   case QKEEP_DTYPE_F16:
     return stage_fp8_as(static_cast<const __half *>(x), m, a, mt, rows, items, route, amax, x8, st);
   case QKEEP_DTYPE_F32:
     return stage_fp8_as(static_cast<const float *>(x), m, a, mt, rows, items, route, amax, x8, st);
-  default: return stage_fp8_as(static_cast<const __nv_bfloat16 *>(x), m, a, mt, rows, items, route, amax, x8, st);
+  default:
+    return stage_fp8_as(static_cast<const __nv_bfloat16 *>(x), m, a, mt, rows, items, route, amax, x8, st);
   }
 }
 
@@ -1643,8 +1646,8 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
     cudaError_t free_err = give_scratch(xs, owned, st);
     return err != cudaSuccess ? err : free_err;
   }
-  if (mx) { /* MXFP4 codes and scales (plain, bf16 or f32 activations) */
-    if (a.tiles || x_dtype == QKEEP_DTYPE_F16) {
+  if (mx) { /* MXFP4 codes and scales (bf16 or f32 activations) */
+    if (x_dtype == QKEEP_DTYPE_F16) {
       (void)give_scratch(xs, owned, st);
       return cudaErrorInvalidValue;
     }
@@ -2276,33 +2279,29 @@ extern "C" int nvfp4_gemm_run(const struct nvfp4_weights *wt, int32_t expert, in
 static void moe_shape(const struct nvfp4_weights *wt, int pairs, const struct nvfp4_tuning *tune,
                       struct nvfp4_tuning *plan, int *max_tiles);
 
-extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
-                             const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype,
-                             void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune,
-                             struct gpu_scratch *ws, void *stream) {
-  if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || topk < 1 || !topk_ids || (combine && !topk_weights) ||
-      wt->experts < 1 || wt->experts > kMaxMoeExperts || wt->k % NVFP4_BLOCK || ((uintptr_t)x & 15) ||
-      m * topk > INT32_MAX / 2 || wt->n > INT32_MAX || wt->k > INT32_MAX)
-    return cudaErrorInvalidValue;
-  const int pairs = (int)(m * topk), experts = (int)wt->experts;
-  if (pairs == 0)
-    return cudaSuccess;
-  cudaStream_t st = (cudaStream_t)stream;
-  struct nvfp4_tuning plan;
-  int max_tiles;
-  moe_shape(wt, pairs, tune, &plan, &max_tiles);
-  const int tile_m = plan.tile_m;
-  const int grid_y = (int)((wt->n + kRowsPerBlock - 1) / kRowsPerBlock);
+/*
+ * A routed launch on the plan's kernel: tiles and sorted pairs by moe_align_kernel (unless the streaming
+ * kernel routes its own blocks), the GEMM into y (w13) or into f32 rows per pair that moe_combine_kernel
+ * sums into y (w2, combine). `a` holds the weights' arguments (NVFP4; MXFP4 with mx, on the wgmma
+ * kernel only) of `experts` experts.
+ */
+static cudaError_t moe_launch(GemmArgs a, int experts, struct nvfp4_tuning plan, int max_tiles, int64_t m,
+                              int32_t topk, const int32_t *topk_ids, const float *topk_weights, bool combine,
+                              const void *x, enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
+                              const struct nvfp4_tuning *tune, struct gpu_scratch *ws, cudaStream_t st,
+                              bool mx) {
+  const int pairs = (int)(m * topk), tile_m = plan.tile_m, n = a.n;
+  const int grid_y = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t stream_blocks = plan.kernel == NVFP4_KERNEL_STREAM
-                                    ? (nvfp4_w_rows(wt->n) / NVFP4_TILE_ROWS + plan.rows - 1) / plan.rows
+                                    ? (nvfp4_w_rows(n) / NVFP4_TILE_ROWS + plan.rows - 1) / plan.rows
                                     : 0;
-  if (grid_y > 65535 || stream_blocks > 65535)
+  if (grid_y > 65535 || stream_blocks > 65535 || (mx && plan.kernel != NVFP4_KERNEL_WGMMA))
     return cudaErrorInvalidValue;
 
   /* Scratch, stream-ordered: tiles, the sorted pairs, the tile count, and for w2 the f32
    * rows that the combine adds up. */
   size_t tiles_bytes = sizeof(int4) * (size_t)max_tiles, sorted_bytes = sizeof(int) * ((size_t)pairs + 4);
-  size_t rows_bytes = combine ? sizeof(float) * (size_t)pairs * (size_t)wt->n : 0;
+  size_t rows_bytes = combine ? sizeof(float) * (size_t)pairs * (size_t)n : 0;
   char *scratch = nullptr;
   bool owned;
   cudaError_t err = take_scratch(ws, tiles_bytes + sorted_bytes + rows_bytes, st,
@@ -2322,7 +2321,6 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
                                                                          sorted, tiles, num_tiles);
   err = cudaGetLastError();
   if (err == cudaSuccess) {
-    GemmArgs a = gemm_args(wt);
     plan.late = tune && tune->late; /* the plan leaves it: a launch property, not a shape */
     a.x = x, a.y = y, a.y_dtype = y_dtype, a.y_pairs = rows;
     a.tiles = tiles, a.num_tiles = num_tiles, a.pairs = sorted, a.x_div = combine ? 1 : topk;
@@ -2333,12 +2331,12 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
       err = dispatch_stream(plan, x_dtype, a, dim3((unsigned)max_tiles, (unsigned)stream_blocks), st);
     } else if (plan.kernel == NVFP4_KERNEL_WGMMA) {
       a.splits = plan.split_k;
-      err = run_wgmma(plan, a, x, x_dtype, ws, st, max_tiles);
+      err = run_wgmma(plan, a, x, x_dtype, ws, st, max_tiles, mx);
     } else {
       /* Most tiles a step can have is one per expert hit; size the split for that. */
       int64_t est_blocks = (int64_t)min(pairs, experts) * grid_y;
-      plan.split_k = pick_split(est_blocks, nvfp4_w_chunks(wt->k), resident_per_sm(plan, x_dtype),
-                                tune ? tune->split_k : 0);
+      plan.split_k =
+          pick_split(est_blocks, a.chunks, resident_per_sm(plan, x_dtype), tune ? tune->split_k : 0);
       a.splits = plan.split_k;
       err = dispatch(plan, x_dtype, a, max_tiles, grid_y, st);
     }
@@ -2346,19 +2344,49 @@ extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t 
       err = cudaGetLastError();
   }
   if (err == cudaSuccess && combine) {
-    dim3 grid((unsigned)m, (unsigned)((wt->n + 255) / 256));
-    moe_combine_kernel<<<grid, 256, 0, st>>>(rows, topk_ids, topk_weights, topk, experts, (int)wt->n, y,
-                                             y_dtype);
+    dim3 grid((unsigned)m, (unsigned)((n + 255) / 256));
+    moe_combine_kernel<<<grid, 256, 0, st>>>(rows, topk_ids, topk_weights, topk, experts, n, y, y_dtype);
     err = cudaGetLastError();
   }
   cudaError_t free_err = give_scratch(scratch, owned, st);
   return err != cudaSuccess ? err : free_err;
 }
 
+extern "C" int nvfp4_moe_run(const struct nvfp4_weights *wt, int64_t m, int32_t topk, const int32_t *topk_ids,
+                             const float *topk_weights, bool combine, const void *x, enum qkeep_dtype x_dtype,
+                             void *y, enum qkeep_dtype y_dtype, const struct nvfp4_tuning *tune,
+                             struct gpu_scratch *ws, void *stream) {
+  if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || topk < 1 || !topk_ids || (combine && !topk_weights) ||
+      wt->experts < 1 || wt->experts > kMaxMoeExperts || wt->k % NVFP4_BLOCK || ((uintptr_t)x & 15) ||
+      m * topk > INT32_MAX / 2 || wt->n > INT32_MAX || wt->k > INT32_MAX)
+    return cudaErrorInvalidValue;
+  const int pairs = (int)(m * topk);
+  if (pairs == 0)
+    return cudaSuccess;
+  struct nvfp4_tuning plan;
+  int max_tiles;
+  moe_shape(wt, pairs, tune, &plan, &max_tiles);
+  return moe_launch(gemm_args(wt), (int)wt->experts, plan, max_tiles, m, topk, topk_ids, topk_weights,
+                    combine, x, x_dtype, y, y_dtype, tune, ws, (cudaStream_t)stream, false);
+}
+
 /* The plan of a routed launch, as nvfp4_moe_run makes it, and its tile bound. */
 static void moe_shape(const struct nvfp4_weights *wt, int pairs, const struct nvfp4_tuning *tune,
                       struct nvfp4_tuning *plan, int *max_tiles) {
   nvfp4_moe_plan(pairs, (int)wt->experts, wt->n, wt->k, sm_count(), wgmma_ok(), tune, plan);
+  *max_tiles = min(pairs, (pairs + plan->tile_m - 1) / plan->tile_m + (int)wt->experts);
+}
+
+/* The same for MXFP4 on the wgmma kernel, whose MXFP4 shapes take token tiles of 32 to 256. */
+static void mx_moe_shape(const struct mxfp4_weights *wt, int pairs, struct nvfp4_tuning *plan,
+                         int *max_tiles) {
+  struct nvfp4_tuning on_wgmma = {};
+  on_wgmma.kernel = NVFP4_KERNEL_WGMMA;
+  nvfp4_moe_plan(pairs, (int)wt->experts, wt->n, wt->k, sm_count(), true, &on_wgmma, plan);
+  if (plan->tile_m < 32) {
+    on_wgmma.tile_m = 32;
+    nvfp4_moe_plan(pairs, (int)wt->experts, wt->n, wt->k, sm_count(), true, &on_wgmma, plan);
+  }
   *max_tiles = min(pairs, (pairs + plan->tile_m - 1) / plan->tile_m + (int)wt->experts);
 }
 
@@ -2421,6 +2449,41 @@ extern "C" int mxfp4_wgmma_run(const struct mxfp4_weights *wt, int32_t expert, i
   a.x = x, a.y = y, a.y_dtype = y_dtype, a.m = (int)m, a.expert = expert, a.splits = plan.split_k;
   cudaError_t err = run_wgmma(plan, a, x, x_dtype, ws, (cudaStream_t)stream, 0, true);
   return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+extern "C" bool mxfp4_wgmma_moe_applies(int64_t m, int32_t topk, enum qkeep_dtype x_dtype) {
+  return m > 0 && topk > 0 && m * topk <= INT32_MAX / 2 && x_dtype != QKEEP_DTYPE_F16 && wgmma_ok();
+}
+
+extern "C" size_t mxfp4_wgmma_moe_workspace(const struct mxfp4_weights *wt, int64_t m, int32_t topk,
+                                            bool combine) {
+  if (m <= 0 || topk < 1 || m * topk > INT32_MAX / 2 || wt->experts < 1 || wt->experts > kMaxMoeExperts)
+    return 0;
+  const int pairs = (int)(m * topk);
+  struct nvfp4_tuning plan;
+  int max_tiles;
+  mx_moe_shape(wt, pairs, &plan, &max_tiles);
+  size_t bytes = sizeof(int4) * (size_t)max_tiles + sizeof(int) * ((size_t)pairs + 4) +
+                 (combine ? sizeof(float) * (size_t)pairs * (size_t)wt->n : 0);
+  return gpu_scratch_round(bytes) + gpu_scratch_round(wgmma_x_bytes(plan, max_tiles, wt->k));
+}
+
+extern "C" int mxfp4_wgmma_moe_run(const struct mxfp4_weights *wt, int64_t m, int32_t topk,
+                                   const int32_t *topk_ids, const float *topk_weights, bool combine,
+                                   const void *x, enum qkeep_dtype x_dtype, void *y, enum qkeep_dtype y_dtype,
+                                   struct gpu_scratch *ws, void *stream) {
+  if (!dtype_ok(x_dtype) || !dtype_ok(y_dtype) || x_dtype == QKEEP_DTYPE_F16 || topk < 1 || !topk_ids ||
+      (combine && !topk_weights) || wt->experts < 1 || wt->experts > kMaxMoeExperts || wt->k % MXFP4_BLOCK ||
+      ((uintptr_t)x & 15) || m < 0 || m * topk > INT32_MAX / 2 || wt->n > INT32_MAX || wt->k > INT32_MAX)
+    return cudaErrorInvalidValue;
+  const int pairs = (int)(m * topk);
+  if (pairs == 0)
+    return cudaSuccess;
+  struct nvfp4_tuning plan;
+  int max_tiles;
+  mx_moe_shape(wt, pairs, &plan, &max_tiles);
+  return moe_launch(mx_args(wt), (int)wt->experts, plan, max_tiles, m, topk, topk_ids, topk_weights, combine,
+                    x, x_dtype, y, y_dtype, nullptr, ws, (cudaStream_t)stream, true);
 }
 
 extern "C" size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t topk, bool combine,
