@@ -490,17 +490,9 @@ END_TEST
 
 /* ---- FP8 activations (opt-in) ---------------------------------------------------------------- */
 
-/* v rounded to e4m3 (nearest even, subnormals from 2^-9, saturating at 448), as cvt.rn.satfinite. */
-static double e4m3_round(double v) {
-  double a = fabs(v);
-  if (a == 0)
-    return v;
-  int e = (int)floor(log2(a));
-  if (e < -6)
-    e = -6;
-  double step = ldexp(1.0, e - 3), r = nearbyint(a / step) * step;
-  return copysign(r > 448 ? 448 : r, v);
-}
+/* v (a float value) rounded to e4m3 as cvt.rn.satfinite does it: nearest even, subnormals from 2^-9,
+ * saturating at 448, which is the quantizer's qk_e4m3_encode. */
+static double e4m3_round(float v) { return qk_e4m3_decode(qk_e4m3_encode(v)); }
 
 /*
  * A linear layer's output with fp8_activations on, against its emulation on the host from the bytes
@@ -573,9 +565,9 @@ static void assert_fp8_layer(qkeep_model *m, const char *name, int64_t tokens, e
         double sum = 0, mag = 0;
         for (int64_t i = 0; i < k; i++) {
           float v = x_dtype == QKEEP_DTYPE_F32 ? x[t * k + i] : widen(xh, x_dtype, (size_t)(t * k + i));
-          double xq = e4m3_round((double)(v * inv));
+          double xq = e4m3_round(v * inv);
           double wq = e4m3_round(qk_e2m1_decode(qk_fp4_code(codes + r * (k / 2), i)) *
-                                 (double)qk_e4m3_decode(scales[r * cols + i / 16]) / 128.0);
+                                 qk_e4m3_decode(scales[r * cols + i / 16]) / 128.0f); /* exact in f32 */
           sum += wq * xq, mag += fabs(wq * xq);
         }
         const double scale = 128.0 * alpha * (amax / 448.0f);
