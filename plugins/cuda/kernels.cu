@@ -1517,27 +1517,17 @@ cudaError_t launch_wgmma(const WgArgs &wa, int grid_x, int grid_y, cudaStream_t 
                         dim3((unsigned)grid_x, (unsigned)grid_y), kWgThreads, bytes, st, true, wa.multicast);
 }
 
-/* MXFP4 weights (bf16 activations): one 64-row MMA tile per consumer warpgroup, token tiles of 32 to 256. */
-cudaError_t wgmma_mx_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
-                           cudaStream_t st) {
+/* The variants (FP8 activations, or MXFP4 weights with bf16 activations): one 64-row MMA tile per consumer
+ * warpgroup, token tiles of 32 to 256 (their plans never give another). */
+template <bool FP8, bool MX>
+cudaError_t wgmma_variant_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
+                                cudaStream_t st) {
   switch (plan.tile_m) {
-  case 32: return launch_wgmma<32, 1, true, false, true>(wa, grid_x, grid_y, st);
-  case 64: return launch_wgmma<64, 1, true, false, true>(wa, grid_x, grid_y, st);
-  case 128: return launch_wgmma<128, 1, true, false, true>(wa, grid_x, grid_y, st);
-  case 256: return launch_wgmma<256, 1, true, false, true>(wa, grid_x, grid_y, st);
-  default: return cudaErrorInvalidValue; /* mxfp4_wgmma_plan never gives another */
-  }
-}
-
-/* FP8 activations: one 64-row MMA tile per consumer warpgroup, token tiles of 32 to 256. */
-cudaError_t wgmma_fp8_shape(const struct nvfp4_tuning &plan, const WgArgs &wa, int grid_x, int grid_y,
-                            cudaStream_t st) {
-  switch (plan.tile_m) {
-  case 32: return launch_wgmma<32, 1, true, true>(wa, grid_x, grid_y, st);
-  case 64: return launch_wgmma<64, 1, true, true>(wa, grid_x, grid_y, st);
-  case 128: return launch_wgmma<128, 1, true, true>(wa, grid_x, grid_y, st);
-  case 256: return launch_wgmma<256, 1, true, true>(wa, grid_x, grid_y, st);
-  default: return cudaErrorInvalidValue; /* the plan never gives another */
+  case 32: return launch_wgmma<32, 1, true, FP8, MX>(wa, grid_x, grid_y, st);
+  case 64: return launch_wgmma<64, 1, true, FP8, MX>(wa, grid_x, grid_y, st);
+  case 128: return launch_wgmma<128, 1, true, FP8, MX>(wa, grid_x, grid_y, st);
+  case 256: return launch_wgmma<256, 1, true, FP8, MX>(wa, grid_x, grid_y, st);
+  default: return cudaErrorInvalidValue;
   }
 }
 
@@ -1641,7 +1631,7 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
     err = stage_fp8(x, x_dtype, m, a, mt, rows, items, route, amax, x8, st);
     if (err == cudaSuccess) {
       WgArgs wa = {a, x8, mc, amax};
-      err = wgmma_fp8_shape(plan, wa, (int)grid_x, (int)grid_y, st);
+      err = wgmma_variant_shape<true, false>(plan, wa, (int)grid_x, (int)grid_y, st);
     }
     cudaError_t free_err = give_scratch(xs, owned, st);
     return err != cudaSuccess ? err : free_err;
@@ -1662,7 +1652,7 @@ cudaError_t run_wgmma(const struct nvfp4_tuning &plan, const GemmArgs &a, const 
     err = cudaGetLastError();
     if (err == cudaSuccess) {
       WgArgs wa = {a, static_cast<const uint8_t *>(xs), mc, nullptr};
-      err = wgmma_mx_shape(plan, wa, (int)grid_x, (int)grid_y, st);
+      err = wgmma_variant_shape<false, true>(plan, wa, (int)grid_x, (int)grid_y, st);
     }
     cudaError_t free_err = give_scratch(xs, owned, st);
     return err != cudaSuccess ? err : free_err;
