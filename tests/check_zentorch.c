@@ -413,13 +413,13 @@ static int check_model(qkeep_model *m, qkeep_model *r, bool da8w4, const char *w
   return check_model_with(m, r, da8w4, what, check_gemm);
 }
 
-static const char *const isas[] = {"avx2", "avx512", "avx512_vnni"};
+static const char *const isas[] = {"avx2", "avx512", "avx512_vnni", "amx"};
 static const char *const modes[] = {"w4a16", "da8w4"};
 
 /* Every mode x ISA this CPU runs, each GEMM through `check`; the number of ISAs run. */
 static int check_all_paths(qkeep_model *m, qkeep_model *r, const char *name, gemm_check check) {
   int paths = 0;
-  for (int i = 0; i < 3; i++) {
+  for (size_t i = 0; i < sizeof isas / sizeof isas[0]; i++) {
     if (set_key("isa", isas[i]) != 0)
       continue; /* above this CPU */
     paths++;

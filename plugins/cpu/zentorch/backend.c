@@ -28,8 +28,9 @@
  * same addresses, new bytes) leaves nothing stale.
  *
  * Config ([backend.cpu-zentorch]): mode = w4a16 | da8w4 (default w4a16), threads = N
- * (OpenMP threads; default OpenMP's), isa = auto | avx2 | avx512 | avx512_vnni (the highest
- * the kernels may use; default auto, the CPU's best). Environment: QKEEP_ZENTORCH_MAX_ISA
+ * (OpenMP threads; default OpenMP's), isa = auto | avx2 | avx512 | avx512_vnni | amx (the
+ * highest the kernels may use; default auto, the CPU's best; amx: da8w4 from ZT_AMX_MIN_ROWS rows
+ * on AMX-INT8 tiles where the CPU has them and Linux grants the process their state). Environment: QKEEP_ZENTORCH_MAX_ISA
  * (the same names) lowers the ISA for the whole process, e.g. to run the AVX2 path on an
  * AVX-512 machine.
  */
@@ -37,14 +38,30 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "zentorch.h"
 
 static struct zt_backend *zt_of(const struct qkeep_backend *be) { return (struct zt_backend *)be; }
 
-static const char *const isa_names[ZT_ISA_COUNT] = {"none", "avx2", "avx512", "avx512_vnni"};
+static const char *const isa_names[ZT_ISA_COUNT] = {"none", "avx2", "avx512", "avx512_vnni", "amx"};
 
 /* ---- configuration and probing ------------------------------------------------------------------ */
+
+/*
+ * Whether this process may use the AMX tile registers: Linux hands their 8 KiB of state out
+ * per process, on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); an AMX
+ * instruction without it raises SIGILL. The grant holds for every thread, present and future.
+ */
+static bool amx_granted(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+  return false;
+#endif
+}
 
 static enum zt_isa cpu_isa(void) {
   __builtin_cpu_init();
@@ -54,7 +71,11 @@ static enum zt_isa cpu_isa(void) {
   if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
       !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
     return ZT_ISA_AVX2;
-  return __builtin_cpu_supports("avx512vnni") ? ZT_ISA_AVX512_VNNI : ZT_ISA_AVX512;
+  if (!__builtin_cpu_supports("avx512vnni"))
+    return ZT_ISA_AVX512;
+  if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_granted())
+    return ZT_ISA_AMX;
+  return ZT_ISA_AVX512_VNNI;
 }
 
 static int isa_of_name(const char *name, enum zt_isa *out) {
@@ -74,7 +95,9 @@ static int zentorch_probe(const struct qkeep_backend *be, char *msg, size_t msg_
   }
   snprintf(msg, msg_len, "int4 kernels on %s (CPU: %s), mode %s, %s", isa_names[b->isa],
            isa_names[b->cpu_isa], b->mode == ZT_DA8W4 ? "da8w4" : "w4a16",
-           b->isa == ZT_ISA_AVX512_VNNI ? "vpdpbusd" : "vpmaddubsw + vpmaddwd");
+           b->isa == ZT_ISA_AMX          ? "tdpbsud tiles from 16 rows, vpdpbusd below"
+           : b->isa == ZT_ISA_AVX512_VNNI ? "vpdpbusd"
+                                          : "vpmaddubsw + vpmaddwd");
   return 0;
 }
 
@@ -94,7 +117,7 @@ static int zentorch_configure(const struct qkeep_backend *be, const char *key, c
   if (strcmp(key, "isa") == 0) {
     enum zt_isa isa = b->cpu_isa;
     if (strcmp(value, "auto") != 0 && isa_of_name(value, &isa))
-      return b->host->set_error(QKEEP_E_CONFIG, "isa = '%s': expected auto, avx2, avx512 or avx512_vnni",
+      return b->host->set_error(QKEEP_E_CONFIG, "isa = '%s': expected auto, avx2, avx512, avx512_vnni or amx",
                                 value);
     if (isa > b->cpu_isa)
       return b->host->set_error(QKEEP_E_CONFIG, "isa = '%s': this CPU has %s at most", value,
@@ -114,7 +137,7 @@ static const struct qkeep_backend_key zentorch_keys[] = {
      "f32/bf16 activations (w4a16), or activations quantised per token to int8 with int32 accumulation "
      "(da8w4)"},
     {"threads", QKEEP_KEY_INT, "1..4096", "all online cores", "OpenMP threads of the int4 kernels"},
-    {"isa", QKEEP_KEY_ENUM, "auto|avx2|avx512|avx512_vnni", "auto",
+    {"isa", QKEEP_KEY_ENUM, "auto|avx2|avx512|avx512_vnni|amx", "auto",
      "the highest instruction set the kernels use (lower ones force a slower path; QKEEP_ZENTORCH_MAX_ISA "
      "too)"},
 };
@@ -387,7 +410,8 @@ typedef void (*zt_kernel)(const struct zt_gemm *g, int64_t m0, int64_t m1, int64
 static zt_kernel kernel_for(enum zt_isa isa, enum zt_mode mode) {
   if (mode == ZT_W4A16)
     return isa >= ZT_ISA_AVX512 ? zt_w4a16_avx512 : zt_w4a16_avx2;
-  return isa == ZT_ISA_AVX512_VNNI ? zt_da8w4_avx512_vnni
+  return isa == ZT_ISA_AMX           ? zt_da8w4_amx
+         : isa == ZT_ISA_AVX512_VNNI ? zt_da8w4_avx512_vnni
          : isa == ZT_ISA_AVX512    ? zt_da8w4_avx512
                                    : zt_da8w4_avx2;
 }
@@ -492,8 +516,12 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
     s.x = malloc((size_t)(m * k) * sizeof *s.x);
   if (own_y)
     s.y = malloc((size_t)(m * n) * sizeof *s.y);
+  /* The AMX kernel reads activation rows in tiles of ZT_AMX_PAD_ROWS: rows past m are zeros. */
+  int64_t xq_rows = b->isa == ZT_ISA_AMX ? (m + ZT_AMX_PAD_ROWS - 1) / ZT_AMX_PAD_ROWS * ZT_AMX_PAD_ROWS : m;
   if (da8w4) {
-    s.xq = malloc((size_t)(m * k / 4) * sizeof *s.xq);
+    s.xq = malloc((size_t)(xq_rows * k / 4) * sizeof *s.xq);
+    if (s.xq)
+      memset(s.xq + m * k / 4, 0, (size_t)((xq_rows - m) * k / 4) * sizeof *s.xq);
     s.xsum = malloc((size_t)(m * g->groups) * sizeof *s.xsum);
     s.xscale = malloc((size_t)m * sizeof *s.xscale);
   } else {
@@ -654,8 +682,8 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
     if (isa_of_name(env, &cap)) {
       free(b);
       return host->set_error(QKEEP_E_CONFIG,
-                             "cpu-zentorch: QKEEP_ZENTORCH_MAX_ISA=%s: expected avx2, avx512 or "
-                             "avx512_vnni",
+                             "cpu-zentorch: QKEEP_ZENTORCH_MAX_ISA=%s: expected avx2, avx512, "
+                             "avx512_vnni or amx",
                              env);
     }
     if (cap < b->isa)
@@ -667,7 +695,7 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .abi_minor = 0,
       .name = "cpu-zentorch",
       .description =
-          "int4 GPTQ/AWQ linear and MoE layers on the zentorch layout (w4a16, da8w4; AVX2, AVX-512, VNNI)",
+          "int4 GPTQ/AWQ linear and MoE layers on the zentorch layout (w4a16, da8w4; AVX2, AVX-512, VNNI, AMX)",
       .probe = zentorch_probe,
       .configure = zentorch_configure,
       .memory = NULL,

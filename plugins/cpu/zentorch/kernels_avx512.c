@@ -575,3 +575,208 @@ DA8W4_ENTRY(zt_da8w4_avx512, , da8w4_tile_bw, da8w4_decoded_bw)
 DA8W4_TILE(da8w4_tile_vnni, VNNI, DOT_VNNI)
 DA8W4_DECODED(da8w4_decoded_vnni, VNNI, da8w4_rows_vnni, ZT_MR_VNNI)
 DA8W4_ENTRY(zt_da8w4_avx512_vnni, VNNI, da8w4_tile_vnni, da8w4_decoded_vnni)
+
+/* ---- AMX: da8w4 from ZT_AMX_MIN_ROWS rows on AMX-INT8 tiles ----------------------------------------- */
+
+/*
+ * Per pass (up to ZT_PASS_ROWS rows) and group, the group's codes are decoded as for the VNNI
+ * path (da8w4_decode_group): that buffer is tdpbsud's B operand already (zentorch.h), row r of
+ * code tile v at byte 256 r + 64 v. Then per pair of 16-row tiles and pair of 16-column tiles:
+ *   tmm0-3  the int32 sums of the 2 x 2 output tiles, zeroed per group,
+ *   tmm4-5  the two row tiles' activations, `ks` bytes of xq per row (ks: the largest multiple
+ *           of 8 up to 64 that divides the group's K, so a tile never straddles two groups),
+ *   tmm6-7  the two column tiles' codes, ks / 4 rows of 64 bytes,
+ * stored after the group into `sums` ([ZT_PASS_ROWS][ZT_BLOCK_N] int32), from where the VNNI
+ * path's own steps (da8w4_start_group's zero-point term, da8w4_end_group) finish the group.
+ * The last pair of a pass may reach past m1 into xq's zero rows; their sums are not read.
+ */
+struct amx_config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+#ifdef ZT_AMX_EMULATE
+/*
+ * The tests' software model of the tile registers (tests/check_zentorch_amx.c builds this file
+ * with ZT_AMX_EMULATE, to run the AMX kernel's addressing on a CPU without AMX): the
+ * instructions as the Intel SDM defines them, aborting where the hardware would fault on a shape.
+ */
+#include <stdlib.h>
+struct amx_tile {
+  int rows, colsb;
+  uint8_t b[16][64];
+};
+static _Thread_local struct amx_tile amx_tmm[8];
+static _Thread_local bool amx_configured;
+static void amx_emu_config(const struct amx_config *c) {
+  if (c->palette != 1)
+    abort();
+  for (int t = 0; t < 8; t++) {
+    if (c->rows[t] > 16 || c->colsb[t] > 64 || c->colsb[t] % 4)
+      abort();
+    amx_tmm[t].rows = c->rows[t], amx_tmm[t].colsb = c->colsb[t];
+    memset(amx_tmm[t].b, 0, sizeof amx_tmm[t].b);
+  }
+  amx_configured = true;
+}
+static struct amx_tile *amx_emu_tile(int t) {
+  if (!amx_configured || t < 0 || t > 7 || !amx_tmm[t].rows)
+    abort();
+  return &amx_tmm[t];
+}
+static void amx_emu_zero(int t) { memset(amx_emu_tile(t)->b, 0, sizeof amx_tmm[t].b); }
+static void amx_emu_load(int t, const void *p, int64_t stride) {
+  struct amx_tile *x = amx_emu_tile(t);
+  memset(x->b, 0, sizeof x->b);
+  for (int r = 0; r < x->rows; r++)
+    memcpy(x->b[r], (const char *)p + r * stride, (size_t)x->colsb);
+}
+static void amx_emu_store(int t, void *p, int64_t stride) {
+  struct amx_tile *x = amx_emu_tile(t);
+  for (int r = 0; r < x->rows; r++)
+    memcpy((char *)p + r * stride, x->b[r], (size_t)x->colsb);
+}
+/* tdpbsud: C[m][n] += sum over k of (s8) A[m][k] * (u8) B[k / 4][4 n + k % 4], in int32. */
+static void amx_emu_dpbsud(int tc, int ta, int tb) {
+  struct amx_tile *c = amx_emu_tile(tc), *a = amx_emu_tile(ta), *b = amx_emu_tile(tb);
+  if (a->rows != c->rows || b->rows != a->colsb / 4 || b->colsb != c->colsb)
+    abort();
+  for (int m = 0; m < c->rows; m++)
+    for (int n = 0; n < c->colsb / 4; n++) {
+      int32_t sum;
+      memcpy(&sum, &c->b[m][4 * n], 4);
+      for (int k = 0; k < a->colsb; k++)
+        sum = (int32_t)((uint32_t)sum + (uint32_t)((int8_t)a->b[m][k] * (int32_t)b->b[k / 4][4 * n + k % 4]));
+      memcpy(&c->b[m][4 * n], &sum, 4);
+    }
+}
+#define AMX_ATTR VNNI
+#define AMX_CONFIG(c) amx_emu_config(c)
+#define AMX_ZERO(t) amx_emu_zero(t)
+#define AMX_LOAD(t, p, stride) amx_emu_load(t, p, stride)
+#define AMX_STORE(t, p, stride) amx_emu_store(t, p, stride)
+#define AMX_DP(c, a, b) amx_emu_dpbsud(c, a, b)
+#define AMX_RELEASE() (void)(amx_configured = false)
+#else
+#define AMX_ATTR __attribute__((target("avx512vnni,amx-tile,amx-int8")))
+#define AMX_CONFIG(c) _tile_loadconfig(c)
+#define AMX_ZERO(t) _tile_zero(t)
+#define AMX_LOAD(t, p, stride) _tile_loadd(t, p, stride)
+#define AMX_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define AMX_DP(c, a, b) _tile_dpbsud(c, a, b)
+#define AMX_RELEASE() _tile_release()
+#endif
+
+/* The K bytes of one tile step for groups of gs k (a multiple of 8). */
+static int amx_kstep(int64_t gs) {
+  int ks = 64;
+  while (gs % ks)
+    ks -= 8;
+  return ks;
+}
+
+/* The tiles' shapes for steps of ks bytes (rows and bytes per row, tmm0-7 as above). */
+static void amx_configure(struct amx_config *c, int ks) {
+  memset(c, 0, sizeof *c);
+  c->palette = 1;
+  for (int t = 0; t < 4; t++)
+    c->rows[t] = 16, c->colsb[t] = 64;
+  for (int t = 4; t < 6; t++)
+    c->rows[t] = 16, c->colsb[t] = (uint16_t)ks;
+  for (int t = 6; t < 8; t++)
+    c->rows[t] = (uint8_t)(ks / 4), c->colsb[t] = 64;
+}
+
+/* Group grp's sums for rows m..m+mr-1 of the pass at `first`, from the tile sums, into the f32 sums or y. */
+AMX_ATTR ALWAYS_INLINE void da8w4_amx_rows(const struct zt_gemm *g, const struct da8w4_scratch *s,
+                                           const int32_t *sums, int64_t m, int mr, int64_t first, int64_t b,
+                                           int64_t grp, const __mmask16 *mask, bool full) {
+  __m512i part[8][ZT_NV];
+  da8w4_start_group(g, s, part, m, mr, grp);
+  const int32_t *row = sums + (m - first) * ZT_BLOCK_N;
+#pragma GCC unroll 8
+  for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+    for (int v = 0; v < ZT_NV; v++)
+      part[r][v] = _mm512_add_epi32(part[r][v], _mm512_load_si512(row + r * ZT_BLOCK_N + 16 * v));
+  da8w4_end_group(g, s, part, m, mr, first, b, grp, mask, full);
+}
+
+/* Rows [m0, m1) of block b (m0 a multiple of ZT_AMX_PAD_ROWS), the tiles configured for steps of ks bytes. */
+AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, int ks,
+                                            struct da8w4_scratch *s, int32_t *sums, bool full) {
+  int64_t width = g->n - b * ZT_BLOCK_N < ZT_BLOCK_N ? g->n - b * ZT_BLOCK_N : ZT_BLOCK_N;
+  int64_t gs = g->k / g->groups, k = g->k;
+  int col_pairs = width > 32 ? 2 : 1;
+  __mmask16 mask[ZT_NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < ZT_NV; v++)
+    mask[v] = lane_mask(width, v);
+  for (int64_t first = m0; first < m1; first += ZT_PASS_ROWS) {
+    int64_t end = first + ZT_PASS_ROWS < m1 ? first + ZT_PASS_ROWS : m1;
+    memset(s->acc, 0, (size_t)(end - first) * ZT_BLOCK_N * sizeof *s->acc);
+    for (int64_t grp = 0; grp < g->groups; grp++) {
+      da8w4_decode_group(g, s, b, grp, mask, full);
+      const char *dec = (const char *)s->dec;
+      for (int64_t p = first; p < end; p += 32) {
+        const char *xa = (const char *)g->xq + p * k + grp * gs;
+        for (int cp = 0; cp < col_pairs; cp++) {
+          AMX_ZERO(0);
+          AMX_ZERO(1);
+          AMX_ZERO(2);
+          AMX_ZERO(3);
+          for (int64_t kk = 0; kk < gs; kk += ks) {
+            AMX_LOAD(4, xa + kk, k);
+            AMX_LOAD(5, xa + 16 * k + kk, k);
+            AMX_LOAD(6, dec + kk / 4 * 256 + cp * 128, 256);
+            AMX_LOAD(7, dec + kk / 4 * 256 + cp * 128 + 64, 256);
+            AMX_DP(0, 4, 6);
+            AMX_DP(1, 4, 7);
+            AMX_DP(2, 5, 6);
+            AMX_DP(3, 5, 7);
+          }
+          int32_t *c = sums + (p - first) * ZT_BLOCK_N + cp * 32;
+          AMX_STORE(0, c, 4 * ZT_BLOCK_N);
+          AMX_STORE(1, c + 16, 4 * ZT_BLOCK_N);
+          AMX_STORE(2, c + 16 * ZT_BLOCK_N, 4 * ZT_BLOCK_N);
+          AMX_STORE(3, c + 16 * ZT_BLOCK_N + 16, 4 * ZT_BLOCK_N);
+        }
+      }
+      int64_t m = first;
+      for (; m + 8 <= end; m += 8)
+        da8w4_amx_rows(g, s, sums, m, 8, first, b, grp, mask, full);
+      if (m < end)
+        da8w4_amx_rows(g, s, sums, m, (int)(end - m), first, b, grp, mask, full);
+    }
+  }
+}
+
+AMX_ATTR void zt_da8w4_amx(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
+  if (m1 - m0 < ZT_AMX_MIN_ROWS) {
+    zt_da8w4_avx512_vnni(g, m0, m1, b0, b1);
+    return;
+  }
+  struct da8w4_scratch s;
+  s.dec = _mm_malloc((size_t)(g->k / 8 / g->groups) * 2 * ZT_NV * sizeof *s.dec, 64);
+  s.acc = _mm_malloc((size_t)ZT_PASS_ROWS * ZT_BLOCK_N * sizeof *s.acc, 64);
+  int32_t *sums = _mm_malloc((size_t)ZT_PASS_ROWS * ZT_BLOCK_N * sizeof *sums, 64);
+  if (s.dec && s.acc && sums) {
+    int ks = amx_kstep(g->k / g->groups);
+    struct amx_config cfg;
+    amx_configure(&cfg, ks);
+    AMX_CONFIG(&cfg);
+    for (int64_t b = b0; b < b1; b++) {
+      if (FULL_BLOCK(g, b))
+        da8w4_amx_block(g, m0, m1, b, ks, &s, sums, true);
+      else
+        da8w4_amx_block(g, m0, m1, b, ks, &s, sums, false);
+    }
+    AMX_RELEASE();
+  } else {
+    zt_da8w4_avx512_vnni(g, m0, m1, b0, b1);
+  }
+  _mm_free(s.dec);
+  _mm_free(s.acc);
+  _mm_free(sums);
+}

@@ -38,6 +38,14 @@
  * rint(x * (127 / amax)) clamped to +-127, rounding half to even) and multiplies u4 codes
  * by s8 activations in int32: vpdpbusd with AVX-512 VNNI, vpmaddubsw + vpmaddwd without it
  * (u4 x s8 pair sums are at most 2 * 15 * 127, so the int16 step cannot saturate).
+ *
+ * AMX (da8w4 from ZT_AMX_MIN_ROWS rows): tdpbsud multiplies tiles of 16 rows of s8 activations
+ * by u8 codes in its "VNNI" B layout, a row per 4 k holding 4 bytes per column. The two layouts
+ * above meet it without a shuffle: a row of B is the lo (k 0,2,4,6) or hi (k 1,3,5,7) nibbles of
+ * 16 columns' words, which is what the decoded group buffer of the AVX-512 path holds, and a
+ * row of A is 64 bytes of xq, whose k order within each 8 is the same. The int32 tile sums of a
+ * group are the VNNI path's sums exactly, and the f32 steps after them the same, so AMX output
+ * equals the AVX-512 VNNI output bit for bit.
  */
 #ifndef QKEEP_ZENTORCH_H
 #define QKEEP_ZENTORCH_H
@@ -52,7 +60,12 @@
 #define ZT_BLOCK_N 64
 
 /* Instruction sets, lowest first; a config key or QKEEP_ZENTORCH_MAX_ISA can lower the choice. */
-enum zt_isa { ZT_ISA_NONE = 0, ZT_ISA_AVX2, ZT_ISA_AVX512, ZT_ISA_AVX512_VNNI, ZT_ISA_COUNT };
+enum zt_isa { ZT_ISA_NONE = 0, ZT_ISA_AVX2, ZT_ISA_AVX512, ZT_ISA_AVX512_VNNI, ZT_ISA_AMX, ZT_ISA_COUNT };
+
+/* AMX: calls with at least ZT_AMX_MIN_ROWS rows run on tiles (fewer: the VNNI kernel), whose
+ * activation rows are read ZT_AMX_PAD_ROWS at a time: xq holds zero rows up to that multiple. */
+#define ZT_AMX_MIN_ROWS 16
+#define ZT_AMX_PAD_ROWS 32
 
 /* What the activations are multiplied in. */
 enum zt_mode { ZT_W4A16 = 0, ZT_DA8W4 = 1 };
@@ -135,7 +148,8 @@ struct zt_gemm {
   const float *x;     /* [m, k], already in kernel row order */
   const float *xsumf; /* [m, groups] sum of x over each group */
   /* da8w4: */
-  const int32_t *xq;   /* [m, k/8, 2]: per 8 k's, the s8 codes of k 0,2,4,6 then of k 1,3,5,7 */
+  const int32_t *xq;   /* [m, k/8, 2]: per 8 k's, the s8 codes of k 0,2,4,6 then of k 1,3,5,7;
+                        * for zt_da8w4_amx, zero rows after m up to a multiple of ZT_AMX_PAD_ROWS */
   const int32_t *xsum; /* [m, groups] sum of the s8 codes over each group */
   const float *xscale; /* [m] a, the dequantisation scale of each row */
   float *y;            /* [m, n] f32 */
@@ -150,6 +164,9 @@ void zt_da8w4_avx2(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, 
 void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
 void zt_da8w4_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
 void zt_da8w4_avx512_vnni(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
+/* AMX-INT8 (and AVX-512 VNNI): needs the process's tile grant (backend.c) and xq's padding. m0 a
+ * multiple of ZT_AMX_PAD_ROWS. */
+void zt_da8w4_amx(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
 
 /*
  * act.c. zt_quantise_row: one activation row x[k] (already permuted) into the da8w4
