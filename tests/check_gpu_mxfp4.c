@@ -95,8 +95,8 @@ static void assert_agrees(qkeep_model *m, qkeep_model *r, int64_t tokens, const 
 static const int64_t tokens[] = {1, 3, 8, 9, 16, 17, 31, 32, 33, 64, 65, 130, 256};
 static const char *const splits[] = {"auto", "1", "2", "3", "8"};
 
-/* Every K split on the mma.sync kernel, then `kernel = wgmma` (the wgmma kernel from 32 tokens on
- * compute capability 9.0, the mma.sync kernel below). */
+/* Every K split (a forced one keeps the mma.sync kernel; `auto` takes the wgmma kernel from 64 tokens on
+ * compute capability 9.0), then `kernel = wgmma` (the wgmma kernel from 32 tokens, the mma.sync one below). */
 static void assert_agrees_everywhere(qkeep_model *m, qkeep_model *r, const char *what) {
   for (size_t s = 0; s <= sizeof splits / sizeof splits[0]; s++) {
     bool wgmma = s == sizeof splits / sizeof splits[0];

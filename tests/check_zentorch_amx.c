@@ -11,8 +11,9 @@
  * check_zentorch): zentorch.h promises the two equal bit for bit.
  *
  * Shapes: group sizes 8, 32, 96 (tile steps of 48 bytes), 128 and a whole-K group; N a
- * multiple of 64, N with a narrow last block (104, 200) and N below 32; row counts from
- * ZT_AMX_MIN_ROWS to 130 (passes of 64, a last tile pair partly past m); symmetric (s4 codes,
+ * multiple of 64, N with a narrow last block (104, 200) and N below 32; 16 to 130 rows (the
+ * VNNI hand-over below ZT_AMX_MIN_ROWS, passes of 64, a last tile pair partly past m, the
+ * activations in K slices as run() packs them); symmetric (s4 codes,
  * zero 8) and asymmetric layers; f16, bf16 and f32 scales; whole calls and run()'s split of
  * 64-row chunks by single blocks.
  *
@@ -57,12 +58,14 @@ static const struct shape shapes[] = {
     {128, 512, 4},  /* groups of 128 */
     {24, 192, 1},   /* one group of 192 (steps of 64), one block narrower than a tile pair */
 };
-static const int64_t row_counts[] = {ZT_AMX_MIN_ROWS, 17, 31, 32, 33, 64, 100, 130};
+/* Below ZT_AMX_MIN_ROWS (32) a call runs the VNNI kernel: 16 and 31 check that hand-over. */
+static const int64_t row_counts[] = {16, 31, 32, 33, 63, 64, 100, 130};
 
 /* One GEMM's operands, random, with xq padded as run() pads it for the AMX kernel. */
 struct operands {
   struct zt_gemm g;
   int32_t *codes, *zeros, *xq, *xsum;
+  int8_t *xq_tiles;
   float *xscale, *y_amx, *y_vnni, *x;
   void *scales;
 };
@@ -76,12 +79,13 @@ static void operands_make(struct operands *o, const struct shape *sh, int64_t m,
   o->scales = malloc((size_t)(groups * n) * 4);
   o->zeros = sym ? NULL : malloc((size_t)(groups * (n / 8)) * sizeof *o->zeros);
   o->x = malloc((size_t)(m * k) * sizeof *o->x);
-  o->xq = calloc((size_t)(padded * k / 4), sizeof *o->xq);
+  o->xq = malloc((size_t)(m * k / 4) * sizeof *o->xq);
+  o->xq_tiles = calloc((size_t)(padded * k), 1);
   o->xsum = malloc((size_t)(m * groups) * sizeof *o->xsum);
   o->xscale = malloc((size_t)m * sizeof *o->xscale);
   o->y_amx = malloc((size_t)(m * n) * sizeof *o->y_amx);
   o->y_vnni = malloc((size_t)(m * n) * sizeof *o->y_vnni);
-  ck_assert(o->codes && o->scales && (sym || o->zeros) && o->x && o->xq && o->xsum && o->xscale &&
+  ck_assert(o->codes && o->scales && (sym || o->zeros) && o->x && o->xq && o->xq_tiles && o->xsum && o->xscale &&
             o->y_amx && o->y_vnni);
   for (int64_t i = 0; i < k / 8 * n; i++)
     o->codes[i] = (int32_t)rnd();
@@ -94,6 +98,7 @@ static void operands_make(struct operands *o, const struct shape *sh, int64_t m,
     for (int64_t i = 0; i < k; i++)
       o->x[r * k + i] = r % 7 == 3 ? 0.0f : rnd_float() * (float)(1 + r % 5); /* a zero row too */
     zt_quantise_row(o->x + r * k, k, groups, o->xq + r * (k / 4), o->xsum + r * groups, o->xscale + r);
+    zt_amx_pack_row(o->xq + r * (k / 4), k, zt_amx_kstep(k / groups), padded, r, o->xq_tiles);
   }
   o->g = (struct zt_gemm){.m = m,
                           .n = n,
@@ -104,12 +109,15 @@ static void operands_make(struct operands *o, const struct shape *sh, int64_t m,
                           .scale_dtype = scale_dtype,
                           .zeros = o->zeros,
                           .xq = o->xq,
+                          .xq_tiles = o->xq_tiles,
+                          .xq_rows = padded,
                           .xsum = o->xsum,
                           .xscale = o->xscale};
 }
 
 static void operands_free(struct operands *o) {
-  free(o->codes), free(o->scales), free(o->zeros), free(o->x), free(o->xq), free(o->xsum), free(o->xscale);
+  free(o->codes), free(o->scales), free(o->zeros), free(o->x), free(o->xq), free(o->xq_tiles), free(o->xsum);
+  free(o->xscale);
   free(o->y_amx), free(o->y_vnni);
 }
 

@@ -998,13 +998,16 @@ static int moe_matrix(const struct cuda_backend *c, const struct qkeep_apply_arg
   return (int)a->matrix;
 }
 
-/* MXFP4 on the wgmma kernel: where `kernel = wgmma` asks for it (opt-in until measured on a GPU) and it
- * applies (compute capability 9.0, 32 tokens or more, bf16 or f32 activations, no forced K split). */
+/* MXFP4 on the wgmma kernel: from MXFP4_WGMMA_AUTO_M tokens with `kernel = auto`, from 32 with `kernel =
+ * wgmma`, where it applies (compute capability 9.0, bf16 or f32 activations, no forced K split). */
 static bool mx_on_wgmma(const struct cuda_backend *c, const struct qkeep_apply_args *a) {
-  return c->tuning.kernel == NVFP4_KERNEL_WGMMA && mxfp4_wgmma_applies(a->m, a->x_dtype, c->tuning.split_k);
+  bool chosen = c->tuning.kernel == NVFP4_KERNEL_WGMMA ||
+                (c->tuning.kernel == NVFP4_KERNEL_AUTO && a->m >= MXFP4_WGMMA_AUTO_M);
+  return chosen && mxfp4_wgmma_applies(a->m, a->x_dtype, c->tuning.split_k);
 }
 
-/* Routed MXFP4 on the wgmma kernel: the same opt-in (bf16 or f32 activations, compute capability 9.0). */
+/* Routed MXFP4 on the wgmma kernel: with `kernel = wgmma` only (not measured against the mma.sync kernel
+ * yet; bf16 or f32 activations, compute capability 9.0). */
 static bool mx_routed_on_wgmma(const struct cuda_backend *c, const struct qkeep_apply_args *a) {
   return c->tuning.kernel == NVFP4_KERNEL_WGMMA && mxfp4_wgmma_moe_applies(a->m, a->topk, a->x_dtype);
 }

@@ -141,6 +141,9 @@ struct nvfp4_tuning {
 };
 
 #define NVFP4_FP8_MIN_M 64 /* tokens from which FP8 activations apply (below: the W4A16 kernels) */
+/* From this many tokens FP8 takes token tiles of 256 (an H100 at 1024 tokens: 1.06-1.29x tiles of 128;
+ * at 256 tokens faster on two shapes of three, slower on the third). */
+#define NVFP4_FP8_TILE256_M 512
 
 #define NVFP4_STREAM_WARPS 8 /* warps of a streaming-kernel block */
 #define NVFP4_MAX_SPLIT 8    /* blocks of a K-split cluster (the portable cluster size) */
@@ -245,6 +248,10 @@ size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t to
  * plain (not routed) GEMM of expert `expert`, arguments as mxfp4_gemm_run's.
  */
 #define MXFP4_WGMMA_MIN_M 32
+/* With kernel = auto, plain MXFP4 GEMMs take the wgmma kernel from this many tokens (measured on an
+ * H100: 1.09-1.25x the mma.sync kernel at 64 tokens and 1.9-2.2x at 256, but 0.5-0.75x at 32);
+ * kernel = wgmma takes it from MXFP4_WGMMA_MIN_M, and routed MoE only then. */
+#define MXFP4_WGMMA_AUTO_M 64
 struct mxfp4_weights;
 bool mxfp4_wgmma_applies(int64_t m, enum qkeep_dtype x_dtype, int split_k);
 size_t mxfp4_wgmma_workspace(const struct mxfp4_weights *wt, int64_t m);

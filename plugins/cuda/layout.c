@@ -49,6 +49,8 @@ void nvfp4_wgmma_plan(int64_t m, int64_t n, int64_t k, int sms, const struct nvf
   const int64_t row_blocks = (n + 128 * out->rows - 1) / (128 * out->rows);
   if (tile_m == 8 || tile_m == 16 || tile_m == 32 || tile_m == 64 || tile_m == 128 || tile_m == 256) {
     out->tile_m = tile_m;
+  } else if (out->fp8 && m >= NVFP4_FP8_TILE256_M) {
+    out->tile_m = 256; /* half the passes over the weights, each decoding and rounding them to e4m3 */
   } else {
     out->tile_m = m <= 32 ? 32 : m <= 64 ? 64 : 128;
     /* Too few blocks even split in two: half the token tile (the weights are read twice,

@@ -8,6 +8,7 @@
  */
 #pragma GCC target("avx2")
 #include <immintrin.h>
+#include <string.h>
 
 #include "zentorch.h"
 
@@ -61,4 +62,10 @@ void zt_group_sums(const float *x, int64_t k, int64_t groups, float *xsum) {
       s += x[g * per_group + i];
     xsum[g] = s;
   }
+}
+
+void zt_amx_pack_row(const int32_t *xq_row, int64_t k, int ks, int64_t rows, int64_t r, int8_t *tiles) {
+  const int8_t *src = (const int8_t *)xq_row;
+  for (int64_t c = 0; c < k / ks; c++)
+    memcpy(tiles + (c * rows + r) * ks, src + c * ks, (size_t)ks);
 }

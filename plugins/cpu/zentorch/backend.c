@@ -471,10 +471,11 @@ static int resolve(const struct zt_backend *b, qkeep_layer *layer, const struct 
 struct scratch {
   float *x, *xsumf, *xscale, *y;
   int32_t *xq, *xsum;
+  int8_t *xq_tiles; /* AMX: xq in K slices (zentorch.h) */
 };
 
 static void scratch_free(struct scratch *s) {
-  free(s->x), free(s->xsumf), free(s->xscale), free(s->y), free(s->xq), free(s->xsum);
+  free(s->x), free(s->xsumf), free(s->xscale), free(s->y), free(s->xq), free(s->xsum), free(s->xq_tiles);
 }
 
 /* Row r of the activations in kernel order (permuted, widened to f32) and its da8w4 or w4a16 operands. */
@@ -485,9 +486,11 @@ static void prepare_row(const struct scratch *s, const struct zt_gemm *g, const 
     for (int64_t i = 0; i < k; i++)
       s->x[r * k + i] = qkeep_load_float(a->x, a->x_dtype, (size_t)(r * k + (perm ? perm[i] : i)));
   const float *row = g->x + r * k;
-  if (da8w4)
+  if (da8w4) {
     zt_quantise_row(row, k, g->groups, s->xq + r * (k / 4), s->xsum + r * g->groups, s->xscale + r);
-  else
+    if (s->xq_tiles)
+      zt_amx_pack_row(s->xq + r * (k / 4), k, zt_amx_kstep(k / g->groups), g->xq_rows, r, s->xq_tiles);
+  } else
     zt_group_sums(row, k, g->groups, s->xsumf + r * g->groups);
 }
 
@@ -516,18 +519,20 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
     s.x = malloc((size_t)(m * k) * sizeof *s.x);
   if (own_y)
     s.y = malloc((size_t)(m * n) * sizeof *s.y);
-  /* The AMX kernel reads activation rows in tiles of ZT_AMX_PAD_ROWS: rows past m are zeros. */
-  int64_t xq_rows = b->isa == ZT_ISA_AMX ? (m + ZT_AMX_PAD_ROWS - 1) / ZT_AMX_PAD_ROWS * ZT_AMX_PAD_ROWS : m;
+  /* AMX: the activations also in K slices of whole tiles, zero rows after m (zentorch.h). */
+  bool amx = da8w4 && b->isa == ZT_ISA_AMX && m >= ZT_AMX_MIN_ROWS;
+  int64_t xq_rows = (m + ZT_AMX_PAD_ROWS - 1) / ZT_AMX_PAD_ROWS * ZT_AMX_PAD_ROWS;
   if (da8w4) {
-    s.xq = malloc((size_t)(xq_rows * k / 4) * sizeof *s.xq);
-    if (s.xq)
-      memset(s.xq + m * k / 4, 0, (size_t)((xq_rows - m) * k / 4) * sizeof *s.xq);
+    s.xq = malloc((size_t)(m * k / 4) * sizeof *s.xq);
+    if (amx)
+      s.xq_tiles = calloc((size_t)(xq_rows * k), 1);
     s.xsum = malloc((size_t)(m * g->groups) * sizeof *s.xsum);
     s.xscale = malloc((size_t)m * sizeof *s.xscale);
   } else {
     s.xsumf = malloc((size_t)(m * g->groups) * sizeof *s.xsumf);
   }
-  if ((own_x && !s.x) || (own_y && !s.y) || (da8w4 ? !s.xq || !s.xsum || !s.xscale : !s.xsumf)) {
+  if ((own_x && !s.x) || (own_y && !s.y) || (da8w4 ? !s.xq || !s.xsum || !s.xscale : !s.xsumf) ||
+      (amx && !s.xq_tiles)) {
     scratch_free(&s);
     return b->host->set_error(QKEEP_E_NOMEM, "%s: out of memory for %lld rows of activations", info->name,
                               (long long)m);
@@ -538,6 +543,8 @@ static int run(struct zt_backend *b, const struct qkeep_layer_info *info, struct
   g->x = x;
   g->xsumf = s.xsumf;
   g->xq = s.xq;
+  g->xq_tiles = s.xq_tiles;
+  g->xq_rows = xq_rows;
   g->xsum = s.xsum;
   g->xscale = s.xscale;
   g->y = y;

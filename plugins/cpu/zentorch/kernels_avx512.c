@@ -583,12 +583,12 @@ DA8W4_ENTRY(zt_da8w4_avx512_vnni, VNNI, da8w4_tile_vnni, da8w4_decoded_vnni)
  * path (da8w4_decode_group): that buffer is tdpbsud's B operand already (zentorch.h), row r of
  * code tile v at byte 256 r + 64 v. Then per pair of 16-row tiles and pair of 16-column tiles:
  *   tmm0-3  the int32 sums of the 2 x 2 output tiles, zeroed per group,
- *   tmm4-5  the two row tiles' activations, `ks` bytes of xq per row (ks: the largest multiple
- *           of 8 up to 64 that divides the group's K, so a tile never straddles two groups),
+ *   tmm4-5  the two row tiles' activations, `ks` bytes a row (zt_amx_kstep) from xq_tiles, where
+ *           a tile's rows are contiguous,
  *   tmm6-7  the two column tiles' codes, ks / 4 rows of 64 bytes,
  * stored after the group into `sums` ([ZT_PASS_ROWS][ZT_BLOCK_N] int32), from where the VNNI
  * path's own steps (da8w4_start_group's zero-point term, da8w4_end_group) finish the group.
- * The last pair of a pass may reach past m1 into xq's zero rows; their sums are not read.
+ * The last pair of a pass may reach past m1 into xq_tiles' zero rows; their sums are not read.
  */
 struct amx_config {
   uint8_t palette, start_row, reserved[14];
@@ -668,14 +668,6 @@ static void amx_emu_dpbsud(int tc, int ta, int tb) {
 #define AMX_RELEASE() _tile_release()
 #endif
 
-/* The K bytes of one tile step for groups of gs k (a multiple of 8). */
-static int amx_kstep(int64_t gs) {
-  int ks = 64;
-  while (gs % ks)
-    ks -= 8;
-  return ks;
-}
-
 /* The tiles' shapes for steps of ks bytes (rows and bytes per row, tmm0-7 as above). */
 static void amx_configure(struct amx_config *c, int ks) {
   memset(c, 0, sizeof *c);
@@ -707,7 +699,7 @@ AMX_ATTR ALWAYS_INLINE void da8w4_amx_rows(const struct zt_gemm *g, const struct
 AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, int ks,
                                             struct da8w4_scratch *s, int32_t *sums, bool full) {
   int64_t width = g->n - b * ZT_BLOCK_N < ZT_BLOCK_N ? g->n - b * ZT_BLOCK_N : ZT_BLOCK_N;
-  int64_t gs = g->k / g->groups, k = g->k;
+  int64_t gs = g->k / g->groups;
   int col_pairs = width > 32 ? 2 : 1;
   __mmask16 mask[ZT_NV];
 #pragma GCC unroll 4
@@ -720,15 +712,17 @@ AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0,
       da8w4_decode_group(g, s, b, grp, mask, full);
       const char *dec = (const char *)s->dec;
       for (int64_t p = first; p < end; p += 32) {
-        const char *xa = (const char *)g->xq + p * k + grp * gs;
+        /* K slice s of rows p.. is at (s * xq_rows + p) * ks in xq_tiles; the group starts at slice grp * gs / ks. */
+        const char *xa = (const char *)g->xq_tiles + (grp * gs / ks * g->xq_rows + p) * ks;
         for (int cp = 0; cp < col_pairs; cp++) {
           AMX_ZERO(0);
           AMX_ZERO(1);
           AMX_ZERO(2);
           AMX_ZERO(3);
           for (int64_t kk = 0; kk < gs; kk += ks) {
-            AMX_LOAD(4, xa + kk, k);
-            AMX_LOAD(5, xa + 16 * k + kk, k);
+            const char *step = xa + kk / ks * g->xq_rows * ks;
+            AMX_LOAD(4, step, ks);
+            AMX_LOAD(5, step + 16 * ks, ks);
             AMX_LOAD(6, dec + kk / 4 * 256 + cp * 128, 256);
             AMX_LOAD(7, dec + kk / 4 * 256 + cp * 128 + 64, 256);
             AMX_DP(0, 4, 6);
@@ -753,7 +747,7 @@ AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0,
 }
 
 AMX_ATTR void zt_da8w4_amx(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1) {
-  if (m1 - m0 < ZT_AMX_MIN_ROWS) {
+  if (m1 - m0 < ZT_AMX_MIN_ROWS || !g->xq_tiles) {
     zt_da8w4_avx512_vnni(g, m0, m1, b0, b1);
     return;
   }
@@ -762,7 +756,7 @@ AMX_ATTR void zt_da8w4_amx(const struct zt_gemm *g, int64_t m0, int64_t m1, int6
   s.acc = _mm_malloc((size_t)ZT_PASS_ROWS * ZT_BLOCK_N * sizeof *s.acc, 64);
   int32_t *sums = _mm_malloc((size_t)ZT_PASS_ROWS * ZT_BLOCK_N * sizeof *sums, 64);
   if (s.dec && s.acc && sums) {
-    int ks = amx_kstep(g->k / g->groups);
+    int ks = zt_amx_kstep(g->k / g->groups);
     struct amx_config cfg;
     amx_configure(&cfg, ks);
     AMX_CONFIG(&cfg);

@@ -43,7 +43,9 @@
  * by u8 codes in its "VNNI" B layout, a row per 4 k holding 4 bytes per column. The two layouts
  * above meet it without a shuffle: a row of B is the lo (k 0,2,4,6) or hi (k 1,3,5,7) nibbles of
  * 16 columns' words, which is what the decoded group buffer of the AVX-512 path holds, and a
- * row of A is 64 bytes of xq, whose k order within each 8 is the same. The int32 tile sums of a
+ * row of A is 64 bytes of xq, whose k order within each 8 is the same (run() copies xq into K
+ * slices, `xq_tiles`, so that a tile's 16 rows are one contiguous KiB rather than 16 lines K bytes
+ * apart, which share one L1 set when K is a multiple of 4096). The int32 tile sums of a
  * group are the VNNI path's sums exactly, and the f32 steps after them the same, so AMX output
  * equals the AVX-512 VNNI output bit for bit.
  */
@@ -63,9 +65,18 @@
 enum zt_isa { ZT_ISA_NONE = 0, ZT_ISA_AVX2, ZT_ISA_AVX512, ZT_ISA_AVX512_VNNI, ZT_ISA_AMX, ZT_ISA_COUNT };
 
 /* AMX: calls with at least ZT_AMX_MIN_ROWS rows run on tiles (fewer: the VNNI kernel), whose
- * activation rows are read ZT_AMX_PAD_ROWS at a time: xq holds zero rows up to that multiple. */
-#define ZT_AMX_MIN_ROWS 16
+ * activation rows are read ZT_AMX_PAD_ROWS at a time (xq_tiles holds zero rows up to that multiple). */
+#define ZT_AMX_MIN_ROWS 32
 #define ZT_AMX_PAD_ROWS 32
+
+/* The K bytes of one AMX tile step for groups of gs k (a multiple of 8): the largest multiple of 8
+ * up to 64 that divides gs, so that a step never straddles two groups. */
+static inline int zt_amx_kstep(int64_t gs) {
+  int ks = 64;
+  while (gs % ks)
+    ks -= 8;
+  return ks;
+}
 
 /* What the activations are multiplied in. */
 enum zt_mode { ZT_W4A16 = 0, ZT_DA8W4 = 1 };
@@ -148,8 +159,11 @@ struct zt_gemm {
   const float *x;     /* [m, k], already in kernel row order */
   const float *xsumf; /* [m, groups] sum of x over each group */
   /* da8w4: */
-  const int32_t *xq;   /* [m, k/8, 2]: per 8 k's, the s8 codes of k 0,2,4,6 then of k 1,3,5,7;
-                        * for zt_da8w4_amx, zero rows after m up to a multiple of ZT_AMX_PAD_ROWS */
+  const int32_t *xq;   /* [m, k/8, 2]: per 8 k's, the s8 codes of k 0,2,4,6 then of k 1,3,5,7 */
+  /* AMX: xq's bytes in K slices of ks = zt_amx_kstep(k / groups) bytes, [k / ks][xq_rows][ks]
+   * (zt_amx_pack_row), xq_rows a multiple of ZT_AMX_PAD_ROWS with zero rows after m; NULL: none. */
+  const int8_t *xq_tiles;
+  int64_t xq_rows;
   const int32_t *xsum; /* [m, groups] sum of the s8 codes over each group */
   const float *xscale; /* [m] a, the dequantisation scale of each row */
   float *y;            /* [m, n] f32 */
@@ -164,8 +178,8 @@ void zt_da8w4_avx2(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, 
 void zt_w4a16_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
 void zt_da8w4_avx512(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
 void zt_da8w4_avx512_vnni(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
-/* AMX-INT8 (and AVX-512 VNNI): needs the process's tile grant (backend.c) and xq's padding. m0 a
- * multiple of ZT_AMX_PAD_ROWS. */
+/* AMX-INT8 (and AVX-512 VNNI): needs the process's tile grant (backend.c) and xq_tiles (without it, or
+ * below ZT_AMX_MIN_ROWS rows, the VNNI kernel runs); m0 a multiple of ZT_AMX_PAD_ROWS. */
 void zt_da8w4_amx(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, int64_t b1);
 
 /*
@@ -176,6 +190,8 @@ void zt_da8w4_amx(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b0, i
  * a = amax / 127 (f32).
  */
 void zt_quantise_row(const float *x, int64_t k, int64_t groups, int32_t *xq, int32_t *xsum, float *a);
+/* Row r of xq (xq_row[k / 4]) into the AMX slices `tiles` ([k / ks][rows][ks] bytes). */
+void zt_amx_pack_row(const int32_t *xq_row, int64_t k, int ks, int64_t rows, int64_t r, int8_t *tiles);
 /* The f32 group sums of one row x[k] (w4a16's zero-point correction), summed in order. */
 void zt_group_sums(const float *x, int64_t k, int64_t groups, float *xsum);
 
