@@ -249,7 +249,7 @@ size_t nvfp4_moe_workspace(const struct nvfp4_weights *wt, int64_t m, int32_t to
  */
 #define MXFP4_WGMMA_MIN_M 32
 /* With kernel = auto, plain MXFP4 GEMMs take the wgmma kernel from this many tokens (measured on an
- * H100: 1.09-1.25x the mma.sync kernel at 64 tokens and 1.9-2.2x at 256, but 0.5-0.75x at 32);
+ * H100: 1.08-1.25x the mma.sync kernel at 64 tokens and 1.9-2.2x at 256, but 0.5-0.75x at 32);
  * kernel = wgmma takes it from MXFP4_WGMMA_MIN_M, and routed MoE only then. */
 #define MXFP4_WGMMA_AUTO_M 64
 struct mxfp4_weights;
