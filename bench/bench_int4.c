@@ -76,7 +76,7 @@ struct context {
   int threads;
   size_t llc;
   double copy_bw, seconds;
-  char zt_probe[256], od_probe[256];
+  char od_probe[256];
   struct ggml_peer *ggml; /* NULL: the ggml peer is skipped */
 };
 
@@ -222,7 +222,11 @@ static int bench_shape(const struct context *cx, int64_t k, int64_t n) {
              "\"dequant_f32_us\":%.1f,\"dequant_f32_ratio\":%.2f,\"int4_bytes\":%zu,",
              modes[md], (long long)m, (long long)k, (long long)n, GROUP, cx->threads, runs, us[md], us[2],
              us[2] / us[md], us[3], us[3] / us[md], int4_bytes);
-      print_ceiling(int4_bytes, us[md], cx->copy_bw, zt_copies, cx->llc, cx->zt_probe);
+      /* The probe names the mode and the instruction set: taken in the mode of this line. */
+      char probe[256];
+      set_mode(cx, modes[md]);
+      qkeep_plugin_probe(cx->zt, probe, sizeof probe);
+      print_ceiling(int4_bytes, us[md], cx->copy_bw, zt_copies, cx->llc, probe);
       printf(",\"peer_backend\":\"%s\"", cx->od_probe);
       if (gs.sides)
         print_ggml(cx, &gs, us + 4, us[md], err);
@@ -262,7 +266,6 @@ int main(int argc, char **argv) {
     if (be->configure(be, "threads", value))
       die("threads");
   }
-  qkeep_plugin_probe(cx.zt, cx.zt_probe, sizeof cx.zt_probe);
   qkeep_plugin_probe(cx.od, cx.od_probe, sizeof cx.od_probe);
   cx.llc = llc_bytes();
   cx.copy_bw = copy_bandwidth(cx.llc, cx.threads);
