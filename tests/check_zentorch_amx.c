@@ -52,11 +52,11 @@ struct shape {
   int64_t n, k, groups;
 };
 static const struct shape shapes[] = {
-    {64, 256, 32},  /* groups of 8: tile steps of 8 bytes */
-    {104, 256, 8},  /* groups of 32, a 40-column last block */
-    {200, 384, 4},  /* groups of 96: steps of 48 bytes, an 8-column last block */
-    {128, 512, 4},  /* groups of 128 */
-    {24, 192, 1},   /* one group of 192 (steps of 64), one block narrower than a tile pair */
+    {64, 256, 32}, /* groups of 8: tile steps of 8 bytes */
+    {104, 256, 8}, /* groups of 32, a 40-column last block */
+    {200, 384, 4}, /* groups of 96: steps of 48 bytes, an 8-column last block */
+    {128, 512, 4}, /* groups of 128 */
+    {24, 192, 1},  /* one group of 192 (steps of 64), one block narrower than a tile pair */
 };
 /* Below ZT_AMX_MIN_ROWS (32) a call runs the VNNI kernel: 16 and 31 check that hand-over. */
 static const int64_t row_counts[] = {16, 31, 32, 33, 63, 64, 100, 130};
@@ -85,8 +85,8 @@ static void operands_make(struct operands *o, const struct shape *sh, int64_t m,
   o->xscale = malloc((size_t)m * sizeof *o->xscale);
   o->y_amx = malloc((size_t)(m * n) * sizeof *o->y_amx);
   o->y_vnni = malloc((size_t)(m * n) * sizeof *o->y_vnni);
-  ck_assert(o->codes && o->scales && (sym || o->zeros) && o->x && o->xq && o->xq_tiles && o->xsum && o->xscale &&
-            o->y_amx && o->y_vnni);
+  ck_assert(o->codes && o->scales && (sym || o->zeros) && o->x && o->xq && o->xq_tiles && o->xsum &&
+            o->xscale && o->y_amx && o->y_vnni);
   for (int64_t i = 0; i < k / 8 * n; i++)
     o->codes[i] = (int32_t)rnd();
   for (int64_t i = 0; i < groups * n; i++)
@@ -139,8 +139,8 @@ static void compare(struct operands *o, bool chunked, const char *what) {
   }
   for (int64_t i = 0; i < m * n; i++)
     if (memcmp(&o->y_amx[i], &o->y_vnni[i], sizeof(float)) != 0)
-      ck_abort_msg("%s: y[%lld, %lld] = %.9g (AMX), %.9g (VNNI)", what, (long long)(i / n), (long long)(i % n),
-                   (double)o->y_amx[i], (double)o->y_vnni[i]);
+      ck_abort_msg("%s: y[%lld, %lld] = %.9g (AMX), %.9g (VNNI)", what, (long long)(i / n),
+                   (long long)(i % n), (double)o->y_amx[i], (double)o->y_vnni[i]);
 }
 
 START_TEST(amx_equals_vnni_bit_for_bit) {
@@ -153,9 +153,9 @@ START_TEST(amx_equals_vnni_bit_for_bit) {
       enum qkeep_dtype dt = dts[(r + (size_t)sym) % 3];
       operands_make(&o, sh, row_counts[r], sym, dt);
       char what[160];
-      snprintf(what, sizeof what, "n %lld k %lld groups %lld, %lld rows, %s, scales dtype %d", (long long)sh->n,
-               (long long)sh->k, (long long)sh->groups, (long long)row_counts[r], sym ? "symmetric" : "asymmetric",
-               (int)dt);
+      snprintf(what, sizeof what, "n %lld k %lld groups %lld, %lld rows, %s, scales dtype %d",
+               (long long)sh->n, (long long)sh->k, (long long)sh->groups, (long long)row_counts[r],
+               sym ? "symmetric" : "asymmetric", (int)dt);
       compare(&o, false, what);
       compare(&o, true, what);
       operands_free(&o);

@@ -29,10 +29,10 @@
  *
  * Config ([backend.cpu-zentorch]): mode = w4a16 | da8w4 (default w4a16), threads = N
  * (OpenMP threads; default OpenMP's), isa = auto | avx2 | avx512 | avx512_vnni | amx (the
- * highest the kernels may use; default auto, the CPU's best; amx: da8w4 from ZT_AMX_MIN_ROWS rows
- * on AMX-INT8 tiles where the CPU has them and Linux grants the process their state). Environment: QKEEP_ZENTORCH_MAX_ISA
- * (the same names) lowers the ISA for the whole process, e.g. to run the AVX2 path on an
- * AVX-512 machine.
+ * highest the kernels may use; default auto, the CPU's best; amx: da8w4 from ZT_AMX_MIN_ROWS
+ * rows on AMX-INT8 tiles where the CPU has them and Linux grants the process their state).
+ * Environment: QKEEP_ZENTORCH_MAX_ISA (the same names) lowers the ISA for the whole process,
+ * e.g. to run the AVX2 path on an AVX-512 machine.
  */
 #include <omp.h>
 #include <stdio.h>
@@ -93,9 +93,11 @@ static int zentorch_probe(const struct qkeep_backend *be, char *msg, size_t msg_
     snprintf(msg, msg_len, "cpu-zentorch needs an x86 CPU with AVX2 and FMA; this one has neither");
     return QKEEP_E_NODEV;
   }
+  char amx[64];
+  snprintf(amx, sizeof amx, "tdpbsud tiles from %d rows, vpdpbusd below", ZT_AMX_MIN_ROWS);
   snprintf(msg, msg_len, "int4 kernels on %s (CPU: %s), mode %s, %s", isa_names[b->isa],
            isa_names[b->cpu_isa], b->mode == ZT_DA8W4 ? "da8w4" : "w4a16",
-           b->isa == ZT_ISA_AMX          ? "tdpbsud tiles from 16 rows, vpdpbusd below"
+           b->isa == ZT_ISA_AMX           ? amx
            : b->isa == ZT_ISA_AVX512_VNNI ? "vpdpbusd"
                                           : "vpmaddubsw + vpmaddwd");
   return 0;
@@ -412,8 +414,8 @@ static zt_kernel kernel_for(enum zt_isa isa, enum zt_mode mode) {
     return isa >= ZT_ISA_AVX512 ? zt_w4a16_avx512 : zt_w4a16_avx2;
   return isa == ZT_ISA_AMX           ? zt_da8w4_amx
          : isa == ZT_ISA_AVX512_VNNI ? zt_da8w4_avx512_vnni
-         : isa == ZT_ISA_AVX512    ? zt_da8w4_avx512
-                                   : zt_da8w4_avx2;
+         : isa == ZT_ISA_AVX512      ? zt_da8w4_avx512
+                                     : zt_da8w4_avx2;
 }
 
 /* The operands of expert e of matrix mt, read from the layer's params now (nothing is cached). */
@@ -701,8 +703,8 @@ QKEEP_BACKEND_EXPORT int qkeep_backend_init(const struct qkeep_host *host, const
       .abi_major = QKEEP_BACKEND_ABI_MAJOR,
       .abi_minor = 0,
       .name = "cpu-zentorch",
-      .description =
-          "int4 GPTQ/AWQ linear and MoE layers on the zentorch layout (w4a16, da8w4; AVX2, AVX-512, VNNI, AMX)",
+      .description = "int4 GPTQ/AWQ linear and MoE layers on the zentorch layout (w4a16, da8w4; AVX2, "
+                     "AVX-512, VNNI, AMX)",
       .probe = zentorch_probe,
       .configure = zentorch_configure,
       .memory = NULL,

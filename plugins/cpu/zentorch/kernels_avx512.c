@@ -696,8 +696,8 @@ AMX_ATTR ALWAYS_INLINE void da8w4_amx_rows(const struct zt_gemm *g, const struct
 }
 
 /* Rows [m0, m1) of block b (m0 a multiple of ZT_AMX_PAD_ROWS), the tiles configured for steps of ks bytes. */
-AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b, int ks,
-                                            struct da8w4_scratch *s, int32_t *sums, bool full) {
+AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0, int64_t m1, int64_t b,
+                                            int ks, struct da8w4_scratch *s, int32_t *sums, bool full) {
   int64_t width = g->n - b * ZT_BLOCK_N < ZT_BLOCK_N ? g->n - b * ZT_BLOCK_N : ZT_BLOCK_N;
   int64_t gs = g->k / g->groups;
   int col_pairs = width > 32 ? 2 : 1;
@@ -712,7 +712,8 @@ AMX_ATTR ALWAYS_INLINE void da8w4_amx_block(const struct zt_gemm *g, int64_t m0,
       da8w4_decode_group(g, s, b, grp, mask, full);
       const char *dec = (const char *)s->dec;
       for (int64_t p = first; p < end; p += 32) {
-        /* K slice s of rows p.. is at (s * xq_rows + p) * ks in xq_tiles; the group starts at slice grp * gs / ks. */
+        /* K slice s of rows p.. is at (s * xq_rows + p) * ks in xq_tiles; the group starts at slice
+         * grp * gs / ks. */
         const char *xa = (const char *)g->xq_tiles + (grp * gs / ks * g->xq_rows + p) * ks;
         for (int cp = 0; cp < col_pairs; cp++) {
           AMX_ZERO(0);
