@@ -524,11 +524,36 @@ static float *staged_for(staging_source_fn *source, const float *x, int64_t m, i
  * token in a core matrix) from activations staged by nvfp4_x_source; then m64nNk16's
  * definition. Must reproduce x W^T exactly.
  */
+/*
+ * One k-step's MMA for a 16-row tile, as the wgmma definition has it: y[token, tile * 16 + row] +=
+ * sum over col < cols of a[row][col] times B(col, token), B read from a stage through the descriptor
+ * (the step at `start` bytes, 16 * mt bytes between its core matrices, 128 between 8-token groups,
+ * 16 bytes a token, eb bytes an element: 2 for 16-bit activations, 1 for e4m3; the stage holds one
+ * float per element), for the mt tokens of token tile tt; rows past `rows` and tokens past m are
+ * dropped.
+ */
+static void mma_step(const double a[16][32], int cols, const float *stage, int64_t start, int eb, int mt,
+                     int64_t tt, int64_t tile, int64_t rows, int64_t m, double *y) {
+  const int64_t lbo = 16 * mt, sbo = 128, per = 16 / eb; /* elements per core-matrix row */
+  for (int n = 0; n < mt; n++) {
+    int64_t token = tt * mt + n;
+    for (int row = 0; row < 16; row++) {
+      double acc = 0;
+      for (int col = 0; col < cols; col++) {
+        int64_t byte = start + (col / per) * lbo + (n / 8) * sbo + (n % 8) * 16 + (col % per) * eb;
+        acc += a[row][col] * stage[byte / eb];
+      }
+      int64_t r = tile * 16 + row;
+      if (r < rows && token < m)
+        y[token * rows + r] += acc;
+    }
+  }
+}
+
 static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const float *x, int64_t m, int mt,
                           double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
   float *staged = staged_for(nvfp4_x_source, x, m, k, mt);
-  const int64_t lbo = 16 * mt, sbo = 128; /* bytes; 2 per element */
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t group = 0; group * 4 < tiles; group++)
     for (int64_t tt = 0; tt * mt < m; tt++)
@@ -538,7 +563,7 @@ static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const f
           const int64_t start = j * 32 * mt;
           for (int w = 0; w < 4 && group * 4 + w < tiles; w++) {
             int64_t tile = group * 4 + w;
-            float a[16][16] = {{0}};
+            double a[16][32] = {{0}};
             for (int lane = 0; lane < 32; lane++) {
               int g = lane / 4, t = lane % 4;
               uint32_t q;
@@ -550,19 +575,7 @@ static void emulate_wgmma(const uint8_t *tiled, int64_t rows, int64_t k, const f
                 a[row][col + 1] = unbias((uint16_t)(reg >> 16), true);
               }
             }
-            for (int n = 0; n < mt; n++) {
-              int64_t token = tt * mt + n;
-              for (int row = 0; row < 16; row++) {
-                double acc = 0;
-                for (int col = 0; col < 16; col++) {
-                  int64_t byte = start + (col / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (col % 8) * 2;
-                  acc += (double)a[row][col] * stage[byte / 2];
-                }
-                int64_t r = tile * 16 + row;
-                if (r < rows && token < m)
-                  y[token * rows + r] += acc;
-              }
-            }
+            mma_step(a, 16, stage, start, 2, mt, tt, tile, rows, m, y);
           }
         }
   free(staged);
@@ -628,14 +641,13 @@ static void emulate_wgmma_fp8(const uint8_t *tiled, int64_t rows, int64_t k, con
                               int mt, double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
   float *staged = staged_for(nvfp4_x8_source, x, m, k, mt);
-  const int64_t lbo = 16 * mt, sbo = 128;
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t tile = 0; tile < tiles; tile++)
     for (int64_t tt = 0; tt * mt < m; tt++)
       for (int64_t c = 0; c < chunks; c++)
         for (int st = 0; st < 2; st++) {
           const float *stage = staged + (tt * chunks + c) * 64 * mt;
-          float a[16][32] = {{0}};
+          double a[16][32] = {{0}};
           for (int lane = 0; lane < 32; lane++) {
             int g = lane / 4, t = lane % 4;
             for (int reg = 0; reg < 4; reg++) {
@@ -646,19 +658,7 @@ static void emulate_wgmma_fp8(const uint8_t *tiled, int64_t rows, int64_t k, con
                 a[g + 8 * h][4 * t + 16 * (reg / 2) + e] = qk_e2m1_decode(nvfp4_w_get(q, nvfp4_w_slot(e, h)));
             }
           }
-          for (int n = 0; n < mt; n++) {
-            int64_t token = tt * mt + n;
-            for (int row = 0; row < 16; row++) {
-              double acc = 0;
-              for (int col = 0; col < 32; col++) {
-                int64_t byte = st * 32 * mt + (col / 16) * lbo + (n / 8) * sbo + (n % 8) * 16 + col % 16;
-                acc += (double)a[row][col] * stage[byte];
-              }
-              int64_t r = tile * 16 + row;
-              if (r < rows && token < m)
-                y[token * rows + r] += acc;
-            }
-          }
+          mma_step(a, 32, stage, st * 32 * mt, 1, mt, tt, tile, rows, m, y);
         }
   free(staged);
 }
@@ -720,7 +720,6 @@ static void emulate_wgmma_mx(const uint8_t *codes, const uint8_t *scales, int64_
                              const float *x, int64_t m, int mt, double *y) {
   int64_t chunks = nvfp4_w_chunks(k), tiles = nvfp4_w_rows(rows) / 16;
   float *staged = staged_for(mxfp4_wg_x_source, x, m, k, mt);
-  const int64_t lbo = 16 * mt, sbo = 128;
   memset(y, 0, (size_t)(m * rows) * sizeof *y);
   for (int64_t tile = 0; tile < tiles; tile++)
     for (int64_t tt = 0; tt * mt < m; tt++)
@@ -728,7 +727,7 @@ static void emulate_wgmma_mx(const uint8_t *codes, const uint8_t *scales, int64_
         for (int j = 0; j < 4; j++) {
           const float *stage = staged + (tt * chunks + c) * 64 * mt;
           const int64_t unit = tile * chunks + c;
-          double a[16][16] = {{0}};
+          double a[16][32] = {{0}};
           for (int lane = 0; lane < 32; lane++) {
             int g = lane / 4, t = lane % 4;
             uint32_t q;
@@ -741,19 +740,7 @@ static void emulate_wgmma_mx(const uint8_t *codes, const uint8_t *scales, int64_
               a[row][col + 1] = mx_scaled((uint16_t)(reg >> 16), e) * 8;
             }
           }
-          for (int n = 0; n < mt; n++) {
-            int64_t token = tt * mt + n;
-            for (int row = 0; row < 16; row++) {
-              double acc = 0;
-              for (int col = 0; col < 16; col++)
-                acc +=
-                    a[row][col] *
-                    stage[(j * 32 * mt + (col / 8) * lbo + (n / 8) * sbo + (n % 8) * 16 + (col % 8) * 2) / 2];
-              int64_t r = tile * 16 + row;
-              if (r < rows && token < m)
-                y[token * rows + r] += acc;
-            }
-          }
+          mma_step(a, 16, stage, j * 32 * mt, 2, mt, tt, tile, rows, m, y);
         }
   free(staged);
 }
