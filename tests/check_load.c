@@ -248,13 +248,15 @@ static bool byte_is_bad(enum qkeep_dtype dtype, unsigned b) {
   return b == 0xff;                                          /* e8m0's NaN */
 }
 
-/* Every byte value at every position of runs of 1..40 good bytes: found, and the first one named. */
+/* Every byte value at every position of runs of 1..40 good bytes and of runs around the scan's 32-byte
+ * steps (the vector body, its tail, two steps): found, and the first one named. */
 START_TEST(one_byte_scales_are_judged_at_every_position) {
   static const enum qkeep_dtype dtypes[] = {QKEEP_DTYPE_F8_E4M3, QKEEP_DTYPE_F8_E8M0, QKEEP_DTYPE_U8};
-  unsigned char buf[40];
+  static const size_t longer[] = {47, 63, 64, 65, 95, 96, 97};
+  unsigned char buf[97];
   for (size_t d = 0; d < 3; d++)
-    for (size_t n = 1; n <= sizeof buf; n++)
-      for (size_t at = 0; at < n; at++)
+    for (size_t ni = 0; ni < 40 + sizeof longer / sizeof longer[0]; ni++)
+      for (size_t n = ni < 40 ? ni + 1 : longer[ni - 40], at = 0; at < n; at++)
         for (unsigned v = 0; v < 256; v++) {
           for (size_t i = 0; i < n; i++)
             buf[i] = (unsigned char)(0x38 + i % 3); /* good in all three */

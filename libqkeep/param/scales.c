@@ -80,28 +80,44 @@ static const char *bad_scale(enum qkeep_dtype dtype, const unsigned char *p, con
   return NULL;
 }
 
+/* Sixteen bytes as one vector (GCC's and clang's vector extension; SSE2 on any x86-64, NEON on arm64). */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
 /*
- * Whether any of the n one-byte scales is bad, eight at a time: e4m3 is bad when its low seven
- * bits are all ones (NaN) or it is negative and not -0 (a byte above 0x80); e8m0 when it is 0xff.
+ * Whether any of the n one-byte scales is bad, sixteen at a time (two vectors a step): e4m3 is bad when
+ * its low seven bits are all ones (NaN) or it is negative and not -0 (a byte above 0x80, which is
+ * x ^ 0x80 above 0 as a signed byte); e8m0 when it is 0xff. About twice the speed of eight bytes a word,
+ * so that checking a reload's scales costs less than reading them.
  */
 static bool any_bad_bytes(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n) {
-  const uint64_t low7 = 0x7f7f7f7f7f7f7f7full, ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
-  uint64_t bad = 0;
+  const u8x16 zero = {0}, low7 = zero + 0x7f, sign = zero + 0x80, ff = zero + 0xff;
+  u8x16 bad0 = zero, bad1 = zero;
   size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t x;
-    memcpy(&x, bytes + i, 8);
-    if (dtype == QKEEP_DTYPE_F8_E4M3) {
-      uint64_t low = x & low7, nonzero = (low + low7) & high, all = (low + ones) & high;
-      bad |= all | (nonzero & x);
-    } else {
-      uint64_t v = ~x; /* a 0xff byte is a zero byte of v */
-      bad |= (v - ones) & ~v & high;
+  if (dtype == QKEEP_DTYPE_F8_E4M3) {
+    for (; i + 32 <= n; i += 32) {
+      u8x16 x, y;
+      memcpy(&x, bytes + i, 16);
+      memcpy(&y, bytes + i + 16, 16);
+      bad0 |= (u8x16)((x & low7) == low7) | (u8x16)((i8x16)(x ^ sign) > (i8x16)zero);
+      bad1 |= (u8x16)((y & low7) == low7) | (u8x16)((i8x16)(y ^ sign) > (i8x16)zero);
+    }
+  } else {
+    for (; i + 32 <= n; i += 32) {
+      u8x16 x, y;
+      memcpy(&x, bytes + i, 16);
+      memcpy(&y, bytes + i + 16, 16);
+      bad0 |= (u8x16)(x == ff);
+      bad1 |= (u8x16)(y == ff);
     }
   }
-  for (; i < n; i++)
-    bad |= dtype == QKEEP_DTYPE_F8_E4M3 ? (bytes[i] == 0x7f || bytes[i] > 0x80) : bytes[i] == 0xff;
-  return (bad & (high | 1)) != 0;
+  uint64_t words[2];
+  bad0 |= bad1;
+  memcpy(words, &bad0, sizeof words);
+  bool bad = (words[0] | words[1]) != 0;
+  for (; i < n && !bad; i++)
+    bad = dtype == QKEEP_DTYPE_F8_E4M3 ? (bytes[i] & 0x7f) == 0x7f || bytes[i] > 0x80 : bytes[i] == 0xff;
+  return bad;
 }
 
 const char *bad_scales(enum qkeep_dtype dtype, const unsigned char *bytes, size_t n,

@@ -329,22 +329,44 @@ static void run_shares(int shares, void *(*fn)(void *), void *args, size_t size)
       pthread_join(tid[k], NULL);
 }
 
+/*
+ * One reader's share of the kept scales: tensors ts[0 .. n) into dsts, read in batches of about
+ * CHECKED_BATCH bytes, each batch's values checked right after its read, while they are in the cache
+ * (a second pass over a large model's scales came from memory again and cost as much as the read).
+ * checks: the listed checks of tensor i are cache->checks[which[i][0 .. count[i])].
+ */
+#define CHECKED_BATCH ((size_t)1 << 20)
 struct kept_share {
   const struct provider *pv;
   const struct provided *ts;
   void *const *dsts;
   size_t n;
+  const struct scale_cache *cache;
+  const size_t *first_check, *which; /* tensor i's checks: which[first_check[i] .. first_check[i + 1]) */
   int rc;
+  bool bad;  /* a value failed its check (named by the ordered check after) */
   char *msg; /* the failure's message (set in the share's thread) */
 };
 
 static int read_share(struct kept_share *sh) {
   const struct provider *pv = sh->pv;
   int rc = 0;
-  if (pv->read_many)
-    rc = pv->read_many(pv, sh->ts, sh->n, sh->dsts);
-  for (size_t i = 0; i < sh->n && !rc && !pv->read_many; i++)
-    rc = pv->read(pv, &sh->ts[i], sh->dsts[i]);
+  for (size_t i = 0, end; i < sh->n && !rc && !sh->bad; i = end) {
+    size_t bytes = sh->ts[i].nbytes;
+    for (end = i + 1; end < sh->n && bytes + sh->ts[end].nbytes <= CHECKED_BATCH; end++)
+      bytes += sh->ts[end].nbytes;
+    if (pv->read_many)
+      rc = pv->read_many(pv, sh->ts + i, end - i, sh->dsts + i);
+    for (size_t j = i; j < end && !rc && !pv->read_many; j++)
+      rc = pv->read(pv, &sh->ts[j], sh->dsts[j]);
+    for (size_t j = i; j < end && !rc && !sh->bad; j++)
+      for (size_t c = sh->first_check[j]; c < sh->first_check[j + 1] && !sh->bad; c++) {
+        const struct scale_check *ck = &sh->cache->checks[sh->which[c]];
+        sh->bad = bad_scales((enum qkeep_dtype)ck->t.dtype, sh->dsts[j],
+                             ck->t.nbytes / qkeep_dtype_size((enum qkeep_dtype)ck->t.dtype), &ck->param->rule,
+                             &(size_t){0}) != NULL;
+      }
+  }
   if (rc && !(sh->msg = xstrdup(qkeep_errmsg())))
     rc = QKEEP_E_NOMEM;
   return sh->rc = rc;
@@ -360,34 +382,68 @@ static size_t pending_bytes(const void *ctx, size_t i) {
   return ((const struct scale_cache *)ctx)->pending[i].nbytes;
 }
 
-static int read_kept(struct scale_cache *c) {
-  size_t n = c->n_pending, total = 0;
+/*
+ * Reads every kept tensor not read yet (entries first .. first + n_pending of the cache), in up to
+ * SCALE_READERS shares at once (one per core), and checks on the way the listed checks whose bytes they
+ * are (*fused: true for check i when it was among them; *bad: when one of those failed).
+ */
+static int read_kept(struct scale_cache *c, bool *fused, bool *bad) {
+  size_t n = c->n_pending, total = 0, first = c->n - n;
   c->n_pending = 0;
   c->pending_bytes = 0;
+  *bad = false;
   if (!n)
     return 0;
   void **dsts = malloc(n * sizeof *dsts);
-  if (!dsts)
+  size_t *first_check = calloc(n + 2, sizeof *first_check),
+         *which = malloc((c->n_checks ? c->n_checks : 1) * sizeof *which);
+  if (!dsts || !first_check || !which) {
+    free(dsts), free(first_check), free(which);
     return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
   for (size_t i = 0; i < n; i++) {
-    dsts[i] = c->bytes + c->offset[c->n - n + i];
+    dsts[i] = c->bytes + c->offset[first + i];
     total += c->pending[i].nbytes;
   }
+  /* The checks of each pending tensor, in list order (a counting sort: linear in checks). */
+  size_t *of = malloc((c->n_checks ? c->n_checks : 1) * sizeof *of);
+  if (!of) {
+    free(dsts), free(first_check), free(which);
+    return set_error(QKEEP_E_NOMEM, "out of memory");
+  }
+  for (size_t i = 0; i < c->n_checks; i++) {
+    size_t at;
+    of[i] = n;
+    if (name_index_get(&c->index, c->checks[i].t.name, &at) && at >= first && at - first < n)
+      of[i] = at - first, first_check[at - first + 2]++;
+  }
+  for (size_t p = 0; p < n; p++)
+    first_check[p + 2] += first_check[p + 1];
+  for (size_t i = 0; i < c->n_checks; i++)
+    if ((fused[i] = of[i] < n))
+      which[first_check[of[i] + 1]++] = i;
+  free(of);
   int shares = scale_shares(total);
   size_t from[SCALE_READERS + 1];
   cut_shares(n, total, shares, pending_bytes, c, from);
   struct kept_share sh[SCALE_READERS];
   for (int k = 0; k < shares; k++)
-    sh[k] =
-        (struct kept_share){c->inner, c->pending + from[k], dsts + from[k], from[k + 1] - from[k], 0, NULL};
+    sh[k] = (struct kept_share){.pv = c->inner,
+                                .ts = c->pending + from[k],
+                                .dsts = dsts + from[k],
+                                .n = from[k + 1] - from[k],
+                                .cache = c,
+                                .first_check = first_check + from[k],
+                                .which = which};
   run_shares(shares, read_share_thread, sh, sizeof sh[0]);
   int rc = 0;
   for (int k = 0; k < shares; k++) {
     if (sh[k].rc && !rc)
       rc = set_error(sh[k].rc, "%s", sh[k].msg ? sh[k].msg : "read failed");
+    *bad |= sh[k].bad;
     free(sh[k].msg);
   }
-  free(dsts);
+  free(dsts), free(first_check), free(which);
   return rc;
 }
 
@@ -750,17 +806,23 @@ static int check_on_host(const struct scale_cache *cache, const size_t *which, s
   return rc;
 }
 
-/* Reads the kept scales not read yet and checks the values of every listed scale tensor (those in device
- * memory in runs: check_device_scales; none in a block its sender checked already). */
+/* Reads the kept scales not read yet and checks the values of every listed scale tensor (those read now as
+ * they are read; those in device memory in runs: check_device_scales; none in a block its sender checked
+ * already). When a value read now is bad, every host check runs again in list order, so that the error names
+ * the first bad scale in that order, as the checks in one pass would. */
 static int check_listed_scales(struct scale_cache *cache) {
   const struct provider *pv = cache->inner;
   struct scale_item *on_device = pv->device_bytes ? malloc((cache->n_checks + 1) * sizeof *on_device) : NULL;
   size_t *on_host_checks = malloc((cache->n_checks + 1) * sizeof *on_host_checks);
+  bool *fused = calloc(cache->n_checks + 1, sizeof *fused), bad = false;
   size_t n = 0, n_host = 0;
-  int rc = (!pv->device_bytes || on_device) && on_host_checks ? read_kept(cache)
-                                                              : set_error(QKEEP_E_NOMEM, "out of memory");
+  int rc = (!pv->device_bytes || on_device) && on_host_checks && fused
+               ? read_kept(cache, fused, &bad)
+               : set_error(QKEEP_E_NOMEM, "out of memory");
   for (size_t i = 0; i < cache->n_checks && !rc; i++) {
     const struct scale_check *ck = &cache->checks[i];
+    if (fused[i] && !bad) /* checked as it was read, and good */
+      continue;
     const void *at = on_device ? pv->device_bytes(pv, &ck->t) : NULL;
     const void *on_host = !at && pv->host_bytes ? pv->host_bytes(pv, &ck->t) : NULL;
     const struct mem_block *block = block_of(pv, at ? at : on_host, ck->t.nbytes);
@@ -781,6 +843,7 @@ static int check_listed_scales(struct scale_cache *cache) {
     rc = check_device_scales(on_device, n);
   free(on_device);
   free(on_host_checks);
+  free(fused);
   cache->n_checks = 0;
   return rc;
 }
