@@ -271,6 +271,131 @@ START_TEST(one_byte_scales_are_judged_at_every_position) {
 }
 END_TEST
 
+/* ---- which params a load writes whole (layer_find_covered): they get memory that is not zeroed ---- */
+
+/* One source of the layouts below: rows x row_bytes from dst_offset, dst_stride apart. */
+struct piece {
+  size_t offset, rows, row_bytes, stride;
+  bool compare_only;
+};
+
+/* Whether the pieces write each of the param's `bytes` exactly once (the oracle: a count per byte). */
+static bool writes_each_byte_once(const struct piece *pc, size_t n, size_t bytes) {
+  unsigned char count[256] = {0};
+  ck_assert_uint_le(bytes, sizeof count);
+  for (size_t i = 0; i < n; i++)
+    for (size_t r = 0; r < pc[i].rows && !pc[i].compare_only; r++)
+      for (size_t b = 0; b < pc[i].row_bytes; b++)
+        count[pc[i].offset + r * pc[i].stride + b]++;
+  for (size_t b = 0; b < bytes; b++)
+    if (count[b] != 1)
+      return false;
+  return true;
+}
+
+/* layer_find_covered's answer for one param of `bytes` with the pieces as its sources (-1: a piece the layer
+ * refuses, which does not fit the param). */
+static int covered_by(const struct piece *pc, size_t n, size_t bytes) {
+  qkeep_model *m;
+  qkeep_layer *l;
+  qkeep_param *p;
+  ck_assert_int_eq(qkeep_model_new(NULL, &m), 0);
+  ck_assert_int_eq(qkeep_layer_add(m, "l", QKEEP_LAYER_LINEAR, NULL, &l), 0);
+  struct qkeep_spec spec = {QKEEP_DTYPE_U8, 1, {(int64_t)bytes}};
+  ck_assert_int_eq(qkeep_param_create(l, "p", &spec, &p), 0);
+  /* a second param, written whole, among the sources: answers stay per param */
+  struct qkeep_spec other = {QKEEP_DTYPE_U8, 1, {8}};
+  ck_assert_int_eq(qkeep_param_create(l, "q", &other, NULL), 0);
+  ck_assert_int_eq(layer_add_source(l, "q.src", qkeep_param_lookup(l, "q"), 0, &other), 0);
+  int answer = 0;
+  for (size_t i = 0; i < n && answer == 0; i++) {
+    char name[32];
+    snprintf(name, sizeof name, "src%zu", i);
+    struct qkeep_spec s = {QKEEP_DTYPE_U8, 1, {(int64_t)(pc[i].rows * pc[i].row_bytes)}};
+    if (layer_add_source_strided(l, name, p, pc[i].offset, pc[i].rows, pc[i].row_bytes, pc[i].stride,
+                                 pc[i].compare_only, &s) != 0)
+      answer = -1;
+  }
+  bool covered[2] = {true, false};
+  if (answer == 0) {
+    ck_assert_int_eq(layer_find_covered(l, covered), 0);
+    ck_assert_msg(covered[1], "the whole second param");
+    answer = covered[0];
+  }
+  qkeep_model_free(m);
+  return answer;
+}
+
+START_TEST(a_param_is_left_unzeroed_only_when_its_sources_write_it_whole) {
+  /* the layouts loads make: one tensor, row shards one after another, column shards side by side in every
+   * row (any order of adding them), experts' slices */
+  const struct piece whole[] = {{0, 1, 48, 48, false}};
+  const struct piece rows[] = {{16, 1, 24, 24, false}, {0, 1, 16, 16, false}, {40, 1, 8, 8, false}};
+  const struct piece cols[] = {{4, 6, 8, 16, false}, {0, 6, 4, 16, false}, {12, 6, 4, 16, false}};
+  const struct piece experts[] = {{0, 3, 8, 8, false}, {24, 3, 8, 8, false}};
+  ck_assert_int_eq(covered_by(whole, 1, 48), 1);
+  ck_assert_int_eq(covered_by(rows, 3, 48), 1);
+  ck_assert_int_eq(covered_by(cols, 3, 96), 1);
+  ck_assert_int_eq(covered_by(experts, 2, 48), 1);
+  /* and what leaves bytes as they were, or writes some twice */
+  ck_assert_int_eq(covered_by(rows, 2, 48), 0);     /* a shard missing: a gap */
+  ck_assert_int_eq(covered_by(cols + 1, 2, 96), 0); /* columns 4..11 of each row */
+  ck_assert_int_eq(covered_by(whole, 1, 49), 0);    /* the last byte */
+  ck_assert_int_eq(covered_by(whole, 0, 48), 0);    /* no source */
+  const struct piece twice[] = {{0, 1, 48, 48, false}, {8, 1, 8, 8, false}};
+  ck_assert_int_eq(covered_by(twice, 2, 48), 0);
+  const struct piece compared[] = {{0, 1, 24, 24, false}, {24, 1, 24, 24, true}};
+  ck_assert_int_eq(covered_by(compared, 2, 48), 0); /* a compare-only source writes nothing */
+  /* Random layouts against the byte count: the answer is never "whole" when a byte is written other than
+   * once, and tilings (perturbed or not) get exactly the oracle's answer. */
+  uint64_t state = 42;
+  for (int trial = 0; trial < 4000; trial++) {
+    struct piece pc[6];
+    size_t n = 0, bytes;
+    bool tiling = trial % 2 == 0;
+    if (tiling) { /* a tiling of rows x stride, then maybe one change */
+      size_t nrows = 1 + tu_rand(&state) % 4, parts = 1 + tu_rand(&state) % 4, stride = 0;
+      bool flat = tu_rand(&state) % 2;
+      for (size_t i = 0; i < parts; i++) {
+        size_t w = 1 + tu_rand(&state) % 8;
+        pc[n++] = (struct piece){stride, flat ? 1 : nrows, flat ? w * nrows : w, flat ? w * nrows : 0, false};
+        stride += flat ? w * nrows : w;
+      }
+      for (size_t i = 0; i < n && !flat; i++)
+        pc[i].stride = stride;
+      bytes = flat ? stride : stride * nrows;
+      for (size_t i = n - 1; i > 0; i--) { /* in any order */
+        size_t j = tu_rand(&state) % (i + 1);
+        struct piece t = pc[i];
+        pc[i] = pc[j], pc[j] = t;
+      }
+      switch (tu_rand(&state) % 6) {
+      case 0: pc[0].offset += pc[0].offset + 1 < bytes ? 1 : 0; break;
+      case 1: n--; break;
+      case 2: pc[n] = pc[0], n++; break;
+      case 3: pc[tu_rand(&state) % n].compare_only = true; break;
+      default: break;
+      }
+    } else { /* anything that fits */
+      bytes = 1 + tu_rand(&state) % 64;
+      n = tu_rand(&state) % 5;
+      for (size_t i = 0; i < n; i++) {
+        size_t r = 1 + tu_rand(&state) % 3, w = 1 + tu_rand(&state) % 16, st = w + tu_rand(&state) % 8;
+        pc[i] = (struct piece){tu_rand(&state) % bytes, r, w, r == 1 ? w : st, tu_rand(&state) % 8 == 0};
+      }
+    }
+    int answer = covered_by(pc, n, bytes);
+    if (answer < 0)
+      continue; /* a source that does not fit: the layer refused it, as a load would */
+    bool once = writes_each_byte_once(pc, n, bytes);
+    ck_assert_msg(!answer || once, "trial %d: called whole, but a byte is written other than once", trial);
+    if (tiling)
+      ck_assert_msg(answer == once, "trial %d: a tiling (%zu sources, %zu bytes) answered %d", trial, n,
+                    bytes, answer);
+  }
+}
+END_TEST
+
 static Suite *load_suite(void) {
   Suite *s = suite_create("load");
   TCase *tc = tcase_create("load");
@@ -283,6 +408,7 @@ static Suite *load_suite(void) {
   tcase_add_test(tc, failures_leave_nothing_half_loaded);
   tcase_add_test(tc, bytes_changed_after_open_fail_cleanly);
   tcase_add_test(tc, one_byte_scales_are_judged_at_every_position);
+  tcase_add_test(tc, a_param_is_left_unzeroed_only_when_its_sources_write_it_whole);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -197,9 +197,10 @@ QKEEP_API void qkeep_model_free(qkeep_model *model);
  * Cold start: reads the checkpoint (a .safetensors file or a Hugging Face directory),
  * plans every layer, gives each its owner from the model's chain (QKEEP_E_UNSUPPORTED,
  * before anything is allocated, when no backend takes a layer: the message names the
- * layer, its scheme and each backend's reason), creates every loader param zero-filled
- * with exactly its checkpoint bytes in its owner's memory, streams the tensors in, then
- * per layer runs the scheme's normalisation and the owner's PWAL. The model must be empty.
+ * layer, its scheme and each backend's reason), creates every loader param with exactly
+ * its checkpoint bytes in its owner's memory (zero where no tensor writes; a param its
+ * tensors write whole is not zeroed first), streams the tensors in, then per layer runs
+ * the scheme's normalisation and the owner's PWAL. The model must be empty.
  * On failure the model is left empty and the error names the file, tensor and layer.
  */
 QKEEP_API int qkeep_model_load(qkeep_model *model, const char *checkpoint);

@@ -86,6 +86,9 @@ struct storage {
 
 /* A new zero-filled storage with one reference. */
 int storage_new(const struct device *dev, size_t bytes, struct storage **out);
+/* The same, its bytes left as the allocator gave them: for a param its load writes whole
+ * (layer_find_covered), which zeroing would only write twice. */
+int storage_new_unfilled(const struct device *dev, size_t bytes, struct storage **out);
 /* The same for a result tensor: it may reuse (and, freed, refill) the device's spare. fill false
  * leaves its bytes as they are (its maker writes them all). */
 int storage_new_result(const struct device *dev, size_t bytes, bool fill, struct storage **out);

@@ -203,6 +203,10 @@ int storage_new(const struct device *dev, size_t bytes, struct storage **out) {
   return storage_make(dev, bytes, false, true, out);
 }
 
+int storage_new_unfilled(const struct device *dev, size_t bytes, struct storage **out) {
+  return storage_make(dev, bytes, false, false, out);
+}
+
 int storage_new_result(const struct device *dev, size_t bytes, bool fill, struct storage **out) {
   return storage_make(dev, bytes, true, fill, out);
 }

@@ -437,17 +437,31 @@ int qkeep_param_create(qkeep_layer *layer, const char *name, const struct qkeep_
 
 int model_materialise(qkeep_model *model) {
   int rc = 0;
+  bool *covered = NULL;
+  size_t cap = 0;
   /* Every owner is known: only now does any param get memory. */
   for (size_t i = 0; i < model->n_layers && !rc; i++) {
     qkeep_layer *layer = model->layers[i];
+    if (layer->n_params > cap) {
+      bool *grown = realloc(covered, layer->n_params * sizeof *covered);
+      if (!grown) {
+        rc = set_error(QKEEP_E_NOMEM, "out of memory");
+        break;
+      }
+      covered = grown, cap = layer->n_params;
+    }
+    rc = layer_find_covered(layer, covered);
+    /* planned without storage: in the owner's memory, zero-filled unless its sources write all of it */
     for (size_t p = 0; p < layer->n_params && !rc; p++) {
       qkeep_param *param = layer->params[p];
-      if (!param->view.storage) /* planned without storage: zero-filled, in the owner's memory */
-        rc = storage_new(layer_device(layer), param->create_bytes, &param->view.storage);
+      if (!param->view.storage)
+        rc = (covered[p] ? storage_new_unfilled : storage_new)(layer_device(layer), param->create_bytes,
+                                                               &param->view.storage);
     }
     if (rc)
       rc = add_error_context(rc, "layer %s (backend %s)", layer->name,
                              layer_backend(layer) ? layer_backend(layer)->name : "host");
   }
+  free(covered);
   return rc;
 }

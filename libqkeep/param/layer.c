@@ -279,3 +279,73 @@ void layer_destroy(qkeep_layer *layer) {
   free(layer->scheme);
   free(layer);
 }
+
+/* ---- which params the load writes whole ------------------------------------------------------- */
+
+/* One source's bytes in its param: `rows` runs of `bytes` from `start`, `stride` apart (rows 1: one run). */
+struct extent {
+  const qkeep_param *param;
+  size_t start, bytes, rows, stride;
+};
+
+static int by_param_then_start(const void *a, const void *b) {
+  const struct extent *x = a, *y = b;
+  if (x->param != y->param)
+    return (uintptr_t)x->param < (uintptr_t)y->param ? -1 : 1;
+  return x->start < y->start ? -1 : x->start > y->start;
+}
+
+static void add_extent(struct extent *e, size_t *n, const struct source *s) {
+  if (s->compare_only || s->online || !s->param)
+    return; /* writes nothing into its param (an online source lands through derived ones) */
+  bool flat = s->rows <= 1 || s->dst_stride == s->row_bytes;
+  e[(*n)++] = flat ? (struct extent){s->param, s->dst_offset, s->rows * s->row_bytes, 1, 0}
+                   : (struct extent){s->param, s->dst_offset, s->row_bytes, s->rows, s->dst_stride};
+}
+
+/*
+ * Whether extents e[0 .. n) (one param's, by start) write each of its `bytes` exactly once: flat runs
+ * that follow one another from 0 to the end, or runs of a common row count and stride whose columns
+ * follow one another from 0 to the stride, rows times the stride being the param.
+ */
+static bool tiles(const struct extent *e, size_t n, size_t bytes) {
+  size_t rows = e[0].rows, stride = e[0].stride, end = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (e[i].rows != rows || e[i].stride != stride || e[i].start != end)
+      return false;
+    end += e[i].bytes;
+  }
+  if (rows == 1)
+    return end == bytes;
+  return end == stride && rows * stride == bytes; /* rows > 1: end, the row's columns, is one stride */
+}
+
+int layer_find_covered(const qkeep_layer *layer, bool *covered) {
+  size_t n = 0, cap = layer->n_sources + layer->n_derived;
+  struct extent *e = malloc((cap ? cap : 1) * sizeof *e);
+  if (!e)
+    return set_error(QKEEP_E_NOMEM, "out of memory for the sources of layer %s", layer->name);
+  for (size_t i = 0; i < layer->n_sources; i++)
+    add_extent(e, &n, &layer->sources[i]);
+  for (size_t i = 0; i < layer->n_derived; i++)
+    add_extent(e, &n, &layer->derived[i].src);
+  qsort(e, n, sizeof *e, by_param_then_start);
+  /* Each param's run of extents, found by binary search: n log n in all. */
+  for (size_t p = 0; p < layer->n_params; p++) {
+    const qkeep_param *param = layer->params[p];
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+      size_t mid = lo + (hi - lo) / 2;
+      if ((uintptr_t)e[mid].param < (uintptr_t)param)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    size_t end = lo;
+    while (end < n && e[end].param == param)
+      end++;
+    covered[p] = end > lo && param->create_bytes > 0 && tiles(e + lo, end - lo, param->create_bytes);
+  }
+  free(e);
+  return 0;
+}

@@ -281,6 +281,15 @@ int layer_add_source_strided(qkeep_layer *layer, const char *checkpoint_name, qk
 int layer_add_source_slice(qkeep_layer *layer, const char *checkpoint_name, qkeep_param *param,
                            size_t dst_offset, size_t rows, size_t row_bytes, size_t dst_stride,
                            bool compare_only, const struct qkeep_spec *spec, const struct slice *slice);
+/*
+ * For each of the layer's params (covered[i] for layer->params[i]): whether the sources that write it
+ * (its checkpoint tensors and the tensors made on load, compare-only ones aside) write each of its bytes
+ * exactly once, so that loading them leaves nothing of what the memory held before. Only provable
+ * layouts count: runs that follow one another from the first byte to the last, or fused shards side by
+ * side in every row (a common row count and stride). Anything else is not covered (and gets zeroed
+ * before it loads). O(S log S) in the layer's S sources. QKEEP_E_NOMEM.
+ */
+int layer_find_covered(const qkeep_layer *layer, bool *covered);
 void layer_destroy(qkeep_layer *layer);
 /* Drops every layer (backend state first), leaving the model empty. */
 

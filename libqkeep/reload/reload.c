@@ -933,34 +933,27 @@ static int validate(qkeep_model *model, struct scale_cache *cache, const struct 
 
 /* ---- applying -------------------------------------------------------------------------------- */
 
-/* Bytes of the param that its sources write (compare-only ones excluded). */
-static size_t covered_bytes(const qkeep_layer *layer, const qkeep_param *p) {
-  size_t bytes = 0;
-  for (size_t i = 0; i < layer->n_sources; i++)
-    if (layer->sources[i].param == p && !layer->sources[i].compare_only)
-      bytes += layer->sources[i].rows * layer->sources[i].row_bytes;
-  for (size_t i = 0; i < layer->n_derived; i++) /* tensors made on load (online quantization) */
-    if (layer->derived[i].src.param == p && !layer->derived[i].src.compare_only)
-      bytes += layer->derived[i].src.rows * layer->derived[i].src.row_bytes;
-  return bytes;
-}
-
 /*
  * Gives every loader param of the layer its checkpoint view back, over its own
  * storage (a released one gets new storage), live, with the bytes no source
- * covers zeroed as in a cold start.
+ * covers zeroed as in a cold start (a param its sources write whole is not:
+ * layer_find_covered, the cold start's rule).
  */
 static int restore_layer(qkeep_layer *layer) {
-  for (size_t i = 0; i < layer->n_params; i++) {
+  bool *covered = malloc((layer->n_params ? layer->n_params : 1) * sizeof *covered);
+  int rc = covered ? layer_find_covered(layer, covered) : set_error(QKEEP_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < layer->n_params && !rc; i++) {
     qkeep_param *p = layer->params[i];
-    int rc = 0;
     if (!p->view.storage) {
-      rc = storage_new(layer_device(layer), p->create_bytes, &p->view.storage);
-    } else if (covered_bytes(layer, p) < p->create_bytes) {
+      rc = (covered[i] ? storage_new_unfilled : storage_new)(layer_device(layer), p->create_bytes,
+                                                             &p->view.storage);
+    } else if (!covered[i]) {
       rc = dev_fill(layer_device(layer), p->view.storage->data, 0, p->create_bytes);
     }
-    if (rc)
-      return add_error_context(rc, "restoring %s.%s", layer->name, p->checkpoint_name);
+    if (rc) {
+      rc = add_error_context(rc, "restoring %s.%s", layer->name, p->checkpoint_name);
+      break;
+    }
     p->view.offset = 0;
     p->view.spec = p->create_spec;
     p->state = QKEEP_PARAM_LIVE;
@@ -968,7 +961,8 @@ static int restore_layer(qkeep_layer *layer) {
     free(p->release_reason);
     p->release_reason = NULL;
   }
-  return 0;
+  free(covered);
+  return rc;
 }
 
 /* Whether a reload started changing the layer: what a rollback must give back. */

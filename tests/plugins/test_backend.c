@@ -295,8 +295,13 @@ static int async_alloc(const struct qkeep_backend *be, size_t bytes, void **out)
   allocs[index] = (struct alloc_range){arena + offset, bytes};
   n_allocs++;
   pthread_mutex_unlock(&allocs_mu);
-  *out = arena + offset; /* zero: never used, or its pages given back and its edges cleared when freed */
+  /* Like cudaMalloc's, a new allocation's bytes are whatever they are, never promised zero: 0xa5 here, so
+   * that a byte a load or a transform leaves unwritten shows in the digests the tests compare, and under
+   * valgrind undefined, so that reading one is reported where it happens. */
+  *out = arena + offset;
   (void)VALGRIND_MAKE_MEM_DEFINED(*out, bytes);
+  memset(*out, 0xa5, bytes);
+  (void)VALGRIND_MAKE_MEM_UNDEFINED(*out, bytes);
   return 0;
 }
 static void async_free(const struct qkeep_backend *be, void *ptr) {
