@@ -333,7 +333,9 @@ static void run_shares(int shares, void *(*fn)(void *), void *args, size_t size)
  * One reader's share of the kept scales: tensors ts[0 .. n) into dsts, read in batches of about
  * CHECKED_BATCH bytes, each batch's values checked right after its read, while they are in the cache
  * (a second pass over a large model's scales came from memory again and cost as much as the read).
- * checks: the listed checks of tensor i are cache->checks[which[i][0 .. count[i])].
+ * After a bad value the share still reads every tensor, and checks no more: the ordered check that then
+ * names the first bad scale runs in shares of its own, and one of them may start among this share's later
+ * tensors, which must hold this reload's bytes (not the last reload's, nor memory never written).
  */
 #define CHECKED_BATCH ((size_t)1 << 20)
 struct kept_share {
@@ -351,7 +353,7 @@ struct kept_share {
 static int read_share(struct kept_share *sh) {
   const struct provider *pv = sh->pv;
   int rc = 0;
-  for (size_t i = 0, end; i < sh->n && !rc && !sh->bad; i = end) {
+  for (size_t i = 0, end; i < sh->n && !rc; i = end) {
     size_t bytes = sh->ts[i].nbytes;
     for (end = i + 1; end < sh->n && bytes + sh->ts[end].nbytes <= CHECKED_BATCH; end++)
       bytes += sh->ts[end].nbytes;
