@@ -2,17 +2,38 @@
  * storage.c: device memory (a backend's memory ops, or host memory) and the
  * refcounted storage that params and buffers view.
  */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "device/device.h"
 
+/*
+ * 64-byte alignment suits every SIMD kernel a CPU backend may run over the bytes. From 2 MiB on, the
+ * whole pages of an allocation are faulted in writable at once (MADV_POPULATE_WRITE, Linux 5.14; advice
+ * only: nothing changes where it is refused): everything allocated here is written soon after (a param
+ * its load writes whole, a result tensor, a buffer), and one call costs less than a fault per 4 KiB
+ * page inside the load's copies (a 219 MB model's cold start on two cores: 79 against 85 ms, medians of six
+ * alternating rounds).
+ */
+#define HOST_POPULATE_FROM ((size_t)2 << 20)
 static int host_alloc(const struct qkeep_backend *be, size_t bytes, void **out) {
   (void)be;
-  /* 64-byte alignment suits every SIMD kernel a CPU backend may run over the bytes. */
   size_t rounded = (bytes + 63) & ~(size_t)63;
   *out = aligned_alloc(64, rounded ? rounded : 64);
-  return *out ? 0 : QKEEP_E_NOMEM;
+  if (!*out)
+    return QKEEP_E_NOMEM;
+#ifdef MADV_POPULATE_WRITE
+  if (rounded >= HOST_POPULATE_FROM) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), first = ((uintptr_t)*out + page - 1) & ~(page - 1),
+              end = ((uintptr_t)*out + rounded) & ~(page - 1);
+    if (end > first)
+      (void)madvise((void *)first, end - first, MADV_POPULATE_WRITE);
+  }
+#endif
+  return 0;
 }
 static void host_free(const struct qkeep_backend *be, void *ptr) {
   (void)be;
