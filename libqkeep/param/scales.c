@@ -85,7 +85,7 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 
 /*
- * Whether any of the n one-byte scales is bad, sixteen at a time (two vectors a step): e4m3 is bad when
+ * Whether any of the n one-byte scales is bad, 32 at a time (two 16-byte vectors a step): e4m3 is bad when
  * its low seven bits are all ones (NaN) or it is negative and not -0 (a byte above 0x80, which is
  * x ^ 0x80 above 0 as a signed byte); e8m0 when it is 0xff. About twice the speed of eight bytes a word,
  * so that checking a reload's scales costs less than reading them.

@@ -396,11 +396,12 @@ static int read_kept(struct scale_cache *c, bool *fused, bool *bad) {
   *bad = false;
   if (!n)
     return 0;
+  size_t checks = c->n_checks ? c->n_checks : 1;
   void **dsts = malloc(n * sizeof *dsts);
-  size_t *first_check = calloc(n + 2, sizeof *first_check),
-         *which = malloc((c->n_checks ? c->n_checks : 1) * sizeof *which);
-  if (!dsts || !first_check || !which) {
-    free(dsts), free(first_check), free(which);
+  size_t *first_check = calloc(n + 2, sizeof *first_check), *which = malloc(checks * sizeof *which),
+         *of = malloc(checks * sizeof *of); /* per check: its pending tensor, or n */
+  if (!dsts || !first_check || !which || !of) {
+    free(dsts), free(first_check), free(which), free(of);
     return set_error(QKEEP_E_NOMEM, "out of memory");
   }
   for (size_t i = 0; i < n; i++) {
@@ -408,11 +409,6 @@ static int read_kept(struct scale_cache *c, bool *fused, bool *bad) {
     total += c->pending[i].nbytes;
   }
   /* The checks of each pending tensor, in list order (a counting sort: linear in checks). */
-  size_t *of = malloc((c->n_checks ? c->n_checks : 1) * sizeof *of);
-  if (!of) {
-    free(dsts), free(first_check), free(which);
-    return set_error(QKEEP_E_NOMEM, "out of memory");
-  }
   for (size_t i = 0; i < c->n_checks; i++) {
     size_t at;
     of[i] = n;
